@@ -1,0 +1,36 @@
+# Everything runs in .venv at the repo root, created and filled here (torch's CPU wheel first, from local disk).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint format quickstart bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+# Today: the foundation demo on a tiny random Llama (see README). From the pipeline issue on: the full run on SmolLM2.
+quickstart: $(STAMP)
+	$(VENV)/bin/hybrid-scale quickstart
+
+bench: $(STAMP)
+	$(PY) benchmarks/attention_scaling.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

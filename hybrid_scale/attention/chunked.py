@@ -1,0 +1,152 @@
+"""Chunked hybrid attention: O(T (w + C)) time, equal to the naive spec in outputs and gradients.
+
+Queries are processed in blocks of C. Block b (queries bC .. bC+C-1) needs
+  * the keys bC-w+1 .. bC+C-1 densely: the softmax window of every query in the block, and the few keys that have
+    already left some queries' windows (j <= n - w) but not the block's start;
+  * the linear-attention state of keys j <= bC - w, which lie in P(n) of every query in the block.
+Left-padding the key sequence with w-1 zeros aligns both: the dense span of block b is padded keys [bC, bC+w+C-1),
+and the state of block b is the sum of the padded keys' chunks before chunk b (an exclusive cumsum over chunks).
+The state is accumulated in fp32. Padding anywhere in a row is handled by moving each row's real tokens to the front
+(stable), computing, and moving the outputs back; padded query rows give exactly 0.
+
+This file imports only torch and its siblings (the export copies it next to a modeling file).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .naive import EPS, check_mode, compute_dtype, real_positions
+
+
+def _pack(attention_mask: torch.Tensor):
+    """Permutation that moves each row's real tokens to the front, keeping their order; and its inverse."""
+    order = torch.argsort((~attention_mask.bool()).to(torch.int8), dim=-1, stable=True)
+    return order, torch.argsort(order, dim=-1)
+
+
+def gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, d] gathered along T by index [B, n]."""
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the chunks before each chunk (dim 2)."""
+    return torch.cat([torch.zeros_like(x[:, :, :1]), x[:, :, :-1].cumsum(2)], dim=2)
+
+
+def _sinks(q, k, v, sinks, scale):
+    """Causal softmax over the first S positions. q [B,Hkv,G,T,D], k/v [B,Hkv,T,D] (real tokens first)."""
+    T = q.shape[-2]
+    S = min(sinks, T)
+    a = scale * torch.einsum("bhgtd,bhsd->bhgts", q, k[:, :, :S])
+    ok = torch.arange(S, device=q.device)[None, :] <= torch.arange(T, device=q.device)[:, None]
+    c = torch.where(ok, a, float("-inf")).amax(-1, keepdim=True)
+    e = torch.exp(torch.where(ok, a - c, float("-inf")))
+    return torch.einsum("bhgts,bhsd->bhgtd", e, v[:, :, :S]) / (e.sum(-1, keepdim=True) + EPS)
+
+
+def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state):
+    """hybrid / swa_only / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F], k/v/fk [B,Hkv,T,*]."""
+    T = q.shape[-2]
+    w = min(window, T)  # a window >= T makes P(n) empty: identical to w = T
+    nb = -(-T // chunk)
+    Tp = nb * chunk
+    span = w + chunk - 1
+
+    def blocks(x):  # [..., T, d] -> [..., nb, C, d]
+        x = F.pad(x, (0, 0, 0, Tp - T))
+        return x.reshape(*x.shape[:-2], nb, chunk, x.shape[-1])
+
+    def spans(x):  # [B,Hkv,T,d] -> [B,Hkv,nb,span,d]; padded keys, block b covers [bC, bC+span)
+        x = F.pad(x, (0, 0, w - 1, Tp - T))
+        return x.unfold(2, span, chunk).transpose(-1, -2)
+
+    qb, fqb = blocks(q), blocks(fq)
+    ks, vs = spans(k), spans(v)
+    i = torch.arange(chunk, device=q.device)[:, None]
+    s = torch.arange(span, device=q.device)[None, :]
+    d = s - i  # key j = n + d - (w - 1): window iff 0 <= d <= w-1, left the window iff d < 0
+    j = torch.arange(nb, device=q.device)[:, None, None] * chunk - (w - 1) + s  # [nb, 1, span]
+    exists = j >= 0
+
+    num = torch.zeros_like(qb[..., : v.shape[-1]])
+    den = torch.zeros_like(qb[..., :1])
+    if mode in ("hybrid", "swa_only"):
+        soft = exists & (d >= 0) & (d <= w - 1)
+        a = scale * torch.einsum("bhgncd,bhnsd->bhgncs", qb, ks)
+        c = torch.where(soft, a, float("-inf")).amax(-1, keepdim=True)
+        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+        e = gamma.view(*gamma.shape, 1, 1, 1) * torch.exp(torch.where(soft, a - c, float("-inf")))
+        num = num + torch.einsum("bhgncs,bhnsd->bhgncd", e, vs)
+        den = den + e.sum(-1, keepdim=True)
+    if mode in ("hybrid", "la_only"):
+        lin_ok = exists & ((d < 0) if mode == "hybrid" else (d <= w - 1))
+        fks = spans(fk)
+        lin = torch.where(lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqb, fks), 0.0)
+        num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vs)
+        den = den + lin.sum(-1, keepdim=True)
+        # state of block b: padded keys [0, bC), i.e. real keys j <= bC - w
+        fk_pad = F.pad(fk, (0, 0, w - 1, Tp))[:, :, :Tp]
+        v_pad = F.pad(v, (0, 0, w - 1, Tp))[:, :, :Tp]
+        fk_c = fk_pad.reshape(*fk_pad.shape[:2], nb, chunk, -1)
+        v_c = v_pad.reshape(*v_pad.shape[:2], nb, chunk, -1)
+        kv = _exclusive_cumsum(torch.einsum("bhncf,bhncd->bhnfd", fk_c, v_c))
+        ksum = _exclusive_cumsum(fk_c.sum(3))
+        if state is not None:
+            kv = kv + state[0].to(kv.dtype)[:, :, None]
+            ksum = ksum + state[1].to(ksum.dtype)[:, :, None]
+        num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqb, kv)
+        den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqb, ksum).unsqueeze(-1)
+    y = num / (den + EPS)
+    return y.reshape(*y.shape[:3], Tp, y.shape[-1])[..., :T, :]
+
+
+def hybrid_attention(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    gamma,
+    window,
+    mode="hybrid",
+    sinks=8,
+    attention_mask=None,
+    scale=None,
+    chunk_size=64,
+    initial_state=None,
+) -> torch.Tensor:
+    """Same contract as naive.hybrid_attention, plus chunk_size and an optional initial LA state
+    (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension)."""
+    check_mode(mode)
+    if window < 1 or chunk_size < 1:
+        raise ValueError(f"window and chunk_size must be >= 1, got window={window}, chunk_size={chunk_size}")
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    if mode == "none" or T == 0:
+        return q.new_zeros(B, H, T, v.shape[-1])
+    out_dtype = q.dtype
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    real = real_positions(attention_mask, B, T, q.device) >= 0
+    packed = attention_mask is not None and not bool(real.all())
+    acc = compute_dtype(q)
+    q, k, v, fq, fk = (t.to(acc) for t in (q, k, v, fq, fk))
+    if packed:
+        order, inverse = _pack(real)
+        q, k, v, fq, fk = (gather_time(t, order) for t in (q, k, v, fq, fk))
+    q = q.reshape(B, Hkv, H // Hkv, T, D)
+    fq = fq.reshape(B, Hkv, H // Hkv, T, fq.shape[-1])
+    if mode == "sinks_only":
+        y = _sinks(q, k, v, sinks, scale)
+    else:
+        g = gamma.to(q.dtype).view(Hkv, H // Hkv)
+        y = _windowed(q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state)
+    y = y.reshape(B, H, T, -1)
+    if packed:
+        y = gather_time(y, inverse)
+        y = torch.where(real[:, None, :, None], y, 0.0)
+    return y.to(out_dtype)

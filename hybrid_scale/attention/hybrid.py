@@ -1,0 +1,292 @@
+"""The hybrid attention nn.Module, its decode cache, and the input preparation a converted model needs.
+
+`HybridAttention` takes the place of a Llama/Mistral/Qwen2 attention module and adopts its q/k/v/o projections (same
+names, so PEFT targets them as before), its scaling and the model's rotary embeddings; it adds phi_q (per query head),
+phi_k (per KV head) and gamma = sigmoid(theta) per query head. Its `mode` is one of naive.MODES and can be switched
+at any time; the decode state is kept in every mode.
+
+`HybridCache` is a transformers `Cache` whose converted layers hold a `recurrent.DecodeState` (memory independent of
+the generated length) and whose other layers keep the usual `DynamicLayer`. `prepare_inputs` (a forward pre-hook on
+the decoder) creates one when `use_cache` is on and none was given (also replacing the empty `DynamicCache` that
+`generate()` makes), derives `position_ids` from a 2D `attention_mask`, and hands the layers that mask.
+
+This file imports only torch, transformers and its siblings (the export copies it next to a modeling file).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+
+from . import chunked, recurrent
+from .feature_maps import make_feature_map
+from .naive import check_mode
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class HybridAttention(nn.Module):
+    def __init__(
+        self,
+        base: nn.Module,
+        *,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float,
+        window: int = 64,
+        feature_map: str = "hedgehog",
+        feature_dim: int | None = None,
+        gamma_init: float = 0.1,
+        sinks: int = 8,
+        mode: str = "hybrid",
+        chunk_size: int = 64,
+    ):
+        super().__init__()
+        check_mode(mode)
+        if not 0.0 < gamma_init < 1.0:
+            raise ValueError(f"gamma_init must be in (0, 1), got {gamma_init}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = base.q_proj, base.k_proj, base.v_proj, base.o_proj
+        self.config = getattr(base, "config", None)
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_key_value_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_key_value_groups = num_heads // num_kv_heads
+        self.scaling = scaling
+        self.is_causal = True
+        self.window, self.sinks, self.mode, self.chunk_size = int(window), int(sinks), mode, int(chunk_size)
+        ref = self.q_proj.weight
+        self.feature_map_q = make_feature_map(feature_map, num_heads, head_dim, feature_dim)
+        self.feature_map_k = make_feature_map(feature_map, num_kv_heads, head_dim, feature_dim)
+        self.feature_map_q.to(device=ref.device, dtype=ref.dtype)
+        self.feature_map_k.to(device=ref.device, dtype=ref.dtype)
+        logit = math.log(gamma_init / (1.0 - gamma_init))
+        self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=ref.dtype))
+
+    def hybrid_parameters(self):
+        """(name, parameter) of what conversion added: phi_q, phi_k, gamma (not the adopted projections)."""
+        return [(n, p) for n, p in self.named_parameters() if not n.split(".")[0].endswith("_proj")]
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        return torch.sigmoid(self.gamma_logit)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}, mode={self.mode}"
+
+    def project(self, hidden_states, position_embeddings):
+        """q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and their feature maps."""
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, k, *position_embeddings)
+        return q, k, v, self.feature_map_q(q), self.feature_map_k(k)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask=None,  # the 4D mask transformers builds; hybrid layers use `hybrid_mask` instead
+        cache: Cache | None = None,
+        hybrid_mask: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        B, T, _ = hidden_states.shape
+        q, k, v, fq, fk = self.project(hidden_states, position_embeddings)
+        if cache is not None and isinstance(cache, HybridCache):
+            y = cache.layers[self.layer_idx].attend(self, q, k, v, fq, fk, hybrid_mask)
+        elif cache is not None:
+            raise TypeError(
+                f"a converted model needs a hybrid_scale HybridCache, got {type(cache).__name__}; "
+                "pass no cache (one is created) or HybridCache(model)"
+            )
+        else:
+            y = chunked.hybrid_attention(
+                q,
+                k,
+                v,
+                fq,
+                fk,
+                self.gamma,
+                self.window,
+                self.mode,
+                self.sinks,
+                hybrid_mask,
+                self.scaling,
+                self.chunk_size,
+            )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), None
+
+
+class HybridCacheLayer(CacheLayerMixin):
+    """Decode state of one hybrid layer (see recurrent.DecodeState)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, window: int, sinks: int, max_length: int | None = None):
+        super().__init__()
+        self.window, self.sinks = window, sinks
+        self.ring = window if max_length is None else min(window, max_length)
+        self.state: recurrent.DecodeState | None = None
+
+    def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
+        if self.state is None:
+            if module.window != self.window or module.sinks != self.sinks:
+                raise ValueError(
+                    f"cache was made for window={self.window}, sinks={self.sinks} but layer {module.layer_idx} has "
+                    f"window={module.window}, sinks={module.sinks}; make a new HybridCache after changing them"
+                )
+            B, Hkv, _, D = k.shape
+            self.state = recurrent.DecodeState.empty(
+                B, Hkv, D, v.shape[-1], fk.shape[-1], self.ring, self.sinks, self.window, k.dtype, k.device
+            )
+            self.is_initialized = True
+        return recurrent.extend(
+            self.state,
+            q,
+            k,
+            v,
+            fq,
+            fk,
+            module.gamma,
+            module.window,
+            module.mode,
+            module.sinks,
+            mask,
+            module.scaling,
+            module.chunk_size,
+        )
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError("hybrid layers keep a ring buffer and a linear-attention state; they do not use update()")
+
+    def get_seq_length(self) -> int:
+        return 0 if self.state is None else self.state.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
+
+    def reset(self) -> None:
+        self.state = None
+        self.is_initialized = False
+
+    def offload(self):
+        if self.state is not None:
+            self.state.map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            self.state.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state.map_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError(
+                "a hybrid cache cannot be cropped: keys that left the window are folded into the linear state; "
+                "copy the cache (cache.copy()) before the tokens you may want to drop"
+            )
+
+
+def hybrid_layers(model: nn.Module) -> dict[int, HybridAttention]:
+    return {m.layer_idx: m for m in model.modules() if isinstance(m, HybridAttention)}
+
+
+class HybridCache(Cache):
+    """Cache of a converted model: HybridCacheLayer for converted layers, DynamicLayer for softmax ones.
+    max_length (optional) caps the ring at min(window, max_length)."""
+
+    def __init__(self, model: nn.Module, max_length: int | None = None):
+        hybrid = hybrid_layers(model)
+        if not hybrid:
+            raise ValueError("HybridCache needs a converted model (no HybridAttention layer found)")
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        layers = [
+            HybridCacheLayer(hybrid[i].window, hybrid[i].sinks, max_length) if i in hybrid else DynamicLayer()
+            for i in range(n_layers)
+        ]
+        super().__init__(layers=layers)
+
+    def copy(self) -> HybridCache:
+        """An independent copy (e.g. to score several continuations of one context)."""
+        return copy.deepcopy(self)
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, HybridCacheLayer):
+                total += layer.nbytes
+            elif layer.is_initialized and layer.keys is not None:
+                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        return total
+
+
+def prepare_inputs(decoder: nn.Module, args, kwargs):
+    """Forward pre-hook (with_kwargs) on the decoder (e.g. LlamaModel) of a converted model."""
+    if "past_key_values" in kwargs:
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    cache = kwargs.get("cache")
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", False)
+    if use_cache and (cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)):
+        kwargs["cache"] = cache = HybridCache(decoder)
+    if cache is not None and not isinstance(cache, HybridCache):
+        raise TypeError(
+            f"a converted model needs a hybrid_scale HybridCache, got {type(cache).__name__} holding "
+            f"{cache.get_seq_length()} tokens; pass no cache (one is created) or HybridCache(model)"
+        )
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2:
+            raise ValueError(
+                f"a converted model takes a 2D attention_mask [batch, length] (1 = token, 0 = padding); got shape "
+                f"{tuple(mask.shape)}"
+            )
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs["inputs_embeds"]
+        T = inputs.shape[1]
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        new = mask[:, -T:]
+        kwargs["hybrid_mask"] = None if bool(new.all()) else new
+    return args, kwargs

@@ -1,0 +1,107 @@
+"""The O(T^2) reference: the hybrid attention formula of DESIGN.md section 2, written out densely. This is the spec.
+
+For query n and key j (positions counted in real tokens only), window w, scale s:
+    W(n) = {j : n - w < j <= n},  P(n) = {j : j <= n - w}
+    E_nj = gamma_h * exp(s q_n.k_j - c_n) on W(n), c_n = max over W(n) of s q_n.k_j (not detached)
+    L_nj = phi_q(q_n) . phi_k(k_j) on P(n)
+    hybrid: y_n = (sum E v + sum L v) / (sum E + sum L + EPS)
+Other modes: swa_only (E on W only), la_only (L on all j <= n), sinks_only (causal softmax over the first S real
+tokens), none (zeros). Padded query rows give exactly 0. All arithmetic is fp32; the output has q's dtype.
+
+This file imports only torch (the export copies it next to a modeling file).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none")
+EPS = 1e-6  # the one denominator eps shared by every path
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (used by the tests)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
+
+
+def real_positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """Index of each token among its row's real tokens, -1 for padding. Shape [B, T]."""
+    if attention_mask is None:
+        return torch.arange(length, device=device).expand(batch, length)
+    if attention_mask.shape != (batch, length):
+        raise ValueError(f"attention_mask must have shape {(batch, length)}, got {tuple(attention_mask.shape)}")
+    real = attention_mask.bool()
+    return torch.where(real, real.long().cumsum(-1) - 1, -1)
+
+
+def masked_attention(q, k, v, fq, fk, gamma, pos_q, pos_k, window, mode, sinks, scale=None, state=None):
+    """Dense hybrid attention between queries and keys that carry explicit real-token positions.
+
+    q [B,H,Tq,D], k/v [B,Hkv,Tk,D], fq [B,H,Tq,F], fk [B,Hkv,Tk,F], gamma [H];
+    pos_q [B,Tq], pos_k [B,Tk]: real-token index of each query / key, -1 where there is none;
+    state: optional (kv [B,Hkv,F,D], k [B,Hkv,F]) = sums of phi_k(k) v^T and phi_k(k) over keys already folded away
+    (every one of them lies in P(n) of every query). Returns [B,H,Tq,D] in q's dtype.
+    """
+    check_mode(mode)
+    B, H, Tq, D = q.shape
+    out_dtype = q.dtype
+    if mode == "none":
+        return q.new_zeros(B, H, Tq, v.shape[-1])
+    group = H // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    acc = compute_dtype(q)
+    q, k, v, fq, fk = (t.to(acc) for t in (q, k, v, fq, fk))
+    k, v, fk = (t.repeat_interleave(group, dim=1) for t in (k, v, fk))
+    gamma = gamma.to(acc).view(1, H, 1, 1)
+
+    pq, pk = pos_q[:, None, :, None], pos_k[:, None, None, :]
+    causal = (pq >= 0) & (pk >= 0) & (pk <= pq)
+    in_window = causal & (pk > pq - window)
+    in_past = causal & (pk <= pq - window)
+    if mode == "swa_only" or mode == "hybrid":
+        soft = in_window
+    elif mode == "sinks_only":
+        soft = causal & (pk < sinks)
+    else:
+        soft = None
+    linear = {"hybrid": in_past, "la_only": causal}.get(mode)
+
+    num = q.new_zeros(B, H, Tq, v.shape[-1])
+    den = q.new_zeros(B, H, Tq, 1)
+    if soft is not None:
+        a = scale * q @ k.transpose(-1, -2)
+        c = torch.where(soft, a, float("-inf")).amax(-1, keepdim=True)
+        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+        e = torch.exp(torch.where(soft, a - c, float("-inf")))
+        if mode != "sinks_only":
+            e = gamma * e
+        num = num + e @ v
+        den = den + e.sum(-1, keepdim=True)
+    if linear is not None:
+        lin = torch.where(linear, fq @ fk.transpose(-1, -2), 0.0)
+        num = num + lin @ v
+        den = den + lin.sum(-1, keepdim=True)
+        if state is not None:
+            kv, ksum = (s.to(acc).repeat_interleave(group, dim=1) for s in state)
+            num = num + fq @ kv
+            den = den + (fq @ ksum.unsqueeze(-1))
+    y = num / (den + EPS)
+    y = torch.where(pos_q[:, None, :, None] >= 0, y, 0.0)
+    return y.to(out_dtype)
+
+
+def hybrid_attention(
+    q, k, v, fq, fk, gamma, window, mode="hybrid", sinks=8, attention_mask=None, scale=None
+) -> torch.Tensor:
+    """The spec. q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq/fk feature-mapped, gamma [H] in (0,1),
+    attention_mask [B,T] (1 = token, 0 = padding). Returns [B,H,T,D]."""
+    B, _, T, _ = q.shape
+    pos = real_positions(attention_mask, B, T, q.device)
+    return masked_attention(q, k, v, fq, fk, gamma, pos, pos, window, mode, sinks, scale)

@@ -1,0 +1,200 @@
+"""Constant-memory decoding state for one hybrid layer, and extension by any number of new tokens.
+
+Per layer and KV head the state holds
+  * a ring buffer of the last R = min(window, max_length) real keys/values (and their phi_k), real token r in slot
+    r mod R;
+  * the linear-attention state sum phi_k(k) v^T and sum phi_k(k) of every key that has left the ring (fp32), kept in
+    every mode so the mode can change between calls;
+  * the first S real keys/values (sinks_only);
+  * per row, the number of real tokens seen (padding is not counted) and, for transformers, the positions seen.
+When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
+the whole sequence: short extensions attend densely over ring + new keys, long ones run the chunked path over the
+ring (in order) followed by the new tokens, starting from the state.
+
+This file imports only torch and its siblings (the export copies it next to a modeling file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from . import chunked
+from .chunked import gather_time
+from .naive import check_mode, compute_dtype, masked_attention
+
+
+@dataclass
+class DecodeState:
+    k: torch.Tensor  # [B, Hkv, R, D] ring keys
+    v: torch.Tensor  # [B, Hkv, R, Dv]
+    fk: torch.Tensor  # [B, Hkv, R, F] phi_k of the ring keys (fp32)
+    sink_k: torch.Tensor  # [B, Hkv, S, D]
+    sink_v: torch.Tensor  # [B, Hkv, S, Dv]
+    kv: torch.Tensor  # [B, Hkv, F, Dv] fp32
+    ksum: torch.Tensor  # [B, Hkv, F] fp32
+    count: torch.Tensor  # [B] real tokens seen
+    seen: int = 0  # positions seen, padding included
+    window: int = 0  # the window this state was built for
+
+    @classmethod
+    def empty(cls, batch, kv_heads, head_dim, value_dim, feature_dim, ring, sinks, window, dtype, device):
+        acc = torch.promote_types(dtype, torch.float32)
+
+        def z(*shape, dt=dtype):
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        return cls(
+            k=z(batch, kv_heads, ring, head_dim),
+            v=z(batch, kv_heads, ring, value_dim),
+            fk=z(batch, kv_heads, ring, feature_dim, dt=acc),
+            sink_k=z(batch, kv_heads, sinks, head_dim),
+            sink_v=z(batch, kv_heads, sinks, value_dim),
+            kv=z(batch, kv_heads, feature_dim, value_dim, dt=acc),
+            ksum=z(batch, kv_heads, feature_dim, dt=acc),
+            count=torch.zeros(batch, dtype=torch.long, device=device),
+            window=window,
+        )
+
+    @property
+    def ring(self) -> int:
+        return self.k.shape[2]
+
+    def tensors(self):
+        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def map_batch(self, fn) -> None:
+        """Apply fn to every tensor along the batch dim (beam reordering, repeat, select)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, fn(value))
+
+    def ring_positions(self) -> torch.Tensor:
+        """Real-token index held by each ring slot, -1 where empty. [B, R]."""
+        R = self.ring
+        last = self.count[:, None] - 1
+        pos = last - torch.remainder(last - torch.arange(R, device=self.count.device), R)
+        return torch.where(pos >= 0, pos, -1)
+
+
+def _scatter_slots(buf: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Write src[:, :, t] into buf slot index[:, t]; index == slots means 'do not write'."""
+    slots = buf.shape[2]
+    padded = torch.cat([buf, buf.new_zeros(*buf.shape[:2], 1, buf.shape[-1])], dim=2)
+    idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[-1])
+    return padded.scatter(2, idx, src.to(buf.dtype))[:, :, :slots]
+
+
+def extend(
+    state: DecodeState,
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    gamma,
+    window,
+    mode="hybrid",
+    sinks=8,
+    attention_mask=None,
+    scale=None,
+    chunk_size=64,
+) -> torch.Tensor:
+    """Attend k new tokens (q [B,H,k,D], k/v [B,Hkv,k,D], fq, fk) to everything the state has seen, then fold
+    them into the state. attention_mask [B,k] marks the new tokens' real ones. Returns [B,H,k,D]."""
+    check_mode(mode)
+    if window != state.window:
+        raise ValueError(
+            f"this cache was built for window {state.window}, the layer now has window {window}; "
+            "a live cache cannot change window: start a new cache"
+        )
+    B, _, T, _ = q.shape
+    real = torch.ones(B, T, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.bool()
+    R, S = state.ring, state.sink_k.shape[2]
+    new_count = state.count + real.sum(-1)
+    if R < window and int(new_count.max()) > R:
+        raise ValueError(
+            f"the cache holds at most {R} tokens (max_length) but this call brings a row to {int(new_count.max())}; "
+            "create the cache with a larger max_length"
+        )
+    pos_new = torch.where(real, state.count[:, None] + real.long().cumsum(-1) - 1, -1)
+    pos_ring = state.ring_positions()
+    acc = compute_dtype(q)
+
+    if mode == "sinks_only":
+        n = min(S, T)
+        slots = torch.arange(S, device=q.device)
+        pos_sink = torch.where(slots[None] < state.count[:, None], slots[None], -1)
+        # the new tokens that are sinks (real index < S), moved to the front; at most S of them
+        pick = torch.argsort((~(real & (pos_new < S))).to(torch.int8), dim=-1, stable=True)[:, :n]
+        keys = torch.cat([state.sink_k, gather_time(k, pick).to(state.sink_k.dtype)], 2)
+        vals = torch.cat([state.sink_v, gather_time(v, pick).to(state.sink_v.dtype)], 2)
+        dummy = fk.new_zeros(*keys.shape[:3], fk.shape[-1])
+        pos_keys = torch.cat([pos_sink, pos_new.gather(1, pick)], 1)
+        y = masked_attention(q, keys, vals, fq, dummy, gamma, pos_new, pos_keys, window, mode, sinks, scale)
+    elif T <= chunk_size or mode == "none":
+        keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
+        vals = torch.cat([state.v, v.to(state.v.dtype)], 2)
+        fks = torch.cat([state.fk, fk.to(acc)], 2)
+        y = masked_attention(
+            q,
+            keys,
+            vals,
+            fq,
+            fks,
+            gamma,
+            pos_new,
+            torch.cat([pos_ring, pos_new], 1),
+            window,
+            mode,
+            sinks,
+            scale,
+            state=(state.kv, state.ksum),
+        )
+    else:
+        order = torch.argsort(pos_ring, dim=-1)  # empty slots (-1) first, then oldest to newest
+
+        ring_real = pos_ring.gather(1, order) >= 0
+        q_all = torch.cat([q.new_zeros(*q.shape[:2], R, q.shape[-1]), q], 2)
+        fq_all = torch.cat([fq.new_zeros(*fq.shape[:2], R, fq.shape[-1]), fq], 2)
+        y = chunked.hybrid_attention(
+            q_all,
+            torch.cat([gather_time(state.k, order).to(k.dtype), k], 2),
+            torch.cat([gather_time(state.v, order).to(v.dtype), v], 2),
+            fq_all,
+            torch.cat([gather_time(state.fk, order).to(fk.dtype), fk], 2),
+            gamma,
+            window,
+            mode,
+            sinks,
+            torch.cat([ring_real, real], 1),
+            scale,
+            chunk_size,
+            initial_state=(state.kv, state.ksum),
+        )[:, :, R:]
+
+    # sinks: new real tokens with index < S
+    state.sink_k = _scatter_slots(state.sink_k, torch.where(real & (pos_new < S), pos_new, S), k)
+    state.sink_v = _scatter_slots(state.sink_v, torch.where(real & (pos_new < S), pos_new, S), v)
+    # fold every key that leaves the ring into the linear state
+    limit = (new_count - 1 - R)[:, None]
+    fold_ring = ((pos_ring >= 0) & (pos_ring <= limit)).to(acc)[:, None, :, None]
+    fold_new = (real & (pos_new <= limit)).to(acc)[:, None, :, None]
+    fk_new, v_new = fk.to(acc), v.to(acc)
+    state.kv = state.kv + (state.fk * fold_ring).transpose(-1, -2) @ state.v.to(acc)
+    state.kv = state.kv + (fk_new * fold_new).transpose(-1, -2) @ v_new
+    state.ksum = state.ksum + (state.fk * fold_ring).sum(2) + (fk_new * fold_new).sum(2)
+    # write the new keys that stay into the ring
+    slot = torch.where(real & (pos_new > limit), torch.remainder(pos_new, R), R)
+    state.k = _scatter_slots(state.k, slot, k)
+    state.v = _scatter_slots(state.v, slot, v)
+    state.fk = _scatter_slots(state.fk, slot, fk)
+    state.count = new_count
+    state.seen += T
+    return y

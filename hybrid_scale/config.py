@@ -1,0 +1,170 @@
+"""The config core: one structured omegaconf config with a section per stage.
+
+`load_config(path, overrides)` reads YAML, applies `key=value` overrides and validates. Any wrong key, type or value
+raises one `ConfigError` naming the key and what is allowed. Later stages add fields to their own section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .attention.feature_maps import FEATURE_MAPS
+from .attention.naive import MODES
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config key has a wrong name, type or value."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # local HF model directory (or a converted model); None = the embedded default
+    dtype: str = "float32"  # always explicit: transformers 5 would otherwise load checkpoints in their own dtype
+    device: str = "cpu"
+
+
+@dataclass
+class AttentionConfig:
+    window: int = 64  # sliding-window size in real tokens
+    feature_map: str = "hedgehog"
+    feature_dim: int | None = None  # None = head_dim (hedgehog then outputs 2 * head_dim)
+    gamma_init: float = 0.1
+    sinks: int = 8  # S for sinks_only
+    mode: str = "hybrid"
+    layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)
+    chunk_size: int = 64
+
+
+@dataclass
+class DataConfig:
+    pass
+
+
+@dataclass
+class DistillConfig:
+    pass
+
+
+@dataclass
+class FinetuneConfig:
+    pass
+
+
+@dataclass
+class EvalConfig:
+    pass
+
+
+@dataclass
+class ExportConfig:
+    pass
+
+
+@dataclass
+class LaunchConfig:
+    pass
+
+
+@dataclass
+class SlurmConfig:
+    pass
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    run_dir: str = "runs/default"
+    seed: int = 0
+
+
+def _choice(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"config key '{key}': '{value}' is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def _positive(key: str, value, minimum=1) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"config key '{key}': must be >= {minimum}, got {value}")
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    a = cfg.attention
+    _positive("attention.window", a.window)
+    _positive("attention.sinks", a.sinks)
+    _positive("attention.feature_dim", a.feature_dim)
+    _positive("attention.chunk_size", a.chunk_size)
+    _choice("attention.feature_map", a.feature_map, sorted(FEATURE_MAPS))
+    _choice("attention.mode", a.mode, MODES)
+    if not 0.0 < a.gamma_init < 1.0:
+        raise ConfigError(f"config key 'attention.gamma_init': must be in (0, 1), got {a.gamma_init}")
+    if a.layers is not None and any(i < 0 for i in a.layers):
+        raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
+    _choice("model.dtype", cfg.model.dtype, DTYPES)
+    return cfg
+
+
+def _explain(e: OmegaConfBaseException, schema) -> ConfigError:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).splitlines()[0]
+    if type(e).__name__ == "ConfigKeyError":
+        parent = key.rsplit(".", 1)[0] if "." in key else None
+        node = OmegaConf.select(schema, parent) if parent else schema
+        allowed = ", ".join(node.keys()) if isinstance(node, DictConfig) and len(node) else "(none yet)"
+        return ConfigError(f"config key '{key}' is not known; allowed here: {allowed}")
+    return ConfigError(f"config key '{key}': {msg}")
+
+
+def _structured(schema, data) -> DictConfig:
+    try:
+        return OmegaConf.merge(schema, data)
+    except OmegaConfBaseException as e:
+        raise _explain(e, schema) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Defaults <- YAML file <- `key=value` overrides, validated."""
+    schema = OmegaConf.structured(Config)
+    cfg = schema
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = OmegaConf.load(path)
+        except Exception as e:  # yaml errors
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        cfg = _structured(cfg, data)
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. attention.window=32)")
+        try:
+            dot = OmegaConf.from_dotlist(list(overrides))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"overrides {list(overrides)} could not be parsed: {e}") from None
+        cfg = _structured(cfg, dot)
+    return validate(cfg)
+
+
+def attention_settings(attention: Any) -> DictConfig:
+    """A dict or an attention config section -> a validated AttentionConfig."""
+    if isinstance(attention, DictConfig) and "attention" in attention:
+        attention = attention.attention
+    data = OmegaConf.to_container(attention) if isinstance(attention, DictConfig) else dict(attention or {})
+    cfg = _structured(OmegaConf.structured(Config), {"attention": data})
+    return validate(cfg).attention

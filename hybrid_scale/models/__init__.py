@@ -1,0 +1,1 @@
+"""Conversion of Hugging Face causal LMs and the converted-model format."""

@@ -1,0 +1,114 @@
+"""Convert a Hugging Face Llama-family causal LM into a hybrid model, in place; switch component modes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from ..attention.hybrid import HybridAttention, hybrid_layers, prepare_inputs
+from ..attention.naive import check_mode
+from ..config import attention_settings
+
+# architecture -> what differs; the attention module of all three has q/k/v/o_proj, scaling, head_dim and takes the
+# model's rotary embeddings, so one conversion serves them all.
+SUPPORTED = {
+    "LlamaForCausalLM": "Llama 2/3 (rope_parameters incl. llama3 scaling)",
+    "MistralForCausalLM": "Mistral (its own sliding_window applies only to layers left unconverted)",
+    "Qwen2ForCausalLM": "Qwen2 (q/k/v biases)",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def check_architecture(model: nn.Module) -> str:
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        raise UnsupportedArchitectureError(
+            f"hybrid_scale cannot convert {name}: supported architectures are {', '.join(SUPPORTED)}"
+        )
+    return name
+
+
+def convert_model(model: nn.Module, attention: Mapping[str, Any] | Any = None) -> nn.Module:
+    """Swap the attention of the selected layers (all by default) for HybridAttention, in place.
+
+    `attention` is a dict or the config's `attention` section (window, feature_map, feature_dim, gamma_init, sinks,
+    mode, layers, chunk_size). Returns the model, which records the resolved settings in `model.hybrid_settings`.
+    """
+    check_architecture(model)
+    if hybrid_layers(model):
+        raise ValueError("this model is already converted; load the base model again to convert it differently")
+    settings = attention_settings(attention)
+    cfg = model.config
+    decoder = model.get_decoder()
+    n_layers = len(decoder.layers)
+    layers = list(range(n_layers)) if settings.layers is None else sorted(set(settings.layers))
+    if layers and layers[-1] >= n_layers:
+        raise ValueError(f"attention.layers names layer {layers[-1]} but the model has {n_layers} (0..{n_layers - 1})")
+    for i in layers:
+        base = decoder.layers[i].self_attn
+        decoder.layers[i].self_attn = HybridAttention(
+            base,
+            layer_idx=i,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=base.head_dim,
+            scaling=base.scaling,
+            window=settings.window,
+            feature_map=settings.feature_map,
+            feature_dim=settings.feature_dim,
+            gamma_init=settings.gamma_init,
+            sinks=settings.sinks,
+            mode=settings.mode,
+            chunk_size=settings.chunk_size,
+        )
+    decoder.register_forward_pre_hook(prepare_inputs, with_kwargs=True)
+    resolved = dict(settings)
+    resolved["layers"] = layers
+    resolved["feature_dim"] = decoder.layers[layers[0]].self_attn.feature_map_q.feature_dim if layers else None
+    model.hybrid_settings = resolved
+    return model
+
+
+Modes = str | Mapping[int, str] | Sequence[str]
+
+
+def get_modes(model: nn.Module) -> dict[int, str]:
+    return {i: m.mode for i, m in sorted(hybrid_layers(model).items())}
+
+
+def set_modes(model: nn.Module, modes: Modes) -> None:
+    """One mode for every hybrid layer, or {layer: mode}, or a list with one mode per hybrid layer (in order)."""
+    layers = hybrid_layers(model)
+    if not layers:
+        raise ValueError("set_modes needs a converted model (no hybrid layer found)")
+    if isinstance(modes, str):
+        modes = dict.fromkeys(layers, modes)
+    elif not isinstance(modes, Mapping):
+        modes = list(modes)
+        if len(modes) != len(layers):
+            raise ValueError(f"got {len(modes)} modes for {len(layers)} hybrid layers")
+        modes = dict(zip(sorted(layers), modes, strict=True))
+    unknown = sorted(set(modes) - set(layers))
+    if unknown:
+        raise ValueError(f"layers {unknown} are not hybrid layers; hybrid layers: {sorted(layers)}")
+    for mode in modes.values():
+        check_mode(mode)
+    for i, mode in modes.items():
+        layers[i].mode = mode
+
+
+@contextlib.contextmanager
+def components(model: nn.Module, mode: Modes) -> Iterator[nn.Module]:
+    """Run every hybrid layer in `mode` (or per-layer modes) inside the block; restore the previous modes after."""
+    before = get_modes(model)
+    set_modes(model, mode)
+    try:
+        yield model
+    finally:
+        set_modes(model, before)

@@ -1,0 +1,131 @@
+"""A converted model on disk: the base model (its own directory, or weights written alongside) plus
+`hybrid_config.json` (attention settings) and `hybrid_params.safetensors` (phi and gamma of every hybrid layer)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..attention.hybrid import HybridAttention, hybrid_layers
+from .convert import check_architecture, convert_model, set_modes
+
+CONFIG_NAME = "hybrid_config.json"
+PARAMS_NAME = "hybrid_params.safetensors"
+FORMAT_VERSION = 1
+
+
+class ConvertedModelError(ValueError):
+    pass
+
+
+def hybrid_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """phi and gamma parameters of every hybrid layer, keyed by their name in the model."""
+    return {
+        f"{prefix}.{name}": p.detach()
+        for prefix, module in model.named_modules()
+        if isinstance(module, HybridAttention)
+        for name, p in module.hybrid_parameters()
+    }
+
+
+def describe(model: nn.Module) -> dict:
+    """The attention settings of a converted model, as written to hybrid_config.json."""
+    layers = hybrid_layers(model)
+    if not layers:
+        raise ConvertedModelError("this model has no hybrid layer: convert it first (hybrid_scale.convert_model)")
+    first = layers[min(layers)]
+    settings = dict(getattr(model, "hybrid_settings", {}))
+    settings.update(
+        window=first.window,
+        sinks=first.sinks,
+        mode=first.mode,
+        chunk_size=first.chunk_size,
+        feature_map=first.feature_map_q.name,
+        feature_dim=first.feature_map_q.feature_dim,
+        layers=sorted(layers),
+    )
+    modes = {i: m.mode for i, m in layers.items()}
+    if len(set(modes.values())) > 1:
+        settings["layer_modes"] = {str(i): mode for i, mode in sorted(modes.items())}
+    for name in ("window", "sinks"):
+        if len({getattr(m, name) for m in layers.values()}) > 1:
+            raise ConvertedModelError(f"hybrid layers disagree on {name}; the on-disk format records one value")
+    return settings
+
+
+def save_converted(model: nn.Module, out_dir: str | os.PathLike, base_path: str | os.PathLike | None = None) -> Path:
+    """Write hybrid_config.json + hybrid_params.safetensors into out_dir.
+
+    The base weights are referenced, not copied, when `base_path` (or the model's own name_or_path) is a local
+    model directory; otherwise they are saved into out_dir with save_pretrained (without the hybrid parameters).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    architecture = check_architecture(model)
+    settings = describe(model)
+    base = Path(base_path) if base_path is not None else Path(str(getattr(model, "name_or_path", "") or ""))
+    if base_path is not None and not (base / "config.json").is_file():
+        raise ConvertedModelError(f"base_path {base} is not a model directory (no config.json)")
+    if str(base) and (base / "config.json").is_file() and base.resolve() != out.resolve():
+        base_ref = str(base.resolve())
+    else:
+        hybrid = set(hybrid_state_dict(model))
+        state = {k: v for k, v in model.state_dict().items() if k not in hybrid}
+        model.save_pretrained(out, state_dict=state)
+        base_ref = "."
+    save_file({k: v.contiguous() for k, v in hybrid_state_dict(model).items()}, out / PARAMS_NAME)
+    meta = {"format_version": FORMAT_VERSION, "architecture": architecture, "base_model": base_ref}
+    meta["attention"] = settings
+    (out / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def read_hybrid_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    cfg_file = path / CONFIG_NAME
+    if not cfg_file.is_file():
+        raise ConvertedModelError(f"{path} is not a converted model: {CONFIG_NAME} is missing (see save_converted)")
+    meta = json.loads(cfg_file.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ConvertedModelError(
+            f"{cfg_file} has format_version {meta.get('format_version')}; this hybrid_scale reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load base model + hybrid parameters. The dtype is always passed explicitly to transformers."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
+    path = Path(path)
+    meta = read_hybrid_config(path)
+    base = path if meta["base_model"] == "." else Path(meta["base_model"])
+    if not (base / "config.json").is_file():
+        raise ConvertedModelError(
+            f"base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit 'base_model'"
+        )
+    config = AutoConfig.from_pretrained(base, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(base, config=config, dtype=dtype, local_files_only=True)
+    attention = dict(meta["attention"])
+    layer_modes = attention.pop("layer_modes", None)
+    convert_model(model, attention)
+    params_file = path / PARAMS_NAME
+    if not params_file.is_file():
+        raise ConvertedModelError(f"{params_file} is missing")
+    params = load_file(params_file)
+    expected = set(hybrid_state_dict(model))
+    if set(params) != expected:
+        missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
+        raise ConvertedModelError(
+            f"{params_file} does not match {CONFIG_NAME}: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    model.load_state_dict(params, strict=False)
+    if layer_modes:
+        set_modes(model, {int(i): m for i, m in layer_modes.items()})
+    return model.to(device).eval()
