@@ -1,0 +1,86 @@
+"""Tiny random models built from configs (no downloads) and random attention inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama3_rope_headdim": (LlamaConfig, LlamaForCausalLM, {"rope_parameters": LLAMA3_ROPE, "head_dim": 24}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
+    with torch.no_grad():  # random biases so Qwen2's q/k/v biases matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def perturb_hybrid(model, scale: float = 0.3, seed: int = 1):
+    """Move phi and gamma away from their init so that tests see every parameter."""
+    from hybrid_scale.models.converted import hybrid_state_dict
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in hybrid_state_dict(model).values():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def attention_inputs(B=2, H=4, Hkv=2, T=12, D=4, F=3, dtype=torch.float64, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, positive=False):
+        x = torch.rand(*shape, generator=g, dtype=dtype) if positive else torch.randn(*shape, generator=g, dtype=dtype)
+        return x.requires_grad_(requires_grad)
+
+    return dict(
+        q=r(B, H, T, D),
+        k=r(B, Hkv, T, D),
+        v=r(B, Hkv, T, D),
+        fq=r(B, H, T, F, positive=True),
+        fk=r(B, Hkv, T, F, positive=True),
+        gamma=(0.05 + 0.9 * torch.rand(H, generator=g, dtype=dtype)).requires_grad_(requires_grad),
+    )
+
+
+@pytest.fixture
+def tiny():
+    return tiny_model

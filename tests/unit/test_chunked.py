@@ -1,0 +1,62 @@
+"""The chunked path equals the naive spec in outputs and in gradients of q, k, v, fq, fk and gamma."""
+
+import pytest
+import torch
+from conftest import attention_inputs
+
+from hybrid_scale.attention import chunked, naive
+from hybrid_scale.attention.naive import MODES
+
+NAMES = ("q", "k", "v", "fq", "fk", "gamma")
+
+
+def padding_mask(T):
+    if T < 4:
+        return None
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, : T // 5] = 0  # left padding
+    mask[1, -(T // 7 + 1) :] = 0  # right padding
+    mask[1, T // 2] = 0  # a hole in the middle
+    return mask
+
+
+def run(fn, x, **kw):
+    y = fn(**x, **kw)
+    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=y.dtype)
+    grads = torch.autograd.grad((y * grad_out).sum(), [x[n] for n in NAMES], allow_unused=True)
+    return y, {n: (torch.zeros_like(x[n]) if g is None else g) for n, g in zip(NAMES, grads, strict=True)}
+
+
+@pytest.mark.parametrize("T", [1, 63, 100])
+@pytest.mark.parametrize("window", [1, 5, 64, 150])
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("mode", MODES[:4])
+def test_chunked_equals_naive(T, window, chunk, mode):
+    x = attention_inputs(B=2, H=4, Hkv=2, T=T, D=8, F=6, requires_grad=True, seed=T + window)
+    mask = padding_mask(T)
+    y_ref, g_ref = run(naive.hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask)
+    y, g = run(chunked.hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask, chunk_size=chunk)
+    torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-11)
+    for n in NAMES:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=f"grad of {n}")
+    if mode in ("hybrid", "la_only") and T > window:
+        assert g["fk"].abs().max() > 0  # the linear part really is in the graph
+
+
+def test_none_mode_is_zero_and_fp32_accumulation_for_bf16():
+    x = attention_inputs(T=40, D=8, F=6, dtype=torch.float32)
+    y = chunked.hybrid_attention(**x, window=8, mode="none")
+    assert torch.equal(y, torch.zeros_like(y))
+    bf = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    y_bf = chunked.hybrid_attention(**bf, window=8, mode="hybrid", chunk_size=16)
+    assert y_bf.dtype == torch.bfloat16
+    ref = naive.hybrid_attention(**{n: t.float() for n, t in bf.items()}, window=8, mode="hybrid")
+    torch.testing.assert_close(y_bf.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_window_is_a_clear_error():
+    x = attention_inputs(T=4)
+    with pytest.raises(ValueError, match="window and chunk_size must be >= 1"):
+        chunked.hybrid_attention(**x, window=0)
+    with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
+        chunked.hybrid_attention(**x, window=2, mode="mixed")

@@ -1,0 +1,119 @@
+"""The naive reference against an independent, loop-level computation of DESIGN.md section 2."""
+
+import math
+
+import pytest
+import torch
+from conftest import attention_inputs
+
+from hybrid_scale.attention import naive
+from hybrid_scale.attention.naive import EPS, MODES
+
+
+def loop_reference(q, k, v, fq, fk, gamma, window, mode, sinks, mask):
+    """Scalar loops, written from the formula alone."""
+    B, H, T, D = q.shape
+    group = H // k.shape[1]
+    s = 1 / math.sqrt(D)
+    y = torch.zeros_like(q)
+    for b in range(B):
+        real = [t for t in range(T) if mask[b, t]]  # positions of real tokens, in order
+        for h in range(H):
+            kh = h // group
+            for n, pn in enumerate(real):  # n = real index of the query, pn its position
+                keys = list(enumerate(real[: n + 1]))  # (real index j, position) for j <= n
+                num = [0.0] * D
+                den = 0.0
+
+                def add(weight, pj):
+                    nonlocal den
+                    den += weight
+                    for d in range(D):
+                        num[d] += weight * float(v[b, kh, pj, d])
+
+                def score(pj):
+                    return s * sum(float(q[b, h, pn, d]) * float(k[b, kh, pj, d]) for d in range(D))
+
+                def lin(pj):
+                    return sum(float(fq[b, h, pn, f]) * float(fk[b, kh, pj, f]) for f in range(fq.shape[-1]))
+
+                if mode in ("hybrid", "swa_only"):
+                    win = [pj for j, pj in keys if n - window < j]
+                    c = max(score(pj) for pj in win)
+                    for pj in win:
+                        add(float(gamma[h]) * math.exp(score(pj) - c), pj)
+                if mode == "hybrid":
+                    for j, pj in keys:
+                        if j <= n - window:
+                            add(lin(pj), pj)
+                if mode == "la_only":
+                    for _, pj in keys:
+                        add(lin(pj), pj)
+                if mode == "sinks_only":
+                    sink = [pj for j, pj in keys if j < sinks]
+                    c = max(score(pj) for pj in sink)
+                    for pj in sink:
+                        add(math.exp(score(pj) - c), pj)
+                for d in range(D):
+                    y[b, h, pn, d] = num[d] / (den + EPS) if mode != "none" else 0.0
+    return y
+
+
+def masks(T):
+    full = torch.ones(2, T, dtype=torch.long)
+    left = full.clone()
+    left[0, :3] = 0  # left padding on row 0
+    right = full.clone()
+    right[1, -4:] = 0  # right padding on row 1
+    both = left * right
+    both[1, 5] = 0  # and a hole
+    return {"none": None, "left": left, "right": right, "mixed": both}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [1, 3, 20])
+@pytest.mark.parametrize("padding", ["none", "left", "mixed"])
+def test_naive_matches_loops(mode, window, padding):
+    x = attention_inputs(T=12)
+    mask = masks(12)[padding]
+    got = naive.hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
+    ref = loop_reference(**x, window=window, mode=mode, sinks=3, mask=torch.ones(2, 12) if mask is None else mask)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_relu_zero_feature_rows_and_empty_past():
+    """All-zero feature rows give 0 from LA (no NaN); rows with empty P(n) are pure softmax."""
+    x = attention_inputs(T=10)
+    x["fq"] = torch.relu(x["fq"] - 2.0)  # all zero: LA contributes nothing anywhere
+    y = naive.hybrid_attention(**x, window=4, mode="la_only")
+    assert torch.equal(y, torch.zeros_like(y))
+    hybrid = naive.hybrid_attention(**x, window=4, mode="hybrid")
+    swa = naive.hybrid_attention(**x, window=4, mode="swa_only")
+    torch.testing.assert_close(hybrid, swa, rtol=1e-5, atol=1e-12)  # eps/(gamma sum E) is the only difference
+    # with real features, rows n < w (P(n) empty) of hybrid equal exact causal softmax
+    x = attention_inputs(T=10)
+    hybrid = naive.hybrid_attention(**x, window=4, mode="hybrid")
+    full = torch.nn.functional.scaled_dot_product_attention(
+        x["q"], x["k"].repeat_interleave(2, 1), x["v"].repeat_interleave(2, 1), is_causal=True
+    )
+    torch.testing.assert_close(hybrid[:, :, :4], full[:, :, :4], rtol=1e-5, atol=1e-6)
+    assert (hybrid[:, :, 4:] - full[:, :, 4:]).abs().max() > 1e-3
+
+
+def test_sinks_before_S_and_padding_rows_are_zero():
+    x = attention_inputs(T=8)
+    mask = masks(8)["left"]
+    y = naive.hybrid_attention(**x, window=2, mode="sinks_only", sinks=5, attention_mask=mask)
+    assert torch.equal(y[0, :, :3], torch.zeros_like(y[0, :, :3]))
+    # query at real index 0 (position 3 of row 0) sees only itself: output = its value
+    torch.testing.assert_close(y[0, :, 3], x["v"][0, :, 3].repeat_interleave(2, 0) / (1 + EPS))
+
+
+def test_padded_rows_have_zero_gradient():
+    x = attention_inputs(T=8, requires_grad=True)
+    mask = masks(8)["left"]
+    y = naive.hybrid_attention(**x, window=3, mode="hybrid", attention_mask=mask)
+    y.sum().backward()
+    assert torch.equal(x["q"].grad[0, :, :3], torch.zeros_like(x["q"].grad[0, :, :3]))
+    assert torch.equal(x["k"].grad[0, :, :3], torch.zeros_like(x["k"].grad[0, :, :3]))
+    assert x["q"].grad[0, :, 3:].abs().max() > 0

@@ -1,0 +1,52 @@
+"""Decode state: any split of a sequence into extensions equals the naive spec over the whole sequence."""
+
+import pytest
+import torch
+from conftest import attention_inputs
+
+from hybrid_scale.attention import naive, recurrent
+from hybrid_scale.attention.naive import MODES
+
+
+def slices(x, a, b):
+    return {n: (t if n == "gamma" else t[:, :, a:b]) for n, t in x.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [1, 4, 9, 64])
+def test_extensions_equal_full(mode, window):
+    T = 50
+    x = attention_inputs(B=2, H=4, Hkv=2, T=T, D=8, F=6, seed=window)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :7] = 0  # left padding, longer than the sinks
+    mask[1, 30] = 0
+    ref = naive.hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
+    state = recurrent.DecodeState.empty(2, 2, 8, 8, 6, min(window, T), 3, window, torch.float64, "cpu")
+    cuts = [0, 21, 24, 27, 28, 29, 30, 31, 45, 50]  # long prefill (chunked), 3-token chunks, single tokens, 14
+    outs = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        x_ab = slices(x, a, b)
+        outs.append(recurrent.extend(state, **x_ab, window=window, mode=mode, sinks=3,
+                                     attention_mask=mask[:, a:b], chunk_size=8))
+    torch.testing.assert_close(torch.cat(outs, 2), ref, rtol=1e-10, atol=1e-12)
+    assert state.count.tolist() == mask.sum(1).tolist() and state.seen == T
+
+
+def test_state_size_is_constant_and_window_is_fixed():
+    x = attention_inputs(B=1, T=300, D=8, F=6, dtype=torch.float32)
+    state = recurrent.DecodeState.empty(1, 2, 8, 8, 6, 16, 4, 16, torch.float32, "cpu")
+    recurrent.extend(state, **slices(x, 0, 10), window=16, sinks=4)
+    size = state.nbytes
+    for t in range(10, 300):
+        recurrent.extend(state, **slices(x, t, t + 1), window=16, sinks=4)
+    assert state.nbytes == size
+    with pytest.raises(ValueError, match="a live cache cannot change window"):
+        recurrent.extend(state, **slices(x, 0, 1), window=8, sinks=4)
+
+
+def test_overflowing_a_short_ring_is_an_error():
+    x = attention_inputs(B=1, T=12, D=8, F=6)
+    state = recurrent.DecodeState.empty(1, 2, 8, 8, 6, 10, 4, 64, torch.float64, "cpu")  # max_length 10 < window
+    recurrent.extend(state, **slices(x, 0, 10), window=64, sinks=4)
+    with pytest.raises(ValueError, match="create the cache with a larger max_length"):
+        recurrent.extend(state, **slices(x, 10, 12), window=64, sinks=4)
