@@ -26,8 +26,11 @@ def test_extensions_equal_full(mode, window):
     outs = []
     for a, b in zip(cuts, cuts[1:], strict=False):
         x_ab = slices(x, a, b)
-        outs.append(recurrent.extend(state, **x_ab, window=window, mode=mode, sinks=3,
-                                     attention_mask=mask[:, a:b], chunk_size=8))
+        outs.append(
+            recurrent.extend(
+                state, **x_ab, window=window, mode=mode, sinks=3, attention_mask=mask[:, a:b], chunk_size=8
+            )
+        )
     torch.testing.assert_close(torch.cat(outs, 2), ref, rtol=1e-10, atol=1e-12)
     assert state.count.tolist() == mask.sum(1).tolist() and state.seen == T
 
