@@ -10,52 +10,48 @@ from hybrid_scale.attention import naive
 from hybrid_scale.attention.naive import EPS, MODES
 
 
+def loop_query(q, k, v, fq, fk, gamma, window, mode, sinks, b, h, kh, n, real):
+    """y for query n (real index) of row b, head h, from scalar loops over the formula alone."""
+    D = q.shape[-1]
+    s = 1 / math.sqrt(D)
+    pn = real[n]
+    keys = list(enumerate(real[: n + 1]))  # (real index j, position) for every j <= n
+
+    def score(pj):
+        return s * sum(float(q[b, h, pn, d]) * float(k[b, kh, pj, d]) for d in range(D))
+
+    def lin(pj):
+        return sum(float(fq[b, h, pn, f]) * float(fk[b, kh, pj, f]) for f in range(fq.shape[-1]))
+
+    terms = []  # (weight, position of the key)
+    if mode in ("hybrid", "swa_only"):
+        win = [pj for j, pj in keys if n - window < j]
+        c = max(score(pj) for pj in win)
+        terms += [(float(gamma[h]) * math.exp(score(pj) - c), pj) for pj in win]
+    if mode == "hybrid":
+        terms += [(lin(pj), pj) for j, pj in keys if j <= n - window]
+    if mode == "la_only":
+        terms += [(lin(pj), pj) for _, pj in keys]
+    if mode == "sinks_only":
+        sink = [pj for j, pj in keys if j < sinks]
+        c = max(score(pj) for pj in sink)
+        terms += [(math.exp(score(pj) - c), pj) for pj in sink]
+    if mode == "none":
+        return [0.0] * D
+    den = sum(w for w, _ in terms)
+    return [sum(w * float(v[b, kh, pj, d]) for w, pj in terms) / (den + EPS) for d in range(D)]
+
+
 def loop_reference(q, k, v, fq, fk, gamma, window, mode, sinks, mask):
-    """Scalar loops, written from the formula alone."""
     B, H, T, D = q.shape
     group = H // k.shape[1]
-    s = 1 / math.sqrt(D)
     y = torch.zeros_like(q)
     for b in range(B):
         real = [t for t in range(T) if mask[b, t]]  # positions of real tokens, in order
         for h in range(H):
-            kh = h // group
-            for n, pn in enumerate(real):  # n = real index of the query, pn its position
-                keys = list(enumerate(real[: n + 1]))  # (real index j, position) for j <= n
-                num = [0.0] * D
-                den = 0.0
-
-                def add(weight, pj):
-                    nonlocal den
-                    den += weight
-                    for d in range(D):
-                        num[d] += weight * float(v[b, kh, pj, d])
-
-                def score(pj):
-                    return s * sum(float(q[b, h, pn, d]) * float(k[b, kh, pj, d]) for d in range(D))
-
-                def lin(pj):
-                    return sum(float(fq[b, h, pn, f]) * float(fk[b, kh, pj, f]) for f in range(fq.shape[-1]))
-
-                if mode in ("hybrid", "swa_only"):
-                    win = [pj for j, pj in keys if n - window < j]
-                    c = max(score(pj) for pj in win)
-                    for pj in win:
-                        add(float(gamma[h]) * math.exp(score(pj) - c), pj)
-                if mode == "hybrid":
-                    for j, pj in keys:
-                        if j <= n - window:
-                            add(lin(pj), pj)
-                if mode == "la_only":
-                    for _, pj in keys:
-                        add(lin(pj), pj)
-                if mode == "sinks_only":
-                    sink = [pj for j, pj in keys if j < sinks]
-                    c = max(score(pj) for pj in sink)
-                    for pj in sink:
-                        add(math.exp(score(pj) - c), pj)
-                for d in range(D):
-                    y[b, h, pn, d] = num[d] / (den + EPS) if mode != "none" else 0.0
+            for n, pn in enumerate(real):
+                out = loop_query(q, k, v, fq, fk, gamma, window, mode, sinks, b, h, h // group, n, real)
+                y[b, h, pn] = torch.tensor(out, dtype=y.dtype)
     return y
 
 
