@@ -49,6 +49,9 @@ def _sinks(q, k, v, sinks, scale):
     return torch.einsum("bhgts,bhsd->bhgtd", e, v[:, :, :S]) / (e.sum(-1, keepdim=True) + EPS)
 
 
+GROUP_TOKENS = 4096  # queries processed together: bounds the working set so time stays linear in T
+
+
 def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state):
     """hybrid / swa_only / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F], k/v/fk [B,Hkv,T,*]."""
     T = q.shape[-2]
@@ -56,52 +59,57 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state):
     nb = -(-T // chunk)
     Tp = nb * chunk
     span = w + chunk - 1
+    softmax, linear = mode in ("hybrid", "swa_only"), mode in ("hybrid", "la_only")
 
     def blocks(x):  # [..., T, d] -> [..., nb, C, d]
         x = F.pad(x, (0, 0, 0, Tp - T))
         return x.reshape(*x.shape[:-2], nb, chunk, x.shape[-1])
 
-    def spans(x):  # [B,Hkv,T,d] -> [B,Hkv,nb,span,d]; padded keys, block b covers [bC, bC+span)
+    def spans(x):  # [B,Hkv,T,d] -> [B,Hkv,nb,span,d] (a view); padded keys, block b covers [bC, bC+span)
         x = F.pad(x, (0, 0, w - 1, Tp - T))
         return x.unfold(2, span, chunk).transpose(-1, -2)
 
-    qb, fqb = blocks(q), blocks(fq)
-    ks, vs = spans(k), spans(v)
+    qb, fqb, ks, vs = blocks(q), blocks(fq), spans(k), spans(v)
     i = torch.arange(chunk, device=q.device)[:, None]
     s = torch.arange(span, device=q.device)[None, :]
-    d = s - i  # key j = n + d - (w - 1): window iff 0 <= d <= w-1, left the window iff d < 0
-    j = torch.arange(nb, device=q.device)[:, None, None] * chunk - (w - 1) + s  # [nb, 1, span]
-    exists = j >= 0
-
-    num = torch.zeros_like(qb[..., : v.shape[-1]])
-    den = torch.zeros_like(qb[..., :1])
-    if mode in ("hybrid", "swa_only"):
-        soft = exists & (d >= 0) & (d <= w - 1)
-        a = scale * torch.einsum("bhgncd,bhnsd->bhgncs", qb, ks)
-        c = torch.where(soft, a, float("-inf")).amax(-1, keepdim=True)
-        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-        e = gamma.view(*gamma.shape, 1, 1, 1) * torch.exp(torch.where(soft, a - c, float("-inf")))
-        num = num + torch.einsum("bhgncs,bhnsd->bhgncd", e, vs)
-        den = den + e.sum(-1, keepdim=True)
-    if mode in ("hybrid", "la_only"):
-        lin_ok = exists & ((d < 0) if mode == "hybrid" else (d <= w - 1))
+    d = s - i  # key j = n + d - (w - 1): in the window iff 0 <= d <= w-1, left it iff d < 0
+    exists = torch.arange(nb, device=q.device)[:, None, None] * chunk - (w - 1) + s >= 0  # [nb, 1, span]
+    soft_ok = (d >= 0) & (d <= w - 1)
+    lin_ok = (d < 0) if mode == "hybrid" else (d <= w - 1)
+    if linear:
         fks = spans(fk)
-        lin = torch.where(lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqb, fks), 0.0)
-        num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vs)
-        den = den + lin.sum(-1, keepdim=True)
-        # state of block b: padded keys [0, bC), i.e. real keys j <= bC - w
-        fk_pad = F.pad(fk, (0, 0, w - 1, Tp))[:, :, :Tp]
-        v_pad = F.pad(v, (0, 0, w - 1, Tp))[:, :, :Tp]
-        fk_c = fk_pad.reshape(*fk_pad.shape[:2], nb, chunk, -1)
-        v_c = v_pad.reshape(*v_pad.shape[:2], nb, chunk, -1)
+        # state of block b: padded keys [0, bC), i.e. real keys j <= bC - w; exclusive cumsum over chunks
+        fk_c = F.pad(fk, (0, 0, w - 1, Tp))[:, :, :Tp].reshape(*fk.shape[:2], nb, chunk, -1)
+        v_c = F.pad(v, (0, 0, w - 1, Tp))[:, :, :Tp].reshape(*v.shape[:2], nb, chunk, -1)
         kv = _exclusive_cumsum(torch.einsum("bhncf,bhncd->bhnfd", fk_c, v_c))
         ksum = _exclusive_cumsum(fk_c.sum(3))
         if state is not None:
             kv = kv + state[0].to(kv.dtype)[:, :, None]
             ksum = ksum + state[1].to(ksum.dtype)[:, :, None]
-        num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqb, kv)
-        den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqb, ksum).unsqueeze(-1)
-    y = num / (den + EPS)
+
+    outs = []
+    step = max(1, GROUP_TOKENS // chunk)
+    for g0 in range(0, nb, step):
+        sl = slice(g0, g0 + step)
+        qg, fqg, vg = qb[:, :, :, sl], fqb[:, :, :, sl], vs[:, :, sl]
+        num = torch.zeros_like(qg[..., : v.shape[-1]])
+        den = torch.zeros_like(qg[..., :1])
+        if softmax:
+            ok = exists[sl] & soft_ok
+            a = scale * torch.einsum("bhgncd,bhnsd->bhgncs", qg, ks[:, :, sl])
+            c = torch.where(ok, a, float("-inf")).amax(-1, keepdim=True)
+            c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+            e = gamma.view(*gamma.shape, 1, 1, 1) * torch.exp(torch.where(ok, a - c, float("-inf")))
+            num = num + torch.einsum("bhgncs,bhnsd->bhgncd", e, vg)
+            den = den + e.sum(-1, keepdim=True)
+        if linear:
+            lin = torch.where(exists[sl] & lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqg, fks[:, :, sl]), 0.0)
+            num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
+            den = den + lin.sum(-1, keepdim=True)
+            num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv[:, :, sl])
+            den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum[:, :, sl]).unsqueeze(-1)
+        outs.append(num / (den + EPS))
+    y = torch.cat(outs, dim=3)
     return y.reshape(*y.shape[:3], Tp, y.shape[-1])[..., :T, :]
 
 

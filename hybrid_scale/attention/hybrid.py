@@ -265,8 +265,12 @@ def prepare_inputs(decoder: nn.Module, args, kwargs):
         kwargs["cache"] = kwargs.pop("past_key_values")
     cache = kwargs.get("cache")
     use_cache = kwargs.get("use_cache")
-    if use_cache is None:
-        use_cache = getattr(decoder.config, "use_cache", False)
+    training = decoder.training and torch.is_grad_enabled()
+    if use_cache is None:  # as transformers would default it, but no decode state is built while training
+        use_cache = getattr(decoder.config, "use_cache", False) and not training
+    if use_cache and training and getattr(decoder, "gradient_checkpointing", False):
+        use_cache = False  # a recomputed layer would extend the state twice
+    kwargs["use_cache"] = bool(use_cache)
     if use_cache and (cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)):
         kwargs["cache"] = cache = HybridCache(decoder)
     if cache is not None and not isinstance(cache, HybridCache):

@@ -106,7 +106,7 @@ def test_generate_without_cache_and_beam_search():
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     out = model.generate(ids, return_dict_in_generate=True, **kw)
-    assert isinstance(out.past_key_values, HybridCache)
+    assert isinstance(out.cache, HybridCache)
     assert torch.equal(out.sequences, model.generate(ids, use_cache=False, **kw))
     beams = model.generate(ids, num_beams=3, **kw)
     assert torch.equal(beams, model.generate(ids, num_beams=3, use_cache=False, **kw))
@@ -126,7 +126,7 @@ def test_decode_cache_bytes_do_not_grow():
     for new in (10, 200):
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
         assert out.sequences.shape[1] == 5 + new
-        assert out.past_key_values.nbytes == expect
+        assert out.cache.nbytes == expect
 
 
 def test_save_and_load_converted_gives_identical_logits(tmp_path):
@@ -197,3 +197,23 @@ def test_components_restores_modes():
             logits(model, torch.ones(1, 3, dtype=torch.long))[0, 1],
         )  # no attention: no context
     assert hs.get_modes(model) == {0: "la_only", 1: "hybrid"}
+
+
+def test_training_builds_no_cache_and_gradient_checkpointing_matches():
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for checkpointing in (False, True):
+        model = perturb_hybrid(
+            hs.convert_model(tiny_model("llama"), hs.load_config(overrides=["attention.window=5"]).attention)
+        )
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        out = model(ids, labels=ids)
+        assert out.cache is None
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "feature_map" in n or "q_proj" in n})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 10  # 2 layers x (q_proj, phi_q w/b, phi_k w/b)
+    for name, g in grads[0].items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7)

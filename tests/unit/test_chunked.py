@@ -60,3 +60,18 @@ def test_bad_window_is_a_clear_error():
         chunked.hybrid_attention(**x, window=0)
     with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
         chunked.hybrid_attention(**x, window=2, mode="mixed")
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only", "swa_only"])
+def test_block_groups_equal_naive(monkeypatch, mode):
+    """Long inputs are processed a group of blocks at a time; group edges must not change anything."""
+    monkeypatch.setattr(chunked, "GROUP_TOKENS", 32)  # 2 blocks of 16 per group, 7 groups
+    x = attention_inputs(B=2, H=4, Hkv=2, T=100, D=8, F=6, requires_grad=True, seed=11)
+    for window in (5, 40):
+        y_ref, g_ref = run(naive.hybrid_attention, x, window=window, mode=mode, attention_mask=padding_mask(100))
+        y, g = run(
+            chunked.hybrid_attention, x, window=window, mode=mode, attention_mask=padding_mask(100), chunk_size=16
+        )
+        torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-11)
+        for n in NAMES:
+            torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=f"grad of {n}")

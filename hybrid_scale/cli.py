@@ -1,0 +1,75 @@
+"""`hybrid-scale`: a thin command line over the library. Each subcommand takes a config file and key=value overrides."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .config import ConfigError, load_config
+from .models.convert import UnsupportedArchitectureError
+from .models.converted import ConvertedModelError
+
+
+def cmd_config(args) -> int:
+    """Print the resolved, validated config."""
+    print(OmegaConf.to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """Convert model.path with the `attention` section; write a converted model to {run_dir}/converted."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .models.convert import convert_model
+    from .models.converted import save_converted
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.path is None:
+        raise ConfigError("config key 'model.path' is not set: pass model.path=/path/to/a/local/hf/model")
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"config key 'model.path': {path} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype), local_files_only=True)
+    convert_model(model, cfg.attention)
+    out = save_converted(model, Path(cfg.run_dir) / "converted", base_path=path)
+    print(f"converted model written to {out} (base weights referenced from {path.resolve()})")
+    return 0
+
+
+def cmd_quickstart(args) -> int:
+    from .quickstart import main
+
+    return main(args.run_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-scale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn in (("config", cmd_config), ("convert", cmd_convert)):
+        p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
+        p.add_argument("config", nargs="?", help="YAML config file (optional)")
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. attention.window=32")
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("quickstart", help="run the demo on the embedded default")
+    p.add_argument("--run-dir", default="runs/quickstart")
+    p.set_defaults(fn=cmd_quickstart)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "config", None) and "=" in args.config:  # only overrides were given
+        args.overrides, args.config = [args.config, *args.overrides], None
+    try:
+        return args.fn(args)
+    except (ConfigError, ConvertedModelError, UnsupportedArchitectureError, FileNotFoundError) as e:
+        print(f"hybrid-scale {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+import subprocess
+import sys
+
+import torch
+from conftest import tiny_model
+
+import hybrid_scale as hs
+from hybrid_scale.cli import main
+
+
+def test_config_prints_resolved_values_and_rejects_bad_keys(capsys):
+    assert main(["config", "attention.window=32"]) == 0
+    assert "window: 32" in capsys.readouterr().out
+    assert main(["config", "attention.windo=32"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "hybrid-scale config: error: config key 'attention.windo' is not known; allowed here: "
+        "window, feature_map, feature_dim, gamma_init, sinks, mode, layers, chunk_size"
+    )
+
+
+def test_convert_writes_a_loadable_converted_model(tmp_path, capsys):
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    code = main(["convert", f"model.path={tmp_path / 'base'}", f"run_dir={tmp_path / 'run'}", "attention.window=4"])
+    assert code == 0, capsys.readouterr().err
+    model = hs.load_converted(tmp_path / "run" / "converted", dtype=torch.float32)
+    assert [m.window for m in model.modules() if isinstance(m, hs.HybridAttention)] == [4, 4]
+    assert main(["convert", f"run_dir={tmp_path}"]) == 2
+    assert "config key 'model.path' is not set" in capsys.readouterr().err
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "hybrid_scale.cli", "config", "seed=7"], capture_output=True, text=True)
+    assert out.returncode == 0 and "seed: 7" in out.stdout
