@@ -114,6 +114,10 @@ def extend(
             f"this cache was built for window {state.window}, the layer now has window {window}; "
             "a live cache cannot change window: start a new cache"
         )
+    if sinks != state.sink_k.shape[2]:
+        raise ValueError(
+            f"this cache keeps {state.sink_k.shape[2]} sinks, the layer now has {sinks}; start a new cache"
+        )
     B, _, T, _ = q.shape
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.bool()
     R, S = state.ring, state.sink_k.shape[2]

@@ -32,3 +32,18 @@ def test_convert_writes_a_loadable_converted_model(tmp_path, capsys):
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "hybrid_scale.cli", "config", "seed=7"], capture_output=True, text=True)
     assert out.returncode == 0 and "seed: 7" in out.stdout
+
+
+def test_quickstart_demo_checks_pass(tmp_path, capsys):
+    from hybrid_scale import quickstart
+
+    assert quickstart.main(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "RANDOM" in out
+    rows = [line.strip().rsplit("  ", 1) for line in out.splitlines() if line.startswith("  ")]
+    values = {key.strip(): value.strip() for key, value in rows}
+    assert float(values["hybrid(w=16) vs base, positions >= w"]) > 1e-3  # LA changes the output beyond the window
+    assert float(values["hybrid(w=16) vs base, positions < w"]) < 1e-4  # and nothing before it
+    ten, two_hundred = values["cache bytes after 10 / 200 generated tokens"].split(" / ")
+    assert ten == two_hundred
+    assert (tmp_path / "converted" / "hybrid_params.safetensors").is_file()

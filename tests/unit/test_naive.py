@@ -68,12 +68,26 @@ def masks(T):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("window", [1, 3, 20])
-@pytest.mark.parametrize("padding", ["none", "left", "mixed"])
+@pytest.mark.parametrize("padding", ["none", "left", "right", "mixed"])
 def test_naive_matches_loops(mode, window, padding):
     x = attention_inputs(T=12)
     mask = masks(12)[padding]
     got = naive.hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
     ref = loop_reference(**x, window=window, mode=mode, sinks=3, mask=torch.ones(2, 12) if mask is None else mask)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only"])
+def test_naive_matches_loops_with_all_zero_relu_feature_rows(mode):
+    x = attention_inputs(T=12)
+    x["fq"] = torch.relu(torch.randn(x["fq"].shape, dtype=x["fq"].dtype))
+    x["fk"] = torch.relu(torch.randn(x["fk"].shape, dtype=x["fk"].dtype))
+    x["fq"][:, :, ::3] = 0  # all-zero query feature rows
+    x["fk"][:, :, 1::4] = 0  # all-zero key feature rows
+    mask = masks(12)["mixed"]
+    got = naive.hybrid_attention(**x, window=2, mode=mode, attention_mask=mask)
+    ref = loop_reference(**x, window=2, mode=mode, sinks=8, mask=mask)
+    assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 

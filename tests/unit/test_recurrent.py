@@ -45,6 +45,8 @@ def test_state_size_is_constant_and_window_is_fixed():
     assert state.nbytes == size
     with pytest.raises(ValueError, match="a live cache cannot change window"):
         recurrent.extend(state, **slices(x, 0, 1), window=8, sinks=4)
+    with pytest.raises(ValueError, match="this cache keeps 4 sinks, the layer now has 2"):
+        recurrent.extend(state, **slices(x, 0, 1), window=16, sinks=2)
 
 
 def test_overflowing_a_short_ring_is_an_error():
