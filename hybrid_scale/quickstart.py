@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .attention.hybrid import HybridCache
+from .attention.hybrid import HybridCache, hybrid_layers
 from .models.convert import components, convert_model
 from .models.converted import load_converted, save_converted
 
@@ -45,14 +45,13 @@ def run(run_dir: str | Path = "runs/quickstart", window: int = 16, seq_len: int 
     convert_model(model, {"window": window, "sinks": 4})
     results = {"convert_s": time.perf_counter() - t0}
 
-    for m in model.modules():  # the window covers the whole input: swa_only must be the base model
-        if hasattr(m, "window") and hasattr(m, "feature_map_q"):
-            m.window = seq_len
+    layers = hybrid_layers(model).values()
+    for m in layers:  # the window covers the whole input: swa_only must be the base model
+        m.window = seq_len
     with components(model, "swa_only"):
         results["swa_only(w>=T) vs base, max |dlogit|"] = (_logits(model, ids) - base).abs().max().item()
-    for m in model.modules():
-        if hasattr(m, "feature_map_q"):
-            m.window = window
+    for m in layers:
+        m.window = window
     hybrid = _logits(model, ids)
     results[f"hybrid(w={window}) vs base, positions < w"] = (hybrid[:, :window] - base[:, :window]).abs().max().item()
     results[f"hybrid(w={window}) vs base, positions >= w"] = (hybrid[:, window:] - base[:, window:]).abs().max().item()

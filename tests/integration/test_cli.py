@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from conftest import tiny_model
@@ -30,7 +31,8 @@ def test_convert_writes_a_loadable_converted_model(tmp_path, capsys):
 
 
 def test_console_script_entry_point():
-    out = subprocess.run([sys.executable, "-m", "hybrid_scale.cli", "config", "seed=7"], capture_output=True, text=True)
+    script = Path(sys.executable).parent / "hybrid-scale"  # installed by `pip install -e .` (make install)
+    out = subprocess.run([str(script), "config", "seed=7"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "seed: 7" in out.stdout
 
 
