@@ -144,7 +144,7 @@ class HybridCacheLayer(CacheLayerMixin):
     def __init__(self, window: int, sinks: int, max_length: int | None = None):
         super().__init__()
         self.window, self.sinks = window, sinks
-        self.ring = window if max_length is None else min(window, max_length)
+        self.capacity = window if max_length is None else min(window, max_length)
         self.state: recurrent.DecodeState | None = None
 
     def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
@@ -156,7 +156,7 @@ class HybridCacheLayer(CacheLayerMixin):
                 )
             B, Hkv, _, D = k.shape
             self.state = recurrent.DecodeState.empty(
-                B, Hkv, D, v.shape[-1], fk.shape[-1], self.ring, self.sinks, self.window, k.dtype, k.device
+                B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
             )
             self.is_initialized = True
         return recurrent.extend(
@@ -231,7 +231,7 @@ def hybrid_layers(model: nn.Module) -> dict[int, HybridAttention]:
 
 class HybridCache(Cache):
     """Cache of a converted model: HybridCacheLayer for converted layers, DynamicLayer for softmax ones.
-    max_length (optional) caps the ring at min(window, max_length)."""
+    The ring of each layer grows with use up to min(window, max_length) (max_length optional)."""
 
     def __init__(self, model: nn.Module, max_length: int | None = None):
         hybrid = hybrid_layers(model)

@@ -1,8 +1,9 @@
 """Constant-memory decoding state for one hybrid layer, and extension by any number of new tokens.
 
 Per layer and KV head the state holds
-  * a ring buffer of the last R = min(window, max_length) real keys/values (and their phi_k), real token r in slot
-    r mod R;
+  * a ring buffer of the last R real keys/values (and their phi_k), real token r in slot r mod R; R grows (doubling)
+    with the tokens seen up to its capacity min(window, max_length) and then stays: short inputs pay for what they
+    use, long ones hold exactly the window;
   * the linear-attention state sum phi_k(k) v^T and sum phi_k(k) of every key that has left the ring (fp32), kept in
     every mode so the mode can change between calls;
   * the first S real keys/values (sinks_only);
@@ -37,9 +38,10 @@ class DecodeState:
     count: torch.Tensor  # [B] real tokens seen
     seen: int = 0  # positions seen, padding included
     window: int = 0  # the window this state was built for
+    capacity: int = 0  # the most the ring may hold: min(window, max_length)
 
     @classmethod
-    def empty(cls, batch, kv_heads, head_dim, value_dim, feature_dim, ring, sinks, window, dtype, device):
+    def empty(cls, batch, kv_heads, head_dim, value_dim, feature_dim, capacity, sinks, window, dtype, device, ring=0):
         acc = torch.promote_types(dtype, torch.float32)
 
         def z(*shape, dt=dtype):
@@ -48,13 +50,14 @@ class DecodeState:
         return cls(
             k=z(batch, kv_heads, ring, head_dim),
             v=z(batch, kv_heads, ring, value_dim),
-            fk=z(batch, kv_heads, ring, feature_dim, dt=acc),
+            fk=z(batch, kv_heads, ring, feature_dim, dt=acc),  # ring starts empty unless asked and grows
             sink_k=z(batch, kv_heads, sinks, head_dim),
             sink_v=z(batch, kv_heads, sinks, value_dim),
             kv=z(batch, kv_heads, feature_dim, value_dim, dt=acc),
             ksum=z(batch, kv_heads, feature_dim, dt=acc),
             count=torch.zeros(batch, dtype=torch.long, device=device),
             window=window,
+            capacity=min(capacity, window),
         )
 
     @property
@@ -75,9 +78,20 @@ class DecodeState:
             if isinstance(value, torch.Tensor):
                 setattr(self, f.name, fn(value))
 
+    def grow(self, size: int) -> None:
+        """Re-lay the ring out for `size` slots (larger than now); every held key keeps its place r mod size."""
+        pos = self.ring_positions()
+        slot = torch.where(pos >= 0, torch.remainder(pos, size), size)
+        for name in ("k", "v", "fk"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], size, old.shape[-1])
+            setattr(self, name, _scatter_slots(new, slot, old))
+
     def ring_positions(self) -> torch.Tensor:
         """Real-token index held by each ring slot, -1 where empty. [B, R]."""
         R = self.ring
+        if R == 0:
+            return self.count.new_zeros(self.count.shape[0], 0)
         last = self.count[:, None] - 1
         pos = last - torch.remainder(last - torch.arange(R, device=self.count.device), R)
         return torch.where(pos >= 0, pos, -1)
@@ -120,13 +134,16 @@ def extend(
         )
     B, _, T, _ = q.shape
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.bool()
-    R, S = state.ring, state.sink_k.shape[2]
     new_count = state.count + real.sum(-1)
-    if R < window and int(new_count.max()) > R:
+    needed = int(new_count.max())
+    if needed > state.ring and state.ring < state.capacity:
+        state.grow(min(state.capacity, max(needed, 2 * state.ring)))
+    if needed > state.capacity and state.capacity < window:
         raise ValueError(
-            f"the cache holds at most {R} tokens (max_length) but this call brings a row to {int(new_count.max())}; "
+            f"the cache holds at most {state.capacity} tokens (max_length) but this call brings a row to {needed}; "
             "create the cache with a larger max_length"
         )
+    R, S = state.ring, state.sink_k.shape[2]
     pos_new = torch.where(real, state.count[:, None] + real.long().cumsum(-1) - 1, -1)
     pos_ring = state.ring_positions()
     acc = compute_dtype(q)

@@ -38,10 +38,13 @@ def test_extensions_equal_full(mode, window):
 def test_state_size_is_constant_and_window_is_fixed():
     x = attention_inputs(B=1, T=300, D=8, F=6, dtype=torch.float32)
     state = recurrent.DecodeState.empty(1, 2, 8, 8, 6, 16, 4, 16, torch.float32, "cpu")
-    recurrent.extend(state, **slices(x, 0, 10), window=16, sinks=4)
-    size = state.nbytes
-    for t in range(10, 300):
+    rings = []
+    for t in range(0, 300):
         recurrent.extend(state, **slices(x, t, t + 1), window=16, sinks=4)
+        rings.append(state.ring)
+    assert rings[:3] == [1, 2, 4] and rings[8] == 16 and set(rings[15:]) == {16}  # grows by doubling, up to w
+    size = state.nbytes
+    recurrent.extend(state, **slices(x, 0, 5), window=16, sinks=4)
     assert state.nbytes == size
     with pytest.raises(ValueError, match="a live cache cannot change window"):
         recurrent.extend(state, **slices(x, 0, 1), window=8, sinks=4)

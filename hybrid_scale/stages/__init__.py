@@ -1,0 +1,1 @@
+"""Stages: plain functions over a config and a run directory."""
