@@ -18,7 +18,7 @@ import math
 import torch
 
 MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none")
-EPS = 1e-6  # the one denominator eps shared by every path
+EPS = 1e-12  # the one denominator eps shared by every path (only guards 0/0: all-zero feature rows)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
