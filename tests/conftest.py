@@ -84,3 +84,23 @@ def attention_inputs(B=2, H=4, Hkv=2, T=12, D=4, F=3, dtype=torch.float64, seed=
 @pytest.fixture
 def tiny():
     return tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default, prepared once (converted from the installed packages on a fresh machine)."""
+    from hybrid_scale.data import assets
+
+    return assets.prepare()
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm_vocab(smollm2, tmp_path_factory):
+    """A tiny random Llama that uses SmolLM2's tokenizer, saved as a local HF directory."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_vocab")
+    model = tiny_model("llama", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(path)
+    return path

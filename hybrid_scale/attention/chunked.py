@@ -52,7 +52,7 @@ def _sinks(q, k, v, sinks, scale):
 GROUP_TOKENS = 4096  # queries processed together: bounds the working set so time stays linear in T
 
 
-def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state):
+def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False):
     """hybrid / swa_only / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F], k/v/fk [B,Hkv,T,*]."""
     T = q.shape[-2]
     w = min(window, T)  # a window >= T makes P(n) empty: identical to w = T
@@ -87,13 +87,14 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state):
             kv = kv + state[0].to(kv.dtype)[:, :, None]
             ksum = ksum + state[1].to(ksum.dtype)[:, :, None]
 
-    outs = []
+    outs, soft_den, lin_den = [], [], []
     step = max(1, GROUP_TOKENS // chunk)
     for g0 in range(0, nb, step):
         sl = slice(g0, g0 + step)
         qg, fqg, vg = qb[:, :, :, sl], fqb[:, :, :, sl], vs[:, :, sl]
         num = torch.zeros_like(qg[..., : v.shape[-1]])
         den = torch.zeros_like(qg[..., :1])
+        den_soft = den
         if softmax:
             ok = exists[sl] & soft_ok
             a = scale * torch.einsum("bhgncd,bhnsd->bhgncs", qg, ks[:, :, sl])
@@ -102,6 +103,7 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state):
             e = gamma.view(*gamma.shape, 1, 1, 1) * torch.exp(torch.where(ok, a - c, float("-inf")))
             num = num + torch.einsum("bhgncs,bhnsd->bhgncd", e, vg)
             den = den + e.sum(-1, keepdim=True)
+            den_soft = den
         if linear:
             lin = torch.where(exists[sl] & lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqg, fks[:, :, sl]), 0.0)
             num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
@@ -109,8 +111,17 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state):
             num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv[:, :, sl])
             den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum[:, :, sl]).unsqueeze(-1)
         outs.append(num / (den + EPS))
-    y = torch.cat(outs, dim=3)
-    return y.reshape(*y.shape[:3], Tp, y.shape[-1])[..., :T, :]
+        if parts:
+            soft_den.append(den_soft)
+            lin_den.append(den - den_soft)
+
+    def unblock(chunks):
+        y = torch.cat(chunks, dim=3)
+        return y.reshape(*y.shape[:3], Tp, y.shape[-1])[..., :T, :]
+
+    if parts:
+        return unblock(outs), unblock(soft_den)[..., 0], unblock(lin_den)[..., 0]
+    return unblock(outs)
 
 
 def hybrid_attention(
@@ -127,9 +138,12 @@ def hybrid_attention(
     scale=None,
     chunk_size=64,
     initial_state=None,
-) -> torch.Tensor:
+    return_denominators=False,
+):
     """Same contract as naive.hybrid_attention, plus chunk_size and an optional initial LA state
-    (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension)."""
+    (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension).
+    With return_denominators (hybrid / swa_only / la_only, no padding): (y, sum of E [B,H,T], sum of L [B,H,T]),
+    the two parts of the shared normaliser, for the LA-share diagnostic."""
     check_mode(mode)
     if window < 1 or chunk_size < 1:
         raise ValueError(f"window and chunk_size must be >= 1, got window={window}, chunk_size={chunk_size}")
@@ -148,11 +162,16 @@ def hybrid_attention(
         q, k, v, fq, fk = (gather_time(t, order) for t in (q, k, v, fq, fk))
     q = q.reshape(B, Hkv, H // Hkv, T, D)
     fq = fq.reshape(B, Hkv, H // Hkv, T, fq.shape[-1])
+    if return_denominators and (packed or mode == "sinks_only"):
+        raise ValueError("return_denominators needs an unpadded input in hybrid, swa_only or la_only mode")
     if mode == "sinks_only":
         y = _sinks(q, k, v, sinks, scale)
     else:
         g = gamma.to(q.dtype).view(Hkv, H // Hkv)
-        y = _windowed(q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state)
+        y = _windowed(q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators)
+        if return_denominators:
+            y, den_soft, den_lin = y
+            return (y.reshape(B, H, T, -1).to(out_dtype), den_soft.reshape(B, H, T), den_lin.reshape(B, H, T))
     y = y.reshape(B, H, T, -1)
     if packed:
         y = gather_time(y, inverse)

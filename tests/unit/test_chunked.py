@@ -75,3 +75,19 @@ def test_block_groups_equal_naive(monkeypatch, mode):
         torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-11)
         for n in NAMES:
             torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=f"grad of {n}")
+
+
+def test_denominator_parts_match_the_formula():
+    """sum E and sum L, the two parts of the shared normaliser, against dense sums from the naive masks."""
+    x = attention_inputs(B=1, H=4, Hkv=2, T=30, D=8, F=6, seed=3)
+    y, soft, lin = chunked.hybrid_attention(**x, window=5, mode="hybrid", chunk_size=8, return_denominators=True)
+    torch.testing.assert_close(y, naive.hybrid_attention(**x, window=5, mode="hybrid"))
+    q, k, fq, fk = x["q"], x["k"].repeat_interleave(2, 1), x["fq"], x["fk"].repeat_interleave(2, 1)
+    a = q @ k.transpose(-1, -2) / 8**0.5
+    n, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
+    win, past = (j <= n) & (j > n - 5), j <= n - 5
+    c = a.masked_fill(~win, float("-inf")).amax(-1, keepdim=True)
+    e = x["gamma"].view(1, 4, 1, 1) * torch.exp(a - c).masked_fill(~win, 0)
+    torch.testing.assert_close(soft, e.sum(-1))
+    torch.testing.assert_close(lin, (fq @ fk.transpose(-1, -2)).masked_fill(~past, 0).sum(-1))
+    assert torch.equal(lin[..., :5], torch.zeros_like(lin[..., :5])) and (lin[..., 5:] > 0).all()

@@ -1,0 +1,212 @@
+"""Component-ablation evaluation: the same model with each attention component on or off, on the paper's tasks,
+plus perplexity by position bucket, the LA share, the paired-bootstrap deltas and the verdict.
+
+`evaluate(cfg)` reads the config's `eval` section, writes {out_dir}/results.json, table.md and PNGs (rank 0), and
+returns the results. Under torchrun the batches are sharded over ranks (see loglik); the numbers do not depend on
+the number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from ..attention.hybrid import hybrid_layers
+from ..config import ConfigError
+from ..data import assets, benchmarks
+from ..dist import runtime
+from ..models.convert import convert_model, set_modes
+from ..models.converted import CONFIG_NAME, load_converted, read_hybrid_config
+from . import balance, loglik, report
+
+BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
+
+
+def resolve_model(cfg) -> tuple[Path, bool]:
+    """(path, is_converted) of the model to evaluate: eval.model, else model.path, else the embedded default."""
+    path = cfg.eval.model or cfg.model.path
+    path = Path(path) if path else assets.require().model
+    if not path.exists():
+        raise ConfigError(f"config key 'eval.model': {path} does not exist")
+    converted = (path / CONFIG_NAME).is_file()
+    if not converted and not (path / "config.json").is_file():
+        raise ConfigError(f"config key 'eval.model': {path} is neither a Hugging Face model nor a converted model")
+    return path, converted
+
+
+def _base_path(path: Path, converted: bool) -> Path:
+    if not converted:
+        return path
+    ref = read_hybrid_config(path)["base_model"]
+    return path if ref == "." else Path(ref)
+
+
+class Models:
+    """The base model and the converted model, each loaded once, on demand."""
+
+    def __init__(self, cfg, path: Path, converted: bool, device):
+        self.cfg, self.path, self.converted, self.device = cfg, path, converted, device
+        self.dtype = getattr(torch, cfg.model.dtype)
+        self._base = self._hybrid = None
+        self.untrained = not converted
+
+    def _load_base(self):
+        from transformers import AutoModelForCausalLM
+
+        path = _base_path(self.path, self.converted)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
+        return model.to(self.device).eval()
+
+    def get(self, mode: str):
+        if mode == "base":
+            if self._base is None:
+                self._base = self._load_base()
+            return self._base
+        if self._hybrid is None:
+            if self.converted:
+                self._hybrid = load_converted(self.path, dtype=self.dtype, device=self.device)
+            else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
+                self._hybrid = convert_model(self._load_base(), self.cfg.attention)
+            if self.cfg.eval.window is not None:
+                for m in hybrid_layers(self._hybrid).values():
+                    m.window = self.cfg.eval.window
+        set_modes(self._hybrid, mode)
+        return self._hybrid
+
+    def window(self) -> int:
+        if self.cfg.eval.window is not None:
+            return self.cfg.eval.window
+        if self.converted:
+            return read_hybrid_config(self.path)["attention"]["window"]
+        return self.cfg.attention.window
+
+
+def _heldout_sequences(tokenizer, cfg) -> torch.Tensor:
+    e = cfg.eval
+    path = Path(e.ppl_text) if e.ppl_text else assets.require().heldout_text
+    if not path.is_file():
+        raise ConfigError(f"config key 'eval.ppl_text': {path} does not exist")
+    ids = tokenizer.encode(path.read_text())
+    n = min(e.ppl_sequences, len(ids) // e.ppl_seq_len)
+    if n == 0 and e.ppl_sequences:
+        raise ConfigError(f"config key 'eval.ppl_text': {path} has {len(ids)} tokens, fewer than eval.ppl_seq_len")
+    return torch.tensor(ids[: n * e.ppl_seq_len]).view(n, e.ppl_seq_len)
+
+
+def evaluate(cfg) -> dict:
+    rt = runtime.init(cfg.model.device)
+    e = cfg.eval
+    benchmarks.check_tasks(e.tasks)
+    path, converted = resolve_model(cfg)
+    out_dir = Path(e.out_dir) if e.out_dir else Path(cfg.run_dir) / "eval"
+    data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(_base_path(path, converted), local_files_only=True)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    models = Models(cfg, path, converted, rt.device)
+    window = models.window()
+
+    items = {task: benchmarks.build(task, data_dir, e.limit) for task in e.tasks}
+    requests, spans = [], {}
+    for task, task_items in items.items():
+        for j, item in enumerate(task_items):
+            spans[(task, j)] = (len(requests), len(item.continuations))
+            requests += item.requests()
+    max_len = getattr(AutoConfig.from_pretrained(_base_path(path, converted)), "max_position_embeddings", 8192)
+    groups = loglik.make_groups(tokenizer, requests, max_len)
+    lengths = {r: (len(g.context), len(c)) for g in groups for r, c in zip(g.requests, g.continuations, strict=True)}
+
+    results = {
+        "model": str(path),
+        "converted": converted,
+        "untrained_feature_maps": not converted,
+        "window": window,
+        "world_size": rt.world,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "tasks": {},
+        "modes": {},
+        "timings_s": {},
+    }
+    for task, task_items in items.items():
+        reqs = [r for j in range(len(task_items)) for r in range(spans[(task, j)][0], sum(spans[(task, j)]))]
+        scored = [lengths[r] for r in reqs]
+        total = sum(k for _, k in scored)
+        beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
+        results["tasks"][task] = {"metric": benchmarks.REPORTED[task], "n": len(task_items), "beyond_window": beyond}
+
+    for mode in e.modes:
+        t0 = time.perf_counter()
+        model = models.get(mode)
+        mine = loglik.score(model, groups, e.batch_size, pad_id, rt, desc=f"{mode:>10}", progress=e.progress)
+        scores: dict[int, tuple[float, bool]] = {}
+        for part in runtime.gather_objects(rt, mine):
+            scores.update(part)
+        per_task = {}
+        for task, task_items in items.items():
+            lls, acc, acc_norm = [], [], []
+            for j, item in enumerate(task_items):
+                start, n = spans[(task, j)]
+                ll = [scores[r][0] for r in range(start, start + n)]
+                c = benchmarks.correct(item, ll)
+                lls.append(ll)
+                acc.append(c["acc"])
+                acc_norm.append(c["acc_norm"])
+            name = benchmarks.REPORTED[task]
+            per_item = acc if name == "acc" else acc_norm
+            value, stderr = benchmarks.mean_stderr(per_item)
+            per_task[task] = {
+                "metric": value,
+                "stderr": stderr,
+                "n": len(task_items),
+                "acc": sum(acc) / len(acc),
+                "acc_norm": sum(acc_norm) / len(acc_norm),
+                "correct": per_item,
+                "loglik": lls,
+            }
+        per_task["avg"] = sum(per_task[t]["metric"] for t in items) / len(items)
+        results["modes"][mode] = per_task
+        results["timings_s"][mode] = time.perf_counter() - t0
+    if "base" in results["modes"]:
+        base_avg = results["modes"]["base"]["avg"]
+        for r in results["modes"].values():
+            r["rec"] = 100.0 * r["avg"] / base_avg if base_avg else float("nan")
+
+    def correct_of(mode):
+        return {t: results["modes"][mode][t]["correct"] for t in items}
+
+    m = results["modes"]
+    if "hybrid" in m and "swa_only" in m:
+        results["delta_swa"] = balance.paired_bootstrap(
+            correct_of("hybrid"), correct_of("swa_only"), e.bootstrap, cfg.seed
+        )
+    if "la_only" in m and "none" in m:
+        results["delta_la"] = balance.paired_bootstrap(correct_of("la_only"), correct_of("none"), e.bootstrap, cfg.seed)
+        results["verdict"] = balance.verdict(results["delta_la"]["avg"], e.margin)
+
+    t0 = time.perf_counter()
+    if e.ppl_sequences and rt.main:
+        seqs = _heldout_sequences(tokenizer, cfg)
+        buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
+        results["perplexity"] = {
+            "seq_len": e.ppl_seq_len,
+            "sequences": len(seqs),
+            "by_mode": {mode: balance.perplexity_by_bucket(models.get(mode), seqs, buckets) for mode in e.modes},
+        }
+        if e.la_share_seq_len:
+            ids = seqs[:1, : e.la_share_seq_len]
+            share_buckets = [b for b in e.buckets if b < ids.shape[1]] + [ids.shape[1]]
+            results["la_share"] = balance.la_share(models.get("hybrid"), ids.to(rt.device), share_buckets)
+    results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
+
+    if rt.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out_dir / "table.md").write_text(report.table(results))
+        report.plots(results, out_dir)
+    runtime.barrier(rt)
+    return results

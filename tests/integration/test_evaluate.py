@@ -1,0 +1,168 @@
+"""Component-ablation evaluation on the embedded SmolLM2 (<= 50 items per task) and on a tiny model."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_scale.cli import main
+from hybrid_scale.config import load_config
+from hybrid_scale.stages.evaluate import evaluate
+
+LIMIT = 30
+
+
+@pytest.fixture(scope="module")
+def smollm2_eval(smollm2, tmp_path_factory):
+    """base, swa_only with a window longer than any item, and none, on PIQA and ARC-Easy."""
+    out = tmp_path_factory.mktemp("eval_smollm2")
+    cfg = load_config(
+        overrides=[
+            "eval.tasks=[piqa,arc_easy]",
+            f"eval.limit={LIMIT}",
+            "eval.modes=[base,swa_only,none]",
+            "eval.window=4096",
+            "eval.ppl_sequences=0",
+            f"eval.out_dir={out}",
+            "eval.progress=false",
+        ]
+    )
+    return evaluate(cfg)
+
+
+def test_swa_only_with_long_window_scores_exactly_the_base(smollm2_eval):
+    r = smollm2_eval
+    assert r["untrained_feature_maps"] and r["window"] == 4096
+    for task in ("piqa", "arc_easy"):
+        base, swa = r["modes"]["base"][task], r["modes"]["swa_only"][task]
+        assert base["n"] == LIMIT and base["correct"] == swa["correct"] and base["metric"] == swa["metric"]
+        worst = max(
+            abs(x - y) for a, b in zip(base["loglik"], swa["loglik"], strict=True) for x, y in zip(a, b, strict=True)
+        )
+        assert worst < 1e-3
+        assert r["tasks"][task]["beyond_window"][4096] == 0.0 and r["tasks"][task]["beyond_window"][16] > 0.5
+    # no attention at all: near chance, well below the base model
+    assert abs(r["modes"]["none"]["piqa"]["metric"] - 0.5) <= 0.2
+    assert r["modes"]["none"]["arc_easy"]["metric"] <= 0.25 + 0.15
+    assert r["modes"]["base"]["avg"] >= r["modes"]["none"]["avg"] + 0.1
+    assert r["modes"]["swa_only"]["rec"] == 100.0
+
+
+def _lm_eval_task(tmp: Path, name: str, arrow: Path, body: str) -> None:
+    (tmp / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: arrow\ndataset_kwargs:\n  data_files:\n    validation: {arrow}\n"
+        f"output_type: multiple_choice\nvalidation_split: validation\n{body}"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+
+
+def test_per_item_loglikelihoods_agree_with_lm_evaluation_harness(smollm2, smollm2_eval, tmp_path, monkeypatch):
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    data = smollm2.datasets
+    _lm_eval_task(
+        tmp_path,
+        "hs_piqa",
+        data / "piqa" / "data-00000-of-00001.arrow",
+        'doc_to_text: "Question: {{goal}}\\nAnswer:"\ndoc_to_target: label\ndoc_to_choice: "{{[sol1, sol2]}}"\n',
+    )
+    _lm_eval_task(
+        tmp_path,
+        "hs_arc_easy",
+        data / "arc_easy" / "data-00000-of-00001.arrow",
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
+        'doc_to_target: "{{choices.label.index(answerKey)}}"\ndoc_to_choice: "{{choices.text}}"\n',
+    )
+    out = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={smollm2.model},dtype=float32",
+        tasks=["hs_piqa", "hs_arc_easy"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        limit=LIMIT,
+        log_samples=True,
+        batch_size=8,
+        device="cpu",
+    )
+    ours = smollm2_eval["modes"]["base"]
+    for name, task in (("hs_piqa", "piqa"), ("hs_arc_easy", "arc_easy")):
+        samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
+        assert len(samples) == LIMIT
+        theirs = [[ll for ll, _ in s["filtered_resps"]] for s in samples]
+        worst = max(
+            abs(x - y) for a, b in zip(theirs, ours[task]["loglik"], strict=True) for x, y in zip(a, b, strict=True)
+        )
+        assert worst <= 1e-3, (task, worst)
+        assert out["results"][name]["acc,none"] == pytest.approx(ours[task]["acc"], abs=1e-9)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tiny_overrides(model, out):
+    return [
+        f"eval.model={model}",
+        "eval.tasks=[piqa,winogrande]",
+        "eval.limit=10",
+        "eval.batch_size=3",
+        "eval.modes=[base,hybrid,la_only,none]",
+        "attention.window=8",
+        "eval.ppl_sequences=1",
+        "eval.ppl_seq_len=96",
+        "eval.la_share_seq_len=64",
+        "eval.bootstrap=50",
+        f"eval.out_dir={out}",
+        "eval.progress=false",
+    ]
+
+
+def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tmp_path):
+    one = evaluate(load_config(overrides=_tiny_overrides(tiny_smollm_vocab, tmp_path / "one")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={_free_port()}",
+        "-m",
+        "hybrid_scale.cli",
+        "evaluate",
+        *_tiny_overrides(tiny_smollm_vocab, tmp_path / "two"),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["modes"] == json.loads(json.dumps(one["modes"]))
+    assert two["perplexity"] == json.loads(json.dumps(one["perplexity"]))
+    assert two["delta_la"] == json.loads(json.dumps(one["delta_la"])) and two["verdict"] == one["verdict"]
+    # the outputs a person reads
+    table = (tmp_path / "one" / "table.md").read_text()
+    for needle in ("| base |", "| la_only |", "Rec.%", "Verdict:", "Perplexity by position bucket", "LA share"):
+        assert needle in table
+    assert (tmp_path / "one" / "ablation.png").stat().st_size > 1000
+    assert (tmp_path / "one" / "la_share.png").stat().st_size > 1000
+    share = one["la_share"]["share"]
+    assert sorted(share) == [0, 1] and share[0]["0-64"] and len(share[0]["0-64"]) == 4
+
+
+def test_clear_errors(smollm2, tmp_path, capsys):
+    assert main(["evaluate", "eval.tasks=[piqa,boolq]"]) == 2
+    assert "config key 'eval.tasks': 'boolq' is not allowed; choose one of: piqa, arc_easy" in capsys.readouterr().err
+    assert main(["evaluate", f"eval.model={tmp_path / 'nope'}"]) == 2
+    assert f"config key 'eval.model': {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    assert main(["evaluate", f"eval.data_dir={tmp_path}", "eval.tasks=[piqa]", "eval.modes=[base]"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"dataset directory {tmp_path / 'piqa'} does not exist: run `hybrid-scale assets` or set eval.data_dir" in err
+    )
