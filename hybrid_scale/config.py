@@ -78,6 +78,7 @@ class EvalConfig:
     ppl_sequences: int = 4
     buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])
     la_share_seq_len: int = 1024
+    shard_weights: bool = False  # ZeRO-3: weights partitioned over the ranks (a model too large for one device)
     progress: bool = True
 
 

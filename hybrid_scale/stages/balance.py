@@ -15,6 +15,7 @@ import torch
 
 from ..attention import chunked
 from ..attention.hybrid import hybrid_layers
+from ..dist.deepspeed import gathered
 
 
 def paired_bootstrap(a: dict[str, list[float]], b: dict[str, list[float]], resamples: int, seed: int) -> dict:
@@ -100,7 +101,9 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
     for i, m in sorted(layers.items()):
         hidden, rope = captured[i]
         q, k, v, fq, fk = m.project(hidden, rope)
-        args = (q, k, v, fq, fk, m.gamma, m.window)
+        with gathered(m):  # gamma is the module's own parameter: whole only inside its forward under ZeRO-3
+            gamma = m.gamma.detach().clone()
+        args = (q, k, v, fq, fk, gamma, m.window)
         y, soft, lin = chunked.hybrid_attention(
             *args, "hybrid", m.sinks, None, m.scaling, m.chunk_size, return_denominators=True
         )

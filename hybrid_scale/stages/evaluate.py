@@ -19,6 +19,7 @@ from ..attention.hybrid import hybrid_layers
 from ..config import ConfigError
 from ..data import assets, benchmarks
 from ..dist import runtime
+from ..dist.deepspeed import shard_for_inference
 from ..models.convert import convert_model, set_modes
 from ..models.converted import CONFIG_NAME, load_converted, read_hybrid_config
 from . import balance, loglik, report
@@ -61,19 +62,23 @@ class Models:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
         return model.to(self.device).eval()
 
+    def _ready(self, model):
+        return shard_for_inference(model, self.dtype) if self.cfg.eval.shard_weights else model
+
     def get(self, mode: str):
         if mode == "base":
             if self._base is None:
-                self._base = self._load_base()
+                self._base = self._ready(self._load_base())
             return self._base
         if self._hybrid is None:
             if self.converted:
-                self._hybrid = load_converted(self.path, dtype=self.dtype, device=self.device)
+                model = load_converted(self.path, dtype=self.dtype, device=self.device)
             else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
-                self._hybrid = convert_model(self._load_base(), self.cfg.attention)
+                model = convert_model(self._load_base(), self.cfg.attention)
             if self.cfg.eval.window is not None:
-                for m in hybrid_layers(self._hybrid).values():
+                for m in hybrid_layers(model).values():
                     m.window = self.cfg.eval.window
+            self._hybrid = self._ready(model)
         set_modes(self._hybrid, mode)
         return self._hybrid
 
@@ -142,7 +147,9 @@ def evaluate(cfg) -> dict:
     for mode in e.modes:
         t0 = time.perf_counter()
         model = models.get(mode)
-        mine = loglik.score(model, groups, e.batch_size, pad_id, rt, desc=f"{mode:>10}", progress=e.progress)
+        mine = loglik.score(
+            model, groups, e.batch_size, pad_id, rt, desc=f"{mode:>10}", progress=e.progress, lockstep=e.shard_weights
+        )
         scores: dict[int, tuple[float, bool]] = {}
         for part in runtime.gather_objects(rt, mine):
             scores.update(part)
@@ -189,7 +196,7 @@ def evaluate(cfg) -> dict:
         results["verdict"] = balance.verdict(results["delta_la"]["avg"], e.margin)
 
     t0 = time.perf_counter()
-    if e.ppl_sequences and rt.main:
+    if e.ppl_sequences and (rt.main or e.shard_weights):  # sharded weights: every rank joins every forward
         seqs = _heldout_sequences(tokenizer, cfg)
         buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
         results["perplexity"] = {

@@ -114,14 +114,27 @@ def score_batch(model, groups: list[Group], pad_id: int, device) -> list[tuple[i
 
 
 def score(
-    model, groups: list[Group], batch_size: int, pad_id: int, rt: Runtime, desc: str = "scoring", progress: bool = True
+    model,
+    groups: list[Group],
+    batch_size: int,
+    pad_id: int,
+    rt: Runtime,
+    desc: str = "scoring",
+    progress: bool = True,
+    lockstep: bool = False,
 ) -> dict[int, tuple[float, bool]]:
-    """This rank's share of the batches, scored. Returns {request index: (log-likelihood, is_greedy)}."""
+    """This rank's share of the batches, scored. Returns {request index: (log-likelihood, is_greedy)}.
+    lockstep (ZeRO-3 weights): every rank runs the same number of batches, repeating its first one if short."""
     batches = make_batches(groups, batch_size)
     mine = batches[rt.rank :: rt.world]
+    real = len(mine)
+    if lockstep:
+        rounds = -(-len(batches) // rt.world)
+        mine = mine + [mine[0] if mine else batches[0]] * (rounds - len(mine))
     out: dict[int, tuple[float, bool]] = {}
     bar = tqdm(mine, desc=desc, disable=not (progress and rt.main), unit="batch", dynamic_ncols=True)
-    for batch in bar:
-        for req, ll, greedy in score_batch(model, [groups[g] for g in batch], pad_id, rt.device):
-            out[req] = (ll, greedy)
+    for i, batch in enumerate(bar):
+        scored = score_batch(model, [groups[g] for g in batch], pad_id, rt.device)
+        if i < real:
+            out.update((req, (ll, greedy)) for req, ll, greedy in scored)
     return out

@@ -125,8 +125,13 @@ def _tiny_overrides(model, out):
     ]
 
 
-def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tmp_path):
-    one = evaluate(load_config(overrides=_tiny_overrides(tiny_smollm_vocab, tmp_path / "one")))
+@pytest.fixture(scope="module")
+def tiny_one_rank(tiny_smollm_vocab, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_one")
+    return out, evaluate(load_config(overrides=_tiny_overrides(tiny_smollm_vocab, out)))
+
+
+def _torchrun(args, timeout=900):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
@@ -136,24 +141,41 @@ def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tmp_path):
         f"--master-port={_free_port()}",
         "-m",
         "hybrid_scale.cli",
-        "evaluate",
-        *_tiny_overrides(tiny_smollm_vocab, tmp_path / "two"),
+        *args,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two = json.loads((tmp_path / "two" / "results.json").read_text())
-    assert two["world_size"] == 2 and one["world_size"] == 1
+
+
+def _same_numbers(one, two):
+    assert one["world_size"] == 1 and two["world_size"] == 2
     assert two["modes"] == json.loads(json.dumps(one["modes"]))
     assert two["perplexity"] == json.loads(json.dumps(one["perplexity"]))
     assert two["delta_la"] == json.loads(json.dumps(one["delta_la"])) and two["verdict"] == one["verdict"]
+
+
+def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_rank, tmp_path):
+    out, one = tiny_one_rank
+    _torchrun(["evaluate", *_tiny_overrides(tiny_smollm_vocab, tmp_path / "two")])
+    _same_numbers(one, json.loads((tmp_path / "two" / "results.json").read_text()))
     # the outputs a person reads
-    table = (tmp_path / "one" / "table.md").read_text()
+    table = (out / "table.md").read_text()
     for needle in ("| base |", "| la_only |", "Rec.%", "Verdict:", "Perplexity by position bucket", "LA share"):
         assert needle in table
-    assert (tmp_path / "one" / "ablation.png").stat().st_size > 1000
-    assert (tmp_path / "one" / "la_share.png").stat().st_size > 1000
+    assert (out / "ablation.png").stat().st_size > 1000 and (out / "la_share.png").stat().st_size > 1000
     share = one["la_share"]["share"]
-    assert sorted(share) == [0, 1] and share[0]["0-64"] and len(share[0]["0-64"]) == 4
+    assert sorted(share) == [0, 1] and len(share[0]["0-64"]) == 4
+
+
+def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, tiny_one_rank, tmp_path):
+    """ZeRO-3 over 2 CPU ranks (gloo): each rank holds half of every weight; 7 batches, so one rank repeats one."""
+    _, one = tiny_one_rank
+    _torchrun(["evaluate", *_tiny_overrides(tiny_smollm_vocab, tmp_path / "z3"), "eval.shard_weights=true"])
+    sharded = json.loads((tmp_path / "z3" / "results.json").read_text())
+    assert sharded["config"]["eval"]["shard_weights"] is True
+    la_one, la_z3 = one["la_share"]["share"], sharded["la_share"]["share"]
+    assert json.loads(json.dumps(la_one)) == la_z3
+    _same_numbers(one, sharded)
 
 
 def test_clear_errors(smollm2, tmp_path, capsys):
