@@ -33,7 +33,7 @@ def main():
     )
     r = evaluate(cfg)
     rows = {}
-    print(f"\n{'task':<10} {'acc':>6} {'ref':>6} {'stderr':>7} {'n':>4} {'>=w16':>7} {'>=w64':>7} {'time s':>7}")
+    print(f"\n{'task':<10} {'acc':>6} {'ref':>6} {'stderr':>7} {'n':>4} {'>=w16':>7} {'>=w64':>7}")
     for task, ref in REFERENCE.items():
         m, t = r["modes"]["base"][task], r["tasks"][task]
         rows[task] = {"acc": m["acc"], "reference": ref, "stderr": m["stderr"], "n": m["n"], **t["beyond_window"]}
