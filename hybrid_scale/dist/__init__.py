@@ -1,0 +1,1 @@
+"""Distributed runtime, DeepSpeed, tensor parallel, checkpoints, Slurm."""
