@@ -12,8 +12,10 @@ from omegaconf import OmegaConf
 from .config import ConfigError, load_config
 from .data.assets import AssetError
 from .data.benchmarks import TaskError
+from .data.corpus import CorpusError
 from .models.convert import UnsupportedArchitectureError
 from .models.converted import ConvertedModelError
+from .stages.distill import DistillError
 
 
 def cmd_config(args) -> int:
@@ -65,6 +67,16 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_distill(args) -> int:
+    """Stage 1: layer-by-layer attention transfer (the `data` and `distill` sections); resumes where it stopped."""
+    from .stages.distill import distill
+
+    out = distill(load_config(args.config, args.overrides))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"stage 1 done: converted model in {out}")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import main
 
@@ -74,7 +86,12 @@ def cmd_quickstart(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-scale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn in (("config", cmd_config), ("convert", cmd_convert), ("evaluate", cmd_evaluate)):
+    for name, fn in (
+        ("config", cmd_config),
+        ("convert", cmd_convert),
+        ("evaluate", cmd_evaluate),
+        ("distill", cmd_distill),
+    ):
         p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. attention.window=32")
@@ -100,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         UnsupportedArchitectureError,
         AssetError,
         TaskError,
+        CorpusError,
+        DistillError,
         FileNotFoundError,
     ) as e:
         print(f"hybrid-scale {args.command}: error: {e}", file=sys.stderr)

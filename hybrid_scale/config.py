@@ -44,12 +44,37 @@ class AttentionConfig:
 
 @dataclass
 class DataConfig:
-    pass
+    source: str | None = None  # .txt (documents split by blank lines), .jsonl, a datasets dir; None = embedded default
+    text_field: str = "text"
+    seq_len: int = 512
+    num_sequences: int = 256  # packed training sequences for stage 1
+    heldout_fraction: float = 0.05  # documents held out (user sources; the embedded default has its own split)
+
+
+OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
+RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
+RECIPE_OBJECTIVE = {
+    "lolcats": "hybrid_output_mse",
+    "hedgecats": "weights_xent",
+    "ssd": "weights_xent",
+    "la_only": "weights_xent",
+}
 
 
 @dataclass
 class DistillConfig:
-    pass
+    recipe: str = "hedgecats"  # lolcats = hybrid_output_mse; hedgecats / ssd / la_only = weights_xent
+    objectives: dict[str, float] | None = None  # explicit weights, e.g. {weights_xent: 1, output_mse: 0.5}
+    train_feature_maps: bool = True
+    train_gamma: bool | None = None  # None = only when a hybrid objective is used (gamma has no effect on LA-only)
+    lr: float = 1e-2  # AdamW, as LoLCATs
+    weight_decay: float = 0.0
+    epochs: int = 2
+    batch_size: int = 8  # global batch of sequences per step (split over ranks)
+    query_block: int = 128  # weights_xent rows per block: memory O(block * T)
+    buffer_dir: str | None = None  # hidden-state buffers; None = {run_dir}/stage1/buffers (may be a shared disk)
+    buffer_dtype: str = "float32"
+    progress: bool = True
 
 
 @dataclass
@@ -147,6 +172,22 @@ def validate(cfg: DictConfig) -> DictConfig:
     _positive("eval.ppl_seq_len", e.ppl_seq_len, 2)
     _positive("eval.ppl_sequences", e.ppl_sequences, 0)
     _positive("eval.la_share_seq_len", e.la_share_seq_len, 0)
+    d = cfg.distill
+    _choice("distill.recipe", d.recipe, RECIPES)
+    for name, weight in (d.objectives or {}).items():
+        _choice("distill.objectives", name, OBJECTIVES)
+        if weight < 0:
+            raise ConfigError(f"config key 'distill.objectives.{name}': weight must be >= 0, got {weight}")
+    if d.objectives is not None and not any(w > 0 for w in d.objectives.values()):
+        raise ConfigError("config key 'distill.objectives': at least one weight must be > 0")
+    _choice("distill.buffer_dtype", d.buffer_dtype, DTYPES)
+    _positive("distill.epochs", d.epochs)
+    _positive("distill.batch_size", d.batch_size)
+    _positive("distill.query_block", d.query_block)
+    _positive("data.seq_len", cfg.data.seq_len, 2)
+    _positive("data.num_sequences", cfg.data.num_sequences)
+    if not 0 <= cfg.data.heldout_fraction < 1:
+        raise ConfigError(f"config key 'data.heldout_fraction': must be in [0, 1), got {cfg.data.heldout_fraction}")
     if list(e.buckets) != sorted(set(e.buckets)) or len(e.buckets) < 2 or e.buckets[0] != 0:
         raise ConfigError(f"config key 'eval.buckets': must start at 0 and increase strictly, got {list(e.buckets)}")
     return cfg

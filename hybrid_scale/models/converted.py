@@ -79,7 +79,13 @@ def save_converted(model: nn.Module, out_dir: str | os.PathLike, base_path: str 
         state = {k: v for k, v in model.state_dict().items() if k not in hybrid}
         model.save_pretrained(out, state_dict=state)
         base_ref = "."
-    save_file({k: v.contiguous() for k, v in hybrid_state_dict(model).items()}, out / PARAMS_NAME)
+    return write_converted(out, architecture, base_ref, settings, hybrid_state_dict(model))
+
+
+def write_converted(out: Path, architecture: str, base_ref: str, settings: dict, params: dict) -> Path:
+    """The two files of the format: the parameters first, the config (which makes it a converted model) last."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in params.items()}, out / PARAMS_NAME)
     meta = {"format_version": FORMAT_VERSION, "architecture": architecture, "base_model": base_ref}
     meta["attention"] = settings
     (out / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,447 @@
+"""Stage 1: attention transfer, streamed layer by layer, sharded over ranks, resumable.
+
+For layer l, with the teacher's hidden states entering l in a memory-mapped buffer on disk:
+  1. read only layer l's tensors from the safetensors shards and build that one decoder layer;
+  2. train its feature maps (and gamma) so that linear attention mimics the layer's softmax attention, each rank
+     on its share of the sequences, gradients all-reduced;
+  3. run the *teacher* layer (exact softmax, SDPA) on the inputs and write layer l+1's inputs to the other buffer;
+  4. commit: layer l's parameters (safetensors, written then renamed), then the manifest naming the buffer that holds
+     layer l+1's inputs, then a marker with the parameter file's sha256 -- written last.
+A run killed at any point resumes at the first layer without a valid marker; when the buffer named by the manifest
+is missing (another node) or does not hold that layer's inputs, they are rebuilt by replaying the teacher layers.
+Memory: one layer and a batch; disk: 2 x (sequences on this rank) x seq_len x hidden.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from ..attention import chunked
+from ..attention.hybrid import HybridAttention
+from ..config import RECIPE_OBJECTIVE, ConfigError, attention_settings
+from ..data import corpus
+from ..dist import runtime
+from ..models.convert import SUPPORTED
+from ..models.converted import write_converted
+
+
+class DistillError(RuntimeError):
+    pass
+
+
+# --- reading one layer at a time ---------------------------------------------------------------------------------
+
+
+class ShardedCheckpoint:
+    """The tensors of a Hugging Face safetensors checkpoint, read by name without loading the rest."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            with safe_open(self.path / "model.safetensors", "pt") as f:
+                self.where = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise DistillError(f"{self.path} has no model.safetensors(.index.json): stage 1 streams safetensors only")
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        missing = [n for n in names if n not in self.where]
+        if missing:
+            raise DistillError(f"{self.path} lacks {missing[:3]}")
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.where[n], []).append(n)
+        for file, keys in by_file.items():
+            with safe_open(self.path / file, "pt") as f:
+                for k in keys:
+                    out[k] = f.get_tensor(k)
+        return out
+
+    def prefix(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix) :]: v for k, v in self.read([n for n in self.where if n.startswith(prefix)]).items()}
+
+
+def _modeling(config):
+    return importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+
+
+def _class(config, suffix: str):
+    arch = config.architectures[0] if config.architectures else None
+    if arch not in SUPPORTED:
+        raise DistillError(f"stage 1 supports {', '.join(SUPPORTED)}; {arch} is not one of them")
+    return getattr(_modeling(config), arch.replace("ForCausalLM", suffix))
+
+
+def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype):
+    """Decoder layer i with its weights, and nothing else of the model."""
+    cls = _class(config, "DecoderLayer")
+    with torch.device("meta"):
+        layer = cls(config, i)
+    layer.load_state_dict({k: v.to(dtype) for k, v in ckpt.prefix(f"model.layers.{i}.").items()}, assign=True)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    return layer.eval()
+
+
+def rotary(config, seq_len: int, dtype: torch.dtype):
+    emb = _class(config, "RotaryEmbedding")(config=config)
+    x = torch.zeros(1, seq_len, 1, dtype=dtype)
+    return emb(x, torch.arange(seq_len)[None])
+
+
+# --- buffers, manifest, commits ----------------------------------------------------------------------------------
+
+
+def _buffer(path: Path, n: int, seq_len: int, hidden: int, dtype: torch.dtype, create: bool) -> torch.Tensor:
+    numel = n * seq_len * hidden
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    if create and (not path.exists() or path.stat().st_size != size):
+        with open(path, "wb") as f:
+            f.truncate(size)
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(n, seq_len, hidden)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fault(point: str) -> None:
+    """Fault injection for the resume tests: HYBRID_SCALE_FAULT=<point> kills this process there (SIGKILL)."""
+    if os.environ.get("HYBRID_SCALE_FAULT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def committed(stage1: Path, i: int) -> bool:
+    marker, params = stage1 / f"layer_{i:03d}.done", stage1 / f"layer_{i:03d}.safetensors"
+    if not (marker.is_file() and params.is_file()):
+        return False
+    try:
+        return json.loads(marker.read_text())["sha256"] == _sha256(params)
+    except (ValueError, KeyError):
+        return False
+
+
+def preflight(buffer_dir: Path, n_local: int, seq_len: int, hidden: int, dtype: torch.dtype) -> int:
+    need = 2 * n_local * seq_len * hidden * torch.empty((), dtype=dtype).element_size()
+    buffer_dir.mkdir(parents=True, exist_ok=True)
+    have = sum(p.stat().st_size for p in buffer_dir.glob("*.bin"))  # reused in place
+    free = shutil.disk_usage(buffer_dir).free
+    if need - have > free * 0.95:
+        raise DistillError(
+            f"stage 1 needs {need / 2**30:.2f} GiB for its hidden-state buffers in {buffer_dir} but only "
+            f"{free / 2**30:.2f} GiB are free: set distill.buffer_dir to a larger disk, or lower data.num_sequences, "
+            "data.seq_len or distill.buffer_dtype"
+        )
+    return need
+
+
+# --- objectives ----------------------------------------------------------------------------------------------------
+
+
+def _expand(x, group):
+    return x.repeat_interleave(group, dim=1)
+
+
+def weights_xent(q, k, fq, fk, scale, block: int) -> torch.Tensor:
+    """Per sequence: mean over heads and queries of the soft cross-entropy between the teacher's causal softmax row
+    and linear attention's normalised row (LA-only), in query blocks (memory O(block * T)). [B]"""
+    B, H, T, _ = q.shape
+    group = H // k.shape[1]
+    k, fk = _expand(k, group), _expand(fk, group)
+    total = q.new_zeros(B)
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        causal = torch.arange(T)[None, :] <= torch.arange(a, b)[:, None]
+        with torch.no_grad():
+            teacher = torch.softmax(
+                (scale * q[:, :, a:b] @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf")), -1
+            )
+        lin = (fq[:, :, a:b] @ fk.transpose(-1, -2)).masked_fill(~causal, 0.0)
+        log_rows = torch.log(lin.clamp_min(1e-30)) - torch.log(lin.sum(-1, keepdim=True).clamp_min(1e-30))
+        total = total - (teacher * log_rows.masked_fill(~causal, 0.0)).sum((-1, -2)).sum(1)
+    return total / (H * T)
+
+
+def teacher_output(q, k, v, scale):
+    group = q.shape[1] // k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, _expand(k, group), _expand(v, group), is_causal=True, scale=scale
+    )
+
+
+def layer_loss(m: HybridAttention, hidden, norm, rope, weights: dict[str, float], block: int) -> torch.Tensor:
+    """Sum over the batch of each sequence's weighted objective. hidden [B, T, D]."""
+    q, k, v, fq, fk = m.project(norm(hidden), rope)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    loss = q.new_zeros(hidden.shape[0])
+    if weights.get("weights_xent"):
+        loss = loss + weights["weights_xent"] * weights_xent(q, k, fq, fk, m.scaling, block)
+    if weights.get("output_mse") or weights.get("hybrid_output_mse"):
+        with torch.no_grad():
+            target = teacher_output(q, k, v, m.scaling)
+        for name, mode in (("output_mse", "la_only"), ("hybrid_output_mse", "hybrid")):
+            if weights.get(name):
+                y = chunked.hybrid_attention(
+                    q, k, v, fq, fk, m.gamma, m.window, mode, m.sinks, None, m.scaling, m.chunk_size
+                )
+                loss = loss + weights[name] * (y - target).pow(2).mean((1, 2, 3))
+    return loss.sum()
+
+
+# --- the stage -----------------------------------------------------------------------------------------------------
+
+
+def objective_weights(cfg) -> dict[str, float]:
+    d = cfg.distill
+    if d.objectives:
+        return {k: float(v) for k, v in d.objectives.items() if v}
+    return {RECIPE_OBJECTIVE[d.recipe]: 1.0}
+
+
+def _trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
+    train_gamma = cfg.distill.train_gamma
+    if train_gamma is None:
+        train_gamma = bool(weights.get("hybrid_output_mse"))
+    params = []
+    if cfg.distill.train_feature_maps:
+        params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
+    if train_gamma:
+        params.append(m.gamma_logit)
+    if not params:
+        raise ConfigError("config: stage 1 has nothing to train (distill.train_feature_maps=false, no gamma)")
+    return params
+
+
+def train_layer(m, layer, rope, buf_in, owned: list[int], cfg, rt, weights, i: int, log) -> list[float]:
+    """Train layer i's feature maps on the sequences this rank owns; returns the per-step global losses."""
+    d = cfg.distill
+    params = _trainable(m, cfg, weights)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=d.lr, weight_decay=d.weight_decay)
+    n_global = cfg.data.num_sequences
+    local_of = {g: j for j, g in enumerate(owned)}
+    steps = math.ceil(n_global / d.batch_size)
+    losses = []
+    bar = tqdm(total=d.epochs * steps, desc=f"layer {i:>3}", disable=not (d.progress and rt.main), dynamic_ncols=True)
+    for epoch in range(d.epochs):
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i * 1009 + epoch)
+        perm = torch.randperm(n_global, generator=g).tolist()
+        for step in range(steps):
+            batch = perm[step * d.batch_size : (step + 1) * d.batch_size]
+            mine = [local_of[s] for s in batch if s in local_of]
+            opt.zero_grad(set_to_none=False)
+            if mine:
+                hidden = buf_in[torch.tensor(mine)].to(m.q_proj.weight.dtype)
+                loss = layer_loss(m, hidden, layer.input_layernorm, rope, weights, d.query_block) / len(batch)
+                loss.backward()
+                value = loss.detach()
+            else:
+                value = torch.zeros(())
+            if rt.distributed:
+                for p in params:
+                    if p.grad is None:  # this rank holds none of the batch's sequences
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad)
+                dist.all_reduce(value)
+            opt.step()
+            losses.append(value.item())
+            bar.update()
+            bar.set_postfix(loss=f"{value.item():.4f}")
+            _fault(f"train:{i}:{epoch * steps + step}")
+    bar.close()
+    log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
+    return losses
+
+
+@torch.no_grad()
+def run_teacher(layer, rope, buf_in, buf_out, batch: int, dtype) -> None:
+    for a in range(0, buf_in.shape[0], batch):
+        out = layer(buf_in[a : a + batch].to(dtype), position_embeddings=rope, attention_mask=None)
+        buf_out[a : a + batch] = (out[0] if isinstance(out, tuple) else out).to(buf_out.dtype)
+
+
+def distill(cfg) -> Path:
+    """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..data.assets import require
+
+    rt = runtime.init(cfg.model.device)
+    model_path = Path(cfg.model.path) if cfg.model.path else require().model
+    if not (model_path / "config.json").is_file():
+        raise ConfigError(f"config key 'model.path': {model_path} is not a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    config._attn_implementation = "sdpa"
+    dtype = getattr(torch, cfg.model.dtype)
+    buf_dtype = getattr(torch, cfg.distill.buffer_dtype)
+    weights = objective_weights(cfg)
+    attention = attention_settings(cfg.attention)
+    ckpt = ShardedCheckpoint(model_path)
+    stage1 = Path(cfg.run_dir) / "stage1"
+    stage1.mkdir(parents=True, exist_ok=True)
+    buffer_dir = Path(cfg.distill.buffer_dir) if cfg.distill.buffer_dir else stage1 / "buffers"
+    n_layers = config.num_hidden_layers
+    layers_to_train = set(range(n_layers) if attention.layers is None else attention.layers)
+    T, D, N = cfg.data.seq_len, config.hidden_size, cfg.data.num_sequences
+    owned = list(range(rt.rank, N, rt.world))  # sequence s lives on rank s mod world
+    preflight(buffer_dir, len(owned), T, D, buf_dtype)
+
+    def log(msg: str) -> None:
+        if rt.main:
+            with open(stage1 / "log.txt", "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+
+    # identity of the run: resuming with other data or settings would mix two runs
+    identity = {
+        "model": str(model_path.resolve()),
+        "seq_len": T,
+        "num_sequences": N,
+        "world": rt.world,
+        "seed": cfg.seed,
+        "data": cfg.data.source,
+        "buffer_dtype": cfg.distill.buffer_dtype,
+        "attention": dict(attention),
+        "weights": weights,
+        "epochs": cfg.distill.epochs,
+        "batch_size": cfg.distill.batch_size,
+        "lr": cfg.distill.lr,
+    }
+    manifest_path = stage1 / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    if manifest and manifest["identity"] != json.loads(json.dumps(identity)):
+        raise DistillError(f"{stage1} holds a stage 1 run with other settings; use another run_dir or delete it")
+
+    first = next((i for i in range(n_layers) if not committed(stage1, i)), n_layers)
+    paths = {"a": buffer_dir / f"hidden_a.rank{rt.rank}.bin", "b": buffer_dir / f"hidden_b.rank{rt.rank}.bin"}
+    bufs = {k: _buffer(p, len(owned), T, D, buf_dtype, create=True) for k, p in paths.items()}
+    ready = manifest is not None and manifest["next_layer"] == first and manifest.get("world") == rt.world
+    ready = ready and (buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}").is_file() if ready else False
+    if rt.distributed:  # every rank must agree on where to start
+        flag = torch.tensor([1 if ready else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ready = bool(flag.item())
+    rope = rotary(config, T, dtype)
+    if ready:
+        current = manifest["inputs"]
+        log(f"resuming at layer {first} from buffer {current}")
+    else:  # fresh start, or the buffer is gone: rebuild layer `first`'s inputs by replaying the teacher
+        if first < n_layers:
+            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+            docs, _ = corpus.split_documents(
+                corpus.read_documents(cfg.data.source, cfg.data.text_field),
+                cfg.data.heldout_fraction if cfg.data.source else 0.0,
+            )
+            ids = corpus.pack(tokenizer, docs, T, N, cfg.seed)[owned]
+            emb = ckpt.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].to(dtype)
+            for a in range(0, len(owned), cfg.distill.batch_size):
+                bufs["a"][a : a + cfg.distill.batch_size] = emb[ids[a : a + cfg.distill.batch_size]].to(buf_dtype)
+            del emb
+            current = "a"
+            for j in range(first):
+                log(f"replaying teacher layer {j} to rebuild layer {first}'s inputs")
+                other = "b" if current == "a" else "a"
+                run_teacher(
+                    build_layer(config, ckpt, j, dtype), rope, bufs[current], bufs[other], cfg.distill.batch_size, dtype
+                )
+                current = other
+            _mark_written(buffer_dir, current, rt)
+    for i in range(first, n_layers):
+        layer = build_layer(config, ckpt, i, dtype)
+        other = "b" if current == "a" else "a"
+        (buffer_dir / f"written_{other}.rank{rt.rank}").unlink(missing_ok=True)
+        params = {}
+        if i in layers_to_train:
+            torch.manual_seed(cfg.seed * 7919 + i)
+            m = _hybrid_module(layer, config, i, attention)
+            losses = train_layer(m, layer, rope, bufs[current], owned, cfg, rt, weights, i, log)
+            params = {f"model.layers.{i}.self_attn.{n}": p.detach().clone() for n, p in m.hybrid_parameters()}
+        if i + 1 < n_layers:
+            run_teacher(layer, rope, bufs[current], bufs[other], cfg.distill.batch_size, dtype)
+            _mark_written(buffer_dir, other, rt)
+        if rt.main:
+            tmp = stage1 / f"layer_{i:03d}.safetensors.tmp"
+            save_file(params, tmp, metadata={"losses": json.dumps(losses if params else [])})
+            os.replace(tmp, stage1 / f"layer_{i:03d}.safetensors")
+            _fault(f"commit:{i}")
+            _atomic_write(
+                manifest_path,
+                json.dumps({"identity": identity, "next_layer": i + 1, "inputs": other, "world": rt.world}),
+            )
+            _atomic_write(
+                stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": _sha256(stage1 / f"layer_{i:03d}.safetensors")})
+            )
+        runtime.barrier(rt)
+        _fault(f"after:{i}")
+        current = other
+    out = stage1 / "converted"
+    if rt.main:
+        params = {}
+        for i in sorted(layers_to_train):
+            params.update(load_file(stage1 / f"layer_{i:03d}.safetensors"))
+        settings = dict(attention)
+        settings["layers"] = sorted(layers_to_train)
+        settings["feature_dim"] = attention.feature_dim or getattr(config, "head_dim", D // config.num_attention_heads)
+        write_converted(out, config.architectures[0], str(model_path.resolve()), settings, params)
+        log(f"converted model written to {out}")
+    runtime.barrier(rt)
+    return out
+
+
+def _mark_written(buffer_dir: Path, name: str, rt) -> None:
+    """This rank's buffer `name` now holds complete inputs (checked on resume before the buffer is trusted)."""
+    for p in (buffer_dir / f"hidden_{name}.rank{rt.rank}.bin",):
+        with open(p, "rb+") as f:
+            os.fsync(f.fileno())
+    _atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", "ok")
+
+
+def _hybrid_module(layer, config, i: int, attention) -> HybridAttention:
+    base = layer.self_attn
+    return HybridAttention(
+        base,
+        layer_idx=i,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=base.head_dim,
+        scaling=base.scaling,
+        window=attention.window,
+        feature_map=attention.feature_map,
+        feature_dim=attention.feature_dim,
+        gamma_init=attention.gamma_init,
+        sinks=attention.sinks,
+        mode=attention.mode,
+        chunk_size=attention.chunk_size,
+    )
