@@ -1,0 +1,31 @@
+"""Stage-1 objectives against direct computations."""
+
+import torch
+from conftest import attention_inputs
+
+from hybrid_scale.stages.distill import teacher_output, weights_xent
+
+
+def test_weights_xent_equals_dense_soft_cross_entropy_for_any_block():
+    x = attention_inputs(B=2, H=4, Hkv=2, T=20, D=8, F=6, dtype=torch.float64)
+    q, k, fq, fk = x["q"], x["k"], x["fq"], x["fk"]
+    scale = 8**-0.5
+    kk, fkk = k.repeat_interleave(2, 1), fk.repeat_interleave(2, 1)
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()
+    teacher = torch.softmax((scale * q @ kk.transpose(-1, -2)).masked_fill(~causal, float("-inf")), -1)
+    lin = (fq @ fkk.transpose(-1, -2)).masked_fill(~causal, 0)
+    rows = lin / lin.sum(-1, keepdim=True)
+    expect = -(teacher * torch.log(rows).masked_fill(~causal, 0)).sum(-1).mean((1, 2))
+    for block in (1, 7, 20, 64):
+        torch.testing.assert_close(weights_xent(q, k, fq, fk, scale, block), expect)
+    # Gibbs: never below the teacher rows' own entropy, which it reaches only when the rows agree
+    entropy = -(teacher * torch.log(teacher.clamp_min(1e-300))).sum(-1).mean((1, 2))
+    assert (expect > entropy + 1e-3).all()
+
+
+def test_teacher_output_is_causal_softmax_attention():
+    x = attention_inputs(B=1, H=4, Hkv=2, T=9, D=8, F=6, dtype=torch.float64)
+    y = teacher_output(x["q"], x["k"], x["v"], 0.3)
+    kk, vv = x["k"].repeat_interleave(2, 1), x["v"].repeat_interleave(2, 1)
+    a = (0.3 * x["q"] @ kk.transpose(-1, -2)).masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(y, torch.softmax(a, -1) @ vv)
