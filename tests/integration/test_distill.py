@@ -1,13 +1,10 @@
 """Stage 1 on a tiny 3-layer model with a sharded checkpoint: resume after SIGKILL anywhere, rebuild, 2 ranks."""
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 from conftest import tiny_model
@@ -48,29 +45,8 @@ def params(run_dir: Path) -> dict:
     return {k: v for i in range(3) for k, v in load_file(run_dir / "stage1" / f"layer_{i:03d}.safetensors").items()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cli(args, env_extra=None, torchrun=False):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    if torchrun:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={free_port()}",
-            "-m",
-            "hybrid_scale.cli",
-            "distill",
-            *args,
-        ]
-    else:
-        cmd = [sys.executable, "-m", "hybrid_scale.cli", "distill", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return procs.run(["distill", *args], env_extra, timeout=300, ranks=2 if torchrun else 0)
 
 
 @pytest.fixture(scope="module")

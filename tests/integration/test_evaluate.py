@@ -1,12 +1,9 @@
 """Component-ablation evaluation on the embedded SmolLM2 (<= 50 items per task) and on a tiny model."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import procs
 import pytest
 
 from hybrid_scale.cli import main
@@ -102,12 +99,6 @@ def test_per_item_loglikelihoods_agree_with_lm_evaluation_harness(smollm2, smoll
         assert out["results"][name]["acc,none"] == pytest.approx(ours[task]["acc"], abs=1e-9)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tiny_overrides(model, out):
     return [
         f"eval.model={model}",
@@ -132,18 +123,7 @@ def tiny_one_rank(tiny_smollm_vocab, tmp_path_factory):
 
 
 def _torchrun(args, timeout=900):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={_free_port()}",
-        "-m",
-        "hybrid_scale.cli",
-        *args,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = procs.run(args, timeout=timeout, ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
