@@ -25,7 +25,17 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ("attention.mode=both", "config key 'attention.mode': 'both' is not allowed; choose one of: hybrid, swa_only"),
         ("attention.gamma_init=1.5", "config key 'attention.gamma_init': must be in (0, 1), got 1.5"),
         ("model.dtype=int8", "config key 'model.dtype': 'int8' is not allowed; choose one of: float32, bfloat16"),
-        ("distill.lr=1", "config key 'distill.lr' is not known"),
+        ("distill.lrate=1", "config key 'distill.lrate' is not known; allowed here: recipe, objectives, train_feature"),
+        ("slurm.partition=gpu", "config key 'slurm.partition' is not known; allowed here: (none yet)"),
+        (
+            "distill.recipe=lora",
+            "config key 'distill.recipe': 'lora' is not allowed; choose one of: lolcats, hedgecats",
+        ),
+        (
+            "distill.objectives={kl: 1.0}",
+            "config key 'distill.objectives': 'kl' is not allowed; choose one of: weights",
+        ),
+        ("eval.buckets=[0,64,32]", "config key 'eval.buckets': must start at 0 and increase strictly, got [0, 64, 32]"),
         ("attention.window", "override 'attention.window' is not of the form key=value"),
     ],
 )
