@@ -347,8 +347,12 @@ def distill(cfg) -> Path:
     first = next((i for i in range(n_layers) if not committed(stage1, i)), n_layers)
     paths = {"a": buffer_dir / f"hidden_a.rank{rt.rank}.bin", "b": buffer_dir / f"hidden_b.rank{rt.rank}.bin"}
     bufs = {k: _buffer(p, len(owned), T, D, buf_dtype, create=True) for k, p in paths.items()}
-    ready = manifest is not None and manifest["next_layer"] == first and manifest.get("world") == rt.world
-    ready = ready and (buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}").is_file() if ready else False
+    ready = (
+        manifest is not None
+        and manifest["next_layer"] == first
+        and manifest.get("world") == rt.world
+        and (buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}").is_file()
+    )
     if rt.distributed:  # every rank must agree on where to start
         flag = torch.tensor([1 if ready else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -422,9 +426,8 @@ def distill(cfg) -> Path:
 
 def _mark_written(buffer_dir: Path, name: str, rt) -> None:
     """This rank's buffer `name` now holds complete inputs (checked on resume before the buffer is trusted)."""
-    for p in (buffer_dir / f"hidden_{name}.rank{rt.rank}.bin",):
-        with open(p, "rb+") as f:
-            os.fsync(f.fileno())
+    with open(buffer_dir / f"hidden_{name}.rank{rt.rank}.bin", "rb+") as f:
+        os.fsync(f.fileno())
     _atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", "ok")
 
 
