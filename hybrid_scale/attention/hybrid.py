@@ -77,6 +77,21 @@ class HybridAttention(nn.Module):
         logit = math.log(gamma_init / (1.0 - gamma_init))
         self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=ref.dtype))
 
+    SETTINGS = ("window", "feature_map", "feature_dim", "gamma_init", "sinks", "mode", "chunk_size")
+
+    @classmethod
+    def from_softmax(cls, base: nn.Module, config, layer_idx: int, settings) -> HybridAttention:
+        """Take the place of a Llama/Mistral/Qwen2 attention module; settings maps the names in SETTINGS."""
+        return cls(
+            base,
+            layer_idx=layer_idx,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=base.head_dim,
+            scaling=base.scaling,
+            **{name: settings[name] for name in cls.SETTINGS},
+        )
+
     def hybrid_parameters(self):
         """(name, parameter) of what conversion added: phi_q, phi_k, gamma (not the adopted projections)."""
         return [(n, p) for n, p in self.named_parameters() if not n.split(".")[0].endswith("_proj")]

@@ -51,22 +51,7 @@ def convert_model(model: nn.Module, attention: Mapping[str, Any] | Any = None) -
     if layers and layers[-1] >= n_layers:
         raise ValueError(f"attention.layers names layer {layers[-1]} but the model has {n_layers} (0..{n_layers - 1})")
     for i in layers:
-        base = decoder.layers[i].self_attn
-        decoder.layers[i].self_attn = HybridAttention(
-            base,
-            layer_idx=i,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=base.head_dim,
-            scaling=base.scaling,
-            window=settings.window,
-            feature_map=settings.feature_map,
-            feature_dim=settings.feature_dim,
-            gamma_init=settings.gamma_init,
-            sinks=settings.sinks,
-            mode=settings.mode,
-            chunk_size=settings.chunk_size,
-        )
+        decoder.layers[i].self_attn = HybridAttention.from_softmax(decoder.layers[i].self_attn, cfg, i, settings)
     decoder.register_forward_pre_hook(prepare_inputs, with_kwargs=True)
     resolved = dict(settings)
     resolved["layers"] = layers

@@ -389,7 +389,7 @@ def distill(cfg) -> Path:
         params = {}
         if i in layers_to_train:
             torch.manual_seed(cfg.seed * 7919 + i)
-            m = _hybrid_module(layer, config, i, attention)
+            m = HybridAttention.from_softmax(layer.self_attn, config, i, attention)
             losses = train_layer(m, layer, rope, bufs[current], owned, cfg, rt, weights, i, log)
             params = {f"model.layers.{i}.self_attn.{n}": p.detach().clone() for n, p in m.hybrid_parameters()}
         if i + 1 < n_layers:
@@ -429,22 +429,3 @@ def _mark_written(buffer_dir: Path, name: str, rt) -> None:
     with open(buffer_dir / f"hidden_{name}.rank{rt.rank}.bin", "rb+") as f:
         os.fsync(f.fileno())
     _atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", "ok")
-
-
-def _hybrid_module(layer, config, i: int, attention) -> HybridAttention:
-    base = layer.self_attn
-    return HybridAttention(
-        base,
-        layer_idx=i,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=base.head_dim,
-        scaling=base.scaling,
-        window=attention.window,
-        feature_map=attention.feature_map,
-        feature_dim=attention.feature_dim,
-        gamma_init=attention.gamma_init,
-        sinks=attention.sinks,
-        mode=attention.mode,
-        chunk_size=attention.chunk_size,
-    )
