@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import ARCHS, perturb_hybrid, tiny_model
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import hybrid_scale as hs
 from hybrid_scale.attention.hybrid import HybridAttention, HybridCache
@@ -149,9 +149,7 @@ def test_save_and_load_converted_gives_identical_logits(tmp_path):
     base.save_pretrained(tmp_path / "base")
     conv = perturb_hybrid(
         hs.convert_model(
-            hs.load_converted.__globals__["AutoModelForCausalLM"].from_pretrained(
-                tmp_path / "base", dtype=torch.float32
-            ),
+            AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
             {"window": 3},
         )
     )

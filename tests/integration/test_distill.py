@@ -8,6 +8,7 @@ import procs
 import pytest
 import torch
 from conftest import tiny_model
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -64,8 +65,7 @@ def test_result_is_a_converted_model_and_training_moved_the_maps(uninterrupted):
     eye = torch.eye(16).expand(4, 16, 16)
     assert not torch.equal(p["model.layers.1.self_attn.feature_map_q.weight"], eye)  # trained away from identity
     assert torch.equal(p["model.layers.1.self_attn.gamma_logit"], torch.full((4,), torch.logit(torch.tensor(0.1))))
-    meta = load_file.__globals__["safe_open"]  # losses are recorded with each layer
-    with meta(run / "stage1" / "layer_000.safetensors", "pt") as f:
+    with safe_open(run / "stage1" / "layer_000.safetensors", "pt") as f:  # losses are recorded with each layer
         losses = json.loads(f.metadata()["losses"])
     assert len(losses) == 8 and losses[-1] < losses[0]
 
