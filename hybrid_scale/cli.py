@@ -16,6 +16,7 @@ from .data.corpus import CorpusError
 from .models.convert import UnsupportedArchitectureError
 from .models.converted import ConvertedModelError
 from .stages.distill import DistillError
+from .stages.finetune import FinetuneError
 
 
 def cmd_config(args) -> int:
@@ -77,6 +78,21 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def cmd_finetune(args) -> int:
+    """Stage 2: LoRA fine-tuning under DeepSpeed ZeRO-3 with SSD / early stopping (the `finetune` section); resumes
+    from the newest committed checkpoint; exits 75 after a signal-triggered save (requeue me)."""
+    from .stages.finetune import EXIT_REQUEUE, Requeue, finetune
+
+    try:
+        out = finetune(load_config(args.config, args.overrides))
+    except Requeue as e:
+        print(f"hybrid-scale finetune: {e}", file=sys.stderr)
+        return EXIT_REQUEUE
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"stage 2 done: {out} -> {out.resolve()}")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import main
 
@@ -91,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("convert", cmd_convert),
         ("evaluate", cmd_evaluate),
         ("distill", cmd_distill),
+        ("finetune", cmd_finetune),
     ):
         p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
@@ -119,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         TaskError,
         CorpusError,
         DistillError,
+        FinetuneError,
         FileNotFoundError,
     ) as e:
         print(f"hybrid-scale {args.command}: error: {e}", file=sys.stderr)

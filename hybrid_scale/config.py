@@ -77,9 +77,41 @@ class DistillConfig:
     progress: bool = True
 
 
+FINETUNE_MODE = {"lolcats": "hybrid", "hedgecats": "hybrid", "ssd": "hybrid", "la_only": "la_only"}
+SSD_GRANULARITY = ("step", "layer")
+
+
 @dataclass
 class FinetuneConfig:
-    pass
+    model: str | None = None  # converted model to fine-tune; None = {run_dir}/stage1/converted
+    recipe: str | None = None  # None = distill.recipe; lolcats/hedgecats/ssd train in hybrid, la_only in la_only
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    train_feature_maps: bool = False  # also train phi (saved with the stage's output)
+    train_gamma: bool = False  # also train gamma
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 10  # linear warmup, then linear decay to 0 at max_steps
+    max_steps: int = 200  # optimizer steps
+    global_batch: int = 8  # sequences per optimizer step over all ranks (accumulation = global / (micro * ranks))
+    micro_batch: int = 1  # sequences per forward on one rank
+    clip: float = 1.0  # gradient-norm clipping (0 = off)
+    seq_len: int | None = None  # None = data.seq_len
+    heldout_sequences: int = 8  # held-out packed sequences for the early-stopping losses
+    gradient_checkpointing: bool = True  # non-reentrant
+    offload: bool = False  # ZeRO-3 parameter and optimizer offload to CPU
+    eval_every: int = 20  # steps between held-out losses in hybrid and la_only (0 = never)
+    early_stopping: bool | None = None  # None = only for recipe hedgecats
+    patience: int = 3  # evaluations without a better hybrid loss before stopping
+    la_margin: float = 0.05  # stop when the la_only held-out loss rises this far (nats) above its best
+    save_every: int = 20  # steps between committed checkpoints
+    keep: int = 2  # committed step checkpoints kept (best/ is outside the rotation)
+    ssd_schedule: list[list[float]] = field(default_factory=lambda: [[0.0, 0.9], [1 / 3, 0.75], [2 / 3, 0.5]])
+    ssd_windows: list[list[float]] | None = None  # optional (fraction, window) steps, e.g. [[0, 16], [0.5, 64]]
+    ssd_granularity: str = "step"  # step: all layers drop SWA together; layer: each layer independently
+    progress: bool = True
 
 
 EVAL_MODES = ("base", "hybrid", "swa_only", "la_only", "sinks_only", "none")
@@ -188,9 +220,49 @@ def validate(cfg: DictConfig) -> DictConfig:
     _positive("data.num_sequences", cfg.data.num_sequences)
     if not 0 <= cfg.data.heldout_fraction < 1:
         raise ConfigError(f"config key 'data.heldout_fraction': must be in [0, 1), got {cfg.data.heldout_fraction}")
+    _validate_finetune(cfg.finetune)
     if list(e.buckets) != sorted(set(e.buckets)) or len(e.buckets) < 2 or e.buckets[0] != 0:
         raise ConfigError(f"config key 'eval.buckets': must start at 0 and increase strictly, got {list(e.buckets)}")
     return cfg
+
+
+def _schedule(key: str, steps, lo, hi) -> None:
+    if not steps or any(len(s) != 2 for s in steps):
+        raise ConfigError(f"config key '{key}': a non-empty list of [fraction, value] pairs, got {steps}")
+    fractions = [s[0] for s in steps]
+    if fractions[0] != 0 or fractions != sorted(set(fractions)) or fractions[-1] >= 1:
+        raise ConfigError(
+            f"config key '{key}': fractions of training must start at 0, increase strictly and stay below 1, "
+            f"got {fractions}"
+        )
+    for _, value in steps:
+        if not lo <= value <= hi:
+            raise ConfigError(f"config key '{key}': values must be in [{lo}, {hi}], got {value}")
+
+
+def _validate_finetune(f) -> None:
+    if f.recipe is not None:
+        _choice("finetune.recipe", f.recipe, RECIPES)
+    for key in ("lora_r", "max_steps", "global_batch", "micro_batch", "heldout_sequences", "save_every"):
+        _positive(f"finetune.{key}", getattr(f, key))
+    _positive("finetune.seq_len", f.seq_len, 2)
+    _positive("finetune.keep", f.keep, 2)
+    _positive("finetune.warmup_steps", f.warmup_steps, 0)
+    _positive("finetune.eval_every", f.eval_every, 0)
+    _positive("finetune.patience", f.patience)
+    if f.global_batch % f.micro_batch:
+        raise ConfigError(
+            f"config key 'finetune.global_batch': {f.global_batch} is not a multiple of finetune.micro_batch "
+            f"({f.micro_batch})"
+        )
+    if not 0 <= f.lora_dropout < 1:
+        raise ConfigError(f"config key 'finetune.lora_dropout': must be in [0, 1), got {f.lora_dropout}")
+    if not f.lora_targets:
+        raise ConfigError("config key 'finetune.lora_targets': name at least one module (e.g. [q_proj, v_proj])")
+    _schedule("finetune.ssd_schedule", f.ssd_schedule, 0.0, 1.0)
+    if f.ssd_windows is not None:
+        _schedule("finetune.ssd_windows", f.ssd_windows, 1, float("inf"))
+    _choice("finetune.ssd_granularity", f.ssd_granularity, SSD_GRANULARITY)
 
 
 def _explain(e: OmegaConfBaseException, schema) -> ConfigError:

@@ -74,3 +74,16 @@ def pack(tokenizer, docs: list[str], seq_len: int, num_sequences: int | None, se
             f"{num_sequences} were asked for: lower data.num_sequences or data.seq_len, or give more text"
         )
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def train_and_heldout(source: str | Path | None, text_field: str, heldout_fraction: float):
+    """(training documents, held-out documents): the embedded default has its own held-out text; a user source is
+    split by document (the last heldout_fraction of them)."""
+    if source is None:
+        from .assets import require
+
+        return read_documents(None, text_field), read_documents(require().heldout_text, text_field)
+    docs = read_documents(source, text_field)
+    if heldout_fraction <= 0:
+        raise CorpusError("config key 'data.heldout_fraction': stage 2 needs held-out text; set it above 0")
+    return split_documents(docs, heldout_fraction)

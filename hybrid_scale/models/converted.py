@@ -17,6 +17,7 @@ from .convert import check_architecture, convert_model, set_modes
 
 CONFIG_NAME = "hybrid_config.json"
 PARAMS_NAME = "hybrid_params.safetensors"
+ADAPTER_DIR = "adapter"  # stage 2 adds a PEFT LoRA adapter here
 FORMAT_VERSION = 1
 
 
@@ -106,7 +107,8 @@ def read_hybrid_config(path: str | os.PathLike) -> dict:
 
 
 def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load base model + hybrid parameters. The dtype is always passed explicitly to transformers."""
+    """Load base model + hybrid parameters (+ a stage-2 LoRA adapter, merged). The dtype is always passed explicitly
+    to transformers."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     path = Path(path)
@@ -132,6 +134,11 @@ def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
             f"{params_file} does not match {CONFIG_NAME}: missing {missing[:3]}, unexpected {extra[:3]}"
         )
     model.load_state_dict(params, strict=False)
+    adapter = path / ADAPTER_DIR
+    if adapter.is_dir():  # a stage-2 output: its LoRA adapter, merged for inference
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     if layer_modes:
         set_modes(model, {int(i): m for i, m in layer_modes.items()})
     return model.to(device).eval()

@@ -14,13 +14,11 @@ Memory: one layer and a batch; disk: 2 x (sequences on this rank) x seq_len x hi
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import math
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from ..attention.hybrid import HybridAttention
 from ..config import RECIPE_OBJECTIVE, ConfigError, attention_settings
 from ..data import corpus
 from ..dist import runtime
+from ..dist.checkpoint import atomic_write, fault, sha256
 from ..models.convert import SUPPORTED
 from ..models.converted import write_converted
 
@@ -118,35 +117,12 @@ def _buffer(path: Path, n: int, seq_len: int, hidden: int, dtype: torch.dtype, c
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(n, seq_len, hidden)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fault(point: str) -> None:
-    """Fault injection for the resume tests: HYBRID_SCALE_FAULT=<point> kills this process there (SIGKILL)."""
-    if os.environ.get("HYBRID_SCALE_FAULT") == point:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def committed(stage1: Path, i: int) -> bool:
     marker, params = stage1 / f"layer_{i:03d}.done", stage1 / f"layer_{i:03d}.safetensors"
     if not (marker.is_file() and params.is_file()):
         return False
     try:
-        return json.loads(marker.read_text())["sha256"] == _sha256(params)
+        return json.loads(marker.read_text())["sha256"] == sha256(params)
     except (ValueError, KeyError):
         return False
 
@@ -280,7 +256,7 @@ def train_layer(m, layer, rope, buf_in, owned: list[int], cfg, rt, weights, i: i
             losses.append(value.item())
             bar.update()
             bar.set_postfix(loss=f"{value.item():.4f}")
-            _fault(f"train:{i}:{epoch * steps + step}")
+            fault(f"train:{i}:{epoch * steps + step}")
     bar.close()
     log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
     return losses
@@ -399,16 +375,16 @@ def distill(cfg) -> Path:
             tmp = stage1 / f"layer_{i:03d}.safetensors.tmp"
             save_file(params, tmp, metadata={"losses": json.dumps(losses if params else [])})
             os.replace(tmp, stage1 / f"layer_{i:03d}.safetensors")
-            _fault(f"commit:{i}")
-            _atomic_write(
+            fault(f"commit:{i}")
+            atomic_write(
                 manifest_path,
                 json.dumps({"identity": identity, "next_layer": i + 1, "inputs": other, "world": rt.world}),
             )
-            _atomic_write(
-                stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": _sha256(stage1 / f"layer_{i:03d}.safetensors")})
+            atomic_write(
+                stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": sha256(stage1 / f"layer_{i:03d}.safetensors")})
             )
         runtime.barrier(rt)
-        _fault(f"after:{i}")
+        fault(f"after:{i}")
         current = other
     out = stage1 / "converted"
     if rt.main:
@@ -428,4 +404,4 @@ def _mark_written(buffer_dir: Path, name: str, rt) -> None:
     """This rank's buffer `name` now holds complete inputs (checked on resume before the buffer is trusted)."""
     with open(buffer_dir / f"hidden_{name}.rank{rt.rank}.bin", "rb+") as f:
         os.fsync(f.fileno())
-    _atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", "ok")
+    atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", "ok")

@@ -1,0 +1,180 @@
+"""Stage 2 under DeepSpeed ZeRO-3 on a tiny converted model: 2 ranks (gloo), SIGKILL / SIGUSR1 and resume (also on
+1 rank), the saved adapter, unused gamma in la_only, HedgeCATs early stopping."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import procs
+import pytest
+import torch
+from conftest import perturb_hybrid, tiny_model
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hybrid_scale as hs
+from hybrid_scale.dist.checkpoint import MARKER
+from hybrid_scale.stages.finetune import EXIT_REQUEUE, committed_steps
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("stage2")
+    base = root / "base"
+    model = tiny_model("llama", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(base)
+    perturb_hybrid(hs.convert_model(model, {"window": 8}))
+    hs.save_converted(model, root / "converted", base_path=base)
+    docs = smollm2.train_text.read_text().split("\n\n")[:300]
+    (root / "text.txt").write_text("\n\n".join(docs))
+    return root
+
+
+def overrides(setup: Path, run_dir: Path, *extra) -> list[str]:
+    return [
+        f"finetune.model={setup / 'converted'}",
+        f"data.source={setup / 'text.txt'}",
+        f"run_dir={run_dir}",
+        "finetune.seq_len=64",
+        "finetune.max_steps=10",
+        "finetune.global_batch=4",
+        "finetune.micro_batch=1",
+        "finetune.eval_every=5",
+        "finetune.save_every=3",
+        "finetune.heldout_sequences=4",
+        "finetune.lr=0.002",
+        "finetune.warmup_steps=2",
+        "finetune.recipe=ssd",
+        "finetune.ssd_granularity=layer",
+        "finetune.train_gamma=true",
+        "finetune.train_feature_maps=true",
+        "finetune.progress=false",
+        *extra,
+    ]
+
+
+def finetune(args, ranks=2, env=None):
+    return procs.run(["finetune", *args], env, timeout=600, ranks=ranks)
+
+
+def curves(run: Path) -> dict:
+    return json.loads((run / "stage2" / "curves.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    run = tmp_path_factory.mktemp("reference")
+    proc = finetune(overrides(setup, run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def test_reference_run_trains_and_keeps_the_newest_two_checkpoints(reference):
+    c = curves(reference)
+    assert len(c["train"]) == 10 and c["eval_steps"] == [5, 10]
+    assert c["hybrid"][-1] < c["hybrid"][0]  # held-out hybrid loss went down
+    assert [p.name for p in committed_steps(reference / "stage2")] == ["step_00000009", "step_00000010"]
+    assert (reference / "stage2" / "output").resolve().name == "final"  # no early stopping for ssd
+    realised = c["ssd"]
+    assert [r["p"] for r in realised] == [0.9, 0.75, 0.5] and sum(r["layer_forwards"] for r in realised) == 20
+    log = (reference / "stage2" / "log.txt").read_text()
+    assert "2 ranks" in log and "ssd realised drop rate per phase" in log
+
+
+def test_sigkill_after_step_6_then_resume_equals_uninterrupted(setup, reference, tmp_path):
+    """Killed during step 7 (step 6 committed): partial and corrupt step directories are ignored on resume."""
+    proc = finetune(overrides(setup, tmp_path), env={"HYBRID_SCALE_FAULT": "step:7"})
+    assert proc.returncode != 0
+    stage2 = tmp_path / "stage2"
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000003", "step_00000006"]
+    shutil.copytree(stage2 / "step_00000006", stage2 / "step_00000007.partial")  # a save cut short
+    corrupt = shutil.copytree(stage2 / "step_00000006", stage2 / "step_00000008")  # marker no longer matches
+    (corrupt / "trainable.safetensors").write_bytes(b"\0" * 64)
+    assert finetune(overrides(setup, tmp_path)).returncode == 0
+    assert "resumed from step_00000006" in (stage2 / "log.txt").read_text()
+    ref, got = curves(reference), curves(tmp_path)
+    assert torch.allclose(torch.tensor(got["train"]), torch.tensor(ref["train"]), rtol=0, atol=1e-6)
+    assert got["hybrid"] == pytest.approx(ref["hybrid"], abs=1e-6)
+    a = load_file(reference / "stage2" / "final" / "adapter" / "adapter_model.safetensors")
+    b = load_file(stage2 / "final" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_sigusr1_saves_quickly_exits_75_and_resumes_on_one_process(setup, reference, tmp_path):
+    proc = finetune(overrides(setup, tmp_path), env={"HYBRID_SCALE_FAULT": "step:4@USR1"})
+    assert proc.returncode != 0 and f"exitcode  : {EXIT_REQUEUE}" in proc.stderr, proc.stderr[-3000:]
+    stage2 = tmp_path / "stage2"
+    # the signal came after step 4's boundary: the ranks agree at the end of step 5 and save there
+    assert committed_steps(stage2)[-1].name == "step_00000005"
+    seconds = float(re.search(r"signal: saved step_00000005 in ([\d.]+) s", (stage2 / "log.txt").read_text())[1])
+    assert seconds < 30
+    one = finetune(overrides(setup, tmp_path), ranks=0)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "saved by 2 ranks, now 1" in (stage2 / "log.txt").read_text()
+    ref, got = curves(reference)["train"], curves(tmp_path)["train"]
+    assert got[:5] == ref[:5]  # restored from the checkpoint
+    assert torch.allclose(torch.tensor(got[5:]), torch.tensor(ref[5:]), rtol=1e-4)  # the same curve continues
+
+
+def test_saved_adapter_is_whole_and_reloads_to_the_trained_logits(setup, reference):
+    """final/ (adapter gathered from ZeRO-3 partitions) merged == the checkpoint's fp32 masters applied unmerged."""
+    final = reference / "stage2" / "final"
+    assert (final / MARKER).is_file()
+    adapter = load_file(final / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 2 * 4 * 2  # lora_A and lora_B of q/k/v/o in 2 layers
+    assert all(t.numel() > 0 for t in adapter.values())
+    assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained (B starts at zero)
+    merged = hs.load_converted(final, dtype=torch.float32)
+
+    plain = AutoModelForCausalLM.from_pretrained(setup / "base", dtype=torch.float32)
+    hs.convert_model(plain, {"window": 8})
+    trained = load_file(reference / "stage2" / "step_00000010" / "trainable.safetensors")
+    model = get_peft_model(
+        plain, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
+    missing = model.load_state_dict(trained, strict=False)
+    assert not missing.unexpected_keys
+    assert any("feature_map_q" in k for k in trained) and any("gamma_logit" in k for k in trained)
+    ids = torch.randint(0, 49152, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, model.eval()(ids).logits, atol=1e-5)
+
+
+def test_la_only_recipe_leaves_unused_gamma_untouched(setup, tmp_path):
+    """gamma is trainable but unused in la_only: ZeRO-3 must cope, and gamma must not move."""
+    args = overrides(
+        setup, tmp_path, "finetune.recipe=la_only", "finetune.max_steps=4", "finetune.train_feature_maps=false"
+    )
+    proc = finetune(args, ranks=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = load_file(setup / "converted" / "hybrid_params.safetensors")
+    after = load_file(tmp_path / "stage2" / "final" / "hybrid_params.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert "trains in la_only" in (tmp_path / "stage2" / "log.txt").read_text()
+
+
+def test_hedgecats_stops_early_and_outputs_best(setup, tmp_path):
+    args = overrides(
+        setup, tmp_path, "finetune.recipe=hedgecats", "finetune.lr=0.05", "finetune.eval_every=2", "finetune.patience=1"
+    )
+    proc = finetune(args, ranks=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = curves(tmp_path)
+    stage2 = tmp_path / "stage2"
+    assert c["stopping"]["reason"] is not None and len(c["train"]) < 10
+    assert c["stopping"]["best_step"] == c["eval_steps"][c["hybrid"].index(min(c["hybrid"]))]
+    assert (stage2 / "output").resolve() == (stage2 / "best").resolve() and (stage2 / "best" / MARKER).is_file()
+    assert (stage2 / "curves.png").stat().st_size > 10_000
+    hs.load_converted(stage2 / "output", dtype=torch.float32)  # loads as a model
+
+
+def test_resuming_with_other_settings_is_refused(setup, reference, tmp_path):
+    shutil.copytree(reference / "stage2", tmp_path / "stage2", symlinks=True)
+    proc = finetune(overrides(setup, tmp_path, "finetune.lr=0.01", "finetune.max_steps=12"), ranks=0)
+    assert proc.returncode == 2
+    assert "made with other settings (lr, max_steps)" in proc.stderr
