@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install assets test lint format quickstart bench clean
+.PHONY: install assets test lint format quickstart bench reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ quickstart: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention_scaling.py
+
+# Table 1 on SmolLM2: every recipe through stage 1, stage 2 and the ablation evaluation (about an hour on 2 cores
+# at the default budget; resumable). Options: .venv/bin/python benchmarks/reproduce_table1.py --help
+reproduce: $(STAMP)
+	$(PY) benchmarks/reproduce_table1.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -80,6 +80,7 @@ def test_reference_run_trains_and_keeps_the_newest_two_checkpoints(reference):
     assert c["hybrid"][-1] < c["hybrid"][0]  # held-out hybrid loss went down
     assert [p.name for p in committed_steps(reference / "stage2")] == ["step_00000009", "step_00000010"]
     assert (reference / "stage2" / "output").resolve().name == "final"  # no early stopping for ssd
+    assert (reference / "stage2" / "best" / MARKER).is_file()
     realised = c["ssd"]
     assert [r["p"] for r in realised] == [0.9, 0.75, 0.5] and sum(r["layer_forwards"] for r in realised) == 20
     log = (reference / "stage2" / "log.txt").read_text()
@@ -105,20 +106,29 @@ def test_sigkill_after_step_6_then_resume_equals_uninterrupted(setup, reference,
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
-def test_sigusr1_saves_quickly_exits_75_and_resumes_on_one_process(setup, reference, tmp_path):
-    proc = finetune(overrides(setup, tmp_path), env={"HYBRID_SCALE_FAULT": "step:4@USR1"})
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_signal_saves_quickly_exits_75_and_resumes(setup, reference, tmp_path, sig):
+    """The handler only sets a flag; the ranks agree at the next step boundary, save and exit 75. Resumed on 2 ranks
+    the losses equal the uninterrupted run's; resumed on 1 rank (USR1 case) the same curve continues."""
+    proc = finetune(overrides(setup, tmp_path / "a"), env={"HYBRID_SCALE_FAULT": f"step:4@{sig}"})
     assert proc.returncode != 0 and f"exitcode  : {EXIT_REQUEUE}" in proc.stderr, proc.stderr[-3000:]
-    stage2 = tmp_path / "stage2"
-    # the signal came after step 4's boundary: the ranks agree at the end of step 5 and save there
+    stage2 = tmp_path / "a" / "stage2"
+    # the signal came after step 4's agreement: the ranks agree at the end of step 5 and save there
     assert committed_steps(stage2)[-1].name == "step_00000005"
     seconds = float(re.search(r"signal: saved step_00000005 in ([\d.]+) s", (stage2 / "log.txt").read_text())[1])
     assert seconds < 30
-    one = finetune(overrides(setup, tmp_path), ranks=0)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "saved by 2 ranks, now 1" in (stage2 / "log.txt").read_text()
-    ref, got = curves(reference)["train"], curves(tmp_path)["train"]
-    assert got[:5] == ref[:5]  # restored from the checkpoint
-    assert torch.allclose(torch.tensor(got[5:]), torch.tensor(ref[5:]), rtol=1e-4)  # the same curve continues
+    if sig == "USR1":
+        shutil.copytree(stage2, tmp_path / "b" / "stage2")
+    assert finetune(overrides(setup, tmp_path / "a")).returncode == 0
+    ref = curves(reference)["train"]
+    assert torch.allclose(torch.tensor(curves(tmp_path / "a")["train"]), torch.tensor(ref), rtol=0, atol=1e-6)
+    if sig == "USR1":
+        one = finetune(overrides(setup, tmp_path / "b"), ranks=0)
+        assert one.returncode == 0, one.stderr[-3000:]
+        assert "saved by 2 ranks, now 1" in (tmp_path / "b" / "stage2" / "log.txt").read_text()
+        got = curves(tmp_path / "b")["train"]
+        assert got[:5] == ref[:5]  # restored from the checkpoint
+        assert torch.allclose(torch.tensor(got[5:]), torch.tensor(ref[5:]), rtol=1e-4)  # the same curve continues
 
 
 def test_saved_adapter_is_whole_and_reloads_to_the_trained_logits(setup, reference):
@@ -160,14 +170,24 @@ def test_la_only_recipe_leaves_unused_gamma_untouched(setup, tmp_path):
 
 def test_hedgecats_stops_early_and_outputs_best(setup, tmp_path):
     args = overrides(
-        setup, tmp_path, "finetune.recipe=hedgecats", "finetune.lr=0.05", "finetune.eval_every=2", "finetune.patience=1"
+        setup,
+        tmp_path,
+        "finetune.recipe=hedgecats",
+        "finetune.lr=0.05",
+        "finetune.eval_every=2",
+        "finetune.patience=1",
+        "finetune.save_every=1",
     )
     proc = finetune(args, ranks=0)
     assert proc.returncode == 0, proc.stderr[-3000:]
     c = curves(tmp_path)
     stage2 = tmp_path / "stage2"
     assert c["stopping"]["reason"] is not None and len(c["train"]) < 10
-    assert c["stopping"]["best_step"] == c["eval_steps"][c["hybrid"].index(min(c["hybrid"]))]
+    best_step = c["stopping"]["best_step"]
+    assert best_step == c["eval_steps"][c["hybrid"].index(min(c["hybrid"]))]
+    # the best checkpoint survives the rotation that removed its step directory
+    kept = [p.name for p in committed_steps(stage2)]
+    assert len(kept) == 2 and f"step_{best_step:08d}" not in kept
     assert (stage2 / "output").resolve() == (stage2 / "best").resolve() and (stage2 / "best" / MARKER).is_file()
     assert (stage2 / "curves.png").stat().st_size > 10_000
     hs.load_converted(stage2 / "output", dtype=torch.float32)  # loads as a model

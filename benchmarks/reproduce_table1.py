@@ -1,0 +1,188 @@
+"""Reproduce the paper's Table 1 on SmolLM2 (the embedded default): every recipe through stage 1, stage 2 and the
+component-ablation evaluation, at a stated budget, into one combined table. Resumable: each stage resumes or is
+skipped when finished (`make reproduce` runs it with the defaults below).
+
+    .venv/bin/python benchmarks/reproduce_table1.py [--steps 16 --eval-limit 25 ...]
+
+Stage 1 is shared by the recipes with the same objective (hedgecats, ssd and la_only all use weights_xent).
+Each stage runs as its own `hybrid-scale` process, as a user would run it. Inference-time hybridisation of the
+la_only recipe with a calibrated gamma comes with the export stage; until then its `hybrid` column is the
+la_only-trained model with SWA added at inference and gamma fixed at its initial value (attention.gamma_init).
+
+Writes {run_root}/table1.json and {run_root}/table1.md (copy the latter to docs/results/ with the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hybrid_scale.config import RECIPE_OBJECTIVE
+
+RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
+MODES = ("hybrid", "swa_only", "la_only", "none")
+
+
+def hybrid_scale(*args: str) -> float:
+    """Run one stage; returns its wall time (s)."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "hybrid_scale.cli", *args]
+    print("$ hybrid-scale " + " ".join(args), flush=True)
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t0
+
+
+def timed(run_dir: Path, name: str, fn) -> float:
+    """Wall time of a stage, recorded once (a skipped or resumed stage keeps the first complete figure)."""
+    path = run_dir / f"wall_{name}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    seconds = fn()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(seconds))
+    return seconds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-root", default="runs/reproduce")
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--stage1-sequences", type=int, default=160)
+    ap.add_argument("--stage1-seq-len", type=int, default=512)
+    ap.add_argument("--stage1-epochs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=16, help="stage-2 optimizer steps")
+    ap.add_argument("--global-batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256, help="stage-2 sequence length")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--tasks", nargs="+", default=["piqa", "arc_easy"])
+    ap.add_argument("--eval-limit", type=int, default=25)
+    ap.add_argument("--ppl-seq-len", type=int, default=512)
+    ap.add_argument("--ppl-sequences", type=int, default=4)
+    args = ap.parse_args()
+    root = Path(args.run_root)
+    common = [f"attention.window={args.window}", "seed=0"]
+    stage1 = {}
+    for objective in sorted({RECIPE_OBJECTIVE[r] for r in args.recipes}):
+        recipe = next(r for r in args.recipes if RECIPE_OBJECTIVE[r] == objective)
+        run = root / f"stage1_{objective}"
+        overrides = [
+            *common,
+            f"run_dir={run}",
+            f"distill.recipe={recipe}",
+            f"data.num_sequences={args.stage1_sequences}",
+            f"data.seq_len={args.stage1_seq_len}",
+            f"distill.epochs={args.stage1_epochs}",
+        ]
+        stage1[objective] = {"dir": run / "stage1" / "converted"}
+        stage1[objective]["wall_s"] = timed(run, "stage1", lambda o=overrides: hybrid_scale("distill", *o))
+
+    evaluation = [
+        f"eval.tasks=[{','.join(args.tasks)}]",
+        f"eval.limit={args.eval_limit}",
+        f"eval.ppl_seq_len={args.ppl_seq_len}",
+        f"eval.ppl_sequences={args.ppl_sequences}",
+        "eval.buckets=[0,64,256]",
+        f"eval.la_share_seq_len={args.ppl_seq_len}",
+    ]
+    base_run = root / "base"
+    timed(
+        base_run,
+        "eval",
+        lambda: hybrid_scale(
+            "evaluate", *common, *evaluation, "eval.modes=[base]", f"run_dir={base_run}", "eval.la_share_seq_len=0"
+        ),
+    )
+    rows = {"base": json.loads((base_run / "eval" / "results.json").read_text())}
+    walls = {}
+    for recipe in args.recipes:
+        run = root / recipe
+        objective = RECIPE_OBJECTIVE[recipe]
+        finetune = [
+            *common,
+            f"run_dir={run}",
+            f"finetune.model={stage1[objective]['dir']}",
+            f"finetune.recipe={recipe}",
+            f"finetune.max_steps={args.steps}",
+            f"finetune.global_batch={args.global_batch}",
+            f"finetune.seq_len={args.seq_len}",
+            f"finetune.lr={args.lr}",
+            f"finetune.warmup_steps={max(1, args.steps // 10)}",
+            f"finetune.eval_every={args.eval_every}",
+            f"finetune.save_every={args.eval_every}",
+            "finetune.heldout_sequences=4",
+        ]
+        w2 = timed(run, "stage2", lambda f=finetune: hybrid_scale("finetune", *f))
+        model = (run / "stage2" / "output").resolve()
+        we = timed(
+            run,
+            "eval",
+            lambda r=run, m=model: hybrid_scale(
+                "evaluate", *common, *evaluation, f"eval.model={m}", f"eval.modes=[{','.join(MODES)}]", f"run_dir={r}"
+            ),
+        )
+        rows[recipe] = json.loads((run / "eval" / "results.json").read_text())
+        curves = json.loads((run / "stage2" / "curves.json").read_text())
+        walls[recipe] = {"stage1": stage1[objective]["wall_s"], "stage2": w2, "eval": we, "curves": curves}
+    out = {"args": vars(args), "results": rows, "walls": walls}
+    (root / "table1.json").write_text(json.dumps(out, indent=1))
+    text = table(out)
+    (root / "table1.md").write_text(text)
+    print(text)
+
+
+def _ci(d: dict) -> str:
+    return f"{100 * d['delta']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+
+
+def table(out: dict) -> str:
+    a, rows = out["args"], out["results"]
+    tasks = a["tasks"]
+    base = rows["base"]["modes"]["base"]
+    lines = [
+        "# Table 1 on SmolLM2-135M-Instruct (reduced budget)",
+        "",
+        f"Budget: stage 1 {a['stage1_sequences']} x {a['stage1_seq_len']} tokens, {a['stage1_epochs']} epochs/layer; "
+        f"stage 2 {a['steps']} steps x {a['global_batch']} x {a['seq_len']} tokens, lr {a['lr']}; window "
+        f"{a['window']}; {a['eval_limit']} items per task ({', '.join(tasks)}); perplexity on {a['ppl_sequences']} "
+        f"held-out sequences of {a['ppl_seq_len']}. Accuracy in points (reported metric per task), AVG over tasks.",
+        "",
+        "| recipe | hybrid | swa_only | la_only | none | dSWA [95% CI] | dLA [95% CI] | verdict | ppl hybrid "
+        "256+ | ppl swa_only 256+ | ppl la_only 256+ | stage 1 / 2 / eval (min) |",
+        "|---|" + "---:|" * 11,
+        f"| base (softmax) | {100 * base['avg']:.1f} | | | | | | | "
+        f"{rows['base']['perplexity']['by_mode']['base']['256-' + str(a['ppl_seq_len'])]:.1f} | | | |",
+    ]
+    for recipe, r in rows.items():
+        if recipe == "base":
+            continue
+        m, ppl, w = r["modes"], r["perplexity"]["by_mode"], out["walls"][recipe]
+        last = f"256-{a['ppl_seq_len']}"
+        lines.append(
+            f"| {recipe} | "
+            + " | ".join(f"{100 * m[x]['avg']:.1f}" for x in MODES)
+            + f" | {_ci(r['delta_swa']['avg'])} | {_ci(r['delta_la']['avg'])} | {r['verdict']} | "
+            + " | ".join(f"{ppl[x][last]:.1f}" for x in ("hybrid", "swa_only", "la_only"))
+            + f" | {w['stage1'] / 60:.0f} / {w['stage2'] / 60:.0f} / {w['eval'] / 60:.0f} |"
+        )
+    lines += ["", "Stage 2 held-out losses (hybrid / la_only) at each evaluation, and why it stopped:", ""]
+    for recipe, w in out["walls"].items():
+        c = w["curves"]
+        pts = ", ".join(
+            f"{s}: {h:.3f}/{la:.3f}" for s, h, la in zip(c["eval_steps"], c["hybrid"], c["la_only"], strict=True)
+        )
+        lines.append(f"- {recipe}: {pts}; output = {c['output']}; stop: {c['stopping']['reason'] or 'max_steps'}")
+    lines += [
+        "",
+        "la_only row, `hybrid` column: SWA added at inference, gamma fixed at its init (calibrated with export).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
