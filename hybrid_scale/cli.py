@@ -122,8 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launcher_args(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N; torchrun-style env (LOCAL_RANK) is what the stages read."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a.startswith(("--local_rank", "--local-rank")):
+            value = a.split("=", 1)[1] if "=" in a else argv[i + 1]
+            skip = "=" not in a
+            os.environ.setdefault("LOCAL_RANK", value)
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_launcher_args(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "config", None) and "=" in args.config:  # only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], None
     try:

@@ -49,3 +49,14 @@ def test_quickstart_demo_checks_pass(tmp_path, capsys):
     ten, two_hundred = values["cache bytes after 10 / 200 generated tokens"].split(" / ")
     assert ten == two_hundred
     assert (tmp_path / "converted" / "hybrid_params.safetensors").is_file()
+
+
+def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert main(["config", "--local_rank=1", "seed=3"]) == 0
+    assert "seed: 3" in capsys.readouterr().out
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "1"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert main(["config", "seed=4", "--local-rank", "0"]) == 0 and os.environ["LOCAL_RANK"] == "0"
