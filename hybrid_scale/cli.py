@@ -16,6 +16,7 @@ from .data.corpus import CorpusError
 from .models.convert import UnsupportedArchitectureError
 from .models.converted import ConvertedModelError
 from .stages.distill import DistillError
+from .stages.export import ExportError
 from .stages.finetune import FinetuneError
 
 
@@ -93,6 +94,16 @@ def cmd_finetune(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Export (the `export` section): merged, self-contained Hugging Face directory (trust_remote_code), with optional
+    inference-time hybridisation (export.mode=hybrid, export.gamma or export.calibrate_gamma)."""
+    from .stages.export import export
+
+    out = export(load_config(args.config, args.overrides))
+    print(f"export written to {out} (load with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import main
 
@@ -108,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("evaluate", cmd_evaluate),
         ("distill", cmd_distill),
         ("finetune", cmd_finetune),
+        ("export", cmd_export),
     ):
         p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
@@ -152,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         CorpusError,
         DistillError,
         FinetuneError,
+        ExportError,
         FileNotFoundError,
     ) as e:
         print(f"hybrid-scale {args.command}: error: {e}", file=sys.stderr)

@@ -141,7 +141,19 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    pass
+    model: str | None = None  # None = {run_dir}/stage2/best, else stage2/output, else stage1/converted
+    out_dir: str | None = None  # None = {run_dir}/export
+    mode: str | None = None  # mode the export runs in; None = as trained (la_only + mode=hybrid: inference-time SWA)
+    window: int | None = None  # None = as trained
+    gamma: float | None = None  # fix gamma of every head (inference-time hybridisation)
+    calibrate_gamma: bool = False  # fit gamma per layer and head so hybrid matches full softmax on a few batches
+    calibration_sequences: int = 8
+    calibration_seq_len: int = 512
+    calibration_steps: int = 60
+    report_sequences: int = 4  # held-out sequences for the before/after perplexity of a gamma change (0 = skip)
+    report_seq_len: int = 512
+    max_shard_gb: float = 5.0
+    dtype: str | None = None  # None = as the base checkpoint's tensors
 
 
 @dataclass
@@ -221,6 +233,22 @@ def validate(cfg: DictConfig) -> DictConfig:
     if not 0 <= cfg.data.heldout_fraction < 1:
         raise ConfigError(f"config key 'data.heldout_fraction': must be in [0, 1), got {cfg.data.heldout_fraction}")
     _validate_finetune(cfg.finetune)
+    x = cfg.export
+    if x.mode is not None:
+        _choice("export.mode", x.mode, MODES)
+    if x.dtype is not None:
+        _choice("export.dtype", x.dtype, DTYPES)
+    _positive("export.window", x.window)
+    for key in ("calibration_sequences", "calibration_seq_len", "calibration_steps"):
+        _positive(f"export.{key}", x[key])
+    _positive("export.report_sequences", x.report_sequences, 0)
+    _positive("export.report_seq_len", x.report_seq_len, 2)
+    if x.gamma is not None and not 0.0 < x.gamma < 1.0:
+        raise ConfigError(f"config key 'export.gamma': must be in (0, 1), got {x.gamma}")
+    if x.gamma is not None and x.calibrate_gamma:
+        raise ConfigError("config keys 'export.gamma' and 'export.calibrate_gamma': choose one (fixed or calibrated)")
+    if x.max_shard_gb <= 0:
+        raise ConfigError(f"config key 'export.max_shard_gb': must be > 0, got {x.max_shard_gb}")
     if list(e.buckets) != sorted(set(e.buckets)) or len(e.buckets) < 2 or e.buckets[0] != 0:
         raise ConfigError(f"config key 'eval.buckets': must start at 0 and increase strictly, got {list(e.buckets)}")
     return cfg

@@ -10,7 +10,8 @@ the generated length) and whose other layers keep the usual `DynamicLayer`. `pre
 the decoder) creates one when `use_cache` is on and none was given (also replacing the empty `DynamicCache` that
 `generate()` makes), derives `position_ids` from a 2D `attention_mask`, and hands the layers that mask.
 
-This file imports only torch, transformers and its siblings (the export copies it next to a modeling file).
+This file imports only torch, transformers and its siblings, in the `from .sibling import name` form that transformers
+follows when it loads remote code (the export copies these files next to a modeling file).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from . import chunked, recurrent
+from .chunked import hybrid_attention as chunked_attention
 from .feature_maps import make_feature_map
 from .naive import check_mode
+from .recurrent import DecodeState, extend
 
 
 def _rotate_half(x):
@@ -131,7 +133,7 @@ class HybridAttention(nn.Module):
                 "pass no cache (one is created) or HybridCache(model)"
             )
         else:
-            y = chunked.hybrid_attention(
+            y = chunked_attention(
                 q,
                 k,
                 v,
@@ -160,7 +162,7 @@ class HybridCacheLayer(CacheLayerMixin):
         super().__init__()
         self.window, self.sinks = window, sinks
         self.capacity = window if max_length is None else min(window, max_length)
-        self.state: recurrent.DecodeState | None = None
+        self.state: DecodeState | None = None
 
     def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
         if self.state is None:
@@ -170,11 +172,11 @@ class HybridCacheLayer(CacheLayerMixin):
                     f"window={module.window}, sinks={module.sinks}; make a new HybridCache after changing them"
                 )
             B, Hkv, _, D = k.shape
-            self.state = recurrent.DecodeState.empty(
+            self.state = DecodeState.empty(
                 B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
             )
             self.is_initialized = True
-        return recurrent.extend(
+        return extend(
             self.state,
             q,
             k,

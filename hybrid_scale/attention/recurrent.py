@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from . import chunked
 from .chunked import gather_time
+from .chunked import hybrid_attention as chunked_attention
 from .naive import check_mode, compute_dtype, masked_attention
 
 
@@ -184,7 +184,7 @@ def extend(
         ring_real = pos_ring.gather(1, order) >= 0
         q_all = torch.cat([q.new_zeros(*q.shape[:2], R, q.shape[-1]), q], 2)
         fq_all = torch.cat([fq.new_zeros(*fq.shape[:2], R, fq.shape[-1]), fq], 2)
-        y = chunked.hybrid_attention(
+        y = chunked_attention(
             q_all,
             torch.cat([gather_time(state.k, order).to(k.dtype), k], 2),
             torch.cat([gather_time(state.v, order).to(v.dtype), v], 2),

@@ -21,8 +21,27 @@ ADAPTER_DIR = "adapter"  # stage 2 adds a PEFT LoRA adapter here
 FORMAT_VERSION = 1
 
 
+CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
 class ConvertedModelError(ValueError):
     pass
+
+
+def base_config(path: Path):
+    """The config of a model directory; for a hybrid_scale export (model_type hybrid_scale_*), the base
+    architecture's config without the hybrid additions (read without remote code)."""
+    data = json.loads((Path(path) / "config.json").read_text())
+    if not str(data.get("model_type", "")).startswith("hybrid_scale_"):
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    from transformers import CONFIG_MAPPING
+
+    from ..attention.configuration_hybrid_scale import BASE_MODEL_TYPE
+
+    base_type = BASE_MODEL_TYPE[data["model_type"]]
+    for key in ("model_type", "auto_map", "hybrid", "architectures", "transformers_version"):
+        data.pop(key, None)
+    return CONFIG_MAPPING[base_type](architectures=[f"{CLASS_PREFIX[base_type]}ForCausalLM"], **data)
 
 
 def hybrid_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -118,7 +137,7 @@ def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
         raise ConvertedModelError(
             f"base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit 'base_model'"
         )
-    config = AutoConfig.from_pretrained(base, local_files_only=True)
+    config = base_config(base)
     model = AutoModelForCausalLM.from_pretrained(base, config=config, dtype=dtype, local_files_only=True)
     attention = dict(meta["attention"])
     layer_modes = attention.pop("layer_modes", None)

@@ -73,9 +73,6 @@ class ShardedCheckpoint:
                     out[k] = f.get_tensor(k)
         return out
 
-    def prefix(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix) :]: v for k, v in self.read([n for n in self.where if n.startswith(prefix)]).items()}
-
 
 def _modeling(config):
     return importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
@@ -93,7 +90,9 @@ def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype):
     cls = _class(config, "DecoderLayer")
     with torch.device("meta"):
         layer = cls(config, i)
-    layer.load_state_dict({k: v.to(dtype) for k, v in ckpt.prefix(f"model.layers.{i}.").items()}, assign=True)
+    prefix = f"model.layers.{i}."
+    tensors = ckpt.read([prefix + k for k in layer.state_dict()])  # only the decoder layer's own tensors
+    layer.load_state_dict({k[len(prefix) :]: v.to(dtype) for k, v in tensors.items()}, assign=True)
     for p in layer.parameters():
         p.requires_grad_(False)
     return layer.eval()

@@ -1,0 +1,216 @@
+"""Export: loads in a process without hybrid_scale/peft/deepspeed (trust_remote_code), equals the toolkit's model,
+streamed LoRA merge == PEFT's merge_and_unload, reloads into hybrid_scale, clear errors on a missing or corrupt
+shard, inference-time hybridisation with fixed and calibrated gamma."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import perturb_hybrid, tiny_model
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hybrid_scale as hs
+from hybrid_scale.config import load_config
+from hybrid_scale.dist.checkpoint import MARKER
+from hybrid_scale.models.converted import ADAPTER_DIR
+from hybrid_scale.stages.export import ExportError, export
+
+ISOLATED = r"""
+import json, sys
+for name in ("hybrid_scale", "peft", "deepspeed"):
+    sys.modules[name] = None  # import blocker: importing any of them raises ImportError
+import torch
+from transformers import AutoModelForCausalLM
+path, out = sys.argv[1], sys.argv[2]
+try:
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    refused = ""
+except Exception as e:
+    refused = f"{type(e).__name__}: {e}"
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+ids = torch.load(sys.argv[3])
+mask = torch.ones_like(ids)
+mask[1, :5] = 0  # left padding in the second row
+with torch.no_grad():
+    logits = model(ids).logits
+    padded = model(ids, attention_mask=mask).logits
+gen = model.generate(ids[:1], max_new_tokens=20, do_sample=False)
+model.set_hybrid_mode("la_only")
+with torch.no_grad():
+    la_only = model(ids).logits
+torch.save({"logits": logits, "padded": padded, "gen": gen, "la_only": la_only}, out)
+print("\nRESULT", json.dumps({"refused": refused, "class": type(model).__name__,
+                  "imported": [n for n in ("hybrid_scale", "peft", "deepspeed") if sys.modules.get(n) is not None]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(smollm2, tmp_path_factory):
+    """A stage-2-like model: tiny Llama (2 shards) converted, perturbed phi/gamma, and a random LoRA adapter."""
+    root = tmp_path_factory.mktemp("export")
+    base = root / "base"
+    model = tiny_model("llama", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    model.save_pretrained(base, max_shard_size="2MB")
+    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(base)
+    assert len(list(base.glob("model-*.safetensors"))) >= 2
+    perturb_hybrid(hs.convert_model(model, {"window": 8}))
+    source = root / "stage2_best"
+    hs.save_converted(model, source, base_path=base)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    peft_model.save_pretrained(source / ADAPTER_DIR)
+    docs = smollm2.train_text.read_text().split("\n\n")[:300]
+    (root / "text.txt").write_text("\n\n".join(docs))
+    return root
+
+
+def cfg(root: Path, out: Path, *extra):
+    return load_config(
+        overrides=[
+            f"export.model={root / 'stage2_best'}",
+            f"export.out_dir={out}",
+            f"data.source={root / 'text.txt'}",
+            "export.calibration_sequences=2",
+            "export.calibration_seq_len=64",
+            "export.calibration_steps=20",
+            "export.report_sequences=2",
+            "export.report_seq_len=64",
+            "eval.buckets=[0,8,32]",
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "export"
+    export(cfg(trained, out, "export.max_shard_gb=0.002"))
+    return out
+
+
+def ids():
+    return torch.randint(3, 49152, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def test_export_layout(exported):
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert "hybrid_params.safetensors" in files and len(files) >= 3  # shards capped at 2 MB + the hybrid shard
+    for f in files - {"hybrid_params.safetensors"}:  # at most 2 MB, unless one tensor alone is larger
+        names = [k for k, v in index["weight_map"].items() if v == f]
+        assert len(names) == 1 or (exported / f).stat().st_size <= 2_000_000
+    config = json.loads((exported / "config.json").read_text())
+    assert config["model_type"] == "hybrid_scale_llama" and config["hybrid"]["window"] == 8
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_hybrid_scale.HybridScaleLlamaForCausalLM"
+    assert (exported / MARKER).is_file() and (exported / "tokenizer.json").is_file()
+    assert "trust_remote_code=True" in (exported / "README.md").read_text()
+    assert not list(exported.parent.glob("*.partial"))
+
+
+def test_isolated_process_loads_it_and_matches_the_toolkit(trained, exported, tmp_path):
+    copy = shutil.copytree(exported, tmp_path / "moved")  # nothing points back at the run
+    torch.save(ids(), tmp_path / "ids.pt")
+    (tmp_path / "load.py").write_text(ISOLATED)
+    proc = subprocess.run(
+        [sys.executable, "-I", "load.py", str(copy), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert info["class"] == "HybridScaleLlamaForCausalLM" and info["imported"] == []
+    assert "trust_remote_code" in info["refused"]  # no silent softmax model
+    got = torch.load(tmp_path / "out.pt")
+
+    ref = hs.load_converted(trained / "stage2_best", dtype=torch.float32)  # base + phi/gamma + adapter (PEFT merge)
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
+        assert torch.allclose(got["padded"], ref(x, attention_mask=mask).logits, atol=1e-5)
+        with hs.components(ref, "la_only"):
+            assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
+    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+
+
+def test_streamed_merge_equals_peft_merge_and_unload(trained, exported):
+    plain = AutoModelForCausalLM.from_pretrained(trained / "base", dtype=torch.float32)
+    merged = PeftModel.from_pretrained(plain, trained / "stage2_best" / ADAPTER_DIR).merge_and_unload().state_dict()
+    index = json.loads((exported / "model.safetensors.index.json").read_text())["weight_map"]
+    ours = {}
+    for file in set(index.values()) - {"hybrid_params.safetensors"}:
+        ours.update(load_file(exported / file))
+    base = load_base(trained)
+    assert set(ours) == set(base)  # the base checkpoint's tensors, re-sharded
+    changed = [k for k in ours if not torch.equal(ours[k], base[k])]
+    assert sorted(changed) == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qvo")
+    for k, v in ours.items():
+        assert torch.allclose(v, merged[k], atol=1e-6), k
+
+
+def load_base(trained):
+    out = {}
+    for f in (trained / "base").glob("model-*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def test_export_loads_back_into_hybrid_scale(trained, exported):
+    again = hs.load_converted(exported, dtype=torch.float32)
+    ref = hs.load_converted(trained / "stage2_best", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(again(ids()).logits, ref(ids()).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_missing_or_corrupt_input_shard(trained, tmp_path, damage):
+    broken = shutil.copytree(trained, tmp_path / "broken")
+    meta = json.loads((broken / "stage2_best" / "hybrid_config.json").read_text())
+    meta["base_model"] = str(broken / "base")
+    (broken / "stage2_best" / "hybrid_config.json").write_text(json.dumps(meta))
+    shard = sorted((broken / "base").glob("model-*.safetensors"))[-1]
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    out = tmp_path / "out" / "export"
+    with pytest.raises(ExportError) as e:
+        export(cfg(broken, out))
+    assert str(e.value).startswith(f"input shard{'(s) missing' if damage == 'missing' else ''}")
+    assert shard.name in str(e.value) and "restore" in str(e.value)
+    assert not out.exists() and not out.with_name("export.partial").exists()  # nothing that looks like an export
+
+
+def test_inference_time_hybridisation_fixed_and_calibrated(trained, tmp_path):
+    # an LA-only model: stage 2 trained in la_only; the export adds SWA back with gamma fixed or calibrated
+    meta = json.loads((trained / "stage2_best" / "hybrid_config.json").read_text())
+    la = shutil.copytree(trained, tmp_path / "la")
+    meta["attention"]["mode"] = "la_only"
+    (la / "stage2_best" / "hybrid_config.json").write_text(json.dumps(meta))
+    fixed = export(cfg(la, tmp_path / "fixed", "export.mode=hybrid", "export.gamma=0.3"))
+    gammas = [v for k, v in load_file(fixed / "hybrid_params.safetensors").items() if k.endswith("gamma_logit")]
+    assert all(torch.allclose(torch.sigmoid(g), torch.full_like(g, 0.3)) for g in gammas)
+    assert json.loads((fixed / "config.json").read_text())["hybrid"]["mode"] == "hybrid"
+
+    calibrated = export(cfg(la, tmp_path / "cal", "export.mode=hybrid", "export.calibrate_gamma=true"))
+    report = json.loads((calibrated / "gamma_report.json").read_text())
+    for before, after in report["calibration_mse"].values():
+        assert after < before  # the fit moved gamma towards full softmax
+    assert {"hybrid (as trained)", "hybrid (calibrated)", "swa_only", "la_only"} <= set(report["perplexity"])
+    assert "Inference-time gamma" in (calibrated / "README.md").read_text()
+    model = hs.load_converted(calibrated, dtype=torch.float32)
+    assert {m.mode for m in model.modules() if isinstance(m, hs.HybridAttention)} == {"hybrid"}
