@@ -21,7 +21,7 @@ from ..data import assets, benchmarks
 from ..dist import runtime
 from ..dist.deepspeed import shard_for_inference
 from ..models.convert import convert_model, set_modes
-from ..models.converted import CONFIG_NAME, load_converted, read_hybrid_config
+from ..models.converted import CONFIG_NAME, base_config, load_converted, read_hybrid_config
 from . import balance, loglik, report
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
@@ -59,7 +59,8 @@ class Models:
         from transformers import AutoModelForCausalLM
 
         path = _base_path(self.path, self.converted)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
+        config = base_config(path)  # an export's base architecture: "base" is its softmax model (merged weights)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=self.dtype, local_files_only=True)
         return model.to(self.device).eval()
 
     def _ready(self, model):
@@ -109,7 +110,7 @@ def evaluate(cfg) -> dict:
     path, converted = resolve_model(cfg)
     out_dir = Path(e.out_dir) if e.out_dir else Path(cfg.run_dir) / "eval"
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(_base_path(path, converted), local_files_only=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -122,7 +123,7 @@ def evaluate(cfg) -> dict:
         for j, item in enumerate(task_items):
             spans[(task, j)] = (len(requests), len(item.continuations))
             requests += item.requests()
-    max_len = getattr(AutoConfig.from_pretrained(_base_path(path, converted)), "max_position_embeddings", 8192)
+    max_len = getattr(base_config(_base_path(path, converted)), "max_position_embeddings", 8192)
     groups = loglik.make_groups(tokenizer, requests, max_len)
     lengths = {r: (len(g.context), len(c)) for g in groups for r, c in zip(g.requests, g.continuations, strict=True)}
 

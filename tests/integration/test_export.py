@@ -214,3 +214,68 @@ def test_inference_time_hybridisation_fixed_and_calibrated(trained, tmp_path):
     assert "Inference-time gamma" in (calibrated / "README.md").read_text()
     model = hs.load_converted(calibrated, dtype=torch.float32)
     assert {m.mode for m in model.modules() if isinstance(m, hs.HybridAttention)} == {"hybrid"}
+
+
+PIQA_YAML = """task: piqa_local
+dataset_path: arrow
+dataset_kwargs:
+  data_files:
+    validation: {arrow}
+output_type: multiple_choice
+validation_split: validation
+doc_to_text: "Question: {{{{goal}}}}\\nAnswer:"
+doc_to_target: label
+doc_to_choice: "{{{{[sol1, sol2]}}}}"
+metric_list:
+  - metric: acc
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.mark.slow
+def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_path, monkeypatch):
+    """SmolLM2 converted (window 16, so LA matters), exported, scored by lm-eval's `hf` model with remote code on
+    local arrow data: per-item log-likelihoods equal our evaluator's."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from hybrid_scale.stages.evaluate import evaluate
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    model = AutoModelForCausalLM.from_pretrained(smollm2.model, dtype=torch.float32)
+    perturb_hybrid(hs.convert_model(model, {"window": 16}), scale=0.05)
+    hs.save_converted(model, tmp_path / "converted", base_path=smollm2.model)
+    out = export(load_config(overrides=[f"export.model={tmp_path / 'converted'}", f"export.out_dir={tmp_path / 'x'}"]))
+    (tmp_path / "tasks").mkdir()
+    arrow = next((smollm2.datasets / "piqa").glob("*.arrow"))
+    (tmp_path / "tasks" / "piqa_local.yaml").write_text(PIQA_YAML.format(arrow=arrow))
+    n = 20
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={out},trust_remote_code=True,dtype=float32",
+        tasks=["piqa_local"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        limit=n,
+        batch_size=4,
+        log_samples=True,
+        device="cpu",
+    )
+    theirs = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in res["samples"]["piqa_local"]}
+    ours = evaluate(
+        load_config(
+            overrides=[
+                f"eval.model={out}",
+                "eval.tasks=[piqa]",
+                f"eval.limit={n}",
+                "eval.modes=[hybrid]",
+                "eval.ppl_sequences=0",
+                "eval.bootstrap=0",
+                "eval.progress=false",
+                f"run_dir={tmp_path / 'run'}",
+            ]
+        )
+    )["modes"]["hybrid"]["piqa"]["loglik"]
+    assert sorted(theirs) == list(range(n))
+    assert torch.allclose(torch.tensor([theirs[i] for i in range(n)]), torch.tensor(ours), atol=1e-3, rtol=0)
