@@ -132,9 +132,11 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
 
 
 def plan_shards(base: Path, where: dict[str, str], max_bytes: int, dtype: torch.dtype | None) -> list[list[str]]:
-    """Tensor names grouped into output shards of at most max_bytes (a larger single tensor gets its own)."""
-    shards, current, size = [], [], 0
+    """Tensor names grouped into output shards: one per input shard, split where it exceeds max_bytes (a larger
+    single tensor gets its own), so that writing never holds more than about one input shard."""
+    shards = []
     for file in sorted(set(where.values())):
+        current, size = [], 0
         with safe_open(base / file, "pt") as f:
             for name in [n for n in f.keys() if where.get(n) == file]:
                 s = f.get_slice(name)
@@ -147,8 +149,8 @@ def plan_shards(base: Path, where: dict[str, str], max_bytes: int, dtype: torch.
                     current, size = [], 0
                 current.append(name)
                 size += nbytes
-    if current:
-        shards.append(current)
+        if current:
+            shards.append(current)
     return shards
 
 
