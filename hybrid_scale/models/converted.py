@@ -112,6 +112,13 @@ def write_converted(out: Path, architecture: str, base_ref: str, settings: dict,
     return out
 
 
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a model directory (an export too: its config is read without remote code)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, config=base_config(path), local_files_only=True)
+
+
 def read_hybrid_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     cfg_file = path / CONFIG_NAME

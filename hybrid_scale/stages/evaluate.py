@@ -21,7 +21,7 @@ from ..data import assets, benchmarks
 from ..dist import runtime
 from ..dist.deepspeed import shard_for_inference
 from ..models.convert import convert_model, set_modes
-from ..models.converted import CONFIG_NAME, base_config, load_converted, read_hybrid_config
+from ..models.converted import CONFIG_NAME, base_config, load_converted, load_tokenizer, read_hybrid_config
 from . import balance, loglik, report
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
@@ -110,9 +110,7 @@ def evaluate(cfg) -> dict:
     path, converted = resolve_model(cfg)
     out_dir = Path(e.out_dir) if e.out_dir else Path(cfg.run_dir) / "eval"
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(_base_path(path, converted), local_files_only=True)
+    tokenizer = load_tokenizer(_base_path(path, converted))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     models = Models(cfg, path, converted, rt.device)
     window = models.window()

@@ -34,6 +34,7 @@ from ..models.converted import (
     CONFIG_NAME,
     PARAMS_NAME,
     base_config,
+    load_tokenizer,
     read_hybrid_config,
     write_converted,
 )
@@ -231,18 +232,18 @@ def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[
     return logit.detach(), before, after
 
 
-def calibrate_gamma(out: Path, settings: dict, hybrid: dict, cfg, log) -> tuple[dict[str, torch.Tensor], dict]:
+def calibrate_gamma(
+    out: Path, tokenizer_dir: Path, settings: dict, hybrid: dict, cfg, log
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Per layer (streamed, as stage 1): fit gamma per head so that the hybrid output matches full causal softmax
     over the same (merged) q, k, v on a few training sequences; the teacher layer produces the next inputs."""
-    from transformers import AutoTokenizer
-
     from ..data import corpus
     from .distill import ShardedCheckpoint, build_layer, rotary, teacher_output
 
     x = cfg.export
     config = base_config(out)
     config._attn_implementation = "sdpa"
-    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    tokenizer = load_tokenizer(tokenizer_dir)
     docs, _ = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
     ids = corpus.pack(tokenizer, docs, x.calibration_seq_len, x.calibration_sequences, cfg.seed)
     ckpt = ShardedCheckpoint(out)
@@ -272,15 +273,13 @@ def calibrate_gamma(out: Path, settings: dict, hybrid: dict, cfg, log) -> tuple[
     return new, errors
 
 
-def perplexity_report(out: Path, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
+def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
     """Held-out perplexity by position bucket in hybrid for each gamma setting (plus swa_only and la_only)."""
-    from transformers import AutoTokenizer
-
     from ..models.converted import load_converted
     from .balance import perplexity_by_bucket
 
     x = cfg.export
-    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    tokenizer = load_tokenizer(tokenizer_dir)
     from ..data import corpus
 
     _, held = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
@@ -319,7 +318,7 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)",
-        "tokenizer = AutoTokenizer.from_pretrained(path)",
+        "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # it reads config.json too",
         'model.set_hybrid_mode("la_only")  # or hybrid / swa_only / sinks_only / none, or {layer: mode}',
         "```",
         "",
@@ -401,7 +400,7 @@ def export(cfg) -> Path:
         if x.calibrate_gamma or x.gamma is not None:
             gammas = {"as trained": load_file(source / PARAMS_NAME)}
             if x.calibrate_gamma:
-                hybrid, errors = calibrate_gamma(tmp, settings, hybrid, cfg, log)
+                hybrid, errors = calibrate_gamma(tmp, base, settings, hybrid, cfg, log)
                 write_hybrid(hybrid)
                 gammas["calibrated"] = hybrid
                 note = (
@@ -413,7 +412,7 @@ def export(cfg) -> Path:
                 note = f"gamma fixed at {x.gamma} for every head."
             report = {"note": note, "calibration_mse": errors if x.calibrate_gamma else None}
             if x.report_sequences:
-                report.update(perplexity_report(tmp, cfg, gammas))
+                report.update(perplexity_report(tmp, base, cfg, gammas))
             (tmp / "gamma_report.json").write_text(json.dumps(report, indent=1) + "\n")
         balance = None
         results = Path(cfg.run_dir) / "eval"

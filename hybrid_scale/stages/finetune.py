@@ -40,7 +40,15 @@ from ..dist import runtime
 from ..dist.checkpoint import MARKER, commit, fault, is_committed, replace_dir
 from ..dist.deepspeed import _import_deepspeed, train_config
 from ..models.convert import set_modes
-from ..models.converted import ADAPTER_DIR, CONFIG_NAME, describe, load_converted, read_hybrid_config, write_converted
+from ..models.converted import (
+    ADAPTER_DIR,
+    CONFIG_NAME,
+    describe,
+    load_converted,
+    load_tokenizer,
+    read_hybrid_config,
+    write_converted,
+)
 from .ssd import SSD
 
 EXIT_REQUEUE = 75  # "saved, please requeue" (EX_TEMPFAIL); the Slurm scripts requeue on it
@@ -314,7 +322,6 @@ def heldout_loss(engine, model, held: torch.Tensor, mode: str, micro: int, rt) -
 def finetune(cfg) -> Path:
     """Run (or resume) stage 2; returns {run_dir}/stage2/output (a converted model with an adapter)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoTokenizer
     from transformers.integrations import HfDeepSpeedConfig
 
     f = cfg.finetune
@@ -344,7 +351,7 @@ def finetune(cfg) -> Path:
     base_path = source if meta["base_model"] == "." else Path(meta["base_model"])
     dtype = getattr(torch, cfg.model.dtype)
     T = f.seq_len or cfg.data.seq_len
-    tokenizer = AutoTokenizer.from_pretrained(base_path, local_files_only=True)
+    tokenizer = load_tokenizer(base_path)
     train_ids, held_ids = _data(cfg, tokenizer, T)
     try:
         ds_config = train_config(f, dtype, rt.world)
