@@ -198,3 +198,28 @@ def test_resuming_with_other_settings_is_refused(setup, reference, tmp_path):
     proc = finetune(overrides(setup, tmp_path, "finetune.lr=0.01", "finetune.max_steps=12"), ranks=0)
     assert proc.returncode == 2
     assert "made with other settings (lr, max_steps)" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only"])
+def test_non_reentrant_checkpointing_with_peft_gives_the_same_gradients(mode):
+    def grads(checkpointing: bool):
+        model = perturb_hybrid(hs.convert_model(tiny_model("llama"), {"window": 4, "mode": mode}))
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(0)
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for n, p in peft_model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        peft_model.train()
+        calls = []
+        model.model.layers[0].mlp.register_forward_hook(lambda *a: calls.append(1))  # inside the checkpoint
+        ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        assert len(calls) == (2 if checkpointing else 1)  # recomputed in backward
+        return {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+
+    plain, ckpt = grads(False), grads(True)
+    assert plain.keys() == ckpt.keys() and len(plain) == 8
+    assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
