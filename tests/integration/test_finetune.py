@@ -51,6 +51,7 @@ def overrides(setup: Path, run_dir: Path, *extra) -> list[str]:
         "finetune.warmup_steps=2",
         "finetune.recipe=ssd",
         "finetune.ssd_granularity=layer",
+        "finetune.ssd_windows=[[0,8],[0.5,16]]",
         "finetune.train_gamma=true",
         "finetune.train_feature_maps=true",
         "finetune.progress=false",
@@ -83,6 +84,12 @@ def test_reference_run_trains_and_keeps_the_newest_two_checkpoints(reference):
     assert (reference / "stage2" / "best" / MARKER).is_file()
     realised = c["ssd"]
     assert [r["p"] for r in realised] == [0.9, 0.75, 0.5] and sum(r["layer_forwards"] for r in realised) == 20
+    assert c["window"] == [8] * 5 + [16] * 5  # the window schedule; the window in force goes with the model
+    assert json.loads((reference / "stage2" / "final" / "hybrid_config.json").read_text())["attention"]["window"] == 16
+    state = json.loads((reference / "stage2" / "step_00000009" / "state.json").read_text())
+    assert state["window"] == 16 and state["world"] == 2
+    saved = load_file(reference / "stage2" / "step_00000010" / "trainable.safetensors")
+    assert all(("lora_" in k) or ("feature_map" in k) or ("gamma_logit" in k) for k in saved)  # never the base
     log = (reference / "stage2" / "log.txt").read_text()
     assert "2 ranks" in log and "ssd realised drop rate per phase" in log
 
