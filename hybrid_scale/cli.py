@@ -104,6 +104,15 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Preflight: per-rank memory, buffer disk, checkpoint sizes, rough times, and blocking problems (exit 1)."""
+    from .stages.plan import plan
+
+    result = plan(load_config(args.config, args.overrides))
+    print(result.table())
+    return 0 if result.ok else 1
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import main
 
@@ -115,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in (
         ("config", cmd_config),
+        ("plan", cmd_plan),
         ("convert", cmd_convert),
         ("evaluate", cmd_evaluate),
         ("distill", cmd_distill),
