@@ -113,6 +113,21 @@ def cmd_plan(args) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_pipeline(args) -> int:
+    """Stage 1 -> stage 2 -> ablation evaluation -> export in one command; skips finished stages, resumes the rest."""
+    from .stages.finetune import EXIT_REQUEUE, Requeue
+    from .stages.pipeline import pipeline
+
+    try:
+        timings = pipeline(load_config(args.config, args.overrides))
+    except Requeue as e:
+        print(f"hybrid-scale pipeline: {e}", file=sys.stderr)
+        return EXIT_REQUEUE
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("pipeline done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import main
 
@@ -130,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("distill", cmd_distill),
         ("finetune", cmd_finetune),
         ("export", cmd_export),
+        ("pipeline", cmd_pipeline),
     ):
         p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
         p.add_argument("config", nargs="?", help="YAML config file (optional)")

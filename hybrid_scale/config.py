@@ -199,6 +199,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run_dir: str = "runs/default"
     seed: int = 0
+    allow_config_change: bool = False  # rerun a run_dir with settings that change results (named in the refusal)
 
 
 def _choice(key: str, value: Any, allowed) -> None:
