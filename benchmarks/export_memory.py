@@ -1,7 +1,7 @@
 """Peak memory of the export (streamed LoRA merge) on a synthetic 8-shard Llama checkpoint with a LoRA adapter on
 q/k/v/o of every layer. The export reads one input shard at a time, so the memory it adds on top of the process
-(python + torch + transformers: its resident size just before the export starts) should be about one shard, a fraction of
-the whole model. Each run is a fresh process. Writes benchmarks/out/export_memory.json.
+(python + torch + transformers: its resident size just before the export starts) should be about one shard, a
+fraction of the whole model. Each run is a fresh process. Writes benchmarks/out/export_memory.json.
 
     .venv/bin/python benchmarks/export_memory.py [--hidden 2048]
 """
