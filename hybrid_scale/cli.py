@@ -129,9 +129,10 @@ def cmd_pipeline(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
+    """The whole pipeline on the embedded default, CPU, tiny budgets (configs/quickstart.yaml + overrides)."""
     from .quickstart import main
 
-    return main(args.run_dir)
+    return main(args.run_dir, args.overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("assets", help=cmd_assets.__doc__, description=cmd_assets.__doc__)
     p.add_argument("--force", action="store_true", help="redo the conversion and copies")
     p.set_defaults(fn=cmd_assets)
-    p = sub.add_parser("quickstart", help="run the demo on the embedded default")
-    p.add_argument("--run-dir", default="runs/quickstart")
+    p = sub.add_parser("quickstart", help=cmd_quickstart.__doc__, description=cmd_quickstart.__doc__)
+    p.add_argument("--run-dir", default=None, help="default: runs/quickstart")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of configs/quickstart.yaml")
     p.set_defaults(fn=cmd_quickstart)
     return parser
 

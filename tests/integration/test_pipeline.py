@@ -86,3 +86,16 @@ def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_pat
     changed = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut", "finetune.lr=0.01", "seed=3")], timeout=600)
     assert changed.returncode == 2
     assert "finetune.lr, seed changed" in changed.stderr and "allow_config_change=true" in changed.stderr
+
+
+def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, tmp_path):
+    """The quickstart preset with the model and budgets shrunk to the tiny model (the real one is `make quickstart`)."""
+    args = ["quickstart", "--run-dir", str(tmp_path / "qs"), *overrides(tiny, tmp_path / "qs")[:2]]
+    args += [o for o in overrides(tiny, tmp_path / "qs")[3:] if not o.startswith("eval.modes")]
+    proc = procs.run(args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| mode | PIQA (acc) | AVG | Rec.% |" in out and "| sinks_only |" in out  # base + the five modes
+    assert "Verdict on the linear attention: " in out and "Perplexity by position bucket" in out
+    assert f"Run directory: {(tmp_path / 'qs').resolve()}" in out
+    assert (tmp_path / "qs" / "export" / "COMMITTED").is_file() and (tmp_path / "qs" / "config.yaml").is_file()
