@@ -104,10 +104,35 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Preflight: per-rank memory, buffer disk, checkpoint sizes, rough times, and blocking problems (exit 1)."""
+    from .stages.plan import plan
+
+    result = plan(load_config(args.config, args.overrides))
+    print(result.table())
+    return 0 if result.ok else 1
+
+
+def cmd_pipeline(args) -> int:
+    """Stage 1 -> stage 2 -> ablation evaluation -> export in one command; skips finished stages, resumes the rest."""
+    from .stages.finetune import EXIT_REQUEUE, Requeue
+    from .stages.pipeline import pipeline
+
+    try:
+        timings = pipeline(load_config(args.config, args.overrides))
+    except Requeue as e:
+        print(f"hybrid-scale pipeline: {e}", file=sys.stderr)
+        return EXIT_REQUEUE
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("pipeline done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
+    return 0
+
+
 def cmd_quickstart(args) -> int:
+    """The whole pipeline on the embedded default, CPU, tiny budgets (configs/quickstart.yaml + overrides)."""
     from .quickstart import main
 
-    return main(args.run_dir)
+    return main(args.run_dir, args.overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,11 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in (
         ("config", cmd_config),
+        ("plan", cmd_plan),
         ("convert", cmd_convert),
         ("evaluate", cmd_evaluate),
         ("distill", cmd_distill),
         ("finetune", cmd_finetune),
         ("export", cmd_export),
+        ("pipeline", cmd_pipeline),
     ):
         p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
@@ -128,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("assets", help=cmd_assets.__doc__, description=cmd_assets.__doc__)
     p.add_argument("--force", action="store_true", help="redo the conversion and copies")
     p.set_defaults(fn=cmd_assets)
-    p = sub.add_parser("quickstart", help="run the demo on the embedded default")
-    p.add_argument("--run-dir", default="runs/quickstart")
+    p = sub.add_parser("quickstart", help=cmd_quickstart.__doc__, description=cmd_quickstart.__doc__)
+    p.add_argument("--run-dir", default=None, help="default: runs/quickstart")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of configs/quickstart.yaml")
     p.set_defaults(fn=cmd_quickstart)
     return parser
 

@@ -28,6 +28,9 @@ class ModelConfig:
     path: str | None = None  # local HF model directory (or a converted model); None = the embedded default
     dtype: str = "float32"  # always explicit: transformers 5 would otherwise load checkpoints in their own dtype
     device: str = "cpu"
+    # the architecture (HF config.json keys incl. model_type) for `plan` and meta-device checks before the weights
+    # are on disk; a preset carries it, a real model.path overrides it
+    arch: dict[str, Any] | None = None
 
 
 @dataclass
@@ -156,14 +159,31 @@ class ExportConfig:
     dtype: str | None = None  # None = as the base checkpoint's tensors
 
 
+LAUNCHERS = ("torchrun", "deepspeed", "srun")
+
+
 @dataclass
 class LaunchConfig:
-    pass
+    nodes: int = 1
+    procs_per_node: int = 1  # ranks per node (GPUs per node on a cluster)
+    launcher: str = "torchrun"  # torchrun | deepspeed | srun (one task per rank)
+    tensor_parallel: int = 1  # heads split over this many ranks (KV heads must divide by it)
+    master_port: int = 29500
+    gpu_memory_gb: float = 80.0  # per device, for `plan`
+    gpu_tflops: float = 300.0  # sustained bf16 per device, for `plan`'s rough times
 
 
 @dataclass
 class SlurmConfig:
-    pass
+    partition: str | None = None
+    account: str | None = None
+    time: str = "24:00:00"
+    cpus_per_task: int = 8
+    mem: str | None = None  # e.g. 0 (whole node) or 200G
+    job_name: str = "hybrid_scale"
+    signal_lead_s: int = 120  # USR1 this long before the time limit: save and requeue
+    max_restarts: int = 5  # requeues after "saved, please requeue", capped via SLURM_RESTART_COUNT
+    extra: list[str] = field(default_factory=list)  # more #SBATCH lines, e.g. ["--qos=high"]
 
 
 @dataclass
@@ -179,6 +199,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     run_dir: str = "runs/default"
     seed: int = 0
+    allow_config_change: bool = False  # rerun a run_dir with settings that change results (named in the refusal)
 
 
 def _choice(key: str, value: Any, allowed) -> None:
@@ -233,6 +254,18 @@ def validate(cfg: DictConfig) -> DictConfig:
     if not 0 <= cfg.data.heldout_fraction < 1:
         raise ConfigError(f"config key 'data.heldout_fraction': must be in [0, 1), got {cfg.data.heldout_fraction}")
     _validate_finetune(cfg.finetune)
+    lc = cfg.launch
+    _choice("launch.launcher", lc.launcher, LAUNCHERS)
+    for key in ("nodes", "procs_per_node", "tensor_parallel"):
+        _positive(f"launch.{key}", lc[key])
+    ranks = lc.nodes * lc.procs_per_node
+    if ranks % lc.tensor_parallel:
+        raise ConfigError(
+            f"config key 'launch.tensor_parallel': {lc.tensor_parallel} does not divide the {ranks} ranks "
+            "(launch.nodes x launch.procs_per_node)"
+        )
+    _positive("slurm.signal_lead_s", cfg.slurm.signal_lead_s, 0)
+    _positive("slurm.max_restarts", cfg.slurm.max_restarts, 0)
     x = cfg.export
     if x.mode is not None:
         _choice("export.mode", x.mode, MODES)
@@ -311,19 +344,55 @@ def _structured(schema, data) -> DictConfig:
         raise _explain(e, schema) from None
 
 
+PRESETS = Path(__file__).resolve().parent.parent / "configs"  # the presets shipped with the repository
+
+
+def _find(name: str, including: Path | None) -> Path:
+    """A file named in `defaults`: relative to the including file, else to the presets directory."""
+    candidates = [including.parent / name] if including else [Path(name)]
+    candidates.append(PRESETS / name)
+    for c in candidates:
+        if c.is_file():
+            return c
+    where = f"in {including}" if including else "on the command line"
+    raise ConfigError(
+        f"config file {name} named {where} does not exist (looked in {', '.join(str(c.parent) for c in candidates)})"
+    )
+
+
+def _compose(path: Path, chain: tuple[Path, ...] = ()) -> list[DictConfig]:
+    """The YAML layers of `path`: its `defaults` (in order, recursively), then its own keys."""
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"config files include each other: {' -> '.join(str(p) for p in (*chain, path))}")
+    try:
+        data = OmegaConf.load(path)
+    except Exception as e:  # yaml errors
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (model:, attention:, ...)")
+    layers = []
+    defaults = data.pop("defaults", None) or []
+    if isinstance(defaults, str) or not all(isinstance(d, str) for d in defaults):
+        raise ConfigError(f"config file {path}: 'defaults' must be a list of YAML file names, got {defaults}")
+    for name in defaults:
+        layers += _compose(_find(name, path), (*chain, path))
+    return [*layers, data]
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """Defaults <- YAML file <- `key=value` overrides, validated."""
+    """Defaults <- YAML file (after the files its `defaults:` list names, in order) <- `key=value` overrides,
+    validated. A file is looked up as given, else in the presets directory (`configs/`)."""
     schema = OmegaConf.structured(Config)
     cfg = schema
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = OmegaConf.load(path)
-        except Exception as e:  # yaml errors
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        cfg = _structured(cfg, data)
+            if not (PRESETS / path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            path = PRESETS / path
+        for layer in _compose(path):
+            cfg = _structured(cfg, layer)
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:

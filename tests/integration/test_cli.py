@@ -36,21 +36,6 @@ def test_console_script_entry_point():
     assert out.returncode == 0 and "seed: 7" in out.stdout
 
 
-def test_quickstart_demo_checks_pass(tmp_path, capsys):
-    from hybrid_scale import quickstart
-
-    assert quickstart.main(tmp_path) == 0
-    out = capsys.readouterr().out
-    assert "all checks passed" in out and "RANDOM" in out
-    rows = [line.strip().rsplit("  ", 1) for line in out.splitlines() if line.startswith("  ")]
-    values = {key.strip(): value.strip() for key, value in rows}
-    assert float(values["hybrid(w=16) vs base, positions >= w"]) > 1e-3  # LA changes the output beyond the window
-    assert float(values["hybrid(w=16) vs base, positions < w"]) < 1e-4  # and nothing before it
-    ten, two_hundred = values["cache bytes after 10 / 200 generated tokens"].split(" / ")
-    assert ten == two_hundred
-    assert (tmp_path / "converted" / "hybrid_params.safetensors").is_file()
-
-
 def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert main(["config", "--local_rank=1", "seed=3"]) == 0

@@ -1,0 +1,109 @@
+"""The whole pipeline in one command: stage 1 -> stage 2 -> ablation evaluation -> export, resuming where it stopped.
+
+Each stage is skipped when its output is committed (stage 1 resumes at its first uncommitted layer, stage 2 from its
+newest committed checkpoint, by themselves). The resolved config is saved as {run_dir}/config.yaml; rerunning with a
+config that would change results is refused, naming the keys (`allow_config_change=true` proceeds anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ..config import ConfigError
+from ..dist import runtime
+from ..dist.checkpoint import MARKER, atomic_write
+
+# what a stage's result depends on; eval/export/launch/slurm settings can change between reruns
+RESULT_KEYS = ("model.path", "model.dtype", "attention", "data", "distill", "finetune", "seed")
+IGNORED = ("distill.progress", "distill.buffer_dir", "finetune.progress")
+STAGES = ("distill", "finetune", "evaluate", "export")
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def result_settings(cfg) -> dict:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    flat = _flat(data)
+    keep = {}
+    for key, value in flat.items():
+        if any(key == r or key.startswith(r + ".") for r in RESULT_KEYS) and key not in IGNORED:
+            keep[key] = value
+    return keep
+
+
+def record_config(cfg, allow_change: bool = False) -> Path:
+    """Save the resolved config in the run directory; refuse a rerun whose results-relevant keys differ."""
+    run_dir = Path(cfg.run_dir)
+    path = run_dir / "config.yaml"
+    if path.is_file():
+        before = result_settings(OmegaConf.load(path))
+        now = result_settings(cfg)
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if changed and not allow_change:
+            raise ConfigError(
+                f"{run_dir} was run with another config: {', '.join(changed)} changed (see {path}); use another "
+                "run_dir, restore them, or pass allow_config_change=true"
+            )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, OmegaConf.to_yaml(cfg))
+    return path
+
+
+def done(cfg, stage: str) -> bool:
+    run = Path(cfg.run_dir)
+    if stage == "finetune":
+        return (run / "stage2" / "curves.json").is_file() and (run / "stage2" / "output").exists()
+    if stage == "evaluate":
+        return (Path(cfg.eval.out_dir) if cfg.eval.out_dir else run / "eval").joinpath("results.json").is_file()
+    if stage == "export":
+        return (Path(cfg.export.out_dir) if cfg.export.out_dir else run / "export").joinpath(MARKER).is_file()
+    return False  # stage 1 resumes by itself (a finished one only rewrites its small output)
+
+
+def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
+    from .distill import distill
+    from .evaluate import evaluate
+    from .export import export
+    from .finetune import finetune
+
+    rt = runtime.init(cfg.model.device)
+    if rt.main:
+        record_config(cfg, cfg.allow_config_change)
+    runtime.barrier(rt)
+    run = Path(cfg.run_dir)
+    timings = json.loads((run / "timings.json").read_text()) if (run / "timings.json").is_file() else {}
+    for stage in stages:
+        if done(cfg, stage):
+            log(f"[pipeline] {stage}: done before, skipped")
+            continue
+        log(f"[pipeline] {stage}: running")
+        t0 = time.perf_counter()
+        if stage == "distill":
+            distill(cfg)
+        elif stage == "finetune":
+            finetune(cfg)
+        elif stage == "evaluate":
+            if cfg.eval.model is None:
+                cfg.eval.model = str((run / "stage2" / "output").resolve())
+            evaluate(cfg)
+        elif stage == "export":
+            if rt.main:
+                export(cfg)
+            runtime.barrier(rt)
+        timings[stage] = time.perf_counter() - t0
+        if rt.main:
+            atomic_write(run / "timings.json", json.dumps(timings, indent=1))
+    return timings

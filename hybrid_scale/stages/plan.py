@@ -1,0 +1,213 @@
+"""Preflight (`hybrid-scale plan`): what a run will need before it is queued, from the config and the model's
+architecture alone (no weights are read): per-rank memory of each stage, stage-1 buffer disk, checkpoint sizes,
+rough times; and the checks that would doom it (paths, tokenizer, architecture, tensor-parallel divisibility, free
+disk). Estimates are deliberately simple formulas, stated in the table; they are for catching impossible shapes,
+not for tuning.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ..config import RECIPE_OBJECTIVE
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GB = 1e9
+MFU = 0.35  # assumed model-flops utilisation for the rough times
+
+
+@dataclass
+class Plan:
+    rows: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, quantity, value)
+    problems: list[str] = field(default_factory=list)  # blocking
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def table(self) -> str:
+        width = max(len(q) for _, q, _ in self.rows) if self.rows else 10
+        lines = [f"{'stage':<9} {'quantity':<{width}}  value", "-" * (width + 40)]
+        lines += [f"{s:<9} {q:<{width}}  {v}" for s, q, v in self.rows]
+        lines += [f"WARNING: {w}" for w in self.warnings]
+        lines += [f"BLOCKING: {p}" for p in self.problems]
+        lines.append("plan: OK" if self.ok else f"plan: {len(self.problems)} blocking problem(s)")
+        return "\n".join(lines)
+
+
+def architecture(cfg) -> tuple[dict, str]:
+    """The model's HF config dict: from model.path when it is on disk, else the preset's model.arch."""
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        return json.loads((Path(cfg.model.path) / "config.json").read_text()), str(Path(cfg.model.path) / "config.json")
+    if cfg.model.arch:
+        return OmegaConf.to_container(cfg.model.arch), "model.arch"
+    if not cfg.model.path:
+        from ..data.assets import require
+
+        path = require().model
+        return json.loads((path / "config.json").read_text()), str(path / "config.json")
+    return {}, ""
+
+
+def counts(a: dict) -> dict:
+    D, L, V, inter = a["hidden_size"], a["num_hidden_layers"], a["vocab_size"], a["intermediate_size"]
+    H, K = a["num_attention_heads"], a.get("num_key_value_heads", a["num_attention_heads"])
+    hd = a.get("head_dim") or D // H
+    attn = D * H * hd * 2 + D * K * hd * 2
+    layer = attn + 3 * D * inter + 2 * D
+    embed = V * D * (1 if a.get("tie_word_embeddings") else 2)
+    return {
+        "D": D,
+        "L": L,
+        "V": V,
+        "H": H,
+        "K": K,
+        "hd": hd,
+        "layer": layer,
+        "embed": embed,
+        "total": embed + L * layer,
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.2f} GB"
+
+
+def plan(cfg) -> Plan:
+    p = Plan()
+    a, source = architecture(cfg)
+    lc, f, d = cfg.launch, cfg.finetune, cfg.distill
+    if not a:
+        p.problems.append(
+            f"model.path {cfg.model.path} has no config.json and no model.arch is given: point model.path at a local "
+            "Hugging Face directory (or use a preset that carries model.arch)"
+        )
+        return p
+    model_type = a.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        p.problems.append(f"architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
+        return p
+    c = counts(a)
+    ranks = lc.nodes * lc.procs_per_node
+    tp = lc.tensor_parallel
+    for name, n in (("num_key_value_heads", c["K"]), ("num_attention_heads", c["H"])):
+        if n % tp:
+            p.problems.append(
+                f"{name} = {n} is not divisible by launch.tensor_parallel = {tp}: heads are split over the "
+                f"tensor-parallel ranks; choose a divisor of {n}"
+            )
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is not None and not (path / "config.json").is_file():
+        p.problems.append(f"model.path {path} is not a Hugging Face model directory (no config.json); set model.path")
+    elif path is not None:
+        if not any((path / t).is_file() for t in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+            p.problems.append(f"model.path {path} has no tokenizer files; copy the tokenizer next to the weights")
+        if not any(path.glob("*.safetensors")):
+            p.problems.append(f"model.path {path} has no safetensors weights (stage 1 streams safetensors shards)")
+
+    wbytes = DTYPE_BYTES[cfg.model.dtype]
+    bbytes = DTYPE_BYTES[d.buffer_dtype]
+    p.rows += [
+        ("model", "architecture", f"{model_type} ({source})"),
+        ("model", "parameters", f"{c['total'] / 1e9:.2f} B ({_gb(c['total'] * wbytes)} in {cfg.model.dtype})"),
+        ("model", "layers x heads / KV heads", f"{c['L']} x {c['H']} / {c['K']} (head_dim {c['hd']})"),
+        ("launch", "ranks", f"{lc.nodes} node(s) x {lc.procs_per_node} = {ranks} (tensor parallel {tp})"),
+    ]
+    device_gb = lc.gpu_memory_gb * GB if lc.gpu_memory_gb else None
+
+    # stage 1: one layer + a batch; the embedding only while building layer 0's inputs
+    N, T = cfg.data.num_sequences, cfg.data.seq_len
+    n_local = -(-N // ranks)
+    fdim = 2 * (cfg.attention.feature_dim or c["hd"]) if cfg.attention.feature_map == "hedgehog" else c["hd"]
+    B = max(1, d.batch_size // ranks)
+    acts = B * T * (c["D"] * 8 + a["intermediate_size"] * 3) * 4  # hidden states, q/k/v/features, MLP, fp32
+    block = B * c["H"] * min(d.query_block, T) * T * 4 * 6 if RECIPE_OBJECTIVE[d.recipe] == "weights_xent" else 0
+    s1_mem = c["layer"] * wbytes + c["V"] * c["D"] * wbytes + acts + block
+    s1_disk = 2 * n_local * T * c["D"] * bbytes
+    tokens1 = N * T * d.epochs
+    # per layer: feature maps, the T^2 score rows of the objective (forward + backward), the teacher layer's forward
+    scores = 3 * 2 * N * T * T * c["H"] * (c["hd"] + fdim) * d.epochs
+    flops1 = c["L"] * (6 * tokens1 * c["H"] * c["hd"] * fdim + scores + 2 * N * T * c["layer"])
+    p.rows += [
+        ("stage 1", "per-rank memory", f"~{_gb(s1_mem)} (one layer + embedding + batch of {B} x {T})"),
+        ("stage 1", "hidden-state buffers per rank", f"{_gb(s1_disk)} (2 x {n_local} seq x {T} x {c['D']})"),
+    ]
+    # stage 2: ZeRO-3 partitions weights, gradients and optimizer state of the trainable part over the ranks
+    T2 = f.seq_len or T
+    lora = (
+        c["L"]
+        * f.lora_r
+        * sum(
+            {
+                "q_proj": c["D"] + c["H"] * c["hd"],
+                "k_proj": c["D"] + c["K"] * c["hd"],
+                "v_proj": c["D"] + c["K"] * c["hd"],
+                "o_proj": c["H"] * c["hd"] + c["D"],
+            }.get(t, 2 * c["D"])
+            for t in f.lora_targets
+        )
+    )
+    phi = c["L"] * (c["H"] + c["K"]) * c["hd"] * (fdim // 2 if cfg.attention.feature_map == "hedgehog" else 0)
+    trainable = lora + (phi if f.train_feature_maps else 0) + (c["L"] * c["H"] if f.train_gamma else 0)
+    weights = 0 if f.offload else c["total"] * wbytes / ranks
+    states = 0 if f.offload else trainable * (4 + 8 + wbytes) / ranks
+    act_layers = c["L"] if f.gradient_checkpointing else c["L"] * 12
+    s2_acts = (
+        f.micro_batch * T2 * c["D"] * wbytes * act_layers
+        + f.micro_batch * T2 * (c["D"] * 10 + a["intermediate_size"] * 4 + c["V"]) * 4
+    )
+    gathered = 2 * c["layer"] * wbytes  # ZeRO-3 gathers a layer (and prefetches the next)
+    s2_mem = weights + states + s2_acts + gathered
+    ckpt = trainable * (4 + 8)
+    tokens2 = f.max_steps * f.global_batch * T2
+    flops2 = 6 * c["total"] * tokens2
+    p.rows += [
+        (
+            "stage 2",
+            "trainable parameters",
+            f"{trainable / 1e6:.1f} M (LoRA r={f.lora_r} on {', '.join(f.lora_targets)})",
+        ),
+        ("stage 2", "per-rank memory", f"~{_gb(s2_mem)} (weights/{ranks}, states, activations, 2 gathered layers)"),
+        ("stage 2", "checkpoint size", f"{_gb(ckpt)} per step dir (fp32 weights + AdamW moments; no base)"),
+        ("stage 2", "CPU offload", "on (weights and optimizer state in host memory)" if f.offload else "off"),
+    ]
+    if lc.gpu_tflops:
+        rate = ranks * lc.gpu_tflops * 1e12 * MFU
+        p.rows += [
+            (
+                "time",
+                "stage 1 (rough)",
+                f"~{flops1 / rate / 3600:.2f} h ({tokens1 / 1e6:.1f} M tokens x {c['L']} layers)",
+            ),
+            ("time", "stage 2 (rough)", f"~{flops2 / rate / 3600:.2f} h ({tokens2 / 1e6:.1f} M tokens)"),
+        ]
+    if device_gb:
+        for stage, mem in (("stage 1", s1_mem), ("stage 2", s2_mem)):
+            if mem > device_gb:
+                p.problems.append(
+                    f"{stage} needs ~{_gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: "
+                    + (
+                        "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks"
+                        if stage == "stage 2"
+                        else "lower distill.batch_size or data.seq_len"
+                    )
+                )
+    run_dir = Path(cfg.run_dir)
+    buffer_dir = Path(d.buffer_dir) if d.buffer_dir else run_dir / "stage1" / "buffers"
+    probe = next((q for q in (buffer_dir, *buffer_dir.parents) if q.exists()), Path("."))
+    free = shutil.disk_usage(probe).free
+    need = s1_disk * (ranks if lc.nodes == 1 else lc.procs_per_node) + (f.keep + 1) * ckpt
+    p.rows.append(("disk", f"free at {probe}", f"{_gb(free)} (this node needs ~{_gb(need)})"))
+    if need > free:
+        p.problems.append(
+            f"{probe} has {_gb(free)} free but this node needs ~{_gb(need)} for stage-1 buffers and checkpoints: set "
+            "distill.buffer_dir / run_dir to a larger disk or lower data.num_sequences"
+        )
+    return p

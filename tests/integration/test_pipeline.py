@@ -1,0 +1,101 @@
+"""`hybrid-scale pipeline` on a tiny model: all four stages, killed mid-stage and rerun == uninterrupted, config
+changes refused by name."""
+
+import json
+import signal
+
+import procs
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_pipeline")
+    model = tiny_model("llama", vocab_size=49152, num_hidden_layers=2, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(path)
+    docs = smollm2.train_text.read_text().split("\n\n")[:300]
+    (path / "text.txt").write_text("\n\n".join(docs))
+    return path
+
+
+def overrides(tiny, run_dir, *extra):
+    return [
+        f"model.path={tiny}",
+        f"data.source={tiny / 'text.txt'}",
+        f"run_dir={run_dir}",
+        "attention.window=8",
+        "data.seq_len=64",
+        "data.num_sequences=8",
+        "distill.epochs=1",
+        "distill.batch_size=4",
+        "distill.progress=false",
+        "finetune.recipe=ssd",
+        "finetune.max_steps=6",
+        "finetune.global_batch=2",
+        "finetune.eval_every=3",
+        "finetune.save_every=2",
+        "finetune.heldout_sequences=2",
+        "finetune.lr=0.002",
+        "finetune.progress=false",
+        "eval.tasks=[piqa]",
+        "eval.limit=4",
+        "eval.modes=[base,hybrid,la_only,none]",
+        "eval.ppl_seq_len=64",
+        "eval.ppl_sequences=1",
+        "eval.buckets=[0,8]",
+        "eval.la_share_seq_len=0",
+        "eval.bootstrap=10",
+        "eval.progress=false",
+        *extra,
+    ]
+
+
+def outputs(run):
+    adapter = {}  # every tensor of the export: merged base weights and phi/gamma
+    for f in (run / "export").glob("*.safetensors"):
+        adapter.update(load_file(f))
+    curves = json.loads((run / "stage2" / "curves.json").read_text())
+    results = json.loads((run / "eval" / "results.json").read_text())
+    return adapter, curves["train"], {m: r["piqa"]["loglik"] for m, r in results["modes"].items()}
+
+
+def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_path):
+    full = procs.run(["pipeline", *overrides(tiny, tmp_path / "full")], timeout=900)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert "pipeline done: distill" in full.stdout
+    killed = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], {"HYBRID_SCALE_FAULT": "step:3"}, timeout=900)
+    assert killed.returncode == -signal.SIGKILL
+    again = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = outputs(tmp_path / "full"), outputs(tmp_path / "cut")
+    assert a[0].keys() == b[0].keys() and all(torch.allclose(a[0][k], b[0][k], atol=1e-6) for k in a[0])
+    assert torch.allclose(torch.tensor(a[1]), torch.tensor(b[1]), atol=1e-6)
+    assert a[2].keys() == b[2].keys()
+    for mode in a[2]:
+        assert torch.allclose(torch.tensor(a[2][mode]), torch.tensor(b[2][mode]), atol=1e-5)
+    # a third run finds everything done; a changed result-affecting key is refused by name
+    third = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], timeout=600)
+    assert third.returncode == 0 and third.stdout.count("skipped") == 3
+    changed = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut", "finetune.lr=0.01", "seed=3")], timeout=600)
+    assert changed.returncode == 2
+    assert "finetune.lr, seed changed" in changed.stderr and "allow_config_change=true" in changed.stderr
+
+
+def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, tmp_path):
+    """The quickstart preset with the model and budgets shrunk to the tiny model (the real one is `make quickstart`)."""
+    args = ["quickstart", "--run-dir", str(tmp_path / "qs"), *overrides(tiny, tmp_path / "qs")[:2]]
+    args += [o for o in overrides(tiny, tmp_path / "qs")[3:] if not o.startswith("eval.modes")]
+    proc = procs.run(args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| mode | PIQA (acc) | AVG | Rec.% |" in out and "| sinks_only |" in out  # base + the five modes
+    assert "Verdict on the linear attention: " in out and "Perplexity by position bucket" in out
+    assert f"Run directory: {(tmp_path / 'qs').resolve()}" in out
+    assert (tmp_path / "qs" / "export" / "COMMITTED").is_file() and (tmp_path / "qs" / "config.yaml").is_file()
