@@ -128,6 +128,32 @@ def cmd_pipeline(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    """Start a stage on this node with launch.launcher (torchrun / deepspeed), rendezvous from the Slurm environment
+    (first host of the node list, port, node rank). Used by the generated sbatch scripts, one task per node."""
+    from .dist.slurm import launch_command
+
+    cfg = load_config(args.config, args.overrides)
+    rest = ([args.config] if args.config else []) + list(args.overrides)
+    cmd = launch_command(cfg, args.stage, rest)
+    print("+ " + " ".join(cmd), flush=True)
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached
+
+
+def cmd_submit(args) -> int:
+    """Render sbatch scripts from the config (the `slurm` and `launch` sections) and submit the stages chained with
+    afterok (or the whole pipeline as one job with --pipeline); prints the job ids."""
+    from .dist.slurm import submit
+
+    cfg = load_config(args.config, args.overrides)
+    stages = ["pipeline"] if args.pipeline else args.stages.split(",")
+    ids = submit(cfg, args.config, list(args.overrides), stages, python=sys.executable)
+    for stage, job in zip(stages, ids, strict=True):
+        print(f"{stage}: job {job}")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     """The whole pipeline on the embedded default, CPU, tiny budgets (configs/quickstart.yaml + overrides)."""
     from .quickstart import main
@@ -152,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. attention.window=32")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("launch", help=cmd_launch.__doc__, description=cmd_launch.__doc__)
+    p.add_argument("stage", choices=["distill", "finetune", "evaluate", "export", "pipeline"])
+    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.set_defaults(fn=cmd_launch)
+    p = sub.add_parser("submit", help=cmd_submit.__doc__, description=cmd_submit.__doc__)
+    p.add_argument("config", nargs="?", help="YAML config file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--stages", default="distill,finetune,evaluate,export", help="comma-separated, chained afterok")
+    p.add_argument("--pipeline", action="store_true", help="one job running the whole pipeline")
+    p.set_defaults(fn=cmd_submit)
     p = sub.add_parser("assets", help=cmd_assets.__doc__, description=cmd_assets.__doc__)
     p.add_argument("--force", action="store_true", help="redo the conversion and copies")
     p.set_defaults(fn=cmd_assets)

@@ -123,7 +123,8 @@ EVAL_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "m
 
 @dataclass
 class EvalConfig:
-    model: str | None = None  # HF directory or converted model; None = model.path, else the embedded default
+    model: str | None = None  # HF dir or converted model; None = the run's stage2/output or stage1/converted, else
+    # model.path, else the embedded default
     modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
     tasks: list[str] = field(default_factory=lambda: list(EVAL_TASKS))
     limit: int | None = 100  # items per task (MMLU: in total, stratified over subjects); None = all

@@ -8,9 +8,11 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 MARKER = "COMMITTED"
+REQUEUE_MARKER = "requeue_requested"  # in run_dir: a stage saved on a signal and asks to be started again
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -28,6 +30,13 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def throttle() -> None:
+    """Test hook: HYBRID_SCALE_STEP_SLEEP=<seconds> slows every training step (to signal a run mid-way)."""
+    seconds = float(os.environ.get("HYBRID_SCALE_STEP_SLEEP", "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def fault(point: str, rank: int = 0) -> None:

@@ -26,7 +26,12 @@ class Runtime:
 
 
 def init(device: str = "auto") -> Runtime:
-    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK), or run alone."""
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK) or srun does (one task per rank),
+    or run alone."""
+    from .slurm import srun_environment
+
+    for key, value in srun_environment().items():
+        os.environ.setdefault(key, value)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")

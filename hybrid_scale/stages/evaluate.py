@@ -28,8 +28,11 @@ BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the wind
 
 
 def resolve_model(cfg) -> tuple[Path, bool]:
-    """(path, is_converted) of the model to evaluate: eval.model, else model.path, else the embedded default."""
-    path = cfg.eval.model or cfg.model.path
+    """(path, is_converted) of the model to evaluate: eval.model, else the run's own model ({run_dir}/stage2/output,
+    else {run_dir}/stage1/converted), else model.path, else the embedded default."""
+    run = Path(cfg.run_dir)
+    own = [p for p in (run / "stage2" / "output", run / "stage1" / "converted") if (p / CONFIG_NAME).is_file()]
+    path = cfg.eval.model or (own[0] if own else None) or cfg.model.path
     path = Path(path) if path else assets.require().model
     if not path.exists():
         raise ConfigError(f"config key 'eval.model': {path} does not exist")

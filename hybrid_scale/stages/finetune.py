@@ -37,7 +37,16 @@ from ..attention.hybrid import HybridAttention, hybrid_layers
 from ..config import FINETUNE_MODE, ConfigError
 from ..data import corpus
 from ..dist import runtime
-from ..dist.checkpoint import MARKER, commit, fault, is_committed, replace_dir
+from ..dist.checkpoint import (
+    MARKER,
+    REQUEUE_MARKER,
+    atomic_write,
+    commit,
+    fault,
+    is_committed,
+    replace_dir,
+    throttle,
+)
 from ..dist.deepspeed import _import_deepspeed, train_config
 from ..models.convert import set_modes
 from ..models.converted import (
@@ -363,6 +372,8 @@ def finetune(cfg) -> Path:
     settings["model"] = str(source.resolve())
 
     stage2.mkdir(parents=True, exist_ok=True)
+    if rt.main:
+        (run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
     done = committed_steps(stage2)
     resume = done[-1] if done else None
     state = json.loads((resume / "state.json").read_text()) if resume else None
@@ -482,6 +493,7 @@ def finetune(cfg) -> Path:
             bar.update()
             bar.set_postfix(loss=f"{curves['train'][-1]:.4f}", **({"la_only_layers": dropped} if ssd else {}))
             fault(f"step:{step}", rt.rank)
+            throttle()
             if f.eval_every and step % f.eval_every == 0:
                 h = heldout_loss(engine, model, held_ids, "hybrid", f.micro_batch, rt)
                 la = heldout_loss(engine, model, held_ids, "la_only", f.micro_batch, rt)
@@ -505,6 +517,8 @@ def finetune(cfg) -> Path:
                 fault(f"saved:{step}")
                 if stop:
                     log(f"signal: saved {ckpt.name} in {time.perf_counter() - t0:.1f} s, exiting for a requeue")
+                    if rt.main:  # for batch scripts under torchrun, which does not pass the exit code on
+                        atomic_write(run_dir / REQUEUE_MARKER, f"{step}\n")
                     raise Requeue(step, ckpt)
     finally:
         bar.close()

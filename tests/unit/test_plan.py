@@ -8,6 +8,7 @@ import hybrid_scale as hs
 from hybrid_scale.cli import main
 from hybrid_scale.config import load_config
 from hybrid_scale.dist.deepspeed import train_config
+from hybrid_scale.dist.slurm import first_host, render
 from hybrid_scale.stages.plan import plan
 
 PRESETS = ["smollm2-135m", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"]
@@ -31,6 +32,10 @@ def test_preset_builds_and_converts_on_the_meta_device(name):
     assert ds["train_batch_size"] == cfg.finetune.global_batch and ds["zero_optimization"]["stage"] == 3
     assert ds["bf16"]["enabled"] == (cfg.model.dtype == "bfloat16")
     assert ("offload_param" in ds["zero_optimization"]) == cfg.finetune.offload
+    script = render(cfg, "finetune", f"configs/models/{name}.yaml", ["run_dir=runs/x"])
+    assert f"#SBATCH --nodes={cfg.launch.nodes}" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --signal=B:USR1@120" in script and "scontrol requeue" in script
+    assert ("--gpus-per-node=8" in script) == (cfg.model.device == "cuda")
 
 
 def test_plan_on_the_70b_preset(tmp_path):
@@ -60,3 +65,9 @@ def test_plan_command_exit_codes(smollm2, tmp_path, capsys):
     assert main(["plan", "models/qwen2.5-7b.yaml", "launch.tensor_parallel=8", f"run_dir={tmp_path}"]) == 1
     out = capsys.readouterr().out
     assert "BLOCKING: num_key_value_heads = 4 is not divisible by launch.tensor_parallel = 8" in out
+
+
+def test_first_host_of_slurm_node_lists():
+    assert first_host("localhost") == "localhost"
+    assert first_host("gpu[003-005,9]") in ("gpu003",)
+    assert first_host("node7,node9") in ("node7",)

@@ -1,0 +1,7 @@
+"""`python -m hybrid_scale` = the `hybrid-scale` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

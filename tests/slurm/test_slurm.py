@@ -1,0 +1,227 @@
+"""A real single-node Slurm (Debian slurm-wlm + munge, started here and stopped by PID): the tiny pipeline submitted
+as afterok-chained jobs, and a stage-2 job signalled before its time limit that saves, requeues itself and resumes.
+.ci/run installs slurm-wlm and munge."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import procs
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoTokenizer
+
+import hybrid_scale as hs
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+SLURM_CONF = """ClusterName=hs
+SlurmctldHost=localhost
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={d}/munge/munge.sock,cred_expire=10
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldPort={p1}
+SlurmdPort={p2}
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+KillWait=5
+JobRequeue=1
+SchedulerType=sched/builtin
+SchedulerParameters=kill_invalid_depend
+NodeName=localhost CPUs={cpus} RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(b) is None]
+    assert not missing, f"{missing} not installed: apt-get install slurm-wlm munge (.ci/run does)"
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("munge", "state", "spool", "log"):
+        (d / sub).mkdir()
+    (d / "munge").chmod(0o755)
+    (d / "munge" / "munge.key").write_bytes(os.urandom(128))
+    (d / "munge" / "munge.key").chmod(0o600)
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(d=d, p1=procs.free_port(), p2=procs.free_port(), cpus=os.cpu_count()))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    subprocess.run(
+        [
+            "munged",
+            "-f",
+            f"--socket={d}/munge/munge.sock",
+            f"--key-file={d}/munge/munge.key",
+            f"--log-file={d}/log/munged.log",
+            f"--pid-file={d}/munge/munged.pid",
+            f"--seed-file={d}/munge/seed",
+        ],
+        check=True,
+    )
+    daemons = [
+        subprocess.Popen(
+            ["slurmctld", "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        ),
+        subprocess.Popen(
+            ["slurmd", "-D", "-N", "localhost", "-f", str(conf)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        ),
+    ]
+    try:
+        for _ in range(60):
+            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+            if out.stdout.strip() == "idle":
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"slurm did not come up: {(d / 'log' / 'slurmctld.log').read_text()[-2000:]}")
+        yield env
+    finally:
+        for p in daemons:
+            p.send_signal(signal.SIGTERM)
+        for p in daemons:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        pid = int((d / "munge" / "munged.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_slurm")
+    model = tiny_model("llama", vocab_size=49152, num_hidden_layers=2, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(path)
+    (path / "text.txt").write_text("\n\n".join(smollm2.train_text.read_text().split("\n\n")[:300]))
+    return path
+
+
+def overrides(tiny, run_dir, *extra):
+    return [
+        f"model.path={tiny}",
+        f"data.source={tiny / 'text.txt'}",
+        f"run_dir={run_dir}",
+        "attention.window=8",
+        "data.seq_len=64",
+        "data.num_sequences=8",
+        "distill.epochs=1",
+        "distill.batch_size=4",
+        "distill.progress=false",
+        "finetune.recipe=ssd",
+        "finetune.max_steps=8",
+        "finetune.global_batch=2",
+        "finetune.eval_every=4",
+        "finetune.save_every=2",
+        "finetune.heldout_sequences=2",
+        "finetune.lr=0.002",
+        "finetune.progress=false",
+        "eval.tasks=[piqa]",
+        "eval.limit=4",
+        "eval.modes=[base,hybrid,la_only,none]",
+        "eval.ppl_seq_len=64",
+        "eval.ppl_sequences=1",
+        "eval.buckets=[0,8]",
+        "eval.la_share_seq_len=0",
+        "eval.bootstrap=10",
+        "eval.progress=false",
+        "slurm.cpus_per_task=1",
+        *extra,
+    ]
+
+
+def submit(env, args, timeout=120):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_scale.cli", "submit", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(line.split(": job ") for line in proc.stdout.strip().splitlines())
+
+
+def wait_for(env, jobs, timeout=900):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i %T", "-j", ",".join(jobs)], env=env, capture_output=True, text=True
+        )
+        if not out.stdout.strip():
+            return
+        time.sleep(2)
+    raise AssertionError(f"jobs {jobs} still queued after {timeout} s")
+
+
+def test_submit_chains_the_stages_with_afterok(slurm, tiny, tmp_path):
+    run = tmp_path / "run"
+    jobs = submit(slurm, overrides(tiny, run))
+    assert list(jobs) == ["distill", "finetune", "evaluate", "export"]
+    script = (run / "slurm" / "finetune.sbatch").read_text()
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@120" in script and "trap forward USR1" in script
+    wait_for(slurm, list(jobs.values()))
+    logs = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
+    assert (run / "stage1" / "converted" / "hybrid_config.json").is_file(), logs[-3000:]
+    assert json.loads((run / "stage2" / "curves.json").read_text())["output"] == "final", logs[-3000:]
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["converted"] and set(results["modes"]) == {"base", "hybrid", "la_only", "none"}
+    assert (run / "export" / "COMMITTED").is_file()
+    assert "torch.distributed.run --nnodes=1 --nproc-per-node=1 --node-rank=0 --master-addr=localhost" in logs
+
+
+def test_stage2_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, tiny, tmp_path):
+    """USR1 to the batch script (what --signal=B:USR1@lead sends): forwarded as TERM through torchrun, the stage saves
+    at the next step boundary, the job requeues itself and resumes from the committed checkpoint."""
+    ref = tmp_path / "ref"
+    assert procs.run(["distill", *overrides(tiny, ref)], timeout=300).returncode == 0
+    assert procs.run(["finetune", *overrides(tiny, ref)], timeout=600).returncode == 0
+    run = tmp_path / "run"
+    shutil.copytree(ref / "stage1", run / "stage1")
+    env = {**slurm, "HYBRID_SCALE_STEP_SLEEP": "1.5"}  # slow steps, so that the signal lands mid-run
+    job = submit(env, [*overrides(tiny, run), "--stages", "finetune"])["finetune"]
+    stage2 = run / "stage2"
+    t0 = time.time()
+    while not (stage2 / "step_00000002" / "COMMITTED").is_file():
+        assert time.time() - t0 < 300, "stage 2 did not reach step 2"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    wait_for(slurm, [job])
+    log = (stage2 / "log.txt").read_text()
+    out = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
+    assert "signal: saved step_0000000" in log, out[-3000:]
+    assert "requeueing" in out and "restart 1" in out
+    assert "resumed from step_0000000" in log
+    got, want = (
+        json.loads((stage2 / "curves.json").read_text()),
+        json.loads((ref / "stage2" / "curves.json").read_text()),
+    )
+    assert len(got["train"]) == 8 and abs(got["train"][-1] - want["train"][-1]) <= 1e-6
+    assert torch.allclose(torch.tensor(got["train"]), torch.tensor(want["train"]), atol=1e-6)
+    assert not (run / "requeue_requested").exists()
+    hs.load_converted(stage2 / "output", dtype=torch.float32)
