@@ -161,6 +161,30 @@ def cmd_quickstart(args) -> int:
     return main(args.run_dir, args.overrides)
 
 
+READS = {
+    "config": ("model", "attention", "data", "distill", "finetune", "eval", "export", "launch", "slurm"),
+    "plan": ("model", "attention", "data", "distill", "finetune", "launch"),
+    "convert": ("model", "attention"),
+    "evaluate": ("model", "attention", "eval"),
+    "distill": ("model", "attention", "data", "distill"),
+    "finetune": ("model", "data", "finetune"),
+    "export": ("export", "data", "eval"),
+    "pipeline": ("model", "attention", "data", "distill", "finetune", "eval", "export"),
+    "launch": ("launch",),
+    "submit": ("launch", "slurm"),
+}
+
+
+def _keys_epilog(command: str) -> str:
+    from omegaconf import OmegaConf
+
+    from .config import Config
+
+    schema = OmegaConf.structured(Config)
+    parts = [f"  {section}: {', '.join(schema[section].keys())}" for section in READS.get(command, ())]
+    return "config keys it reads (YAML or key=value), besides run_dir and seed:\n" + "\n".join(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-scale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,7 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("export", cmd_export),
         ("pipeline", cmd_pipeline),
     ):
-        p = sub.add_parser(name, help=fn.__doc__, description=fn.__doc__)
+        p = sub.add_parser(
+            name,
+            help=fn.__doc__,
+            description=fn.__doc__,
+            epilog=_keys_epilog(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. attention.window=32")
         p.set_defaults(fn=fn)
@@ -183,7 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.set_defaults(fn=cmd_launch)
-    p = sub.add_parser("submit", help=cmd_submit.__doc__, description=cmd_submit.__doc__)
+    p = sub.add_parser(
+        "submit",
+        help=cmd_submit.__doc__,
+        description=cmd_submit.__doc__,
+        epilog=_keys_epilog("submit"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument("--stages", default="distill,finetune,evaluate,export", help="comma-separated, chained afterok")

@@ -273,7 +273,9 @@ def distill(cfg) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..data.assets import require
+    from .plan import preflight
 
+    preflight(cfg)  # blocking problems (paths, architecture, tensor-parallel shape, memory, disk) before any work
     rt = runtime.init(cfg.model.device)
     model_path = Path(cfg.model.path) if cfg.model.path else require().model
     if not (model_path / "config.json").is_file():

@@ -211,3 +211,15 @@ def plan(cfg) -> Plan:
             "distill.buffer_dir / run_dir to a larger disk or lower data.num_sequences"
         )
     return p
+
+
+def preflight(cfg) -> Plan:
+    """What every heavy stage runs first: the plan's blocking problems become one clear error."""
+    from ..config import ConfigError
+
+    result = plan(cfg)
+    if not result.ok:
+        raise ConfigError(
+            "preflight: " + "; ".join(result.problems) + " (run `hybrid-scale plan` with the same config for the table)"
+        )
+    return result

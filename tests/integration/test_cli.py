@@ -45,3 +45,11 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys, monkeypatch)
     assert os.environ["LOCAL_RANK"] == "1"
     monkeypatch.delenv("LOCAL_RANK")
     assert main(["config", "seed=4", "--local-rank", "0"]) == 0 and os.environ["LOCAL_RANK"] == "0"
+
+
+def test_stage_help_lists_the_config_keys_it_reads():
+    out = subprocess.run(
+        [sys.executable, "-m", "hybrid_scale", "distill", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0
+    assert "distill: recipe, objectives, train_feature_maps" in out.stdout and "data: source, text_field" in out.stdout
