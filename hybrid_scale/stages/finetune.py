@@ -339,9 +339,9 @@ def finetune(cfg) -> Path:
     early = recipe == "hedgecats" if f.early_stopping is None else f.early_stopping
     if early and not f.eval_every:
         raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
-    from .plan import preflight
+    from .plan import preflight as plan_preflight
 
-    preflight(cfg)  # blocking problems (paths, architecture, tensor-parallel shape, memory, disk) before any work
+    plan_preflight(cfg)  # blocking problems (paths, architecture, tensor-parallel shape, memory, disk) before any work
     rt = runtime.init(cfg.model.device)
     _join_group(rt)
     deepspeed = _import_deepspeed()
