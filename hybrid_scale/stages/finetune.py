@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -399,8 +400,13 @@ def finetune(cfg) -> Path:
     for m in layers.values():
         for name, p in m.hybrid_parameters():
             p.requires_grad_(f.train_gamma if name == "gamma_logit" else f.train_feature_maps)
-    if f.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if f.gradient_checkpointing:  # non-reentrant (works with PEFT); transformers 5.x renamed the method
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # DeepSpeed 0.19 calls a torch collective that torch 2.13 deprecates, once per step: not the user's concern
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
     torch.manual_seed(cfg.seed)
     lora = LoraConfig(
         r=f.lora_r,
