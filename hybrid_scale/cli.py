@@ -17,7 +17,7 @@ from .models.convert import UnsupportedArchitectureError
 from .models.converted import ConvertedModelError
 from .stages.distill import DistillError
 from .stages.export import ExportError
-from .stages.finetune import FinetuneError
+from .stages.finetune import EXIT_REQUEUE, FinetuneError, Requeue
 
 
 def cmd_config(args) -> int:
@@ -82,13 +82,9 @@ def cmd_distill(args) -> int:
 def cmd_finetune(args) -> int:
     """Stage 2: LoRA fine-tuning under DeepSpeed ZeRO-3 with SSD / early stopping (the `finetune` section); resumes
     from the newest committed checkpoint; exits 75 after a signal-triggered save (requeue me)."""
-    from .stages.finetune import EXIT_REQUEUE, Requeue, finetune
+    from .stages.finetune import finetune
 
-    try:
-        out = finetune(load_config(args.config, args.overrides))
-    except Requeue as e:
-        print(f"hybrid-scale finetune: {e}", file=sys.stderr)
-        return EXIT_REQUEUE
+    out = finetune(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"stage 2 done: {out} -> {out.resolve()}")
     return 0
@@ -115,14 +111,9 @@ def cmd_plan(args) -> int:
 
 def cmd_pipeline(args) -> int:
     """Stage 1 -> stage 2 -> ablation evaluation -> export in one command; skips finished stages, resumes the rest."""
-    from .stages.finetune import EXIT_REQUEUE, Requeue
     from .stages.pipeline import pipeline
 
-    try:
-        timings = pipeline(load_config(args.config, args.overrides))
-    except Requeue as e:
-        print(f"hybrid-scale pipeline: {e}", file=sys.stderr)
-        return EXIT_REQUEUE
+    timings = pipeline(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print("pipeline done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
     return 0
@@ -256,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
         return args.fn(args)
+    except Requeue as e:  # finetune, pipeline, quickstart: saved on a signal; the batch script requeues on this code
+        print(f"hybrid-scale {args.command}: {e}", file=sys.stderr)
+        return EXIT_REQUEUE
     except (
         ConfigError,
         ConvertedModelError,

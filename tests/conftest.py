@@ -104,3 +104,50 @@ def tiny_smollm_vocab(smollm2, tmp_path_factory):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run_model(smollm2, tmp_path_factory):
+    """A 2-layer random Llama with SmolLM2's tokenizer and a text.txt of training documents: the model the
+    whole-pipeline tests (pipeline, quickstart, Slurm) run on."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_run")
+    model = tiny_model("llama", vocab_size=49152, num_hidden_layers=2, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(path)
+    (path / "text.txt").write_text("\n\n".join(smollm2.train_text.read_text().split("\n\n")[:300]))
+    return path
+
+
+def tiny_run_overrides(model, run_dir, *extra) -> list[str]:
+    """Budgets for every stage small enough for a test; `extra` overrides them (later keys win)."""
+    return [
+        f"model.path={model}",
+        f"data.source={model / 'text.txt'}",
+        f"run_dir={run_dir}",
+        "attention.window=8",
+        "data.seq_len=64",
+        "data.num_sequences=8",
+        "distill.epochs=1",
+        "distill.batch_size=4",
+        "distill.progress=false",
+        "finetune.recipe=ssd",
+        "finetune.max_steps=6",
+        "finetune.global_batch=2",
+        "finetune.eval_every=3",
+        "finetune.save_every=2",
+        "finetune.heldout_sequences=2",
+        "finetune.lr=0.002",
+        "finetune.progress=false",
+        "eval.tasks=[piqa]",
+        "eval.limit=4",
+        "eval.modes=[base,hybrid,la_only,none]",
+        "eval.ppl_seq_len=64",
+        "eval.ppl_sequences=1",
+        "eval.buckets=[0,8]",
+        "eval.la_share_seq_len=0",
+        "eval.bootstrap=10",
+        "eval.progress=false",
+        *extra,
+    ]

@@ -105,7 +105,8 @@ def save_converted(model: nn.Module, out_dir: str | os.PathLike, base_path: str 
 def write_converted(out: Path, architecture: str, base_ref: str, settings: dict, params: dict) -> Path:
     """The two files of the format: the parameters first, the config (which makes it a converted model) last."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in params.items()}, out / PARAMS_NAME)
+    # "format": "pt" lets transformers read this file as a shard too (an export lists it in its index)
+    save_file({k: v.contiguous() for k, v in params.items()}, out / PARAMS_NAME, metadata={"format": "pt"})
     meta = {"format_version": FORMAT_VERSION, "architecture": architecture, "base_model": base_ref}
     meta["attention"] = settings
     (out / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")

@@ -275,20 +275,18 @@ def calibrate_gamma(
 
 def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
     """Held-out perplexity by position bucket in hybrid for each gamma setting (plus swa_only and la_only)."""
+    from ..data import corpus
+    from ..models.convert import components
     from ..models.converted import load_converted
     from .balance import perplexity_by_bucket
 
     x = cfg.export
     tokenizer = load_tokenizer(tokenizer_dir)
-    from ..data import corpus
-
     _, held = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
     seqs = corpus.pack(tokenizer, held, x.report_seq_len, x.report_sequences, cfg.seed)
     buckets = sorted({b for b in cfg.eval.buckets if b < x.report_seq_len} | {0, x.report_seq_len})
     model = load_converted(out, dtype=torch.float32)
     report = {"seq_len": x.report_seq_len, "sequences": len(seqs), "perplexity": {}}
-    from ..models.convert import components
-
     for mode in ("swa_only", "la_only"):
         with components(model, mode):
             report["perplexity"][mode] = perplexity_by_bucket(model, seqs, buckets)
@@ -386,14 +384,13 @@ def export(cfg) -> Path:
             if (base / name).is_file():
                 shutil.copy(base / name, tmp / name)
 
-        def write_hybrid(params):
-            save_file({k: v.contiguous() for k, v in params.items()}, tmp / PARAMS_NAME, metadata={"format": "pt"})
+        def write_hybrid(params):  # the phi/gamma shard + hybrid_config.json, then the index that lists the shard
+            write_converted(tmp, config["architectures"][0].replace("HybridScale", ""), ".", settings, params)
             index = {**weight_map, **dict.fromkeys(params, PARAMS_NAME)}
             total = sum((tmp / f).stat().st_size for f in set(index.values()))
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n"
             )
-            write_converted(tmp, config["architectures"][0].replace("HybridScale", ""), ".", settings, params)
 
         write_hybrid(hybrid)
         report = None

@@ -20,6 +20,7 @@ Requeue (the CLI exits with EXIT_REQUEUE).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -133,11 +134,13 @@ def _data(cfg, tokenizer, T: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def global_batch(step: int, n: int, size: int, seed: int) -> list[int]:
     """Indices of the training sequences of optimizer step `step`: epochs of seeded permutations, in order."""
+    perms: dict[int, list[int]] = {}  # one permutation per epoch the batch touches (at most two)
     out = []
     for idx in range(step * size, (step + 1) * size):
         epoch, j = divmod(idx, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7_919 + epoch))
-        out.append(int(perm[j]))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7_919 + epoch)).tolist()
+        out.append(perms[epoch][j])
     return out
 
 
@@ -179,7 +182,7 @@ def _restore_trainable(engine, named, weights: dict, moments: dict, step: int) -
         }
     for name, p in named:
         value = weights[name]
-        safe_set_full_fp32_param(p, value.to(p.dtype if p.dtype == torch.float32 else torch.float32))
+        safe_set_full_fp32_param(p, value.float())
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             if dist.get_rank() == 0:
                 p.data.copy_(value.view(p.shape).to(p.dtype))
@@ -314,7 +317,7 @@ def heldout_loss(engine, model, held: torch.Tensor, mode: str, micro: int, rt) -
     set_modes(model, mode)
     engine.module.eval()
     mine = list(range(rt.rank, len(held), rt.world))
-    rounds = -(-len(range(0, len(held), rt.world)) // micro)
+    rounds = math.ceil(math.ceil(len(held) / rt.world) / micro)
     total = torch.zeros(2, dtype=torch.float64)
     for r in range(rounds):
         idx = mine[r * micro : (r + 1) * micro]

@@ -37,7 +37,8 @@ def test_console_script_entry_point():
 
 
 def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys, monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "unset")  # recorded, so that teardown removes what main() sets
+    monkeypatch.delenv("LOCAL_RANK")
     assert main(["config", "--local_rank=1", "seed=3"]) == 0
     assert "seed: 3" in capsys.readouterr().out
     import os

@@ -149,7 +149,9 @@ def test_saved_adapter_is_whole_and_reloads_to_the_trained_logits(setup, referen
     merged = hs.load_converted(final, dtype=torch.float32)
 
     plain = AutoModelForCausalLM.from_pretrained(setup / "base", dtype=torch.float32)
-    hs.convert_model(plain, {"window": 8})
+    window = json.loads((final / "hybrid_config.json").read_text())["attention"]["window"]
+    assert window == 16  # the SSD window schedule's last window is the one the model keeps
+    hs.convert_model(plain, {"window": window})
     trained = load_file(reference / "stage2" / "step_00000010" / "trainable.safetensors")
     model = get_peft_model(
         plain, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

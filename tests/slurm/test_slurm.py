@@ -14,8 +14,7 @@ from pathlib import Path
 import procs
 import pytest
 import torch
-from conftest import tiny_model
-from transformers import AutoTokenizer
+from conftest import tiny_run_overrides
 
 import hybrid_scale as hs
 
@@ -111,47 +110,15 @@ def slurm(tmp_path_factory):
         os.kill(pid, signal.SIGTERM)
 
 
-@pytest.fixture(scope="module")
-def tiny(smollm2, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_slurm")
-    model = tiny_model("llama", vocab_size=49152, num_hidden_layers=2, pad_token_id=2, eos_token_id=2, bos_token_id=1)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(path)
-    (path / "text.txt").write_text("\n\n".join(smollm2.train_text.read_text().split("\n\n")[:300]))
-    return path
+@pytest.fixture
+def tiny(tiny_run_model):
+    return tiny_run_model
 
 
 def overrides(tiny, run_dir, *extra):
-    return [
-        f"model.path={tiny}",
-        f"data.source={tiny / 'text.txt'}",
-        f"run_dir={run_dir}",
-        "attention.window=8",
-        "data.seq_len=64",
-        "data.num_sequences=8",
-        "distill.epochs=1",
-        "distill.batch_size=4",
-        "distill.progress=false",
-        "finetune.recipe=ssd",
-        "finetune.max_steps=8",
-        "finetune.global_batch=2",
-        "finetune.eval_every=4",
-        "finetune.save_every=2",
-        "finetune.heldout_sequences=2",
-        "finetune.lr=0.002",
-        "finetune.progress=false",
-        "eval.tasks=[piqa]",
-        "eval.limit=4",
-        "eval.modes=[base,hybrid,la_only,none]",
-        "eval.ppl_seq_len=64",
-        "eval.ppl_sequences=1",
-        "eval.buckets=[0,8]",
-        "eval.la_share_seq_len=0",
-        "eval.bootstrap=10",
-        "eval.progress=false",
-        "slurm.cpus_per_task=1",
-        *extra,
-    ]
+    return tiny_run_overrides(
+        tiny, run_dir, "finetune.max_steps=8", "finetune.eval_every=4", "slurm.cpus_per_task=1", *extra
+    )
 
 
 def submit(env, args, timeout=120):
