@@ -275,7 +275,7 @@ def distill(cfg) -> Path:
     from ..data.assets import require
     from .plan import preflight as plan_preflight
 
-    plan_preflight(cfg)  # blocking problems (paths, architecture, tensor-parallel shape, memory, disk) before any work
+    plan_preflight(cfg, "distill")  # paths, architecture, tensor-parallel shape, memory, disk: before any work
     rt = runtime.init(cfg.model.device)
     model_path = Path(cfg.model.path) if cfg.model.path else require().model
     if not (model_path / "config.json").is_file():

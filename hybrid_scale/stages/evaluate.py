@@ -107,6 +107,9 @@ def _heldout_sequences(tokenizer, cfg) -> torch.Tensor:
 
 
 def evaluate(cfg) -> dict:
+    from .plan import preflight
+
+    preflight(cfg, "evaluate")  # the input model, its architecture, memory per rank
     rt = runtime.init(cfg.model.device)
     e = cfg.eval
     benchmarks.check_tasks(e.tasks)

@@ -339,8 +339,11 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
 
 
 def export(cfg) -> Path:
+    from .plan import preflight
+
     x = cfg.export
     t0 = time.perf_counter()
+    preflight(cfg, "export")  # the input model, its architecture, free disk for the merged copy
     source = source_model(cfg)
     meta = read_hybrid_config(source)
     base = source if meta["base_model"] == "." else Path(meta["base_model"])

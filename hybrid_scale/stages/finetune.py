@@ -345,7 +345,7 @@ def finetune(cfg) -> Path:
         raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
     from .plan import preflight as plan_preflight
 
-    plan_preflight(cfg)  # blocking problems (paths, architecture, tensor-parallel shape, memory, disk) before any work
+    plan_preflight(cfg, "finetune")  # architecture, tensor-parallel shape, memory, disk: before any work
     rt = runtime.init(cfg.model.device)
     _join_group(rt)
     deepspeed = _import_deepspeed()

@@ -22,11 +22,22 @@ GB = 1e9
 MFU = 0.35  # assumed model-flops utilisation for the rough times
 
 
+STAGES = ("distill", "finetune", "evaluate", "export")
+
+
 @dataclass
 class Plan:
     rows: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, quantity, value)
     problems: list[str] = field(default_factory=list)  # blocking
     warnings: list[str] = field(default_factory=list)
+    scope: dict[str, tuple[str, ...]] = field(default_factory=dict)  # problem -> the stages it blocks
+
+    def block(self, message: str, *stages: str) -> None:
+        self.problems.append(message)
+        self.scope[message] = stages or STAGES
+
+    def blocking(self, stage: str | None = None) -> list[str]:
+        return [m for m in self.problems if stage is None or stage in self.scope.get(m, STAGES)]
 
     @property
     def ok(self) -> bool:
@@ -42,8 +53,28 @@ class Plan:
         return "\n".join(lines)
 
 
-def architecture(cfg) -> tuple[dict, str]:
-    """The model's HF config dict: from model.path when it is on disk, else the preset's model.arch."""
+def stage_input(cfg, stage: str | None) -> Path | None:
+    """The model directory evaluate / export will read (their own resolution; a missing input is one clear error);
+    None for the other stages and for `plan` itself, which plan from model.path / model.arch."""
+    if stage == "evaluate":
+        from .evaluate import _base_path, resolve_model
+
+        return _base_path(*resolve_model(cfg))
+    if stage == "export":
+        from ..models.converted import read_hybrid_config
+        from .export import source_model
+
+        source = source_model(cfg)
+        ref = read_hybrid_config(source)["base_model"]
+        return source if ref == "." else Path(ref)
+    return None
+
+
+def architecture(cfg, base: Path | None = None) -> tuple[dict, str]:
+    """The model's HF config dict: from the stage's input (`base`), else model.path when it is on disk, else the
+    preset's model.arch."""
+    if base is not None and (base / "config.json").is_file():
+        return json.loads((base / "config.json").read_text()), str(base / "config.json")
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
         return json.loads((Path(cfg.model.path) / "config.json").read_text()), str(Path(cfg.model.path) / "config.json")
     if cfg.model.arch:
@@ -80,37 +111,46 @@ def _gb(x: float) -> str:
     return f"{x / GB:,.2f} GB"
 
 
-def plan(cfg) -> Plan:
+def _free_at(path: Path) -> tuple[Path, int]:
+    probe = next((q for q in (path, *path.parents) if q.exists()), Path("."))
+    return probe, shutil.disk_usage(probe).free
+
+
+def plan(cfg, stage: str | None = None) -> Plan:
+    """The table and the blocking problems; `stage` (evaluate / export) plans from that stage's actual input."""
     p = Plan()
-    a, source = architecture(cfg)
+    a, source = architecture(cfg, stage_input(cfg, stage))
     lc, f, d = cfg.launch, cfg.finetune, cfg.distill
     if not a:
-        p.problems.append(
+        p.block(
             f"model.path {cfg.model.path} has no config.json and no model.arch is given: point model.path at a local "
             "Hugging Face directory (or use a preset that carries model.arch)"
         )
         return p
     model_type = a.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        p.problems.append(f"architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
+        p.block(f"architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
         return p
     c = counts(a)
     ranks = lc.nodes * lc.procs_per_node
     tp = lc.tensor_parallel
     for name, n in (("num_key_value_heads", c["K"]), ("num_attention_heads", c["H"])):
         if n % tp:
-            p.problems.append(
+            p.block(
                 f"{name} = {n} is not divisible by launch.tensor_parallel = {tp}: heads are split over the "
-                f"tensor-parallel ranks; choose a divisor of {n}"
+                f"tensor-parallel ranks; choose a divisor of {n}",
+                "distill",
+                "finetune",
+                "evaluate",
             )
-    path = Path(cfg.model.path) if cfg.model.path else None
+    path = Path(cfg.model.path) if cfg.model.path else None  # stage 1 reads it; later stages read their inputs
     if path is not None and not (path / "config.json").is_file():
-        p.problems.append(f"model.path {path} is not a Hugging Face model directory (no config.json); set model.path")
+        p.block(f"model.path {path} is not a Hugging Face model directory (no config.json); set model.path", "distill")
     elif path is not None:
         if not any((path / t).is_file() for t in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-            p.problems.append(f"model.path {path} has no tokenizer files; copy the tokenizer next to the weights")
+            p.block(f"model.path {path} has no tokenizer files; copy the tokenizer next to the weights", "distill")
         if not any(path.glob("*.safetensors")):
-            p.problems.append(f"model.path {path} has no safetensors weights (stage 1 streams safetensors shards)")
+            p.block(f"model.path {path} has no safetensors weights (stage 1 streams safetensors shards)", "distill")
 
     wbytes = DTYPE_BYTES[cfg.model.dtype]
     bbytes = DTYPE_BYTES[d.buffer_dtype]
@@ -188,38 +228,73 @@ def plan(cfg) -> Plan:
             ),
             ("time", "stage 2 (rough)", f"~{flops2 / rate / 3600:.2f} h ({tokens2 / 1e6:.1f} M tokens)"),
         ]
-    if device_gb:
-        for stage, mem in (("stage 1", s1_mem), ("stage 2", s2_mem)):
+    # evaluation: the whole model on every rank (or partitioned with eval.shard_weights) + one perplexity forward
+    e = cfg.eval
+    eval_weights = c["total"] * wbytes / (ranks if e.shard_weights else 1)
+    eval_acts = e.ppl_seq_len * (c["D"] * 12 + a["intermediate_size"] * 3 + c["V"] * 2) * 4
+    eval_mem = eval_weights + eval_acts + (2 * c["layer"] * wbytes if e.shard_weights else 0)
+    p.rows.append(
+        (
+            "evaluate",
+            "per-rank memory",
+            f"~{_gb(eval_mem)} (weights{f'/{ranks}' if e.shard_weights else ''}, a {e.ppl_seq_len}-token forward)",
+        )
+    )
+    if cfg.model.device.startswith("cuda") and device_gb:
+        for stage, mem, fix in (
+            ("stage 1", s1_mem, "lower distill.batch_size or data.seq_len"),
+            (
+                "stage 2",
+                s2_mem,
+                "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks",
+            ),
+            (
+                "evaluate",
+                eval_mem,
+                "lower eval.ppl_seq_len" if e.shard_weights else "set eval.shard_weights=true (ZeRO-3 inference)",
+            ),
+        ):
             if mem > device_gb:
-                p.problems.append(
-                    f"{stage} needs ~{_gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: "
-                    + (
-                        "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks"
-                        if stage == "stage 2"
-                        else "lower distill.batch_size or data.seq_len"
-                    )
+                p.block(
+                    f"{stage} needs ~{_gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: {fix}",
+                    {"stage 1": "distill", "stage 2": "finetune"}.get(stage, stage),
                 )
     run_dir = Path(cfg.run_dir)
     buffer_dir = Path(d.buffer_dir) if d.buffer_dir else run_dir / "stage1" / "buffers"
-    probe = next((q for q in (buffer_dir, *buffer_dir.parents) if q.exists()), Path("."))
-    free = shutil.disk_usage(probe).free
+    probe, free = _free_at(buffer_dir)
     need = s1_disk * (ranks if lc.nodes == 1 else lc.procs_per_node) + (f.keep + 1) * ckpt
     p.rows.append(("disk", f"free at {probe}", f"{_gb(free)} (this node needs ~{_gb(need)})"))
     if need > free:
-        p.problems.append(
+        p.block(
             f"{probe} has {_gb(free)} free but this node needs ~{_gb(need)} for stage-1 buffers and checkpoints: set "
-            "distill.buffer_dir / run_dir to a larger disk or lower data.num_sequences"
+            "distill.buffer_dir / run_dir to a larger disk or lower data.num_sequences",
+            "distill",
+            "finetune",
+        )
+    # export: the merged model, shard by shard, in export.dtype (else the model's)
+    out = Path(cfg.export.out_dir) if cfg.export.out_dir else run_dir / "export"
+    size = c["total"] * DTYPE_BYTES[cfg.export.dtype or cfg.model.dtype]
+    probe, free = _free_at(out.parent)
+    p.rows.append(("export", "merged model", f"{_gb(size)} at {out} ({_gb(free)} free at {probe})"))
+    if size > free:
+        smaller = " or export.dtype=bfloat16" if DTYPE_BYTES[cfg.export.dtype or cfg.model.dtype] > 2 else ""
+        p.block(
+            f"{probe} has {_gb(free)} free but the export needs ~{_gb(size)}: set export.out_dir to a larger disk"
+            + smaller,
+            "export",
         )
     return p
 
 
-def preflight(cfg) -> Plan:
-    """What every heavy stage runs first: the plan's blocking problems become one clear error."""
+def preflight(cfg, stage: str) -> Plan:
+    """What every stage runs first: the plan's problems that block `stage` become one clear error."""
     from ..config import ConfigError
 
-    result = plan(cfg)
-    if not result.ok:
+    result = plan(cfg, stage)
+    problems = result.blocking(stage)
+    if problems:
         raise ConfigError(
-            "preflight: " + "; ".join(result.problems) + " (run `hybrid-scale plan` with the same config for the table)"
+            f"preflight ({stage}): " + "; ".join(problems) + " (run `hybrid-scale plan` with the same config for "
+            "the table)"
         )
     return result

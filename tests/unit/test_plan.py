@@ -1,15 +1,19 @@
 """Presets on the meta device, their DeepSpeed configs, and the preflight plan."""
 
+import json
+
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hybrid_scale as hs
 from hybrid_scale.cli import main
-from hybrid_scale.config import load_config
+from hybrid_scale.config import ConfigError, load_config
 from hybrid_scale.dist.deepspeed import train_config
 from hybrid_scale.dist.slurm import first_host, render
-from hybrid_scale.stages.plan import plan
+from hybrid_scale.stages import plan as plan_module
+from hybrid_scale.stages.plan import plan, preflight
 
 PRESETS = ["smollm2-135m", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"]
 PARAMS_B = {"smollm2-135m": 0.135, "llama3-8b": 8.03, "llama3-70b": 70.6, "mistral-7b": 7.24, "qwen2.5-7b": 7.62}
@@ -38,10 +42,16 @@ def test_preset_builds_and_converts_on_the_meta_device(name):
     assert ("--gpus-per-node=8" in script) == (cfg.model.device == "cuda")
 
 
-def test_plan_on_the_70b_preset(tmp_path):
+@pytest.fixture
+def big_disk(monkeypatch):
+    """10 TB free wherever the plan looks (this machine's disk is smaller than a 70B export)."""
+    monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 10**13})())
+
+
+def test_plan_on_the_70b_preset(tmp_path, big_disk):
     cfg = load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}"])
     p = plan(cfg)
-    rows = {q: v for _, q, v in p.rows}
+    rows = {q: v for s, q, v in p.rows if s != "evaluate"}
     assert rows["parameters"].startswith("70.55 B (141.11 GB in bfloat16)")
     assert rows["ranks"] == "4 node(s) x 8 = 32 (tensor parallel 1)"
     per_rank = float(rows["per-rank memory"].split("~")[1].split()[0])  # stage 2's row comes last
@@ -57,6 +67,47 @@ def test_plan_on_the_70b_preset(tmp_path):
         load_config("models/llama3-70b.yaml", ["finetune.offload=false", "launch.nodes=1", "launch.procs_per_node=1"])
     )
     assert any(m.startswith("stage 2 needs ~") and "enable finetune.offload" in m for m in no_offload.problems)
+
+
+def test_preflight_blocks_only_the_stages_a_problem_concerns(tmp_path, big_disk):
+    cfg = load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}"])
+    p = plan(cfg)
+    placeholder = "model.path /path/to/Meta-Llama-3-70B is not a Hugging Face model directory"
+    assert [m[: len(placeholder)] for m in p.blocking("distill")] == [placeholder]
+    assert p.blocking("finetune") == [] and p.blocking("evaluate") == [] and p.blocking("export") == []
+    rows = {(s, q): v for s, q, v in p.rows}
+    # 141 GB / 32 ranks + two gathered layers + a 2048-token forward with its 128k-vocabulary logits
+    assert rows[("evaluate", "per-rank memory")].startswith("~11.44 GB (weights/32, a 2048-token forward)")
+    assert rows[("export", "merged model")].startswith("141.11 GB at ")
+    unsharded = plan(load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}", "eval.shard_weights=false"]))
+    (msg,) = unsharded.blocking("evaluate")
+    assert msg.startswith("evaluate needs ~14") and msg.endswith("set eval.shard_weights=true (ZeRO-3 inference)")
+    assert unsharded.blocking("finetune") == []
+    with pytest.raises(ConfigError, match=r"^preflight \(distill\): model.path /path/to/Meta-Llama-3-70B is not"):
+        preflight(cfg, "distill")
+
+
+def test_evaluate_and_export_run_the_preflight_on_their_own_inputs(tmp_path, monkeypatch, capsys):
+    model = tiny_model("llama")
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    hs.save_converted(hs.convert_model(model, {"window": 8}), tmp_path / "converted", base_path=base)
+    common = [f"run_dir={tmp_path / 'run'}", "model.path=/nowhere", "model.dtype=float32"]
+    cfg = load_config(overrides=[*common, f"export.model={tmp_path / 'converted'}"])
+    p = preflight(cfg, "export")  # the input's own architecture, although model.path is a placeholder
+    assert dict(((s, q), v) for s, q, v in p.rows)[("model", "architecture")] == f"llama ({base / 'config.json'})"
+    monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
+    with pytest.raises(ConfigError, match=r"^preflight \(export\): .* has 0\.00 GB free but the export needs ~0\.0"):
+        preflight(cfg, "export")
+    assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / "export.partial").exists()
+    monkeypatch.undo()
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    assert main(["evaluate", *common, f"eval.model={gpt2}"]) == 2
+    assert "preflight (evaluate): architecture 'gpt2' is not supported" in capsys.readouterr().err
+    assert main(["export", *common, f"export.model={tmp_path / 'missing'}"]) == 2
+    assert "config key 'export.model': " in capsys.readouterr().err
 
 
 def test_plan_command_exit_codes(smollm2, tmp_path, capsys):
