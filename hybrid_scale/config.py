@@ -185,6 +185,9 @@ class SlurmConfig:
     signal_lead_s: int = 120  # USR1 this long before the time limit: save and requeue
     max_restarts: int = 5  # requeues after "saved, please requeue", capped via SLURM_RESTART_COUNT
     extra: list[str] = field(default_factory=list)  # more #SBATCH lines, e.g. ["--qos=high"]
+    times: dict[str, str] = field(default_factory=dict)  # per-stage time limits, e.g. {export: "02:00:00"}
+    setup: list[str] = field(default_factory=list)  # shell lines before the stage, e.g. ["module load cuda/12.4"]
+    template_dir: str | None = None  # own sbatch templates (<stage>.sbatch or stage.sbatch); None = slurm/
 
 
 @dataclass
@@ -266,6 +269,12 @@ def validate(cfg: DictConfig) -> DictConfig:
             "(launch.nodes x launch.procs_per_node)"
         )
     _positive("slurm.signal_lead_s", cfg.slurm.signal_lead_s, 0)
+    unknown = sorted(set(cfg.slurm.times) - {"distill", "finetune", "evaluate", "export", "pipeline"})
+    if unknown:
+        raise ConfigError(
+            f"config key 'slurm.times': unknown stage(s) {', '.join(unknown)}; use distill, finetune, evaluate, "
+            "export or pipeline"
+        )
     _positive("slurm.max_restarts", cfg.slurm.max_restarts, 0)
     x = cfg.export
     if x.mode is not None:

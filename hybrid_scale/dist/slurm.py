@@ -5,10 +5,12 @@
   the first host of SLURM_JOB_NODELIST).
 - `launch_command()`: the torchrun / deepspeed command that starts a stage on this node, its rendezvous read from the
   Slurm environment (first host, port, node rank); one process per node runs it.
-- `render()`: an sbatch script from the config (partition, account, nodes, GPUs per node, time), with --requeue,
-  --open-mode=append, --signal=B:USR1@lead trapped by the script and forwarded to the training processes as SIGTERM
-  (torchrun forwards TERM to its workers; with srun every rank gets it directly); on the stage's "saved, please
-  requeue" exit (75) the job requeues itself while SLURM_RESTART_COUNT < slurm.max_restarts.
+- `render()`: an sbatch script from a template in slurm/ (stage.sbatch; export.sbatch for the one-process export; a
+  <stage>.sbatch in slurm.template_dir overrides) filled from the config (partition, account, nodes, GPUs per node,
+  time per stage, site set-up lines), with --requeue, --open-mode=append, --signal=B:USR1@lead trapped by the script
+  and forwarded to the training processes as SIGTERM (torchrun forwards TERM to its workers; with srun every rank
+  gets it directly); on the stage's "saved, please requeue" exit (75) the job requeues itself while
+  SLURM_RESTART_COUNT < slurm.max_restarts.
 - `submit()`: the stages as jobs chained with afterok; returns the job ids.
 """
 
@@ -21,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..config import ConfigError
 from .checkpoint import REQUEUE_MARKER
 
 STAGE_COMMANDS = ("distill", "finetune", "evaluate", "export", "pipeline")
@@ -94,67 +97,79 @@ def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str
     ]
 
 
+TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"  # the templates shipped with the repository
+PLACEHOLDER = re.compile(r"@([a-z_]+)@")
+
+
+def template(cfg, stage: str) -> Path:
+    """{template_dir}/{stage}.sbatch, else {template_dir}/stage.sbatch (template_dir: slurm.template_dir or slurm/)."""
+    folder = Path(cfg.slurm.template_dir) if cfg.slurm.template_dir else TEMPLATES
+    for name in (f"{stage}.sbatch", "stage.sbatch"):
+        if (folder / name).is_file():
+            return folder / name
+    raise ConfigError(
+        f"config key 'slurm.template_dir': {folder} has neither {stage}.sbatch nor stage.sbatch; start from a copy "
+        f"of {TEMPLATES}"
+    )
+
+
+def sbatch_header(cfg, stage: str) -> list[str]:
+    """The #SBATCH lines: export is one process on one node without GPUs; the others take the launch shape."""
+    lc, s = cfg.launch, cfg.slurm
+    run_dir = Path(cfg.run_dir).resolve()
+    single = stage == "export"
+    per_node = lc.procs_per_node if lc.launcher == "srun" and not single else 1
+    lines = [
+        f"--job-name={s.job_name}-{stage}",
+        f"--nodes={1 if single else lc.nodes}",
+        f"--ntasks-per-node={per_node}",
+        f"--cpus-per-task={s.cpus_per_task}",
+        f"--time={s.times.get(stage, s.time)}",
+        f"--output={run_dir}/slurm/%x-%j.out",
+        "--open-mode=append",
+        "--requeue",
+    ]
+    if not single:  # export has no checkpoint to save: a requeued export starts over
+        lines.append(f"--signal=B:USR1@{s.signal_lead_s}")
+    if cfg.model.device.startswith("cuda") and stage in GPU_STAGES:
+        lines.append(f"--gpus-per-node={lc.procs_per_node}")
+    lines += [f"--{key}={s[key]}" for key in ("partition", "account", "mem") if s[key] is not None]
+    lines += list(s.extra)
+    return [f"#SBATCH {x}" for x in lines]
+
+
 def render(cfg, stage: str, config_path: str | None, overrides: list[str], python: str = "python") -> str:
-    """The sbatch script of one stage (or of the whole pipeline)."""
+    """The sbatch script of one stage (or of the whole pipeline): its template with the config's values filled in."""
     if stage not in STAGE_COMMANDS:
         raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGE_COMMANDS)}")
     lc, s = cfg.launch, cfg.slurm
     run_dir = Path(cfg.run_dir).resolve()
-    args = ([str(Path(config_path).resolve())] if config_path else []) + list(overrides)
-    srun = lc.launcher == "srun"
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={s.job_name}-{stage}",
-        f"#SBATCH --nodes={lc.nodes}",
-        f"#SBATCH --ntasks-per-node={lc.procs_per_node if srun else 1}",
-        f"#SBATCH --cpus-per-task={s.cpus_per_task}",
-        f"#SBATCH --time={s.time}",
-        f"#SBATCH --output={run_dir}/slurm/%x-%j.out",
-        "#SBATCH --open-mode=append",
-        "#SBATCH --requeue",
-        f"#SBATCH --signal=B:USR1@{s.signal_lead_s}",
-    ]
-    if cfg.model.device.startswith("cuda") and stage in GPU_STAGES:
-        lines.append(f"#SBATCH --gpus-per-node={lc.procs_per_node}")
-    if s.partition:
-        lines.append(f"#SBATCH --partition={s.partition}")
-    if s.account:
-        lines.append(f"#SBATCH --account={s.account}")
-    if s.mem is not None:
-        lines.append(f"#SBATCH --mem={s.mem}")
-    lines += [f"#SBATCH {x}" for x in s.extra]
-    if srun:
-        step = f"srun --kill-on-bad-exit=0 {shlex.quote(python)} -m hybrid_scale.cli {stage} " + shlex.join(args)
-    else:
-        step = f"srun --ntasks-per-node=1 {shlex.quote(python)} -m hybrid_scale.cli launch {stage} " + shlex.join(args)
-    lines += [
-        "",
-        "# Generated by `hybrid-scale submit` from the run's config. USR1 arrives signal_lead_s before the time limit:",
-        "# it is forwarded to the training processes as TERM; they save at the next step boundary and exit 75.",
-        "set -u",
-        f"cd {shlex.quote(str(Path.cwd()))}",
-        f"mkdir -p {shlex.quote(str(run_dir / 'slurm'))}",
-        'echo "[$(date +%T)] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
-        "forward() {  # to the job's steps (torchrun, or every rank under srun), not to this script",
-        '  echo "[$(date +%T)] USR1: asking the stage to save"',
-        '  scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM "$step" 2>/dev/null',
-        "}",
-        "trap forward USR1",
-        f"{step} &",
-        "step=$!",
-        'wait "$step"; code=$?',
-        'while kill -0 "$step" 2>/dev/null; do wait "$step"; code=$?; done  # wait again after the trap',
-        f"marker={shlex.quote(str(run_dir / REQUEUE_MARKER))}  # written by a stage that saved on a signal",
-        'if [ "$code" -eq 75 ] || [ -f "$marker" ]; then',
-        '  rm -f "$marker"',
-        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {s.max_restarts} ]; then',
-        '    echo "[$(date +%T)] saved; requeueing"; scontrol requeue "$SLURM_JOB_ID"; exit 0',
-        "  fi",
-        '  echo "[$(date +%T)] saved, but slurm.max_restarts reached"; exit 75',
-        "fi",
-        'exit "$code"',
-    ]
-    return "\n".join(lines) + "\n"
+    args = shlex.join(([str(Path(config_path).resolve())] if config_path else []) + list(overrides))
+    cli = f"{shlex.quote(python)} -m hybrid_scale.cli"
+    if stage == "export":  # rank 0's work only: no launcher
+        step = f"{cli} export {args}"
+    elif lc.launcher == "srun":  # one task per rank; each maps SLURM_PROCID etc. to RANK etc. (srun_environment)
+        step = f"srun --kill-on-bad-exit=0 {cli} {stage} {args}"
+    else:  # one task per node, each starting torchrun / the deepspeed launcher (launch_command)
+        step = f"srun --ntasks-per-node=1 {cli} launch {stage} {args}"
+    path = template(cfg, stage)
+    values = {
+        "sbatch": "\n".join(sbatch_header(cfg, stage)),
+        "stage": stage,
+        "template": str(path),
+        "workdir": shlex.quote(str(Path.cwd())),
+        "setup": "\n".join(s.setup) if s.setup else "# (slurm.setup: no site set-up lines)",
+        "log_dir": shlex.quote(str(run_dir / "slurm")),
+        "lead": str(s.signal_lead_s),
+        "max_restarts": str(s.max_restarts),
+        "marker": shlex.quote(str(run_dir / REQUEUE_MARKER)),
+        "step": step,
+    }
+    text = path.read_text()
+    unknown = sorted(set(PLACEHOLDER.findall(text)) - set(values))
+    if unknown:
+        raise ConfigError(f"sbatch template {path}: unknown placeholder(s) {', '.join('@' + u + '@' for u in unknown)}")
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
 def submit(cfg, config_path: str | None, overrides: list[str], stages: list[str], python: str = "python") -> list[str]:

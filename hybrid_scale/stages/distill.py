@@ -322,6 +322,7 @@ def distill(cfg) -> Path:
         raise DistillError(f"{stage1} holds a stage 1 run with other settings; use another run_dir or delete it")
 
     first = next((i for i in range(n_layers) if not committed(stage1, i)), n_layers)
+    log(f"start at layer {first} of {n_layers}: {rt.world} ranks, {len(owned)} of {N} sequences on rank 0")
     paths = {"a": buffer_dir / f"hidden_a.rank{rt.rank}.bin", "b": buffer_dir / f"hidden_b.rank{rt.rank}.bin"}
     bufs = {k: _buffer(p, len(owned), T, D, buf_dtype, create=True) for k, p in paths.items()}
     ready = (

@@ -27,6 +27,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ("model.dtype=int8", "config key 'model.dtype': 'int8' is not allowed; choose one of: float32, bfloat16"),
         ("distill.lrate=1", "config key 'distill.lrate' is not known; allowed here: recipe, objectives, train_feature"),
         ("slurm.partion=gpu", "config key 'slurm.partion' is not known; allowed here: partition, account, time"),
+        ("slurm.times={stage2: '1:00:00'}", "config key 'slurm.times': unknown stage(s) stage2; use distill,"),
         (
             "distill.recipe=lora",
             "config key 'distill.recipe': 'lora' is not allowed; choose one of: lolcats, hedgecats",

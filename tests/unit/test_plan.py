@@ -1,6 +1,8 @@
 """Presets on the meta device, their DeepSpeed configs, and the preflight plan."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +13,11 @@ import hybrid_scale as hs
 from hybrid_scale.cli import main
 from hybrid_scale.config import ConfigError, load_config
 from hybrid_scale.dist.deepspeed import train_config
-from hybrid_scale.dist.slurm import first_host, render
+from hybrid_scale.dist.slurm import STAGE_COMMANDS, first_host, render
 from hybrid_scale.stages import plan as plan_module
 from hybrid_scale.stages.plan import plan, preflight
 
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["smollm2-135m", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"]
 PARAMS_B = {"smollm2-135m": 0.135, "llama3-8b": 8.03, "llama3-70b": 70.6, "mistral-7b": 7.24, "qwen2.5-7b": 7.62}
 
@@ -116,6 +119,51 @@ def test_plan_command_exit_codes(smollm2, tmp_path, capsys):
     assert main(["plan", "models/qwen2.5-7b.yaml", "launch.tensor_parallel=8", f"run_dir={tmp_path}"]) == 1
     out = capsys.readouterr().out
     assert "BLOCKING: num_key_value_heads = 4 is not divisible by launch.tensor_parallel = 8" in out
+
+
+def test_sbatch_scripts_come_from_the_templates_in_slurm(tmp_path):
+    cfg = load_config(
+        "models/llama3-8b.yaml",
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "slurm.partition=gpu",
+            "slurm.times={export: '02:00:00'}",
+            "slurm.setup=['module load cuda/12.4', 'source /opt/venv/bin/activate']",
+        ],
+    )
+    scripts = {stage: render(cfg, stage, "configs/models/llama3-8b.yaml", ["seed=1"]) for stage in STAGE_COMMANDS}
+    for stage, script in scripts.items():
+        proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+        assert proc.returncode == 0, (stage, proc.stderr)
+        assert "@" not in script.replace("USR1@", "")  # every placeholder filled
+        assert "module load cuda/12.4\nsource /opt/venv/bin/activate\n" in script
+        assert "#SBATCH --partition=gpu" in script and f"#SBATCH --job-name=hybrid_scale-{stage}" in script
+    fine = scripts["finetune"]
+    assert f"#SBATCH --time={cfg.slurm.time}" in fine and "#SBATCH --gpus-per-node=8" in fine
+    assert "#SBATCH --nodes=1" in fine
+    assert "#SBATCH --signal=B:USR1@120" in fine and "trap forward USR1" in fine
+    assert "srun --ntasks-per-node=1 python -m hybrid_scale.cli launch finetune " in fine and "seed=1 &" in fine
+    assert "from " + str(ROOT / "slurm" / "stage.sbatch") in fine
+    export = scripts["export"]
+    assert "#SBATCH --time=02:00:00" in export and "--gpus-per-node" not in export and "--signal" not in export
+    assert "exec python -m hybrid_scale.cli export " in export
+    assert "from " + str(ROOT / "slurm" / "export.sbatch") in export
+    srun = render(load_config("models/llama3-8b.yaml", ["launch.launcher=srun"]), "distill", None, [])
+    assert "#SBATCH --ntasks-per-node=8" in srun
+    assert "srun --kill-on-bad-exit=0 python -m hybrid_scale.cli distill" in srun
+
+    own = tmp_path / "templates"  # a site's own templates: <stage>.sbatch wins over stage.sbatch
+    own.mkdir()
+    (own / "stage.sbatch").write_text("#!/bin/bash\n@sbatch@\n@step@\n")
+    (own / "finetune.sbatch").write_text("#!/bin/bash\n@sbatch@\n# site finetune\n@step@\n")
+    mine = load_config(overrides=[f"slurm.template_dir={own}"])
+    assert "# site finetune" in render(mine, "finetune", None, []) and "# site" not in render(mine, "distill", None, [])
+    (own / "stage.sbatch").write_text("#!/bin/bash\n@sbatch@\n@module@\n@step@\n")
+    with pytest.raises(ConfigError, match=r"stage.sbatch: unknown placeholder\(s\) @module@"):
+        render(mine, "evaluate", None, [])
+    (own / "stage.sbatch").unlink()
+    with pytest.raises(ConfigError, match=r"'slurm.template_dir': .* has neither evaluate.sbatch nor stage.sbatch"):
+        render(mine, "evaluate", None, [])
 
 
 def test_first_host_of_slurm_node_lists():

@@ -1,0 +1,106 @@
+"""The launch wrappers (launch/torchrun.sh, launch/deepspeed.sh) for real: two "nodes" on localhost whose
+rendezvous comes from a Slurm environment, and the DeepSpeed launcher on one node with two processes."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import procs
+import pytest
+from conftest import tiny_run_overrides
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wrapper(name: str, args: list[str], env_extra: dict, timeout: int = 600) -> subprocess.Popen:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **env_extra}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.Popen(
+        [str(ROOT / "launch" / name), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{proc.args} timed out: {out[-3000:]}") from None
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def params(run: Path) -> dict:
+    return load_file(run / "stage1" / "converted" / "hybrid_params.safetensors")
+
+
+def test_two_nodes_rendezvous_from_the_slurm_environment_and_the_deepspeed_launcher(tiny_run_model, tmp_path):
+    port = procs.free_port()
+    two_nodes = tmp_path / "two_nodes"
+    args = ["distill", *tiny_run_overrides(tiny_run_model, two_nodes, "distill.epochs=2")]
+    slurm = {"SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "7000"}  # port = launch.master_port + 7000 % 1000
+    nodes = [
+        wrapper(
+            "torchrun.sh",
+            [*args, "launch.nodes=2", "launch.procs_per_node=1", f"launch.master_port={port}"],
+            {**slurm, "SLURM_NODEID": str(n)},
+        )
+        for n in (0, 1)
+    ]
+    outs = [finish(p) for p in nodes]
+    for n, out in enumerate(outs):
+        assert f"torch.distributed.run --nnodes=2 --nproc-per-node=1 --node-rank={n} --master-addr=localhost" in out
+        assert f"--master-port={port}" in out
+    assert "start at layer 0 of 2: 2 ranks" in (two_nodes / "stage1" / "log.txt").read_text()
+
+    one_node = tmp_path / "one_node"  # the same two ranks, started by the DeepSpeed launcher on one node
+    out = finish(
+        wrapper(
+            "deepspeed.sh",
+            [
+                "distill",
+                *tiny_run_overrides(tiny_run_model, one_node, "distill.epochs=2"),
+                "launch.procs_per_node=2",
+                f"launch.master_port={procs.free_port()}",
+            ],
+            {},
+        )
+    )
+    assert "deepspeed.launcher.runner --num_nodes=1 --num_gpus=2 --node_rank=0 --master_addr=localhost" in out
+    assert "dist_world_size=2" in out
+    assert "start at layer 0 of 2: 2 ranks" in (one_node / "stage1" / "log.txt").read_text()
+    a, b = params(two_nodes), params(one_node)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # same world, same sharding: bitwise
+    assert min(a[k].abs().max() for k in a if k.endswith("feature_map_q.bias")) > 1e-3  # trained away from init (0)
+
+    # stage 2 under the DeepSpeed launcher: ZeRO-3 over its two processes (they get --local_rank from it)
+    out = finish(
+        wrapper(
+            "deepspeed.sh",
+            [
+                "finetune",
+                *tiny_run_overrides(tiny_run_model, one_node, "finetune.max_steps=4", "finetune.eval_every=0"),
+                "launch.procs_per_node=2",
+                f"launch.master_port={procs.free_port()}",
+            ],
+            {},
+        )
+    )
+    log = (one_node / "stage2" / "log.txt").read_text()
+    assert "2 ranks" in log and "done at step 4" in log, out[-3000:]
+
+
+def test_wrapper_without_a_stage_prints_its_usage():
+    proc = subprocess.run([str(ROOT / "launch" / "deepspeed.sh")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "launch/torchrun.sh STAGE [CONFIG] [key=value ...]" in proc.stdout
