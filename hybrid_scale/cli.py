@@ -127,6 +127,9 @@ def cmd_launch(args) -> int:
     cfg = load_config(args.config, args.overrides)
     rest = ([args.config] if args.config else []) + list(args.overrides)
     cmd = launch_command(cfg, args.stage, rest)
+    if cmd is None:
+        print(f"{args.stage}: node 0 runs it; nothing to do on this node", flush=True)
+        return 0
     print("+ " + " ".join(cmd), flush=True)
     os.execvp(cmd[0], cmd)
     return 0  # not reached
@@ -152,15 +155,15 @@ def cmd_quickstart(args) -> int:
     return main(args.run_dir, args.overrides)
 
 
-READS = {
+READS = {  # the sections a command reads; every stage also reads `launch` (and the rest) for its preflight
     "config": ("model", "attention", "data", "distill", "finetune", "eval", "export", "launch", "slurm"),
-    "plan": ("model", "attention", "data", "distill", "finetune", "launch"),
+    "plan": ("model", "attention", "data", "distill", "finetune", "eval", "export", "launch"),
     "convert": ("model", "attention"),
-    "evaluate": ("model", "attention", "eval"),
-    "distill": ("model", "attention", "data", "distill"),
-    "finetune": ("model", "data", "finetune"),
-    "export": ("export", "data", "eval"),
-    "pipeline": ("model", "attention", "data", "distill", "finetune", "eval", "export"),
+    "evaluate": ("model", "attention", "eval", "launch"),
+    "distill": ("model", "attention", "data", "distill", "launch"),
+    "finetune": ("model", "data", "finetune", "launch"),
+    "export": ("model", "export", "data", "eval", "launch"),
+    "pipeline": ("model", "attention", "data", "distill", "finetune", "eval", "export", "launch"),
     "launch": ("launch",),
     "submit": ("launch", "slurm"),
 }

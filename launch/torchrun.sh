@@ -12,7 +12,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 launcher=$(basename "$0" .sh)
 python=${PYTHON:-$( [ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3 )}
-if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then sed -n '2,10p' "$0"; exit 2; fi
+if [ $# -lt 1 ]; then sed -n '2,10p' "$0" >&2; exit 2; fi
+if [ "$1" = "-h" ] || [ "$1" = "--help" ]; then sed -n '2,10p' "$0"; exit 0; fi
 stage=$1
 shift
 exec "$python" -m hybrid_scale.cli launch "$stage" "$@" "launch.launcher=$launcher"

@@ -61,9 +61,12 @@ def srun_environment(env=os.environ, port: int = 29500) -> dict[str, str]:
     }
 
 
-def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str]:
-    """The command that starts `stage` on this node with cfg.launch's launcher (torchrun or deepspeed)."""
+def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str] | None:
+    """The command that starts `stage` on this node with cfg.launch's launcher (torchrun or deepspeed). Export is one
+    process's work: node 0 runs it without a launcher, the other nodes have nothing to do (None)."""
     lc = cfg.launch
+    if stage == "export":
+        return [sys.executable, "-m", "hybrid_scale.cli", stage, *args] if env.get("SLURM_NODEID", "0") == "0" else None
     host = first_host(env.get("SLURM_JOB_NODELIST", "localhost"))
     node_rank = env.get("SLURM_NODEID", "0")
     port = str(lc.master_port + int(env.get("SLURM_JOB_ID", "0")) % 1000)
@@ -102,14 +105,18 @@ PLACEHOLDER = re.compile(r"@([a-z_]+)@")
 
 
 def template(cfg, stage: str) -> Path:
-    """{template_dir}/{stage}.sbatch, else {template_dir}/stage.sbatch (template_dir: slurm.template_dir or slurm/)."""
-    folder = Path(cfg.slurm.template_dir) if cfg.slurm.template_dir else TEMPLATES
-    for name in (f"{stage}.sbatch", "stage.sbatch"):
-        if (folder / name).is_file():
-            return folder / name
+    """slurm.template_dir's {stage}.sbatch, else (not for the one-process export) its stage.sbatch, else the
+    repository's slurm/{stage}.sbatch or slurm/stage.sbatch: a site overrides only the files it provides."""
+    own = Path(cfg.slurm.template_dir) if cfg.slurm.template_dir else None
+    names = [f"{stage}.sbatch", "stage.sbatch"]
+    candidates = [own / n for n in names[: 1 if stage == "export" else 2]] if own else []
+    candidates += [TEMPLATES / n for n in names]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is not None:
+        return found
     raise ConfigError(
-        f"config key 'slurm.template_dir': {folder} has neither {stage}.sbatch nor stage.sbatch; start from a copy "
-        f"of {TEMPLATES}"
+        f"no sbatch templates in {TEMPLATES} (this installation lacks the repository's slurm/ folder): copy it from "
+        "the repository and set slurm.template_dir to it"
     )
 
 
@@ -133,7 +140,8 @@ def sbatch_header(cfg, stage: str) -> list[str]:
         lines.append(f"--signal=B:USR1@{s.signal_lead_s}")
     if cfg.model.device.startswith("cuda") and stage in GPU_STAGES:
         lines.append(f"--gpus-per-node={lc.procs_per_node}")
-    lines += [f"--{key}={s[key]}" for key in ("partition", "account", "mem") if s[key] is not None]
+    lines += [f"--{key}={s[key]}" for key in ("partition", "account") if s[key]]
+    lines += [f"--mem={s.mem}"] if s.mem not in (None, "") else []  # --mem=0: the whole node's memory
     lines += list(s.extra)
     return [f"#SBATCH {x}" for x in lines]
 

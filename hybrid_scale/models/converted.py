@@ -133,6 +133,14 @@ def read_hybrid_config(path: str | os.PathLike) -> dict:
     return meta
 
 
+def base_dir(path: str | os.PathLike) -> Path:
+    """The directory holding a converted model's base weights: itself (an export, a stage-2 copy) or the one named
+    in its hybrid_config.json."""
+    path = Path(path)
+    ref = read_hybrid_config(path)["base_model"]
+    return path if ref == "." else Path(ref)
+
+
 def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load base model + hybrid parameters (+ a stage-2 LoRA adapter, merged). The dtype is always passed explicitly
     to transformers."""
@@ -140,7 +148,7 @@ def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     path = Path(path)
     meta = read_hybrid_config(path)
-    base = path if meta["base_model"] == "." else Path(meta["base_model"])
+    base = base_dir(path)
     if not (base / "config.json").is_file():
         raise ConvertedModelError(
             f"base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit 'base_model'"

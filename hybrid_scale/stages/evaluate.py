@@ -21,7 +21,14 @@ from ..data import assets, benchmarks
 from ..dist import runtime
 from ..dist.deepspeed import shard_for_inference
 from ..models.convert import convert_model, set_modes
-from ..models.converted import CONFIG_NAME, base_config, load_converted, load_tokenizer, read_hybrid_config
+from ..models.converted import (
+    CONFIG_NAME,
+    base_config,
+    base_dir,
+    load_converted,
+    load_tokenizer,
+    read_hybrid_config,
+)
 from . import balance, loglik, report
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
@@ -43,10 +50,7 @@ def resolve_model(cfg) -> tuple[Path, bool]:
 
 
 def _base_path(path: Path, converted: bool) -> Path:
-    if not converted:
-        return path
-    ref = read_hybrid_config(path)["base_model"]
-    return path if ref == "." else Path(ref)
+    return base_dir(path) if converted else path
 
 
 class Models:

@@ -34,6 +34,7 @@ from ..models.converted import (
     CONFIG_NAME,
     PARAMS_NAME,
     base_config,
+    base_dir,
     load_tokenizer,
     read_hybrid_config,
     write_converted,
@@ -68,6 +69,10 @@ class ExportError(RuntimeError):
 
 
 # --- reading the input -------------------------------------------------------------------------------------------
+
+
+def output_dir(cfg) -> Path:
+    return Path(cfg.export.out_dir) if cfg.export.out_dir else Path(cfg.run_dir) / "export"
 
 
 def source_model(cfg) -> Path:
@@ -346,8 +351,8 @@ def export(cfg) -> Path:
     preflight(cfg, "export")  # the input model, its architecture, free disk for the merged copy
     source = source_model(cfg)
     meta = read_hybrid_config(source)
-    base = source if meta["base_model"] == "." else Path(meta["base_model"])
-    out = Path(x.out_dir) if x.out_dir else Path(cfg.run_dir) / "export"
+    base = base_dir(source)
+    out = output_dir(cfg)
     if out.resolve() in (source.resolve(), base.resolve()):
         raise ConfigError(f"config key 'export.out_dir': {out} is the input model; choose another directory")
     settings = dict(meta["attention"])

@@ -54,6 +54,7 @@ from ..models.convert import set_modes
 from ..models.converted import (
     ADAPTER_DIR,
     CONFIG_NAME,
+    base_dir,
     describe,
     load_converted,
     load_tokenizer,
@@ -364,7 +365,7 @@ def finetune(cfg) -> Path:
             "fine-tune the export"
         )
     meta = read_hybrid_config(source)
-    base_path = source if meta["base_model"] == "." else Path(meta["base_model"])
+    base_path = base_dir(source)
     dtype = getattr(torch, cfg.model.dtype)
     T = f.seq_len or cfg.data.seq_len
     tokenizer = load_tokenizer(base_path)

@@ -69,7 +69,9 @@ def done(cfg, stage: str) -> bool:
     if stage == "evaluate":
         return (Path(cfg.eval.out_dir) if cfg.eval.out_dir else run / "eval").joinpath("results.json").is_file()
     if stage == "export":
-        return (Path(cfg.export.out_dir) if cfg.export.out_dir else run / "export").joinpath(MARKER).is_file()
+        from .export import output_dir
+
+        return (output_dir(cfg) / MARKER).is_file()
     return False  # stage 1 resumes by itself (a finished one only rewrites its small output)
 
 
@@ -78,7 +80,11 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     from .evaluate import evaluate
     from .export import export
     from .finetune import finetune
+    from .plan import preflight_ahead
 
+    todo = [stage for stage in stages if not done(cfg, stage)]
+    if todo:
+        preflight_ahead(cfg, todo)  # each stage runs its own preflight again when it starts
     rt = runtime.init(cfg.model.device)
     if rt.main:
         record_config(cfg, cfg.allow_config_change)

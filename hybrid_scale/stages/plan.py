@@ -48,7 +48,7 @@ class Plan:
         lines = [f"{'stage':<9} {'quantity':<{width}}  value", "-" * (width + 40)]
         lines += [f"{s:<9} {q:<{width}}  {v}" for s, q, v in self.rows]
         lines += [f"WARNING: {w}" for w in self.warnings]
-        lines += [f"BLOCKING: {p}" for p in self.problems]
+        lines += [f"BLOCKING ({', '.join(self.scope.get(p, STAGES))}): {p}" for p in self.problems]
         lines.append("plan: OK" if self.ok else f"plan: {len(self.problems)} blocking problem(s)")
         return "\n".join(lines)
 
@@ -61,20 +61,22 @@ def stage_input(cfg, stage: str | None) -> Path | None:
 
         return _base_path(*resolve_model(cfg))
     if stage == "export":
-        from ..models.converted import read_hybrid_config
+        from ..models.converted import base_dir
         from .export import source_model
 
-        source = source_model(cfg)
-        ref = read_hybrid_config(source)["base_model"]
-        return source if ref == "." else Path(ref)
+        return base_dir(source_model(cfg))
     return None
 
 
 def architecture(cfg, base: Path | None = None) -> tuple[dict, str]:
-    """The model's HF config dict: from the stage's input (`base`), else model.path when it is on disk, else the
-    preset's model.arch."""
+    """The model's HF config dict: from the stage's input (`base`; an export's hybrid_scale_* type counts as its base
+    architecture), else model.path when it is on disk, else the preset's model.arch."""
     if base is not None and (base / "config.json").is_file():
-        return json.loads((base / "config.json").read_text()), str(base / "config.json")
+        from ..attention.configuration_hybrid_scale import BASE_MODEL_TYPE
+
+        a = json.loads((base / "config.json").read_text())
+        a["model_type"] = BASE_MODEL_TYPE.get(a.get("model_type"), a.get("model_type"))
+        return a, str(base / "config.json")
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
         return json.loads((Path(cfg.model.path) / "config.json").read_text()), str(Path(cfg.model.path) / "config.json")
     if cfg.model.arch:
@@ -116,10 +118,26 @@ def _free_at(path: Path) -> tuple[Path, int]:
     return probe, shutil.disk_usage(probe).free
 
 
+def _stored_bytes(base: Path) -> tuple[int, int]:
+    """(bytes on disk, bytes per element) of a safetensors checkpoint, from file sizes and one header."""
+    from safetensors import safe_open
+
+    files = sorted(base.glob("*.safetensors"))
+    if not files:
+        return 0, 0
+    with safe_open(files[0], "pt") as f:
+        names = list(f.keys())
+        dtype = f.get_slice(names[0]).get_dtype() if names else "F32"
+    from .export import DTYPE_BYTES as SAFETENSORS_BYTES
+
+    return sum(x.stat().st_size for x in files), SAFETENSORS_BYTES.get(dtype, 4)
+
+
 def plan(cfg, stage: str | None = None) -> Plan:
     """The table and the blocking problems; `stage` (evaluate / export) plans from that stage's actual input."""
     p = Plan()
-    a, source = architecture(cfg, stage_input(cfg, stage))
+    base = stage_input(cfg, stage)
+    a, source = architecture(cfg, base)
     lc, f, d = cfg.launch, cfg.finetune, cfg.distill
     if not a:
         p.block(
@@ -228,20 +246,17 @@ def plan(cfg, stage: str | None = None) -> Plan:
             ),
             ("time", "stage 2 (rough)", f"~{flops2 / rate / 3600:.2f} h ({tokens2 / 1e6:.1f} M tokens)"),
         ]
-    # evaluation: the whole model on every rank (or partitioned with eval.shard_weights) + one perplexity forward
+    # evaluation: the whole model on every rank (or partitioned with eval.shard_weights; loaded partitioned too), the
+    # base and the converted model both (when `base` is among the modes), one perplexity forward
     e = cfg.eval
-    eval_weights = c["total"] * wbytes / (ranks if e.shard_weights else 1)
+    copies = 2 if "base" in e.modes and len(set(e.modes)) > 1 else 1
+    eval_weights = copies * c["total"] * wbytes / (ranks if e.shard_weights else 1)
     eval_acts = e.ppl_seq_len * (c["D"] * 12 + a["intermediate_size"] * 3 + c["V"] * 2) * 4
     eval_mem = eval_weights + eval_acts + (2 * c["layer"] * wbytes if e.shard_weights else 0)
-    p.rows.append(
-        (
-            "evaluate",
-            "per-rank memory",
-            f"~{_gb(eval_mem)} (weights{f'/{ranks}' if e.shard_weights else ''}, a {e.ppl_seq_len}-token forward)",
-        )
-    )
+    how = f"{copies} model(s)" + (f" / {ranks} ranks" if e.shard_weights else "")
+    p.rows.append(("evaluate", "per-rank memory", f"~{_gb(eval_mem)} ({how}, a {e.ppl_seq_len}-token forward)"))
     if cfg.model.device.startswith("cuda") and device_gb:
-        for stage, mem, fix in (
+        for stage_name, mem, fix in (
             ("stage 1", s1_mem, "lower distill.batch_size or data.seq_len"),
             (
                 "stage 2",
@@ -251,50 +266,87 @@ def plan(cfg, stage: str | None = None) -> Plan:
             (
                 "evaluate",
                 eval_mem,
-                "lower eval.ppl_seq_len" if e.shard_weights else "set eval.shard_weights=true (ZeRO-3 inference)",
+                "add ranks (launch.nodes), lower eval.ppl_seq_len or leave 'base' out of eval.modes"
+                if e.shard_weights
+                else "set eval.shard_weights=true (ZeRO-3 inference)",
             ),
         ):
             if mem > device_gb:
                 p.block(
-                    f"{stage} needs ~{_gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: {fix}",
-                    {"stage 1": "distill", "stage 2": "finetune"}.get(stage, stage),
+                    f"{stage_name} needs ~{_gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: {fix}",
+                    {"stage 1": "distill", "stage 2": "finetune"}.get(stage_name, stage_name),
                 )
     run_dir = Path(cfg.run_dir)
     buffer_dir = Path(d.buffer_dir) if d.buffer_dir else run_dir / "stage1" / "buffers"
     probe, free = _free_at(buffer_dir)
-    need = s1_disk * (ranks if lc.nodes == 1 else lc.procs_per_node) + (f.keep + 1) * ckpt
-    p.rows.append(("disk", f"free at {probe}", f"{_gb(free)} (this node needs ~{_gb(need)})"))
-    if need > free:
-        p.block(
-            f"{probe} has {_gb(free)} free but this node needs ~{_gb(need)} for stage-1 buffers and checkpoints: set "
-            "distill.buffer_dir / run_dir to a larger disk or lower data.num_sequences",
-            "distill",
-            "finetune",
+    have = sum(x.stat().st_size for x in buffer_dir.glob("*.bin")) if buffer_dir.is_dir() else 0  # reused in place
+    buffers = max(0, s1_disk * (ranks if lc.nodes == 1 else lc.procs_per_node) - have)
+    checkpoints = (f.keep + 1) * ckpt
+    p.rows.append(
+        (
+            "disk",
+            f"free at {probe}",
+            f"{_gb(free)} (this node: buffers ~{_gb(buffers)} more, checkpoints ~{_gb(checkpoints)})",
         )
-    # export: the merged model, shard by shard, in export.dtype (else the model's)
-    out = Path(cfg.export.out_dir) if cfg.export.out_dir else run_dir / "export"
-    size = c["total"] * DTYPE_BYTES[cfg.export.dtype or cfg.model.dtype]
+    )
+    for stage_name, need, what in (("distill", buffers, "stage-1 buffers"), ("finetune", checkpoints, "checkpoints")):
+        if need > free:
+            p.block(
+                f"{probe} has {_gb(free)} free but this node needs ~{_gb(need)} for {what}: set distill.buffer_dir "
+                "/ run_dir to a larger disk or lower data.num_sequences",
+                stage_name,
+            )
+    # export: the merged model, shard by shard, in export.dtype (else the input checkpoint's dtype)
+    from .export import output_dir
+
+    out = output_dir(cfg)
+    stored, per = _stored_bytes(base) if base is not None else (0, 0)
+    if stored:
+        size = stored * DTYPE_BYTES[cfg.export.dtype] / per if cfg.export.dtype else stored
+    else:
+        size = c["total"] * DTYPE_BYTES[cfg.export.dtype or cfg.model.dtype]
     probe, free = _free_at(out.parent)
     p.rows.append(("export", "merged model", f"{_gb(size)} at {out} ({_gb(free)} free at {probe})"))
     if size > free:
-        smaller = " or export.dtype=bfloat16" if DTYPE_BYTES[cfg.export.dtype or cfg.model.dtype] > 2 else ""
+        smaller = " or export.dtype=bfloat16" if size / c["total"] > 2 else ""
         p.block(
             f"{probe} has {_gb(free)} free but the export needs ~{_gb(size)}: set export.out_dir to a larger disk"
             + smaller,
             "export",
         )
+    x = cfg.export
+    if (x.gamma is not None or x.calibrate_gamma) and x.report_sequences:
+        p.rows.append(
+            (
+                "export",
+                "gamma report memory",
+                f"~{_gb(c['total'] * 4)} host RAM (the whole model in fp32 on CPU for the before/after perplexity; "
+                "export.report_sequences=0 skips it)",
+            )
+        )
     return p
+
+
+def _refuse(label: str, problems: list[str]) -> None:
+    from ..config import ConfigError
+
+    if problems:
+        raise ConfigError(
+            f"preflight ({label}): " + "; ".join(problems) + " (run `hybrid-scale plan` with the same config for "
+            "the table)"
+        )
 
 
 def preflight(cfg, stage: str) -> Plan:
     """What every stage runs first: the plan's problems that block `stage` become one clear error."""
-    from ..config import ConfigError
-
     result = plan(cfg, stage)
-    problems = result.blocking(stage)
-    if problems:
-        raise ConfigError(
-            f"preflight ({stage}): " + "; ".join(problems) + " (run `hybrid-scale plan` with the same config for "
-            "the table)"
-        )
+    _refuse(stage, result.blocking(stage))
+    return result
+
+
+def preflight_ahead(cfg, stages: list[str]) -> Plan:
+    """Before a pipeline: the problems of every stage still to run, planned from model.path / model.arch (the later
+    stages' inputs do not exist yet), so that a doomed evaluation or export stops the run before stage 1."""
+    result = plan(cfg)
+    _refuse(", ".join(stages), [m for m in result.problems if set(stages) & set(result.scope[m])])
     return result

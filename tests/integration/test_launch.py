@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def wrapper(name: str, args: list[str], env_extra: dict, timeout: int = 600) -> subprocess.Popen:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **env_extra}
+def wrapper(name: str, args: list[str], env_extra: dict) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not the outer job's, if any
+    env.update({"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **env_extra})
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return subprocess.Popen(
@@ -101,6 +102,17 @@ def test_two_nodes_rendezvous_from_the_slurm_environment_and_the_deepspeed_launc
     assert "2 ranks" in log and "done at step 4" in log, out[-3000:]
 
 
-def test_wrapper_without_a_stage_prints_its_usage():
+def test_wrapper_usage_and_export_on_one_process_only(tiny_run_model, tmp_path):
+    usage = "launch/torchrun.sh STAGE [CONFIG] [key=value ...]"
     proc = subprocess.run([str(ROOT / "launch" / "deepspeed.sh")], capture_output=True, text=True)
-    assert proc.returncode == 2 and "launch/torchrun.sh STAGE [CONFIG] [key=value ...]" in proc.stdout
+    assert proc.returncode == 2 and usage in proc.stderr
+    proc = subprocess.run([str(ROOT / "launch" / "torchrun.sh"), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and usage in proc.stdout
+    # export is rank 0's work: node 0 runs it without a launcher, node 1 has nothing to do
+    args = ["export", f"run_dir={tmp_path}", "launch.nodes=2", "launch.procs_per_node=4"]
+    out = finish(wrapper("torchrun.sh", args, {"SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "localhost"}))
+    assert "export: node 0 runs it; nothing to do on this node" in out
+    proc = wrapper("torchrun.sh", args, {"SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost"})
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and f"+ {sys.executable} -m hybrid_scale.cli export" in out
+    assert f"config key 'export.model': {tmp_path} has no stage-2 or stage-1 model yet" in out

@@ -6,15 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, tiny_run_overrides
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hybrid_scale as hs
 from hybrid_scale.cli import main
 from hybrid_scale.config import ConfigError, load_config
+from hybrid_scale.dist import slurm as slurm_module
 from hybrid_scale.dist.deepspeed import train_config
 from hybrid_scale.dist.slurm import STAGE_COMMANDS, first_host, render
 from hybrid_scale.stages import plan as plan_module
+from hybrid_scale.stages.export import export
+from hybrid_scale.stages.pipeline import pipeline
 from hybrid_scale.stages.plan import plan, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,12 +82,15 @@ def test_preflight_blocks_only_the_stages_a_problem_concerns(tmp_path, big_disk)
     assert [m[: len(placeholder)] for m in p.blocking("distill")] == [placeholder]
     assert p.blocking("finetune") == [] and p.blocking("evaluate") == [] and p.blocking("export") == []
     rows = {(s, q): v for s, q, v in p.rows}
-    # 141 GB / 32 ranks + two gathered layers + a 2048-token forward with its 128k-vocabulary logits
-    assert rows[("evaluate", "per-rank memory")].startswith("~11.44 GB (weights/32, a 2048-token forward)")
+    # base + converted model (2 x 141 GB) / 32 ranks = 8.82 GB, two gathered layers 3.42 GB, a 2048-token forward with
+    # its 128k-vocabulary logits 3.61 GB
+    assert rows[("evaluate", "per-rank memory")].startswith("~15.85 GB (2 model(s) / 32 ranks, a 2048-token forward)")
     assert rows[("export", "merged model")].startswith("141.11 GB at ")
     unsharded = plan(load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}", "eval.shard_weights=false"]))
     (msg,) = unsharded.blocking("evaluate")
-    assert msg.startswith("evaluate needs ~14") and msg.endswith("set eval.shard_weights=true (ZeRO-3 inference)")
+    assert msg.startswith("evaluate needs ~285.83 GB per rank") and msg.endswith(
+        "set eval.shard_weights=true (ZeRO-3 inference)"
+    )
     assert unsharded.blocking("finetune") == []
     with pytest.raises(ConfigError, match=r"^preflight \(distill\): model.path /path/to/Meta-Llama-3-70B is not"):
         preflight(cfg, "distill")
@@ -101,7 +107,7 @@ def test_evaluate_and_export_run_the_preflight_on_their_own_inputs(tmp_path, mon
     assert dict(((s, q), v) for s, q, v in p.rows)[("model", "architecture")] == f"llama ({base / 'config.json'})"
     monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     with pytest.raises(ConfigError, match=r"^preflight \(export\): .* has 0\.00 GB free but the export needs ~0\.0"):
-        preflight(cfg, "export")
+        export(cfg)  # refused before anything is written
     assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / "export.partial").exists()
     monkeypatch.undo()
     gpt2 = tmp_path / "gpt2"
@@ -113,15 +119,33 @@ def test_evaluate_and_export_run_the_preflight_on_their_own_inputs(tmp_path, mon
     assert "config key 'export.model': " in capsys.readouterr().err
 
 
+def test_pipeline_stops_before_stage_1_when_a_later_stage_is_doomed(tiny_run_model, tmp_path, monkeypatch):
+    small = tmp_path / "small_disk"
+    small.mkdir()
+    free = {True: 1000, False: 10**13}
+    monkeypatch.setattr(
+        plan_module.shutil,
+        "disk_usage",
+        lambda path: type("U", (), {"free": free[str(path).startswith(str(small))]})(),
+    )
+    cfg = load_config(overrides=tiny_run_overrides(tiny_run_model, tmp_path / "run", f"export.out_dir={small / 'x'}"))
+    with pytest.raises(ConfigError, match=r"^preflight \(distill, finetune, evaluate, export\): .* the export needs"):
+        pipeline(cfg)
+    assert not (tmp_path / "run" / "stage1").exists()
+
+
 def test_plan_command_exit_codes(smollm2, tmp_path, capsys):
     assert main(["plan", "models/smollm2-135m.yaml", f"run_dir={tmp_path}"]) == 0
     assert "plan: OK" in capsys.readouterr().out
     assert main(["plan", "models/qwen2.5-7b.yaml", "launch.tensor_parallel=8", f"run_dir={tmp_path}"]) == 1
     out = capsys.readouterr().out
-    assert "BLOCKING: num_key_value_heads = 4 is not divisible by launch.tensor_parallel = 8" in out
+    assert (
+        "BLOCKING (distill, finetune, evaluate): num_key_value_heads = 4 is not divisible by launch.tensor_parallel = 8"
+        in out
+    )
 
 
-def test_sbatch_scripts_come_from_the_templates_in_slurm(tmp_path):
+def test_sbatch_scripts_come_from_the_templates_in_slurm(tmp_path, monkeypatch):
     cfg = load_config(
         "models/llama3-8b.yaml",
         [
@@ -161,9 +185,12 @@ def test_sbatch_scripts_come_from_the_templates_in_slurm(tmp_path):
     (own / "stage.sbatch").write_text("#!/bin/bash\n@sbatch@\n@module@\n@step@\n")
     with pytest.raises(ConfigError, match=r"stage.sbatch: unknown placeholder\(s\) @module@"):
         render(mine, "evaluate", None, [])
-    (own / "stage.sbatch").unlink()
-    with pytest.raises(ConfigError, match=r"'slurm.template_dir': .* has neither evaluate.sbatch nor stage.sbatch"):
-        render(mine, "evaluate", None, [])
+    assert "from " + str(ROOT / "slurm" / "export.sbatch") in render(mine, "export", None, [])  # not stage.sbatch
+    (own / "stage.sbatch").unlink()  # what the site does not provide comes from the repository
+    assert "from " + str(ROOT / "slurm" / "stage.sbatch") in render(mine, "evaluate", None, [])
+    monkeypatch.setattr(slurm_module, "TEMPLATES", tmp_path / "not_installed")
+    with pytest.raises(ConfigError, match=r"no sbatch templates in .*not_installed \(this installation lacks the"):
+        render(load_config(), "evaluate", None, [])
 
 
 def test_first_host_of_slurm_node_lists():
