@@ -64,6 +64,26 @@ def perturb_hybrid(model, scale: float = 0.3, seed: int = 1):
     return model
 
 
+def save_stage2_like(model, out, base_path):
+    """Convert `model` (window 8), move its phi/gamma and save it at `out` with a random LoRA adapter on q, v, o,
+    as stage 2 leaves a model."""
+    from peft import LoraConfig, get_peft_model
+
+    import hybrid_scale as hs
+    from hybrid_scale.models.converted import ADAPTER_DIR
+
+    perturb_hybrid(hs.convert_model(model, {"window": 8}))
+    hs.save_converted(model, out, base_path=base_path)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    peft_model.save_pretrained(out / ADAPTER_DIR)
+    return out
+
+
 def attention_inputs(B=2, H=4, Hkv=2, T=12, D=4, F=3, dtype=torch.float64, seed=0, requires_grad=False):
     g = torch.Generator().manual_seed(seed)
 

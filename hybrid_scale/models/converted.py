@@ -141,6 +141,50 @@ def base_dir(path: str | os.PathLike) -> Path:
     return path if ref == "." else Path(ref)
 
 
+def lora_deltas(adapter: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """{base weight name: (A, B)} and the scaling alpha / r (or alpha / sqrt(r) with rsLoRA) of a PEFT adapter."""
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    unsupported = [k for k in ("use_dora", "fan_in_fan_out") if cfg.get(k)]
+    if cfg.get("bias", "none") != "none" or unsupported or cfg.get("peft_type", "LORA") != "LORA":
+        raise ConvertedModelError(f"{adapter}: only plain LoRA adapters (bias none, no DoRA) can be merged here")
+    r = cfg["r"]
+    scaling = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, kind = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        pairs.setdefault(f"{module}.weight", {})[kind.split(".")[0]] = t
+    return {name: (p["A"], p["B"]) for name, p in pairs.items()}, scaling
+
+
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+
+
+def merge_adapter(model: nn.Module, adapter: Path) -> None:
+    """Merge a stage-2 LoRA adapter into the model's weights in place, with the export's arithmetic (tested equal to
+    PEFT's merge_and_unload). Weights partitioned by ZeRO-3 are gathered one at a time, merged on rank 0 and
+    partitioned again."""
+    import torch.distributed as dist
+
+    from ..dist.deepspeed import _import_deepspeed, is_partitioned
+
+    deltas, scaling = lora_deltas(adapter)
+    named = dict(model.named_parameters())
+    missing = sorted(set(deltas) - set(named))
+    if missing:
+        raise ConvertedModelError(f"{adapter} adapts {missing[:3]}, which the model does not have")
+    for name, (a, b) in deltas.items():
+        p = named[name]
+        if not is_partitioned(p):
+            with torch.no_grad():
+                p.copy_(merge(p, a, b, scaling))
+            continue
+        with _import_deepspeed().zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:
+                p.copy_(merge(p, a, b, scaling))
+
+
 def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load base model + hybrid parameters (+ a stage-2 LoRA adapter, merged). The dtype is always passed explicitly
     to transformers."""
@@ -171,9 +215,7 @@ def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     model.load_state_dict(params, strict=False)
     adapter = path / ADAPTER_DIR
     if adapter.is_dir():  # a stage-2 output: its LoRA adapter, merged for inference
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        merge_adapter(model, adapter)
     if layer_modes:
         set_modes(model, {int(i): m for i, m in layer_modes.items()})
     return model.to(device).eval()

@@ -61,6 +61,14 @@ class Models:
         self.dtype = getattr(torch, cfg.model.dtype)
         self._base = self._hybrid = None
         self.untrained = not converted
+        self._zero3 = None
+        if cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
+            from transformers.integrations import HfDeepSpeedConfig
+
+            from ..dist.deepspeed import _import_deepspeed, zero3_config
+
+            _import_deepspeed().init_distributed(dist_backend="nccl" if torch.device(device).type == "cuda" else "gloo")
+            self._zero3 = HfDeepSpeedConfig(zero3_config(self.dtype))
 
     def _load_base(self):
         from transformers import AutoModelForCausalLM

@@ -36,6 +36,8 @@ from ..models.converted import (
     base_config,
     base_dir,
     load_tokenizer,
+    lora_deltas,
+    merge,
     read_hybrid_config,
     write_converted,
 )
@@ -112,26 +114,6 @@ def input_shards(base: Path) -> dict[str, str]:
             raise ExportError(f"input shard {base / file} is unreadable ({e}); restore it and export again") from None
         out.update(dict.fromkeys(names, file) if where is None else {n: file for n in names if where.get(n) == file})
     return out
-
-
-def lora_deltas(adapter: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
-    """{base weight name: (A, B)} and the scaling alpha / r (or alpha / sqrt(r) with rsLoRA) of a PEFT adapter."""
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    unsupported = [k for k in ("use_dora", "fan_in_fan_out") if cfg.get(k)]
-    if cfg.get("bias", "none") != "none" or unsupported or cfg.get("peft_type", "LORA") != "LORA":
-        raise ExportError(f"{adapter}: only plain LoRA adapters (bias none, no DoRA) can be merged here")
-    r = cfg["r"]
-    scaling = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        module, kind = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
-        pairs.setdefault(f"{module}.weight", {})[kind.split(".")[0]] = t
-    return {name: (p["A"], p["B"]) for name, p in pairs.items()}, scaling
-
-
-def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
 
 
 # --- writing -----------------------------------------------------------------------------------------------------

@@ -1,10 +1,16 @@
 """Component-ablation evaluation on the embedded SmolLM2 (<= 50 items per task) and on a tiny model."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import procs
 import pytest
+import torch
+from conftest import save_stage2_like
+from transformers import AutoModelForCausalLM
 
 from hybrid_scale.cli import main
 from hybrid_scale.config import load_config
@@ -156,6 +162,65 @@ def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, 
     la_one, la_z3 = one["la_share"]["share"], sharded["la_share"]["share"]
     assert json.loads(json.dumps(la_one)) == la_z3
     _same_numbers(one, sharded)
+
+
+@pytest.fixture(scope="module")
+def stage2_like(tiny_smollm_vocab, tmp_path_factory):
+    """A converted tiny model with moved phi/gamma and a random LoRA adapter, as stage 2 leaves it."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_smollm_vocab, dtype=torch.float32)
+    return save_stage2_like(model, tmp_path_factory.mktemp("stage2_like"), tiny_smollm_vocab)
+
+
+PROBE = """
+import json, sys
+from pathlib import Path
+from hybrid_scale.config import load_config
+from hybrid_scale.dist import runtime
+from hybrid_scale.models.converted import load_converted
+from hybrid_scale.stages.evaluate import Models
+
+path = Path(sys.argv[1])
+rt = runtime.init("cpu")
+models = Models(load_config(overrides=[f"eval.model={path}", "eval.shard_weights=true"]), path, True, rt.device)
+held = {}
+for name, model in (("base", models._load_base()), ("converted", load_converted(path))):
+    params = list(model.parameters())
+    mine = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
+    held[name] = mine / total
+print("HELD", rt.rank, json.dumps(held))
+"""
+
+
+def test_sharded_stage2_output_is_loaded_partitioned_and_equals_one_process(stage2_like, tmp_path):
+    """The adapter is merged into ZeRO-3-partitioned weights (gathered one at a time, merged on rank 0); no rank holds
+    the whole model at any point of loading; the results equal one process's."""
+    one = evaluate(load_config(overrides=_tiny_overrides(stage2_like, tmp_path / "one")))
+    assert one["converted"]
+    _torchrun(["evaluate", *_tiny_overrides(stage2_like, tmp_path / "z3"), "eval.shard_weights=true"])
+    _same_numbers(one, json.loads((tmp_path / "z3" / "results.json").read_text()))
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--master-port={procs.free_port()}",
+            str(script),
+            str(stage2_like),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held = [json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines() if line.startswith("HELD ")]
+    assert len(held) == 2
+    for rank in held:  # half of every weight (the small phi/gamma are whole until deepspeed.initialize)
+        assert 0.45 < rank["base"] < 0.55 and 0.45 < rank["converted"] < 0.56, held
 
 
 def test_clear_errors(smollm2, tmp_path, capsys):

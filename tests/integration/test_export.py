@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import perturb_hybrid, tiny_model
-from peft import LoraConfig, PeftModel, get_peft_model
+from conftest import perturb_hybrid, save_stage2_like, tiny_model
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,16 +59,7 @@ def trained(smollm2, tmp_path_factory):
     model.save_pretrained(base, max_shard_size="2MB")
     AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(base)
     assert len(list(base.glob("model-*.safetensors"))) >= 2
-    perturb_hybrid(hs.convert_model(model, {"window": 8}))
-    source = root / "stage2_best"
-    hs.save_converted(model, source, base_path=base)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    peft_model.save_pretrained(source / ADAPTER_DIR)
+    save_stage2_like(model, root / "stage2_best", base)
     docs = smollm2.train_text.read_text().split("\n\n")[:300]
     (root / "text.txt").write_text("\n\n".join(docs))
     return root
