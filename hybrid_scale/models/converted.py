@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,33 @@ CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
 class ConvertedModelError(ValueError):
     pass
+
+
+def load_base_model(path: str | os.PathLike, dtype: torch.dtype) -> nn.Module:
+    """The plain softmax model of a model directory (an HF model, a converted model's base, or an export: its merged
+    weights as the base architecture). An export's shards also hold the phi/gamma tensors; they are not the base
+    model's, so they are expected extras here rather than reported as unexpected keys."""
+    config = base_config(path)
+    hybrid_keys = [r"\.self_attn\.feature_map_[qk]\.", r"\.self_attn\.gamma_logit$"]
+    with _also_ignored(type(config), hybrid_keys):
+        return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
+
+
+@contextlib.contextmanager
+def _also_ignored(config_class, patterns: list[str]):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    own = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
+    before = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    cls._keys_to_ignore_on_load_unexpected = [*(cls._keys_to_ignore_on_load_unexpected or []), *patterns]
+    try:
+        yield
+    finally:
+        if own:
+            cls._keys_to_ignore_on_load_unexpected = before
+        else:
+            del cls._keys_to_ignore_on_load_unexpected
 
 
 def base_config(path: Path):
@@ -197,8 +225,7 @@ def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
         raise ConvertedModelError(
             f"base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit 'base_model'"
         )
-    config = base_config(base)
-    model = AutoModelForCausalLM.from_pretrained(base, config=config, dtype=dtype, local_files_only=True)
+    model = load_base_model(base, dtype)
     attention = dict(meta["attention"])
     layer_modes = attention.pop("layer_modes", None)
     convert_model(model, attention)

@@ -25,6 +25,7 @@ from ..models.converted import (
     CONFIG_NAME,
     base_config,
     base_dir,
+    load_base_model,
     load_converted,
     load_tokenizer,
     read_hybrid_config,
@@ -71,12 +72,8 @@ class Models:
             self._zero3 = HfDeepSpeedConfig(zero3_config(self.dtype))
 
     def _load_base(self):
-        from transformers import AutoModelForCausalLM
-
-        path = _base_path(self.path, self.converted)
-        config = base_config(path)  # an export's base architecture: "base" is its softmax model (merged weights)
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=self.dtype, local_files_only=True)
-        return model.to(self.device).eval()
+        # an export's base architecture: "base" is its softmax model (merged weights)
+        return load_base_model(_base_path(self.path, self.converted), self.dtype).to(self.device).eval()
 
     def _ready(self, model):
         return shard_for_inference(model, self.dtype) if self.cfg.eval.shard_weights else model
