@@ -20,6 +20,7 @@ Requeue (the CLI exits with EXIT_REQUEUE).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -333,6 +334,10 @@ def heldout_loss(engine, model, held: torch.Tensor, mode: str, micro: int, rt) -
     return (total[0] / total[1]).item()
 
 
+def _not_before_started(record: logging.LogRecord) -> bool:
+    return "scheduler before it has started" not in record.getMessage()
+
+
 def finetune(cfg) -> Path:
     """Run (or resume) stage 2; returns {run_dir}/stage2/output (a converted model with an adapter)."""
     from peft import LoraConfig, get_peft_model
@@ -411,6 +416,10 @@ def finetune(cfg) -> Path:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # DeepSpeed 0.19 calls a torch collective that torch 2.13 deprecates, once per step: not the user's concern
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
+    # ...and its WarmupDecayLR asks itself for a learning rate in its own constructor, logging a warning each run
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.addFilter(_not_before_started)
     torch.manual_seed(cfg.seed)
     lora = LoraConfig(
         r=f.lora_r,
