@@ -315,11 +315,12 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
         "not grow with the generated length.",
     ]
     if report:
-        lines += ["", "## Inference-time gamma", "", f"{report['note']}", ""]
-        labels = list(next(iter(report["perplexity"].values())))
-        lines += ["| held-out perplexity | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
-        for name, row in report["perplexity"].items():
-            lines.append(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in labels) + " |")
+        lines += ["", "## Inference-time gamma", "", f"{report['note']}"]
+        if report.get("perplexity"):  # export.report_sequences > 0
+            labels = list(next(iter(report["perplexity"].values())))
+            lines += ["", "| held-out perplexity | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+            for name, row in report["perplexity"].items():
+                lines.append(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in labels) + " |")
     if balance:
         lines += ["", "## Balance report (component ablation of the run)", "", balance]
     return "\n".join(lines) + "\n"

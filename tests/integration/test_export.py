@@ -196,9 +196,12 @@ def test_inference_time_hybridisation_fixed_and_calibrated(trained, tmp_path):
     la = shutil.copytree(trained, tmp_path / "la")
     meta["attention"]["mode"] = "la_only"
     (la / "stage2_best" / "hybrid_config.json").write_text(json.dumps(meta))
-    fixed = export(cfg(la, tmp_path / "fixed", "export.mode=hybrid", "export.gamma=0.3"))
+    fixed = export(cfg(la, tmp_path / "fixed", "export.mode=hybrid", "export.gamma=0.3", "export.report_sequences=0"))
     gammas = [v for k, v in load_file(fixed / "hybrid_params.safetensors").items() if k.endswith("gamma_logit")]
     assert all(torch.allclose(torch.sigmoid(g), torch.full_like(g, 0.3)) for g in gammas)
+    assert "perplexity" not in json.loads((fixed / "gamma_report.json").read_text())  # report_sequences=0: none
+    card = (fixed / "README.md").read_text()
+    assert "gamma fixed at 0.3 for every head." in card and "held-out perplexity" not in card
     assert json.loads((fixed / "config.json").read_text())["hybrid"]["mode"] == "hybrid"
 
     calibrated = export(cfg(la, tmp_path / "cal", "export.mode=hybrid", "export.calibrate_gamma=true"))
