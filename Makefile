@@ -35,7 +35,7 @@ quickstart: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/attention_scaling.py
 
-# Table 1 on SmolLM2: every recipe through stage 1, stage 2 and the ablation evaluation (about an hour on 2 cores
+# Table 1 on SmolLM2: every recipe through stage 1, stage 2 and the ablation evaluation (about 3 hours on 2 cores
 # at the default budget; resumable). Options: .venv/bin/python benchmarks/reproduce_table1.py --help
 reproduce: $(STAMP)
 	$(PY) benchmarks/reproduce_table1.py
