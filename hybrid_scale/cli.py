@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .config import ConfigError, load_config
+from .config import JOBS, ConfigError, load_config
 from .data.assets import AssetError
 from .data.benchmarks import TaskError
 from .data.corpus import CorpusError
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. attention.window=32")
         p.set_defaults(fn=fn)
     p = sub.add_parser("launch", help=cmd_launch.__doc__, description=cmd_launch.__doc__)
-    p.add_argument("stage", choices=["distill", "finetune", "evaluate", "export", "pipeline"])
+    p.add_argument("stage", choices=JOBS)
     p.add_argument("config", nargs="?", help="YAML config file (optional)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.set_defaults(fn=cmd_launch)

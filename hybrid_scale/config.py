@@ -160,6 +160,8 @@ class ExportConfig:
     dtype: str | None = None  # None = as the base checkpoint's tensors
 
 
+STAGES = ("distill", "finetune", "evaluate", "export")  # the pipeline's stages, in order
+JOBS = (*STAGES, "pipeline")  # what `launch` starts and `submit` turns into Slurm jobs
 LAUNCHERS = ("torchrun", "deepspeed", "srun")
 
 
@@ -269,12 +271,9 @@ def validate(cfg: DictConfig) -> DictConfig:
             "(launch.nodes x launch.procs_per_node)"
         )
     _positive("slurm.signal_lead_s", cfg.slurm.signal_lead_s, 0)
-    unknown = sorted(set(cfg.slurm.times) - {"distill", "finetune", "evaluate", "export", "pipeline"})
+    unknown = sorted(set(cfg.slurm.times) - set(JOBS))
     if unknown:
-        raise ConfigError(
-            f"config key 'slurm.times': unknown stage(s) {', '.join(unknown)}; use distill, finetune, evaluate, "
-            "export or pipeline"
-        )
+        raise ConfigError(f"config key 'slurm.times': unknown stage(s) {', '.join(unknown)}; use {', '.join(JOBS)}")
     _positive("slurm.max_restarts", cfg.slurm.max_restarts, 0)
     x = cfg.export
     if x.mode is not None:

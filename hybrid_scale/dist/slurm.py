@@ -23,11 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import JOBS, ConfigError
 from .checkpoint import REQUEUE_MARKER
 
-STAGE_COMMANDS = ("distill", "finetune", "evaluate", "export", "pipeline")
-GPU_STAGES = ("distill", "finetune", "evaluate", "pipeline")
+GPU_JOBS = tuple(j for j in JOBS if j != "export")  # export is one CPU process
 
 
 def first_host(nodelist: str) -> str:
@@ -48,8 +47,14 @@ def first_host(nodelist: str) -> str:
     return prefix + first
 
 
+def job_port(base: int, env=os.environ) -> int:
+    """The rendezvous port of this job: launch.master_port + SLURM_JOB_ID mod 1000 (two jobs on a node differ)."""
+    return base + int(env.get("SLURM_JOB_ID", "0")) % 1000
+
+
 def srun_environment(env=os.environ, port: int = 29500) -> dict[str, str]:
-    """torch.distributed variables for a task started by srun (one task per rank); {} outside srun."""
+    """torch.distributed variables for a task started by srun (one task per rank); {} outside srun. The sbatch
+    script sets MASTER_PORT from launch.master_port; `port` is the base when it did not."""
     if "SLURM_PROCID" not in env or "RANK" in env or "SLURM_STEP_ID" not in env:
         return {}
     return {
@@ -57,7 +62,7 @@ def srun_environment(env=os.environ, port: int = 29500) -> dict[str, str]:
         "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
         "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
         "MASTER_ADDR": first_host(env.get("SLURM_JOB_NODELIST", "localhost")),
-        "MASTER_PORT": env.get("MASTER_PORT", str(port + int(env.get("SLURM_JOB_ID", "0")) % 1000)),
+        "MASTER_PORT": env.get("MASTER_PORT", str(job_port(port, env))),
     }
 
 
@@ -69,7 +74,7 @@ def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str
         return [sys.executable, "-m", "hybrid_scale.cli", stage, *args] if env.get("SLURM_NODEID", "0") == "0" else None
     host = first_host(env.get("SLURM_JOB_NODELIST", "localhost"))
     node_rank = env.get("SLURM_NODEID", "0")
-    port = str(lc.master_port + int(env.get("SLURM_JOB_ID", "0")) % 1000)
+    port = str(job_port(lc.master_port, env))
     module = ["-m", "hybrid_scale.cli", stage, *args]
     if lc.launcher == "deepspeed":
         return [
@@ -138,7 +143,7 @@ def sbatch_header(cfg, stage: str) -> list[str]:
     ]
     if not single:  # export has no checkpoint to save: a requeued export starts over
         lines.append(f"--signal=B:USR1@{s.signal_lead_s}")
-    if cfg.model.device.startswith("cuda") and stage in GPU_STAGES:
+    if cfg.model.device.startswith("cuda") and stage in GPU_JOBS:
         lines.append(f"--gpus-per-node={lc.procs_per_node}")
     lines += [f"--{key}={s[key]}" for key in ("partition", "account") if s[key]]
     lines += [f"--mem={s.mem}"] if s.mem not in (None, "") else []  # --mem=0: the whole node's memory
@@ -148,8 +153,8 @@ def sbatch_header(cfg, stage: str) -> list[str]:
 
 def render(cfg, stage: str, config_path: str | None, overrides: list[str], python: str = "python") -> str:
     """The sbatch script of one stage (or of the whole pipeline): its template with the config's values filled in."""
-    if stage not in STAGE_COMMANDS:
-        raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGE_COMMANDS)}")
+    if stage not in JOBS:
+        raise ValueError(f"unknown stage {stage!r}; one of {', '.join(JOBS)}")
     lc, s = cfg.launch, cfg.slurm
     run_dir = Path(cfg.run_dir).resolve()
     args = shlex.join(([str(Path(config_path).resolve())] if config_path else []) + list(overrides))
@@ -157,7 +162,8 @@ def render(cfg, stage: str, config_path: str | None, overrides: list[str], pytho
     if stage == "export":  # rank 0's work only: no launcher
         step = f"{cli} export {args}"
     elif lc.launcher == "srun":  # one task per rank; each maps SLURM_PROCID etc. to RANK etc. (srun_environment)
-        step = f"srun --kill-on-bad-exit=0 {cli} {stage} {args}"
+        port = f"$(({lc.master_port} + SLURM_JOB_ID % 1000))"  # job_port(), in the shell
+        step = f"MASTER_PORT={port} srun --kill-on-bad-exit=0 {cli} {stage} {args}"
     else:  # one task per node, each starting torchrun / the deepspeed launcher (launch_command)
         step = f"srun --ntasks-per-node=1 {cli} launch {stage} {args}"
     path = template(cfg, stage)

@@ -25,6 +25,9 @@ class UnsupportedArchitectureError(ValueError):
     pass
 
 
+MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
 def check_architecture(model: nn.Module) -> str:
     name = type(model).__name__
     if name not in SUPPORTED:

@@ -204,12 +204,12 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
         raise ConvertedModelError(f"{adapter} adapts {missing[:3]}, which the model does not have")
     for name, (a, b) in deltas.items():
         p = named[name]
-        if not is_partitioned(p):
-            with torch.no_grad():
-                p.copy_(merge(p, a, b, scaling))
-            continue
-        with _import_deepspeed().zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
-            if dist.get_rank() == 0:
+        sharded = is_partitioned(p)
+        whole = (
+            _import_deepspeed().zero.GatheredParameters([p], modifier_rank=0) if sharded else contextlib.nullcontext()
+        )
+        with whole, torch.no_grad():
+            if not sharded or dist.get_rank() == 0:
                 p.copy_(merge(p, a, b, scaling))
 
 

@@ -40,7 +40,7 @@ def resolve_model(cfg) -> tuple[Path, bool]:
     else {run_dir}/stage1/converted), else model.path, else the embedded default."""
     run = Path(cfg.run_dir)
     own = [p for p in (run / "stage2" / "output", run / "stage1" / "converted") if (p / CONFIG_NAME).is_file()]
-    path = cfg.eval.model or (own[0] if own else None) or cfg.model.path
+    path = cfg.eval.model or (own[0].resolve() if own else None) or cfg.model.path  # output -> best / final
     path = Path(path) if path else assets.require().model
     if not path.exists():
         raise ConfigError(f"config key 'eval.model': {path} does not exist")
@@ -48,6 +48,10 @@ def resolve_model(cfg) -> tuple[Path, bool]:
     if not converted and not (path / "config.json").is_file():
         raise ConfigError(f"config key 'eval.model': {path} is neither a Hugging Face model nor a converted model")
     return path, converted
+
+
+def output_dir(cfg) -> Path:
+    return Path(cfg.eval.out_dir) if cfg.eval.out_dir else Path(cfg.run_dir) / "eval"
 
 
 def _base_path(path: Path, converted: bool) -> Path:
@@ -123,7 +127,7 @@ def evaluate(cfg) -> dict:
     e = cfg.eval
     benchmarks.check_tasks(e.tasks)
     path, converted = resolve_model(cfg)
-    out_dir = Path(e.out_dir) if e.out_dir else Path(cfg.run_dir) / "eval"
+    out_dir = output_dir(cfg)
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
     tokenizer = load_tokenizer(_base_path(path, converted))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

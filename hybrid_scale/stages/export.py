@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..attention.hybrid import HybridAttention
 from ..config import ConfigError
 from ..dist.checkpoint import commit, replace_dir
+from ..models.convert import MODEL_TYPE
 from ..models.converted import (
     ADAPTER_DIR,
     CLASS_PREFIX,
@@ -62,7 +63,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 

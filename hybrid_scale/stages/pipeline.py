@@ -13,14 +13,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..config import ConfigError
+from ..config import STAGES, ConfigError
 from ..dist import runtime
 from ..dist.checkpoint import MARKER, atomic_write
 
 # what a stage's result depends on; eval/export/launch/slurm settings can change between reruns
 RESULT_KEYS = ("model.path", "model.dtype", "attention", "data", "distill", "finetune", "seed")
 IGNORED = ("distill.progress", "distill.buffer_dir", "finetune.progress")
-STAGES = ("distill", "finetune", "evaluate", "export")
 
 
 def _flat(d, prefix=""):
@@ -67,11 +66,13 @@ def done(cfg, stage: str) -> bool:
     if stage == "finetune":
         return (run / "stage2" / "curves.json").is_file() and (run / "stage2" / "output").exists()
     if stage == "evaluate":
-        return (Path(cfg.eval.out_dir) if cfg.eval.out_dir else run / "eval").joinpath("results.json").is_file()
-    if stage == "export":
-        from .export import output_dir
+        from . import evaluate
 
-        return (output_dir(cfg) / MARKER).is_file()
+        return (evaluate.output_dir(cfg) / "results.json").is_file()
+    if stage == "export":
+        from . import export
+
+        return (export.output_dir(cfg) / MARKER).is_file()
     return False  # stage 1 resumes by itself (a finished one only rewrites its small output)
 
 
@@ -101,9 +102,7 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
             distill(cfg)
         elif stage == "finetune":
             finetune(cfg)
-        elif stage == "evaluate":
-            if cfg.eval.model is None:
-                cfg.eval.model = str((run / "stage2" / "output").resolve())
+        elif stage == "evaluate":  # eval.model unset: the run's own stage2/output (evaluate.resolve_model)
             evaluate(cfg)
         elif stage == "export":
             if rt.main:

@@ -14,22 +14,19 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..config import RECIPE_OBJECTIVE
+from ..config import RECIPE_OBJECTIVE, STAGES
+from ..models.convert import MODEL_TYPE
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = tuple(MODEL_TYPE.values())
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 MFU = 0.35  # assumed model-flops utilisation for the rough times
-
-
-STAGES = ("distill", "finetune", "evaluate", "export")
 
 
 @dataclass
 class Plan:
     rows: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, quantity, value)
     problems: list[str] = field(default_factory=list)  # blocking
-    warnings: list[str] = field(default_factory=list)
     scope: dict[str, tuple[str, ...]] = field(default_factory=dict)  # problem -> the stages it blocks
 
     def block(self, message: str, *stages: str) -> None:
@@ -47,7 +44,6 @@ class Plan:
         width = max(len(q) for _, q, _ in self.rows) if self.rows else 10
         lines = [f"{'stage':<9} {'quantity':<{width}}  value", "-" * (width + 40)]
         lines += [f"{s:<9} {q:<{width}}  {v}" for s, q, v in self.rows]
-        lines += [f"WARNING: {w}" for w in self.warnings]
         lines += [f"BLOCKING ({', '.join(self.scope.get(p, STAGES))}): {p}" for p in self.problems]
         lines.append("plan: OK" if self.ok else f"plan: {len(self.problems)} blocking problem(s)")
         return "\n".join(lines)

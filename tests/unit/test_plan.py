@@ -11,10 +11,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hybrid_scale as hs
 from hybrid_scale.cli import main
-from hybrid_scale.config import ConfigError, load_config
+from hybrid_scale.config import JOBS, ConfigError, load_config
 from hybrid_scale.dist import slurm as slurm_module
 from hybrid_scale.dist.deepspeed import train_config
-from hybrid_scale.dist.slurm import STAGE_COMMANDS, first_host, render
+from hybrid_scale.dist.slurm import first_host, render
 from hybrid_scale.stages import plan as plan_module
 from hybrid_scale.stages.export import export
 from hybrid_scale.stages.pipeline import pipeline
@@ -155,7 +155,7 @@ def test_sbatch_scripts_come_from_the_templates_in_slurm(tmp_path, monkeypatch):
             "slurm.setup=['module load cuda/12.4', 'source /opt/venv/bin/activate']",
         ],
     )
-    scripts = {stage: render(cfg, stage, "configs/models/llama3-8b.yaml", ["seed=1"]) for stage in STAGE_COMMANDS}
+    scripts = {stage: render(cfg, stage, "configs/models/llama3-8b.yaml", ["seed=1"]) for stage in JOBS}
     for stage, script in scripts.items():
         proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
         assert proc.returncode == 0, (stage, proc.stderr)
