@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -13,11 +14,13 @@ from .config import JOBS, ConfigError, load_config
 from .data.assets import AssetError
 from .data.benchmarks import TaskError
 from .data.corpus import CorpusError
+from .dist.checkpoint import DestinationError
 from .models.convert import UnsupportedArchitectureError
 from .models.converted import ConvertedModelError
 from .stages.distill import DistillError
 from .stages.export import ExportError
 from .stages.finetune import EXIT_REQUEUE, FinetuneError, Requeue
+from .stages.inputs import InputError
 
 
 def cmd_config(args) -> int:
@@ -263,10 +266,32 @@ def main(argv: list[str] | None = None) -> int:
         DistillError,
         FinetuneError,
         ExportError,
-        FileNotFoundError,
+        InputError,
+        DestinationError,
     ) as e:
         print(f"hybrid-scale {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a missing or unreadable path, a full disk: one line, what was committed stays
+        print(f"hybrid-scale {args.command}: error: {os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def os_error(e: OSError) -> str:
+    where = f" ({e.filename})" if e.filename else ""
+    what = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        return (
+            f"no space left on the device{where}: the work committed before it is kept; free space there or point "
+            "run_dir / distill.buffer_dir / export.out_dir at a larger disk, and run the same command again"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (
+            f"{what}{where}: make it readable (and writable where the stage writes) for this user, or choose "
+            "another path"
+        )
+    if e.errno == errno.ENOENT:
+        return f"{what}{where}: check the path in the config"
+    return f"{what}{where}"
 
 
 if __name__ == "__main__":

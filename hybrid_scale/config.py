@@ -6,6 +6,7 @@ raises one `ConfigError` naming the key and what is allowed. Later stages add fi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,11 +271,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             f"config key 'launch.tensor_parallel': {lc.tensor_parallel} does not divide the {ranks} ranks "
             "(launch.nodes x launch.procs_per_node)"
         )
-    _positive("slurm.signal_lead_s", cfg.slurm.signal_lead_s, 0)
-    unknown = sorted(set(cfg.slurm.times) - set(JOBS))
-    if unknown:
-        raise ConfigError(f"config key 'slurm.times': unknown stage(s) {', '.join(unknown)}; use {', '.join(JOBS)}")
-    _positive("slurm.max_restarts", cfg.slurm.max_restarts, 0)
+    _validate_slurm(cfg)
     x = cfg.export
     if x.mode is not None:
         _choice("export.mode", x.mode, MODES)
@@ -333,6 +330,73 @@ def _validate_finetune(f) -> None:
     if f.ssd_windows is not None:
         _schedule("finetune.ssd_windows", f.ssd_windows, 1, float("inf"))
     _choice("finetune.ssd_granularity", f.ssd_granularity, SSD_GRANULARITY)
+
+
+# Slurm's --time formats (sbatch(1); src/common/parse_time.c time_str2secs): minutes, minutes:seconds,
+# hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds; UNLIMITED or INFINITE
+SLURM_TIME = re.compile(r"[0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|(?i:unlimited|infinite)")
+SLURM_MEM = re.compile(r"[0-9]+[KMGTkmgt]?")  # --mem: mebibytes, or a K/M/G/T suffix; 0 = all of a node's memory
+SLURM_NAME_BAD = re.compile(r"[\s'\"#$`;&|<>\\]")  # what sbatch or the shell would split, quote or run
+
+
+def _one_line(key: str, value, fix: str = "remove it") -> None:
+    """A value written onto one line of the sbatch script: a line break would start a new shell command."""
+    if value is not None and any(c in str(value) for c in "\n\r\0"):
+        raise ConfigError(
+            f"config key '{key}': {value!r} contains a line break or NUL, which would end its line of the sbatch "
+            f"script and run the rest as a command; {fix}"
+        )
+
+
+def _slurm_time(key: str, value) -> None:
+    _one_line(key, value)
+    if not SLURM_TIME.fullmatch(str(value)):
+        raise ConfigError(
+            f"config key '{key}': {value!r} is not a Slurm time limit; use minutes, minutes:seconds, "
+            "hours:minutes:seconds, days-hours, days-hours:minutes or days-hours:minutes:seconds (e.g. 90, "
+            "24:00:00, 2-00:00:00), or UNLIMITED"
+        )
+
+
+def _validate_slurm(cfg) -> None:
+    """The values written into the sbatch scripts' #SBATCH lines and shell body (dist/slurm.py render)."""
+    s = cfg.slurm
+    _positive("slurm.signal_lead_s", s.signal_lead_s, 0)
+    _positive("slurm.max_restarts", s.max_restarts, 0)
+    _one_line("run_dir", cfg.run_dir)
+    _one_line("slurm.template_dir", s.template_dir)
+    for key in ("job_name", "partition", "account"):
+        value = s[key]
+        _one_line(f"slurm.{key}", value)
+        bad = SLURM_NAME_BAD.search(str(value or ""))
+        if bad:
+            lists = " (a comma-separated list for several, e.g. gpu,gpu-long)" if key != "job_name" else ""
+            raise ConfigError(
+                f"config key 'slurm.{key}': {value!r} contains {bad.group()!r}; use a plain name{lists} without "
+                "whitespace, quotes or any of # $ ` ; & | < > \\"
+            )
+    _slurm_time("slurm.time", s.time)
+    unknown = sorted(set(s.times) - set(JOBS))
+    if unknown:
+        raise ConfigError(f"config key 'slurm.times': unknown stage(s) {', '.join(unknown)}; use {', '.join(JOBS)}")
+    for stage, value in s.times.items():
+        _slurm_time(f"slurm.times.{stage}", value)
+    if s.mem not in (None, ""):
+        _one_line("slurm.mem", s.mem)
+        if not SLURM_MEM.fullmatch(str(s.mem)):
+            raise ConfigError(
+                f"config key 'slurm.mem': {s.mem!r} is not a Slurm memory size; use an integer with an optional "
+                "unit K, M, G or T (e.g. 200G; mebibytes without a unit; 0 = all of a node's memory)"
+            )
+    for i, item in enumerate(s.extra):
+        _one_line(f"slurm.extra[{i}]", item, "give each sbatch option as its own item")
+        if not str(item).startswith("-"):
+            raise ConfigError(
+                f"config key 'slurm.extra[{i}]': {item!r} is not an sbatch option; give one option per item, "
+                "starting with - (e.g. --qos=high)"
+            )
+    for i, line in enumerate(s.setup):
+        _one_line(f"slurm.setup[{i}]", line, "give each shell line as its own item")
 
 
 def _explain(e: OmegaConfBaseException, schema) -> ConfigError:

@@ -29,7 +29,18 @@ def read_documents(source: str | Path | None, text_field: str = "text") -> list[
     if path.is_dir():
         from datasets import load_from_disk
 
-        data = load_from_disk(str(path))
+        try:
+            data = load_from_disk(str(path))
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise CorpusError(
+                f"config key 'data.source': {path} is a directory but not a `datasets` save_to_disk directory "
+                f"({str(e).splitlines()[0][:120]}); point it at a .txt, a .jsonl or a saved dataset"
+            ) from None
+        if hasattr(data, "keys") and not hasattr(data, "column_names"):  # a DatasetDict: name the split
+            raise CorpusError(
+                f"config key 'data.source': {path} holds several splits ({', '.join(data.keys())}); point it at one "
+                f"of them, e.g. {path / next(iter(data.keys()))}"
+            )
         if text_field not in data.column_names:
             raise CorpusError(
                 f"{path} has no column '{text_field}' (columns: {data.column_names}); set data.text_field"
@@ -37,18 +48,39 @@ def read_documents(source: str | Path | None, text_field: str = "text") -> list[
         docs = list(data[text_field])
     elif path.suffix == ".jsonl":
         docs = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(_text(path).splitlines(), 1):
             if line.strip():
-                obj = json.loads(line)
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise CorpusError(
+                        f"{path}:{n} is not valid JSON ({e}); fix or remove that line (one JSON object per line)"
+                    ) from None
+                if not isinstance(obj, dict):
+                    raise CorpusError(
+                        f"{path}:{n} is a JSON {type(obj).__name__}, not an object; write one object per line"
+                    )
                 if text_field not in obj:
                     raise CorpusError(f"{path}:{n} has no field '{text_field}'; set data.text_field")
+                if not isinstance(obj[text_field], str):
+                    raise CorpusError(
+                        f"{path}:{n}: field '{text_field}' is a {type(obj[text_field]).__name__}, not text; set "
+                        "data.text_field to the field holding the text"
+                    )
                 docs.append(obj[text_field])
     else:
-        docs = path.read_text().split("\n\n")
+        docs = _text(path).split("\n\n")
     docs = [d.strip() for d in docs if d and d.strip()]
     if not docs:
         raise CorpusError(f"{path} holds no text")
     return docs
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8 or give a .jsonl") from None
 
 
 def split_documents(docs: list[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
@@ -76,14 +108,42 @@ def pack(tokenizer, docs: list[str], seq_len: int, num_sequences: int | None, se
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def train_and_heldout(source: str | Path | None, text_field: str, heldout_fraction: float):
-    """(training documents, held-out documents): the embedded default has its own held-out text; a user source is
-    split by document (the last heldout_fraction of them)."""
+SPLITS = ("selection", "report")  # held-out text: stage 2 chooses / early-stops on one, evaluation reports the other
+
+
+def heldout_splits(heldout: list[str], where: str) -> dict[str, list[str]]:
+    """The held-out documents cut in two disjoint halves, by document: `selection` (stage 2's held-out loss, best/
+    and early stopping) and `report` (the evaluation's perplexity), so that the reported figure is not the one the
+    checkpoint was chosen on."""
+    if len(heldout) < 2:
+        raise CorpusError(
+            f"{where} holds {len(heldout)} held-out document(s); two disjoint held-out splits (selection, report) "
+            "need at least 2: raise data.heldout_fraction or give more documents"
+        )
+    cut = len(heldout) // 2
+    return {"selection": heldout[:cut], "report": heldout[cut:]}
+
+
+def heldout_source(source: str | Path | None) -> str:
+    """Where the held-out text comes from, for results.json."""
     if source is None:
         from .assets import require
 
-        return read_documents(None, text_field), read_documents(require().heldout_text, text_field)
+        return str(require().heldout_text)
+    return str(source)
+
+
+def train_and_heldout(source: str | Path | None, text_field: str, heldout_fraction: float, split: str = "selection"):
+    """(training documents, held-out documents of `split`): the embedded default has its own held-out text; a user
+    source is split by document (the last heldout_fraction of them). The held-out documents are then cut into the
+    disjoint `selection` and `report` halves (heldout_splits)."""
+    if source is None:
+        from .assets import require
+
+        held = read_documents(require().heldout_text, text_field)
+        return read_documents(None, text_field), heldout_splits(held, "the embedded default")[split]
     docs = read_documents(source, text_field)
     if heldout_fraction <= 0:
         raise CorpusError("config key 'data.heldout_fraction': stage 2 needs held-out text; set it above 0")
-    return split_documents(docs, heldout_fraction)
+    train, held = split_documents(docs, heldout_fraction)
+    return train, heldout_splits(held, f"data.source {source}")[split]

@@ -1,8 +1,14 @@
-"""Commit helpers shared by the stages: atomic small files, content hashes, commit markers written last, rotation,
-and the fault injection the resume tests use."""
+"""Commit helpers shared by the stages: atomic small files, content hashes, commit markers written last, the rule
+for replacing a directory, and the fault injection the resume tests use.
+
+The rule for the whole code base: a stage only ever replaces or removes a directory that the toolkit itself created
+for that purpose, recognised by its own marker -- `COMMITTED` (written last into every finished directory) or
+`PARTIAL_TAG` (written first into every directory a stage builds before moving it into place). Anything else at a
+destination is one clear error that names the config key and the fix, and nothing is touched."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -12,6 +18,7 @@ import time
 from pathlib import Path
 
 MARKER = "COMMITTED"
+PARTIAL_TAG = ".hybrid_scale_partial"  # first file of a directory under construction (removed by commit())
 REQUEUE_MARKER = "requeue_requested"  # in run_dir: a stage saved on a signal and asks to be started again
 
 
@@ -32,6 +39,17 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class DestinationError(ValueError):
+    """A stage was asked to write where something it did not create already is."""
+
+
+def fault_enospc(point: str) -> None:
+    """Fault injection: HYBRID_SCALE_FAULT=enospc:<point> raises the OSError of a full disk there (a save that runs
+    out of space), as the OS would."""
+    if os.environ.get("HYBRID_SCALE_FAULT", "") == f"enospc:{point}":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), point)
+
+
 def throttle() -> None:
     """Test hook: HYBRID_SCALE_STEP_SLEEP=<seconds> slows every training step (to signal a run mid-way)."""
     seconds = float(os.environ.get("HYBRID_SCALE_STEP_SLEEP", "0") or 0)
@@ -50,9 +68,11 @@ def fault(point: str, rank: int = 0) -> None:
 
 
 def commit(directory: Path) -> None:
-    """Write the marker of a finished directory: the sha256 of every file in it, written last."""
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MARKER)
+    """Write the marker of a finished directory: the sha256 of every file in it, written last (then the partial tag
+    goes: the marker alone now says the toolkit made it)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in (MARKER, PARTIAL_TAG))
     atomic_write(directory / MARKER, json.dumps({str(p.relative_to(directory)): sha256(p) for p in files}, indent=1))
+    (directory / PARTIAL_TAG).unlink(missing_ok=True)
 
 
 def is_committed(directory: Path) -> bool:
@@ -67,11 +87,61 @@ def is_committed(directory: Path) -> bool:
     return all((directory / name).is_file() and sha256(directory / name) == h for name, h in files.items())
 
 
-def replace_dir(tmp: Path, dest: Path) -> None:
-    """Move a committed tmp directory into place, dropping what was there."""
-    old = dest.with_name(dest.name + ".old")
+def made_by_toolkit(path: Path) -> bool:
+    """A directory this toolkit created: a committed one (its marker) or one under construction (its tag)."""
+    return path.is_dir() and not path.is_symlink() and ((path / MARKER).is_file() or (path / PARTIAL_TAG).is_file())
+
+
+def check_destination(
+    dest: Path, key: str, owned=made_by_toolkit, what: str = "a directory hybrid_scale wrote"
+) -> None:
+    """Refuse, before any work, a destination that holds something the toolkit did not create: `dest` itself (which
+    will be replaced) and its `.partial` / `.old` siblings (which are removed). Nothing is touched."""
+    for path, own in ((dest, owned), (sibling(dest, "partial"), made_by_toolkit), (sibling(dest, "old"), owned)):
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise DestinationError(
+                f"config key '{key}': {path} exists and is not a directory; nothing was touched: choose a path "
+                "that does not exist yet"
+            )
+        if path.exists() and not own(path):
+            raise DestinationError(
+                f"config key '{key}': {path} exists and is not {what} (no {MARKER} marker of its own); nothing was "
+                "touched: choose a new directory or move that one away yourself"
+            )
+
+
+def sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(f"{path.name}.{suffix}")
+
+
+def start_partial(dest: Path, key: str) -> Path:
+    """The `.partial` directory in which `dest` is built: a leftover of the toolkit's is cleared, anything else is
+    refused; the tag goes in first so that a crash leaves a directory the next run may clear."""
+    tmp = sibling(dest, "partial")
+    if tmp.exists() or tmp.is_symlink():
+        if not made_by_toolkit(tmp):
+            check_destination(dest, key)  # raises, naming the foreign .partial directory
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / PARTIAL_TAG).write_text("")
+    return tmp
+
+
+def replace_dir(tmp: Path, dest: Path, key: str, owned=made_by_toolkit, what: str = "a directory hybrid_scale wrote"):
+    """Move a committed tmp directory into place. What was at `dest` is dropped only when the toolkit made it for this
+    purpose (`owned`); anything else is refused (DestinationError) and left as it is."""
+    check_destination(dest, key, owned, what)
+    old = sibling(dest, "old")
     if dest.exists():
-        shutil.rmtree(old, ignore_errors=True)
+        if old.exists():
+            shutil.rmtree(old)
         os.replace(dest, old)
     os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def remove_dir(path: Path) -> None:
+    """Remove a directory the toolkit made (its marker or tag); anything else stays (returns without a sound)."""
+    if made_by_toolkit(path):
+        shutil.rmtree(path)

@@ -125,19 +125,47 @@ def template(cfg, stage: str) -> Path:
     )
 
 
+SBATCH_SPECIAL = re.compile(r"[\s\"'\\#]")
+
+
+def sbatch_quote(value) -> str:
+    """`value` as one argument of an #SBATCH line. sbatch splits those lines itself, not through a shell
+    (src/sbatch/opt.c, get_argument): whitespace separates arguments, "..." or '...' group (the quotes are
+    dropped), a backslash takes the next character literally, an unquoted # starts a comment, and a line ends at its
+    newline whatever the quoting (config validation refuses line breaks). A plain value stays as it is; any other is
+    put in double quotes with its backslashes and double quotes escaped."""
+    text = str(value)
+    if text and not SBATCH_SPECIAL.search(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def output_pattern(run_dir: Path) -> str:
+    """--output's file name: {run_dir}/slurm/%x-%j.out with the directory's own % written %% (Slurm's filename
+    pattern). A backslash anywhere in it would switch the %x / %j replacement off (src/slurmd/common/fname.c)."""
+    if "\\" in str(run_dir):
+        raise ConfigError(
+            f"config key 'run_dir': {str(run_dir)!r} contains a backslash, which Slurm's --output file names do not "
+            "allow (it turns off the %x-%j.out replacement); use a directory without one for Slurm jobs"
+        )
+    return str(run_dir).replace("%", "%%") + "/slurm/%x-%j.out"
+
+
 def sbatch_header(cfg, stage: str) -> list[str]:
-    """The #SBATCH lines: export is one process on one node without GPUs; the others take the launch shape."""
+    """The #SBATCH lines: export is one process on one node without GPUs; the others take the launch shape. Values
+    go through sbatch_quote (a run_dir with a space); slurm.extra items are sbatch syntax already and go as given."""
     lc, s = cfg.launch, cfg.slurm
     run_dir = Path(cfg.run_dir).resolve()
     single = stage == "export"
     per_node = lc.procs_per_node if lc.launcher == "srun" and not single else 1
+    q = sbatch_quote
     lines = [
-        f"--job-name={s.job_name}-{stage}",
+        f"--job-name={q(f'{s.job_name}-{stage}')}",
         f"--nodes={1 if single else lc.nodes}",
         f"--ntasks-per-node={per_node}",
         f"--cpus-per-task={s.cpus_per_task}",
-        f"--time={s.times.get(stage, s.time)}",
-        f"--output={run_dir}/slurm/%x-%j.out",
+        f"--time={q(s.times.get(stage, s.time))}",
+        f"--output={q(output_pattern(run_dir))}",
         "--open-mode=append",
         "--requeue",
     ]
@@ -145,8 +173,8 @@ def sbatch_header(cfg, stage: str) -> list[str]:
         lines.append(f"--signal=B:USR1@{s.signal_lead_s}")
     if cfg.model.device.startswith("cuda") and stage in GPU_JOBS:
         lines.append(f"--gpus-per-node={lc.procs_per_node}")
-    lines += [f"--{key}={s[key]}" for key in ("partition", "account") if s[key]]
-    lines += [f"--mem={s.mem}"] if s.mem not in (None, "") else []  # --mem=0: the whole node's memory
+    lines += [f"--{key}={q(s[key])}" for key in ("partition", "account") if s[key]]
+    lines += [f"--mem={q(s.mem)}"] if s.mem not in (None, "") else []  # --mem=0: the whole node's memory
     lines += list(s.extra)
     return [f"#SBATCH {x}" for x in lines]
 

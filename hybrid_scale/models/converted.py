@@ -130,13 +130,18 @@ def save_converted(model: nn.Module, out_dir: str | os.PathLike, base_path: str 
     return write_converted(out, architecture, base_ref, settings, hybrid_state_dict(model))
 
 
-def write_converted(out: Path, architecture: str, base_ref: str, settings: dict, params: dict) -> Path:
-    """The two files of the format: the parameters first, the config (which makes it a converted model) last."""
+def write_converted(
+    out: Path, architecture: str, base_ref: str, settings: dict, params: dict, origin: dict | None = None
+) -> Path:
+    """The two files of the format: the parameters first, the config (which makes it a converted model) last.
+    `origin` says which checkpoint it is (e.g. {"stage": "stage2", "checkpoint": "final", "step": 200})."""
     out.mkdir(parents=True, exist_ok=True)
     # "format": "pt" lets transformers read this file as a shard too (an export lists it in its index)
     save_file({k: v.contiguous() for k, v in params.items()}, out / PARAMS_NAME, metadata={"format": "pt"})
     meta = {"format_version": FORMAT_VERSION, "architecture": architecture, "base_model": base_ref}
     meta["attention"] = settings
+    if origin:
+        meta["origin"] = origin
     (out / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
@@ -204,6 +209,12 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
         raise ConvertedModelError(f"{adapter} adapts {missing[:3]}, which the model does not have")
     for name, (a, b) in deltas.items():
         p = named[name]
+        shape = list(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the whole shape aside
+        if [b.shape[0], a.shape[1]] != shape:
+            raise ConvertedModelError(
+                f"{adapter} gives {name} a delta of shape {[b.shape[0], a.shape[1]]} but the model's weight is "
+                f"{shape}: the adapter was trained on another model"
+            )
         sharded = is_partitioned(p)
         whole = (
             _import_deepspeed().zero.GatheredParameters([p], modifier_rank=0) if sharded else contextlib.nullcontext()

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from ..attention.hybrid import hybrid_layers
 from ..config import ConfigError
-from ..data import assets, benchmarks
+from ..data import assets, benchmarks, corpus
 from ..dist import runtime
 from ..dist.deepspeed import shard_for_inference
 from ..models.convert import convert_model, set_modes
@@ -31,16 +31,15 @@ from ..models.converted import (
     read_hybrid_config,
 )
 from . import balance, loglik, report
+from .rundir import run_model
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
 
 
 def resolve_model(cfg) -> tuple[Path, bool]:
-    """(path, is_converted) of the model to evaluate: eval.model, else the run's own model ({run_dir}/stage2/output,
-    else {run_dir}/stage1/converted), else model.path, else the embedded default."""
-    run = Path(cfg.run_dir)
-    own = [p for p in (run / "stage2" / "output", run / "stage1" / "converted") if (p / CONFIG_NAME).is_file()]
-    path = cfg.eval.model or (own[0].resolve() if own else None) or cfg.model.path  # output -> best / final
+    """(path, is_converted) of the model to evaluate: eval.model, else the run's model (rundir.run_model, the one
+    export reads too), else model.path, else the embedded default."""
+    path = cfg.eval.model or run_model(cfg.run_dir) or cfg.model.path  # the run's model: stage2/output -> best/final
     path = Path(path) if path else assets.require().model
     if not path.exists():
         raise ConfigError(f"config key 'eval.model': {path} does not exist")
@@ -107,16 +106,42 @@ class Models:
         return self.cfg.attention.window
 
 
+def report_text(cfg) -> tuple[str, str]:
+    """(text, description) of the held-out text the perplexity and the LA share are reported on: eval.ppl_text, else
+    the `report` half of the held-out documents (of data.source, else of the embedded default) -- never the
+    `selection` half on which stage 2 chose its checkpoint."""
+    e = cfg.eval
+    if e.ppl_text:
+        path = Path(e.ppl_text)
+        if not path.is_file():
+            raise ConfigError(f"config key 'eval.ppl_text': {path} does not exist")
+        return path.read_text(), f"eval.ppl_text {path}"
+    _, docs = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
+    where = corpus.heldout_source(cfg.data.source)
+    return "\n\n".join(docs), f"report half of the held-out documents of {where} ({len(docs)} documents)"
+
+
 def _heldout_sequences(tokenizer, cfg) -> torch.Tensor:
     e = cfg.eval
-    path = Path(e.ppl_text) if e.ppl_text else assets.require().heldout_text
-    if not path.is_file():
-        raise ConfigError(f"config key 'eval.ppl_text': {path} does not exist")
-    ids = tokenizer.encode(path.read_text())
+    text, where = report_text(cfg)
+    ids = tokenizer.encode(text)
     n = min(e.ppl_sequences, len(ids) // e.ppl_seq_len)
     if n == 0 and e.ppl_sequences:
-        raise ConfigError(f"config key 'eval.ppl_text': {path} has {len(ids)} tokens, fewer than eval.ppl_seq_len")
+        raise ConfigError(
+            f"config key 'eval.ppl_seq_len': the {where} has {len(ids)} tokens, fewer than eval.ppl_seq_len = "
+            f"{e.ppl_seq_len}; lower it, or give longer text with eval.ppl_text"
+        )
     return torch.tensor(ids[: n * e.ppl_seq_len]).view(n, e.ppl_seq_len)
+
+
+def heldout_record(cfg) -> dict:
+    """Which held-out text chose the checkpoint and which one the perplexity is reported on (results.json)."""
+    _, where = report_text(cfg)
+    return {
+        "selection": f"selection half of the held-out documents of {corpus.heldout_source(cfg.data.source)} "
+        "(stage 2's held-out loss: best/ and early stopping)",
+        "report": where,
+    }
 
 
 def evaluate(cfg) -> dict:
@@ -151,6 +176,7 @@ def evaluate(cfg) -> dict:
         "window": window,
         "world_size": rt.world,
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "heldout": heldout_record(cfg) if e.ppl_sequences else None,
         "tasks": {},
         "modes": {},
         "timings_s": {},

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..attention.hybrid import HybridAttention
 from ..config import ConfigError
-from ..dist.checkpoint import commit, replace_dir
+from ..dist.checkpoint import commit, fault_enospc, remove_dir, replace_dir, start_partial
 from ..models.convert import MODEL_TYPE
 from ..models.converted import (
     ADAPTER_DIR,
@@ -42,6 +42,9 @@ from ..models.converted import (
     read_hybrid_config,
     write_converted,
 )
+from . import inputs
+from .evaluate import output_dir as eval_dir
+from .rundir import describe_origin, is_export, run_model
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 REMOTE_FILES = (
@@ -78,18 +81,19 @@ def output_dir(cfg) -> Path:
 
 
 def source_model(cfg) -> Path:
+    """export.model, else the run's model (rundir.run_model: the same one `evaluate` scores)."""
     if cfg.export.model:
         path = Path(cfg.export.model)
         if not (path / CONFIG_NAME).is_file():
             raise ConfigError(f"config key 'export.model': {path} is not a converted model (no {CONFIG_NAME})")
         return path
-    run = Path(cfg.run_dir)
-    for path in (run / "stage2" / "best", run / "stage2" / "output", run / "stage1" / "converted"):
-        if (path / CONFIG_NAME).is_file():
-            return path
-    raise ConfigError(
-        f"config key 'export.model': {run} has no stage-2 or stage-1 model yet; run the stages or set export.model"
-    )
+    path = run_model(cfg.run_dir)
+    if path is None:
+        raise ConfigError(
+            f"config key 'export.model': {cfg.run_dir} has no stage-2 or stage-1 model yet; run the stages or set "
+            "export.model"
+        )
+    return path
 
 
 def input_shards(base: Path) -> dict[str, str]:
@@ -114,6 +118,24 @@ def input_shards(base: Path) -> dict[str, str]:
             raise ExportError(f"input shard {base / file} is unreadable ({e}); restore it and export again") from None
         out.update(dict.fromkeys(names, file) if where is None else {n: file for n in names if where.get(n) == file})
     return out
+
+
+def check_adapter(base: Path, where: dict[str, str], deltas: dict, adapter: Path) -> None:
+    """Every LoRA delta names a weight of the base checkpoint with the shape B @ A gives (an adapter trained on
+    another model is refused here, before anything is written)."""
+    for name, (a, b) in deltas.items():
+        if name not in where:
+            raise ExportError(
+                f"the adapter in {adapter} adapts {name}, which {base} does not have: it was trained on another "
+                "model; export the stage-2 output made from this base"
+            )
+        with safe_open(base / where[name], "pt") as f:
+            shape = list(f.get_slice(name).get_shape())
+        if [b.shape[0], a.shape[1]] != shape:
+            raise ExportError(
+                f"the adapter in {adapter} gives {name} a delta of shape {[b.shape[0], a.shape[1]]} but {base} holds "
+                f"{shape}: it was trained on another model; export the stage-2 output made from this base"
+            )
 
 
 # --- writing -----------------------------------------------------------------------------------------------------
@@ -160,6 +182,7 @@ def write_shards(base: Path, where, shards, deltas, scaling, dtype, out: Path, l
                 t = merge(t, *deltas[name], scaling)
                 merged += 1
             tensors[name] = (t.to(dtype) if dtype and t.is_floating_point() else t).contiguous()
+        fault_enospc("export")
         save_file(tensors, out / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         log(f"wrote {file} ({len(names)} tensors)")
@@ -269,7 +292,7 @@ def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dic
 
     x = cfg.export
     tokenizer = load_tokenizer(tokenizer_dir)
-    _, held = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
+    _, held = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
     seqs = corpus.pack(tokenizer, held, x.report_seq_len, x.report_sequences, cfg.seed)
     buckets = sorted({b for b in cfg.eval.buckets if b < x.report_seq_len} | {0, x.report_seq_len})
     model = load_converted(out, dtype=torch.float32)
@@ -287,11 +310,34 @@ def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dic
 # --- the stage -----------------------------------------------------------------------------------------------------
 
 
-def model_card(out_name: str, config: dict, report: dict | None, balance: str | None) -> str:
+def balance_report(cfg, source: Path, tmp: Path, log) -> str | None:
+    """The run's evaluation table, copied into the export only when it describes the exported checkpoint (its
+    results.json names the same model); a table of another checkpoint is left out, and the log says so."""
+    results = eval_dir(cfg)
+    if not (results / "table.md").is_file() or not (results / "results.json").is_file():
+        return None
+    try:
+        evaluated = Path(json.loads((results / "results.json").read_text())["model"]).resolve()
+    except (OSError, ValueError, KeyError):
+        evaluated = None
+    if evaluated != source.resolve():
+        log(
+            f"balance report in {results} describes {evaluated}, not the exported {source.resolve()}: left out of the "
+            "model card (evaluate the export, or set eval.model, for its own report)"
+        )
+        return None
+    (tmp / "balance").mkdir()
+    for name in ("table.md", "results.json"):
+        shutil.copy(results / name, tmp / "balance" / name)
+    return (results / "table.md").read_text()
+
+
+def model_card(out_name: str, config: dict, report: dict | None, balance: str | None, origin: str = "") -> str:
     h = config["hybrid"]
     lines = [
         f"# {out_name}: a hybrid sliding-window + linear-attention model (hybrid_scale export)",
         "",
+        *([f"Exported from {origin}.", ""] if origin else []),
         f"Base architecture {config['architectures'][0]}; {len(h['layers'])} of {config['num_hidden_layers']} layers "
         f"converted: sliding window {h['window']}, feature map {h['feature_map']} (dim {h['feature_dim']}), mode "
         f"`{h['mode']}`, sinks {h['sinks']}.",
@@ -322,7 +368,7 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
             for name, row in report["perplexity"].items():
                 lines.append(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in labels) + " |")
     if balance:
-        lines += ["", "## Balance report (component ablation of the run)", "", balance]
+        lines += ["", f"## Balance report (component ablation of {origin or 'this checkpoint'})", "", balance]
     return "\n".join(lines) + "\n"
 
 
@@ -335,9 +381,7 @@ def export(cfg) -> Path:
     source = source_model(cfg)
     meta = read_hybrid_config(source)
     base = base_dir(source)
-    out = output_dir(cfg)
-    if out.resolve() in (source.resolve(), base.resolve()):
-        raise ConfigError(f"config key 'export.out_dir': {out} is the input model; choose another directory")
+    out = inputs.export_output(cfg, source, base)
     settings = dict(meta["attention"])
     if x.mode:
         settings["mode"] = x.mode
@@ -349,11 +393,10 @@ def export(cfg) -> Path:
     adapter = source / ADAPTER_DIR
     deltas, scaling = lora_deltas(adapter) if adapter.is_dir() else ({}, 1.0)
     where = input_shards(base)  # all present and readable before anything is written
+    check_adapter(base, where, deltas, adapter)
     config = export_config(base, settings, x.dtype)
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = start_partial(out, "export.out_dir")
     log_lines: list[str] = []
 
     def log(msg: str) -> None:
@@ -402,20 +445,13 @@ def export(cfg) -> Path:
             if x.report_sequences:
                 report.update(perplexity_report(tmp, base, cfg, gammas))
             (tmp / "gamma_report.json").write_text(json.dumps(report, indent=1) + "\n")
-        balance = None
-        results = Path(cfg.run_dir) / "eval"
-        if (results / "table.md").is_file():
-            (tmp / "balance").mkdir()
-            for name in ("table.md", "results.json"):
-                if (results / name).is_file():
-                    shutil.copy(results / name, tmp / "balance" / name)
-            balance = (results / "table.md").read_text()
-        (tmp / "README.md").write_text(model_card(out.name, config, report, balance))
+        balance = balance_report(cfg, source, tmp, log)
+        (tmp / "README.md").write_text(model_card(out.name, config, report, balance, describe_origin(source)))
         log(f"export written in {time.perf_counter() - t0:.0f} s")
         (tmp / "export_log.txt").write_text("\n".join(log_lines) + "\n")
         commit(tmp)
-        replace_dir(tmp, out)
+        replace_dir(tmp, out, "export.out_dir", owned=is_export, what="an export written by hybrid_scale")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_dir(tmp)
         raise
     return out

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from ..config import RECIPE_OBJECTIVE, STAGES
 from ..models.convert import MODEL_TYPE
+from . import inputs
 
 SUPPORTED_TYPES = tuple(MODEL_TYPE.values())
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -334,7 +335,9 @@ def _refuse(label: str, problems: list[str]) -> None:
 
 
 def preflight(cfg, stage: str) -> Plan:
-    """What every stage runs first: the plan's problems that block `stage` become one clear error."""
+    """What every stage runs first, before it writes anything: its inputs checked (inputs.check), then the plan's
+    problems that block `stage` become one clear error."""
+    inputs.check(cfg, stage)
     result = plan(cfg, stage)
     _refuse(stage, result.blocking(stage))
     return result
@@ -343,6 +346,7 @@ def preflight(cfg, stage: str) -> Plan:
 def preflight_ahead(cfg, stages: list[str]) -> Plan:
     """Before a pipeline: the problems of every stage still to run, planned from model.path / model.arch (the later
     stages' inputs do not exist yet), so that a doomed evaluation or export stops the run before stage 1."""
+    inputs.check_ahead(cfg, stages)
     result = plan(cfg)
     _refuse(", ".join(stages), [m for m in result.problems if set(stages) & set(result.scope[m])])
     return result

@@ -210,3 +210,21 @@ def test_srun_launcher_starts_one_task_per_rank(slurm, tiny, tmp_path):
     assert procs.run(["distill", *overrides(tiny, ref)], ranks=2, timeout=300).returncode == 0
     a, b = (load_file(r / "stage1" / "converted" / "hybrid_params.safetensors") for r in (run, ref))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_run_dir_with_a_space_gets_its_job_output(slurm, tmp_path, monkeypatch):
+    """A run_dir that sbatch would split (a space, a #) or the shell would run ($(...)): the job's --output file lands
+    in <run_dir>/slurm/ under its %x-%j name and nothing runs. The export script's step is /bin/true: seconds."""
+    from hybrid_scale.config import load_config
+    from hybrid_scale.dist.slurm import submit as submit_jobs
+
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    monkeypatch.chdir(tmp_path)  # the script's working directory, where `touch pwned` would land
+    run = tmp_path / "my run #1 $(touch pwned) 100%"
+    cfg = load_config(overrides=[f"run_dir={json.dumps(str(run))}", "slurm.cpus_per_task=1"])
+    [job] = submit_jobs(cfg, None, [], ["export"], python="/bin/true")
+    wait_for(slurm, [job], timeout=60)
+    out = run / "slurm" / f"hybrid_scale-export-{job}.out"
+    assert out.is_file(), sorted(str(p) for p in tmp_path.rglob("*"))
+    assert f"job {job} restart 0" in out.read_text()
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith("pwned")]

@@ -1,4 +1,7 @@
+import json
+
 import pytest
+from omegaconf import OmegaConf
 
 from hybrid_scale.config import ConfigError, attention_settings, load_config
 
@@ -97,3 +100,99 @@ def test_composition_errors(tmp_path, files, message):
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "run.yaml")
     assert message in str(e.value)
+
+
+EVIL = "x\nrm -rf ~"  # a line break: the rest would become a shell command in the sbatch script
+ONE_LINE = "contains a line break or NUL, which would end its line of the sbatch script and run the rest as a command"
+TIME_FIX = (
+    "is not a Slurm time limit; use minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes "
+    "or days-hours:minutes:seconds (e.g. 90, 24:00:00, 2-00:00:00), or UNLIMITED"
+)
+MEM_FIX = (
+    "is not a Slurm memory size; use an integer with an optional unit K, M, G or T (e.g. 200G; mebibytes without a "
+    "unit; 0 = all of a node's memory)"
+)
+NAME_FIX = "without whitespace, quotes or any of # $ ` ; & | < > \\"
+LISTS = " (a comma-separated list for several, e.g. gpu,gpu-long)"
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("slurm.job_name", EVIL, f"config key 'slurm.job_name': {EVIL!r} {ONE_LINE}; remove it"),
+        ("slurm.partition", EVIL, f"config key 'slurm.partition': {EVIL!r} {ONE_LINE}; remove it"),
+        ("slurm.account", EVIL, f"config key 'slurm.account': {EVIL!r} {ONE_LINE}; remove it"),
+        ("slurm.time", EVIL, f"config key 'slurm.time': {EVIL!r} {ONE_LINE}; remove it"),
+        ("slurm.mem", EVIL, f"config key 'slurm.mem': {EVIL!r} {ONE_LINE}; remove it"),
+        ("slurm.times.export", EVIL, f"config key 'slurm.times.export': {EVIL!r} {ONE_LINE}; remove it"),
+        (
+            "slurm.extra",
+            [f"--qos={EVIL}"],
+            f"config key 'slurm.extra[0]': {'--qos=' + EVIL!r} {ONE_LINE}; give each sbatch option as its own item",
+        ),
+        (
+            "slurm.setup",
+            ["module load cuda", EVIL],
+            f"config key 'slurm.setup[1]': {EVIL!r} {ONE_LINE}; give each shell line as its own item",
+        ),
+        ("slurm.template_dir", EVIL, f"config key 'slurm.template_dir': {EVIL!r} {ONE_LINE}; remove it"),
+        ("run_dir", EVIL, f"config key 'run_dir': {EVIL!r} {ONE_LINE}; remove it"),
+        ("slurm.time", "1 day", f"config key 'slurm.time': '1 day' {TIME_FIX}"),
+        ("slurm.time", "25:61:61:00", f"config key 'slurm.time': '25:61:61:00' {TIME_FIX}"),
+        ("slurm.time", "2-", f"config key 'slurm.time': '2-' {TIME_FIX}"),
+        ("slurm.times.export", "soon", f"config key 'slurm.times.export': 'soon' {TIME_FIX}"),
+        ("slurm.mem", "lots", f"config key 'slurm.mem': 'lots' {MEM_FIX}"),
+        ("slurm.mem", "8 G", f"config key 'slurm.mem': '8 G' {MEM_FIX}"),
+        ("slurm.mem", "-1", f"config key 'slurm.mem': '-1' {MEM_FIX}"),
+        (
+            "slurm.job_name",
+            "my job",
+            f"config key 'slurm.job_name': 'my job' contains ' '; use a plain name {NAME_FIX}",
+        ),
+        (
+            "slurm.partition",
+            "gpu;reboot",
+            f"config key 'slurm.partition': 'gpu;reboot' contains ';'; use a plain name{LISTS} {NAME_FIX}",
+        ),
+        (
+            "slurm.account",
+            "$(id)",
+            f"config key 'slurm.account': '$(id)' contains '$'; use a plain name{LISTS} {NAME_FIX}",
+        ),
+        (
+            "slurm.extra",
+            ["qos=high"],
+            "config key 'slurm.extra[0]': 'qos=high' is not an sbatch option; give one option per item, starting "
+            "with - (e.g. --qos=high)",
+        ),
+    ],
+)
+def test_hostile_slurm_values_give_one_clear_error(key, value, message):
+    """Values that end up in the sbatch scripts (#SBATCH lines, the shell body): each refused with its own message.
+    Overrides are parsed as YAML, so each value goes in through a YAML literal that keeps it a string."""
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[f"{key}={json.dumps(value)}"])
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    "override, key, want",
+    [
+        ("slurm.time=2-00:00:00", "slurm.time", "2-00:00:00"),
+        ("slurm.time=90", "slurm.time", "90"),  # minutes
+        ("slurm.time=UNLIMITED", "slurm.time", "UNLIMITED"),
+        ("slurm.time='1-12'", "slurm.time", "1-12"),  # days-hours
+        ("slurm.time='05:30'", "slurm.time", "05:30"),  # minutes:seconds
+        ("slurm.mem=0", "slurm.mem", "0"),  # the YAML int 0, stored as the string '0': the whole node
+        ("slurm.mem=200G", "slurm.mem", "200G"),
+        ("slurm.mem=512", "slurm.mem", "512"),
+        ("slurm.times={export: '02:00:00'}", "slurm.times", {"export": "02:00:00"}),
+        ("slurm.partition=gpu,gpu-long", "slurm.partition", "gpu,gpu-long"),
+        ("slurm.extra=[--qos=high, --exclusive]", "slurm.extra", ["--qos=high", "--exclusive"]),
+        ("slurm.setup=['module load cuda/12.4', 'cd $HOME']", "slurm.setup", ["module load cuda/12.4", "cd $HOME"]),
+        ("run_dir='/scratch/my runs/$(x)'", "run_dir", "/scratch/my runs/$(x)"),  # quoted where it is used
+    ],
+)
+def test_valid_slurm_values_load(override, key, want):
+    got = OmegaConf.select(load_config(overrides=[override]), key)
+    assert (got if isinstance(got, str) else OmegaConf.to_container(got)) == want

@@ -1,0 +1,302 @@
+"""Every user-supplied input of a stage checked before the stage writes its first byte: the run directory, the model
+checkpoint (config, index, every shard's header, tokenizer), the training and held-out text, the converted layers,
+the evaluation's data and text, and where each stage will write. Each problem is one clear error naming the thing
+and the fix; the stages call `check(cfg, stage)` from their preflight, the pipeline for every stage still to run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from ..config import ConfigError
+from ..data import corpus
+from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class InputError(ValueError):
+    """A user-supplied file or directory a stage needs is missing, unreadable or of the wrong kind."""
+
+
+def run_dir(cfg) -> None:
+    """run_dir must be a directory or not exist yet (nor any of its parents be a file)."""
+    path = Path(cfg.run_dir)
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(
+                f"config key 'run_dir': {p} is a file, not a directory; set run_dir to a directory (it is created "
+                "when missing)"
+            )
+
+
+def _json(path: Path, what: str, fix: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object ({what}); {fix}")
+    return data
+
+
+def shards(path: Path, key: str) -> dict[str, str]:
+    """tensor name -> shard file of a safetensors checkpoint directory, after reading every shard's header (a missing,
+    truncated or corrupt shard is named here, before any work)."""
+    fix = f"restore the checkpoint's files or set {key} to a complete checkpoint"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        where = _json(index, "a safetensors index", fix).get("weight_map")
+        if not isinstance(where, dict) or not where:
+            raise InputError(f"{index} has no weight_map; {fix}")
+        files = sorted(set(where.values()))
+    elif (path / "model.safetensors").is_file():
+        where, files = None, ["model.safetensors"]
+    else:
+        raise InputError(
+            f"config key '{key}': {path} has no model.safetensors(.index.json) (the stages stream safetensors "
+            "checkpoints); convert .bin weights with save_pretrained(safe_serialization=True)"
+        )
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise InputError(f"{path}: shard(s) named in its index are missing: {', '.join(missing[:3])}; {fix}")
+    out: dict[str, str] = {}
+    for file in files:
+        shard = path / file
+        try:
+            with safe_open(shard, "pt") as f:  # refuses a truncated file too ("file not fully covered")
+                names = list(f.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InputError(f"{shard} is not a readable safetensors file ({e}); {fix}") from None
+        out.update(dict.fromkeys(names, file) if where is None else {n: file for n in names if where.get(n) == file})
+    if where is not None:
+        absent = sorted(set(where) - set(out))
+        if absent:
+            raise InputError(f"{path}: tensors listed in its index are not in their shards: {absent[:3]}; {fix}")
+    return out
+
+
+def base_model(path: Path, key: str) -> dict:
+    """A plain Hugging Face model directory (what stage 1 reads as its teacher): not an export, not a converted
+    model; config, weights and tokenizer present. Returns its config.json."""
+    if not path.exists():
+        raise InputError(
+            f"config key '{key}': {path} does not exist; set {key} to a local Hugging Face model directory"
+        )
+    if not path.is_dir():
+        raise InputError(f"config key '{key}': {path} is a file; set {key} to the model's directory")
+    if (path / CONFIG_NAME).is_file() and not (path / "config.json").is_file():
+        ref = json.loads((path / CONFIG_NAME).read_text()).get("base_model", "?")
+        raise InputError(
+            f"config key '{key}': {path} is a converted model (a stage-1/stage-2 output), not a base model; set {key} "
+            f"to its base model ({ref}), or pass it as finetune.model / eval.model / export.model"
+        )
+    if not (path / "config.json").is_file():
+        raise InputError(f"config key '{key}': {path} is not a Hugging Face model directory (no config.json)")
+    config = _json(path / "config.json", "a model config", f"restore {path / 'config.json'}")
+    if str(config.get("model_type", "")).startswith("hybrid_scale_"):
+        raise InputError(
+            f"config key '{key}': {path} is a hybrid_scale export, not a base model; set {key} to the plain model "
+            "it was made from (evaluate the export with eval.model, or fine-tune it with finetune.model after "
+            "converting)"
+        )
+    if not any((path / t).is_file() for t in TOKENIZER_FILES):
+        raise InputError(f"config key '{key}': {path} has no tokenizer files; copy the tokenizer next to the weights")
+    shards(path, key)
+    return config
+
+
+def layers(cfg, config: dict) -> None:
+    n = config.get("num_hidden_layers")
+    chosen = cfg.attention.layers
+    if chosen is None or n is None:
+        return
+    bad = sorted(i for i in chosen if i >= n)
+    if bad:
+        raise ConfigError(
+            f"config key 'attention.layers': layer(s) {bad} do not exist; the model has {n} layers (0-{n - 1})"
+        )
+
+
+def converted(path: Path, key: str) -> None:
+    """A converted model (stage 1/2 output or an export): its files readable, its base present, its adapter whole."""
+    if not (path / CONFIG_NAME).is_file():
+        raise InputError(f"config key '{key}': {path} is not a converted model (no {CONFIG_NAME})")
+    _json(path / CONFIG_NAME, "a converted model's settings", f"restore {path / CONFIG_NAME}")
+    base = _base_of(path)
+    if not (base / "config.json").is_file():
+        raise InputError(
+            f"config key '{key}': the base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit "
+            "'base_model' there"
+        )
+    params = path / PARAMS_NAME
+    try:
+        with safe_open(params, "pt") as f:
+            list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise InputError(f"{params} is not a readable safetensors file ({e}); rerun the stage that wrote it") from None
+    adapter = path / ADAPTER_DIR
+    if adapter.is_dir():
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            if not (adapter / name).is_file():
+                raise InputError(f"{adapter} lacks {name}; rerun stage 2 or restore it")
+        try:
+            with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+                lora = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise InputError(f"{adapter / 'adapter_model.safetensors'} is not readable ({e}); rerun stage 2") from None
+        adapter_fits(adapter, lora, base, key)
+
+
+def adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, key: str) -> None:
+    """Every LoRA pair adapts a weight the base has, with its shape (from the headers alone)."""
+    where = shards(base, key)
+    pairs: dict[str, dict[str, list[int]]] = {}
+    for name, shape in lora.items():
+        module, kind = name.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        pairs.setdefault(f"{module}.weight", {})[kind.split(".")[0]] = shape
+    for name, p in sorted(pairs.items()):
+        if name not in where:
+            raise InputError(
+                f"config key '{key}': the adapter in {adapter} adapts {name}, which the base model {base} does not "
+                "have: it was trained on another model; use the stage-2 output made from this base"
+            )
+        with safe_open(base / where[name], "pt") as f:
+            shape = list(f.get_slice(name).get_shape())
+        delta = [p.get("B", [0])[0], p.get("A", [0, 0])[-1]]
+        if delta != shape:
+            raise InputError(
+                f"config key '{key}': the adapter in {adapter} gives {name} a delta of shape {delta} but the base "
+                f"model {base} holds {shape}: it was trained on another model; use the stage-2 output made from "
+                "this base"
+            )
+
+
+def _base_of(path: Path) -> Path:
+    ref = json.loads((path / CONFIG_NAME).read_text()).get("base_model")
+    return path if ref == "." else Path(str(ref))
+
+
+def training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
+    """data.source parses (every line of a JSONL, the text field), and yields what the stage asks of it."""
+    from transformers import AutoTokenizer
+
+    d = cfg.data
+    if stage == "distill":
+        docs = corpus.read_documents(d.source, d.text_field)
+        if d.source:
+            docs, _ = corpus.split_documents(docs, d.heldout_fraction)
+        if tokenizer_dir is not None:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+            corpus.pack(tokenizer, docs, d.seq_len, d.num_sequences, cfg.seed)
+    else:  # finetune: the training documents and the selection half of the held-out ones
+        train, held = corpus.train_and_heldout(d.source, d.text_field, d.heldout_fraction, "selection")
+        if tokenizer_dir is not None:
+            f = cfg.finetune
+            T = f.seq_len or d.seq_len
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+            held_ids = corpus.pack(tokenizer, held, T, None, cfg.seed)
+            if len(held_ids) < f.heldout_sequences:
+                raise corpus.CorpusError(
+                    f"the held-out text yields {len(held_ids)} sequences of {T} tokens; finetune.heldout_sequences "
+                    f"asks for {f.heldout_sequences}: lower it or finetune.seq_len, or give more held-out text"
+                )
+            corpus.pack(tokenizer, train, T, f.global_batch, cfg.seed)  # at least one optimizer step's worth
+
+
+def eval_inputs(cfg) -> None:
+    from ..data import assets
+
+    e = cfg.eval
+    if e.ppl_text and not Path(e.ppl_text).is_file():
+        raise ConfigError(f"config key 'eval.ppl_text': {e.ppl_text} does not exist")
+    root = Path(e.data_dir) if e.data_dir else None
+    if root is not None:
+        missing = [t for t in e.tasks if not (root / t).is_dir()]
+        if missing:
+            raise ConfigError(
+                f"config key 'eval.data_dir': {root} has no {', '.join(missing)} dataset(s) (one save_to_disk "
+                "directory per task); point eval.data_dir at such a folder, or leave it unset for the embedded "
+                "default's (hybrid-scale assets)"
+            )
+    elif not assets.paths().datasets.is_dir():
+        assets.require()  # one clear error saying how to make them
+    out = Path(e.out_dir) if e.out_dir else Path(cfg.run_dir) / "eval"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"config key 'eval.out_dir': {out} is a file; set eval.out_dir to a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "results.json").is_file():
+        raise ConfigError(
+            f"config key 'eval.out_dir': {out} is a non-empty directory without an evaluation of ours "
+            "(results.json); nothing was touched: choose a new or empty directory"
+        )
+
+
+def export_output(cfg, *protected: Path) -> Path:
+    """export.out_dir, refused before any work when writing there could lose data: the input model, its base, the
+    run directory or a directory holding one of them, a file, or an existing directory that is not an export of
+    ours (a previous export is replaced)."""
+    from ..dist.checkpoint import check_destination
+    from .export import output_dir
+    from .rundir import is_export
+
+    out = output_dir(cfg)
+    key = "export.out_dir"
+    resolved = out.resolve()
+    for path in (Path(cfg.run_dir), *protected):
+        path = path.resolve()
+        if resolved == path or resolved in path.parents:
+            raise ConfigError(
+                f"config key '{key}': {out} is or holds {path}, which the export reads or the run keeps; nothing was "
+                f"touched: choose a new directory, e.g. export.out_dir={Path(cfg.run_dir) / 'export'}"
+            )
+    check_destination(out, key, owned=is_export, what="an export written by hybrid_scale")
+    return out
+
+
+def check(cfg, stage: str) -> None:
+    """The inputs `stage` reads from the user, all checked before it writes anything."""
+    from ..data import assets
+
+    run_dir(cfg)
+    if stage == "distill":
+        path = Path(cfg.model.path) if cfg.model.path else assets.require().model
+        config = base_model(path, "model.path")
+        layers(cfg, config)
+        training_text(cfg, path, stage)
+    elif stage == "finetune":
+        source = Path(cfg.finetune.model) if cfg.finetune.model else Path(cfg.run_dir) / "stage1" / "converted"
+        tokenizer_dir = None
+        if cfg.finetune.model or (source / CONFIG_NAME).is_file():
+            converted(source, "finetune.model")
+            if (source / ADAPTER_DIR).exists():
+                raise ConfigError(
+                    f"config key 'finetune.model': {source} already carries a LoRA adapter; export it (merged) first "
+                    "and fine-tune the export"
+                )
+            tokenizer_dir = _base_of(source)
+        training_text(cfg, tokenizer_dir, stage)
+    elif stage == "evaluate":
+        if cfg.eval.model and (Path(cfg.eval.model) / CONFIG_NAME).is_file():
+            converted(Path(cfg.eval.model), "eval.model")
+        eval_inputs(cfg)
+    elif stage == "export":
+        if cfg.export.model:
+            converted(Path(cfg.export.model), "export.model")
+        export_output(cfg, *([Path(cfg.export.model)] if cfg.export.model else []))
+
+
+def check_ahead(cfg, stages: list[str]) -> None:
+    """Before a pipeline: the inputs of every stage still to run that exist already (the later stages' models do
+    not yet), so that a doomed stage stops the run before anything is written."""
+    run_dir(cfg)
+    if "distill" in stages:
+        check(cfg, "distill")
+    if "finetune" in stages:
+        training_text(cfg, None, "finetune")
+    if "evaluate" in stages:
+        eval_inputs(cfg)
+    if "export" in stages:
+        export_output(cfg, *([Path(cfg.export.model)] if cfg.export.model else []))

@@ -1,0 +1,476 @@
+"""The README is tested: every command in it either runs here (cheap ones, in-process) or is parsed by the real tool it
+calls, so the README cannot drift from the code.
+
+Commands are the lines of its ```bash blocks (line continuations joined, `# comments` stripped, `...` placeholders
+removed) and the inline `code spans` of its prose that start with a known program. Per program:
+
+- `hybrid-scale` / `.venv/bin/hybrid-scale` / `python -m hybrid_scale[.cli]`: `build_parser().parse_args`, then the
+  config file and every `key=value` through `load_config`; `plan`, `config` and `--help` really run (in-process).
+- `torchrun`: torch's own parser (`torch.distributed.run.get_args_parser`), then the module's arguments as above.
+- `deepspeed`: DeepSpeed's runner parser (`deepspeed.launcher.runner.parse_args`), then the module's arguments.
+- `make X`: X is a target of the Makefile (and `make -n X`, a dry run that only prints, succeeds).
+- `launch/torchrun.sh` / `launch/deepspeed.sh`: executable, `--help` runs, and the arguments are those of
+  `hybrid-scale launch STAGE ... launch.launcher=NAME`, which the script runs.
+- PARSED_ONLY programs (not installed here, or never run by a test): split into words, and a command they wrap
+  (`srun ... launch/torchrun.sh ...`) is checked as above. Any other program fails the test.
+
+Besides commands: ```yaml blocks load through `load_config` (written under the name the README gives them, which its
+commands then use), ```python blocks compile and name only attributes hybrid_scale has, config keys in prose exist in
+the schema, repository paths and presets in prose exist, and the README's list of subcommands is the CLI's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import functools
+import importlib.metadata
+import importlib.util
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+import hybrid_scale.cli
+from hybrid_scale.cli import main
+from hybrid_scale.config import JOBS, PRESETS, Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+TEXT = README.read_text()
+
+HYBRID_SCALE = ("hybrid-scale", ".venv/bin/hybrid-scale")
+PYTHONS = ("python", "python3", ".venv/bin/python")
+MODULES = ("hybrid_scale", "hybrid_scale.cli")
+LAUNCH_SCRIPTS = ("launch/torchrun.sh", "launch/deepspeed.sh")
+# Programs whose commands are only split into words here (not installed on a CPU test machine, or not to be run by a
+# test); a command they wrap is checked on its own.
+PARSED_ONLY = ("srun", "sbatch", "pip", "git")
+KNOWN = (*HYBRID_SCALE, *PYTHONS, *LAUNCH_SCRIPTS, *PARSED_ONLY, "torchrun", "deepspeed", "make")
+# Placeholders of the prose (`hybrid-scale plan CONFIG`): what the test puts in their place.
+CONFIG_EXAMPLE = "quickstart.yaml"  # "a YAML file (or a preset name ...)"
+SECTIONS = tuple(k for k, v in OmegaConf.structured(Config).items() if isinstance(v, DictConfig))  # model, ...
+
+
+# ---------------------------------------------------------------------------------------------- README extraction
+
+
+def _line_of(offset: int, text: str = TEXT) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def fenced_blocks(lang: str) -> list[tuple[int, str, int]]:
+    """(line of the first body line, body, offset of the fence) of each ```lang block."""
+    return [
+        (_line_of(m.start(1)), m.group(1), m.start())
+        for m in re.finditer(rf"^```{lang}[ \t]*\n(.*?)^```[ \t]*$", TEXT, re.M | re.S)
+    ]
+
+
+def prose() -> str:
+    """The README without its fenced blocks (replaced by as many newlines, so line numbers stay)."""
+    return re.sub(r"^```.*?^```[ \t]*$", lambda m: "\n" * m.group().count("\n"), TEXT, flags=re.M | re.S)
+
+
+def inline_spans() -> list[tuple[int, str]]:
+    """(line, text) of every inline code span of the prose; a span may wrap onto the next line, never a paragraph."""
+    text = prose()
+    spans = re.finditer(r"`([^`\n]+(?:\n[^`\n]+)?)`", text)
+    return [(_line_of(m.start(), text), " ".join(m.group(1).split())) for m in spans]
+
+
+def strip_comment(line: str) -> str:
+    """Drop a shell comment: an unquoted `#` at the start of a word."""
+    quote, escaped = None, False
+    for i, c in enumerate(line):
+        if escaped:
+            escaped = False
+        elif c == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def split_command(text: str) -> list[list[str]]:
+    """Shell words of each simple command in `text` (split at ; && || | &), `...` placeholders removed, redirections
+    and leading VAR=value assignments dropped. A command consisting only of placeholders keeps one `...`."""
+    lex = shlex.shlex(strip_comment(text), posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    lex.commenters = ""
+    commands, words = [], []
+    tokens = list(lex)
+    i = 0
+    while i < len(tokens):
+        t = tokens[i]
+        if t in (";", "&&", "||", "|", "&"):
+            commands.append(words)
+            words = []
+        elif t in (">", ">>", "<", "2>", "&>"):
+            i += 1  # the file
+        else:
+            words.append(t)
+        i += 1
+    commands.append(words)
+    out = []
+    for words in commands:
+        while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+            words = words[1:]
+        if not words:
+            continue
+        kept = [w for w in words if w != "..."]
+        out.append(kept if len(kept) > 1 or len(kept) == len(words) else [*kept, "..."])
+    return out
+
+
+@dataclass(frozen=True)
+class Command:
+    line: int
+    text: str
+    where: str  # "bash block" or "prose"
+
+    def __str__(self) -> str:
+        return f"README.md:{self.line} ({self.where}): {self.text}"
+
+
+def bash_commands() -> list[Command]:
+    out = []
+    for first, body, _ in fenced_blocks("bash"):
+        pending, start = "", first
+        for n, line in enumerate(body.splitlines(), start=first):
+            if not pending:
+                start = n
+            code = strip_comment(line).rstrip()
+            if code.endswith("\\"):
+                pending += code[:-1] + " "
+                continue
+            text = (pending + code).strip()
+            pending = ""
+            if text:
+                out.append(Command(start, text, "bash block"))
+        assert not pending, f"README.md:{start}: a line continuation ends the block"
+    return out
+
+
+def prose_commands() -> list[Command]:
+    return [Command(n, s, "prose") for n, s in inline_spans() if s.split()[0] in KNOWN]
+
+
+COMMANDS = bash_commands() + prose_commands()
+
+
+def written_files() -> dict[str, str]:
+    """```yaml blocks by the file name the README gives them (the last `*.yaml` named just before the block)."""
+    out = {}
+    for i, (_, body, fence) in enumerate(fenced_blocks("yaml")):
+        names = re.findall(r"`([\w.-]+\.ya?ml)`", TEXT[max(0, fence - 300) : fence])
+        out[names[-1] if names else f"readme_block_{i}.yaml"] = body
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ checking
+
+
+_build_parser = hybrid_scale.cli.build_parser
+
+
+@functools.cache
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's parser, built once (building it takes about a second: a schema per subcommand's --help epilog)."""
+    return _build_parser()
+
+
+@functools.cache
+def _load(config: str | None, overrides: tuple[str, ...]) -> None:
+    load_config(config, list(overrides))
+
+
+@pytest.fixture
+def readme_files(tmp_path, monkeypatch):
+    """Run from the repository root (where the README's commands run); the files the README tells you to write are
+    written to tmp_path and their names in commands point there. main() uses the parser built once."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(hybrid_scale.cli, "build_parser", build_parser)
+    files = {}
+    for name, body in written_files().items():
+        (tmp_path / name).write_text(body)
+        files[name] = str(tmp_path / name)
+    return files
+
+
+def _parse(parser: argparse.ArgumentParser, args: list[str], who: str, cmd: Command) -> argparse.Namespace:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return parser.parse_args(args)
+    except SystemExit as e:
+        pytest.fail(f"{cmd}\n{who} rejects {args} (exit {e.code}):\n{err.getvalue()}")
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def expand(args: list[str]) -> list[list[str]]:
+    """The concrete commands a prose template stands for: CONFIG -> a preset, STAGE -> every choice at its place,
+    [--flag] -> without and with the flag."""
+    variants = [[]]
+    for i, a in enumerate(args):
+        if a == "CONFIG":
+            choices = [[CONFIG_EXAMPLE]]
+        elif a == "STAGE":
+            choices = [[s] for s in (JOBS if i and args[i - 1] == "launch" else _subcommands())]
+        elif re.fullmatch(r"\[-[^\]]+\]", a):
+            choices = [[], a[1:-1].split()]
+        else:
+            choices = [[a]]
+        variants = [[*v, *c] for v in variants for c in choices]
+    return variants
+
+
+def check_hybrid_scale(args: list[str], cmd: Command, files: dict[str, str], who: str = "hybrid-scale") -> None:
+    """Arguments of `hybrid-scale`: parsed by its parser; config file and overrides loaded; cheap commands run."""
+    if args == ["..."]:
+        return  # the README elided every argument
+    args = [files.get(a, a) for a in args]
+    for argv in expand(args):
+        if "-h" in argv or "--help" in argv:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+                main(argv)
+            assert e.value.code == 0, f"{cmd}\n{who} {argv}: exit {e.value.code}"
+            assert "usage: hybrid-scale" in out.getvalue(), f"{cmd}\n{out.getvalue()}"
+            continue
+        ns = _parse(build_parser(), argv, who, cmd)
+        if getattr(ns, "config", None) and "=" in ns.config:  # as main(): only overrides were given
+            ns.overrides, ns.config = [ns.config, *ns.overrides], None
+        if hasattr(ns, "overrides") and ns.command != "quickstart":
+            try:
+                _load(ns.config, tuple(ns.overrides))
+            except ConfigError as e:
+                pytest.fail(f"{cmd}\n{who} {argv}: the config does not load: {e}")
+        if ns.command in ("plan", "config"):  # cheap: run them ("exit 1 if doomed", e.g. a placeholder model.path)
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+                rc = main(argv)
+            assert rc in ((0, 1) if ns.command == "plan" else (0,)), f"{cmd}\nexit {rc}:\n{err.getvalue()}"
+            assert out.getvalue().strip(), f"{cmd}\nprinted nothing"
+
+
+def check_module(module: str, args: list[str], cmd: Command, files: dict[str, str], who: str) -> None:
+    assert module in MODULES, f"{cmd}\n{who} runs module {module!r}; the CLI is one of {MODULES}"
+    assert importlib.util.find_spec(f"{module}.__main__" if module == "hybrid_scale" else module), module
+    check_hybrid_scale(args, cmd, files, who=f"{who} -m {module}")
+
+
+def make_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text()
+    return {t for line in re.findall(r"^([^\s:#=][^:=]*):(?!=)", text, re.M) for t in line.split()}
+
+
+def check(words: list[str], cmd: Command, files: dict[str, str]) -> None:
+    prog, args = words[0], words[1:]
+    if prog in HYBRID_SCALE:
+        (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "hybrid-scale"]
+        assert script.value == "hybrid_scale.cli:main", script
+        check_hybrid_scale(args, cmd, files)
+    elif prog in PYTHONS:
+        assert len(args) >= 2 and args[0] == "-m", f"{cmd}\nonly `python -m hybrid_scale[.cli] ...` is known here"
+        check_module(args[1], args[2:], cmd, files, prog)
+    elif prog == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        ns = _parse(get_args_parser(), args, "torchrun", cmd)
+        assert ns.module, f"{cmd}\ntorchrun without -m runs a script file, not the CLI module"
+        check_module(ns.training_script, ns.training_script_args, cmd, files, "torchrun")
+    elif prog == "deepspeed":
+        from deepspeed.launcher import runner
+
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                ns = runner.parse_args(args)
+        except SystemExit as e:
+            pytest.fail(f"{cmd}\nthe DeepSpeed runner rejects {args} (exit {e.code}):\n{err.getvalue()}")
+        assert ns.module, f"{cmd}\ndeepspeed without --module runs a script file, not the CLI module"
+        check_module(ns.user_script, ns.user_args, cmd, files, "deepspeed")
+    elif prog == "make":
+        targets = [a for a in args if not a.startswith("-") and "=" not in a]
+        assert targets, f"{cmd}\nno target"
+        for t in targets:
+            assert t in make_targets(), f"{cmd}\nthe Makefile has no target {t!r} (it has {sorted(make_targets())})"
+        if shutil.which("make"):  # a dry run: prints the recipe, runs nothing
+            r = subprocess.run(["make", "-n", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, f"{cmd}\nmake -n: {r.stderr}"
+    elif prog in LAUNCH_SCRIPTS:
+        script = ROOT / prog
+        assert script.is_file() and os.access(script, os.X_OK), f"{cmd}\n{script} is not an executable file"
+        r = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "STAGE" in r.stdout, f"{cmd}\n{prog} --help: {r.returncode} {r.stderr}"
+        if args != ["..."]:  # the script runs `hybrid-scale launch STAGE [CONFIG] [key=value ...] launch.launcher=NAME`
+            check_hybrid_scale(["launch", *args, f"launch.launcher={script.stem}"], cmd, files, who=prog)
+    elif prog in PARSED_ONLY:
+        if prog == "srun":  # srun [options] program [args]: the program is checked on its own
+            rest = list(args)
+            while rest and rest[0].startswith("-"):
+                opt = rest.pop(0)
+                if re.fullmatch(r"-[A-Za-z]", opt) and rest:
+                    rest.pop(0)  # its value
+            assert rest, f"{cmd}\nsrun runs nothing"
+            check(rest, cmd, files)
+        elif prog == "sbatch":
+            scripts = [a for a in args if not a.startswith("-")]
+            assert scripts, f"{cmd}\nsbatch without a script"
+    else:
+        pytest.fail(f"{cmd}\nunknown program {prog!r}: teach tests/unit/test_readme.py how to check it")
+
+
+# --------------------------------------------------------------------------------------------------------- tests
+
+
+def test_the_readme_commands_are_found():
+    """The extraction itself: bash blocks and prose both yield commands, including each launcher."""
+    assert len(bash_commands()) >= 10 and len(prose_commands()) >= 5
+    progs = {split_command(c.text)[0][0] for c in COMMANDS}
+    assert {"make", "torchrun", "deepspeed", ".venv/bin/hybrid-scale", "hybrid-scale", "launch/torchrun.sh"} <= progs
+    for c in bash_commands():  # a bash block holds only commands: an unknown program is an error, not prose
+        for words in split_command(c.text):
+            assert words[0] in KNOWN, f"{c}\nunknown program {words[0]!r}: teach this test how to check it"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: f"L{c.line}-{c.text[:50]}")
+def test_readme_command(cmd, readme_files):
+    for words in split_command(cmd.text):
+        check(words, cmd, readme_files)
+
+
+def test_readme_deepspeed_line_uses_the_runner_flag():
+    """The issue this file came from: the DeepSpeed runner has no -m (it is --module)."""
+    from deepspeed.launcher import runner
+
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        runner.parse_args(["--num_gpus", "8", "-m", "hybrid_scale.cli", "finetune"])
+    assert [c for c in COMMANDS if c.text.startswith("deepspeed ")], "the README lost its deepspeed command"
+
+
+def test_yaml_blocks_load(readme_files):
+    assert readme_files, "no ```yaml block in the README"
+    for name, path in readme_files.items():
+        try:
+            load_config(path)
+        except ConfigError as e:
+            pytest.fail(f"README's {name}: {e}")
+
+
+def test_python_blocks_compile_and_name_real_attributes():
+    blocks = fenced_blocks("python")
+    assert blocks
+    for line, body, _ in blocks:
+        tree = compile(body, f"README.md:{line}", "exec", ast.PyCF_ONLY_AST)
+        compile(tree, f"README.md:{line}", "exec")
+        aliases = {
+            a.asname or a.name: a.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for a in node.names
+            if a.name.split(".")[0] == "hybrid_scale"
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                module = importlib.import_module(aliases[node.value.id])
+                assert hasattr(module, node.attr), f"README.md:{line}: {aliases[node.value.id]} has no {node.attr}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hybrid_scale"):
+                module = importlib.import_module(node.module)
+                for a in node.names:
+                    assert hasattr(module, a.name), f"README.md:{line}: {node.module} has no {a.name}"
+
+
+KEY = re.compile(rf"^((?:{'|'.join(SECTIONS)})\.[a-z_]+(?:\.[a-z_]+)*|run_dir|seed|allow_config_change)(=.*)?$")
+
+
+def test_config_keys_in_prose_exist():
+    """`finetune.keep`, `eval.window=16`, `distill.objectives={...}`: the key is in the schema and the value has its
+    type (value checks that need the rest of a config, e.g. tensor_parallel vs ranks, are the commands' business)."""
+    schema = OmegaConf.structured(Config)
+    seen = 0
+    for line, span in inline_spans():
+        m = KEY.match(span)
+        if not m or re.search(r"\.(sbatch|ya?ml|json|md|png|py|safetensors)$", span):  # `export.sbatch`: a file
+            continue
+        seen += 1
+        key, value = m.group(1), m.group(2)
+        assert OmegaConf.select(schema, key, default="<missing>") != "<missing>", f"README.md:{line}: no key {key}"
+        if value and value != "=":
+            try:
+                OmegaConf.merge(schema, OmegaConf.from_dotlist([span]))
+            except Exception as e:
+                pytest.fail(f"README.md:{line}: `{span}`: {e}")
+    assert seen >= 10
+
+
+def test_repository_paths_in_prose_exist():
+    seen = 0
+    for line, span in inline_spans():
+        if not re.fullmatch(r"(configs|docs|benchmarks|slurm|launch|hybrid_scale|tests)/[\w./*-]*", span):
+            continue
+        seen += 1
+        if "*" in span:
+            assert list(ROOT.glob(span)), f"README.md:{line}: nothing matches {span}"
+        else:
+            assert (ROOT / span).exists(), f"README.md:{line}: {span} does not exist"
+    for line, span in inline_spans():  # preset names: `models/llama3-8b.yaml`
+        if re.fullmatch(r"(models|recipes)/[\w.-]+\.yaml", span):
+            seen += 1
+            assert (PRESETS / span).is_file(), f"README.md:{line}: no preset configs/{span}"
+        if re.fullmatch(r"hybrid_scale(\.\w+)+", span):
+            seen += 1
+            assert importlib.util.find_spec(span), f"README.md:{line}: no module {span}"
+    assert seen >= 10
+
+
+def test_presets_list_matches_configs():
+    """'Presets in `configs/`: models `...`; recipes `...`; `quickstart.yaml`' names exactly the files there."""
+    m = re.search(r"^- Presets in `configs/`:(.*?)(?=^- |\Z)", prose(), re.M | re.S)
+    assert m, "README lost its 'Presets in `configs/`' bullet; update this test"
+    names = set(re.findall(r"`([^`]+)`", m.group(1)))
+    files = {p.stem for p in PRESETS.glob("models/*.yaml")} | {p.stem for p in PRESETS.glob("recipes/*.yaml")}
+    files |= {p.name for p in PRESETS.glob("*.yaml")}
+    assert names == files, f"README names {sorted(names - files)} that are not presets; omits {sorted(files - names)}"
+
+
+def test_subcommand_list_matches_the_cli(readme_files):
+    """'Command line (`hybrid-scale --help` ...): `config ...`; `convert ...`; ...' lists every subcommand."""
+    m = re.search(r"^Command line \(.*?(?=^\s*$)", prose(), re.M | re.S)
+    assert m, "README lost its 'Command line (...)' paragraph; update this test"
+    listed = {s.split()[0] for s in re.findall(r"`([^`]+)`", m.group()) if re.fullmatch(r"[a-z]+", s.split()[0])}
+    listed -= {"python"}
+    assert listed == set(_subcommands()), f"README lists {sorted(listed)}, the CLI has {sorted(_subcommands())}"
+    for span in re.findall(r"`([^`]+)`", m.group()):  # the synopses: `convert [CONFIG] model.path=DIR [key=value ...]`
+        if span.split()[0] in listed:
+            args = (
+                re.sub(r"\[key=value \.\.\.\]", "", span).replace("[CONFIG]", "CONFIG").replace("=DIR", "=/path/to/dir")
+            )
+            check_hybrid_scale(args.split(), Command(_line_of(m.start(), prose()), span, "prose"), readme_files)
+
+
+def test_make_targets_run_what_the_readme_says():
+    """`make bench` (= `benchmarks/attention_scaling.py`): the target's recipe runs that file."""
+    pairs = re.findall(r"`make (\w+)` \(= `([^`]+)`\)", TEXT)
+    assert pairs
+    for target, what in pairs:
+        assert (ROOT / what).exists(), what
+        recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+        assert recipe and what in recipe.group(1), f"make {target} does not run {what}"
