@@ -6,11 +6,13 @@ raises one `ConfigError` naming the key and what is allowed. Later stages add fi
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -433,6 +435,33 @@ def _find(name: str, including: Path | None) -> Path:
     )
 
 
+def _slurm_times_as_written(data: DictConfig, raw) -> None:
+    """YAML 1.1 reads an unquoted 24:00:00 as the base-60 integer 86400, which Slurm would take as minutes: keep
+    slurm.time and slurm.times values as they are written in the file."""
+    slurm = (raw or {}).get("slurm") if isinstance(raw, dict) else None
+    if not isinstance(slurm, dict) or "slurm" not in data:
+        return
+    if isinstance(slurm.get("time"), str):
+        data.slurm.time = slurm["time"]
+    if isinstance(slurm.get("times"), dict):
+        for stage, value in slurm["times"].items():
+            if isinstance(value, str):
+                data.slurm.times[stage] = value
+
+
+def _quote_slurm_time(override: str) -> str:
+    """`slurm.time=24:00:00` / `slurm.times={export: 2:00:00}` on the command line: the times as written (see
+    _slurm_times_as_written), not YAML's base-60 integers."""
+    key, _, value = override.partition("=")
+    if key.strip() == "slurm.time" or key.strip().startswith("slurm.times."):
+        raw = yaml.load(value, Loader=yaml.BaseLoader) if value.strip() else value
+        return f"{key}={json.dumps(raw)}" if isinstance(raw, str) else override
+    if key.strip() == "slurm.times":
+        raw = yaml.load(value, Loader=yaml.BaseLoader)
+        return f"{key}={json.dumps(raw)}" if isinstance(raw, dict) else override
+    return override
+
+
 def _compose(path: Path, chain: tuple[Path, ...] = ()) -> list[DictConfig]:
     """The YAML layers of `path`: its `defaults` (in order, recursively), then its own keys."""
     path = path.resolve()
@@ -444,6 +473,7 @@ def _compose(path: Path, chain: tuple[Path, ...] = ()) -> list[DictConfig]:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of sections (model:, attention:, ...)")
+    _slurm_times_as_written(data, yaml.load(path.read_text(), Loader=yaml.BaseLoader))
     layers = []
     defaults = data.pop("defaults", None) or []
     if isinstance(defaults, str) or not all(isinstance(d, str) for d in defaults):
@@ -471,7 +501,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if bad:
             raise ConfigError(f"override '{bad[0]}' is not of the form key=value (e.g. attention.window=32)")
         try:
-            dot = OmegaConf.from_dotlist(list(overrides))
+            dot = OmegaConf.from_dotlist([_quote_slurm_time(o) for o in overrides])
         except OmegaConfBaseException as e:
             raise ConfigError(f"overrides {list(overrides)} could not be parsed: {e}") from None
         cfg = _structured(cfg, dot)

@@ -149,6 +149,10 @@ def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_ra
     for needle in ("| base |", "| la_only |", "Rec.%", "Verdict:", "Perplexity by position bucket", "LA share"):
         assert needle in table
     assert (out / "ablation.png").stat().st_size > 1000 and (out / "la_share.png").stat().st_size > 1000
+    held = one["heldout"]  # the perplexity is reported on the half of the held-out text stage 2 never chose on
+    assert (
+        held["report"].startswith("report half of the held-out documents of ") and "selection half" in held["selection"]
+    )
     share = one["la_share"]["share"]
     assert sorted(share) == [0, 1] and len(share[0]["0-64"]) == 4
 
@@ -182,12 +186,12 @@ from hybrid_scale.stages.evaluate import Models
 path = Path(sys.argv[1])
 rt = runtime.init("cpu")
 models = Models(load_config(overrides=[f"eval.model={path}", "eval.shard_weights=true"]), path, True, rt.device)
-held = {}
+held = {}  # per parameter: [elements this rank holds, elements of the whole tensor or None when not partitioned]
 for name, model in (("base", models._load_base()), ("converted", load_converted(path))):
-    params = list(model.parameters())
-    mine = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
-    total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
-    held[name] = mine / total
+    held[name] = {
+        n: [p.ds_tensor.numel(), p.ds_numel] if hasattr(p, "ds_tensor") else [p.numel(), None]
+        for n, p in model.named_parameters()
+    }
 Path(sys.argv[2], f"held.rank{rt.rank}.json").write_text(json.dumps(held))  # a file each: stdout interleaves
 """
 
@@ -219,8 +223,13 @@ def test_sharded_stage2_output_is_loaded_partitioned_and_equals_one_process(stag
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     held = [json.loads((tmp_path / f"held.rank{r}.json").read_text()) for r in (0, 1)]
-    for rank in held:  # half of every weight (the small phi/gamma are whole until deepspeed.initialize)
-        assert 0.45 < rank["base"] < 0.55 and 0.45 < rank["converted"] < 0.56, held
+    for rank in held:  # half of every weight, rounded up (the small phi/gamma are whole until deepspeed.initialize)
+        assert rank["base"] and all(whole and mine == -(-whole // 2) for mine, whole in rank["base"].values()), rank
+        hybrid = {n for n in rank["converted"] if "feature_map" in n or "gamma_logit" in n}
+        assert len(hybrid) == 2 * 5  # phi_q, phi_k (weight and bias) and gamma of 2 layers
+        assert set(rank["converted"]) - hybrid == set(rank["base"])
+        for n, (mine, whole) in rank["converted"].items():
+            assert (whole is None) if n in hybrid else (mine == -(-whole // 2)), (n, mine, whole)
 
 
 def test_clear_errors(smollm2, tmp_path, capsys):
@@ -230,6 +239,4 @@ def test_clear_errors(smollm2, tmp_path, capsys):
     assert f"config key 'eval.model': {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
     assert main(["evaluate", f"eval.data_dir={tmp_path}", "eval.tasks=[piqa]", "eval.modes=[base]"]) == 2
     err = capsys.readouterr().err
-    assert (
-        f"dataset directory {tmp_path / 'piqa'} does not exist: run `hybrid-scale assets` or set eval.data_dir" in err
-    )
+    assert f"config key 'eval.data_dir': {tmp_path} has no piqa dataset(s) (one save_to_disk directory per task)" in err

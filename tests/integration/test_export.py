@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
-from hybrid_scale.dist.checkpoint import MARKER
+from hybrid_scale.dist.checkpoint import MARKER, PARTIAL_TAG
 from hybrid_scale.models.converted import ADAPTER_DIR
-from hybrid_scale.stages.export import ExportError, export
+from hybrid_scale.stages.export import export
+from hybrid_scale.stages.inputs import InputError
 
 ISOLATED = r"""
 import json, sys
@@ -183,11 +184,41 @@ def test_missing_or_corrupt_input_shard(trained, tmp_path, damage):
     else:
         shard.write_bytes(shard.read_bytes()[:100])
     out = tmp_path / "out" / "export"
-    with pytest.raises(ExportError) as e:
+    with pytest.raises(InputError) as e:  # found by the input checks, before anything is written
         export(cfg(broken, out))
-    assert str(e.value).startswith(f"input shard{'(s) missing' if damage == 'missing' else ''}")
-    assert shard.name in str(e.value) and "restore" in str(e.value)
+    if damage == "missing":
+        assert str(e.value).startswith(f"{broken / 'base'}: shard(s) named in its index are missing: {shard.name}")
+    else:
+        assert str(e.value).startswith(f"{shard} is not a readable safetensors file")
+    assert "restore the checkpoint's files" in str(e.value)
     assert not out.exists() and not out.with_name("export.partial").exists()  # nothing that looks like an export
+
+
+def test_a_previous_export_is_replaced_and_nothing_is_left_beside_it(trained, tmp_path):
+    out = tmp_path / "export"
+    export(cfg(trained, out, "export.gamma=0.3", "export.report_sequences=0"))
+    (out.with_name("export.partial")).mkdir()  # a crashed export's leftover, tagged as the toolkit's
+    (out.with_name("export.partial") / PARTIAL_TAG).write_text("")
+    export(cfg(trained, out, "export.gamma=0.7", "export.report_sequences=0"))
+    gammas = [v for k, v in load_file(out / "hybrid_params.safetensors").items() if k.endswith("gamma_logit")]
+    assert all(torch.allclose(torch.sigmoid(g), torch.full_like(g, 0.7)) for g in gammas)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_the_card_names_its_checkpoint_and_takes_only_its_own_balance_table(trained, tmp_path):
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "table.md").write_text("| mode | avg |\n|---|---|\n| hybrid | 0.5 |\n")
+    source = (trained / "stage2_best").resolve()
+    for evaluated, included in ((trained / "base", False), (source, True)):
+        (run / "eval" / "results.json").write_text(json.dumps({"model": str(evaluated)}))
+        out = export(cfg(trained, tmp_path / f"out_{included}", f"run_dir={run}"))
+        card = (out / "README.md").read_text()
+        assert f"Exported from {trained.name}/stage2_best." in card  # its parent and name (no stage-2 step here)
+        assert (f"## Balance report (component ablation of {trained.name}/stage2_best)" in card) == included
+        assert (out / "balance" / "table.md").is_file() == included
+        log = (out / "export_log.txt").read_text()
+        assert (f"describes {(trained / 'base').resolve()}, not the exported {source}: left out" in log) != included
 
 
 def test_inference_time_hybridisation_fixed_and_calibrated(trained, tmp_path):

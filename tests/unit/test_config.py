@@ -196,3 +196,12 @@ def test_hostile_slurm_values_give_one_clear_error(key, value, message):
 def test_valid_slurm_values_load(override, key, want):
     got = OmegaConf.select(load_config(overrides=[override]), key)
     assert (got if isinstance(got, str) else OmegaConf.to_container(got)) == want
+
+
+def test_slurm_times_stay_as_written_not_yaml_base_60(tmp_path):
+    """YAML 1.1 reads 24:00:00 as 86400, which Slurm would take as 60 days of minutes."""
+    cfg = load_config(overrides=["slurm.time=24:00:00", "slurm.times={export: 2:00:00, distill: 90}"])
+    assert cfg.slurm.time == "24:00:00" and dict(cfg.slurm.times) == {"export": "2:00:00", "distill": "90"}
+    (tmp_path / "c.yaml").write_text("slurm:\n  time: 24:00:00\n  times: {export: 1:30:00}\n")
+    cfg = load_config(tmp_path / "c.yaml", ["slurm.times.evaluate=0:45:00"])
+    assert cfg.slurm.time == "24:00:00" and dict(cfg.slurm.times) == {"export": "1:30:00", "evaluate": "0:45:00"}

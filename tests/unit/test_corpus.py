@@ -1,0 +1,52 @@
+"""Training text: JSONL errors name file:line; the held-out text is cut into two disjoint halves, one for stage 2's
+checkpoint choice (selection) and one for the reported perplexity (report)."""
+
+import json
+
+import pytest
+
+from hybrid_scale.data import corpus
+
+
+def test_the_selection_and_report_halves_are_disjoint_and_cover_the_held_out_documents(tmp_path):
+    docs = [f"document number {i} " + "word " * (i % 7) for i in range(40)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    src = str(tmp_path / "d.jsonl")
+    train, selection = corpus.train_and_heldout(src, "text", 0.25, "selection")
+    train2, report = corpus.train_and_heldout(src, "text", 0.25, "report")
+    assert train == train2 == [d.strip() for d in docs[:30]]
+    assert selection == [d.strip() for d in docs[30:35]] and report == [d.strip() for d in docs[35:]]
+    assert not set(selection) & set(report) and not (set(selection) | set(report)) & set(train)
+
+
+def test_the_embedded_default_splits_its_own_held_out_text(smollm2):
+    _, selection = corpus.train_and_heldout(None, "text", 0.05, "selection")
+    _, report = corpus.train_and_heldout(None, "text", 0.05, "report")
+    held = corpus.read_documents(smollm2.heldout_text)
+    assert selection + report == held and len(selection) == len(held) // 2 and not set(selection) & set(report)
+
+
+def test_one_held_out_document_cannot_make_two_splits(tmp_path):
+    (tmp_path / "t.txt").write_text("one\n\ntwo\n\nthree\n")
+    with pytest.raises(corpus.CorpusError) as e:
+        corpus.train_and_heldout(str(tmp_path / "t.txt"), "text", 0.2)
+    assert str(e.value) == (
+        f"data.source {tmp_path / 't.txt'} holds 1 held-out document(s); two disjoint held-out splits (selection, "
+        "report) need at least 2: raise data.heldout_fraction or give more documents"
+    )
+
+
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        (['{"text": "a"}', '{"text": "b"', '{"text": "c"}'], "d.jsonl:2 is not valid JSON (Expecting ',' delimiter"),
+        (['{"text": "a"}', '"just a string"'], "d.jsonl:2 is a JSON str, not an object; write one object per line"),
+        (['{"text": "a"}', '{"text": 3}'], "d.jsonl:2: field 'text' is a int, not text; set data.text_field"),
+        (['{"body": "a"}'], "d.jsonl:1 has no field 'text'; set data.text_field"),
+    ],
+)
+def test_jsonl_errors_name_the_line(tmp_path, lines, message):
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(corpus.CorpusError) as e:
+        corpus.read_documents(tmp_path / "d.jsonl")
+    assert str(e.value).startswith(f"{tmp_path}/{message}")
