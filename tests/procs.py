@@ -13,12 +13,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args: list[str], env_extra: dict | None = None, timeout: int = 600, ranks: int = 0):
-    """`python -m hybrid_scale.cli ARGS` (under torchrun with `ranks` processes when ranks > 0)."""
+def run(args: list[str], env_extra: dict | None = None, timeout: int = 600, ranks: int = 0, script=None):
+    """`python -m hybrid_scale.cli ARGS`, or `python SCRIPT ARGS` (under torchrun with `ranks` processes when
+    ranks > 0)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    cmd = [sys.executable, "-m", "hybrid_scale.cli", *args]
-    if ranks:
-        cmd[1:2] = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}", "-m"]
+    target = [str(script)] if script else ["-m", "hybrid_scale.cli"]
+    launcher = (
+        ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}"] if ranks else []
+    )
+    cmd = [sys.executable, *launcher, *target, *args]
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -349,13 +349,16 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)",
-        "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # it reads config.json too",
+        "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # a plain tokenizer: no remote code",
         'model.set_hybrid_mode("la_only")  # or hybrid / swa_only / sinks_only / none, or {layer: mode}',
         "```",
         "",
         "Runs in Hugging Face transformers (>= 5, < 6) with `trust_remote_code=True`: the modeling code is in this "
         "directory (torch + transformers only). Not supported by vLLM or SGLang (they have no kernel for this "
         "attention). Without `trust_remote_code` loading fails, rather than silently giving a softmax model.",
+        "",
+        "The tokenizer is the base model's and needs no remote code; pass `trust_remote_code=False` (transformers 5's "
+        "AutoTokenizer reads config.json, whose custom model type would otherwise make it ask).",
         "",
         "Decoding keeps a ring buffer of the last `window` keys plus the linear-attention state per layer: memory does "
         "not grow with the generated length.",

@@ -188,13 +188,13 @@ def test_clear_errors(tmp_path):
 def test_components_restores_modes():
     model = hs.convert_model(tiny_model(), {"mode": "hybrid"})
     hs.set_modes(model, ["la_only", "hybrid"])
+    ids = torch.tensor([[5, 9, 17, 33]])
     with hs.components(model, "none"):
         assert hs.get_modes(model) == {0: "none", 1: "none"}
-        assert torch.equal(
-            logits(model, torch.ones(1, 3, dtype=torch.long))[0, 0],
-            logits(model, torch.ones(1, 3, dtype=torch.long))[0, 1],
-        )  # no attention: no context
+        alone = torch.cat([logits(model, ids[:, n : n + 1]) for n in range(4)], 1)
+        torch.testing.assert_close(logits(model, ids), alone, rtol=0, atol=1e-6)  # no attention: no context
     assert hs.get_modes(model) == {0: "la_only", 1: "hybrid"}
+    assert (logits(model, ids)[:, 1:] - alone[:, 1:]).abs().amax(-1).min() > 1e-3  # attention back: context matters
 
 
 def test_training_builds_no_cache_and_gradient_checkpointing_matches():

@@ -27,8 +27,10 @@ import json, sys
 for name in ("hybrid_scale", "peft", "deepspeed"):
     sys.modules[name] = None  # import blocker: importing any of them raises ImportError
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 path, out = sys.argv[1], sys.argv[2]
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # as the model card says: no remote code
+print("TOKENIZER LOADED", flush=True)
 try:
     AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     refused = ""
@@ -45,7 +47,8 @@ gen = model.generate(ids[:1], max_new_tokens=20, do_sample=False)
 model.set_hybrid_mode("la_only")
 with torch.no_grad():
     la_only = model(ids).logits
-torch.save({"logits": logits, "padded": padded, "gen": gen, "la_only": la_only}, out)
+torch.save({"logits": logits, "padded": padded, "gen": gen, "la_only": la_only,
+            "tokens": tokenizer("The hybrid model reads this.")["input_ids"]}, out)
 print("\nRESULT", json.dumps({"refused": refused, "class": type(model).__name__,
                   "imported": [n for n in ("hybrid_scale", "peft", "deepspeed") if sys.modules.get(n) is not None]}))
 """
@@ -137,6 +140,9 @@ def test_isolated_process_loads_it_and_matches_the_toolkit(trained, exported, tm
         with hs.components(ref, "la_only"):
             assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
     assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    # the tokenizer: the base model's, loaded without remote code and without transformers asking about it
+    assert got["tokens"] == AutoTokenizer.from_pretrained(trained / "base")("The hybrid model reads this.")["input_ids"]
+    assert "Do you wish to run the custom code" not in proc.stdout.split("TOKENIZER LOADED")[0]  # no prompt
 
 
 def test_streamed_merge_equals_peft_merge_and_unload(trained, exported):

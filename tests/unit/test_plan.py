@@ -54,14 +54,60 @@ def big_disk(monkeypatch):
     monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 10**13})())
 
 
+# Llama-3-70B as published (config.json of meta-llama/Meta-Llama-3-70B): the figures below are worked out from these
+# numbers and the formulas plan.py states, not by calling the plan's helpers
+LLAMA3_70B = {
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+
+
+def llama3_70b_figures(ranks=32, offload=True) -> dict:
+    """The preset's plan rows in bytes: bf16 weights (2 bytes), seq_len 1024, data.num_sequences 2048, distill batch 8
+    (hedgecats: weights_xent with query blocks of 128), LoRA r=8 on q/k/v/o, micro_batch 1 with gradient
+    checkpointing."""
+    D, L, H, K = 8192, 80, 64, 8
+    hd, inter, V = 128, 28672, 128256
+    w, T = 2, 1024
+    layer = (2 * D * H * hd + 2 * D * K * hd) + 3 * D * inter + 2 * D  # q, o; k, v; gate/up/down; 2 RMSNorms
+    total = 2 * V * D + L * layer  # untied embedding and lm_head
+    # stage 1: one layer + the embedding (bf16), fp32 activations of a batch of max(1, 8 // ranks) sequences, and the
+    # weights_xent score blocks (B x H x 128 x T, 6 fp32 copies)
+    b = max(1, 8 // ranks)
+    s1_mem = layer * w + V * D * w + b * T * (8 * D + 3 * inter) * 4 + b * H * 128 * T * 4 * 6
+    s1_buffers = 2 * -(-2048 // ranks) * T * D * 2  # input and output hidden states of this rank's sequences, bf16
+    # stage 2: LoRA A (r x in) and B (out x r) on q/k/v/o of every layer
+    lora = L * 8 * ((D + H * hd) + (D + K * hd) + (D + K * hd) + (H * hd + D))
+    weights = 0 if offload else total * w / ranks
+    states = 0 if offload else lora * (4 + 8 + w) / ranks  # fp32 master, two AdamW moments, bf16 gradient
+    acts = T * D * w * L + T * (10 * D + 4 * inter + V) * 4  # one checkpointed input per layer + one layer in fp32
+    s2_mem = weights + states + acts + 2 * layer * w  # ZeRO-3 gathers a layer and prefetches the next
+    return {"total": total, "s1_mem": s1_mem, "s1_buffers": s1_buffers, "lora": lora, "s2_mem": s2_mem}
+
+
 def test_plan_on_the_70b_preset(tmp_path, big_disk):
     cfg = load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}"])
+    assert {k: cfg.model.arch[k] for k in LLAMA3_70B} == LLAMA3_70B  # the preset is the published shape
+    x = llama3_70b_figures()
+    assert x["total"] == 70_553_698_304 and x["lora"] == 32_768_000
     p = plan(cfg)
-    rows = {q: v for s, q, v in p.rows if s != "evaluate"}
-    assert rows["parameters"].startswith("70.55 B (141.11 GB in bfloat16)")
-    assert rows["ranks"] == "4 node(s) x 8 = 32 (tensor parallel 1)"
-    per_rank = float(rows["per-rank memory"].split("~")[1].split()[0])  # stage 2's row comes last
-    assert 1 < per_rank < 80  # fits an 80 GB device with offload
+    rows = {(s, q): v for s, q, v in p.rows}
+    assert f"{x['total'] * 2 / 1e9:.2f}" == "141.11"
+    assert rows[("model", "parameters")] == "70.55 B (141.11 GB in bfloat16)"
+    assert rows[("launch", "ranks")] == "4 node(s) x 8 = 32 (tensor parallel 1)"
+    assert f"{x['s1_mem'] / 1e9:.2f}" == "4.63" and f"{x['s1_buffers'] / 1e9:.2f}" == "2.15"
+    assert rows[("stage 1", "per-rank memory")] == "~4.63 GB (one layer + embedding + batch of 1 x 1024)"
+    assert rows[("stage 1", "hidden-state buffers per rank")] == "2.15 GB (2 x 64 seq x 1024 x 8192)"
+    assert rows[("stage 2", "trainable parameters")] == "32.8 M (LoRA r=8 on q_proj, k_proj, v_proj, o_proj)"
+    per_rank = float(rows[("stage 2", "per-rank memory")].split("~")[1].split()[0])
+    assert per_rank == pytest.approx(x["s2_mem"] / 1e9, abs=0.01) and per_rank == 6.10  # fits 80 GB with offload
+    assert rows[("stage 2", "checkpoint size")].startswith(f"{x['lora'] * 12 / 1e9:.2f} GB per step dir")
     assert p.problems == [
         "model.path /path/to/Meta-Llama-3-70B is not a Hugging Face model directory (no config.json); set model.path"
     ]
@@ -72,7 +118,13 @@ def test_plan_on_the_70b_preset(tmp_path, big_disk):
     no_offload = plan(
         load_config("models/llama3-70b.yaml", ["finetune.offload=false", "launch.nodes=1", "launch.procs_per_node=1"])
     )
-    assert any(m.startswith("stage 2 needs ~") and "enable finetune.offload" in m for m in no_offload.problems)
+    # one rank without offload: all 141 GB of weights, the LoRA states, activations and two layers: 147.66 GB
+    whole = llama3_70b_figures(ranks=1, offload=False)["s2_mem"]
+    assert f"{whole / 1e9:.2f}" == "147.66"
+    assert (
+        "stage 2 needs ~147.66 GB per rank but launch.gpu_memory_gb is 80.0: enable finetune.offload, lower "
+        "finetune.micro_batch or finetune.seq_len, or add ranks"
+    ) in no_offload.problems
 
 
 def test_preflight_blocks_only_the_stages_a_problem_concerns(tmp_path, big_disk):

@@ -65,11 +65,16 @@ def test_early_stopping_rule():
     assert p.verdict(2, 0.05) == "patience: no better hybrid loss in 2 evaluations"
 
 
-def test_global_batches_cover_each_epoch_once_and_are_world_independent():
-    seen = [i for step in range(5) for i in global_batch(step, 20, 4, seed=1)]
-    assert sorted(seen) == list(range(20))
-    assert global_batch(7, 20, 4, seed=1) == global_batch(7, 20, 4, seed=1)
-    assert sorted(seen[:20]) != seen[:20]  # shuffled
+def test_global_batches_cover_each_epoch_once_in_a_new_order_each_epoch():
+    """9 sequences in batches of 4: steps 2 and 4 straddle an epoch boundary. (That every rank count consumes the same
+    sequences per step is checked on finetune() itself: test_finetune's test_each_step_consumes_the_same_sequences_on_
+    one_and_two_ranks.)"""
+    seen = [i for step in range(9) for i in global_batch(step, 9, 4, seed=1)]  # 36 = 4 epochs
+    epochs = [seen[9 * e : 9 * e + 9] for e in range(4)]
+    assert all(sorted(e) == list(range(9)) for e in epochs)  # each sequence once per epoch, across the step edges
+    assert len({tuple(e) for e in epochs}) == 4 and epochs[0] != list(range(9))  # shuffled, anew each epoch
+    assert global_batch(2, 9, 4, seed=1) == [*epochs[0][8:], *epochs[1][:3]]
+    assert global_batch(0, 9, 4, seed=2) != global_batch(0, 9, 4, seed=1)  # the seed picks the order
 
 
 def test_deepspeed_config_is_generated_from_ours():
