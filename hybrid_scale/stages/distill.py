@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -203,14 +204,18 @@ def objective_weights(cfg) -> dict[str, float]:
     return {RECIPE_OBJECTIVE[d.recipe]: 1.0}
 
 
+def train_gamma(cfg, weights) -> bool:
+    """distill.train_gamma as resolved: unset = only when a hybrid objective is used."""
+    if cfg.distill.train_gamma is None:
+        return bool(weights.get("hybrid_output_mse"))
+    return bool(cfg.distill.train_gamma)
+
+
 def _trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
-    train_gamma = cfg.distill.train_gamma
-    if train_gamma is None:
-        train_gamma = bool(weights.get("hybrid_output_mse"))
     params = []
     if cfg.distill.train_feature_maps:
         params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
-    if train_gamma:
+    if train_gamma(cfg, weights):
         params.append(m.gamma_logit)
     if not params:
         raise ConfigError("config: stage 1 has nothing to train (distill.train_feature_maps=false, no gamma)")
@@ -251,6 +256,11 @@ def train_layer(m, layer, rope, buf_in, owned: list[int], cfg, rt, weights, i: i
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(p.grad)
                 dist.all_reduce(value)
+            if not math.isfinite(value.item()):  # all-reduced: every rank sees the same value and stops here
+                bar.close()
+                msg = _nonfinite_loss(value.item(), cfg, i, epoch, epoch * steps + step + 1, d.epochs * steps)
+                log(msg)
+                raise DistillError(msg)
             opt.step()
             losses.append(value.item())
             bar.update()
@@ -261,11 +271,105 @@ def train_layer(m, layer, rope, buf_in, owned: list[int], cfg, rt, weights, i: i
     return losses
 
 
+def _nonfinite_loss(loss: float, cfg, i: int, epoch: int, step: int, steps: int) -> str:
+    """The one-line refusal for a nan/inf loss at layer i, step `step` (1-based) of `steps`: where, what is kept and
+    the fix (layers commit in order, so every layer before i is committed)."""
+    d = cfg.distill
+    kept = {0: "no layer is committed yet", 1: "layer 0 stays committed"}.get(i, f"layers 0-{i - 1} stay committed")
+    layers = "layer 0" if i == 0 else f"layers 0-{i}"  # layer i's own weights, or inputs its teachers computed
+    if step == 1:  # before any update: the weights or the inputs, not the learning rate
+        fix = (
+            f"it is not finite before any update, so layer {i}'s weights or its inputs hold nan/inf: check the "
+            f"weights of {layers} in model.path for nan/inf"
+        )
+    else:
+        fix = (
+            f"lower distill.lr (now {d.lr}), or check the weights of {layers} in model.path for nan/inf (a batch's "
+            "inputs may hold them)"
+        )
+    if d.buffer_dtype == "float16":
+        fix += ", or set distill.buffer_dtype=bfloat16 (hidden states can overflow float16)"
+    return (
+        f"stage 1: the loss is {loss} at layer {i}, step {step} of {steps} (epoch {epoch + 1} of {d.epochs}); "
+        f"nothing of layer {i} is committed, {kept} and a rerun resumes at layer {i}; {fix}"
+    )
+
+
 @torch.no_grad()
 def run_teacher(layer, rope, buf_in, buf_out, batch: int, dtype) -> None:
     for a in range(0, buf_in.shape[0], batch):
         out = layer(buf_in[a : a + batch].to(dtype), position_embeddings=rope, attention_mask=None)
         buf_out[a : a + batch] = (out[0] if isinstance(out, tuple) else out).to(buf_out.dtype)
+
+
+# --- the run's identity ----------------------------------------------------------------------------------------------
+
+# identities written before the keys were dotted config keys; their "world" is dropped (a resume may change it)
+_LEGACY_KEYS = {
+    "model": "model.path",
+    "seq_len": "data.seq_len",
+    "num_sequences": "data.num_sequences",
+    "seed": "seed",
+    "data": "data.source",
+    "buffer_dtype": "distill.buffer_dtype",
+    "weights": "distill.objectives",
+    "epochs": "distill.epochs",
+    "batch_size": "distill.batch_size",
+    "lr": "distill.lr",
+}
+
+
+def run_identity(cfg, model_path: Path, attention, weights: dict[str, float]) -> dict:
+    """Every setting that changes stage 1's result, under the dotted key a user writes, as it takes effect (JSON
+    values). Left out, as they do not change what is computed: the number of ranks (the buffers are per sequence; a
+    resume on another world rebuilds them), model.device and model.arch (stage 1 computes on the CPU; arch is for
+    `plan`), distill.progress, distill.buffer_dir (where the buffers live, not what they hold), distill.recipe
+    (only through distill.objectives, recorded as resolved) and distill.query_block (the same loss summed in other
+    row blocks: memory only, like the number of ranks it moves only floating-point rounding)."""
+    d, data = cfg.distill, cfg.data
+    user_source = data.source is not None  # the embedded default ignores text_field and heldout_fraction
+    identity = {
+        "model.path": str(Path(model_path).resolve()),
+        "model.dtype": cfg.model.dtype,
+        "seed": cfg.seed,
+        "data.source": str(Path(data.source).resolve()) if user_source else None,
+        "data.text_field": data.text_field if user_source else None,
+        "data.heldout_fraction": data.heldout_fraction if user_source else 0.0,
+        "data.seq_len": data.seq_len,
+        "data.num_sequences": data.num_sequences,
+        "distill.objectives": weights,  # resolved: distill.objectives, else distill.recipe's objective
+        "distill.train_feature_maps": d.train_feature_maps,
+        "distill.train_gamma": train_gamma(cfg, weights),  # resolved
+        "distill.lr": d.lr,
+        "distill.weight_decay": d.weight_decay,
+        "distill.epochs": d.epochs,
+        "distill.batch_size": d.batch_size,
+        "distill.buffer_dtype": d.buffer_dtype,
+    }
+    container = OmegaConf.to_container(attention, resolve=True) if OmegaConf.is_config(attention) else dict(attention)
+    identity.update({f"attention.{k}": v for k, v in container.items()})  # window, feature_map, layers, ...
+    return json.loads(json.dumps(identity))
+
+
+def identity_changes(recorded: dict, identity: dict) -> list[str]:
+    """'key old -> new' for each key of `identity` whose recorded value differs (sorted by key). A key the
+    recorded identity lacks (written by an older version) counts as changed: nothing says it was the same."""
+    if "seq_len" in recorded:  # the older, undotted form
+        old = {new: recorded[k] for k, new in _LEGACY_KEYS.items() if k in recorded}
+        old.update({f"attention.{k}": v for k, v in (recorded.get("attention") or {}).items()})
+        recorded = old
+
+    def show(d: dict, key: str) -> str:
+        if key not in d:
+            return "(not recorded)"
+        return d[key] if isinstance(d[key], str) else json.dumps(d[key])
+
+    missing = object()
+    return [
+        f"{k} {show(recorded, k)} -> {show(identity, k)}"
+        for k in sorted(identity)
+        if recorded.get(k, missing) != identity[k]
+    ]
 
 
 def distill(cfg) -> Path:
@@ -301,45 +405,55 @@ def distill(cfg) -> Path:
             with open(stage1 / "log.txt", "a") as f:
                 f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
 
-    # identity of the run: resuming with other data or settings would mix two runs
-    identity = {
-        "model": str(model_path.resolve()),
-        "seq_len": T,
-        "num_sequences": N,
-        "world": rt.world,
-        "seed": cfg.seed,
-        "data": cfg.data.source,
-        "buffer_dtype": cfg.distill.buffer_dtype,
-        "attention": dict(attention),
-        "weights": weights,
-        "epochs": cfg.distill.epochs,
-        "batch_size": cfg.distill.batch_size,
-        "lr": cfg.distill.lr,
-    }
+    # identity of the run: resuming with other data or settings would mix two runs (refused before any write)
+    identity = run_identity(cfg, model_path, attention, weights)
     manifest_path = stage1 / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    if manifest and manifest["identity"] != json.loads(json.dumps(identity)):
-        raise DistillError(f"{stage1} holds a stage 1 run with other settings; use another run_dir or delete it")
+    changes = identity_changes(manifest["identity"], identity) if manifest else []
+    if changes:
+        raise DistillError(
+            f"{stage1} holds a stage 1 run made with other settings: {', '.join(changes)}; use another run_dir, "
+            f"restore them, or delete {stage1}"
+        )
 
     first = next((i for i in range(n_layers) if not committed(stage1, i)), n_layers)
     log(f"start at layer {first} of {n_layers}: {rt.world} ranks, {len(owned)} of {N} sequences on rank 0")
     paths = {"a": buffer_dir / f"hidden_a.rank{rt.rank}.bin", "b": buffer_dir / f"hidden_b.rank{rt.rank}.bin"}
-    bufs = {k: _buffer(p, len(owned), T, D, buf_dtype, create=True) for k, p in paths.items()}
+    size = len(owned) * T * D * torch.empty((), dtype=buf_dtype).element_size()
+    # the buffer named by the manifest holds layer `first`'s inputs for this rank only when the manifest and the
+    # buffer's marker name this number of ranks (rank r holds the sequences s = r mod world) and it has this size
     ready = (
         manifest is not None
         and manifest["next_layer"] == first
         and manifest.get("world") == rt.world
-        and (buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}").is_file()
+        and _written_by(buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}") == rt.world
+        and paths[manifest["inputs"]].is_file()
+        and paths[manifest["inputs"]].stat().st_size == size
     )
     if rt.distributed:  # every rank must agree on where to start
         flag = torch.tensor([1 if ready else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         ready = bool(flag.item())
+    if not ready:  # what this rank's buffers hold is trusted no more: their markers go before a buffer is resized
+        for name in paths:
+            (buffer_dir / f"written_{name}.rank{rt.rank}").unlink(missing_ok=True)
+        if rt.main and manifest is not None and manifest.get("world") != rt.world:
+            _drop_absent_ranks(buffer_dir, rt.world)
+        runtime.barrier(rt)
+    bufs = {k: _buffer(p, len(owned), T, D, buf_dtype, create=True) for k, p in paths.items()}
     rope = rotary(config, T, dtype)
     if ready:
         current = manifest["inputs"]
         log(f"resuming at layer {first} from buffer {current}")
     else:  # fresh start, or the buffer is gone: rebuild layer `first`'s inputs by replaying the teacher
+        if first < n_layers and manifest is not None:
+            if manifest.get("world") != rt.world:
+                why = f"its buffers were written by {manifest.get('world')} ranks, now {rt.world}"
+            elif manifest["next_layer"] != first:
+                why = f"the manifest names layer {manifest['next_layer']}'s inputs"
+            else:
+                why = "a rank's buffer of them is missing, incomplete or laid out for another number of ranks"
+            log(f"resuming at layer {first}: rebuilding its inputs by replaying the teacher ({why})")
         if first < n_layers:
             tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
             docs, _ = corpus.split_documents(
@@ -402,8 +516,26 @@ def distill(cfg) -> Path:
     return out
 
 
+def _drop_absent_ranks(buffer_dir: Path, world: int) -> None:
+    """Remove the buffers and markers of ranks >= world, left by a run on more ranks: no rank of this run owns them
+    (and, gone, they can neither be trusted by mistake nor hold disk)."""
+    for p in [*buffer_dir.glob("hidden_*.rank*.bin"), *buffer_dir.glob("written_*.rank*")]:
+        rank = p.name.split(".rank", 1)[1].removesuffix(".bin")
+        if rank.isdigit() and int(rank) >= world:
+            p.unlink(missing_ok=True)
+
+
 def _mark_written(buffer_dir: Path, name: str, rt) -> None:
-    """This rank's buffer `name` now holds complete inputs (checked on resume before the buffer is trusted)."""
+    """This rank's buffer `name` now holds complete inputs, laid out for this number of ranks (checked on resume
+    before the buffer is trusted)."""
     with open(buffer_dir / f"hidden_{name}.rank{rt.rank}.bin", "rb+") as f:
         os.fsync(f.fileno())
-    atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", "ok")
+    atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", json.dumps({"world": rt.world}))
+
+
+def _written_by(marker: Path) -> int | None:
+    """The number of ranks whose layout a buffer's marker vouches for; None without a marker (or an older one)."""
+    try:
+        return int(json.loads(marker.read_text())["world"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import time
 import warnings
@@ -46,8 +45,12 @@ from ..dist.checkpoint import (
     atomic_write,
     commit,
     fault,
+    fault_enospc,
     is_committed,
+    remove_dir,
     replace_dir,
+    sibling,
+    start_partial,
     throttle,
 )
 from ..dist.deepspeed import _import_deepspeed, train_config
@@ -202,21 +205,21 @@ def committed_steps(stage2: Path) -> list[Path]:
 
 def _save(dest: Path, engine, named, state: dict, rt) -> Path:
     weights, moments = _trainable_state(named)
-    tmp = dest.with_name(dest.name + ".partial")
+    tmp = sibling(dest, "partial")
     if rt.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        start_partial(dest, "run_dir")
+        fault_enospc(f"save:{dest.name}")
         save_file(weights, tmp / "trainable.safetensors")
         save_file(moments, tmp / "optimizer.safetensors")
         state = {**state, "scheduler": engine.lr_scheduler.state_dict(), "world": rt.world}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
     runtime.barrier(rt)
-    torch.save(torch.get_rng_state(), tmp / f"rng_rank{rt.rank}.pt")
+    save_file({"rng": torch.get_rng_state()}, tmp / f"rng_rank{rt.rank}.safetensors")
     runtime.barrier(rt)  # every rank's files are on disk before the marker
     if rt.main:
         fault("save:before_commit")
         commit(tmp)
-        replace_dir(tmp, dest)
+        replace_dir(tmp, dest, "run_dir")
     runtime.barrier(rt)
     return dest
 
@@ -224,14 +227,14 @@ def _save(dest: Path, engine, named, state: dict, rt) -> Path:
 def _rotate(stage2: Path, keep: int) -> None:
     done = committed_steps(stage2)
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_dir(old)
     newest = done[-1].name if done else ""
-    for partial in stage2.glob("step_*.partial"):  # left by a run killed while saving
+    for partial in stage2.glob("step_*.partial"):  # left by a run killed while saving (tagged as the toolkit's)
         if partial.name < newest:
-            shutil.rmtree(partial, ignore_errors=True)
+            remove_dir(partial)
 
 
-def _write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt) -> None:
+def _write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt, step: int) -> None:
     """The model form of stage 2's output: converted model (phi/gamma as trained, every layer in the recipe's
     `mode`, the window in force) + PEFT adapter. Collective."""
     set_modes(model, mode)  # not the modes SSD or a held-out evaluation left behind
@@ -245,13 +248,13 @@ def _write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt
     hybrid = _full(params)
     lora = _full([(n, p) for n, p in peft_model.named_parameters() if "lora_" in n])
     if rt.main:
-        tmp = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = start_partial(dest, "run_dir")
         settings = describe(model)
-        write_converted(tmp, source_meta["architecture"], source_meta["base_model"], settings, hybrid)
+        origin = {"stage": "stage2", "checkpoint": dest.name, "step": step}
+        write_converted(tmp, source_meta["architecture"], source_meta["base_model"], settings, hybrid, origin)
         peft_model.save_pretrained(tmp / ADAPTER_DIR, state_dict=lora)
         commit(tmp)
-        replace_dir(tmp, dest)
+        replace_dir(tmp, dest, "run_dir")
     runtime.barrier(rt)
 
 
@@ -458,9 +461,9 @@ def finetune(cfg) -> Path:
         step, curves, stopping = state["step"], state["curves"], EarlyStopping(**state["stopping"])
         if ssd:
             ssd.load_state_dict(state["ssd"])
-        rng = resume / f"rng_rank{rt.rank}.pt"
+        rng = resume / f"rng_rank{rt.rank}.safetensors"
         if state["world"] == rt.world and rng.is_file():
-            torch.set_rng_state(torch.load(rng))
+            torch.set_rng_state(load_file(rng)["rng"])  # tensors only: no pickle is ever loaded
         else:  # another number of ranks: a fresh stream per rank, derived from the seed and the step
             torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + rt.rank)
         log(f"resumed from {resume.name} (step {step}, saved by {state['world']} ranks, now {rt.world})")
@@ -508,6 +511,24 @@ def finetune(cfg) -> Path:
             flag = torch.tensor([loss_sum.item(), float(_signalled["flag"])], dtype=torch.float64)
             if rt.distributed:
                 dist.all_reduce(flag)
+            if not math.isfinite(flag[0].item()):  # all-reduced: every rank sees it and stops at this step
+                kept = committed_steps(stage2)
+                newest = f"stage2/{kept[-1].name}" if kept else "none yet"
+                check = f"check the weights of {source} (and of its base model) for nan/inf"
+                if step == 0:  # before any update: the model, not the learning rate
+                    fix = f"it is not finite before any update: {check}"
+                else:
+                    fix = (
+                        f"lower finetune.lr (now {f.lr}) in another run_dir (a changed lr does not resume), or {check}"
+                    )
+                if cfg.model.dtype == "float16":
+                    fix += ", or set model.dtype=bfloat16 (float16 overflows)"
+                msg = (
+                    f"stage 2: the training loss is {flag[0].item() / rt.world} at step {step + 1} of {f.max_steps}; "
+                    f"nothing of that step is saved, the newest committed checkpoint is {newest} (kept); {fix}"
+                )
+                log(msg)
+                raise FinetuneError(msg)
             step += 1
             curves["train"].append(flag[0].item() / rt.world)
             curves["window"].append(next(iter(layers.values())).window)
@@ -524,8 +545,8 @@ def finetune(cfg) -> Path:
                 curves["la_only"].append(la)
                 log(f"step {step}: held-out loss hybrid {h:.4f}, la_only {la:.4f}")
                 improved = stopping.update(step, h, la)
-                if improved:
-                    _write_model(stage2 / "best", peft_model, model, meta, mode, rt)
+                if improved and early:  # best/ is early stopping's choice; without it the output is final/
+                    _write_model(stage2 / "best", peft_model, model, meta, mode, rt, step)
                 if early and stopping.reason is None:
                     stopping.reason = stopping.verdict(f.patience, f.la_margin)
                     if stopping.reason:
@@ -549,7 +570,7 @@ def finetune(cfg) -> Path:
 
     if ssd and rt.main:
         log("ssd realised drop rate per phase: " + json.dumps(ssd.realised()))
-    _write_model(stage2 / "final", peft_model, model, meta, mode, rt)
+    _write_model(stage2 / "final", peft_model, model, meta, mode, rt, step)
     chosen = "best" if early and (stage2 / "best").is_dir() else "final"
     if rt.main:
         (stage2 / "curves.json").write_text(
@@ -559,7 +580,10 @@ def finetune(cfg) -> Path:
         )
         _curves_png(curves, stage2 / "curves.png")
         link = stage2 / "output"
-        if link.is_symlink() or link.exists():
+        if link.exists() and not link.is_symlink():
+            kind = "directory" if link.is_dir() else "file"
+            raise FinetuneError(f"{link} is a {kind}, not the link stage 2 writes; move it away and run again")
+        if link.is_symlink():
             link.unlink()
         link.symlink_to(chosen)
         log(f"done at step {step}; output -> {chosen}")

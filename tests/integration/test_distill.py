@@ -1,6 +1,7 @@
 """Stage 1 on a tiny 3-layer model with a sharded checkpoint: resume after SIGKILL anywhere, rebuild, 2 ranks."""
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import hybrid_scale as hs
@@ -125,3 +126,144 @@ def test_preflight_refuses_without_disk_room(sharded_model, tmp_path, monkeypatc
         stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path)))  # the plan, before any work
     with pytest.raises(stage1.DistillError, match=r"stage 1 needs 0\.00 GiB .* only 0\.00 GiB are free: set distill"):
         stage1.preflight(tmp_path / "buffers", 16, 64, 64, torch.float32)  # and the stage's own exact check
+
+
+def snapshot(root: Path) -> dict:
+    """Every file's bytes and every directory under root."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    "changed, named",
+    [
+        (["distill.weight_decay=0.1"], "distill.weight_decay 0.0 -> 0.1"),
+        (["distill.train_gamma=true"], "distill.train_gamma false -> true"),  # unset resolves to false here
+        (["model.dtype=bfloat16"], "model.dtype float32 -> bfloat16"),
+        (
+            ["model.dtype=bfloat16", "distill.weight_decay=0.1", "attention.layers=[0]"],
+            "attention.layers null -> [0], distill.weight_decay 0.0 -> 0.1, model.dtype float32 -> bfloat16",
+        ),
+    ],
+)
+def test_a_changed_result_setting_is_refused_by_name_and_nothing_is_touched(
+    sharded_model, uninterrupted, tmp_path, changed, named
+):
+    shutil.copytree(uninterrupted[0] / "stage1", tmp_path / "stage1")
+    before = snapshot(tmp_path)
+    with pytest.raises(stage1.DistillError) as e:
+        stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path, *changed)))
+    s1 = tmp_path / "stage1"
+    assert str(e.value) == (
+        f"{s1} holds a stage 1 run made with other settings: {named}; use another run_dir, restore them, or delete {s1}"
+    )
+    assert snapshot(tmp_path) == before
+
+
+def test_settings_that_do_not_change_the_result_are_not_part_of_the_identity(sharded_model, uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted[0] / "stage1", tmp_path / "stage1")
+    other = ["distill.query_block=16", f"distill.buffer_dir={tmp_path / 'elsewhere'}", "distill.progress=true"]
+    stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path, *other)))  # finished: rewrites converted/
+    identity = json.loads((tmp_path / "stage1" / "manifest.json").read_text())["identity"]
+    assert "distill.weight_decay" in identity and "model.dtype" in identity and "data.text_field" in identity
+    assert not {"world", "distill.query_block", "distill.buffer_dir", "distill.progress"} & set(identity)
+
+
+def test_an_older_manifest_is_read_under_the_dotted_keys():
+    legacy = {"model": "/m", "seq_len": 64, "world": 2, "attention": {"window": 8}, "lr": 0.05}
+    now = {"model.path": "/m", "data.seq_len": 64, "attention.window": 8, "distill.lr": 0.05}
+    now["distill.weight_decay"] = 0.0  # not in the older identities
+    assert stage1.identity_changes(legacy, now) == ["distill.weight_decay (not recorded) -> 0.0"]
+
+
+@pytest.fixture(scope="module")
+def killed_on_two_ranks(sharded_model, tmp_path_factory):
+    """A run on 2 ranks SIGKILLed after layer 0's commit (each test resumes a copy)."""
+    run = tmp_path_factory.mktemp("two_ranks_killed")
+    proc = run_cli(overrides(sharded_model, run), {"HYBRID_SCALE_FAULT": "after:0"}, torchrun=True)
+    s1 = run / "stage1"
+    assert proc.returncode != 0 and stage1.committed(s1, 0) and not stage1.committed(s1, 1), proc.stderr[-3000:]
+    assert json.loads((s1 / "manifest.json").read_text())["world"] == 2
+    return run
+
+
+def test_killed_on_two_ranks_resumes_on_one(sharded_model, uninterrupted, killed_on_two_ranks, tmp_path):
+    """The world size is not part of the identity: layer 1's inputs are rebuilt for 1 rank (rank 1's buffers go)."""
+    shutil.copytree(killed_on_two_ranks, tmp_path, dirs_exist_ok=True)
+    s1 = tmp_path / "stage1"
+    layer0 = (s1 / "layer_000.safetensors").read_bytes()
+    stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path)))
+    log = (s1 / "log.txt").read_text()
+    why = "its buffers were written by 2 ranks, now 1"
+    assert f"resuming at layer 1: rebuilding its inputs by replaying the teacher ({why})" in log
+    assert "replaying teacher layer 0 to rebuild layer 1's inputs" in log
+    buffers = s1 / "buffers"
+    assert sorted(p.name for p in buffers.glob("hidden_*")) == ["hidden_a.rank0.bin", "hidden_b.rank0.bin"]
+    assert not list(buffers.glob("*rank1*")) and (buffers / "hidden_a.rank0.bin").stat().st_size == 16 * 64 * 64 * 4
+    assert (s1 / "layer_000.safetensors").read_bytes() == layer0  # committed on 2 ranks, not redone
+    got, ref = params(tmp_path), params(uninterrupted[0])
+    assert got.keys() == ref.keys()
+    for k in ref:
+        if k.startswith("model.layers.0."):  # trained on 2 ranks: the bound of test_two_ranks_equal_one_rank
+            assert (got[k] - ref[k]).abs().max() < 1e-3, k
+        else:  # trained on 1 rank from the rebuilt inputs (the teacher's, independent of the trained maps)
+            assert torch.equal(got[k], ref[k]), k
+
+
+def test_buffers_an_interrupted_resume_on_other_ranks_rewrote_are_not_trusted(
+    sharded_model, uninterrupted, killed_on_two_ranks, tmp_path, monkeypatch
+):
+    """After the 2-rank kill, a 1-rank resume dies in layer 1 having rewritten rank 0's buffers for 1 rank while the
+    manifest still names 2 ranks; back on 2 ranks (rank 1's buffers intact, as on another node's disk) they are
+    rebuilt, not trusted."""
+    shutil.copytree(killed_on_two_ranks, tmp_path, dirs_exist_ok=True)
+    args = overrides(sharded_model, tmp_path)
+    buffers = tmp_path / "stage1" / "buffers"
+    rank1 = {p.name: p.read_bytes() for p in buffers.glob("*rank1*")}
+    assert "written_b.rank1" in rank1
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # dies at layer 1's first step, after its inputs were rebuilt for 1 rank
+
+    monkeypatch.setattr(stage1, "train_layer", killed)
+    with pytest.raises(KeyboardInterrupt):
+        stage1.distill(load_config(overrides=args))
+    assert json.loads((buffers / "written_b.rank0").read_text()) == {"world": 1}
+    for name, data in rank1.items():
+        (buffers / name).write_bytes(data)
+    proc = run_cli(args, torchrun=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = (tmp_path / "stage1" / "log.txt").read_text().split("start at layer 1 of 3: 2 ranks")[-1]
+    why = "a rank's buffer of them is missing, incomplete or laid out for another number of ranks"
+    assert f"resuming at layer 1: rebuilding its inputs by replaying the teacher ({why})" in last
+    got, ref = params(tmp_path), params(uninterrupted[0])
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-3  # 2 ranks vs 1: as in the test above
+
+
+def test_nan_loss_stops_at_its_layer_and_step_and_keeps_the_committed_layers(sharded_model, uninterrupted, tmp_path):
+    model = shutil.copytree(sharded_model, tmp_path / "model")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    shard = model / json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    run = tmp_path / "run"
+    proc = run_cli(overrides(model, run))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    msg = (
+        "stage 1: the loss is nan at layer 1, step 1 of 8 (epoch 1 of 2); nothing of layer 1 is committed, layer 0 "
+        "stays committed and a rerun resumes at layer 1; it is not finite before any update, so layer 1's weights or "
+        "its inputs hold nan/inf: check the weights of layers 0-1 in model.path for nan/inf"
+    )
+    assert f"hybrid-scale distill: error: {msg}\n" in proc.stderr
+    s1 = run / "stage1"
+    assert msg in (s1 / "log.txt").read_text()
+    assert stage1.committed(s1, 0) and not list(s1.glob("layer_001*"))
+    assert json.loads((s1 / "manifest.json").read_text())["next_layer"] == 1
+    ref = params(uninterrupted[0])
+    assert all(torch.equal(v, ref[k]) for k, v in load_file(s1 / "layer_000.safetensors").items())
+    # the weights repaired in place: the rerun resumes at layer 1 and ends as the uninterrupted run
+    shutil.copyfile(sharded_model / shard.name, shard)
+    stage1.distill(load_config(overrides=overrides(model, run)))
+    assert "resuming at layer 1 from buffer b" in (s1 / "log.txt").read_text()
+    got = params(run)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)

@@ -2,6 +2,7 @@
 1 rank), the saved adapter, unused gamma in la_only, HedgeCATs early stopping."""
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -15,7 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybrid_scale as hs
-from hybrid_scale.dist.checkpoint import MARKER
+from hybrid_scale.data import corpus
+from hybrid_scale.dist.checkpoint import MARKER, PARTIAL_TAG
 from hybrid_scale.stages.finetune import EXIT_REQUEUE, committed_steps
 
 pytestmark = pytest.mark.slow
@@ -75,19 +77,108 @@ def reference(setup, tmp_path_factory):
     return run
 
 
+RECORDER = """
+import json, os, sys
+from pathlib import Path
+
+from hybrid_scale.dist.deepspeed import _import_deepspeed
+
+deepspeed = _import_deepspeed()
+real_initialize = deepspeed.initialize
+fed = []  # every row of input_ids this rank's engine receives in a training forward, in order
+
+
+def record(module, args, kwargs):
+    if module.training:  # not the held-out losses
+        fed.extend(kwargs["input_ids"].tolist())
+
+
+def initialize(*args, **kwargs):
+    kwargs["model"].register_forward_pre_hook(record, with_kwargs=True)  # the PEFT model the engine calls
+    return real_initialize(*args, **kwargs)
+
+
+deepspeed.initialize = initialize
+from hybrid_scale.cli import main
+
+try:
+    code = main(sys.argv[1:])
+finally:
+    Path(os.environ["FED_DIR"], f"fed.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(fed))
+sys.exit(code)
+"""
+
+
+def test_each_step_consumes_the_same_sequences_on_one_and_two_ranks(setup, smollm2, tmp_path):
+    """The real data path of finetune() at 1 and at 2 ranks (global batch 4, micro-batch 1): a recorder around
+    deepspeed.initialize logs the input_ids of every training forward on every rank. 9 training sequences and 5 steps
+    cross two epoch boundaries, both inside a step. Per step, the union over the ranks of what they fed is the same
+    multiset of sequences as one rank alone fed."""
+    text = tmp_path / "six_docs.txt"  # 3 training documents: 9 sequences of 64 tokens; 3 held out
+    text.write_text("\n\n".join(smollm2.train_text.read_text().split("\n\n")[:6]))
+    script = tmp_path / "record.py"
+    script.write_text(RECORDER)
+    fed, losses = {}, {}
+    for world in (1, 2):
+        run = tmp_path / f"world{world}"
+        run.mkdir()
+        args = overrides(
+            setup,
+            run,
+            f"data.source={text}",
+            "data.heldout_fraction=0.5",
+            "finetune.max_steps=5",
+            "finetune.eval_every=0",
+            "finetune.heldout_sequences=1",
+            "finetune.save_every=5",
+        )
+        proc = procs.run(
+            ["finetune", *args], {"FED_DIR": str(run)}, 600, ranks=world if world > 1 else 0, script=script
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        fed[world] = [[tuple(s) for s in json.loads((run / f"fed.rank{r}.json").read_text())] for r in range(world)]
+        losses[world] = curves(run)["train"]
+    (alone,) = fed[1]
+    assert len(alone) == 5 * 4 and all(len(s) == 64 for s in alone)
+    assert [len(r) for r in fed[2]] == [5 * 2, 5 * 2]  # each rank feeds its half: 2 micro-batches of 1 per step
+    for step in range(5):
+        shared = [s for r in fed[2] for s in r[2 * step : 2 * step + 2]]
+        assert sorted(shared) == sorted(alone[4 * step : 4 * step + 4]), f"step {step}"
+    # what was consumed: the training sequences, each once per epoch, in a new order each epoch
+    tokenizer = AutoTokenizer.from_pretrained(setup / "base")
+    train_docs, _ = corpus.train_and_heldout(text, "text", 0.5)
+    train = {tuple(s) for s in corpus.pack(tokenizer, train_docs, 64, None, 0).tolist()}
+    assert len(train) == 9
+    first, second = alone[:9], alone[9:18]
+    assert set(first) == set(second) == train and first != second
+    # the same data and the same summed gradients: the same curve up to the order of the sums
+    assert torch.allclose(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-4)
+
+
 def test_reference_run_trains_and_keeps_the_newest_two_checkpoints(reference):
     c = curves(reference)
     assert len(c["train"]) == 10 and c["eval_steps"] == [5, 10]
     assert c["hybrid"][-1] < c["hybrid"][0]  # held-out hybrid loss went down
     assert [p.name for p in committed_steps(reference / "stage2")] == ["step_00000009", "step_00000010"]
     assert (reference / "stage2" / "output").resolve().name == "final"  # no early stopping for ssd
-    assert (reference / "stage2" / "best" / MARKER).is_file()
+    assert not (reference / "stage2" / "best").exists()  # best/ is early stopping's choice only: one model per run
+    origin = json.loads((reference / "stage2" / "final" / "hybrid_config.json").read_text())["origin"]
+    assert origin == {"stage": "stage2", "checkpoint": "final", "step": 10}
     realised = c["ssd"]
     assert [r["p"] for r in realised] == [0.9, 0.75, 0.5] and sum(r["layer_forwards"] for r in realised) == 20
     assert c["window"] == [8] * 5 + [16] * 5  # the window schedule; the window in force goes with the model
     assert json.loads((reference / "stage2" / "final" / "hybrid_config.json").read_text())["attention"]["window"] == 16
     state = json.loads((reference / "stage2" / "step_00000009" / "state.json").read_text())
     assert state["window"] == 16 and state["world"] == 2
+    step10 = reference / "stage2" / "step_00000010"
+    assert sorted(p.name for p in step10.iterdir()) == [  # the RNG state as tensors: resuming loads no pickle
+        "COMMITTED",
+        "optimizer.safetensors",
+        "rng_rank0.safetensors",
+        "rng_rank1.safetensors",
+        "state.json",
+        "trainable.safetensors",
+    ]
     saved = load_file(reference / "stage2" / "step_00000010" / "trainable.safetensors")
     assert all(("lora_" in k) or ("feature_map" in k) or ("gamma_logit" in k) for k in saved)  # never the base
     log = (reference / "stage2" / "log.txt").read_text()
@@ -111,6 +202,24 @@ def test_sigkill_after_step_6_then_resume_equals_uninterrupted(setup, reference,
     a = load_file(reference / "stage2" / "final" / "adapter" / "adapter_model.safetensors")
     b = load_file(stage2 / "final" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(setup, tmp_path):
+    """The disk fills while step 6 is saved (the OS error injected where the files are written): one line, exit 2,
+    step 3 committed and intact; once there is room again, the same command resumes from step 3 and finishes."""
+    args = overrides(setup, tmp_path, "finetune.max_steps=7", "finetune.eval_every=0")
+    proc = procs.run(["finetune", *args], {"HYBRID_SCALE_FAULT": "enospc:save:step_00000006"}, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hybrid-scale finetune: error: no space left on the device (save:step_00000006)")
+    assert "the work committed before it is kept" in last and "Traceback" not in proc.stderr
+    stage2 = tmp_path / "stage2"
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000003"]
+    assert (stage2 / "step_00000006.partial" / PARTIAL_TAG).is_file()  # the toolkit's: the next save clears it
+    assert procs.run(["finetune", *args], timeout=600).returncode == 0
+    assert "resumed from step_00000003" in (stage2 / "log.txt").read_text()
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000006", "step_00000007"]
+    assert not (stage2 / "step_00000006.partial").exists() and len(curves(tmp_path)["train"]) == 7
 
 
 @pytest.mark.parametrize("sig", ["USR1", "TERM"])
@@ -191,7 +300,21 @@ def test_hedgecats_stops_early_and_outputs_best(setup, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     c = curves(tmp_path)
     stage2 = tmp_path / "stage2"
-    assert c["stopping"]["reason"] is not None and len(c["train"]) < 10
+    # the rule worked out from the recorded losses (la_margin 0.05 first, then patience 1): no evaluation before the
+    # last one stops, the last one does, for the recorded reason, and training ends right there
+    h, la = c["hybrid"], c["la_only"]
+
+    def verdict(i):
+        if la[i] > min(la[: i + 1]) + 0.05:
+            return (
+                f"la_only loss {la[i]:.4f} rose more than 0.05 above its best {min(la[: i + 1]):.4f} "
+                "(the LA path is being abandoned)"
+            )
+        return "patience: no better hybrid loss in 1 evaluations" if i and h[i] >= min(h[:i]) else None
+
+    expected = [verdict(i) for i in range(len(h))]
+    assert expected[-1] is not None and expected == [None] * (len(h) - 1) + [c["stopping"]["reason"]]
+    assert len(c["train"]) == c["eval_steps"][-1] < 10
     best_step = c["stopping"]["best_step"]
     assert best_step == c["eval_steps"][c["hybrid"].index(min(c["hybrid"]))]
     # the best checkpoint survives the rotation that removed its step directory
@@ -233,3 +356,24 @@ def test_non_reentrant_checkpointing_with_peft_gives_the_same_gradients(mode):
     plain, ckpt = grads(False), grads(True)
     assert plain.keys() == ckpt.keys() and len(plain) == 8
     assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
+
+
+def test_nan_loss_stops_at_its_step_and_keeps_the_committed_checkpoints(setup, tmp_path):
+    """finetune.lr=1e30 blows the weights up (warmup: the first update has lr 0, the second 5e29): the first step
+    with a non-finite loss stops the stage, exit 2, naming the step and the newest committed checkpoint, which stays
+    committed as it was; nothing of that step or later is written."""
+    args = overrides(setup, tmp_path, "finetune.lr=1e30", "finetune.save_every=1", "finetune.eval_every=0")
+    proc = finetune(args, ranks=0)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    stage2 = tmp_path / "stage2"
+    msg = (
+        "stage 2: the training loss is nan at step 4 of 10; nothing of that step is saved, the newest committed "
+        "checkpoint is stage2/step_00000003 (kept); lower finetune.lr (now 1e+30) in another run_dir (a changed lr "
+        f"does not resume), or check the weights of {setup / 'converted'} (and of its base model) for nan/inf"
+    )
+    assert f"hybrid-scale finetune: error: {msg}\n" in proc.stderr
+    assert msg in (stage2 / "log.txt").read_text()
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000002", "step_00000003"]  # hashes still match
+    assert sorted(p.name for p in stage2.iterdir()) == ["log.txt", "step_00000002", "step_00000003"]
+    state = json.loads((stage2 / "step_00000003" / "state.json").read_text())
+    assert state["step"] == 3 and all(math.isfinite(x) for x in state["curves"]["train"])

@@ -17,6 +17,7 @@ from hybrid_scale.dist.deepspeed import train_config
 from hybrid_scale.dist.slurm import first_host, render
 from hybrid_scale.stages import plan as plan_module
 from hybrid_scale.stages.export import export
+from hybrid_scale.stages.inputs import InputError
 from hybrid_scale.stages.pipeline import pipeline
 from hybrid_scale.stages.plan import plan, preflight
 
@@ -144,8 +145,12 @@ def test_preflight_blocks_only_the_stages_a_problem_concerns(tmp_path, big_disk)
         "set eval.shard_weights=true (ZeRO-3 inference)"
     )
     assert unsharded.blocking("finetune") == []
-    with pytest.raises(ConfigError, match=r"^preflight \(distill\): model.path /path/to/Meta-Llama-3-70B is not"):
+    with pytest.raises(InputError) as e:  # the stage's own input check comes first, more precise than the plan's
         preflight(cfg, "distill")
+    assert str(e.value) == (
+        "config key 'model.path': /path/to/Meta-Llama-3-70B does not exist; set model.path to a local Hugging Face "
+        "model directory"
+    )
 
 
 def test_evaluate_and_export_run_the_preflight_on_their_own_inputs(tmp_path, monkeypatch, capsys):
