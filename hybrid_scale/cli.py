@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import sys
 from pathlib import Path
@@ -172,12 +173,15 @@ READS = {  # the sections a command reads; every stage also reads `launch` (and 
 }
 
 
-def _keys_epilog(command: str) -> str:
-    from omegaconf import OmegaConf
-
+@functools.cache
+def _schema():
     from .config import Config
 
-    schema = OmegaConf.structured(Config)
+    return OmegaConf.structured(Config)  # ~0.1 s: built once, not once per subcommand
+
+
+def _keys_epilog(command: str) -> str:
+    schema = _schema()
     parts = [f"  {section}: {', '.join(schema[section].keys())}" for section in READS.get(command, ())]
     return "config keys it reads (YAML or key=value), besides run_dir and seed:\n" + "\n".join(parts)
 

@@ -365,6 +365,9 @@ def _validate_slurm(cfg) -> None:
     s = cfg.slurm
     _positive("slurm.signal_lead_s", s.signal_lead_s, 0)
     _positive("slurm.max_restarts", s.max_restarts, 0)
+    _positive("slurm.cpus_per_task", s.cpus_per_task)
+    if not s.job_name:
+        raise ConfigError("config key 'slurm.job_name': must not be empty (the jobs are named <job_name>-<stage>)")
     _one_line("run_dir", cfg.run_dir)
     _one_line("slurm.template_dir", s.template_dir)
     for key in ("job_name", "partition", "account"):

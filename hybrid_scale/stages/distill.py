@@ -296,10 +296,23 @@ def _nonfinite_loss(loss: float, cfg, i: int, epoch: int, step: int, steps: int)
 
 
 @torch.no_grad()
-def run_teacher(layer, rope, buf_in, buf_out, batch: int, dtype) -> None:
+def run_teacher(layer, rope, buf_in, buf_out, batch: int, dtype) -> bool:
+    """The teacher layer over every sequence of this rank; False when an output is not finite (nan/inf)."""
+    finite = True
     for a in range(0, buf_in.shape[0], batch):
         out = layer(buf_in[a : a + batch].to(dtype), position_embeddings=rope, attention_mask=None)
-        buf_out[a : a + batch] = (out[0] if isinstance(out, tuple) else out).to(buf_out.dtype)
+        out = (out[0] if isinstance(out, tuple) else out).to(buf_out.dtype)
+        finite = finite and bool(torch.isfinite(out).all())
+        buf_out[a : a + batch] = out
+    return finite
+
+
+def _all_ranks(rt, ok: bool) -> bool:
+    if rt.distributed:
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+    return ok
 
 
 # --- the run's identity ----------------------------------------------------------------------------------------------
@@ -484,8 +497,20 @@ def distill(cfg) -> Path:
             m = HybridAttention.from_softmax(layer.self_attn, config, i, attention)
             losses = train_layer(m, layer, rope, bufs[current], owned, cfg, rt, weights, i, log)
             params = {f"model.layers.{i}.self_attn.{n}": p.detach().clone() for n, p in m.hybrid_parameters()}
+            if not all(bool(torch.isfinite(t).all()) for t in params.values()):  # the same on every rank
+                raise DistillError(
+                    f"stage 1: layer {i}'s trained feature maps hold nan/inf after its last step (its loss stayed "
+                    f"finite); nothing of layer {i} is committed and a rerun resumes there: lower distill.lr (now "
+                    f"{cfg.distill.lr}) in another run_dir"
+                )
         if i + 1 < n_layers:
-            run_teacher(layer, rope, bufs[current], bufs[other], cfg.distill.batch_size, dtype)
+            finite = run_teacher(layer, rope, bufs[current], bufs[other], cfg.distill.batch_size, dtype)
+            if not _all_ranks(rt, finite):
+                raise DistillError(
+                    f"stage 1: teacher layer {i} gives nan/inf outputs (layer {i + 1}'s inputs); nothing of layer {i} "
+                    f"is committed: check layer {i}'s weights in model.path for nan/inf, or use a wider "
+                    "distill.buffer_dtype (float16 overflows where bfloat16 and float32 do not)"
+                )
             _mark_written(buffer_dir, other, rt)
         if rt.main:
             tmp = stage1 / f"layer_{i:03d}.safetensors.tmp"

@@ -120,24 +120,6 @@ def input_shards(base: Path) -> dict[str, str]:
     return out
 
 
-def check_adapter(base: Path, where: dict[str, str], deltas: dict, adapter: Path) -> None:
-    """Every LoRA delta names a weight of the base checkpoint with the shape B @ A gives (an adapter trained on
-    another model is refused here, before anything is written)."""
-    for name, (a, b) in deltas.items():
-        if name not in where:
-            raise ExportError(
-                f"the adapter in {adapter} adapts {name}, which {base} does not have: it was trained on another "
-                "model; export the stage-2 output made from this base"
-            )
-        with safe_open(base / where[name], "pt") as f:
-            shape = list(f.get_slice(name).get_shape())
-        if [b.shape[0], a.shape[1]] != shape:
-            raise ExportError(
-                f"the adapter in {adapter} gives {name} a delta of shape {[b.shape[0], a.shape[1]]} but {base} holds "
-                f"{shape}: it was trained on another model; export the stage-2 output made from this base"
-            )
-
-
 # --- writing -----------------------------------------------------------------------------------------------------
 
 
@@ -392,11 +374,11 @@ def export(cfg) -> Path:
     if x.window:
         settings["window"] = x.window
     dtype = getattr(torch, x.dtype) if x.dtype else None
+    inputs.converted(source, "export.model")  # the run's model too: readable, its base present, the adapter fits it
     hybrid = load_file(source / PARAMS_NAME)
     adapter = source / ADAPTER_DIR
     deltas, scaling = lora_deltas(adapter) if adapter.is_dir() else ({}, 1.0)
     where = input_shards(base)  # all present and readable before anything is written
-    check_adapter(base, where, deltas, adapter)
     config = export_config(base, settings, x.dtype)
 
     tmp = start_partial(out, "export.out_dir")

@@ -267,3 +267,23 @@ def test_nan_loss_stops_at_its_layer_and_step_and_keeps_the_committed_layers(sha
     assert "resuming at layer 1 from buffer b" in (s1 / "log.txt").read_text()
     got = params(run)
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_a_teacher_layer_with_nan_outputs_stops_before_its_layer_is_committed(sharded_model, tmp_path):
+    """A nan in layer 0's MLP: its attention trains on finite inputs, but its outputs (layer 1's inputs) are nan;
+    nothing of layer 0 is committed, so a resume never trusts the poisoned buffer."""
+    model = shutil.copytree(sharded_model, tmp_path / "model")
+    name = "model.layers.0.mlp.down_proj.weight"
+    shard = model / json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    run = tmp_path / "run"
+    with pytest.raises(stage1.DistillError) as e:
+        stage1.distill(load_config(overrides=overrides(model, run, "distill.epochs=1")))
+    assert str(e.value) == (
+        "stage 1: teacher layer 0 gives nan/inf outputs (layer 1's inputs); nothing of layer 0 is committed: check "
+        "layer 0's weights in model.path for nan/inf, or use a wider distill.buffer_dtype (float16 overflows where "
+        "bfloat16 and float32 do not)"
+    )
+    assert not list((run / "stage1").glob("layer_000*")) and not (run / "stage1" / "manifest.json").exists()

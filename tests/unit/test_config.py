@@ -205,3 +205,16 @@ def test_slurm_times_stay_as_written_not_yaml_base_60(tmp_path):
     (tmp_path / "c.yaml").write_text("slurm:\n  time: 24:00:00\n  times: {export: 1:30:00}\n")
     cfg = load_config(tmp_path / "c.yaml", ["slurm.times.evaluate=0:45:00"])
     assert cfg.slurm.time == "24:00:00" and dict(cfg.slurm.times) == {"export": "1:30:00", "evaluate": "0:45:00"}
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("slurm.cpus_per_task=0", "config key 'slurm.cpus_per_task': must be >= 1, got 0"),
+        ("slurm.job_name=''", "config key 'slurm.job_name': must not be empty (the jobs are named <job_name>-<stage>)"),
+    ],
+)
+def test_slurm_counts_and_names(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    assert str(e.value) == message
