@@ -88,7 +88,7 @@ def _convert_model(out: Path) -> None:
         raise AssetError("reading the GGUF needs the gguf package: .venv/bin/pip install gguf") from None
     src = gguf_path()
     tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_own(tmp)
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     quantized = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     config = AutoConfig.for_model(**{k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"})
@@ -101,8 +101,22 @@ def _convert_model(out: Path) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "SOURCE.json").write_text(json.dumps({"package": f"{MODEL_PACKAGE}=={MODEL_VERSION}", "file": GGUF_NAME}))
-    shutil.rmtree(out, ignore_errors=True)
+    _remove_own(out)
     tmp.rename(out)  # appears complete or not at all
+
+
+def _remove_own(path: Path) -> None:
+    """Remove a converted-model folder this module wrote (its SOURCE.json names the package), or a partial one of
+    it; anything else at that path is one clear error and stays."""
+    if not path.exists():
+        return
+    own = (path / "SOURCE.json").is_file() or path.name.endswith(".partial")
+    if not path.is_dir() or not own or any(p.name == ".git" for p in path.iterdir()):
+        raise AssetError(
+            f"{path} exists and was not written by `hybrid-scale assets`; nothing was touched: move it away or point "
+            "HYBRID_SCALE_CACHE at another folder"
+        )
+    shutil.rmtree(path)
 
 
 def _copy_datasets(out: Path) -> None:
@@ -133,9 +147,14 @@ def _write_text(a: Assets) -> None:
 def prepare(root: Path | None = None, force: bool = False, log=print) -> Assets:
     """Convert and cache everything (idempotent; `force` redoes it). Returns the cached paths."""
     a = paths(root)
-    if force:
-        for p in (a.model, a.datasets, a.train_text.parent):
-            shutil.rmtree(p, ignore_errors=True)
+    if force:  # only what prepare() itself writes: HYBRID_SCALE_CACHE may point at a folder holding other things
+        _remove_own(a.model)
+        for name in DATASETS:
+            for d in (a.datasets / name, a.datasets / f"{name}.partial"):
+                if d.is_dir():
+                    shutil.rmtree(d)
+        for f in (a.train_text, a.heldout_text):
+            f.unlink(missing_ok=True)
     if not (a.model / "config.json").is_file():
         log(f"converting {GGUF_NAME} to fp32 safetensors in {a.model} (about a minute)")
         a.model.parent.mkdir(parents=True, exist_ok=True)

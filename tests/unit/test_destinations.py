@@ -102,3 +102,26 @@ def test_an_export_is_recognised_by_its_marker_and_its_model_type(tmp_path):
     assert is_export(export)
     (export / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert not is_export(export)  # someone's model with a COMMITTED file is still not ours to replace
+
+
+def test_assets_force_removes_only_what_assets_wrote(tmp_path):
+    """HYBRID_SCALE_CACHE may point at a folder holding other things: `assets --force` refuses a model folder it did
+    not write (no SOURCE.json) before removing anything, and leaves files it does not own alone."""
+    from hybrid_scale.data import assets
+
+    a = assets.paths(tmp_path)
+    foreign(a.model)
+    a.train_text.parent.mkdir(parents=True)
+    a.train_text.write_text("text\n")
+    (a.train_text.parent / "diary.txt").write_text("mine\n")
+    before = tree(tmp_path)
+    with pytest.raises(assets.AssetError) as e:
+        assets.prepare(tmp_path, force=True)
+    assert str(e.value) == (
+        f"{a.model} exists and was not written by `hybrid-scale assets`; nothing was touched: move it away or point "
+        "HYBRID_SCALE_CACHE at another folder"
+    )
+    assert tree(tmp_path) == before
+    (a.model / "SOURCE.json").write_text("{}")  # now it is one of ours
+    assets._remove_own(a.model)
+    assert not a.model.exists() and (a.train_text.parent / "diary.txt").read_text() == "mine\n"
