@@ -15,7 +15,7 @@ from .config import JOBS, ConfigError, load_config
 from .data.assets import AssetError
 from .data.benchmarks import TaskError
 from .data.corpus import CorpusError
-from .dist.checkpoint import DestinationError
+from .distributed.checkpoint import DestinationError
 from .models.convert import UnsupportedArchitectureError
 from .models.converted import ConvertedModelError
 from .stages.distill import DistillError
@@ -126,7 +126,7 @@ def cmd_pipeline(args) -> int:
 def cmd_launch(args) -> int:
     """Start a stage on this node with launch.launcher (torchrun / deepspeed), rendezvous from the Slurm environment
     (first host of the node list, port, node rank). Used by the generated sbatch scripts, one task per node."""
-    from .dist.slurm import launch_command
+    from .distributed.slurm import launch_command
 
     cfg = load_config(args.config, args.overrides)
     rest = ([args.config] if args.config else []) + list(args.overrides)
@@ -142,7 +142,7 @@ def cmd_launch(args) -> int:
 def cmd_submit(args) -> int:
     """Render sbatch scripts from the config (the `slurm` and `launch` sections) and submit the stages chained with
     afterok (or the whole pipeline as one job with --pipeline); prints the job ids."""
-    from .dist.slurm import submit
+    from .distributed.slurm import submit
 
     cfg = load_config(args.config, args.overrides)
     stages = ["pipeline"] if args.pipeline else args.stages.split(",")

@@ -200,7 +200,7 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
     partitioned again."""
     import torch.distributed as dist
 
-    from ..dist.deepspeed import _import_deepspeed, is_partitioned
+    from ..distributed.deepspeed import _import_deepspeed, is_partitioned
 
     deltas, scaling = lora_deltas(adapter)
     named = dict(model.named_parameters())

@@ -15,7 +15,7 @@ import torch
 
 from ..attention import chunked
 from ..attention.hybrid import hybrid_layers
-from ..dist.deepspeed import gathered
+from ..distributed.deepspeed import gathered
 
 
 def paired_bootstrap(a: dict[str, list[float]], b: dict[str, list[float]], resamples: int, seed: int) -> dict:

@@ -33,8 +33,8 @@ from ..attention import chunked
 from ..attention.hybrid import HybridAttention
 from ..config import RECIPE_OBJECTIVE, ConfigError, attention_settings
 from ..data import corpus
-from ..dist import runtime
-from ..dist.checkpoint import atomic_write, fault, sha256
+from ..distributed import runtime
+from ..distributed.checkpoint import atomic_write, fault, sha256
 from ..models.convert import SUPPORTED
 from ..models.converted import write_converted
 

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from ..attention.hybrid import hybrid_layers
 from ..config import ConfigError
 from ..data import assets, benchmarks, corpus
-from ..dist import runtime
-from ..dist.deepspeed import shard_for_inference
+from ..distributed import runtime
+from ..distributed.deepspeed import shard_for_inference
 from ..models.convert import convert_model, set_modes
 from ..models.converted import (
     CONFIG_NAME,
@@ -69,7 +69,7 @@ class Models:
         if cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
             from transformers.integrations import HfDeepSpeedConfig
 
-            from ..dist.deepspeed import _import_deepspeed, zero3_config
+            from ..distributed.deepspeed import _import_deepspeed, zero3_config
 
             _import_deepspeed().init_distributed(dist_backend="nccl" if torch.device(device).type == "cuda" else "gloo")
             self._zero3 = HfDeepSpeedConfig(zero3_config(self.dtype))

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..attention.hybrid import HybridAttention
 from ..config import ConfigError
-from ..dist.checkpoint import commit, fault_enospc, remove_dir, replace_dir, start_partial
+from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, start_partial
 from ..models.convert import MODEL_TYPE
 from ..models.converted import (
     ADAPTER_DIR,

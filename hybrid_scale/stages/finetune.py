@@ -38,8 +38,8 @@ from tqdm import tqdm
 from ..attention.hybrid import HybridAttention, hybrid_layers
 from ..config import FINETUNE_MODE, ConfigError
 from ..data import corpus
-from ..dist import runtime
-from ..dist.checkpoint import (
+from ..distributed import runtime
+from ..distributed.checkpoint import (
     MARKER,
     REQUEUE_MARKER,
     atomic_write,
@@ -53,7 +53,7 @@ from ..dist.checkpoint import (
     start_partial,
     throttle,
 )
-from ..dist.deepspeed import _import_deepspeed, train_config
+from ..distributed.deepspeed import _import_deepspeed, train_config
 from ..models.convert import set_modes
 from ..models.converted import (
     ADAPTER_DIR,

@@ -238,7 +238,7 @@ def export_output(cfg, *protected: Path) -> Path:
     """export.out_dir, refused before any work when writing there could lose data: the input model, its base, the
     run directory or a directory holding one of them, a file, or an existing directory that is not an export of
     ours (a previous export is replaced)."""
-    from ..dist.checkpoint import check_destination
+    from ..distributed.checkpoint import check_destination
     from .export import output_dir
     from .rundir import is_export
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..dist.runtime import Runtime
+from ..distributed.runtime import Runtime
 
 
 @dataclass

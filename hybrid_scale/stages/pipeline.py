@@ -14,8 +14,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import STAGES, ConfigError
-from ..dist import runtime
-from ..dist.checkpoint import MARKER, atomic_write
+from ..distributed import runtime
+from ..distributed.checkpoint import MARKER, atomic_write
 
 # what a stage's result depends on; eval/export/launch/slurm settings can change between reruns
 RESULT_KEYS = ("model.path", "model.dtype", "attention", "data", "distill", "finetune", "seed")

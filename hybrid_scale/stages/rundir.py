@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..dist.checkpoint import MARKER
+from ..distributed.checkpoint import MARKER
 from ..models.converted import CONFIG_NAME
 
 RUN_MODEL_ORDER = ("stage2/output", "stage1/converted")  # stage2/output -> best (early stopping chose it) or final
@@ -37,7 +37,7 @@ def describe_origin(path: Path) -> str:
 
 def is_export(path: Path) -> bool:
     """An export this toolkit wrote (or is writing): its own marker and a hybrid_scale config.json."""
-    from ..dist.checkpoint import PARTIAL_TAG
+    from ..distributed.checkpoint import PARTIAL_TAG
 
     if not path.is_dir() or path.is_symlink():
         return False

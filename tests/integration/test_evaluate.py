@@ -179,7 +179,7 @@ PROBE = """
 import json, sys
 from pathlib import Path
 from hybrid_scale.config import load_config
-from hybrid_scale.dist import runtime
+from hybrid_scale.distributed import runtime
 from hybrid_scale.models.converted import load_converted
 from hybrid_scale.stages.evaluate import Models
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
-from hybrid_scale.dist.checkpoint import MARKER, PARTIAL_TAG
+from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
 from hybrid_scale.models.converted import ADAPTER_DIR
 from hybrid_scale.stages.export import export
 from hybrid_scale.stages.inputs import InputError

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybrid_scale as hs
 from hybrid_scale.data import corpus
-from hybrid_scale.dist.checkpoint import MARKER, PARTIAL_TAG
+from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
 from hybrid_scale.stages.finetune import EXIT_REQUEUE, committed_steps
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ RECORDER = """
 import json, os, sys
 from pathlib import Path
 
-from hybrid_scale.dist.deepspeed import _import_deepspeed
+from hybrid_scale.distributed.deepspeed import _import_deepspeed
 
 deepspeed = _import_deepspeed()
 real_initialize = deepspeed.initialize

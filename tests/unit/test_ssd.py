@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybrid_scale.config import ConfigError, load_config
-from hybrid_scale.dist.deepspeed import train_config
+from hybrid_scale.distributed.deepspeed import train_config
 from hybrid_scale.stages.finetune import EarlyStopping, global_batch
 from hybrid_scale.stages.ssd import SSD, at, phase
 

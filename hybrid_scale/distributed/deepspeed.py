@@ -61,7 +61,13 @@ def train_config(f, dtype: torch.dtype, world: int) -> dict:
         "fp16": {"enabled": dtype == torch.float16},
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": f.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": f.weight_decay, "torch_adam": True},
+            "params": {
+                "lr": f.lr,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": f.weight_decay,
+                "torch_adam": True,
+            },
         },
         "scheduler": {
             "type": "WarmupDecayLR",
