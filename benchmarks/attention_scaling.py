@@ -59,10 +59,10 @@ def scaling(max_len, naive_max, repeats):
         x = inputs(T)
         row = {"T": T}
         with torch.no_grad():
-            row["chunked_s"] = best_time(lambda x=x: chunked.hybrid_attention(**x, window=WINDOW), repeats)
+            row["chunked_s"] = best_time(lambda x=x: chunked.chunk_hybrid_attention(**x, window=WINDOW), repeats)
             row["sdpa_s"] = best_time(lambda x=x: sdpa(x), repeats)
             if T <= naive_max:
-                row["naive_s"] = best_time(lambda x=x: naive.hybrid_attention(**x, window=WINDOW), repeats)
+                row["naive_s"] = best_time(lambda x=x: naive.naive_hybrid_attention(**x, window=WINDOW), repeats)
         rows.append(row)
         T *= 2
     ref = next(r for r in rows if r["T"] == 2048)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybrid_scale.config import RECIPE_OBJECTIVE
+from hybrid_scale.recipes import RECIPES as RECIPE_TABLE
 
 RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
 MODES = ("hybrid", "swa_only", "la_only", "none")
@@ -72,8 +72,8 @@ def main():
     root = Path(args.run_root)
     common = [f"attention.window={args.window}", "seed=0"]
     stage1 = {}
-    for objective in sorted({RECIPE_OBJECTIVE[r] for r in args.recipes}):
-        recipe = next(r for r in args.recipes if RECIPE_OBJECTIVE[r] == objective)
+    for objective in sorted({RECIPE_TABLE[r].objective for r in args.recipes}):
+        recipe = next(r for r in args.recipes if RECIPE_TABLE[r].objective == objective)
         run = root / f"stage1_{objective}"
         overrides = [
             *common,
@@ -106,7 +106,7 @@ def main():
     walls = {}
     for recipe in args.recipes:
         run = root / recipe
-        objective = RECIPE_OBJECTIVE[recipe]
+        objective = RECIPE_TABLE[recipe].objective
         finetune = [
             *common,
             f"run_dir={run}",

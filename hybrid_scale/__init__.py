@@ -2,7 +2,7 @@
 
 from .attention.hybrid import HybridAttention, HybridCache
 from .config import ConfigError, load_config
-from .models.convert import UnsupportedArchitectureError, components, convert_model, get_modes, set_modes
+from .models.convert import UnsupportedArchitectureError, components, convert_model, get_modes, set_modes, set_window
 from .models.converted import load_converted, save_converted
 
 __version__ = "0.1.0"
@@ -19,4 +19,5 @@ __all__ = [
     "load_converted",
     "save_converted",
     "set_modes",
+    "set_window",
 ]

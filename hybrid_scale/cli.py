@@ -11,17 +11,20 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .config import JOBS, ConfigError, load_config
-from .data.assets import AssetError
-from .data.benchmarks import TaskError
-from .data.corpus import CorpusError
-from .distributed.checkpoint import DestinationError
-from .models.convert import UnsupportedArchitectureError
-from .models.converted import ConvertedModelError
-from .stages.distill import DistillError
-from .stages.export import ExportError
-from .stages.finetune import EXIT_REQUEUE, FinetuneError, Requeue
-from .stages.inputs import InputError
+from . import quickstart
+from .config import JOBS, Config, load_config
+from .data import assets
+from .distributed.slurm import launch_command, submit
+from .errors import USER_ERRORS, ConfigError
+from .models.convert import convert_model
+from .models.converted import save_converted
+from .stages.distill import distill
+from .stages.evaluate import evaluate
+from .stages.export import export
+from .stages.finetune import EXIT_REQUEUE, Requeue, finetune
+from .stages.pipeline import pipeline
+from .stages.plan import plan
+from .stages.report import table
 
 
 def cmd_config(args) -> int:
@@ -34,9 +37,6 @@ def cmd_convert(args) -> int:
     """Convert model.path with the `attention` section; write a converted model to {run_dir}/converted."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from .models.convert import convert_model
-    from .models.converted import save_converted
 
     cfg = load_config(args.config, args.overrides)
     if cfg.model.path is None:
@@ -53,8 +53,6 @@ def cmd_convert(args) -> int:
 
 def cmd_assets(args) -> int:
     """Convert and cache the embedded default (SmolLM2-135M-Instruct, the task datasets, held-out text)."""
-    from .data import assets
-
     a = assets.prepare(force=args.force)
     print(f"model:    {a.model}\ndatasets: {a.datasets}\ntext:     {a.train_text.parent}")
     return 0
@@ -62,21 +60,15 @@ def cmd_assets(args) -> int:
 
 def cmd_evaluate(args) -> int:
     """Component-ablation evaluation (the `eval` section); writes results.json, table.md and PNGs."""
-    from .stages.evaluate import evaluate
-
     cfg = load_config(args.config, args.overrides)
     results = evaluate(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
-        from .stages.report import table
-
         print(table(results))
     return 0
 
 
 def cmd_distill(args) -> int:
     """Stage 1: layer-by-layer attention transfer (the `data` and `distill` sections); resumes where it stopped."""
-    from .stages.distill import distill
-
     out = distill(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"stage 1 done: converted model in {out}")
@@ -86,8 +78,6 @@ def cmd_distill(args) -> int:
 def cmd_finetune(args) -> int:
     """Stage 2: LoRA fine-tuning under DeepSpeed ZeRO-3 with SSD / early stopping (the `finetune` section); resumes
     from the newest committed checkpoint; exits 75 after a signal-triggered save (requeue me)."""
-    from .stages.finetune import finetune
-
     out = finetune(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"stage 2 done: {out} -> {out.resolve()}")
@@ -97,8 +87,6 @@ def cmd_finetune(args) -> int:
 def cmd_export(args) -> int:
     """Export (the `export` section): merged, self-contained Hugging Face directory (trust_remote_code), with optional
     inference-time hybridisation (export.mode=hybrid, export.gamma or export.calibrate_gamma)."""
-    from .stages.export import export
-
     out = export(load_config(args.config, args.overrides))
     print(f"export written to {out} (load with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))")
     return 0
@@ -106,8 +94,6 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     """Preflight: per-rank memory, buffer disk, checkpoint sizes, rough times, and blocking problems (exit 1)."""
-    from .stages.plan import plan
-
     result = plan(load_config(args.config, args.overrides))
     print(result.table())
     return 0 if result.ok else 1
@@ -115,8 +101,6 @@ def cmd_plan(args) -> int:
 
 def cmd_pipeline(args) -> int:
     """Stage 1 -> stage 2 -> ablation evaluation -> export in one command; skips finished stages, resumes the rest."""
-    from .stages.pipeline import pipeline
-
     timings = pipeline(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print("pipeline done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
@@ -126,8 +110,6 @@ def cmd_pipeline(args) -> int:
 def cmd_launch(args) -> int:
     """Start a stage on this node with launch.launcher (torchrun / deepspeed), rendezvous from the Slurm environment
     (first host of the node list, port, node rank). Used by the generated sbatch scripts, one task per node."""
-    from .distributed.slurm import launch_command
-
     cfg = load_config(args.config, args.overrides)
     rest = ([args.config] if args.config else []) + list(args.overrides)
     cmd = launch_command(cfg, args.stage, rest)
@@ -142,8 +124,6 @@ def cmd_launch(args) -> int:
 def cmd_submit(args) -> int:
     """Render sbatch scripts from the config (the `slurm` and `launch` sections) and submit the stages chained with
     afterok (or the whole pipeline as one job with --pipeline); prints the job ids."""
-    from .distributed.slurm import submit
-
     cfg = load_config(args.config, args.overrides)
     stages = ["pipeline"] if args.pipeline else args.stages.split(",")
     ids = submit(cfg, args.config, list(args.overrides), stages, python=sys.executable)
@@ -154,9 +134,7 @@ def cmd_submit(args) -> int:
 
 def cmd_quickstart(args) -> int:
     """The whole pipeline on the embedded default, CPU, tiny budgets (configs/quickstart.yaml + overrides)."""
-    from .quickstart import main
-
-    return main(args.run_dir, args.overrides)
+    return quickstart.main(args.run_dir, args.overrides)
 
 
 READS = {  # the sections a command reads; every stage also reads `launch` (and the rest) for its preflight
@@ -175,8 +153,6 @@ READS = {  # the sections a command reads; every stage also reads `launch` (and 
 
 @functools.cache
 def _schema():
-    from .config import Config
-
     return OmegaConf.structured(Config)  # ~0.1 s: built once, not once per subcommand
 
 
@@ -260,19 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     except Requeue as e:  # finetune, pipeline, quickstart: saved on a signal; the batch script requeues on this code
         print(f"hybrid-scale {args.command}: {e}", file=sys.stderr)
         return EXIT_REQUEUE
-    except (
-        ConfigError,
-        ConvertedModelError,
-        UnsupportedArchitectureError,
-        AssetError,
-        TaskError,
-        CorpusError,
-        DistillError,
-        FinetuneError,
-        ExportError,
-        InputError,
-        DestinationError,
-    ) as e:
+    except USER_ERRORS as e:
         print(f"hybrid-scale {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a missing or unreadable path, a full disk: one line, what was committed stays

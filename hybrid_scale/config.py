@@ -18,12 +18,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .attention.feature_maps import FEATURE_MAPS
 from .attention.naive import MODES
+from .errors import ConfigError
+from .recipes import RECIPES
+from .resources import data_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A config key has a wrong name, type or value."""
 
 
 @dataclass
@@ -58,13 +57,6 @@ class DataConfig:
 
 
 OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
-RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
-RECIPE_OBJECTIVE = {
-    "lolcats": "hybrid_output_mse",
-    "hedgecats": "weights_xent",
-    "ssd": "weights_xent",
-    "la_only": "weights_xent",
-}
 
 
 @dataclass
@@ -83,7 +75,6 @@ class DistillConfig:
     progress: bool = True
 
 
-FINETUNE_MODE = {"lolcats": "hybrid", "hedgecats": "hybrid", "ssd": "hybrid", "la_only": "la_only"}
 SSD_GRANULARITY = ("step", "layer")
 
 
@@ -247,7 +238,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _positive("eval.ppl_sequences", e.ppl_sequences, 0)
     _positive("eval.la_share_seq_len", e.la_share_seq_len, 0)
     d = cfg.distill
-    _choice("distill.recipe", d.recipe, RECIPES)
+    _choice("distill.recipe", d.recipe, list(RECIPES))
     for name, weight in (d.objectives or {}).items():
         _choice("distill.objectives", name, OBJECTIVES)
         if weight < 0:
@@ -311,7 +302,7 @@ def _schedule(key: str, steps, lo, hi) -> None:
 
 def _validate_finetune(f) -> None:
     if f.recipe is not None:
-        _choice("finetune.recipe", f.recipe, RECIPES)
+        _choice("finetune.recipe", f.recipe, list(RECIPES))
     for key in ("lora_r", "max_steps", "global_batch", "micro_batch", "heldout_sequences", "save_every"):
         _positive(f"finetune.{key}", getattr(f, key))
     _positive("finetune.seq_len", f.seq_len, 2)
@@ -422,7 +413,7 @@ def _structured(schema, data) -> DictConfig:
         raise _explain(e, schema) from None
 
 
-PRESETS = Path(__file__).resolve().parent.parent / "configs"  # the presets shipped with the repository
+PRESETS = data_dir("configs")  # the repository's configs/ (in a wheel install, its copy in the package)
 
 
 def _find(name: str, including: Path | None) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import load_config
 from .data import assets
-from .stages import evaluate, export
+from .stages import rundir
 from .stages.pipeline import pipeline
 
 
@@ -27,13 +27,13 @@ def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ..
     if cfg.model.path is None:
         assets.prepare()  # converts and caches the embedded default once (about a minute)
     timings = pipeline(cfg)
-    run, eval_dir = Path(cfg.run_dir), evaluate.output_dir(cfg)
+    run, eval_dir = Path(cfg.run_dir), rundir.eval_dir(cfg)
     results = json.loads((eval_dir / "results.json").read_text())
     print("\n" + (eval_dir / "table.md").read_text())
     print(f"Verdict on the linear attention: {results.get('verdict', 'n/a')}")
     print("Stage times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
     print(f"Total {(time.perf_counter() - t0) / 60:.1f} min. Run directory: {run.resolve()}")
-    print(f"Export (load with trust_remote_code=True): {export.output_dir(cfg).resolve()}")
+    print(f"Export (load with trust_remote_code=True): {rundir.export_dir(cfg).resolve()}")
     print("These numbers come from a few minutes of training on 16 sequences: they show the pipeline works, not how")
     print("good a recipe is. The full comparison of recipes is `make reproduce`.")
     return 0

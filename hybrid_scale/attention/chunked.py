@@ -124,13 +124,14 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
     return unblock(outs)
 
 
-def hybrid_attention(
+def chunk_hybrid_attention(
     q,
     k,
     v,
     fq,
     fk,
     gamma,
+    *,
     window,
     mode="hybrid",
     sinks=8,
@@ -140,17 +141,21 @@ def hybrid_attention(
     initial_state=None,
     return_denominators=False,
 ):
-    """Same contract as naive.hybrid_attention, plus chunk_size and an optional initial LA state
+    """Same contract as naive.naive_hybrid_attention, plus chunk_size and an optional initial LA state
     (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension).
-    With return_denominators (hybrid / swa_only / la_only, no padding): (y, sum of E [B,H,T], sum of L [B,H,T]),
-    the two parts of the shared normaliser, for the LA-share diagnostic."""
+    With return_denominators (hybrid / swa_only / la_only / none, no padding): (y, sum of E [B,H,T], sum of L
+    [B,H,T]), the two parts of the shared normaliser, for the LA-share diagnostic."""
     check_mode(mode)
     if window < 1 or chunk_size < 1:
         raise ValueError(f"window and chunk_size must be >= 1, got window={window}, chunk_size={chunk_size}")
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if mode == "none" or T == 0:
-        return q.new_zeros(B, H, T, v.shape[-1])
+        y = q.new_zeros(B, H, T, v.shape[-1])
+        if return_denominators:  # nothing attended: both parts are 0
+            zero = q.new_zeros(B, H, T, dtype=compute_dtype(q))
+            return y, zero, zero.clone()
+        return y
     out_dtype = q.dtype
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     real = real_positions(attention_mask, B, T, q.device) >= 0

@@ -3,6 +3,8 @@ feature dim, sinks, mode, chunk size, converted layers, optional per-layer modes
 
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
+from .architectures import BY_MODEL_TYPE
+
 
 def _hybrid_config(base, model_type: str):
     class HybridScaleConfig(base):
@@ -14,16 +16,13 @@ def _hybrid_config(base, model_type: str):
     return HybridScaleConfig
 
 
-class HybridScaleLlamaConfig(_hybrid_config(LlamaConfig, "hybrid_scale_llama")):
+class HybridScaleLlamaConfig(_hybrid_config(LlamaConfig, BY_MODEL_TYPE["llama"].export_type)):
     pass
 
 
-class HybridScaleMistralConfig(_hybrid_config(MistralConfig, "hybrid_scale_mistral")):
+class HybridScaleMistralConfig(_hybrid_config(MistralConfig, BY_MODEL_TYPE["mistral"].export_type)):
     pass
 
 
-class HybridScaleQwen2Config(_hybrid_config(Qwen2Config, "hybrid_scale_qwen2")):
+class HybridScaleQwen2Config(_hybrid_config(Qwen2Config, BY_MODEL_TYPE["qwen2"].export_type)):
     pass
-
-
-BASE_MODEL_TYPE = {"hybrid_scale_llama": "llama", "hybrid_scale_mistral": "mistral", "hybrid_scale_qwen2": "qwen2"}

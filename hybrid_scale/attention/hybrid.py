@@ -1,4 +1,9 @@
-"""The hybrid attention nn.Module, its decode cache, and the input preparation a converted model needs.
+"""The hybrid attention entry point and nn.Module, its decode cache, and the input preparation a converted model needs.
+
+`attend` is the one entry point to the attention math over whole sequences (decode with a cache goes through
+recurrent.extend): tensors, then keyword-only settings, computed by a backend of backends.py ("chunk" by default,
+"naive" = the spec, or one registered from outside such as a Triton kernel). `HybridAttention.attend` is the same with
+the layer's own settings as defaults; its forward, stage 1, gamma calibration and the LA-share diagnostic call it.
 
 `HybridAttention` takes the place of a Llama/Mistral/Qwen2 attention module and adopts its q/k/v/o projections (same
 names, so PEFT targets them as before), its scaling and the model's rotary embeddings; it adds phi_q (per query head),
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .chunked import hybrid_attention as chunked_attention
+from .backends import get_backend
 from .feature_maps import make_feature_map
 from .naive import check_mode
 from .recurrent import DecodeState, extend
@@ -37,6 +42,47 @@ def _rotate_half(x):
 def apply_rope(q, k, cos, sin):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def attend(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    *,
+    gamma,
+    window,
+    mode="hybrid",
+    sinks=8,
+    scale=None,
+    attention_mask=None,
+    chunk_size=64,
+    backend="chunk",
+    return_denominators=False,
+):
+    """Hybrid attention (DESIGN.md section 2) computed by the named backend (see backends.py).
+
+    q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F] = phi_q(q), fk [B,Hkv,T,F] = phi_k(k), gamma [H] in (0,1);
+    mode one of naive.MODES; scale None = 1/sqrt(D); attention_mask [B,T] (1 = token, 0 = padding) or None.
+    Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
+    of the shared normaliser (unpadded input; the LA-share diagnostic)."""
+    check_mode(mode)
+    return get_backend(backend)(
+        q,
+        k,
+        v,
+        fq,
+        fk,
+        gamma,
+        window=window,
+        mode=mode,
+        sinks=sinks,
+        scale=scale,
+        attention_mask=attention_mask,
+        chunk_size=chunk_size,
+        return_denominators=return_denominators,
+    )
 
 
 class HybridAttention(nn.Module):
@@ -71,6 +117,7 @@ class HybridAttention(nn.Module):
         self.scaling = scaling
         self.is_causal = True
         self.window, self.sinks, self.mode, self.chunk_size = int(window), int(sinks), mode, int(chunk_size)
+        self.backend = "chunk"  # the backends.py name `attend` uses; not a setting (exports always run on torch)
         ref = self.q_proj.weight
         self.feature_map_q = make_feature_map(feature_map, num_heads, head_dim, feature_dim)
         self.feature_map_k = make_feature_map(feature_map, num_kv_heads, head_dim, feature_dim)
@@ -105,6 +152,43 @@ class HybridAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}, mode={self.mode}"
 
+    def attend(
+        self,
+        q,
+        k,
+        v,
+        fq,
+        fk,
+        *,
+        mode=None,
+        gamma=None,
+        window=None,
+        sinks=None,
+        scale=None,
+        chunk_size=None,
+        attention_mask=None,
+        backend=None,
+        return_denominators=False,
+    ):
+        """`attend` with this layer's mode, gamma, window, sinks, scaling, chunk_size and backend; a keyword given
+        (not None) replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
+        return attend(
+            q,
+            k,
+            v,
+            fq,
+            fk,
+            gamma=self.gamma if gamma is None else gamma,
+            window=self.window if window is None else window,
+            mode=self.mode if mode is None else mode,
+            sinks=self.sinks if sinks is None else sinks,
+            scale=self.scaling if scale is None else scale,
+            attention_mask=attention_mask,
+            chunk_size=self.chunk_size if chunk_size is None else chunk_size,
+            backend=self.backend if backend is None else backend,
+            return_denominators=return_denominators,
+        )
+
     def project(self, hidden_states, position_embeddings):
         """q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and their feature maps."""
         B, T, _ = hidden_states.shape
@@ -133,20 +217,7 @@ class HybridAttention(nn.Module):
                 "pass no cache (one is created) or HybridCache(model)"
             )
         else:
-            y = chunked_attention(
-                q,
-                k,
-                v,
-                fq,
-                fk,
-                self.gamma,
-                self.window,
-                self.mode,
-                self.sinks,
-                hybrid_mask,
-                self.scaling,
-                self.chunk_size,
-            )
+            y = self.attend(q, k, v, fq, fk, attention_mask=hybrid_mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), None
 
 
@@ -184,12 +255,12 @@ class HybridCacheLayer(CacheLayerMixin):
             fq,
             fk,
             module.gamma,
-            module.window,
-            module.mode,
-            module.sinks,
-            mask,
-            module.scaling,
-            module.chunk_size,
+            window=module.window,
+            mode=module.mode,
+            sinks=module.sinks,
+            attention_mask=mask,
+            scale=module.scaling,
+            chunk_size=module.chunk_size,
         )
 
     def lazy_initialization(self, key_states, value_states) -> None:

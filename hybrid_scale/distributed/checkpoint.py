@@ -17,9 +17,10 @@ import signal
 import time
 from pathlib import Path
 
+from ..errors import DestinationError
+
 MARKER = "COMMITTED"
 PARTIAL_TAG = ".hybrid_scale_partial"  # first file of a directory under construction (removed by commit())
-REQUEUE_MARKER = "requeue_requested"  # in run_dir: a stage saved on a signal and asks to be started again
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -37,10 +38,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-class DestinationError(ValueError):
-    """A stage was asked to write where something it did not create already is."""
 
 
 def fault_enospc(point: str) -> None:

@@ -7,8 +7,10 @@ to a folder inside the virtual environment so that the build is paid once, not o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,14 +86,6 @@ def train_config(f, dtype: torch.dtype, world: int) -> dict:
     }
 
 
-def shard_for_inference(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Partition every parameter over the ranks (ZeRO-3); forwards gather each layer's weights as they run.
-    Every rank must then run the same sequence of forwards (see loglik.score(lockstep=True))."""
-    deepspeed = _import_deepspeed()
-    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(dtype))
-    return engine.module.eval()
-
-
 def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
 
@@ -102,3 +96,68 @@ def gathered(module: nn.Module):
     if not params:
         return contextlib.nullcontext()
     return _import_deepspeed().zero.GatheredParameters(params)
+
+
+def quiet() -> None:
+    """Silence what DeepSpeed logs on every run that is not the user's concern: the torch collective that DeepSpeed
+    0.19 calls once per step and torch 2.13 deprecates, and the 'learning rate before it has started' warning its
+    WarmupDecayLR logs from its own constructor."""
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
+    from deepspeed.utils import logger
+
+    if _not_before_started not in logger.filters:
+        logger.addFilter(_not_before_started)
+
+
+def _not_before_started(record: logging.LogRecord) -> bool:
+    return "scheduler before it has started" not in record.getMessage()
+
+
+# --- whole tensors out of ZeRO-3 partitions (collective: every rank calls in the same order) ----------------------
+
+
+def gather_full(params: list[tuple[str, nn.Parameter]], group: int = 64) -> dict[str, torch.Tensor]:
+    """{name: the whole tensor on CPU} of partitioned parameters, gathered `group` at a time."""
+    deepspeed = _import_deepspeed()
+    out = {}
+    for a in range(0, len(params), group):
+        chunk = params[a : a + group]
+        with deepspeed.zero.GatheredParameters([p for _, p in chunk]):
+            for name, p in chunk:
+                out[name] = p.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def trainable_state(named: list[tuple[str, nn.Parameter]]) -> tuple[dict, dict]:
+    """(fp32 master weights, AdamW moments) of the trainable parameters, each whole: a world-size-free form."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    weights, moments = {}, {}
+    for name, p in named:
+        weights[name] = safe_get_full_fp32_param(p).detach().cpu().contiguous()
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments[f"{name}::{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().contiguous()
+    return weights, moments
+
+
+def restore_trainable(engine, named, weights: dict, moments: dict, step: int) -> None:
+    """Put whole saved weights and moments back into the partitions of this world size (any number of ranks)."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    deepspeed = _import_deepspeed()
+    opt = engine.optimizer
+    for flat in opt.fp32_partitioned_groups_flat:  # AdamW state is created lazily by its first step
+        opt.optimizer.state[flat] = {
+            "step": torch.tensor(float(step)),
+            "exp_avg": torch.zeros_like(flat),
+            "exp_avg_sq": torch.zeros_like(flat),
+        }
+    for name, p in named:
+        value = weights[name]
+        safe_set_full_fp32_param(p, value.float())
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if dist.get_rank() == 0:
+                p.data.copy_(value.view(p.shape).to(p.dtype))
+        for key in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(p, moments[f"{name}::{key}"], key)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .slurm import srun_environment
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,6 @@ class Runtime:
 def init(device: str = "auto") -> Runtime:
     """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK) or srun does (one task per rank),
     or run alone."""
-    from .slurm import srun_environment
-
     for key, value in srun_environment().items():
         os.environ.setdefault(key, value)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -55,3 +56,16 @@ def gather_objects(rt: Runtime, obj):
 def barrier(rt: Runtime) -> None:
     if rt.distributed:
         dist.barrier()
+
+
+def join_group(rt: Runtime) -> None:
+    """A process group even for one process (DeepSpeed wants one): a local rendezvous on a free port."""
+    if dist.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    dist.init_process_group("nccl" if rt.device.type == "cuda" else "gloo")

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from ..config import JOBS, ConfigError
-from .checkpoint import REQUEUE_MARKER
+from ..resources import data_dir
+from .requeue import REQUEUE_MARKER
 
 GPU_JOBS = tuple(j for j in JOBS if j != "export")  # export is one CPU process
 
@@ -105,7 +106,7 @@ def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str
     ]
 
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"  # the templates shipped with the repository
+TEMPLATES = data_dir("slurm")  # the repository's slurm/ (in a wheel install, its copy in the package)
 PLACEHOLDER = re.compile(r"@([a-z_]+)@")
 
 

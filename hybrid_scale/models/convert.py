@@ -8,31 +8,18 @@ from typing import Any
 
 from torch import nn
 
+from ..attention.architectures import ARCHITECTURES
 from ..attention.hybrid import HybridAttention, hybrid_layers, prepare_inputs
 from ..attention.naive import check_mode
 from ..config import attention_settings
-
-# architecture -> what differs; the attention module of all three has q/k/v/o_proj, scaling, head_dim and takes the
-# model's rotary embeddings, so one conversion serves them all.
-SUPPORTED = {
-    "LlamaForCausalLM": "Llama 2/3 (rope_parameters incl. llama3 scaling)",
-    "MistralForCausalLM": "Mistral (its own sliding_window applies only to layers left unconverted)",
-    "Qwen2ForCausalLM": "Qwen2 (q/k/v biases)",
-}
-
-
-class UnsupportedArchitectureError(ValueError):
-    pass
-
-
-MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+from ..errors import UnsupportedArchitectureError
 
 
 def check_architecture(model: nn.Module) -> str:
     name = type(model).__name__
-    if name not in SUPPORTED:
+    if name not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"hybrid_scale cannot convert {name}: supported architectures are {', '.join(SUPPORTED)}"
+            f"hybrid_scale cannot convert {name}: supported architectures are {', '.join(ARCHITECTURES)}"
         )
     return name
 
@@ -89,6 +76,18 @@ def set_modes(model: nn.Module, modes: Modes) -> None:
         check_mode(mode)
     for i, mode in modes.items():
         layers[i].mode = mode
+
+
+def set_window(model: nn.Module, window: int) -> None:
+    """The sliding window (in real tokens) of every hybrid layer: the one place it changes after conversion
+    (eval.window, SSD's window schedule). Between forwards only: a live decode cache keeps the window it began with."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"the window must be an integer >= 1, got {window!r}")
+    layers = hybrid_layers(model)
+    if not layers:
+        raise ValueError("set_window needs a converted model (no hybrid layer found)")
+    for m in layers.values():
+        m.window = window
 
 
 @contextlib.contextmanager

@@ -13,20 +13,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..attention.architectures import BY_EXPORT_TYPE
 from ..attention.hybrid import HybridAttention, hybrid_layers
+from ..distributed.deepspeed import _import_deepspeed, is_partitioned
+from ..errors import ConvertedModelError
 from .convert import check_architecture, convert_model, set_modes
 
 CONFIG_NAME = "hybrid_config.json"
 PARAMS_NAME = "hybrid_params.safetensors"
 ADAPTER_DIR = "adapter"  # stage 2 adds a PEFT LoRA adapter here
 FORMAT_VERSION = 1
-
-
-CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-
-
-class ConvertedModelError(ValueError):
-    pass
 
 
 def load_base_model(path: str | os.PathLike, dtype: torch.dtype) -> nn.Module:
@@ -64,12 +60,10 @@ def base_config(path: Path):
         return AutoConfig.from_pretrained(path, local_files_only=True)
     from transformers import CONFIG_MAPPING
 
-    from ..attention.configuration_hybrid_scale import BASE_MODEL_TYPE
-
-    base_type = BASE_MODEL_TYPE[data["model_type"]]
+    base = BY_EXPORT_TYPE[data["model_type"]]
     for key in ("model_type", "auto_map", "hybrid", "architectures", "transformers_version"):
         data.pop(key, None)
-    return CONFIG_MAPPING[base_type](architectures=[f"{CLASS_PREFIX[base_type]}ForCausalLM"], **data)
+    return CONFIG_MAPPING[base.model_type](architectures=[base.hf_class], **data)
 
 
 def hybrid_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -199,8 +193,6 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
     PEFT's merge_and_unload). Weights partitioned by ZeRO-3 are gathered one at a time, merged on rank 0 and
     partitioned again."""
     import torch.distributed as dist
-
-    from ..distributed.deepspeed import _import_deepspeed, is_partitioned
 
     deltas, scaling = lora_deltas(adapter)
     named = dict(model.named_parameters())

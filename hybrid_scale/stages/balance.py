@@ -13,7 +13,6 @@ import math
 
 import torch
 
-from ..attention import chunked
 from ..attention.hybrid import hybrid_layers
 from ..distributed.deepspeed import gathered
 
@@ -103,11 +102,8 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
         q, k, v, fq, fk = m.project(hidden, rope)
         with gathered(m):  # gamma is the module's own parameter: whole only inside its forward under ZeRO-3
             gamma = m.gamma.detach().clone()
-        args = (q, k, v, fq, fk, gamma, m.window)
-        y, soft, lin = chunked.hybrid_attention(
-            *args, "hybrid", m.sinks, None, m.scaling, m.chunk_size, return_denominators=True
-        )
-        y_swa = chunked.hybrid_attention(*args, "swa_only", m.sinks, None, m.scaling, m.chunk_size)
+        y, soft, lin = m.attend(q, k, v, fq, fk, gamma=gamma, mode="hybrid", return_denominators=True)
+        y_swa = m.attend(q, k, v, fq, fk, gamma=gamma, mode="swa_only")
         ratio = (lin / (soft + lin)).float()  # [B, H, T]
         diff = (y - y_swa).float().pow(2).sum(-1)  # [B, H, T]
         norm = y.float().pow(2).sum(-1)

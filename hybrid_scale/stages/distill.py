@@ -14,96 +14,33 @@ Memory: one layer and a batch; disk: 2 x (sequences on this rank) x seq_len x hi
 
 from __future__ import annotations
 
-import importlib
+import itertools
 import json
 import math
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer
 
-from ..attention import chunked
 from ..attention.hybrid import HybridAttention
-from ..config import RECIPE_OBJECTIVE, ConfigError, attention_settings
-from ..data import corpus
+from ..config import ConfigError, attention_settings
+from ..data import assets, corpus
 from ..distributed import runtime
 from ..distributed.checkpoint import atomic_write, fault, sha256
-from ..models.convert import SUPPORTED
+from ..errors import DistillError
+from ..models import streaming
 from ..models.converted import write_converted
-
-
-class DistillError(RuntimeError):
-    pass
-
-
-# --- reading one layer at a time ---------------------------------------------------------------------------------
-
-
-class ShardedCheckpoint:
-    """The tensors of a Hugging Face safetensors checkpoint, read by name without loading the rest."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            self.where = json.loads(index.read_text())["weight_map"]
-        elif (self.path / "model.safetensors").is_file():
-            with safe_open(self.path / "model.safetensors", "pt") as f:
-                self.where = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise DistillError(f"{self.path} has no model.safetensors(.index.json): stage 1 streams safetensors only")
-
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        missing = [n for n in names if n not in self.where]
-        if missing:
-            raise DistillError(f"{self.path} lacks {missing[:3]}")
-        out: dict[str, torch.Tensor] = {}
-        by_file: dict[str, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.where[n], []).append(n)
-        for file, keys in by_file.items():
-            with safe_open(self.path / file, "pt") as f:
-                for k in keys:
-                    out[k] = f.get_tensor(k)
-        return out
-
-
-def _modeling(config):
-    return importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-
-
-def _class(config, suffix: str):
-    arch = config.architectures[0] if config.architectures else None
-    if arch not in SUPPORTED:
-        raise DistillError(f"stage 1 supports {', '.join(SUPPORTED)}; {arch} is not one of them")
-    return getattr(_modeling(config), arch.replace("ForCausalLM", suffix))
-
-
-def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype):
-    """Decoder layer i with its weights, and nothing else of the model."""
-    cls = _class(config, "DecoderLayer")
-    with torch.device("meta"):
-        layer = cls(config, i)
-    prefix = f"model.layers.{i}."
-    tensors = ckpt.read([prefix + k for k in layer.state_dict()])  # only the decoder layer's own tensors
-    layer.load_state_dict({k[len(prefix) :]: v.to(dtype) for k, v in tensors.items()}, assign=True)
-    for p in layer.parameters():
-        p.requires_grad_(False)
-    return layer.eval()
-
-
-def rotary(config, seq_len: int, dtype: torch.dtype):
-    emb = _class(config, "RotaryEmbedding")(config=config)
-    x = torch.zeros(1, seq_len, 1, dtype=dtype)
-    return emb(x, torch.arange(seq_len)[None])
-
+from ..recipes import RECIPES
+from . import rundir
+from .plan import preflight
 
 # --- buffers, manifest, commits ----------------------------------------------------------------------------------
 
@@ -127,7 +64,7 @@ def committed(stage1: Path, i: int) -> bool:
         return False
 
 
-def preflight(buffer_dir: Path, n_local: int, seq_len: int, hidden: int, dtype: torch.dtype) -> int:
+def preflight_buffers(buffer_dir: Path, n_local: int, seq_len: int, hidden: int, dtype: torch.dtype) -> int:
     need = 2 * n_local * seq_len * hidden * torch.empty((), dtype=dtype).element_size()
     buffer_dir.mkdir(parents=True, exist_ok=True)
     have = sum(p.stat().st_size for p in buffer_dir.glob("*.bin"))  # reused in place
@@ -168,13 +105,6 @@ def weights_xent(q, k, fq, fk, scale, block: int) -> torch.Tensor:
     return total / (H * T)
 
 
-def teacher_output(q, k, v, scale):
-    group = q.shape[1] // k.shape[1]
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, _expand(k, group), _expand(v, group), is_causal=True, scale=scale
-    )
-
-
 def layer_loss(m: HybridAttention, hidden, norm, rope, weights: dict[str, float], block: int) -> torch.Tensor:
     """Sum over the batch of each sequence's weighted objective. hidden [B, T, D]."""
     q, k, v, fq, fk = m.project(norm(hidden), rope)
@@ -184,12 +114,10 @@ def layer_loss(m: HybridAttention, hidden, norm, rope, weights: dict[str, float]
         loss = loss + weights["weights_xent"] * weights_xent(q, k, fq, fk, m.scaling, block)
     if weights.get("output_mse") or weights.get("hybrid_output_mse"):
         with torch.no_grad():
-            target = teacher_output(q, k, v, m.scaling)
+            target = streaming.teacher_output(q, k, v, m.scaling)
         for name, mode in (("output_mse", "la_only"), ("hybrid_output_mse", "hybrid")):
             if weights.get(name):
-                y = chunked.hybrid_attention(
-                    q, k, v, fq, fk, m.gamma, m.window, mode, m.sinks, None, m.scaling, m.chunk_size
-                )
+                y = m.attend(q, k, v, fq, fk, mode=mode)
                 loss = loss + weights[name] * (y - target).pow(2).mean((1, 2, 3))
     return loss.sum()
 
@@ -201,7 +129,7 @@ def objective_weights(cfg) -> dict[str, float]:
     d = cfg.distill
     if d.objectives:
         return {k: float(v) for k, v in d.objectives.items() if v}
-    return {RECIPE_OBJECTIVE[d.recipe]: 1.0}
+    return {RECIPES[d.recipe].objective: 1.0}
 
 
 def train_gamma(cfg, weights) -> bool:
@@ -300,8 +228,7 @@ def run_teacher(layer, rope, buf_in, buf_out, batch: int, dtype) -> bool:
     """The teacher layer over every sequence of this rank; False when an output is not finite (nan/inf)."""
     finite = True
     for a in range(0, buf_in.shape[0], batch):
-        out = layer(buf_in[a : a + batch].to(dtype), position_embeddings=rope, attention_mask=None)
-        out = (out[0] if isinstance(out, tuple) else out).to(buf_out.dtype)
+        out = streaming.teacher(layer, buf_in[a : a + batch].to(dtype), rope).to(buf_out.dtype)
         finite = finite and bool(torch.isfinite(out).all())
         buf_out[a : a + batch] = out
     return finite
@@ -385,159 +312,225 @@ def identity_changes(recorded: dict, identity: dict) -> list[str]:
     ]
 
 
-def distill(cfg) -> Path:
-    """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted."""
-    from transformers import AutoConfig, AutoTokenizer
+@dataclass
+class Stage1:
+    """What stage 1's loop reads: the teacher checkpoint, its config, this rank's sequences and buffers, the run's
+    identity and the layer to start at."""
 
-    from ..data.assets import require
-    from .plan import preflight as plan_preflight
+    cfg: object
+    rt: runtime.Runtime
+    model_path: Path
+    config: object
+    ckpt: streaming.ShardedCheckpoint
+    attention: object
+    weights: dict
+    identity: dict
+    manifest: dict | None
+    dtype: torch.dtype
+    buf_dtype: torch.dtype
+    owned: list[int]  # the sequences this rank holds: s = rank mod world
+    first: int = 0
+    bufs: dict = field(default_factory=dict)  # 'a' / 'b': this rank's memory-mapped hidden-state buffers
+    rope: object = None
 
-    plan_preflight(cfg, "distill")  # paths, architecture, tensor-parallel shape, memory, disk: before any work
-    rt = runtime.init(cfg.model.device)
-    model_path = Path(cfg.model.path) if cfg.model.path else require().model
-    if not (model_path / "config.json").is_file():
-        raise ConfigError(f"config key 'model.path': {model_path} is not a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    config._attn_implementation = "sdpa"
-    dtype = getattr(torch, cfg.model.dtype)
-    buf_dtype = getattr(torch, cfg.distill.buffer_dtype)
-    weights = objective_weights(cfg)
-    attention = attention_settings(cfg.attention)
-    ckpt = ShardedCheckpoint(model_path)
-    stage1 = Path(cfg.run_dir) / "stage1"
-    stage1.mkdir(parents=True, exist_ok=True)
-    buffer_dir = Path(cfg.distill.buffer_dir) if cfg.distill.buffer_dir else stage1 / "buffers"
-    n_layers = config.num_hidden_layers
-    layers_to_train = set(range(n_layers) if attention.layers is None else attention.layers)
-    T, D, N = cfg.data.seq_len, config.hidden_size, cfg.data.num_sequences
-    owned = list(range(rt.rank, N, rt.world))  # sequence s lives on rank s mod world
-    preflight(buffer_dir, len(owned), T, D, buf_dtype)
+    @property
+    def stage1(self) -> Path:
+        return rundir.stage1_dir(self.cfg)
 
-    def log(msg: str) -> None:
-        if rt.main:
-            with open(stage1 / "log.txt", "a") as f:
+    @property
+    def buffer_dir(self) -> Path:
+        return rundir.buffer_dir(self.cfg)
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def log(self, msg: str) -> None:
+        if self.rt.main:
+            with open(self.stage1 / "log.txt", "a") as f:
                 f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
 
-    # identity of the run: resuming with other data or settings would mix two runs (refused before any write)
-    identity = run_identity(cfg, model_path, attention, weights)
-    manifest_path = stage1 / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    changes = identity_changes(manifest["identity"], identity) if manifest else []
+
+def distill(cfg) -> Path:
+    """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted. Per layer: train
+    its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
+    preflight(cfg, "distill")  # inputs, architecture, tensor-parallel shape, memory, disk: before any write
+    s = start(cfg)
+    current = inputs_of_first_layer(s)
+    for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first):
+        other = "b" if current == "a" else "a"
+        (s.buffer_dir / f"written_{other}.rank{s.rt.rank}").unlink(missing_ok=True)
+        params, losses = transfer(s, i, layer, current)
+        if i + 1 < s.n_layers:
+            advance(s, i, layer, current, other)
+        commit_layer(s, i, params, losses, other)
+        current = other
+    return write_output(s)
+
+
+def start(cfg) -> Stage1:
+    """The teacher's config and checkpoint, the run's identity (a rerun with other settings is refused before any
+    write), the first uncommitted layer."""
+    rt = runtime.init(cfg.model.device)
+    model_path = Path(cfg.model.path) if cfg.model.path else assets.require().model
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    config._attn_implementation = "sdpa"
+    weights = objective_weights(cfg)
+    attention = attention_settings(cfg.attention)
+    N = cfg.data.num_sequences
+    s = Stage1(
+        cfg,
+        rt,
+        model_path,
+        config,
+        streaming.ShardedCheckpoint(model_path),
+        attention,
+        weights,
+        run_identity(cfg, model_path, attention, weights),
+        None,
+        getattr(torch, cfg.model.dtype),
+        getattr(torch, cfg.distill.buffer_dtype),
+        list(range(rt.rank, N, rt.world)),
+    )
+    manifest_path = s.stage1 / "manifest.json"
+    s.manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    changes = identity_changes(s.manifest["identity"], s.identity) if s.manifest else []
     if changes:
         raise DistillError(
-            f"{stage1} holds a stage 1 run made with other settings: {', '.join(changes)}; use another run_dir, "
-            f"restore them, or delete {stage1}"
+            f"{s.stage1} holds a stage 1 run made with other settings: {', '.join(changes)}; use another run_dir, "
+            f"restore them, or delete {s.stage1}"
         )
+    s.stage1.mkdir(parents=True, exist_ok=True)
+    preflight_buffers(s.buffer_dir, len(s.owned), cfg.data.seq_len, config.hidden_size, s.buf_dtype)
+    s.first = next((i for i in range(s.n_layers) if not committed(s.stage1, i)), s.n_layers)
+    s.log(f"start at layer {s.first} of {s.n_layers}: {rt.world} ranks, {len(s.owned)} of {N} sequences on rank 0")
+    return s
 
-    first = next((i for i in range(n_layers) if not committed(stage1, i)), n_layers)
-    log(f"start at layer {first} of {n_layers}: {rt.world} ranks, {len(owned)} of {N} sequences on rank 0")
-    paths = {"a": buffer_dir / f"hidden_a.rank{rt.rank}.bin", "b": buffer_dir / f"hidden_b.rank{rt.rank}.bin"}
-    size = len(owned) * T * D * torch.empty((), dtype=buf_dtype).element_size()
-    # the buffer named by the manifest holds layer `first`'s inputs for this rank only when the manifest and the
-    # buffer's marker name this number of ranks (rank r holds the sequences s = r mod world) and it has this size
+
+def inputs_of_first_layer(s: Stage1) -> str:
+    """The buffer ('a' or 'b') holding the first layer's inputs: the one the manifest names when this rank's copy
+    of it is complete and laid out for this number of ranks (every rank must agree), else rebuilt from the
+    embeddings by replaying the committed teacher layers."""
+    rt, manifest, T, D = s.rt, s.manifest, s.cfg.data.seq_len, s.config.hidden_size
+    paths = {k: s.buffer_dir / f"hidden_{k}.rank{rt.rank}.bin" for k in ("a", "b")}
+    size = len(s.owned) * T * D * torch.empty((), dtype=s.buf_dtype).element_size()
     ready = (
         manifest is not None
-        and manifest["next_layer"] == first
+        and manifest["next_layer"] == s.first
         and manifest.get("world") == rt.world
-        and _written_by(buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}") == rt.world
+        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}") == rt.world
         and paths[manifest["inputs"]].is_file()
         and paths[manifest["inputs"]].stat().st_size == size
     )
-    if rt.distributed:  # every rank must agree on where to start
-        flag = torch.tensor([1 if ready else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ready = bool(flag.item())
+    ready = _all_ranks(rt, ready)
     if not ready:  # what this rank's buffers hold is trusted no more: their markers go before a buffer is resized
         for name in paths:
-            (buffer_dir / f"written_{name}.rank{rt.rank}").unlink(missing_ok=True)
+            (s.buffer_dir / f"written_{name}.rank{rt.rank}").unlink(missing_ok=True)
         if rt.main and manifest is not None and manifest.get("world") != rt.world:
-            _drop_absent_ranks(buffer_dir, rt.world)
+            _drop_absent_ranks(s.buffer_dir, rt.world)
         runtime.barrier(rt)
-    bufs = {k: _buffer(p, len(owned), T, D, buf_dtype, create=True) for k, p in paths.items()}
-    rope = rotary(config, T, dtype)
+    s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=True) for k, p in paths.items()}
+    s.rope = streaming.rotary(s.config, T, s.dtype)
     if ready:
-        current = manifest["inputs"]
-        log(f"resuming at layer {first} from buffer {current}")
-    else:  # fresh start, or the buffer is gone: rebuild layer `first`'s inputs by replaying the teacher
-        if first < n_layers and manifest is not None:
-            if manifest.get("world") != rt.world:
-                why = f"its buffers were written by {manifest.get('world')} ranks, now {rt.world}"
-            elif manifest["next_layer"] != first:
-                why = f"the manifest names layer {manifest['next_layer']}'s inputs"
-            else:
-                why = "a rank's buffer of them is missing, incomplete or laid out for another number of ranks"
-            log(f"resuming at layer {first}: rebuilding its inputs by replaying the teacher ({why})")
-        if first < n_layers:
-            tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-            docs, _ = corpus.split_documents(
-                corpus.read_documents(cfg.data.source, cfg.data.text_field),
-                cfg.data.heldout_fraction if cfg.data.source else 0.0,
-            )
-            ids = corpus.pack(tokenizer, docs, T, N, cfg.seed)[owned]
-            emb = ckpt.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].to(dtype)
-            for a in range(0, len(owned), cfg.distill.batch_size):
-                bufs["a"][a : a + cfg.distill.batch_size] = emb[ids[a : a + cfg.distill.batch_size]].to(buf_dtype)
-            del emb
-            current = "a"
-            for j in range(first):
-                log(f"replaying teacher layer {j} to rebuild layer {first}'s inputs")
-                other = "b" if current == "a" else "a"
-                run_teacher(
-                    build_layer(config, ckpt, j, dtype), rope, bufs[current], bufs[other], cfg.distill.batch_size, dtype
-                )
-                current = other
-            _mark_written(buffer_dir, current, rt)
-    for i in range(first, n_layers):
-        layer = build_layer(config, ckpt, i, dtype)
+        s.log(f"resuming at layer {s.first} from buffer {manifest['inputs']}")
+        return manifest["inputs"]
+    if s.first >= s.n_layers:
+        return "a"
+    if manifest is not None:
+        if manifest.get("world") != rt.world:
+            why = f"its buffers were written by {manifest.get('world')} ranks, now {rt.world}"
+        elif manifest["next_layer"] != s.first:
+            why = f"the manifest names layer {manifest['next_layer']}'s inputs"
+        else:
+            why = "a rank's buffer of them is missing, incomplete or laid out for another number of ranks"
+        s.log(f"resuming at layer {s.first}: rebuilding its inputs by replaying the teacher ({why})")
+    return _rebuild_inputs(s)
+
+
+def _rebuild_inputs(s: Stage1) -> str:
+    cfg, batch = s.cfg, s.cfg.distill.batch_size
+    tokenizer = AutoTokenizer.from_pretrained(s.model_path, local_files_only=True)
+    docs, _ = corpus.split_documents(
+        corpus.read_documents(cfg.data.source, cfg.data.text_field),
+        cfg.data.heldout_fraction if cfg.data.source else 0.0,
+    )
+    ids = corpus.pack(tokenizer, docs, cfg.data.seq_len, cfg.data.num_sequences, cfg.seed)[s.owned]
+    for a in range(0, len(s.owned), batch):
+        s.bufs["a"][a : a + batch] = streaming.embed(s.ckpt, ids[a : a + batch], s.dtype).to(s.buf_dtype)
+    current = "a"
+    for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype), s.first):
+        s.log(f"replaying teacher layer {j} to rebuild layer {s.first}'s inputs")
         other = "b" if current == "a" else "a"
-        (buffer_dir / f"written_{other}.rank{rt.rank}").unlink(missing_ok=True)
-        params = {}
-        if i in layers_to_train:
-            torch.manual_seed(cfg.seed * 7919 + i)
-            m = HybridAttention.from_softmax(layer.self_attn, config, i, attention)
-            losses = train_layer(m, layer, rope, bufs[current], owned, cfg, rt, weights, i, log)
-            params = {f"model.layers.{i}.self_attn.{n}": p.detach().clone() for n, p in m.hybrid_parameters()}
-            if not all(bool(torch.isfinite(t).all()) for t in params.values()):  # the same on every rank
-                raise DistillError(
-                    f"stage 1: layer {i}'s trained feature maps hold nan/inf after its last step (its loss stayed "
-                    f"finite); nothing of layer {i} is committed and a rerun resumes there: lower distill.lr (now "
-                    f"{cfg.distill.lr}) in another run_dir"
-                )
-        if i + 1 < n_layers:
-            finite = run_teacher(layer, rope, bufs[current], bufs[other], cfg.distill.batch_size, dtype)
-            if not _all_ranks(rt, finite):
-                raise DistillError(
-                    f"stage 1: teacher layer {i} gives nan/inf outputs (layer {i + 1}'s inputs); nothing of layer {i} "
-                    f"is committed: check layer {i}'s weights in model.path for nan/inf, or use a wider "
-                    "distill.buffer_dtype (float16 overflows where bfloat16 and float32 do not)"
-                )
-            _mark_written(buffer_dir, other, rt)
-        if rt.main:
-            tmp = stage1 / f"layer_{i:03d}.safetensors.tmp"
-            save_file(params, tmp, metadata={"losses": json.dumps(losses if params else [])})
-            os.replace(tmp, stage1 / f"layer_{i:03d}.safetensors")
-            fault(f"commit:{i}")
-            atomic_write(
-                manifest_path,
-                json.dumps({"identity": identity, "next_layer": i + 1, "inputs": other, "world": rt.world}),
-            )
-            atomic_write(
-                stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": sha256(stage1 / f"layer_{i:03d}.safetensors")})
-            )
-        runtime.barrier(rt)
-        fault(f"after:{i}")
+        run_teacher(layer, s.rope, s.bufs[current], s.bufs[other], batch, s.dtype)
         current = other
-    out = stage1 / "converted"
-    if rt.main:
+    _mark_written(s.buffer_dir, current, s.rt)
+    return current
+
+
+def transfer(s: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]:
+    """Layer i's trained phi/gamma (nothing for a layer left unconverted) and its loss curve."""
+    layers = s.attention.layers
+    if layers is not None and i not in layers:
+        return {}, []
+    torch.manual_seed(s.cfg.seed * 7919 + i)
+    m = HybridAttention.from_softmax(layer.self_attn, s.config, i, s.attention)
+    losses = train_layer(m, layer, s.rope, s.bufs[current], s.owned, s.cfg, s.rt, s.weights, i, s.log)
+    params = {f"model.layers.{i}.self_attn.{n}": p.detach().clone() for n, p in m.hybrid_parameters()}
+    if not all(bool(torch.isfinite(t).all()) for t in params.values()):  # the same on every rank
+        raise DistillError(
+            f"stage 1: layer {i}'s trained feature maps hold nan/inf after its last step (its loss stayed "
+            f"finite); nothing of layer {i} is committed and a rerun resumes there: lower distill.lr (now "
+            f"{s.cfg.distill.lr}) in another run_dir"
+        )
+    return params, losses
+
+
+def advance(s: Stage1, i: int, layer, current: str, other: str) -> None:
+    """The teacher layer i on its inputs: layer i+1's inputs, in the other buffer (refused when not finite)."""
+    finite = run_teacher(layer, s.rope, s.bufs[current], s.bufs[other], s.cfg.distill.batch_size, s.dtype)
+    if not _all_ranks(s.rt, finite):
+        raise DistillError(
+            f"stage 1: teacher layer {i} gives nan/inf outputs (layer {i + 1}'s inputs); nothing of layer {i} "
+            f"is committed: check layer {i}'s weights in model.path for nan/inf, or use a wider "
+            "distill.buffer_dtype (float16 overflows where bfloat16 and float32 do not)"
+        )
+    _mark_written(s.buffer_dir, other, s.rt)
+
+
+def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: str) -> None:
+    """Layer i's parameters (written then renamed), the manifest naming the buffer with layer i+1's inputs, then
+    the marker with the parameter file's sha256, written last."""
+    stage1 = s.stage1
+    if s.rt.main:
+        tmp = stage1 / f"layer_{i:03d}.safetensors.tmp"
+        save_file(params, tmp, metadata={"losses": json.dumps(losses if params else [])})
+        os.replace(tmp, stage1 / f"layer_{i:03d}.safetensors")
+        fault(f"commit:{i}")
+        manifest = {"identity": s.identity, "next_layer": i + 1, "inputs": other, "world": s.rt.world}
+        atomic_write(stage1 / "manifest.json", json.dumps(manifest))
+        atomic_write(
+            stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": sha256(stage1 / f"layer_{i:03d}.safetensors")})
+        )
+    runtime.barrier(s.rt)
+    fault(f"after:{i}")
+
+
+def write_output(s: Stage1) -> Path:
+    """The converted model: every trained layer's phi/gamma, the attention settings, the base referenced."""
+    out = rundir.stage1_output(s.cfg)
+    config = s.config
+    trained = sorted(range(s.n_layers) if s.attention.layers is None else s.attention.layers)
+    if s.rt.main:
         params = {}
-        for i in sorted(layers_to_train):
-            params.update(load_file(stage1 / f"layer_{i:03d}.safetensors"))
-        settings = dict(attention)
-        settings["layers"] = sorted(layers_to_train)
-        settings["feature_dim"] = attention.feature_dim or getattr(config, "head_dim", D // config.num_attention_heads)
-        write_converted(out, config.architectures[0], str(model_path.resolve()), settings, params)
-        log(f"converted model written to {out}")
-    runtime.barrier(rt)
+        for i in trained:
+            params.update(load_file(s.stage1 / f"layer_{i:03d}.safetensors"))
+        settings = dict(s.attention)
+        settings["layers"] = trained
+        head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        settings["feature_dim"] = s.attention.feature_dim or head_dim
+        write_converted(out, config.architectures[0], str(s.model_path.resolve()), settings, params)
+        s.log(f"converted model written to {out}")
+    runtime.barrier(s.rt)
     return out
 
 

@@ -15,46 +15,23 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from ..attention.hybrid import hybrid_layers
 from ..config import ConfigError
 from ..data import assets, benchmarks, corpus
 from ..distributed import runtime
-from ..distributed.deepspeed import shard_for_inference
-from ..models.convert import convert_model, set_modes
+from ..distributed.deepspeed import _import_deepspeed, zero3_config
+from ..distributed.parallelize import parallelize
+from ..models.convert import convert_model, set_modes, set_window
 from ..models.converted import (
-    CONFIG_NAME,
     base_config,
-    base_dir,
     load_base_model,
     load_converted,
     load_tokenizer,
     read_hybrid_config,
 )
-from . import balance, loglik, report
-from .rundir import run_model
+from . import balance, loglik, report, rundir
+from .plan import preflight
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
-
-
-def resolve_model(cfg) -> tuple[Path, bool]:
-    """(path, is_converted) of the model to evaluate: eval.model, else the run's model (rundir.run_model, the one
-    export reads too), else model.path, else the embedded default."""
-    path = cfg.eval.model or run_model(cfg.run_dir) or cfg.model.path  # the run's model: stage2/output -> best/final
-    path = Path(path) if path else assets.require().model
-    if not path.exists():
-        raise ConfigError(f"config key 'eval.model': {path} does not exist")
-    converted = (path / CONFIG_NAME).is_file()
-    if not converted and not (path / "config.json").is_file():
-        raise ConfigError(f"config key 'eval.model': {path} is neither a Hugging Face model nor a converted model")
-    return path, converted
-
-
-def output_dir(cfg) -> Path:
-    return Path(cfg.eval.out_dir) if cfg.eval.out_dir else Path(cfg.run_dir) / "eval"
-
-
-def _base_path(path: Path, converted: bool) -> Path:
-    return base_dir(path) if converted else path
 
 
 class Models:
@@ -69,17 +46,15 @@ class Models:
         if cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
             from transformers.integrations import HfDeepSpeedConfig
 
-            from ..distributed.deepspeed import _import_deepspeed, zero3_config
-
             _import_deepspeed().init_distributed(dist_backend="nccl" if torch.device(device).type == "cuda" else "gloo")
             self._zero3 = HfDeepSpeedConfig(zero3_config(self.dtype))
 
     def _load_base(self):
         # an export's base architecture: "base" is its softmax model (merged weights)
-        return load_base_model(_base_path(self.path, self.converted), self.dtype).to(self.device).eval()
+        return load_base_model(rundir.base_of(self.path, self.converted), self.dtype).to(self.device).eval()
 
     def _ready(self, model):
-        return shard_for_inference(model, self.dtype) if self.cfg.eval.shard_weights else model
+        return parallelize(model, zero3=zero3_config(self.dtype)) if self.cfg.eval.shard_weights else model
 
     def get(self, mode: str):
         if mode == "base":
@@ -92,8 +67,7 @@ class Models:
             else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
                 model = convert_model(self._load_base(), self.cfg.attention)
             if self.cfg.eval.window is not None:
-                for m in hybrid_layers(model).values():
-                    m.window = self.cfg.eval.window
+                set_window(model, self.cfg.eval.window)
             self._hybrid = self._ready(model)
         set_modes(self._hybrid, mode)
         return self._hybrid
@@ -145,70 +119,102 @@ def heldout_record(cfg) -> dict:
 
 
 def evaluate(cfg) -> dict:
-    from .plan import preflight
-
+    """The component ablation: every task scored in every mode, the paired-bootstrap deltas and the verdict,
+    perplexity by position bucket and the LA share; written to eval/ by rank 0."""
     preflight(cfg, "evaluate")  # the input model, its architecture, memory per rank
     rt = runtime.init(cfg.model.device)
     e = cfg.eval
     benchmarks.check_tasks(e.tasks)
-    path, converted = resolve_model(cfg)
-    out_dir = output_dir(cfg)
-    data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
-    tokenizer = load_tokenizer(_base_path(path, converted))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    path, converted = rundir.eval_source(cfg)
+    tokenizer = load_tokenizer(rundir.base_of(path, converted))
     models = Models(cfg, path, converted, rt.device)
-    window = models.window()
-
+    data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
     items = {task: benchmarks.build(task, data_dir, e.limit) for task in e.tasks}
-    requests, spans = [], {}
-    for task, task_items in items.items():
-        for j, item in enumerate(task_items):
-            spans[(task, j)] = (len(requests), len(item.continuations))
-            requests += item.requests()
-    max_len = getattr(base_config(_base_path(path, converted)), "max_position_embeddings", 8192)
-    groups = loglik.make_groups(tokenizer, requests, max_len)
-    lengths = {r: (len(g.context), len(c)) for g in groups for r, c in zip(g.requests, g.continuations, strict=True)}
-
+    max_len = getattr(base_config(rundir.base_of(path, converted)), "max_position_embeddings", 8192)
+    requests = Requests(items, tokenizer, max_len)
     results = {
         "model": str(path),
         "converted": converted,
         "untrained_feature_maps": not converted,
-        "window": window,
+        "window": models.window(),
         "world_size": rt.world,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "heldout": heldout_record(cfg) if e.ppl_sequences else None,
-        "tasks": {},
+        "tasks": requests.beyond_window(models.window()),
         "modes": {},
         "timings_s": {},
     }
-    for task, task_items in items.items():
-        reqs = [r for j in range(len(task_items)) for r in range(spans[(task, j)][0], sum(spans[(task, j)]))]
-        scored = [lengths[r] for r in reqs]
-        total = sum(k for _, k in scored)
-        beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
-        results["tasks"][task] = {"metric": benchmarks.REPORTED[task], "n": len(task_items), "beyond_window": beyond}
-
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for mode in e.modes:
         t0 = time.perf_counter()
-        model = models.get(mode)
         mine = loglik.score(
-            model, groups, e.batch_size, pad_id, rt, desc=f"{mode:>10}", progress=e.progress, lockstep=e.shard_weights
+            models.get(mode),
+            requests.groups,
+            e.batch_size,
+            pad_id,
+            rt,
+            desc=f"{mode:>10}",
+            progress=e.progress,
+            lockstep=e.shard_weights,
         )
         scores: dict[int, tuple[float, bool]] = {}
         for part in runtime.gather_objects(rt, mine):
             scores.update(part)
-        per_task = {}
+        results["modes"][mode] = requests.per_task(scores)
+        results["timings_s"][mode] = time.perf_counter() - t0
+    _deltas(results, items, cfg)
+    t0 = time.perf_counter()
+    if e.ppl_sequences and (rt.main or e.shard_weights):  # sharded weights: every rank joins every forward
+        _perplexity_and_la_share(results, models, tokenizer, cfg, rt)
+    results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
+    if rt.main:
+        out_dir = rundir.eval_dir(cfg)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out_dir / "table.md").write_text(report.table(results))
+        report.plots(results, out_dir)
+    runtime.barrier(rt)
+    return results
+
+
+class Requests:
+    """Every task item as (context, continuation) requests, grouped by shared context for scoring."""
+
+    def __init__(self, items: dict, tokenizer, max_len: int):
+        self.items, requests, self.spans = items, [], {}
         for task, task_items in items.items():
+            for j, item in enumerate(task_items):
+                self.spans[(task, j)] = (len(requests), len(item.continuations))
+                requests += item.requests()
+        self.groups = loglik.make_groups(tokenizer, requests, max_len)
+        self.lengths = {
+            r: (len(g.context), len(c)) for g in self.groups for r, c in zip(g.requests, g.continuations, strict=True)
+        }
+
+    def beyond_window(self, window: int) -> dict:
+        """Per task: its metric, n, and the share of scored tokens beyond the window (at `window`, 16 and 64)."""
+        out = {}
+        for task, task_items in self.items.items():
+            spans = [self.spans[(task, j)] for j in range(len(task_items))]
+            scored = [self.lengths[r] for start, n in spans for r in range(start, start + n)]
+            total = sum(k for _, k in scored)
+            beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
+            out[task] = {"metric": benchmarks.REPORTED[task], "n": len(task_items), "beyond_window": beyond}
+        return out
+
+    def per_task(self, scores: dict[int, tuple[float, bool]]) -> dict:
+        """Per task: the reported metric and its stderr, acc, acc_norm, per-item correctness and log-likelihoods."""
+        per_task = {}
+        for task, task_items in self.items.items():
             lls, acc, acc_norm = [], [], []
             for j, item in enumerate(task_items):
-                start, n = spans[(task, j)]
+                start, n = self.spans[(task, j)]
                 ll = [scores[r][0] for r in range(start, start + n)]
                 c = benchmarks.correct(item, ll)
                 lls.append(ll)
                 acc.append(c["acc"])
                 acc_norm.append(c["acc_norm"])
-            name = benchmarks.REPORTED[task]
-            per_item = acc if name == "acc" else acc_norm
+            per_item = acc if benchmarks.REPORTED[task] == "acc" else acc_norm
             value, stderr = benchmarks.mean_stderr(per_item)
             per_task[task] = {
                 "metric": value,
@@ -219,18 +225,21 @@ def evaluate(cfg) -> dict:
                 "correct": per_item,
                 "loglik": lls,
             }
-        per_task["avg"] = sum(per_task[t]["metric"] for t in items) / len(items)
-        results["modes"][mode] = per_task
-        results["timings_s"][mode] = time.perf_counter() - t0
-    if "base" in results["modes"]:
-        base_avg = results["modes"]["base"]["avg"]
-        for r in results["modes"].values():
+        per_task["avg"] = sum(per_task[t]["metric"] for t in self.items) / len(self.items)
+        return per_task
+
+
+def _deltas(results: dict, items: dict, cfg) -> None:
+    """Rec.% against the base, the paired-bootstrap deltas (hybrid - swa_only, la_only - none) and the verdict."""
+    e, m = cfg.eval, results["modes"]
+    if "base" in m:
+        base_avg = m["base"]["avg"]
+        for r in m.values():
             r["rec"] = 100.0 * r["avg"] / base_avg if base_avg else float("nan")
 
     def correct_of(mode):
-        return {t: results["modes"][mode][t]["correct"] for t in items}
+        return {t: m[mode][t]["correct"] for t in items}
 
-    m = results["modes"]
     if "hybrid" in m and "swa_only" in m:
         results["delta_swa"] = balance.paired_bootstrap(
             correct_of("hybrid"), correct_of("swa_only"), e.bootstrap, cfg.seed
@@ -239,25 +248,17 @@ def evaluate(cfg) -> dict:
         results["delta_la"] = balance.paired_bootstrap(correct_of("la_only"), correct_of("none"), e.bootstrap, cfg.seed)
         results["verdict"] = balance.verdict(results["delta_la"]["avg"], e.margin)
 
-    t0 = time.perf_counter()
-    if e.ppl_sequences and (rt.main or e.shard_weights):  # sharded weights: every rank joins every forward
-        seqs = _heldout_sequences(tokenizer, cfg)
-        buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
-        results["perplexity"] = {
-            "seq_len": e.ppl_seq_len,
-            "sequences": len(seqs),
-            "by_mode": {mode: balance.perplexity_by_bucket(models.get(mode), seqs, buckets) for mode in e.modes},
-        }
-        if e.la_share_seq_len:
-            ids = seqs[:1, : e.la_share_seq_len]
-            share_buckets = [b for b in e.buckets if b < ids.shape[1]] + [ids.shape[1]]
-            results["la_share"] = balance.la_share(models.get("hybrid"), ids.to(rt.device), share_buckets)
-    results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
 
-    if rt.main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        (out_dir / "table.md").write_text(report.table(results))
-        report.plots(results, out_dir)
-    runtime.barrier(rt)
-    return results
+def _perplexity_and_la_share(results: dict, models: Models, tokenizer, cfg, rt) -> None:
+    e = cfg.eval
+    seqs = _heldout_sequences(tokenizer, cfg)
+    buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
+    results["perplexity"] = {
+        "seq_len": e.ppl_seq_len,
+        "sequences": len(seqs),
+        "by_mode": {mode: balance.perplexity_by_bucket(models.get(mode), seqs, buckets) for mode in e.modes},
+    }
+    if e.la_share_seq_len:
+        ids = seqs[:1, : e.la_share_seq_len]
+        share_buckets = [b for b in e.buckets if b < ids.shape[1]] + [ids.shape[1]]
+        results["la_share"] = balance.la_share(models.get("hybrid"), ids.to(rt.device), share_buckets)

@@ -25,17 +25,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from ..attention.architectures import ARCHITECTURES
 from ..attention.hybrid import HybridAttention
-from ..config import ConfigError
+from ..data import corpus
 from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, start_partial
-from ..models.convert import MODEL_TYPE
+from ..errors import ExportError
+from ..models import streaming
+from ..models.convert import components
 from ..models.converted import (
     ADAPTER_DIR,
-    CLASS_PREFIX,
-    CONFIG_NAME,
     PARAMS_NAME,
     base_config,
     base_dir,
+    load_converted,
     load_tokenizer,
     lora_deltas,
     merge,
@@ -43,19 +45,19 @@ from ..models.converted import (
     write_converted,
 )
 from . import inputs
-from .evaluate import output_dir as eval_dir
-from .rundir import describe_origin, is_export, run_model
+from .balance import perplexity_by_bucket
+from .plan import preflight
+from .rundir import describe_origin, eval_dir, export_source, is_export
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
-REMOTE_FILES = (
-    "configuration_hybrid_scale.py",
-    "modeling_hybrid_scale.py",
-    "hybrid.py",
-    "chunked.py",
-    "recurrent.py",
-    "naive.py",
-    "feature_maps.py",
-)
+
+
+def remote_files() -> list[str]:
+    """Every module of the attention folder (they import only torch, transformers and each other, in the
+    `from .sibling import name` form, so they work copied flat next to each other); not its package __init__.py."""
+    return sorted(p.name for p in ATTENTION_DIR.glob("*.py") if p.name != "__init__.py")
+
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -66,58 +68,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-class ExportError(RuntimeError):
-    pass
 
 
 # --- reading the input -------------------------------------------------------------------------------------------
-
-
-def output_dir(cfg) -> Path:
-    return Path(cfg.export.out_dir) if cfg.export.out_dir else Path(cfg.run_dir) / "export"
-
-
-def source_model(cfg) -> Path:
-    """export.model, else the run's model (rundir.run_model: the same one `evaluate` scores)."""
-    if cfg.export.model:
-        path = Path(cfg.export.model)
-        if not (path / CONFIG_NAME).is_file():
-            raise ConfigError(f"config key 'export.model': {path} is not a converted model (no {CONFIG_NAME})")
-        return path
-    path = run_model(cfg.run_dir)
-    if path is None:
-        raise ConfigError(
-            f"config key 'export.model': {cfg.run_dir} has no stage-2 or stage-1 model yet; run the stages or set "
-            "export.model"
-        )
-    return path
-
-
-def input_shards(base: Path) -> dict[str, str]:
-    """tensor name -> shard file of the base checkpoint; every shard must be present and readable."""
-    index = base / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    elif (base / "model.safetensors").is_file():
-        where = None
-    else:
-        raise ExportError(f"{base} has no model.safetensors(.index.json): export streams safetensors checkpoints")
-    files = sorted(set(where.values())) if where else ["model.safetensors"]
-    missing = [f for f in files if not (base / f).is_file()]
-    if missing:
-        raise ExportError(f"input shard(s) missing in {base}: {', '.join(missing)}; restore them and export again")
-    out = {}
-    for file in files:
-        try:
-            with safe_open(base / file, "pt") as f:
-                names = list(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise ExportError(f"input shard {base / file} is unreadable ({e}); restore it and export again") from None
-        out.update(dict.fromkeys(names, file) if where is None else {n: file for n in names if where.get(n) == file})
-    return out
 
 
 # --- writing -----------------------------------------------------------------------------------------------------
@@ -135,7 +88,9 @@ def plan_shards(base: Path, where: dict[str, str], max_bytes: int, dtype: torch.
                 numel = 1
                 for d in s.get_shape():
                     numel *= d
-                nbytes = numel * (torch.empty((), dtype=dtype).element_size() if dtype else DTYPE_BYTES[s.get_dtype()])
+                nbytes = numel * (
+                    torch.empty((), dtype=dtype).element_size() if dtype else streaming.DTYPE_BYTES[s.get_dtype()]
+                )
                 if current and size + nbytes > max_bytes:
                     shards.append(current)
                     current, size = [], 0
@@ -178,12 +133,12 @@ def write_shards(base: Path, where, shards, deltas, scaling, dtype, out: Path, l
 def export_config(base: Path, settings: dict, dtype_name: str | None) -> dict:
     config = json.loads((base / "config.json").read_text())
     arch = (config.get("architectures") or [None])[0]
-    if arch not in MODEL_TYPE:
-        raise ExportError(f"export supports {', '.join(MODEL_TYPE)}; {base} is {arch}")
-    prefix = CLASS_PREFIX[MODEL_TYPE[arch]]
+    if arch not in ARCHITECTURES:
+        raise ExportError(f"export supports {', '.join(ARCHITECTURES)}; {base} is {arch}")
+    prefix = ARCHITECTURES[arch].prefix
     config.pop("quantization_config", None)
     config.update(
-        model_type=f"hybrid_scale_{MODEL_TYPE[arch]}",
+        model_type=ARCHITECTURES[arch].export_type,
         architectures=[f"HybridScale{prefix}ForCausalLM"],
         auto_map={
             "AutoConfig": f"configuration_hybrid_scale.HybridScale{prefix}Config",
@@ -201,15 +156,11 @@ def export_config(base: Path, settings: dict, dtype_name: str | None) -> dict:
 
 def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[torch.Tensor, float, float]:
     """gamma logits per head minimising the MSE of the hybrid output to `target`; with the MSE before and after."""
-    from ..attention.chunked import hybrid_attention
-
     logit = m.gamma_logit.detach().clone().requires_grad_(True)
     opt = torch.optim.Adam([logit], lr=0.1)
 
     def mse():
-        y = hybrid_attention(
-            q, k, v, fq, fk, torch.sigmoid(logit), m.window, "hybrid", m.sinks, None, m.scaling, m.chunk_size
-        )
+        y = m.attend(q, k, v, fq, fk, gamma=torch.sigmoid(logit), mode="hybrid")
         return (y - target).pow(2).mean()
 
     with torch.no_grad():
@@ -229,21 +180,17 @@ def calibrate_gamma(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Per layer (streamed, as stage 1): fit gamma per head so that the hybrid output matches full causal softmax
     over the same (merged) q, k, v on a few training sequences; the teacher layer produces the next inputs."""
-    from ..data import corpus
-    from .distill import ShardedCheckpoint, build_layer, rotary, teacher_output
-
     x = cfg.export
     config = base_config(out)
     config._attn_implementation = "sdpa"
     tokenizer = load_tokenizer(tokenizer_dir)
     docs, _ = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
     ids = corpus.pack(tokenizer, docs, x.calibration_seq_len, x.calibration_sequences, cfg.seed)
-    ckpt = ShardedCheckpoint(out)
-    rope = rotary(config, x.calibration_seq_len, torch.float32)
-    h = ckpt.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].float()[ids]
+    ckpt = streaming.ShardedCheckpoint(out, "export.out_dir")
+    rope = streaming.rotary(config, x.calibration_seq_len, torch.float32)
+    h = streaming.embed(ckpt, ids, torch.float32)
     new, errors = dict(hybrid), {}
-    for i in range(config.num_hidden_layers):
-        layer = build_layer(config, ckpt, i, torch.float32)
+    for i, layer in streaming.layers(config, ckpt, torch.float32):
         if i in settings["layers"]:
             m = HybridAttention.from_softmax(layer.self_attn, config, i, {**settings, "mode": "hybrid"})
             prefix = f"model.layers.{i}.self_attn."
@@ -252,26 +199,19 @@ def calibrate_gamma(
             )
             with torch.no_grad():
                 q, k, v, fq, fk = m.project(layer.input_layernorm(h), rope)
-                target = teacher_output(q, k, v, m.scaling)
+                target = streaming.teacher_output(q, k, v, m.scaling)
             logit, before, after = fit_gamma(m, q, k, v, fq, fk, target, x.calibration_steps)
             key = prefix + "gamma_logit"
             new[key] = logit.detach().to(hybrid[key].dtype)
             errors[str(i)] = [before, after]
             g0, g1 = torch.sigmoid(hybrid[key].float()).mean(), torch.sigmoid(logit).mean()
             log(f"layer {i}: mean gamma {g0:.3f} -> {g1:.3f}, output mse {before:.3g} -> {after:.3g}")
-        with torch.no_grad():
-            out_h = layer(h, position_embeddings=rope, attention_mask=None)
-            h = out_h[0] if isinstance(out_h, tuple) else out_h
+        h = streaming.teacher(layer, h, rope)
     return new, errors
 
 
 def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
     """Held-out perplexity by position bucket in hybrid for each gamma setting (plus swa_only and la_only)."""
-    from ..data import corpus
-    from ..models.convert import components
-    from ..models.converted import load_converted
-    from .balance import perplexity_by_bucket
-
     x = cfg.export
     tokenizer = load_tokenizer(tokenizer_dir)
     _, held = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
@@ -358,16 +298,15 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
 
 
 def export(cfg) -> Path:
-    from .plan import preflight
-
+    """The export, built in {out}.partial and moved into place after its COMMITTED marker: merged shards, config and
+    attention code, tokenizer, phi/gamma (gamma fixed or calibrated on request), the model card."""
     x = cfg.export
     t0 = time.perf_counter()
     preflight(cfg, "export")  # the input model, its architecture, free disk for the merged copy
-    source = source_model(cfg)
-    meta = read_hybrid_config(source)
+    source = export_source(cfg)
     base = base_dir(source)
     out = inputs.export_output(cfg, source, base)
-    settings = dict(meta["attention"])
+    settings = dict(read_hybrid_config(source)["attention"])
     if x.mode:
         settings["mode"] = x.mode
         settings.pop("layer_modes", None)
@@ -378,9 +317,8 @@ def export(cfg) -> Path:
     hybrid = load_file(source / PARAMS_NAME)
     adapter = source / ADAPTER_DIR
     deltas, scaling = lora_deltas(adapter) if adapter.is_dir() else ({}, 1.0)
-    where = input_shards(base)  # all present and readable before anything is written
+    where = streaming.shard_map(base, "export.model")  # every shard present and readable before any write
     config = export_config(base, settings, x.dtype)
-
     tmp = start_partial(out, "export.out_dir")
     log_lines: list[str] = []
 
@@ -391,45 +329,14 @@ def export(cfg) -> Path:
         shards = plan_shards(base, where, int(x.max_shard_gb * 1e9), dtype)
         weight_map = write_shards(base, where, shards, deltas, scaling, dtype, tmp, log)
         log(f"merged {len(deltas)} LoRA deltas (scaling {scaling:g}) from {adapter if deltas else 'no adapter'}")
+        write_code_and_tokenizer(tmp, base, config)
         if x.gamma is not None:
-            hybrid = {
-                k: (torch.full_like(v, float(torch.logit(torch.tensor(x.gamma)))) if k.endswith("gamma_logit") else v)
-                for k, v in hybrid.items()
-            }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in REMOTE_FILES:
-            shutil.copy(ATTENTION_DIR / name, tmp / name)
-        for name in TOKENIZER_FILES:
-            if (base / name).is_file():
-                shutil.copy(base / name, tmp / name)
-
-        def write_hybrid(params):  # the phi/gamma shard + hybrid_config.json, then the index that lists the shard
-            write_converted(tmp, config["architectures"][0].replace("HybridScale", ""), ".", settings, params)
-            index = {**weight_map, **dict.fromkeys(params, PARAMS_NAME)}
-            total = sum((tmp / f).stat().st_size for f in set(index.values()))
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n"
-            )
-
-        write_hybrid(hybrid)
+            logit = float(torch.logit(torch.tensor(x.gamma)))
+            hybrid = {k: (torch.full_like(v, logit) if k.endswith("gamma_logit") else v) for k, v in hybrid.items()}
+        write_hybrid(tmp, config, settings, hybrid, weight_map)
         report = None
         if x.calibrate_gamma or x.gamma is not None:
-            gammas = {"as trained": load_file(source / PARAMS_NAME)}
-            if x.calibrate_gamma:
-                hybrid, errors = calibrate_gamma(tmp, base, settings, hybrid, cfg, log)
-                write_hybrid(hybrid)
-                gammas["calibrated"] = hybrid
-                note = (
-                    f"gamma calibrated per layer and head on {x.calibration_sequences} sequences of "
-                    f"{x.calibration_seq_len} tokens: hybrid output fit to full causal softmax over the merged q, k, v."
-                )
-            else:
-                gammas[f"fixed {x.gamma}"] = hybrid
-                note = f"gamma fixed at {x.gamma} for every head."
-            report = {"note": note, "calibration_mse": errors if x.calibrate_gamma else None}
-            if x.report_sequences:
-                report.update(perplexity_report(tmp, base, cfg, gammas))
-            (tmp / "gamma_report.json").write_text(json.dumps(report, indent=1) + "\n")
+            report = gamma_change(tmp, base, source, settings, hybrid, weight_map, config, cfg, log)
         balance = balance_report(cfg, source, tmp, log)
         (tmp / "README.md").write_text(model_card(out.name, config, report, balance, describe_origin(source)))
         log(f"export written in {time.perf_counter() - t0:.0f} s")
@@ -440,3 +347,47 @@ def export(cfg) -> Path:
         remove_dir(tmp)
         raise
     return out
+
+
+def write_code_and_tokenizer(tmp: Path, base: Path, config: dict) -> None:
+    """config.json, the attention package's modules (the remote code), the base model's tokenizer files."""
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in remote_files():
+        shutil.copy(ATTENTION_DIR / name, tmp / name)
+    for name in TOKENIZER_FILES:
+        if (base / name).is_file():
+            shutil.copy(base / name, tmp / name)
+
+
+def write_hybrid(tmp: Path, config: dict, settings: dict, params: dict, weight_map: dict) -> None:
+    """The phi/gamma shard + hybrid_config.json, then the index that lists every shard."""
+    write_converted(tmp, config["architectures"][0].replace("HybridScale", ""), ".", settings, params)
+    index = {**weight_map, **dict.fromkeys(params, PARAMS_NAME)}
+    total = sum((tmp / f).stat().st_size for f in set(index.values()))
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n"
+    )
+
+
+def gamma_change(tmp, base, source, settings, hybrid, weight_map, config, cfg, log) -> dict:
+    """Inference-time hybridisation: gamma fixed (already written) or calibrated per layer and head (rewritten),
+    and the held-out perplexity by position bucket before / after, into gamma_report.json."""
+    x = cfg.export
+    gammas = {"as trained": load_file(source / PARAMS_NAME)}
+    errors = None
+    if x.calibrate_gamma:
+        hybrid, errors = calibrate_gamma(tmp, base, settings, hybrid, cfg, log)
+        write_hybrid(tmp, config, settings, hybrid, weight_map)
+        gammas["calibrated"] = hybrid
+        note = (
+            f"gamma calibrated per layer and head on {x.calibration_sequences} sequences of "
+            f"{x.calibration_seq_len} tokens: hybrid output fit to full causal softmax over the merged q, k, v."
+        )
+    else:
+        gammas[f"fixed {x.gamma}"] = hybrid
+        note = f"gamma fixed at {x.gamma} for every head."
+    report = {"note": note, "calibration_mse": errors}
+    if x.report_sequences:
+        report.update(perplexity_report(tmp, base, cfg, gammas))
+    (tmp / "gamma_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report

@@ -12,14 +12,13 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..config import ConfigError
-from ..data import corpus
+from ..data import assets, corpus
+from ..distributed.checkpoint import check_destination
+from ..errors import InputError
 from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME
+from . import rundir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-
-
-class InputError(ValueError):
-    """A user-supplied file or directory a stage needs is missing, unreadable or of the wrong kind."""
 
 
 def run_dir(cfg) -> None:
@@ -208,8 +207,6 @@ def training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
 
 
 def eval_inputs(cfg) -> None:
-    from ..data import assets
-
     e = cfg.eval
     if e.ppl_text and not Path(e.ppl_text).is_file():
         raise ConfigError(f"config key 'eval.ppl_text': {e.ppl_text} does not exist")
@@ -238,11 +235,7 @@ def export_output(cfg, *protected: Path) -> Path:
     """export.out_dir, refused before any work when writing there could lose data: the input model, its base, the
     run directory or a directory holding one of them, a file, or an existing directory that is not an export of
     ours (a previous export is replaced)."""
-    from ..distributed.checkpoint import check_destination
-    from .export import output_dir
-    from .rundir import is_export
-
-    out = output_dir(cfg)
+    out = rundir.export_dir(cfg)
     key = "export.out_dir"
     resolved = out.resolve()
     for path in (Path(cfg.run_dir), *protected):
@@ -252,14 +245,12 @@ def export_output(cfg, *protected: Path) -> Path:
                 f"config key '{key}': {out} is or holds {path}, which the export reads or the run keeps; nothing was "
                 f"touched: choose a new directory, e.g. export.out_dir={Path(cfg.run_dir) / 'export'}"
             )
-    check_destination(out, key, owned=is_export, what="an export written by hybrid_scale")
+    check_destination(out, key, owned=rundir.is_export, what="an export written by hybrid_scale")
     return out
 
 
 def check(cfg, stage: str) -> None:
     """The inputs `stage` reads from the user, all checked before it writes anything."""
-    from ..data import assets
-
     run_dir(cfg)
     if stage == "distill":
         path = Path(cfg.model.path) if cfg.model.path else assets.require().model

@@ -16,6 +16,12 @@ from omegaconf import OmegaConf
 from ..config import STAGES, ConfigError
 from ..distributed import runtime
 from ..distributed.checkpoint import MARKER, atomic_write
+from . import rundir
+from .distill import distill
+from .evaluate import evaluate
+from .export import export
+from .finetune import finetune
+from .plan import preflight_ahead
 
 # what a stage's result depends on; eval/export/launch/slurm settings can change between reruns
 RESULT_KEYS = ("model.path", "model.dtype", "attention", "data", "distill", "finetune", "seed")
@@ -66,23 +72,13 @@ def done(cfg, stage: str) -> bool:
     if stage == "finetune":
         return (run / "stage2" / "curves.json").is_file() and (run / "stage2" / "output").exists()
     if stage == "evaluate":
-        from . import evaluate
-
-        return (evaluate.output_dir(cfg) / "results.json").is_file()
+        return (rundir.eval_dir(cfg) / "results.json").is_file()
     if stage == "export":
-        from . import export
-
-        return (export.output_dir(cfg) / MARKER).is_file()
+        return (rundir.export_dir(cfg) / MARKER).is_file()
     return False  # stage 1 resumes by itself (a finished one only rewrites its small output)
 
 
 def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
-    from .distill import distill
-    from .evaluate import evaluate
-    from .export import export
-    from .finetune import finetune
-    from .plan import preflight_ahead
-
     todo = [stage for stage in stages if not done(cfg, stage)]
     if todo:
         preflight_ahead(cfg, todo)  # each stage runs its own preflight again when it starts
@@ -102,7 +98,7 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
             distill(cfg)
         elif stage == "finetune":
             finetune(cfg)
-        elif stage == "evaluate":  # eval.model unset: the run's own stage2/output (evaluate.resolve_model)
+        elif stage == "evaluate":  # eval.model unset: the run's own stage2/output (rundir.eval_source)
             evaluate(cfg)
         elif stage == "export":
             if rt.main:

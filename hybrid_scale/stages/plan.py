@@ -14,11 +14,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..config import RECIPE_OBJECTIVE, STAGES
-from ..models.convert import MODEL_TYPE
-from . import inputs
+from ..attention.architectures import BY_MODEL_TYPE, base_model_type
+from ..config import STAGES
+from ..data import assets
+from ..errors import ConfigError
+from ..models import streaming
+from ..models.converted import base_dir
+from ..recipes import RECIPES
+from . import inputs, rundir
 
-SUPPORTED_TYPES = tuple(MODEL_TYPE.values())
+SUPPORTED_TYPES = tuple(BY_MODEL_TYPE)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 MFU = 0.35  # assumed model-flops utilisation for the rough times
@@ -54,14 +59,9 @@ def stage_input(cfg, stage: str | None) -> Path | None:
     """The model directory evaluate / export will read (their own resolution; a missing input is one clear error);
     None for the other stages and for `plan` itself, which plan from model.path / model.arch."""
     if stage == "evaluate":
-        from .evaluate import _base_path, resolve_model
-
-        return _base_path(*resolve_model(cfg))
+        return rundir.base_of(*rundir.eval_source(cfg))
     if stage == "export":
-        from ..models.converted import base_dir
-        from .export import source_model
-
-        return base_dir(source_model(cfg))
+        return base_dir(rundir.export_source(cfg))
     return None
 
 
@@ -69,19 +69,15 @@ def architecture(cfg, base: Path | None = None) -> tuple[dict, str]:
     """The model's HF config dict: from the stage's input (`base`; an export's hybrid_scale_* type counts as its base
     architecture), else model.path when it is on disk, else the preset's model.arch."""
     if base is not None and (base / "config.json").is_file():
-        from ..attention.configuration_hybrid_scale import BASE_MODEL_TYPE
-
         a = json.loads((base / "config.json").read_text())
-        a["model_type"] = BASE_MODEL_TYPE.get(a.get("model_type"), a.get("model_type"))
+        a["model_type"] = base_model_type(a.get("model_type"))
         return a, str(base / "config.json")
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
         return json.loads((Path(cfg.model.path) / "config.json").read_text()), str(Path(cfg.model.path) / "config.json")
     if cfg.model.arch:
         return OmegaConf.to_container(cfg.model.arch), "model.arch"
     if not cfg.model.path:
-        from ..data.assets import require
-
-        path = require().model
+        path = assets.require().model
         return json.loads((path / "config.json").read_text()), str(path / "config.json")
     return {}, ""
 
@@ -125,9 +121,18 @@ def _stored_bytes(base: Path) -> tuple[int, int]:
     with safe_open(files[0], "pt") as f:
         names = list(f.keys())
         dtype = f.get_slice(names[0]).get_dtype() if names else "F32"
-    from .export import DTYPE_BYTES as SAFETENSORS_BYTES
+    return sum(x.stat().st_size for x in files), streaming.DTYPE_BYTES.get(dtype, 4)
 
-    return sum(x.stat().st_size for x in files), SAFETENSORS_BYTES.get(dtype, 4)
+
+@dataclass
+class Shape:
+    """What every estimate reads: the architecture's config dict, its counts, the ranks, bytes per weight."""
+
+    a: dict
+    c: dict
+    ranks: int
+    wbytes: int
+    fdim: int  # the feature map's output size per head
 
 
 def plan(cfg, stage: str | None = None) -> Plan:
@@ -135,7 +140,7 @@ def plan(cfg, stage: str | None = None) -> Plan:
     p = Plan()
     base = stage_input(cfg, stage)
     a, source = architecture(cfg, base)
-    lc, f, d = cfg.launch, cfg.finetune, cfg.distill
+    lc = cfg.launch
     if not a:
         p.block(
             f"model.path {cfg.model.path} has no config.json and no model.arch is given: point model.path at a local "
@@ -147,9 +152,41 @@ def plan(cfg, stage: str | None = None) -> Plan:
         p.block(f"architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
         return p
     c = counts(a)
-    ranks = lc.nodes * lc.procs_per_node
-    tp = lc.tensor_parallel
-    for name, n in (("num_key_value_heads", c["K"]), ("num_attention_heads", c["H"])):
+    fdim = 2 * (cfg.attention.feature_dim or c["hd"]) if cfg.attention.feature_map == "hedgehog" else c["hd"]
+    sh = Shape(a, c, lc.nodes * lc.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim)
+    _check_shape_and_path(p, cfg, sh)
+    p.rows += [
+        ("model", "architecture", f"{model_type} ({source})"),
+        ("model", "parameters", f"{c['total'] / 1e9:.2f} B ({_gb(c['total'] * sh.wbytes)} in {cfg.model.dtype})"),
+        ("model", "layers x heads / KV heads", f"{c['L']} x {c['H']} / {c['K']} (head_dim {c['hd']})"),
+        (
+            "launch",
+            "ranks",
+            f"{lc.nodes} node(s) x {lc.procs_per_node} = {sh.ranks} (tensor parallel {lc.tensor_parallel})",
+        ),
+    ]
+    s1_mem, s1_disk, flops1, tokens1 = _stage1(p, cfg, sh)
+    s2_mem, ckpt, flops2, tokens2 = _stage2(p, cfg, sh)
+    if lc.gpu_tflops:
+        rate = sh.ranks * lc.gpu_tflops * 1e12 * MFU
+        p.rows += [
+            (
+                "time",
+                "stage 1 (rough)",
+                f"~{flops1 / rate / 3600:.2f} h ({tokens1 / 1e6:.1f} M tokens x {c['L']} layers)",
+            ),
+            ("time", "stage 2 (rough)", f"~{flops2 / rate / 3600:.2f} h ({tokens2 / 1e6:.1f} M tokens)"),
+        ]
+    eval_mem = _evaluation(p, cfg, sh)
+    _device_fit(p, cfg, s1_mem, s2_mem, eval_mem)
+    _disk(p, cfg, sh, s1_disk, ckpt)
+    _export(p, cfg, sh, base)
+    return p
+
+
+def _check_shape_and_path(p: Plan, cfg, sh: Shape) -> None:
+    tp = cfg.launch.tensor_parallel
+    for name, n in (("num_key_value_heads", sh.c["K"]), ("num_attention_heads", sh.c["H"])):
         if n % tp:
             p.block(
                 f"{name} = {n} is not divisible by launch.tensor_parallel = {tp}: heads are split over the "
@@ -167,49 +204,42 @@ def plan(cfg, stage: str | None = None) -> Plan:
         if not any(path.glob("*.safetensors")):
             p.block(f"model.path {path} has no safetensors weights (stage 1 streams safetensors shards)", "distill")
 
-    wbytes = DTYPE_BYTES[cfg.model.dtype]
-    bbytes = DTYPE_BYTES[d.buffer_dtype]
-    p.rows += [
-        ("model", "architecture", f"{model_type} ({source})"),
-        ("model", "parameters", f"{c['total'] / 1e9:.2f} B ({_gb(c['total'] * wbytes)} in {cfg.model.dtype})"),
-        ("model", "layers x heads / KV heads", f"{c['L']} x {c['H']} / {c['K']} (head_dim {c['hd']})"),
-        ("launch", "ranks", f"{lc.nodes} node(s) x {lc.procs_per_node} = {ranks} (tensor parallel {tp})"),
-    ]
-    device_gb = lc.gpu_memory_gb * GB if lc.gpu_memory_gb else None
 
-    # stage 1: one layer + a batch; the embedding only while building layer 0's inputs
+def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
+    """Stage 1: one layer + a batch; the embedding only while building layer 0's inputs. (memory, buffer disk,
+    flops, tokens)"""
+    a, c, d, ranks = sh.a, sh.c, cfg.distill, sh.ranks
     N, T = cfg.data.num_sequences, cfg.data.seq_len
     n_local = -(-N // ranks)
-    fdim = 2 * (cfg.attention.feature_dim or c["hd"]) if cfg.attention.feature_map == "hedgehog" else c["hd"]
     B = max(1, d.batch_size // ranks)
     acts = B * T * (c["D"] * 8 + a["intermediate_size"] * 3) * 4  # hidden states, q/k/v/features, MLP, fp32
-    block = B * c["H"] * min(d.query_block, T) * T * 4 * 6 if RECIPE_OBJECTIVE[d.recipe] == "weights_xent" else 0
-    s1_mem = c["layer"] * wbytes + c["V"] * c["D"] * wbytes + acts + block
-    s1_disk = 2 * n_local * T * c["D"] * bbytes
+    block = B * c["H"] * min(d.query_block, T) * T * 4 * 6 if RECIPES[d.recipe].objective == "weights_xent" else 0
+    s1_mem = c["layer"] * sh.wbytes + c["V"] * c["D"] * sh.wbytes + acts + block
+    s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]
     tokens1 = N * T * d.epochs
     # per layer: feature maps, the T^2 score rows of the objective (forward + backward), the teacher layer's forward
-    scores = 3 * 2 * N * T * T * c["H"] * (c["hd"] + fdim) * d.epochs
-    flops1 = c["L"] * (6 * tokens1 * c["H"] * c["hd"] * fdim + scores + 2 * N * T * c["layer"])
+    scores = 3 * 2 * N * T * T * c["H"] * (c["hd"] + sh.fdim) * d.epochs
+    flops1 = c["L"] * (6 * tokens1 * c["H"] * c["hd"] * sh.fdim + scores + 2 * N * T * c["layer"])
     p.rows += [
         ("stage 1", "per-rank memory", f"~{_gb(s1_mem)} (one layer + embedding + batch of {B} x {T})"),
         ("stage 1", "hidden-state buffers per rank", f"{_gb(s1_disk)} (2 x {n_local} seq x {T} x {c['D']})"),
     ]
-    # stage 2: ZeRO-3 partitions weights, gradients and optimizer state of the trainable part over the ranks
-    T2 = f.seq_len or T
-    lora = (
-        c["L"]
-        * f.lora_r
-        * sum(
-            {
-                "q_proj": c["D"] + c["H"] * c["hd"],
-                "k_proj": c["D"] + c["K"] * c["hd"],
-                "v_proj": c["D"] + c["K"] * c["hd"],
-                "o_proj": c["H"] * c["hd"] + c["D"],
-            }.get(t, 2 * c["D"])
-            for t in f.lora_targets
-        )
-    )
-    phi = c["L"] * (c["H"] + c["K"]) * c["hd"] * (fdim // 2 if cfg.attention.feature_map == "hedgehog" else 0)
+    return s1_mem, s1_disk, flops1, tokens1
+
+
+def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
+    """Stage 2: ZeRO-3 partitions weights, gradients and optimizer state of the trainable part over the ranks.
+    (memory, checkpoint size, flops, tokens)"""
+    a, c, f, ranks, wbytes = sh.a, sh.c, cfg.finetune, sh.ranks, sh.wbytes
+    T2 = f.seq_len or cfg.data.seq_len
+    per_target = {
+        "q_proj": c["D"] + c["H"] * c["hd"],
+        "k_proj": c["D"] + c["K"] * c["hd"],
+        "v_proj": c["D"] + c["K"] * c["hd"],
+        "o_proj": c["H"] * c["hd"] + c["D"],
+    }
+    lora = c["L"] * f.lora_r * sum(per_target.get(t, 2 * c["D"]) for t in f.lora_targets)
+    phi = c["L"] * (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2 if cfg.attention.feature_map == "hedgehog" else 0)
     trainable = lora + (phi if f.train_feature_maps else 0) + (c["L"] * c["H"] if f.train_gamma else 0)
     weights = 0 if f.offload else c["total"] * wbytes / ranks
     states = 0 if f.offload else trainable * (4 + 8 + wbytes) / ranks
@@ -222,7 +252,6 @@ def plan(cfg, stage: str | None = None) -> Plan:
     s2_mem = weights + states + s2_acts + gathered
     ckpt = trainable * (4 + 8)
     tokens2 = f.max_steps * f.global_batch * T2
-    flops2 = 6 * c["total"] * tokens2
     p.rows += [
         (
             "stage 2",
@@ -233,52 +262,56 @@ def plan(cfg, stage: str | None = None) -> Plan:
         ("stage 2", "checkpoint size", f"{_gb(ckpt)} per step dir (fp32 weights + AdamW moments; no base)"),
         ("stage 2", "CPU offload", "on (weights and optimizer state in host memory)" if f.offload else "off"),
     ]
-    if lc.gpu_tflops:
-        rate = ranks * lc.gpu_tflops * 1e12 * MFU
-        p.rows += [
-            (
-                "time",
-                "stage 1 (rough)",
-                f"~{flops1 / rate / 3600:.2f} h ({tokens1 / 1e6:.1f} M tokens x {c['L']} layers)",
-            ),
-            ("time", "stage 2 (rough)", f"~{flops2 / rate / 3600:.2f} h ({tokens2 / 1e6:.1f} M tokens)"),
-        ]
-    # evaluation: the whole model on every rank (or partitioned with eval.shard_weights; loaded partitioned too), the
-    # base and the converted model both (when `base` is among the modes), one perplexity forward
-    e = cfg.eval
+    return s2_mem, ckpt, 6 * c["total"] * tokens2, tokens2
+
+
+def _evaluation(p: Plan, cfg, sh: Shape) -> float:
+    """The whole model on every rank (or partitioned with eval.shard_weights; loaded partitioned too), the base and
+    the converted model both (when `base` is among the modes), one perplexity forward."""
+    a, c, e, ranks = sh.a, sh.c, cfg.eval, sh.ranks
     copies = 2 if "base" in e.modes and len(set(e.modes)) > 1 else 1
-    eval_weights = copies * c["total"] * wbytes / (ranks if e.shard_weights else 1)
+    eval_weights = copies * c["total"] * sh.wbytes / (ranks if e.shard_weights else 1)
     eval_acts = e.ppl_seq_len * (c["D"] * 12 + a["intermediate_size"] * 3 + c["V"] * 2) * 4
-    eval_mem = eval_weights + eval_acts + (2 * c["layer"] * wbytes if e.shard_weights else 0)
+    eval_mem = eval_weights + eval_acts + (2 * c["layer"] * sh.wbytes if e.shard_weights else 0)
     how = f"{copies} model(s)" + (f" / {ranks} ranks" if e.shard_weights else "")
     p.rows.append(("evaluate", "per-rank memory", f"~{_gb(eval_mem)} ({how}, a {e.ppl_seq_len}-token forward)"))
-    if cfg.model.device.startswith("cuda") and device_gb:
-        for stage_name, mem, fix in (
-            ("stage 1", s1_mem, "lower distill.batch_size or data.seq_len"),
-            (
-                "stage 2",
-                s2_mem,
-                "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks",
-            ),
-            (
-                "evaluate",
-                eval_mem,
-                "add ranks (launch.nodes), lower eval.ppl_seq_len or leave 'base' out of eval.modes"
-                if e.shard_weights
-                else "set eval.shard_weights=true (ZeRO-3 inference)",
-            ),
-        ):
-            if mem > device_gb:
-                p.block(
-                    f"{stage_name} needs ~{_gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: {fix}",
-                    {"stage 1": "distill", "stage 2": "finetune"}.get(stage_name, stage_name),
-                )
-    run_dir = Path(cfg.run_dir)
-    buffer_dir = Path(d.buffer_dir) if d.buffer_dir else run_dir / "stage1" / "buffers"
+    return eval_mem
+
+
+def _device_fit(p: Plan, cfg, s1_mem: float, s2_mem: float, eval_mem: float) -> None:
+    lc = cfg.launch
+    device_gb = lc.gpu_memory_gb * GB if lc.gpu_memory_gb else None
+    if not (cfg.model.device.startswith("cuda") and device_gb):
+        return
+    for stage_name, mem, fix in (
+        ("stage 1", s1_mem, "lower distill.batch_size or data.seq_len"),
+        (
+            "stage 2",
+            s2_mem,
+            "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks",
+        ),
+        (
+            "evaluate",
+            eval_mem,
+            "add ranks (launch.nodes), lower eval.ppl_seq_len or leave 'base' out of eval.modes"
+            if cfg.eval.shard_weights
+            else "set eval.shard_weights=true (ZeRO-3 inference)",
+        ),
+    ):
+        if mem > device_gb:
+            p.block(
+                f"{stage_name} needs ~{_gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: {fix}",
+                {"stage 1": "distill", "stage 2": "finetune"}.get(stage_name, stage_name),
+            )
+
+
+def _disk(p: Plan, cfg, sh: Shape, s1_disk: float, ckpt: float) -> None:
+    lc = cfg.launch
+    buffer_dir = rundir.buffer_dir(cfg)
     probe, free = _free_at(buffer_dir)
     have = sum(x.stat().st_size for x in buffer_dir.glob("*.bin")) if buffer_dir.is_dir() else 0  # reused in place
-    buffers = max(0, s1_disk * (ranks if lc.nodes == 1 else lc.procs_per_node) - have)
-    checkpoints = (f.keep + 1) * ckpt
+    buffers = max(0, s1_disk * (sh.ranks if lc.nodes == 1 else lc.procs_per_node) - have)
+    checkpoints = (cfg.finetune.keep + 1) * ckpt
     p.rows.append(
         (
             "disk",
@@ -293,15 +326,17 @@ def plan(cfg, stage: str | None = None) -> Plan:
                 "/ run_dir to a larger disk or lower data.num_sequences",
                 stage_name,
             )
-    # export: the merged model, shard by shard, in export.dtype (else the input checkpoint's dtype)
-    from .export import output_dir
 
-    out = output_dir(cfg)
+
+def _export(p: Plan, cfg, sh: Shape, base: Path | None) -> None:
+    """The merged model, shard by shard, in export.dtype (else the input checkpoint's dtype)."""
+    c, x = sh.c, cfg.export
+    out = rundir.export_dir(cfg)
     stored, per = _stored_bytes(base) if base is not None else (0, 0)
     if stored:
-        size = stored * DTYPE_BYTES[cfg.export.dtype] / per if cfg.export.dtype else stored
+        size = stored * DTYPE_BYTES[x.dtype] / per if x.dtype else stored
     else:
-        size = c["total"] * DTYPE_BYTES[cfg.export.dtype or cfg.model.dtype]
+        size = c["total"] * DTYPE_BYTES[x.dtype or cfg.model.dtype]
     probe, free = _free_at(out.parent)
     p.rows.append(("export", "merged model", f"{_gb(size)} at {out} ({_gb(free)} free at {probe})"))
     if size > free:
@@ -311,7 +346,6 @@ def plan(cfg, stage: str | None = None) -> Plan:
             + smaller,
             "export",
         )
-    x = cfg.export
     if (x.gamma is not None or x.calibrate_gamma) and x.report_sequences:
         p.rows.append(
             (
@@ -321,12 +355,9 @@ def plan(cfg, stage: str | None = None) -> Plan:
                 "export.report_sequences=0 skips it)",
             )
         )
-    return p
 
 
 def _refuse(label: str, problems: list[str]) -> None:
-    from ..config import ConfigError
-
     if problems:
         raise ConfigError(
             f"preflight ({label}): " + "; ".join(problems) + " (run `hybrid-scale plan` with the same config for "

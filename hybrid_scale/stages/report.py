@@ -1,4 +1,5 @@
-"""Human outputs of the evaluation: table.md in the paper's Table-1 layout, and PNG figures."""
+"""Human outputs: the evaluation's table.md in the paper's Table-1 layout and its PNG figures, and stage 2's
+loss curves."""
 
 from __future__ import annotations
 
@@ -110,3 +111,22 @@ def plots(r: dict, out_dir: Path) -> None:
         fig.colorbar(im, ax=axes[0].tolist(), label="LA share of normaliser")
         fig.savefig(out_dir / "la_share.png", dpi=120)
         plt.close(fig)
+
+
+def curves_png(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(1, len(curves["train"]) + 1), curves["train"], lw=0.8, alpha=0.6, label="train (mode in force)")
+    for key in ("hybrid", "la_only"):
+        if curves["eval_steps"]:
+            ax.plot(curves["eval_steps"], curves[key], marker="o", label=f"held-out {key}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

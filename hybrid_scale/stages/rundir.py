@@ -1,13 +1,23 @@
-"""The run directory's rules that several stages share: which model is "the run's model" (evaluate and export read
-the same one), and which directory a stage may replace."""
+"""The run directory's rules, in one place: what each stage reads and writes under run_dir (or where its key points
+instead), which model is "the run's model" (evaluate and export read the same one), and how an export is
+recognised (the only kind of directory at export.out_dir that may be replaced).
+
+  {run_dir}/config.yaml            the resolved config (pipeline)
+  {run_dir}/stage1/                stage 1: per-layer parameters, manifest, buffers/ (distill.buffer_dir), converted/
+  {run_dir}/stage2/                stage 2: step_XXXXXXXX/, best/, final/, output -> best or final
+  {run_dir}/eval/                  evaluation (eval.out_dir)
+  {run_dir}/export/                export (export.out_dir)
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..distributed.checkpoint import MARKER
-from ..models.converted import CONFIG_NAME
+from ..data import assets
+from ..distributed.checkpoint import MARKER, PARTIAL_TAG
+from ..errors import ConfigError
+from ..models.converted import CONFIG_NAME, base_dir
 
 RUN_MODEL_ORDER = ("stage2/output", "stage1/converted")  # stage2/output -> best (early stopping chose it) or final
 
@@ -37,8 +47,6 @@ def describe_origin(path: Path) -> str:
 
 def is_export(path: Path) -> bool:
     """An export this toolkit wrote (or is writing): its own marker and a hybrid_scale config.json."""
-    from ..distributed.checkpoint import PARTIAL_TAG
-
     if not path.is_dir() or path.is_symlink():
         return False
     if (path / PARTIAL_TAG).is_file():
@@ -48,3 +56,72 @@ def is_export(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (path / MARKER).is_file() and str(model_type).startswith("hybrid_scale_")
+
+
+def stage1_dir(cfg) -> Path:
+    return Path(cfg.run_dir) / "stage1"
+
+
+def buffer_dir(cfg) -> Path:
+    return Path(cfg.distill.buffer_dir) if cfg.distill.buffer_dir else stage1_dir(cfg) / "buffers"
+
+
+def stage1_output(cfg) -> Path:
+    return stage1_dir(cfg) / "converted"
+
+
+def stage2_dir(cfg) -> Path:
+    return Path(cfg.run_dir) / "stage2"
+
+
+def finetune_source(cfg) -> Path:
+    """The converted model stage 2 fine-tunes: finetune.model, else stage 1's output."""
+    source = Path(cfg.finetune.model) if cfg.finetune.model else stage1_output(cfg)
+    if not (source / CONFIG_NAME).is_file():
+        raise ConfigError(
+            f"config key 'finetune.model': {source} is not a converted model; run stage 1 first (hybrid-scale "
+            "distill) or point finetune.model at a converted model"
+        )
+    return source
+
+
+def eval_dir(cfg) -> Path:
+    return Path(cfg.eval.out_dir) if cfg.eval.out_dir else Path(cfg.run_dir) / "eval"
+
+
+def export_dir(cfg) -> Path:
+    return Path(cfg.export.out_dir) if cfg.export.out_dir else Path(cfg.run_dir) / "export"
+
+
+def export_source(cfg) -> Path:
+    """export.model, else the run's model (run_model: the same one `evaluate` scores)."""
+    if cfg.export.model:
+        path = Path(cfg.export.model)
+        if not (path / CONFIG_NAME).is_file():
+            raise ConfigError(f"config key 'export.model': {path} is not a converted model (no {CONFIG_NAME})")
+        return path
+    path = run_model(cfg.run_dir)
+    if path is None:
+        raise ConfigError(
+            f"config key 'export.model': {cfg.run_dir} has no stage-2 or stage-1 model yet; run the stages or set "
+            "export.model"
+        )
+    return path
+
+
+def eval_source(cfg) -> tuple[Path, bool]:
+    """(path, is_converted) of the model to evaluate: eval.model, else the run's model (run_model, the one export
+    reads too), else model.path, else the embedded default."""
+    path = cfg.eval.model or run_model(cfg.run_dir) or cfg.model.path
+    path = Path(path) if path else assets.require().model
+    if not path.exists():
+        raise ConfigError(f"config key 'eval.model': {path} does not exist")
+    converted = (path / CONFIG_NAME).is_file()
+    if not converted and not (path / "config.json").is_file():
+        raise ConfigError(f"config key 'eval.model': {path} is neither a Hugging Face model nor a converted model")
+    return path, converted
+
+
+def base_of(path: Path, converted: bool) -> Path:
+    """The directory with the weights and tokenizer of a model to evaluate / export (a converted model's base)."""
+    return base_dir(path) if converted else path

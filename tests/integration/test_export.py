@@ -112,6 +112,16 @@ def test_export_layout(exported):
     assert not list(exported.parent.glob("*.partial"))
 
 
+def test_export_holds_the_attention_folder(exported):
+    """The code copied is what hybrid_scale/attention holds (every module, byte for byte), not a hand-kept list."""
+    folder = Path(hs.__file__).parent / "attention"
+    modules = {p.name for p in folder.glob("*.py")} - {"__init__.py"}
+    assert {"backends.py", "naive.py", "chunked.py", "hybrid.py", "modeling_hybrid_scale.py"} <= modules
+    assert {p.name for p in exported.glob("*.py")} == modules
+    for name in modules:
+        assert (exported / name).read_bytes() == (folder / name).read_bytes(), name
+
+
 def test_isolated_process_loads_it_and_matches_the_toolkit(trained, exported, tmp_path):
     copy = shutil.copytree(exported, tmp_path / "moved")  # nothing points back at the run
     torch.save(ids(), tmp_path / "ids.pt")

@@ -34,8 +34,10 @@ def run(fn, x, **kw):
 def test_chunked_equals_naive(T, window, chunk, mode):
     x = attention_inputs(B=2, H=4, Hkv=2, T=T, D=8, F=6, requires_grad=True, seed=T + window)
     mask = padding_mask(T)
-    y_ref, g_ref = run(naive.hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask)
-    y, g = run(chunked.hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask, chunk_size=chunk)
+    y_ref, g_ref = run(naive.naive_hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask)
+    y, g = run(
+        chunked.chunk_hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask, chunk_size=chunk
+    )
     torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-11)
     for n in NAMES:
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=f"grad of {n}")
@@ -45,21 +47,21 @@ def test_chunked_equals_naive(T, window, chunk, mode):
 
 def test_none_mode_is_zero_and_fp32_accumulation_for_bf16():
     x = attention_inputs(T=40, D=8, F=6, dtype=torch.float32)
-    y = chunked.hybrid_attention(**x, window=8, mode="none")
+    y = chunked.chunk_hybrid_attention(**x, window=8, mode="none")
     assert torch.equal(y, torch.zeros_like(y))
     bf = {n: t.to(torch.bfloat16) for n, t in x.items()}
-    y_bf = chunked.hybrid_attention(**bf, window=8, mode="hybrid", chunk_size=16)
+    y_bf = chunked.chunk_hybrid_attention(**bf, window=8, mode="hybrid", chunk_size=16)
     assert y_bf.dtype == torch.bfloat16
-    ref = naive.hybrid_attention(**{n: t.float() for n, t in bf.items()}, window=8, mode="hybrid")
+    ref = naive.naive_hybrid_attention(**{n: t.float() for n, t in bf.items()}, window=8, mode="hybrid")
     torch.testing.assert_close(y_bf.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_bad_window_is_a_clear_error():
     x = attention_inputs(T=4)
     with pytest.raises(ValueError, match="window and chunk_size must be >= 1"):
-        chunked.hybrid_attention(**x, window=0)
+        chunked.chunk_hybrid_attention(**x, window=0)
     with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
-        chunked.hybrid_attention(**x, window=2, mode="mixed")
+        chunked.chunk_hybrid_attention(**x, window=2, mode="mixed")
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "la_only", "swa_only"])
@@ -68,9 +70,9 @@ def test_block_groups_equal_naive(monkeypatch, mode):
     monkeypatch.setattr(chunked, "GROUP_TOKENS", 32)  # 2 blocks of 16 per group, 7 groups
     x = attention_inputs(B=2, H=4, Hkv=2, T=100, D=8, F=6, requires_grad=True, seed=11)
     for window in (5, 40):
-        y_ref, g_ref = run(naive.hybrid_attention, x, window=window, mode=mode, attention_mask=padding_mask(100))
+        y_ref, g_ref = run(naive.naive_hybrid_attention, x, window=window, mode=mode, attention_mask=padding_mask(100))
         y, g = run(
-            chunked.hybrid_attention, x, window=window, mode=mode, attention_mask=padding_mask(100), chunk_size=16
+            chunked.chunk_hybrid_attention, x, window=window, mode=mode, attention_mask=padding_mask(100), chunk_size=16
         )
         torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-11)
         for n in NAMES:
@@ -80,8 +82,8 @@ def test_block_groups_equal_naive(monkeypatch, mode):
 def test_denominator_parts_match_the_formula():
     """sum E and sum L, the two parts of the shared normaliser, against dense sums from the naive masks."""
     x = attention_inputs(B=1, H=4, Hkv=2, T=30, D=8, F=6, seed=3)
-    y, soft, lin = chunked.hybrid_attention(**x, window=5, mode="hybrid", chunk_size=8, return_denominators=True)
-    torch.testing.assert_close(y, naive.hybrid_attention(**x, window=5, mode="hybrid"))
+    y, soft, lin = chunked.chunk_hybrid_attention(**x, window=5, mode="hybrid", chunk_size=8, return_denominators=True)
+    torch.testing.assert_close(y, naive.naive_hybrid_attention(**x, window=5, mode="hybrid"))
     q, k, fq, fk = x["q"], x["k"].repeat_interleave(2, 1), x["fq"], x["fk"].repeat_interleave(2, 1)
     a = q @ k.transpose(-1, -2) / 8**0.5
     n, j = torch.arange(30)[:, None], torch.arange(30)[None, :]

@@ -72,7 +72,7 @@ def masks(T):
 def test_naive_matches_loops(mode, window, padding):
     x = attention_inputs(T=12)
     mask = masks(12)[padding]
-    got = naive.hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
+    got = naive.naive_hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
     ref = loop_reference(**x, window=window, mode=mode, sinks=3, mask=torch.ones(2, 12) if mask is None else mask)
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
@@ -85,7 +85,7 @@ def test_naive_matches_loops_with_all_zero_relu_feature_rows(mode):
     x["fq"][:, :, ::3] = 0  # all-zero query feature rows
     x["fk"][:, :, 1::4] = 0  # all-zero key feature rows
     mask = masks(12)["mixed"]
-    got = naive.hybrid_attention(**x, window=2, mode=mode, attention_mask=mask)
+    got = naive.naive_hybrid_attention(**x, window=2, mode=mode, attention_mask=mask)
     ref = loop_reference(**x, window=2, mode=mode, sinks=8, mask=mask)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
@@ -95,14 +95,14 @@ def test_relu_zero_feature_rows_and_empty_past():
     """All-zero feature rows give 0 from LA (no NaN); rows with empty P(n) are pure softmax."""
     x = attention_inputs(T=10)
     x["fq"] = torch.relu(x["fq"] - 2.0)  # all zero: LA contributes nothing anywhere
-    y = naive.hybrid_attention(**x, window=4, mode="la_only")
+    y = naive.naive_hybrid_attention(**x, window=4, mode="la_only")
     assert torch.equal(y, torch.zeros_like(y))
-    hybrid = naive.hybrid_attention(**x, window=4, mode="hybrid")
-    swa = naive.hybrid_attention(**x, window=4, mode="swa_only")
+    hybrid = naive.naive_hybrid_attention(**x, window=4, mode="hybrid")
+    swa = naive.naive_hybrid_attention(**x, window=4, mode="swa_only")
     torch.testing.assert_close(hybrid, swa, rtol=1e-5, atol=1e-12)  # eps/(gamma sum E) is the only difference
     # with real features, rows n < w (P(n) empty) of hybrid equal exact causal softmax
     x = attention_inputs(T=10)
-    hybrid = naive.hybrid_attention(**x, window=4, mode="hybrid")
+    hybrid = naive.naive_hybrid_attention(**x, window=4, mode="hybrid")
     full = torch.nn.functional.scaled_dot_product_attention(
         x["q"], x["k"].repeat_interleave(2, 1), x["v"].repeat_interleave(2, 1), is_causal=True
     )
@@ -113,7 +113,7 @@ def test_relu_zero_feature_rows_and_empty_past():
 def test_sinks_before_S_and_padding_rows_are_zero():
     x = attention_inputs(T=8)
     mask = masks(8)["left"]
-    y = naive.hybrid_attention(**x, window=2, mode="sinks_only", sinks=5, attention_mask=mask)
+    y = naive.naive_hybrid_attention(**x, window=2, mode="sinks_only", sinks=5, attention_mask=mask)
     assert torch.equal(y[0, :, :3], torch.zeros_like(y[0, :, :3]))
     # query at real index 0 (position 3 of row 0) sees only itself: output = its value
     torch.testing.assert_close(y[0, :, 3], x["v"][0, :, 3].repeat_interleave(2, 0) / (1 + EPS))
@@ -122,7 +122,7 @@ def test_sinks_before_S_and_padding_rows_are_zero():
 def test_padded_rows_have_zero_gradient():
     x = attention_inputs(T=8, requires_grad=True)
     mask = masks(8)["left"]
-    y = naive.hybrid_attention(**x, window=3, mode="hybrid", attention_mask=mask)
+    y = naive.naive_hybrid_attention(**x, window=3, mode="hybrid", attention_mask=mask)
     y.sum().backward()
     assert torch.equal(x["q"].grad[0, :, :3], torch.zeros_like(x["q"].grad[0, :, :3]))
     assert torch.equal(x["k"].grad[0, :, :3], torch.zeros_like(x["k"].grad[0, :, :3]))

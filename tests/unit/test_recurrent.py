@@ -20,7 +20,7 @@ def test_extensions_equal_full(mode, window):
     mask = torch.ones(2, T, dtype=torch.long)
     mask[0, :7] = 0  # left padding, longer than the sinks
     mask[1, 30] = 0
-    ref = naive.hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
+    ref = naive.naive_hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
     state = recurrent.DecodeState.empty(2, 2, 8, 8, 6, min(window, T), 3, window, torch.float64, "cpu")
     cuts = [0, 21, 24, 27, 28, 29, 30, 31, 45, 50]  # long prefill (chunked), 3-token chunks, single tokens, 14
     outs = []

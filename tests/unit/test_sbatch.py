@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_scale.config import JOBS, ConfigError, load_config
-from hybrid_scale.distributed.checkpoint import REQUEUE_MARKER
+from hybrid_scale.distributed.requeue import REQUEUE_MARKER
 from hybrid_scale.distributed.slurm import render, sbatch_header, sbatch_quote
 
 SRUN = """#!/bin/bash

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from hybrid_scale.config import ConfigError, load_config
+from hybrid_scale.data.batches import global_batch
 from hybrid_scale.distributed.deepspeed import train_config
-from hybrid_scale.stages.finetune import EarlyStopping, global_batch
-from hybrid_scale.stages.ssd import SSD, at, phase
+from hybrid_scale.recipes.early_stopping import EarlyStopping
+from hybrid_scale.recipes.ssd import SSD, at, phase
 
 DEFAULT = [[0.0, 0.9], [1 / 3, 0.75], [2 / 3, 0.5]]
 

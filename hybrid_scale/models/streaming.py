@@ -1,0 +1,149 @@
+"""A Hugging Face safetensors checkpoint, one decoder layer at a time: the shard index (every shard's header read and
+checked), tensors read by name, a decoder layer built on the meta device and given only its own weights, the
+model's rotary embeddings, and the teacher loop over the layers. Stage 1 (attention transfer) and the export's
+gamma calibration are its two users; the export's LoRA merge reads its shard index."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..attention.architectures import ARCHITECTURES
+from ..errors import InputError, UnsupportedArchitectureError
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _json(path: Path, fix: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object; {fix}")
+    return data
+
+
+def shard_map(path: Path, key: str = "model.path") -> dict[str, str]:
+    """tensor name -> shard file of a safetensors checkpoint directory, after reading every shard's header (a missing,
+    truncated or corrupt shard is named here, before any work)."""
+    fix = f"restore the checkpoint's files or set {key} to a complete checkpoint"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        where = _json(index, fix).get("weight_map")
+        if not isinstance(where, dict) or not where:
+            raise InputError(f"{index} has no weight_map; {fix}")
+        files = sorted(set(where.values()))
+    elif (path / "model.safetensors").is_file():
+        where, files = None, ["model.safetensors"]
+    else:
+        raise InputError(
+            f"config key '{key}': {path} has no model.safetensors(.index.json) (the stages stream safetensors "
+            "checkpoints); convert .bin weights with save_pretrained(safe_serialization=True)"
+        )
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise InputError(f"{path}: shard(s) named in its index are missing: {', '.join(missing[:3])}; {fix}")
+    out: dict[str, str] = {}
+    for file in files:
+        shard = path / file
+        try:
+            with safe_open(shard, "pt") as f:  # refuses a truncated file too ("file not fully covered")
+                names = list(f.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InputError(f"{shard} is not a readable safetensors file ({e}); {fix}") from None
+        out.update(dict.fromkeys(names, file) if where is None else {n: file for n in names if where.get(n) == file})
+    if where is not None:
+        absent = sorted(set(where) - set(out))
+        if absent:
+            raise InputError(f"{path}: tensors listed in its index are not in their shards: {absent[:3]}; {fix}")
+    return out
+
+
+class ShardedCheckpoint:
+    """The tensors of a safetensors checkpoint, read by name without loading the rest."""
+
+    def __init__(self, path: Path, key: str = "model.path"):
+        self.path = Path(path)
+        self.where = shard_map(self.path, key)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        missing = [n for n in names if n not in self.where]
+        if missing:
+            raise InputError(f"{self.path} lacks {missing[:3]}: restore the checkpoint's files")
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.where[n], []).append(n)
+        for file, keys in by_file.items():
+            with safe_open(self.path / file, "pt") as f:
+                for k in keys:
+                    out[k] = f.get_tensor(k)
+        return out
+
+    def shape(self, name: str) -> list[int]:
+        with safe_open(self.path / self.where[name], "pt") as f:
+            return list(f.get_slice(name).get_shape())
+
+
+def model_class(config, suffix: str):
+    """transformers' class of the architecture with `suffix` in place of ForCausalLM, e.g. LlamaDecoderLayer."""
+    arch = config.architectures[0] if config.architectures else None
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"hybrid_scale supports {', '.join(ARCHITECTURES)}; {arch} is not one of them"
+        )
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    return getattr(module, arch.replace("ForCausalLM", suffix))
+
+
+def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype, device="cpu"):
+    """Decoder layer i with its weights (frozen, eval mode), and nothing else of the model."""
+    cls = model_class(config, "DecoderLayer")
+    with torch.device("meta"):
+        layer = cls(config, i)
+    prefix = f"model.layers.{i}."
+    tensors = ckpt.read([prefix + k for k in layer.state_dict()])  # only the decoder layer's own tensors
+    layer.load_state_dict({k[len(prefix) :]: v.to(device, dtype) for k, v in tensors.items()}, assign=True)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    return layer.eval()
+
+
+def rotary(config, seq_len: int, dtype: torch.dtype):
+    """(cos, sin) of the model's own rotary embedding for positions 0..seq_len-1."""
+    emb = model_class(config, "RotaryEmbedding")(config=config)
+    x = torch.zeros(1, seq_len, 1, dtype=dtype)
+    return emb(x, torch.arange(seq_len)[None])
+
+
+def embed(ckpt: ShardedCheckpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The input embeddings of token ids [N, T] -> [N, T, D] (the teacher's layer-0 inputs)."""
+    return ckpt.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].to(dtype)[ids]
+
+
+def layers(config, ckpt: ShardedCheckpoint, dtype: torch.dtype, first: int = 0) -> Iterator[tuple[int, object]]:
+    """The teacher/student loop's spine: (i, decoder layer i) for i = first ... L-1, one layer in memory at a time.
+    The caller trains or fits the student parts of layer i on its inputs, then runs `teacher` to make layer i+1's."""
+    for i in range(first, config.num_hidden_layers):
+        yield i, build_layer(config, ckpt, i, dtype)
+
+
+@torch.no_grad()
+def teacher(layer, hidden: torch.Tensor, rope) -> torch.Tensor:
+    """The unconverted decoder layer (exact softmax attention, SDPA) on a batch of its inputs."""
+    out = layer(hidden, position_embeddings=rope, attention_mask=None)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def teacher_output(q, k, v, scale):
+    """The teacher's attention output: exact causal softmax over q, k, v [B, H(kv), T, d] (KV heads repeated for
+    grouped-query attention), before o_proj -- the target of the output objectives and of gamma calibration."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -1,0 +1,105 @@
+"""Stage 2 on disk: committed step checkpoints (trainable state only, whole tensors, any world size), their rotation,
+and the model form of the stage's output (a converted model + its LoRA adapter). Every directory is built as a
+tagged `.partial`, committed (hashes written last) and moved into place; only the toolkit's own are replaced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..attention.hybrid import HybridAttention
+from ..distributed import runtime
+from ..distributed.checkpoint import (
+    commit,
+    fault,
+    fault_enospc,
+    is_committed,
+    remove_dir,
+    replace_dir,
+    sibling,
+    start_partial,
+)
+from ..distributed.deepspeed import gather_full, restore_trainable, trainable_state
+from ..models.convert import set_modes
+from ..models.converted import ADAPTER_DIR, describe, write_converted
+
+
+def committed_steps(stage2: Path) -> list[Path]:
+    steps = sorted(p for p in stage2.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    return [p for p in steps if is_committed(p)]
+
+
+def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
+    """A committed step checkpoint: trainable weights and AdamW moments (gathered whole), the scheduler, the loop's
+    state, every rank's RNG state as a tensor. Collective."""
+    weights, moments = trainable_state(named)
+    tmp = sibling(dest, "partial")
+    if rt.main:
+        start_partial(dest, "run_dir")
+        fault_enospc(f"save:{dest.name}")
+        save_file(weights, tmp / "trainable.safetensors")
+        save_file(moments, tmp / "optimizer.safetensors")
+        state = {**state, "scheduler": engine.lr_scheduler.state_dict(), "world": rt.world}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    runtime.barrier(rt)
+    save_file({"rng": torch.get_rng_state()}, tmp / f"rng_rank{rt.rank}.safetensors")
+    runtime.barrier(rt)  # every rank's files are on disk before the marker
+    if rt.main:
+        fault("save:before_commit")
+        commit(tmp)
+        replace_dir(tmp, dest, "run_dir")
+    runtime.barrier(rt)
+    return dest
+
+
+def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
+    """Restore a step checkpoint into this world size's partitions, the scheduler and this rank's RNG (another world
+    size: a fresh stream per rank derived from the seed and the step). Returns the loop's saved state."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    step = state["step"]
+    weights, moments = load_file(checkpoint / "trainable.safetensors"), load_file(checkpoint / "optimizer.safetensors")
+    restore_trainable(engine, named, weights, moments, step)
+    engine.lr_scheduler.load_state_dict(state["scheduler"])
+    engine.lr_scheduler.step(state["scheduler"]["last_batch_iteration"])  # puts that lr into the optimizer
+    rng = checkpoint / f"rng_rank{rt.rank}.safetensors"
+    if state["world"] == rt.world and rng.is_file():
+        torch.set_rng_state(load_file(rng)["rng"])  # tensors only: no pickle is ever loaded
+    else:
+        torch.manual_seed(seed * 1_000_003 + step * 101 + rt.rank)
+    return state
+
+
+def rotate(stage2: Path, keep: int) -> None:
+    """Keep the newest `keep` committed step checkpoints; drop tagged partial ones older than the newest."""
+    done = committed_steps(stage2)
+    for old in done[:-keep]:
+        remove_dir(old)
+    newest = done[-1].name if done else ""
+    for partial in stage2.glob("step_*.partial"):  # left by a run killed while saving (tagged as the toolkit's)
+        if partial.name < newest:
+            remove_dir(partial)
+
+
+def write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt, step: int) -> None:
+    """The model form of stage 2's output: converted model (phi/gamma as trained, every layer in the recipe's
+    `mode`, the window in force, the checkpoint and step it is) + PEFT adapter. Collective."""
+    set_modes(model, mode)  # not the modes SSD or a held-out evaluation left behind
+    hybrid_names = {
+        f"{prefix}.{n}"
+        for prefix, m in model.named_modules()
+        if isinstance(m, HybridAttention)
+        for n, _ in m.hybrid_parameters()
+    }
+    hybrid = gather_full([(n, p) for n, p in model.named_parameters() if n in hybrid_names])
+    lora = gather_full([(n, p) for n, p in peft_model.named_parameters() if "lora_" in n])
+    if rt.main:
+        tmp = start_partial(dest, "run_dir")
+        origin = {"stage": "stage2", "checkpoint": dest.name, "step": step}
+        write_converted(tmp, source_meta["architecture"], source_meta["base_model"], describe(model), hybrid, origin)
+        peft_model.save_pretrained(tmp / ADAPTER_DIR, state_dict=lora)
+        commit(tmp)
+        replace_dir(tmp, dest, "run_dir")
+    runtime.barrier(rt)

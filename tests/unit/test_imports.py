@@ -1,0 +1,92 @@
+"""The package's import graph: every import of one hybrid_scale module by another (at the top of a file or inside a
+function, where a cycle would otherwise hide) forms a graph without cycles; internal imports sit at the top of
+files; the attention package imports nothing else of hybrid_scale (exports copy it into a model directory)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hybrid_scale"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
+    if node.level == 0:
+        base = node.module or ""
+    else:
+        parts = module.split(".")
+        parts = parts if is_package else parts[:-1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def internal_imports():
+    """{module: {imported module: [(line, at top level?)]}} over every hybrid_scale module."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        edges = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = resolve(name, path.name == "__init__.py", node)
+            else:
+                continue
+            for t in targets:
+                if t in modules and t != name:
+                    edges.setdefault(t, []).append((node.lineno, id(node) in top))
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in graph.get(m, {}):
+            if state.get(t) == "open":
+                found.append(stack[stack.index(t) :] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    assert cycles(internal_imports()) == []
+
+
+def test_a_cycle_is_found_when_there_is_one():
+    assert cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}}) == [["a", "b", "c", "a"]]
+
+
+def test_internal_imports_sit_at_the_top_of_files():
+    inside = [
+        f"{m}:{line} imports {t}"
+        for m, edges in internal_imports().items()
+        for t, where in edges.items()
+        for line, top in where
+        if not top
+    ]
+    assert inside == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in internal_imports() if m.startswith("hybrid_scale.attention")))
+def test_attention_imports_nothing_else_of_the_package(module):
+    assert [t for t in internal_imports()[module] if not t.startswith("hybrid_scale.attention")] == []
