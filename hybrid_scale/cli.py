@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from . import quickstart
 from .config import JOBS, Config, load_config
 from .data import assets
+from .distributed.requeue import EXIT_REQUEUE, Requeue
 from .distributed.slurm import launch_command, submit
 from .errors import USER_ERRORS, ConfigError
 from .models.convert import convert_model
@@ -21,7 +22,7 @@ from .models.converted import save_converted
 from .stages.distill import distill
 from .stages.evaluate import evaluate
 from .stages.export import export
-from .stages.finetune import EXIT_REQUEUE, Requeue, finetune
+from .stages.finetune import finetune
 from .stages.pipeline import pipeline
 from .stages.plan import plan
 from .stages.report import table

@@ -139,7 +139,7 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    model: str | None = None  # None = {run_dir}/stage2/best, else stage2/output, else stage1/converted
+    model: str | None = None  # None = the run's model: {run_dir}/stage2/output, else stage1/converted
     out_dir: str | None = None  # None = {run_dir}/export
     mode: str | None = None  # mode the export runs in; None = as trained (la_only + mode=hybrid: inference-time SWA)
     window: int | None = None  # None = as trained

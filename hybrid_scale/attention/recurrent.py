@@ -121,7 +121,11 @@ def extend(
     chunk_size=64,
 ) -> torch.Tensor:
     """Attend k new tokens (q [B,H,k,D], k/v [B,Hkv,k,D], fq, fk) to everything the state has seen, then fold
-    them into the state. attention_mask [B,k] marks the new tokens' real ones. Returns [B,H,k,D]."""
+    them into the state. attention_mask [B,k] marks the new tokens' real ones. Returns [B,H,k,D].
+
+    Longer than the rest on purpose: the ring buffer's bookkeeping (positions, real-token counts, what leaves the
+    window and is folded into the LA state, the sink buffer) is one sequence of steps that reads top to bottom
+    against the spec in naive.py; split up, each piece would need the whole state passed around."""
     check_mode(mode)
     if window != state.window:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""DeepSpeed helpers: ZeRO-3 partitioned weights (for inference here; stage 2 builds on the same config).
+"""DeepSpeed helpers: ZeRO-3 configs (stage 2's engine, partitioned weights for inference), the ZeRO-3 state gathered
+whole and restored (world-size-free checkpoints), and the log noise it makes.
 
 DeepSpeed compiles a small C++ op on first use (a shared-memory collective on CPU); TORCH_EXTENSIONS_DIR defaults
 to a folder inside the virtual environment so that the build is paid once, not on every run.
@@ -14,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -142,7 +144,6 @@ def trainable_state(named: list[tuple[str, nn.Parameter]]) -> tuple[dict, dict]:
 
 def restore_trainable(engine, named, weights: dict, moments: dict, step: int) -> None:
     """Put whole saved weights and moments back into the partitions of this world size (any number of ranks)."""
-    import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     deepspeed = _import_deepspeed()

@@ -33,18 +33,19 @@ def parallelize(
     train: bool = False,
 ):
     """`model` with activation checkpointing, adapted, then sharded with ZeRO-3 (`zero3`: the DeepSpeed config).
-    Returns (engine, adapted model) when training -- the engine's optimizer holds the parameters that require grad
-    -- and the sharded model in eval mode for inference; the adapted model unsharded when `zero3` is None."""
+    Returns (engine, model): for training the engine's optimizer holds the parameters that require grad and the
+    model is the adapted one; for inference the model is the sharded one in eval mode; without `zero3` the engine is
+    None."""
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if adapt is not None:
         model = adapt(model)
     if zero3 is None:
-        return (None, model) if train else model
+        return None, model
     deepspeed = _import_deepspeed()
     if train:
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=zero3)
         return engine, model
     engine, *_ = deepspeed.initialize(model=model, config=zero3)
-    return engine.module.eval()
+    return engine, engine.module.eval()

@@ -45,7 +45,9 @@ def clear_request(run_dir: Path) -> None:
     (Path(run_dir) / REQUEUE_MARKER).unlink(missing_ok=True)
 
 
-def request(run_dir: Path, step: int, checkpoint: Path) -> Requeue:
-    """Mark the run for a requeue (for batch scripts under torchrun) and return the exception to raise."""
-    atomic_write(Path(run_dir) / REQUEUE_MARKER, f"{step}\n")
+def request(run_dir: Path, step: int, checkpoint: Path, write_marker: bool = True) -> Requeue:
+    """The exception to raise after a signal-triggered save; `write_marker` (rank 0) also marks the run for a requeue,
+    for batch scripts under torchrun, which does not pass the exit code on."""
+    if write_marker:
+        atomic_write(Path(run_dir) / REQUEUE_MARKER, f"{step}\n")
     return Requeue(step, checkpoint)

@@ -23,7 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import JOBS, ConfigError
+from ..config import JOBS
+from ..errors import ConfigError
 from ..resources import data_dir
 from .requeue import REQUEUE_MARKER
 

@@ -80,7 +80,8 @@ def set_modes(model: nn.Module, modes: Modes) -> None:
 
 def set_window(model: nn.Module, window: int) -> None:
     """The sliding window (in real tokens) of every hybrid layer: the one place it changes after conversion
-    (eval.window, SSD's window schedule). Between forwards only: a live decode cache keeps the window it began with."""
+    (eval.window, SSD's window schedule). Between forwards only: a live decode cache refuses another window
+    (recurrent.extend raises), so start a new cache after a change."""
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"the window must be an integer >= 1, got {window!r}")
     layers = hybrid_layers(model)

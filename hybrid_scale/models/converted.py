@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -192,7 +193,6 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
     """Merge a stage-2 LoRA adapter into the model's weights in place, with the export's arithmetic (tested equal to
     PEFT's merge_and_unload). Weights partitioned by ZeRO-3 are gathered one at a time, merged on rank 0 and
     partitioned again."""
-    import torch.distributed as dist
 
     deltas, scaling = lora_deltas(adapter)
     named = dict(model.named_parameters())

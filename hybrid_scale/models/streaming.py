@@ -16,10 +16,11 @@ from safetensors import SafetensorError, safe_open
 from ..attention.architectures import ARCHITECTURES
 from ..errors import InputError, UnsupportedArchitectureError
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def _json(path: Path, fix: str) -> dict:
+def read_json(path: Path, fix: str) -> dict:
+    """A JSON object from a file the user supplied; anything else is one InputError ending with `fix`."""
     try:
         data = json.loads(path.read_text())
     except ValueError as e:
@@ -35,7 +36,7 @@ def shard_map(path: Path, key: str = "model.path") -> dict[str, str]:
     fix = f"restore the checkpoint's files or set {key} to a complete checkpoint"
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        where = _json(index, fix).get("weight_map")
+        where = read_json(index, fix).get("weight_map")
         if not isinstance(where, dict) or not where:
             raise InputError(f"{index} has no weight_map; {fix}")
         files = sorted(set(where.values()))
@@ -86,10 +87,6 @@ class ShardedCheckpoint:
                     out[k] = f.get_tensor(k)
         return out
 
-    def shape(self, name: str) -> list[int]:
-        with safe_open(self.path / self.where[name], "pt") as f:
-            return list(f.get_slice(name).get_shape())
-
 
 def model_class(config, suffix: str):
     """transformers' class of the architecture with `suffix` in place of ForCausalLM, e.g. LlamaDecoderLayer."""
@@ -102,14 +99,14 @@ def model_class(config, suffix: str):
     return getattr(module, arch.replace("ForCausalLM", suffix))
 
 
-def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype, device="cpu"):
+def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype):
     """Decoder layer i with its weights (frozen, eval mode), and nothing else of the model."""
     cls = model_class(config, "DecoderLayer")
     with torch.device("meta"):
         layer = cls(config, i)
     prefix = f"model.layers.{i}."
     tensors = ckpt.read([prefix + k for k in layer.state_dict()])  # only the decoder layer's own tensors
-    layer.load_state_dict({k[len(prefix) :]: v.to(device, dtype) for k, v in tensors.items()}, assign=True)
+    layer.load_state_dict({k[len(prefix) :]: v.to(dtype) for k, v in tensors.items()}, assign=True)
     for p in layer.parameters():
         p.requires_grad_(False)
     return layer.eval()
@@ -122,9 +119,9 @@ def rotary(config, seq_len: int, dtype: torch.dtype):
     return emb(x, torch.arange(seq_len)[None])
 
 
-def embed(ckpt: ShardedCheckpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The input embeddings of token ids [N, T] -> [N, T, D] (the teacher's layer-0 inputs)."""
-    return ckpt.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].to(dtype)[ids]
+def embedding(ckpt: ShardedCheckpoint, dtype: torch.dtype) -> torch.Tensor:
+    """The input embedding matrix [V, D]: index it with token ids for the teacher's layer-0 inputs (read once)."""
+    return ckpt.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].to(dtype)
 
 
 def layers(config, ckpt: ShardedCheckpoint, dtype: torch.dtype, first: int = 0) -> Iterator[tuple[int, object]]:

@@ -31,11 +31,11 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from ..attention.hybrid import HybridAttention
-from ..config import ConfigError, attention_settings
+from ..config import attention_settings
 from ..data import assets, corpus
 from ..distributed import runtime
 from ..distributed.checkpoint import atomic_write, fault, sha256
-from ..errors import DistillError
+from ..errors import ConfigError, DistillError
 from ..models import streaming
 from ..models.converted import write_converted
 from ..recipes import RECIPES
@@ -455,8 +455,10 @@ def _rebuild_inputs(s: Stage1) -> str:
         cfg.data.heldout_fraction if cfg.data.source else 0.0,
     )
     ids = corpus.pack(tokenizer, docs, cfg.data.seq_len, cfg.data.num_sequences, cfg.seed)[s.owned]
+    emb = streaming.embedding(s.ckpt, s.dtype)
     for a in range(0, len(s.owned), batch):
-        s.bufs["a"][a : a + batch] = streaming.embed(s.ckpt, ids[a : a + batch], s.dtype).to(s.buf_dtype)
+        s.bufs["a"][a : a + batch] = emb[ids[a : a + batch]].to(s.buf_dtype)
+    del emb
     current = "a"
     for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype), s.first):
         s.log(f"replaying teacher layer {j} to rebuild layer {s.first}'s inputs")

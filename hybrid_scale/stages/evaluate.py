@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from ..config import ConfigError
 from ..data import assets, benchmarks, corpus
 from ..distributed import runtime
 from ..distributed.deepspeed import _import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
+from ..errors import ConfigError
 from ..models.convert import convert_model, set_modes, set_window
 from ..models.converted import (
     base_config,
@@ -54,7 +54,7 @@ class Models:
         return load_base_model(rundir.base_of(self.path, self.converted), self.dtype).to(self.device).eval()
 
     def _ready(self, model):
-        return parallelize(model, zero3=zero3_config(self.dtype)) if self.cfg.eval.shard_weights else model
+        return parallelize(model, zero3=zero3_config(self.dtype))[1] if self.cfg.eval.shard_weights else model
 
     def get(self, mode: str):
         if mode == "base":

@@ -89,7 +89,7 @@ def plan_shards(base: Path, where: dict[str, str], max_bytes: int, dtype: torch.
                 for d in s.get_shape():
                     numel *= d
                 nbytes = numel * (
-                    torch.empty((), dtype=dtype).element_size() if dtype else streaming.DTYPE_BYTES[s.get_dtype()]
+                    torch.empty((), dtype=dtype).element_size() if dtype else streaming.SAFETENSORS_BYTES[s.get_dtype()]
                 )
                 if current and size + nbytes > max_bytes:
                     shards.append(current)
@@ -188,7 +188,7 @@ def calibrate_gamma(
     ids = corpus.pack(tokenizer, docs, x.calibration_seq_len, x.calibration_sequences, cfg.seed)
     ckpt = streaming.ShardedCheckpoint(out, "export.out_dir")
     rope = streaming.rotary(config, x.calibration_seq_len, torch.float32)
-    h = streaming.embed(ckpt, ids, torch.float32)
+    h = streaming.embedding(ckpt, torch.float32)[ids]
     new, errors = dict(hybrid), {}
     for i, layer in streaming.layers(config, ckpt, torch.float32):
         if i in settings["layers"]:

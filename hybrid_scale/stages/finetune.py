@@ -34,7 +34,7 @@ from ..distributed import requeue, runtime
 from ..distributed.checkpoint import fault, throttle
 from ..distributed.deepspeed import _import_deepspeed, quiet, train_config
 from ..distributed.parallelize import parallelize
-from ..distributed.requeue import EXIT_REQUEUE, Requeue, SignalFlag
+from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, FinetuneError
 from ..models.convert import set_modes, set_window
 from ..models.converted import base_dir, load_converted, load_tokenizer, read_hybrid_config
@@ -90,6 +90,7 @@ class Run:
     ssd: SSD | None = None
     step: int = 0
     dropped: int = 0  # layers running la_only in the last step (SSD)
+    hf_ds: object = None  # transformers' HfDeepSpeedConfig: from_pretrained loads under ZeRO-3 init while it lives
     curves: dict = field(default_factory=lambda: dict(train=[], eval_steps=[], hybrid=[], la_only=[], window=[]))
     stopping: EarlyStopping = field(default_factory=EarlyStopping)
 
@@ -112,9 +113,17 @@ class Run:
 def finetune(cfg) -> Path:
     """Run (or resume) stage 2; returns {run_dir}/stage2/output (a converted model with an adapter)."""
     f = cfg.finetune
+    if early_stopping(cfg) and not f.eval_every:
+        raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
     preflight(cfg, "finetune")  # inputs, architecture, tensor-parallel shape, memory, disk: before any work
     run = start(cfg)
-    bar = tqdm(total=f.max_steps, initial=run.step, desc="stage 2", disable=not (f.progress and run.rt.main))
+    bar = tqdm(
+        total=f.max_steps,
+        initial=run.step,
+        desc="stage 2",
+        disable=not (f.progress and run.rt.main),
+        dynamic_ncols=True,
+    )
     run.engine.module.train()
     with SignalFlag() as signal, bar:
         while run.step < f.max_steps and run.stopping.reason is None:
@@ -133,9 +142,7 @@ def finetune(cfg) -> Path:
                     run.log(
                         f"signal: saved {checkpoint.name} in {time.perf_counter() - t0:.1f} s, exiting for a requeue"
                     )
-                    if run.rt.main:  # for batch scripts under torchrun, which does not pass the exit code on
-                        raise requeue.request(cfg.run_dir, run.step, checkpoint)
-                    raise Requeue(run.step, checkpoint)
+                    raise requeue.request(cfg.run_dir, run.step, checkpoint, write_marker=run.rt.main)
     return finish(run)
 
 
@@ -152,9 +159,7 @@ def start(cfg) -> Run:
     """The process group, the data, the model with LoRA under ZeRO-3, and the newest committed checkpoint."""
     f = cfg.finetune
     recipe = RECIPES[f.recipe or cfg.distill.recipe]
-    early = recipe.early_stopping if f.early_stopping is None else f.early_stopping
-    if early and not f.eval_every:
-        raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
+    early = early_stopping(cfg)
     rt = runtime.init(cfg.model.device)
     runtime.join_group(rt)
     _import_deepspeed().init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
@@ -209,6 +214,12 @@ def start(cfg) -> Run:
     return run
 
 
+def early_stopping(cfg) -> bool:
+    """finetune.early_stopping, else the recipe's default (hedgecats)."""
+    f = cfg.finetune
+    return RECIPES[f.recipe or cfg.distill.recipe].early_stopping if f.early_stopping is None else f.early_stopping
+
+
 def build_model(run: Run, ds_config: dict) -> None:
     """The converted model loaded partitioned, phi/gamma trainable as asked, then (parallelize) activation
     checkpointing, LoRA, ZeRO-3."""
@@ -216,7 +227,7 @@ def build_model(run: Run, ds_config: dict) -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     f, cfg = run.cfg.finetune, run.cfg
-    hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841 -- while alive, from_pretrained loads under ZeRO-3 init
+    run.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
     model = load_converted(run.source, dtype=getattr(torch, cfg.model.dtype), device=run.rt.device)
     model.config.use_cache = False
     layers = hybrid_layers(model)
@@ -364,6 +375,3 @@ def heldout_loss(engine, model, held: torch.Tensor, mode: str, micro: int, rt) -
         dist.all_reduce(total)
     engine.module.train()
     return (total[0] / total[1]).item()
-
-
-__all__ = ["EXIT_REQUEUE", "Requeue", "finetune", "FinetuneError", "committed_steps"]

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from ..config import ConfigError
 from ..data import assets, corpus
 from ..distributed.checkpoint import check_destination
-from ..errors import InputError
-from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME
+from ..errors import ConfigError, InputError
+from ..models import streaming
+from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME, base_dir
 from . import rundir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -30,52 +30,6 @@ def run_dir(cfg) -> None:
                 f"config key 'run_dir': {p} is a file, not a directory; set run_dir to a directory (it is created "
                 "when missing)"
             )
-
-
-def _json(path: Path, what: str, fix: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
-        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path} is not a JSON object ({what}); {fix}")
-    return data
-
-
-def shards(path: Path, key: str) -> dict[str, str]:
-    """tensor name -> shard file of a safetensors checkpoint directory, after reading every shard's header (a missing,
-    truncated or corrupt shard is named here, before any work)."""
-    fix = f"restore the checkpoint's files or set {key} to a complete checkpoint"
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        where = _json(index, "a safetensors index", fix).get("weight_map")
-        if not isinstance(where, dict) or not where:
-            raise InputError(f"{index} has no weight_map; {fix}")
-        files = sorted(set(where.values()))
-    elif (path / "model.safetensors").is_file():
-        where, files = None, ["model.safetensors"]
-    else:
-        raise InputError(
-            f"config key '{key}': {path} has no model.safetensors(.index.json) (the stages stream safetensors "
-            "checkpoints); convert .bin weights with save_pretrained(safe_serialization=True)"
-        )
-    missing = [f for f in files if not (path / f).is_file()]
-    if missing:
-        raise InputError(f"{path}: shard(s) named in its index are missing: {', '.join(missing[:3])}; {fix}")
-    out: dict[str, str] = {}
-    for file in files:
-        shard = path / file
-        try:
-            with safe_open(shard, "pt") as f:  # refuses a truncated file too ("file not fully covered")
-                names = list(f.keys())
-        except (SafetensorError, OSError, ValueError) as e:
-            raise InputError(f"{shard} is not a readable safetensors file ({e}); {fix}") from None
-        out.update(dict.fromkeys(names, file) if where is None else {n: file for n in names if where.get(n) == file})
-    if where is not None:
-        absent = sorted(set(where) - set(out))
-        if absent:
-            raise InputError(f"{path}: tensors listed in its index are not in their shards: {absent[:3]}; {fix}")
-    return out
 
 
 def base_model(path: Path, key: str) -> dict:
@@ -95,7 +49,7 @@ def base_model(path: Path, key: str) -> dict:
         )
     if not (path / "config.json").is_file():
         raise InputError(f"config key '{key}': {path} is not a Hugging Face model directory (no config.json)")
-    config = _json(path / "config.json", "a model config", f"restore {path / 'config.json'}")
+    config = streaming.read_json(path / "config.json", f"restore {path / 'config.json'}")
     if str(config.get("model_type", "")).startswith("hybrid_scale_"):
         raise InputError(
             f"config key '{key}': {path} is a hybrid_scale export, not a base model; set {key} to the plain model "
@@ -104,7 +58,7 @@ def base_model(path: Path, key: str) -> dict:
         )
     if not any((path / t).is_file() for t in TOKENIZER_FILES):
         raise InputError(f"config key '{key}': {path} has no tokenizer files; copy the tokenizer next to the weights")
-    shards(path, key)
+    streaming.shard_map(path, key)
     return config
 
 
@@ -124,8 +78,8 @@ def converted(path: Path, key: str) -> None:
     """A converted model (stage 1/2 output or an export): its files readable, its base present, its adapter whole."""
     if not (path / CONFIG_NAME).is_file():
         raise InputError(f"config key '{key}': {path} is not a converted model (no {CONFIG_NAME})")
-    _json(path / CONFIG_NAME, "a converted model's settings", f"restore {path / CONFIG_NAME}")
-    base = _base_of(path)
+    streaming.read_json(path / CONFIG_NAME, f"restore {path / CONFIG_NAME}")
+    base = base_dir(path)
     if not (base / "config.json").is_file():
         raise InputError(
             f"config key '{key}': the base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit "
@@ -152,7 +106,7 @@ def converted(path: Path, key: str) -> None:
 
 def adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, key: str) -> None:
     """Every LoRA pair adapts a weight the base has, with its shape (from the headers alone)."""
-    where = shards(base, key)
+    where = streaming.shard_map(base, key)
     pairs: dict[str, dict[str, list[int]]] = {}
     for name, shape in lora.items():
         module, kind = name.removeprefix("base_model.model.").rsplit(".lora_", 1)
@@ -172,11 +126,6 @@ def adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, key: str
                 f"model {base} holds {shape}: it was trained on another model; use the stage-2 output made from "
                 "this base"
             )
-
-
-def _base_of(path: Path) -> Path:
-    ref = json.loads((path / CONFIG_NAME).read_text()).get("base_model")
-    return path if ref == "." else Path(str(ref))
 
 
 def training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
@@ -221,7 +170,7 @@ def eval_inputs(cfg) -> None:
             )
     elif not assets.paths().datasets.is_dir():
         assets.require()  # one clear error saying how to make them
-    out = Path(e.out_dir) if e.out_dir else Path(cfg.run_dir) / "eval"
+    out = rundir.eval_dir(cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'eval.out_dir': {out} is a file; set eval.out_dir to a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "results.json").is_file():
@@ -258,7 +207,7 @@ def check(cfg, stage: str) -> None:
         layers(cfg, config)
         training_text(cfg, path, stage)
     elif stage == "finetune":
-        source = Path(cfg.finetune.model) if cfg.finetune.model else Path(cfg.run_dir) / "stage1" / "converted"
+        source = Path(cfg.finetune.model) if cfg.finetune.model else rundir.stage1_output(cfg)
         tokenizer_dir = None
         if cfg.finetune.model or (source / CONFIG_NAME).is_file():
             converted(source, "finetune.model")
@@ -267,7 +216,7 @@ def check(cfg, stage: str) -> None:
                     f"config key 'finetune.model': {source} already carries a LoRA adapter; export it (merged) first "
                     "and fine-tune the export"
                 )
-            tokenizer_dir = _base_of(source)
+            tokenizer_dir = base_dir(source)
         training_text(cfg, tokenizer_dir, stage)
     elif stage == "evaluate":
         if cfg.eval.model and (Path(cfg.eval.model) / CONFIG_NAME).is_file():

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..config import STAGES, ConfigError
+from ..config import STAGES
 from ..distributed import runtime
 from ..distributed.checkpoint import MARKER, atomic_write
+from ..errors import ConfigError
 from . import rundir
 from .distill import distill
 from .evaluate import evaluate
@@ -68,9 +69,9 @@ def record_config(cfg, allow_change: bool = False) -> Path:
 
 
 def done(cfg, stage: str) -> bool:
-    run = Path(cfg.run_dir)
     if stage == "finetune":
-        return (run / "stage2" / "curves.json").is_file() and (run / "stage2" / "output").exists()
+        stage2 = rundir.stage2_dir(cfg)
+        return (stage2 / "curves.json").is_file() and (stage2 / "output").exists()
     if stage == "evaluate":
         return (rundir.eval_dir(cfg) / "results.json").is_file()
     if stage == "export":

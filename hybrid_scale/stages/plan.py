@@ -121,7 +121,7 @@ def _stored_bytes(base: Path) -> tuple[int, int]:
     with safe_open(files[0], "pt") as f:
         names = list(f.keys())
         dtype = f.get_slice(names[0]).get_dtype() if names else "F32"
-    return sum(x.stat().st_size for x in files), streaming.DTYPE_BYTES.get(dtype, 4)
+    return sum(x.stat().st_size for x in files), streaming.SAFETENSORS_BYTES.get(dtype, 4)
 
 
 @dataclass

@@ -125,7 +125,7 @@ def test_preflight_refuses_without_disk_room(sharded_model, tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"preflight \(distill\): .* has 0\.00 GB free but this node needs ~0\.00 GB"):
         stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path)))  # the plan, before any work
     with pytest.raises(stage1.DistillError, match=r"stage 1 needs 0\.00 GiB .* only 0\.00 GiB are free: set distill"):
-        stage1.preflight(tmp_path / "buffers", 16, 64, 64, torch.float32)  # and the stage's own exact check
+        stage1.preflight_buffers(tmp_path / "buffers", 16, 64, 64, torch.float32)  # and the stage's own exact check
 
 
 def snapshot(root: Path) -> dict:

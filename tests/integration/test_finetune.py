@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hybrid_scale as hs
 from hybrid_scale.data import corpus
 from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
-from hybrid_scale.stages.finetune import EXIT_REQUEUE, committed_steps
+from hybrid_scale.distributed.requeue import EXIT_REQUEUE
+from hybrid_scale.stages.checkpoints import committed_steps
 
 pytestmark = pytest.mark.slow
 
