@@ -486,7 +486,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             if not (PRESETS / path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
+                raise ConfigError(
+                    f"config file {path} does not exist (nor in {PRESETS}): give the path of a YAML file or a preset "
+                    "name such as models/llama3-8b.yaml"
+                )
             path = PRESETS / path
         for layer in _compose(path):
             cfg = _structured(cfg, layer)

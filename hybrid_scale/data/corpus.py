@@ -22,7 +22,10 @@ def read_documents(source: str | Path | None, text_field: str = "text") -> list[
         source = require().train_text
     path = Path(source)
     if not path.exists():
-        raise CorpusError(f"config key 'data.source': {path} does not exist")
+        raise CorpusError(
+            f"config key 'data.source': {path} does not exist; point it at a .txt, a .jsonl or a saved dataset, or "
+            "leave it unset for the embedded default"
+        )
     if path.is_dir():
         from datasets import load_from_disk
 
@@ -69,7 +72,7 @@ def read_documents(source: str | Path | None, text_field: str = "text") -> list[
         docs = _text(path).split("\n\n")
     docs = [d.strip() for d in docs if d and d.strip()]
     if not docs:
-        raise CorpusError(f"{path} holds no text")
+        raise CorpusError(f"{path} holds no text; point data.source at a file with documents in it")
     return docs
 
 

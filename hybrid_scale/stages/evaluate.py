@@ -88,7 +88,10 @@ def report_text(cfg) -> tuple[str, str]:
     if e.ppl_text:
         path = Path(e.ppl_text)
         if not path.is_file():
-            raise ConfigError(f"config key 'eval.ppl_text': {path} does not exist")
+            raise ConfigError(
+                f"config key 'eval.ppl_text': {path} does not exist; point it at a text file, or leave it unset for "
+                "the report half of the held-out text"
+            )
         return path.read_text(), f"eval.ppl_text {path}"
     _, docs = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
     where = corpus.heldout_source(cfg.data.source)

@@ -77,7 +77,10 @@ def layers(cfg, config: dict) -> None:
 def converted(path: Path, key: str) -> None:
     """A converted model (stage 1/2 output or an export): its files readable, its base present, its adapter whole."""
     if not (path / CONFIG_NAME).is_file():
-        raise InputError(f"config key '{key}': {path} is not a converted model (no {CONFIG_NAME})")
+        raise InputError(
+            f"config key '{key}': {path} is not a converted model (no {CONFIG_NAME}); point it at a stage-1/stage-2 "
+            "output or an export (or leave it unset for the run's own model)"
+        )
     streaming.read_json(path / CONFIG_NAME, f"restore {path / CONFIG_NAME}")
     base = base_dir(path)
     if not (base / "config.json").is_file():
@@ -158,7 +161,10 @@ def training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
 def eval_inputs(cfg) -> None:
     e = cfg.eval
     if e.ppl_text and not Path(e.ppl_text).is_file():
-        raise ConfigError(f"config key 'eval.ppl_text': {e.ppl_text} does not exist")
+        raise ConfigError(
+            f"config key 'eval.ppl_text': {e.ppl_text} does not exist; point it at a text file, or leave it unset for "
+            "the report half of the held-out text"
+        )
     root = Path(e.data_dir) if e.data_dir else None
     if root is not None:
         missing = [t for t in e.tasks if not (root / t).is_dir()]

@@ -98,7 +98,10 @@ def export_source(cfg) -> Path:
     if cfg.export.model:
         path = Path(cfg.export.model)
         if not (path / CONFIG_NAME).is_file():
-            raise ConfigError(f"config key 'export.model': {path} is not a converted model (no {CONFIG_NAME})")
+            raise ConfigError(
+                f"config key 'export.model': {path} is not a converted model (no {CONFIG_NAME}); point it at a "
+                "stage-1/stage-2 output, or leave it unset for the run's own model"
+            )
         return path
     path = run_model(cfg.run_dir)
     if path is None:
@@ -115,10 +118,16 @@ def eval_source(cfg) -> tuple[Path, bool]:
     path = cfg.eval.model or run_model(cfg.run_dir) or cfg.model.path
     path = Path(path) if path else assets.require().model
     if not path.exists():
-        raise ConfigError(f"config key 'eval.model': {path} does not exist")
+        raise ConfigError(
+            f"config key 'eval.model': {path} does not exist; set it to a model directory, or leave it unset for the "
+            "run's own model"
+        )
     converted = (path / CONFIG_NAME).is_file()
     if not converted and not (path / "config.json").is_file():
-        raise ConfigError(f"config key 'eval.model': {path} is neither a Hugging Face model nor a converted model")
+        raise ConfigError(
+            f"config key 'eval.model': {path} is neither a Hugging Face model nor a converted model (no config.json, "
+            f"no {CONFIG_NAME}); point it at one"
+        )
     return path, converted
 
 

@@ -227,9 +227,14 @@ ROWS = [
         "data-missing",
         "distill",
         lambda w: base(w, f"data.source={w['missing_txt']}"),
-        ["config key 'data.source'", "missing.txt does not exist"],
+        ["config key 'data.source'", "missing.txt does not exist; point it at a .txt, a .jsonl or a saved dataset"],
     ),
-    ("data-empty", "distill", lambda w: base(w, f"data.source={w['empty_txt']}"), ["empty.txt holds no text"]),
+    (
+        "data-empty",
+        "distill",
+        lambda w: base(w, f"data.source={w['empty_txt']}"),
+        ["empty.txt holds no text; point data.source at a file with documents in it"],
+    ),
     (
         "data-too-short",
         "distill",
@@ -271,7 +276,7 @@ ROWS = [
         "finetune-model-not-converted",
         "finetune",
         lambda w: base(w, f"finetune.model={w['m']}"),
-        ["config key 'finetune.model'", "is not a converted model (no hybrid_config.json)"],
+        ["config key 'finetune.model'", "is not a converted model (no hybrid_config.json); point it at a stage-1"],
     ),
     (
         "finetune-model-has-adapter",
@@ -308,19 +313,19 @@ ROWS = [
         "eval-model-missing",
         "evaluate",
         lambda w: base(w, f"eval.model={w['root'] / 'nope'}"),
-        ["config key 'eval.model'", "nope does not exist"],
+        ["config key 'eval.model'", "nope does not exist; set it to a model directory, or leave it unset"],
     ),
     (
         "eval-model-not-a-model",
         "evaluate",
         lambda w: base(w, f"eval.model={w['not_dataset']}"),
-        ["config key 'eval.model'", "is neither a Hugging Face model nor a converted model"],
+        ["config key 'eval.model'", "is neither a Hugging Face model nor a converted model", "point it at one"],
     ),
     (
         "eval-ppl-text-missing",
         "evaluate",
         lambda w: base(w, f"eval.model={w['s1']}", f"eval.ppl_text={w['missing_txt']}"),
-        ["config key 'eval.ppl_text'", "missing.txt does not exist"],
+        ["config key 'eval.ppl_text'", "missing.txt does not exist; point it at a text file"],
     ),
     (
         "eval-data-dir-empty",
@@ -412,7 +417,7 @@ ROWS = [
         "export-model-not-converted",
         "export",
         lambda w: base(w, f"export.model={w['m']}"),
-        ["config key 'export.model'", "is not a converted model"],
+        ["config key 'export.model'", "is not a converted model", "point it at a stage-1/stage-2 output"],
     ),
     (
         "export-wrong-dtype",
