@@ -143,3 +143,10 @@ def train_and_heldout(source: str | Path | None, text_field: str, heldout_fracti
         raise CorpusError("config key 'data.heldout_fraction': stage 2 needs held-out text; set it above 0")
     train, held = split_documents(docs, heldout_fraction)
     return train, heldout_splits(held, f"data.source {source}")[split]
+
+
+def heldout_documents(source: str | Path | None, text_field: str, heldout_fraction: float, split: str) -> list[str]:
+    """The held-out documents of `split` alone (the embedded default's training text is not read for them)."""
+    if source is None:
+        return heldout_splits(read_documents(require().heldout_text, text_field), "the embedded default")[split]
+    return train_and_heldout(source, text_field, heldout_fraction, split)[1]

@@ -93,14 +93,15 @@ def report_text(cfg) -> tuple[str, str]:
                 "the report half of the held-out text"
             )
         return path.read_text(), f"eval.ppl_text {path}"
-    _, docs = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
+    docs = corpus.heldout_documents(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
     where = corpus.heldout_source(cfg.data.source)
     return "\n\n".join(docs), f"report half of the held-out documents of {where} ({len(docs)} documents)"
 
 
-def _heldout_sequences(tokenizer, cfg) -> torch.Tensor:
+def _heldout_sequences(tokenizer, cfg, held_text: tuple[str, str] | None = None) -> torch.Tensor:
+    """The report text (report_text, read here unless given) as eval.ppl_sequences rows of eval.ppl_seq_len."""
     e = cfg.eval
-    text, where = report_text(cfg)
+    text, where = held_text if held_text is not None else report_text(cfg)
     ids = tokenizer.encode(text)
     n = min(e.ppl_sequences, len(ids) // e.ppl_seq_len)
     if n == 0 and e.ppl_sequences:
@@ -111,9 +112,9 @@ def _heldout_sequences(tokenizer, cfg) -> torch.Tensor:
     return torch.tensor(ids[: n * e.ppl_seq_len]).view(n, e.ppl_seq_len)
 
 
-def heldout_record(cfg) -> dict:
-    """Which held-out text chose the checkpoint and which one the perplexity is reported on (results.json)."""
-    _, where = report_text(cfg)
+def heldout_record(cfg, where: str) -> dict:
+    """Which held-out text chose the checkpoint and which one (`where`, from report_text) the perplexity is reported
+    on (results.json)."""
     return {
         "selection": f"selection half of the held-out documents of {corpus.heldout_source(cfg.data.source)} "
         "(stage 2's held-out loss: best/ and early stopping)",
@@ -135,15 +136,17 @@ def evaluate(cfg) -> dict:
     items = {task: benchmarks.build(task, data_dir, e.limit) for task in e.tasks}
     max_len = getattr(base_config(rundir.base_of(path, converted)), "max_position_embeddings", 8192)
     requests = Requests(items, tokenizer, max_len)
+    held_text = report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
+    window = models.window()
     results = {
         "model": str(path),
         "converted": converted,
         "untrained_feature_maps": not converted,
-        "window": models.window(),
+        "window": window,
         "world_size": rt.world,
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "heldout": heldout_record(cfg) if e.ppl_sequences else None,
-        "tasks": requests.beyond_window(models.window()),
+        "heldout": heldout_record(cfg, held_text[1]) if held_text else None,
+        "tasks": requests.beyond_window(window),
         "modes": {},
         "timings_s": {},
     }
@@ -168,7 +171,7 @@ def evaluate(cfg) -> dict:
     _deltas(results, items, cfg)
     t0 = time.perf_counter()
     if e.ppl_sequences and (rt.main or e.shard_weights):  # sharded weights: every rank joins every forward
-        _perplexity_and_la_share(results, models, tokenizer, cfg, rt)
+        _perplexity_and_la_share(results, models, tokenizer, cfg, rt, held_text)
     results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
     if rt.main:
         out_dir = rundir.eval_dir(cfg)
@@ -252,9 +255,9 @@ def _deltas(results: dict, items: dict, cfg) -> None:
         results["verdict"] = balance.verdict(results["delta_la"]["avg"], e.margin)
 
 
-def _perplexity_and_la_share(results: dict, models: Models, tokenizer, cfg, rt) -> None:
+def _perplexity_and_la_share(results: dict, models: Models, tokenizer, cfg, rt, held_text) -> None:
     e = cfg.eval
-    seqs = _heldout_sequences(tokenizer, cfg)
+    seqs = _heldout_sequences(tokenizer, cfg, held_text)
     buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
     results["perplexity"] = {
         "seq_len": e.ppl_seq_len,

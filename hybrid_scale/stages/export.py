@@ -44,10 +44,9 @@ from ..models.converted import (
     read_hybrid_config,
     write_converted,
 )
-from . import inputs
 from .balance import perplexity_by_bucket
 from .plan import preflight
-from .rundir import describe_origin, eval_dir, export_source, is_export
+from .rundir import describe_origin, eval_dir, export_dir, export_source, is_export
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 
@@ -214,7 +213,7 @@ def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dic
     """Held-out perplexity by position bucket in hybrid for each gamma setting (plus swa_only and la_only)."""
     x = cfg.export
     tokenizer = load_tokenizer(tokenizer_dir)
-    _, held = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
+    held = corpus.heldout_documents(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
     seqs = corpus.pack(tokenizer, held, x.report_seq_len, x.report_sequences, cfg.seed)
     buckets = sorted({b for b in cfg.eval.buckets if b < x.report_seq_len} | {0, x.report_seq_len})
     model = load_converted(out, dtype=torch.float32)
@@ -302,10 +301,10 @@ def export(cfg) -> Path:
     attention code, tokenizer, phi/gamma (gamma fixed or calibrated on request), the model card."""
     x = cfg.export
     t0 = time.perf_counter()
-    preflight(cfg, "export")  # the input model, its architecture, free disk for the merged copy
+    preflight(cfg, "export")  # the input model (adapter, base), the destination, architecture, free disk
     source = export_source(cfg)
     base = base_dir(source)
-    out = inputs.export_output(cfg, source, base)
+    out = export_dir(cfg)
     settings = dict(read_hybrid_config(source)["attention"])
     if x.mode:
         settings["mode"] = x.mode
@@ -313,7 +312,6 @@ def export(cfg) -> Path:
     if x.window:
         settings["window"] = x.window
     dtype = getattr(torch, x.dtype) if x.dtype else None
-    inputs.converted(source, "export.model")  # the run's model too: readable, its base present, the adapter fits it
     hybrid = load_file(source / PARAMS_NAME)
     adapter = source / ADAPTER_DIR
     deltas, scaling = lora_deltas(adapter) if adapter.is_dir() else ({}, 1.0)

@@ -228,10 +228,10 @@ def check(cfg, stage: str) -> None:
         if cfg.eval.model and (Path(cfg.eval.model) / CONFIG_NAME).is_file():
             converted(Path(cfg.eval.model), "eval.model")
         eval_inputs(cfg)
-    elif stage == "export":
-        if cfg.export.model:
-            converted(Path(cfg.export.model), "export.model")
-        export_output(cfg, *([Path(cfg.export.model)] if cfg.export.model else []))
+    elif stage == "export":  # export.model, else the run's model: readable, base present, adapter fits
+        source = rundir.export_source(cfg)
+        converted(source, "export.model")
+        export_output(cfg, source, base_dir(source))
 
 
 def check_ahead(cfg, stages: list[str]) -> None:

@@ -239,13 +239,18 @@ def test_buffers_an_interrupted_resume_on_other_ranks_rewrote_are_not_trusted(
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-3  # 2 ranks vs 1: as in the test above
 
 
-def test_nan_loss_stops_at_its_layer_and_step_and_keeps_the_committed_layers(sharded_model, uninterrupted, tmp_path):
-    model = shutil.copytree(sharded_model, tmp_path / "model")
-    name = "model.layers.1.self_attn.q_proj.weight"
+def poisoned_copy(model: Path, dest: Path, name: str, value: str) -> tuple[Path, Path]:
+    """A copy of the checkpoint with one element of tensor `name` set to nan / inf; (copy, the shard it is in)."""
+    model = shutil.copytree(model, dest)
     shard = model / json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][name]
     tensors = load_file(shard)
-    tensors[name][0, 0] = float("nan")
+    tensors[name][0, 0] = float(value)
     save_file(tensors, shard, metadata={"format": "pt"})
+    return model, shard
+
+
+def test_nan_loss_stops_at_its_layer_and_step_and_keeps_the_committed_layers(sharded_model, uninterrupted, tmp_path):
+    model, shard = poisoned_copy(sharded_model, tmp_path / "model", "model.layers.1.self_attn.q_proj.weight", "nan")
     run = tmp_path / "run"
     proc = run_cli(overrides(model, run))
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -272,12 +277,7 @@ def test_nan_loss_stops_at_its_layer_and_step_and_keeps_the_committed_layers(sha
 def test_a_teacher_layer_with_nan_outputs_stops_before_its_layer_is_committed(sharded_model, tmp_path):
     """A nan in layer 0's MLP: its attention trains on finite inputs, but its outputs (layer 1's inputs) are nan;
     nothing of layer 0 is committed, so a resume never trusts the poisoned buffer."""
-    model = shutil.copytree(sharded_model, tmp_path / "model")
-    name = "model.layers.0.mlp.down_proj.weight"
-    shard = model / json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][name]
-    tensors = load_file(shard)
-    tensors[name][0, 0] = float("inf")
-    save_file(tensors, shard, metadata={"format": "pt"})
+    model, _ = poisoned_copy(sharded_model, tmp_path / "model", "model.layers.0.mlp.down_proj.weight", "inf")
     run = tmp_path / "run"
     with pytest.raises(stage1.DistillError) as e:
         stage1.distill(load_config(overrides=overrides(model, run, "distill.epochs=1")))
