@@ -102,6 +102,7 @@ class HybridAttention(nn.Module):
         sinks: int = 8,
         mode: str = "hybrid",
         chunk_size: int = 64,
+        param_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         check_mode(mode)
@@ -119,18 +120,20 @@ class HybridAttention(nn.Module):
         self.window, self.sinks, self.mode, self.chunk_size = int(window), int(sinks), mode, int(chunk_size)
         self.backend = "chunk"  # the backends.py name `attend` uses; not a setting (exports always run on torch)
         ref = self.q_proj.weight
+        dtype = param_dtype or ref.dtype  # fp32 masters for training in half precision; else the projections'
         self.feature_map_q = make_feature_map(feature_map, num_heads, head_dim, feature_dim)
         self.feature_map_k = make_feature_map(feature_map, num_kv_heads, head_dim, feature_dim)
-        self.feature_map_q.to(device=ref.device, dtype=ref.dtype)
-        self.feature_map_k.to(device=ref.device, dtype=ref.dtype)
+        self.feature_map_q.to(device=ref.device, dtype=dtype)
+        self.feature_map_k.to(device=ref.device, dtype=dtype)
         logit = math.log(gamma_init / (1.0 - gamma_init))
-        self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=ref.dtype))
+        self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=dtype))
 
     SETTINGS = ("window", "feature_map", "feature_dim", "gamma_init", "sinks", "mode", "chunk_size")
 
     @classmethod
-    def from_softmax(cls, base: nn.Module, config, layer_idx: int, settings) -> HybridAttention:
-        """Take the place of a Llama/Mistral/Qwen2 attention module; settings maps the names in SETTINGS."""
+    def from_softmax(cls, base: nn.Module, config, layer_idx: int, settings, param_dtype=None) -> HybridAttention:
+        """Take the place of a Llama/Mistral/Qwen2 attention module; settings maps the names in SETTINGS.
+        param_dtype: of phi/gamma (default: the projections' dtype)."""
         return cls(
             base,
             layer_idx=layer_idx,
@@ -139,6 +142,7 @@ class HybridAttention(nn.Module):
             head_dim=base.head_dim,
             scaling=base.scaling,
             **{name: settings[name] for name in cls.SETTINGS},
+            param_dtype=param_dtype,
         )
 
     def hybrid_parameters(self):

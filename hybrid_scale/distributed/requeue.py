@@ -15,39 +15,52 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class Requeue(Exception):  # noqa: N818 -- not an error: the stage saved and asks to be started again
-    def __init__(self, step: int, checkpoint: Path):
-        super().__init__(f"stopped by a signal after step {step}; saved {checkpoint}; run again to resume")
+    def __init__(self, step, checkpoint: Path, what: str | None = None):
+        what = what or f"stopped by a signal after step {step}; saved {checkpoint}"
+        super().__init__(f"{what}; run again to resume")
         self.step, self.checkpoint = step, checkpoint
 
 
 class SignalFlag:
-    """While active, USR1 / TERM set `self.raised` instead of ending the process; the previous handlers return on
-    exit. The loop reads the flag at a step boundary (all ranks agree on it through a collective)."""
+    """While active, USR1 / TERM set the flag instead of ending the process; the previous handlers return when the
+    outermost one exits. The flag is one per process: a stage's flag nested in the pipeline's sees a signal that
+    came between stages or while the stage was starting. The loop reads `raised` at a step boundary (all ranks agree
+    on it through a collective)."""
 
-    def __init__(self):
-        self.raised = False
-        self._previous: dict = {}
+    _depth = 0
+    _raised = False
+    _previous: dict = {}
 
-    def _on_signal(self, signum, frame) -> None:
-        self.raised = True
+    @property
+    def raised(self) -> bool:
+        return SignalFlag._raised
+
+    @staticmethod
+    def _on_signal(signum, frame) -> None:
+        SignalFlag._raised = True
 
     def __enter__(self) -> SignalFlag:
-        self.raised = False
-        self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        if SignalFlag._depth == 0:
+            SignalFlag._raised = False
+            SignalFlag._previous = {s: signal.signal(s, SignalFlag._on_signal) for s in SIGNALS}
+        SignalFlag._depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        SignalFlag._depth -= 1
+        if SignalFlag._depth == 0:
+            for s, handler in SignalFlag._previous.items():
+                signal.signal(s, handler)
 
 
 def clear_request(run_dir: Path) -> None:
     (Path(run_dir) / REQUEUE_MARKER).unlink(missing_ok=True)
 
 
-def request(run_dir: Path, step: int, checkpoint: Path, write_marker: bool = True) -> Requeue:
+def request(run_dir: Path, step, checkpoint: Path, write_marker: bool = True, what: str | None = None) -> Requeue:
     """The exception to raise after a signal-triggered save; `write_marker` (rank 0) also marks the run for a requeue,
-    for batch scripts under torchrun, which does not pass the exit code on."""
+    for batch scripts under torchrun, which does not pass the exit code on. `what` replaces the message's first part
+    ("stopped by a signal after step N; saved CHECKPOINT")."""
     if write_marker:
         atomic_write(Path(run_dir) / REQUEUE_MARKER, f"{step}\n")
-    return Requeue(step, checkpoint)
+    return Requeue(step, checkpoint, what)

@@ -1,4 +1,9 @@
-"""Process-group plumbing shared by the stages: one process, or N under torchrun (gloo on CPU, nccl on GPU)."""
+"""Process-group plumbing shared by the stages: one process, or N under torchrun / srun.
+
+Every hand-written collective of the stages goes through the helpers below. They take (or make) tensors on the
+runtime's device, so that the same code runs under gloo (CPU) and NCCL (GPU, which takes CUDA tensors only), and
+every rank passes the same dtype and shape (gloo aborts the process on a mismatch; NCCL hangs or corrupts). On GPUs
+the group has both backends ("cpu:gloo,cuda:nccl"): all_gather_object and barrier work too."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from .slurm import srun_environment
 
 
@@ -28,20 +34,82 @@ class Runtime:
         return self.world > 1
 
 
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """model.device as a torch device for this process: auto = cuda:<local rank> when a GPU is visible, else cpu."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "config key 'model.device' is cuda but this process sees no GPU (torch.cuda.is_available() is "
+                "False): run on a GPU node, or set model.device=cpu (or auto)"
+            )
+        if torch.cuda.device_count() <= local_rank:
+            raise ConfigError(
+                f"config key 'model.device': local rank {local_rank} has no GPU ({torch.cuda.device_count()} "
+                "visible): start at most one process per GPU (launch.procs_per_node)"
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def backend(device: torch.device) -> str:
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init(device: str = "auto") -> Runtime:
     """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK) or srun does (one task per rank),
-    or run alone."""
+    or run alone. The device is model.device (auto: the local rank's GPU when there is one)."""
     for key, value in srun_environment().items():
         os.environ.setdefault(key, value)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    dev = resolve_device(device, local)
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend(dev))
     return Runtime(rank, world, local, dev)
+
+
+def _on_device(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
+    if t.device != rt.device:  # a programming error: NCCL would refuse it, or (dual backend) it would go slowly
+        raise RuntimeError(f"collective on a {t.device} tensor; this rank computes on {rt.device}")
+    return t
+
+
+def all_reduce(rt: Runtime, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In place over the ranks (sum / min / max); a no-op alone."""
+    if rt.distributed:
+        dist.all_reduce(_on_device(rt, t), op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}.get(op, op))
+    return t
+
+
+def broadcast(rt: Runtime, t: torch.Tensor, src: int) -> torch.Tensor:
+    """In place from rank `src`; a no-op alone."""
+    if rt.distributed:
+        dist.broadcast(_on_device(rt, t), src)
+    return t
+
+
+def all_ranks(rt: Runtime, ok: bool) -> bool:
+    """True when `ok` holds on every rank (the same answer everywhere)."""
+    if not rt.distributed:
+        return bool(ok)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=rt.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def any_rank(rt: Runtime, flag: bool) -> bool:
+    """True when `flag` holds on some rank (e.g. a signal that reached one of them)."""
+    return not all_ranks(rt, not flag)
+
+
+def sums(rt: Runtime, values: list[float]) -> list[float]:
+    """Each value summed over the ranks, in fp64."""
+    t = torch.tensor(values, dtype=torch.float64, device=rt.device)
+    return all_reduce(rt, t).tolist()
 
 
 def gather_objects(rt: Runtime, obj):
@@ -54,7 +122,9 @@ def gather_objects(rt: Runtime, obj):
 
 
 def barrier(rt: Runtime) -> None:
-    if rt.distributed:
+    if rt.distributed and rt.device.type == "cuda":
+        dist.barrier(device_ids=[rt.device.index])
+    elif rt.distributed:
         dist.barrier()
 
 
@@ -68,4 +138,4 @@ def join_group(rt: Runtime) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    dist.init_process_group("nccl" if rt.device.type == "cuda" else "gloo")
+    dist.init_process_group(backend(rt.device))

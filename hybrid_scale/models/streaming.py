@@ -99,24 +99,24 @@ def model_class(config, suffix: str):
     return getattr(module, arch.replace("ForCausalLM", suffix))
 
 
-def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype):
-    """Decoder layer i with its weights (frozen, eval mode), and nothing else of the model."""
+def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype, device="cpu"):
+    """Decoder layer i with its weights on `device` in `dtype` (frozen, eval mode), and nothing else of the model."""
     cls = model_class(config, "DecoderLayer")
     with torch.device("meta"):
         layer = cls(config, i)
     prefix = f"model.layers.{i}."
     tensors = ckpt.read([prefix + k for k in layer.state_dict()])  # only the decoder layer's own tensors
-    layer.load_state_dict({k[len(prefix) :]: v.to(dtype) for k, v in tensors.items()}, assign=True)
+    layer.load_state_dict({k[len(prefix) :]: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, assign=True)
     for p in layer.parameters():
         p.requires_grad_(False)
     return layer.eval()
 
 
-def rotary(config, seq_len: int, dtype: torch.dtype):
-    """(cos, sin) of the model's own rotary embedding for positions 0..seq_len-1."""
-    emb = model_class(config, "RotaryEmbedding")(config=config)
-    x = torch.zeros(1, seq_len, 1, dtype=dtype)
-    return emb(x, torch.arange(seq_len)[None])
+def rotary(config, seq_len: int, dtype: torch.dtype, device="cpu"):
+    """(cos, sin) of the model's own rotary embedding for positions 0..seq_len-1, on `device`."""
+    emb = model_class(config, "RotaryEmbedding")(config=config).to(device)
+    x = torch.zeros(1, seq_len, 1, dtype=dtype, device=device)
+    return emb(x, torch.arange(seq_len, device=device)[None])
 
 
 def embedding(ckpt: ShardedCheckpoint, dtype: torch.dtype) -> torch.Tensor:
@@ -124,11 +124,13 @@ def embedding(ckpt: ShardedCheckpoint, dtype: torch.dtype) -> torch.Tensor:
     return ckpt.read(["model.embed_tokens.weight"])["model.embed_tokens.weight"].to(dtype)
 
 
-def layers(config, ckpt: ShardedCheckpoint, dtype: torch.dtype, first: int = 0) -> Iterator[tuple[int, object]]:
+def layers(
+    config, ckpt: ShardedCheckpoint, dtype: torch.dtype, first: int = 0, device="cpu"
+) -> Iterator[tuple[int, object]]:
     """The teacher/student loop's spine: (i, decoder layer i) for i = first ... L-1, one layer in memory at a time.
     The caller trains or fits the student parts of layer i on its inputs, then runs `teacher` to make layer i+1's."""
     for i in range(first, config.num_hidden_layers):
-        yield i, build_layer(config, ckpt, i, dtype)
+        yield i, build_layer(config, ckpt, i, dtype, device)
 
 
 @torch.no_grad()

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
@@ -33,13 +33,15 @@ from transformers import AutoConfig, AutoTokenizer
 from ..attention.hybrid import HybridAttention
 from ..config import attention_settings
 from ..data import assets, corpus
-from ..distributed import runtime
+from ..data.staging import Stager
+from ..distributed import requeue, runtime
 from ..distributed.checkpoint import atomic_write, fault, sha256
+from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, DistillError
 from ..models import streaming
 from ..models.converted import write_converted
 from ..recipes import RECIPES
-from . import rundir
+from . import objectives, rundir
 from .plan import preflight
 
 # --- buffers, manifest, commits ----------------------------------------------------------------------------------
@@ -78,50 +80,6 @@ def preflight_buffers(buffer_dir: Path, n_local: int, seq_len: int, hidden: int,
     return need
 
 
-# --- objectives ----------------------------------------------------------------------------------------------------
-
-
-def _expand(x, group):
-    return x.repeat_interleave(group, dim=1)
-
-
-def weights_xent(q, k, fq, fk, scale, block: int) -> torch.Tensor:
-    """Per sequence: mean over heads and queries of the soft cross-entropy between the teacher's causal softmax row
-    and linear attention's normalised row (LA-only), in query blocks (memory O(block * T)). [B]"""
-    B, H, T, _ = q.shape
-    group = H // k.shape[1]
-    k, fk = _expand(k, group), _expand(fk, group)
-    total = q.new_zeros(B)
-    for a in range(0, T, block):
-        b = min(T, a + block)
-        causal = torch.arange(T)[None, :] <= torch.arange(a, b)[:, None]
-        with torch.no_grad():
-            teacher = torch.softmax(
-                (scale * q[:, :, a:b] @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf")), -1
-            )
-        lin = (fq[:, :, a:b] @ fk.transpose(-1, -2)).masked_fill(~causal, 0.0)
-        log_rows = torch.log(lin.clamp_min(1e-30)) - torch.log(lin.sum(-1, keepdim=True).clamp_min(1e-30))
-        total = total - (teacher * log_rows.masked_fill(~causal, 0.0)).sum((-1, -2)).sum(1)
-    return total / (H * T)
-
-
-def layer_loss(m: HybridAttention, hidden, norm, rope, weights: dict[str, float], block: int) -> torch.Tensor:
-    """Sum over the batch of each sequence's weighted objective. hidden [B, T, D]."""
-    q, k, v, fq, fk = m.project(norm(hidden), rope)
-    q, k, v = q.detach(), k.detach(), v.detach()
-    loss = q.new_zeros(hidden.shape[0])
-    if weights.get("weights_xent"):
-        loss = loss + weights["weights_xent"] * weights_xent(q, k, fq, fk, m.scaling, block)
-    if weights.get("output_mse") or weights.get("hybrid_output_mse"):
-        with torch.no_grad():
-            target = streaming.teacher_output(q, k, v, m.scaling)
-        for name, mode in (("output_mse", "la_only"), ("hybrid_output_mse", "hybrid")):
-            if weights.get(name):
-                y = m.attend(q, k, v, fq, fk, mode=mode)
-                loss = loss + weights[name] * (y - target).pow(2).mean((1, 2, 3))
-    return loss.sum()
-
-
 # --- the stage -----------------------------------------------------------------------------------------------------
 
 
@@ -150,52 +108,182 @@ def _trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
     return params
 
 
-def train_layer(m, layer, rope, buf_in, owned: list[int], cfg, rt, weights, i: int, log) -> list[float]:
-    """Train layer i's feature maps on the sequences this rank owns; returns the per-step global losses."""
-    d = cfg.distill
-    params = _trainable(m, cfg, weights)
+@dataclass
+class StepCheckpoint:
+    """Layer i's training stopped by a signal at a step boundary: phi/gamma (fp32 masters), AdamW's state, the
+    steps done and their losses. `layer_{i}.step.safetensors`, written by rank 0, removed when the layer commits."""
+
+    tensors: dict
+    done: int
+    losses: list[float]
+
+    @staticmethod
+    def path(stage1: Path, i: int) -> Path:
+        return stage1 / f"layer_{i:03d}.step.safetensors"
+
+
+def _save_step(s: Stage1, i: int, named: list, opt, done: int, losses: list[float]) -> Path:
+    path = StepCheckpoint.path(s.stage1, i)
+    if s.rt.main:
+        tensors = {}
+        for name, p in named:
+            st = opt.state.get(p, {})
+            tensors[f"param.{name}"] = p.detach().cpu()
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                if k in st:
+                    tensors[f"{k}.{name}"] = st[k].detach().cpu().reshape(st[k].shape)
+        meta = {"identity": json.dumps(s.identity, sort_keys=True), "done": str(done), "losses": json.dumps(losses)}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    runtime.barrier(s.rt)
+    return path
+
+
+def _load_step(s: Stage1, i: int) -> StepCheckpoint | None:
+    """Layer i's step checkpoint, when there is one made with this run's settings (else None, and it goes)."""
+    path = StepCheckpoint.path(s.stage1, i)
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+        ok = meta.get("identity") == json.dumps(s.identity, sort_keys=True)
+    except (SafetensorError, OSError, ValueError):
+        ok = False
+    if not runtime.all_ranks(s.rt, ok):
+        s.log(f"layer {i}: its step checkpoint is unreadable or from other settings; the layer starts over")
+        runtime.barrier(s.rt)
+        if s.rt.main:
+            path.unlink(missing_ok=True)
+        return None
+    return StepCheckpoint(tensors, int(meta["done"]), json.loads(meta["losses"]))
+
+
+def _restore(named: list, opt, ckpt: StepCheckpoint) -> None:
+    with torch.no_grad():
+        for name, p in named:
+            p.copy_(ckpt.tensors[f"param.{name}"])
+            if f"step.{name}" in ckpt.tensors:
+                opt.state[p] = {k: ckpt.tensors[f"{k}.{name}"].to(p.device) for k in ("step", "exp_avg", "exp_avg_sq")}
+                opt.state[p]["step"] = opt.state[p]["step"].cpu()  # AdamW keeps its step count on the host
+
+
+def _plan_steps(s: Stage1, i: int) -> list[list[int]]:
+    """Every step's batch of global sequence indices, in order (the same on every rank): epoch e's permutation comes
+    from (seed, layer, epoch), cut into distill.batch_size sequences."""
+    d, n = s.cfg.distill, s.cfg.data.num_sequences
+    out = []
+    for epoch in range(d.epochs):
+        g = torch.Generator().manual_seed(s.cfg.seed * 1_000_003 + i * 1009 + epoch)
+        perm = torch.randperm(n, generator=g).tolist()
+        out += [perm[a : a + d.batch_size] for a in range(0, n, d.batch_size)]
+    return out
+
+
+def _step_loss(s: Stage1, m, layer, hidden: torch.Tensor, units: list) -> torch.Tensor:
+    """This rank's units of a step: each sequence it touches projected once (rows up to its last unit's end), the
+    units' terms summed (fp32). hidden [B, T, D] on the device, the whole step's batch."""
+    T = s.cfg.data.seq_len
+    loss = torch.zeros((), dtype=torch.float32, device=s.rt.device)
+    for seq in sorted({u[0] for u in units}):
+        mine = [u for u in units if u[0] == seq]
+        end = max(b for _, _, b in mine)
+        rope = tuple(t[:, :end] for t in s.rope)
+        q, k, v, fq, fk = m.project(layer.input_layernorm(hidden[seq : seq + 1, :end].to(s.dtype)), rope)
+        q, k, v = q.detach(), k.detach(), v.detach()
+        for _, a, b in mine:
+            loss = loss + objectives.unit_loss(m, q, k, v, fq, fk, a, b, T, s.weights)
+    return loss
+
+
+def _gather_batch(s: Stage1, staged: torch.Tensor | None, batch: list[int], mine: list[int]) -> torch.Tensor:
+    """The step's whole batch [B, T, D] on every rank's device: each sequence from the rank whose buffer holds it
+    (sequence g lives on rank g mod world), in the buffer dtype."""
+    T, D = s.cfg.data.seq_len, s.config.hidden_size
+    if not s.rt.distributed:
+        return staged
+    out = torch.empty(len(batch), T, D, dtype=s.buf_dtype, device=s.rt.device)
+    own = {g: j for j, g in enumerate(mine)}
+    for pos, g in enumerate(batch):
+        if g in own:
+            out[pos] = staged[own[g]]
+        runtime.broadcast(s.rt, out[pos], g % s.rt.world)
+    return out
+
+
+def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
+    """Train layer i's feature maps (and gamma) on the teacher's inputs to it; returns the per-step global losses.
+    Every step: the batch is staged to the device, this rank computes its share of the step's query blocks
+    (objectives.split_units), and gradients, loss and the signal flag are summed over the ranks in one fp32
+    all-reduce. On a signal the ranks save a step checkpoint at the next step boundary and raise Requeue."""
+    d, rt = s.cfg.distill, s.rt
+    named = [(n, p) for n, p in m.hybrid_parameters() if p in set(_trainable(m, s.cfg, s.weights))]
+    params = [p for _, p in named]
     for p in m.parameters():
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
+    for p in params:
+        p.grad = torch.zeros_like(p)  # a rank without units this step still sends its (zero) share
     opt = torch.optim.AdamW(params, lr=d.lr, weight_decay=d.weight_decay)
-    n_global = cfg.data.num_sequences
-    local_of = {g: j for j, g in enumerate(owned)}
-    steps = math.ceil(n_global / d.batch_size)
-    losses = []
-    bar = tqdm(total=d.epochs * steps, desc=f"layer {i:>3}", disable=not (d.progress and rt.main), dynamic_ncols=True)
-    for epoch in range(d.epochs):
-        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i * 1009 + epoch)
-        perm = torch.randperm(n_global, generator=g).tolist()
-        for step in range(steps):
-            batch = perm[step * d.batch_size : (step + 1) * d.batch_size]
-            mine = [local_of[s] for s in batch if s in local_of]
+    steps = _plan_steps(s, i)
+    per_epoch = len(steps) // d.epochs
+    resumed = _load_step(s, i)
+    done, losses = (resumed.done, list(resumed.losses)) if resumed else (0, [])
+    if resumed:
+        _restore(named, opt, resumed)
+        s.log(f"layer {i}: resuming at step {done + 1} of {len(steps)} from its step checkpoint")
+    local_of = {g: j for j, g in enumerate(s.owned)}
+    mine = [[g for g in batch if g in local_of] for batch in steps[done:]]
+    bar = tqdm(
+        total=len(steps), initial=done, desc=f"layer {i:>3}", disable=not (d.progress and rt.main), dynamic_ncols=True
+    )
+    staged = Stager(buf_in, rt.device).steps([[local_of[g] for g in rows] for rows in mine])
+    with SignalFlag() as signal:
+        for step, (batch, rows, x) in enumerate(zip(steps[done:], mine, staged, strict=True), start=done):
             opt.zero_grad(set_to_none=False)
-            if mine:
-                hidden = buf_in[torch.tensor(mine)].to(m.q_proj.weight.dtype)
-                loss = layer_loss(m, hidden, layer.input_layernorm, rope, weights, d.query_block) / len(batch)
+            units = objectives.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.world)[rt.rank]
+            hidden = _gather_batch(s, x, batch, rows)
+            loss = _step_loss(s, m, layer, hidden, units) / len(batch)
+            if units:
                 loss.backward()
-                value = loss.detach()
-            else:
-                value = torch.zeros(())
-            if rt.distributed:
-                for p in params:
-                    if p.grad is None:  # this rank holds none of the batch's sequences
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad)
-                dist.all_reduce(value)
-            if not math.isfinite(value.item()):  # all-reduced: every rank sees the same value and stops here
+            flat = torch.cat(
+                [p.grad.float().flatten() for p in params]
+                + [loss.detach().reshape(1), torch.tensor([float(signal.raised)], device=rt.device)]
+            )
+            runtime.all_reduce(rt, flat)
+            value, stop = flat[-2].item(), flat[-1].item() > 0
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            if not math.isfinite(value):  # summed over the ranks: every rank sees it and stops here
                 bar.close()
-                msg = _nonfinite_loss(value.item(), cfg, i, epoch, epoch * steps + step + 1, d.epochs * steps)
-                log(msg)
+                msg = _nonfinite_loss(value, s.cfg, i, step // per_epoch, step + 1, len(steps))
+                s.log(msg)
                 raise DistillError(msg)
             opt.step()
-            losses.append(value.item())
+            losses.append(value)
             bar.update()
-            bar.set_postfix(loss=f"{value.item():.4f}")
-            fault(f"train:{i}:{epoch * steps + step}")
+            bar.set_postfix(loss=f"{value:.4f}")
+            fault(f"train:{i}:{step}")
+            if stop and step + 1 < len(steps):
+                t0 = time.perf_counter()
+                path = _save_step(s, i, named, opt, step + 1, losses)
+                bar.close()
+                took = time.perf_counter() - t0
+                s.log(f"signal: saved layer {i}'s step {step + 1} in {took:.2f} s, exiting for a requeue")
+                raise requeue.request(
+                    s.cfg.run_dir,
+                    f"layer {i} step {step + 1}",
+                    path,
+                    write_marker=rt.main,
+                    what=f"stage 1 stopped by a signal at layer {i}, step {step + 1} of {len(steps)}; saved {path}",
+                )
     bar.close()
-    log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
+    s.log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
     return losses
 
 
@@ -224,22 +312,18 @@ def _nonfinite_loss(loss: float, cfg, i: int, epoch: int, step: int, steps: int)
 
 
 @torch.no_grad()
-def run_teacher(layer, rope, buf_in, buf_out, batch: int, dtype) -> bool:
-    """The teacher layer over every sequence of this rank; False when an output is not finite (nan/inf)."""
-    finite = True
-    for a in range(0, buf_in.shape[0], batch):
-        out = streaming.teacher(layer, buf_in[a : a + batch].to(dtype), rope).to(buf_out.dtype)
-        finite = finite and bool(torch.isfinite(out).all())
-        buf_out[a : a + batch] = out
-    return finite
-
-
-def _all_ranks(rt, ok: bool) -> bool:
-    if rt.distributed:
-        flag = torch.tensor([1 if ok else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ok = bool(flag.item())
-    return ok
+def run_teacher(s: Stage1, layer, buf_in, buf_out) -> bool:
+    """The teacher layer over every sequence of this rank, on the device, batch by batch (the next batch staged
+    while one computes); False when an output is not finite (nan/inf)."""
+    batch, n = s.cfg.distill.batch_size, buf_in.shape[0]
+    starts = list(range(0, n, batch))
+    staged = Stager(buf_in, s.rt.device).steps([list(range(a, min(n, a + batch))) for a in starts])
+    finite = torch.ones((), dtype=torch.bool, device=s.rt.device)
+    for a, x in zip(starts, staged, strict=True):
+        out = streaming.teacher(layer, x.to(s.dtype), s.rope).to(buf_out.dtype)
+        finite &= torch.isfinite(out).all()
+        buf_out[a : a + batch] = out.cpu()
+    return bool(finite)
 
 
 # --- the run's identity ----------------------------------------------------------------------------------------------
@@ -355,23 +439,35 @@ def distill(cfg) -> Path:
     """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted. Per layer: train
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
     preflight(cfg, "distill")  # inputs, architecture, tensor-parallel shape, memory, disk: before any write
-    s = start(cfg)
-    current = inputs_of_first_layer(s)
-    for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first):
-        other = "b" if current == "a" else "a"
-        (s.buffer_dir / f"written_{other}.rank{s.rt.rank}").unlink(missing_ok=True)
-        params, losses = transfer(s, i, layer, current)
-        if i + 1 < s.n_layers:
-            advance(s, i, layer, current, other)
-        commit_layer(s, i, params, losses, other)
-        current = other
-    return write_output(s)
+    with SignalFlag() as signal:  # USR1/TERM: a step checkpoint at the next step, or a stop after a commit
+        s = start(cfg)
+        current = inputs_of_first_layer(s)
+        for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device):
+            other = "b" if current == "a" else "a"
+            (s.buffer_dir / f"written_{other}.rank{s.rt.rank}").unlink(missing_ok=True)
+            params, losses = transfer(s, i, layer, current)
+            if i + 1 < s.n_layers:
+                advance(s, i, layer, current, other)
+            commit_layer(s, i, params, losses, other)
+            current = other
+            if i + 1 < s.n_layers and runtime.any_rank(s.rt, signal.raised):
+                s.log(f"signal: layer {i} is committed, exiting for a requeue")
+                raise requeue.request(
+                    cfg.run_dir,
+                    f"layer {i}",
+                    s.stage1,
+                    write_marker=s.rt.main,
+                    what=f"stage 1 stopped by a signal after committing layer {i} of {s.n_layers}",
+                )
+        return write_output(s)
 
 
 def start(cfg) -> Stage1:
     """The teacher's config and checkpoint, the run's identity (a rerun with other settings is refused before any
     write), the first uncommitted layer."""
     rt = runtime.init(cfg.model.device)
+    if rt.main:
+        requeue.clear_request(cfg.run_dir)
     model_path = Path(cfg.model.path) if cfg.model.path else assets.require().model
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     config._attn_implementation = "sdpa"
@@ -422,7 +518,7 @@ def inputs_of_first_layer(s: Stage1) -> str:
         and paths[manifest["inputs"]].is_file()
         and paths[manifest["inputs"]].stat().st_size == size
     )
-    ready = _all_ranks(rt, ready)
+    ready = runtime.all_ranks(rt, ready)
     if not ready:  # what this rank's buffers hold is trusted no more: their markers go before a buffer is resized
         for name in paths:
             (s.buffer_dir / f"written_{name}.rank{rt.rank}").unlink(missing_ok=True)
@@ -430,7 +526,7 @@ def inputs_of_first_layer(s: Stage1) -> str:
             _drop_absent_ranks(s.buffer_dir, rt.world)
         runtime.barrier(rt)
     s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=True) for k, p in paths.items()}
-    s.rope = streaming.rotary(s.config, T, s.dtype)
+    s.rope = streaming.rotary(s.config, T, s.dtype, rt.device)
     if ready:
         s.log(f"resuming at layer {s.first} from buffer {manifest['inputs']}")
         return manifest["inputs"]
@@ -460,10 +556,10 @@ def _rebuild_inputs(s: Stage1) -> str:
         s.bufs["a"][a : a + batch] = emb[ids[a : a + batch]].to(s.buf_dtype)
     del emb
     current = "a"
-    for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype), s.first):
+    for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype, device=s.rt.device), s.first):
         s.log(f"replaying teacher layer {j} to rebuild layer {s.first}'s inputs")
         other = "b" if current == "a" else "a"
-        run_teacher(layer, s.rope, s.bufs[current], s.bufs[other], batch, s.dtype)
+        run_teacher(s, layer, s.bufs[current], s.bufs[other])
         current = other
     _mark_written(s.buffer_dir, current, s.rt)
     return current
@@ -475,8 +571,8 @@ def transfer(s: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]
     if layers is not None and i not in layers:
         return {}, []
     torch.manual_seed(s.cfg.seed * 7919 + i)
-    m = HybridAttention.from_softmax(layer.self_attn, s.config, i, s.attention)
-    losses = train_layer(m, layer, s.rope, s.bufs[current], s.owned, s.cfg, s.rt, s.weights, i, s.log)
+    m = HybridAttention.from_softmax(layer.self_attn, s.config, i, s.attention, param_dtype=torch.float32)
+    losses = train_layer(s, m, layer, s.bufs[current], i)
     params = {f"model.layers.{i}.self_attn.{n}": p.detach().clone() for n, p in m.hybrid_parameters()}
     if not all(bool(torch.isfinite(t).all()) for t in params.values()):  # the same on every rank
         raise DistillError(
@@ -489,8 +585,8 @@ def transfer(s: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]
 
 def advance(s: Stage1, i: int, layer, current: str, other: str) -> None:
     """The teacher layer i on its inputs: layer i+1's inputs, in the other buffer (refused when not finite)."""
-    finite = run_teacher(layer, s.rope, s.bufs[current], s.bufs[other], s.cfg.distill.batch_size, s.dtype)
-    if not _all_ranks(s.rt, finite):
+    finite = run_teacher(s, layer, s.bufs[current], s.bufs[other])
+    if not runtime.all_ranks(s.rt, finite):
         raise DistillError(
             f"stage 1: teacher layer {i} gives nan/inf outputs (layer {i + 1}'s inputs); nothing of layer {i} "
             f"is committed: check layer {i}'s weights in model.path for nan/inf, or use a wider "
@@ -513,6 +609,7 @@ def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: st
         atomic_write(
             stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": sha256(stage1 / f"layer_{i:03d}.safetensors")})
         )
+        StepCheckpoint.path(stage1, i).unlink(missing_ok=True)  # committed: its step checkpoint is spent
     runtime.barrier(s.rt)
     fault(f"after:{i}")
 

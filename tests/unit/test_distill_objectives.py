@@ -4,7 +4,7 @@ import torch
 from conftest import attention_inputs
 
 from hybrid_scale.models.streaming import teacher_output
-from hybrid_scale.stages.distill import weights_xent
+from hybrid_scale.stages.objectives import weights_xent
 
 
 def test_weights_xent_equals_dense_soft_cross_entropy_for_any_block():

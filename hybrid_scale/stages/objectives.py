@@ -1,0 +1,109 @@
+"""Stage 1's objectives, computed per query block, and how a step's query blocks are split over the ranks.
+
+A step trains on `distill.batch_size` sequences. Its work is cut into units -- (sequence, query rows a..b-1) -- each
+needing only keys 0..b-1, so that every rank works every step even when there are fewer sequences than ranks
+(70B preset: 8 sequences x 8 blocks of 128 rows for 32 ranks). The loss is the sum of the units' terms, each
+normalised per sequence as the whole-sequence objective is, so the split changes nothing but rounding.
+
+Precision: the score matrices come from the inputs' dtype (bf16 matrix products on GPUs); softmax, logarithms, the
+products with the teacher rows and every sum are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.naive import compute_dtype, masked_attention
+
+Unit = tuple[int, int, int]  # (sequence within the step's batch, first query row, end row)
+
+
+def split_units(n_sequences: int, seq_len: int, block: int, world: int) -> list[list[Unit]]:
+    """The step's query blocks in sequence order, cut into `world` contiguous runs of (nearly) equal length: every
+    rank has work when there are at least `world` units (`plan` flags a configuration with fewer); a rank's units
+    span few sequences (each sequence a rank touches is projected once on it)."""
+    units = [(s, a, min(seq_len, a + block)) for s in range(n_sequences) for a in range(0, seq_len, block)]
+    n = len(units)
+    return [units[r * n // world : (r + 1) * n // world] for r in range(world)]
+
+
+def units_per_step(batch_size: int, seq_len: int, block: int) -> int:
+    return batch_size * -(-seq_len // block)
+
+
+def _expand(x, group):
+    return x.repeat_interleave(group, dim=1)
+
+
+def _causal(a: int, rows: int, keys: int, device) -> torch.Tensor:
+    """[rows, keys]: query row a+i sees keys 0..a+i."""
+    return torch.arange(keys, device=device)[None, :] <= torch.arange(a, a + rows, device=device)[:, None]
+
+
+def xent_rows(q, k, fq, fk, a: int, scale: float) -> torch.Tensor:
+    """Per sequence: the sum over heads and query rows a..a+Tq-1 of the soft cross-entropy between the teacher's
+    causal softmax row and linear attention's normalised row (LA-only). q/fq [B,H,Tq,*] hold rows a..a+Tq-1, k/fk
+    [B,Hkv,a+Tq,*] keys 0..a+Tq-1. [B], fp32 (fp64 for fp64 inputs)."""
+    group = q.shape[1] // k.shape[1]
+    k, fk = _expand(k, group), _expand(fk, group)
+    causal = _causal(a, q.shape[2], k.shape[2], q.device)
+    acc = compute_dtype(q)
+    with torch.no_grad():
+        scores = (scale * q @ k.transpose(-1, -2)).to(acc)
+        teacher = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    lin = (fq @ fk.transpose(-1, -2)).to(acc).masked_fill(~causal, 0.0)
+    log_rows = torch.log(lin.clamp_min(1e-30)) - torch.log(lin.sum(-1, keepdim=True).clamp_min(1e-30))
+    return -(teacher * log_rows.masked_fill(~causal, 0.0)).sum((-1, -2)).sum(1)
+
+
+def weights_xent(q, k, fq, fk, scale, block: int) -> torch.Tensor:
+    """Per sequence: mean over heads and queries of `xent_rows`, in query blocks (memory O(block * T)). [B]"""
+    B, H, T, _ = q.shape
+    total = q.new_zeros(B, dtype=compute_dtype(q))
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        total = total + xent_rows(q[:, :, a:b], k[:, :, :b], fq[:, :, a:b], fk[:, :, :b], a, scale)
+    return total / (H * T)
+
+
+def teacher_rows(q, k, v, a: int, scale: float) -> torch.Tensor:
+    """Rows a..a+Tq-1 of the teacher's attention output (exact causal softmax) from keys 0..a+Tq-1."""
+    group = q.shape[1] // k.shape[1]
+    mask = _causal(a, q.shape[2], k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), attn_mask=mask, scale=scale)
+
+
+def unit_loss(m, q, k, v, fq, fk, a: int, b: int, seq_len: int, weights: dict[str, float]) -> torch.Tensor:
+    """One unit's share of its sequence's weighted objective (fp32 scalar, summed over the B given sequences).
+    q..fk are the sequence's projections of rows 0..b'-1 for some b' >= b (q, k, v detached); m the layer's
+    HybridAttention (its gamma, window, sinks and scaling)."""
+    H, d = q.shape[1], q.shape[-1]
+    qa, fqa, kb, vb, fkb = q[:, :, a:b], fq[:, :, a:b], k[:, :, :b], v[:, :, :b], fk[:, :, :b]
+    loss = q.new_zeros((), dtype=compute_dtype(q))
+    if weights.get("weights_xent"):
+        loss = loss + weights["weights_xent"] * xent_rows(qa, kb, fqa, fkb, a, m.scaling).sum() / (H * seq_len)
+    if weights.get("output_mse") or weights.get("hybrid_output_mse"):
+        with torch.no_grad():
+            target = teacher_rows(qa.float(), kb.float(), vb.float(), a, m.scaling)
+        B = q.shape[0]
+        pos_q = torch.arange(a, b, device=q.device).expand(B, -1)
+        pos_k = torch.arange(b, device=q.device).expand(B, -1)
+        for name, mode in (("output_mse", "la_only"), ("hybrid_output_mse", "hybrid")):
+            if weights.get(name):
+                y = masked_attention(
+                    qa.float(),
+                    kb,
+                    vb,
+                    fqa,
+                    fkb,
+                    m.gamma,
+                    pos_q,
+                    pos_k,
+                    window=m.window,
+                    mode=mode,
+                    sinks=m.sinks,
+                    scale=m.scaling,
+                )  # fmt: skip (q in fp32: y comes back in fp32)
+                loss = loss + weights[name] * (y - target).pow(2).sum() / (H * seq_len * d)
+    return loss
