@@ -268,7 +268,7 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
             losses.append(value)
             bar.update()
             bar.set_postfix(loss=f"{value:.4f}")
-            fault(f"train:{i}:{step}")
+            fault(f"train:{i}:{step}", rt.rank)
             if stop and step + 1 < len(steps):
                 t0 = time.perf_counter()
                 path = _save_step(s, i, named, opt, step + 1, losses)
@@ -611,7 +611,7 @@ def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: st
         )
         StepCheckpoint.path(stage1, i).unlink(missing_ok=True)  # committed: its step checkpoint is spent
     runtime.barrier(s.rt)
-    fault(f"after:{i}")
+    fault(f"after:{i}", s.rt.rank)
 
 
 def write_output(s: Stage1) -> Path:

@@ -1,6 +1,7 @@
 """Stage 1 on a tiny 3-layer model with a sharded checkpoint: resume after SIGKILL anywhere, rebuild, 2 ranks."""
 
 import json
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -342,3 +343,36 @@ def test_four_ranks_equal_one_rank_with_fewer_sequences_than_ranks(sharded_model
     got, ref = params(tmp_path / "four"), params(one)
     moved = max((ref[k] - got[k]).abs().max().item() for k in ref)
     assert moved < 1e-3
+
+
+def test_a_signal_mid_layer_saves_a_step_checkpoint_exits_75_and_resumes_bitwise(
+    sharded_model, uninterrupted, tmp_path
+):
+    """USR1 during layer 1's step 4 (index 3): the flag rides on the next step's all-reduce, so the ranks save after
+    step 5 of 8 and exit 75 with the requeue marker; the rerun resumes at step 6 and ends bitwise as uninterrupted."""
+    proc = run_cli(overrides(sharded_model, tmp_path), {"HYBRID_SCALE_FAULT": "train:1:3@USR1"})
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "stage 1 stopped by a signal at layer 1, step 5 of 8" in proc.stderr
+    s1 = tmp_path / "stage1"
+    assert (tmp_path / "requeue_requested").is_file() and stage1.committed(s1, 0) and not stage1.committed(s1, 1)
+    took = float(re.search(r"signal: saved layer 1's step 5 in ([\d.]+) s", (s1 / "log.txt").read_text())[1])
+    assert took < 5
+    stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path)))
+    log = (s1 / "log.txt").read_text()
+    assert "layer 1: resuming at step 6 of 8 from its step checkpoint" in log and "replaying" not in log
+    assert not list(s1.glob("*.step.safetensors")) and not (tmp_path / "requeue_requested").exists()
+    got, ref = params(tmp_path), params(uninterrupted[0])
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_a_signal_on_two_ranks_between_layers_stops_after_the_commit(sharded_model, uninterrupted, tmp_path):
+    """USR1 to rank 0 only, after layer 0 commits: both ranks agree and stop (exit 75) before layer 1; resumed on 2
+    ranks from the buffers, the result is the 2-rank one (within the rounding bound of the 1-rank reference)."""
+    proc = run_cli(overrides(sharded_model, tmp_path), {"HYBRID_SCALE_FAULT": "after:0@USR1"}, torchrun=True)
+    assert "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
+    assert stage1.committed(tmp_path / "stage1", 0) and not stage1.committed(tmp_path / "stage1", 1)
+    assert "signal: layer 0 is committed, exiting for a requeue" in (tmp_path / "stage1" / "log.txt").read_text()
+    assert run_cli(overrides(sharded_model, tmp_path), torchrun=True).returncode == 0
+    assert "resuming at layer 1 from buffer" in (tmp_path / "stage1" / "log.txt").read_text()
+    got, ref = params(tmp_path), params(uninterrupted[0])
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-3
