@@ -56,7 +56,8 @@ def collective_calls(prefix: Path, world: int) -> list[dict]:
     key = [[(c["op"], c["dtype"], c["shape"]) for c in calls] for calls in ranks]
     for r in range(1, world):
         for j, (a, b) in enumerate(zip(key[0], key[r], strict=False)):
-            assert a == b, f"collective {j}: rank 0 {a} at {ranks[0][j]['where']}, rank {r} {b} at {ranks[r][j]['where']}"
+            where = ranks[0][j]["where"], ranks[r][j]["where"]
+            assert a == b, f"collective {j}: rank 0 {a} at {where[0]}, rank {r} {b} at {where[1]}"
         assert len(key[0]) == len(key[r]), f"rank 0 made {len(key[0])} collectives, rank {r} {len(key[r])}"
     assert all(d == "cpu" for calls in ranks for c in calls for d in c["device"])
     return ranks[0]
