@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
@@ -162,7 +161,7 @@ def start(cfg) -> Run:
     early = early_stopping(cfg)
     rt = runtime.init(cfg.model.device)
     runtime.join_group(rt)
-    _import_deepspeed().init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
+    _import_deepspeed().init_distributed(dist_backend=runtime.backend(rt.device))  # joined above: no new group
     stage2, source = rundir.stage2_dir(cfg), rundir.finetune_source(cfg)
     T = f.seq_len or cfg.data.seq_len
     train_ids, held_ids = finetune_data(cfg, load_tokenizer(base_dir(source)), T)
@@ -245,7 +244,7 @@ def build_model(run: Run, ds_config: dict) -> None:
     )
 
     def add_lora(m):
-        peft_model = get_peft_model(m, lora)
+        peft_model = get_peft_model(m, lora, autocast_adapter_dtype=False)  # DeepSpeed keeps the fp32 masters
         for layer in layers.values():  # PEFT froze everything but LoRA
             for _, p in layer.hybrid_parameters():
                 p.requires_grad_(id(p) in trained_hybrid)
@@ -275,22 +274,21 @@ def train_step(run: Run, signalled: bool) -> bool:
     set_modes(run.model, modes)
     run.dropped = sum(m == "la_only" for m in modes.values())
     mine = rank_share(global_batch(run.step, len(run.train_ids), f.global_batch, run.cfg.seed), rt.rank, rt.world)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    flag = torch.zeros(2, dtype=torch.float64, device=rt.device)  # [loss, signal], summed over the ranks
     for a in range(run.accumulation):
         ids = run.train_ids[mine[a * f.micro_batch : (a + 1) * f.micro_batch]].to(rt.device)
         loss = run.engine(input_ids=ids, labels=ids).loss
         run.engine.backward(loss)
         run.engine.step()
-        loss_sum += loss.detach().double().cpu() / run.accumulation
-    flag = torch.tensor([loss_sum.item(), float(signalled)], dtype=torch.float64)
-    if rt.distributed:
-        dist.all_reduce(flag)
-    if not math.isfinite(flag[0].item()):  # all-reduced: every rank sees it and stops at this step
-        _non_finite(run, flag[0].item() / rt.world)
+        flag[0] += loss.detach().double() / run.accumulation
+    flag[1] = float(signalled)
+    loss, signals = runtime.all_reduce(rt, flag).tolist()
+    if not math.isfinite(loss):  # all-reduced: every rank sees it and stops at this step
+        _non_finite(run, loss / rt.world)
     run.step += 1
-    run.curves["train"].append(flag[0].item() / rt.world)
+    run.curves["train"].append(loss / rt.world)
     run.curves["window"].append(next(iter(run.layers.values())).window)
-    return flag[1].item() > 0
+    return signals > 0
 
 
 def _non_finite(run: Run, loss: float) -> None:
@@ -363,15 +361,15 @@ def heldout_loss(engine, model, held: torch.Tensor, mode: str, micro: int, rt) -
     engine.module.eval()
     mine = list(range(rt.rank, len(held), rt.world))
     rounds = math.ceil(math.ceil(len(held) / rt.world) / micro)
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # [loss x tokens, tokens], summed over the ranks
     for r in range(rounds):
         idx = mine[r * micro : (r + 1) * micro]
         weight = 1.0 if idx else 0.0
         ids = held[idx or [0]].to(rt.device)
         out = engine(input_ids=ids, labels=ids)
         n = ids.shape[0] * (ids.shape[1] - 1)
-        total += torch.tensor([out.loss.double().item() * n * weight, n * weight], dtype=torch.float64)
-    if rt.distributed:
-        dist.all_reduce(total)
+        total[0] += out.loss.detach().double() * n * weight
+        total[1] += n * weight
+    loss, tokens = runtime.all_reduce(rt, total).tolist()
     engine.module.train()
-    return (total[0] / total[1]).item()
+    return loss / tokens
