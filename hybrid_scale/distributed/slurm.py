@@ -103,8 +103,18 @@ def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str
         f"--node-rank={node_rank}",
         f"--master-addr={host}",
         f"--master-port={port}",
+        f"--shutdown-timeout={grace_s(cfg)}",  # after TERM, the workers' time to reach a step boundary and save
         *module,
     ]
+
+
+REQUEUE_MARGIN_S = 15  # of the signal lead, left for the script to requeue the job after the save
+
+
+def grace_s(cfg) -> int:
+    """How long torchrun waits for its workers to save and exit after passing TERM on, before SIGKILL (its default,
+    30 s, would cut a longer save): the signal lead, less the time the batch script needs to requeue."""
+    return max(30, cfg.slurm.signal_lead_s - REQUEUE_MARGIN_S)
 
 
 TEMPLATES = data_dir("slurm")  # the repository's slurm/ (in a wheel install, its copy in the package)

@@ -438,9 +438,11 @@ class Stage1:
 def distill(cfg) -> Path:
     """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted. Per layer: train
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
-    preflight(cfg, "distill")  # inputs, architecture, tensor-parallel shape, memory, disk: before any write
+    checked = preflight(cfg, "distill")  # inputs, architecture, tensor-parallel shape, memory, disk: before any write
     with SignalFlag() as signal:  # USR1/TERM: a step checkpoint at the next step, or a stop after a commit
         s = start(cfg)
+        for warning in checked.warnings:  # e.g. ranks left idle by too few query blocks per step
+            s.log(f"warning: {warning}")
         current = inputs_of_first_layer(s)
         for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device):
             other = "b" if current == "a" else "a"

@@ -14,8 +14,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import STAGES
-from ..distributed import runtime
+from ..distributed import requeue, runtime
 from ..distributed.checkpoint import MARKER, atomic_write
+from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError
 from . import rundir
 from .distill import distill
@@ -89,23 +90,28 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     runtime.barrier(rt)
     run = Path(cfg.run_dir)
     timings = json.loads((run / "timings.json").read_text()) if (run / "timings.json").is_file() else {}
-    for stage in stages:
-        if done(cfg, stage):
-            log(f"[pipeline] {stage}: done before, skipped")
-            continue
-        log(f"[pipeline] {stage}: running")
-        t0 = time.perf_counter()
-        if stage == "distill":
-            distill(cfg)
-        elif stage == "finetune":
-            finetune(cfg)
-        elif stage == "evaluate":  # eval.model unset: the run's own stage2/output (rundir.eval_source)
-            evaluate(cfg)
-        elif stage == "export":
+    with SignalFlag() as signal:  # one flag for the whole run: the stages' loops see a signal that came before them
+        for stage in stages:
+            if done(cfg, stage):
+                log(f"[pipeline] {stage}: done before, skipped")
+                continue
+            if runtime.any_rank(rt, signal.raised):  # between stages: everything before is committed
+                raise requeue.request(
+                    cfg.run_dir, stage, run, write_marker=rt.main, what=f"pipeline stopped by a signal before {stage}"
+                )
+            log(f"[pipeline] {stage}: running")
+            t0 = time.perf_counter()
+            if stage == "distill":
+                distill(cfg)
+            elif stage == "finetune":
+                finetune(cfg)
+            elif stage == "evaluate":  # eval.model unset: the run's own stage2/output (rundir.eval_source)
+                evaluate(cfg)
+            elif stage == "export":
+                if rt.main:
+                    export(cfg)
+                runtime.barrier(rt)
+            timings[stage] = time.perf_counter() - t0
             if rt.main:
-                export(cfg)
-            runtime.barrier(rt)
-        timings[stage] = time.perf_counter() - t0
-        if rt.main:
-            atomic_write(run / "timings.json", json.dumps(timings, indent=1))
+                atomic_write(run / "timings.json", json.dumps(timings, indent=1))
     return timings

@@ -17,22 +17,24 @@ from omegaconf import OmegaConf
 from ..attention.architectures import BY_MODEL_TYPE, base_model_type
 from ..config import STAGES
 from ..data import assets
+from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
 from ..models import streaming
 from ..models.converted import base_dir
-from ..recipes import RECIPES
-from . import inputs, rundir
+from . import inputs, objectives, rundir
 
 SUPPORTED_TYPES = tuple(BY_MODEL_TYPE)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 MFU = 0.35  # assumed model-flops utilisation for the rough times
+SAVE_BYTES_PER_S = 0.5e9  # assumed write speed of a checkpoint (gather + shared file system)
 
 
 @dataclass
 class Plan:
     rows: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, quantity, value)
     problems: list[str] = field(default_factory=list)  # blocking
+    warnings: list[str] = field(default_factory=list)  # the run works, but wastes something
     scope: dict[str, tuple[str, ...]] = field(default_factory=dict)  # problem -> the stages it blocks
 
     def block(self, message: str, *stages: str) -> None:
@@ -50,6 +52,7 @@ class Plan:
         width = max(len(q) for _, q, _ in self.rows) if self.rows else 10
         lines = [f"{'stage':<9} {'quantity':<{width}}  value", "-" * (width + 40)]
         lines += [f"{s:<9} {q:<{width}}  {v}" for s, q, v in self.rows]
+        lines += [f"WARNING: {w}" for w in self.warnings]
         lines += [f"BLOCKING ({', '.join(self.scope.get(p, STAGES))}): {p}" for p in self.problems]
         lines.append("plan: OK" if self.ok else f"plan: {len(self.problems)} blocking problem(s)")
         return "\n".join(lines)
@@ -177,6 +180,9 @@ def plan(cfg, stage: str | None = None) -> Plan:
             ),
             ("time", "stage 2 (rough)", f"~{flops2 / rate / 3600:.2f} h ({tokens2 / 1e6:.1f} M tokens)"),
         ]
+        step1 = flops1 / rate / (c["L"] * d_steps(cfg))
+        step2 = flops2 / rate / max(1, cfg.finetune.max_steps)
+        _requeue(p, cfg, {"distill": (step1, 0.0), "finetune": (step2, ckpt / SAVE_BYTES_PER_S)})
     eval_mem = _evaluation(p, cfg, sh)
     _device_fit(p, cfg, s1_mem, s2_mem, eval_mem)
     _disk(p, cfg, sh, s1_disk, ckpt)
@@ -211,10 +217,15 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     a, c, d, ranks = sh.a, sh.c, cfg.distill, sh.ranks
     N, T = cfg.data.num_sequences, cfg.data.seq_len
     n_local = -(-N // ranks)
-    B = max(1, d.batch_size // ranks)
-    acts = B * T * (c["D"] * 8 + a["intermediate_size"] * 3) * 4  # hidden states, q/k/v/features, MLP, fp32
-    block = B * c["H"] * min(d.query_block, T) * T * 4 * 6 if RECIPES[d.recipe].objective == "weights_xent" else 0
-    s1_mem = c["layer"] * sh.wbytes + c["V"] * c["D"] * sh.wbytes + acts + block
+    B = d.batch_size
+    blocks = -(-T // d.query_block)
+    units = objectives.units_per_step(B, T, d.query_block)
+    per_rank = -(-units // ranks)
+    touched = min(B, -(-per_rank // blocks) + 1)  # sequences a rank projects (its units are contiguous)
+    batch = B * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]  # the step's whole batch, on every rank
+    acts = touched * T * (c["D"] * 8 + a["intermediate_size"] * 3) * 4  # hidden, q/k/v/features, teacher MLP
+    block = per_rank * c["H"] * min(d.query_block, T) * T * 4 * 6  # score blocks kept for the backward, fp32
+    s1_mem = c["layer"] * sh.wbytes + c["V"] * c["D"] * sh.wbytes + batch + acts + block
     s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]
     tokens1 = N * T * d.epochs
     # per layer: feature maps, the T^2 score rows of the objective (forward + backward), the teacher layer's forward
@@ -222,9 +233,50 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     flops1 = c["L"] * (6 * tokens1 * c["H"] * c["hd"] * sh.fdim + scores + 2 * N * T * c["layer"])
     p.rows += [
         ("stage 1", "per-rank memory", f"~{_gb(s1_mem)} (one layer + embedding + batch of {B} x {T})"),
+        (
+            "stage 1",
+            "work per step",
+            f"{units} query blocks ({B} seq x {blocks} of {min(d.query_block, T)} rows) over {ranks} ranks: "
+            f"{per_rank} per rank",
+        ),
         ("stage 1", "hidden-state buffers per rank", f"{_gb(s1_disk)} (2 x {n_local} seq x {T} x {c['D']})"),
     ]
+    if units < ranks:
+        p.warnings.append(
+            f"stage 1 leaves {ranks - units} of {ranks} ranks idle every step: a step has {units} query blocks "
+            f"(distill.batch_size {B} x {blocks}); raise distill.batch_size or lower distill.query_block to at most "
+            f"{max(1, T * B // ranks)}"
+        )
     return s1_mem, s1_disk, flops1, tokens1
+
+
+def d_steps(cfg) -> int:
+    """Stage 1's optimizer steps per layer."""
+    return cfg.distill.epochs * -(-cfg.data.num_sequences // cfg.distill.batch_size)
+
+
+def _requeue(p: Plan, cfg, per_stage: dict[str, tuple[float, float]]) -> None:
+    """After USR1 (slurm.signal_lead_s before the time limit) a stage finishes its step and saves; torchrun waits
+    grace_s for that before SIGKILL. Each stage's (step seconds, save seconds) should fit in it (a warning: the
+    estimates are rough, and a stage that misses it only loses the work since its last checkpoint)."""
+    lead, grace = cfg.slurm.signal_lead_s, grace_s(cfg)
+    p.rows += [
+        ("requeue", "signal lead", f"{lead} s before the time limit (slurm.signal_lead_s)"),
+        (
+            "requeue",
+            "torchrun grace",
+            f"{grace} s from TERM to SIGKILL (--shutdown-timeout: lead - {REQUEUE_MARGIN_S})",
+        ),
+    ]
+    for stage, (step, save) in per_stage.items():
+        need = step + save
+        p.rows.append(("requeue", f"{stage}: step + save", f"~{need:.2f} s (step ~{step:.2f} s, save ~{save:.2f} s)"))
+        if need > grace and cfg.model.device.startswith("cuda"):  # the Slurm presets; a laptop run has no limit
+            p.warnings.append(
+                f"{stage} needs ~{need:.0f} s to finish its step and save after a signal but torchrun's grace is "
+                f"{grace} s (a job at its time limit would be killed mid-save and lose the step's work): raise "
+                f"slurm.signal_lead_s to at least {int(need) + REQUEUE_MARGIN_S + 30}"
+            )
 
 
 def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:

@@ -62,7 +62,7 @@ def test_two_nodes_rendezvous_from_the_slurm_environment_and_the_deepspeed_launc
     outs = [finish(p) for p in nodes]
     for n, out in enumerate(outs):
         assert f"torch.distributed.run --nnodes=2 --nproc-per-node=1 --node-rank={n} --master-addr=localhost" in out
-        assert f"--master-port={port}" in out
+        assert f"--master-port={port} --shutdown-timeout=105" in out  # slurm.signal_lead_s 120 - 15: the save's time
     assert "start at layer 0 of 2: 2 ranks" in (two_nodes / "stage1" / "log.txt").read_text()
 
     one_node = tmp_path / "one_node"  # the same two ranks, started by the DeepSpeed launcher on one node

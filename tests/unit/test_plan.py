@@ -78,10 +78,13 @@ def llama3_70b_figures(ranks=32, offload=True) -> dict:
     w, T = 2, 1024
     layer = (2 * D * H * hd + 2 * D * K * hd) + 3 * D * inter + 2 * D  # q, o; k, v; gate/up/down; 2 RMSNorms
     total = 2 * V * D + L * layer  # untied embedding and lm_head
-    # stage 1: one layer + the embedding (bf16), fp32 activations of a batch of max(1, 8 // ranks) sequences, and the
-    # weights_xent score blocks (B x H x 128 x T, 6 fp32 copies)
-    b = max(1, 8 // ranks)
-    s1_mem = layer * w + V * D * w + b * T * (8 * D + 3 * inter) * 4 + b * H * 128 * T * 4 * 6
+    # stage 1: one layer + the embedding (bf16), the step's whole batch (8 sequences, bf16), fp32 activations of the
+    # sequences this rank's query blocks touch and those blocks' weights_xent scores (H x 128 x T, 6 fp32 copies):
+    # 8 sequences x 8 blocks of 128 rows = 64 units over 32 ranks: 2 per rank, contiguous, so at most 2 sequences
+    units = 8 * (T // 128)
+    per_rank = -(-units // ranks)
+    touched = min(8, -(-per_rank // 8) + 1)
+    s1_mem = layer * w + V * D * w + 8 * T * D * 2 + touched * T * (8 * D + 3 * inter) * 4 + per_rank * H * 128 * T * 24
     s1_buffers = 2 * -(-2048 // ranks) * T * D * 2  # input and output hidden states of this rank's sequences, bf16
     # stage 2: LoRA A (r x in) and B (out x r) on q/k/v/o of every layer
     lora = L * 8 * ((D + H * hd) + (D + K * hd) + (D + K * hd) + (H * hd + D))
@@ -102,8 +105,14 @@ def test_plan_on_the_70b_preset(tmp_path, big_disk):
     assert f"{x['total'] * 2 / 1e9:.2f}" == "141.11"
     assert rows[("model", "parameters")] == "70.55 B (141.11 GB in bfloat16)"
     assert rows[("launch", "ranks")] == "4 node(s) x 8 = 32 (tensor parallel 1)"
-    assert f"{x['s1_mem'] / 1e9:.2f}" == "4.63" and f"{x['s1_buffers'] / 1e9:.2f}" == "2.15"
-    assert rows[("stage 1", "per-rank memory")] == "~4.63 GB (one layer + embedding + batch of 1 x 1024)"
+    assert f"{x['s1_mem'] / 1e9:.2f}" == "5.59" and f"{x['s1_buffers'] / 1e9:.2f}" == "2.15"
+    assert rows[("stage 1", "per-rank memory")] == "~5.59 GB (one layer + embedding + batch of 8 x 1024)"
+    # every rank works every step: no idle-rank warning
+    assert rows[("stage 1", "work per step")] == "64 query blocks (8 seq x 8 of 128 rows) over 32 ranks: 2 per rank"
+    assert not p.warnings
+    # save-and-requeue: torchrun's grace (lead - 15 s) covers a stage-2 step (~8.3 s at 300 TFLOP/s x 0.35) + save
+    assert rows[("requeue", "torchrun grace")] == "105 s from TERM to SIGKILL (--shutdown-timeout: lead - 15)"
+    assert rows[("requeue", "finetune: step + save")].startswith("~9.")
     assert rows[("stage 1", "hidden-state buffers per rank")] == "2.15 GB (2 x 64 seq x 1024 x 8192)"
     assert rows[("stage 2", "trainable parameters")] == "32.8 M (LoRA r=8 on q_proj, k_proj, v_proj, o_proj)"
     per_rank = float(rows[("stage 2", "per-rank memory")].split("~")[1].split()[0])
@@ -254,3 +263,25 @@ def test_first_host_of_slurm_node_lists():
     assert first_host("localhost") == "localhost"
     assert first_host("gpu[003-005,9]") == "gpu003"
     assert first_host("node7,node9") == "node7"
+
+
+def test_plan_warns_when_stage_1_would_idle_ranks_and_when_the_signal_lead_is_too_short_for_a_step(tmp_path, big_disk):
+    """2 sequences x 1 block of 128 rows for 32 ranks: 30 idle every step. A 40 s signal lead leaves torchrun 30 s
+    (its floor): less than the 70B stage-2 step plus save at a 10x slower GPU."""
+    cfg = load_config(
+        "models/llama3-70b.yaml",
+        [
+            f"run_dir={tmp_path}",
+            "distill.batch_size=2",
+            "data.seq_len=128",
+            "slurm.signal_lead_s=40",
+            "launch.gpu_tflops=30",
+        ],
+    )
+    p = plan(cfg)
+    assert p.warnings[0] == (
+        "stage 1 leaves 30 of 32 ranks idle every step: a step has 2 query blocks (distill.batch_size 2 x 1); raise "
+        "distill.batch_size or lower distill.query_block to at most 8"
+    )
+    assert "WARNING: stage 1 leaves 30 of 32 ranks idle" in p.table()
+    assert any(w.startswith("finetune needs ~") and "torchrun's grace is 30 s (a job" in w for w in p.warnings)
