@@ -29,7 +29,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
     path: str | None = None  # local HF model directory (or a converted model); None = the embedded default
     dtype: str = "float32"  # always explicit: transformers 5 would otherwise load checkpoints in their own dtype
-    device: str = "cpu"
+    device: str = "cpu"  # where every stage but export computes: cpu | cuda (each rank its LOCAL_RANK's GPU) | auto
     # the architecture (HF config.json keys incl. model_type) for `plan` and meta-device checks before the weights
     # are on disk; a preset carries it, a real model.path overrides it
     arch: dict[str, Any] | None = None
@@ -56,6 +56,7 @@ class DataConfig:
     heldout_fraction: float = 0.05  # documents held out (user sources; the embedded default has its own split)
 
 
+DEVICES = ("cpu", "cuda", "auto")  # auto: cuda when a GPU is visible
 OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
 
 
@@ -225,6 +226,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
     _choice("model.dtype", cfg.model.dtype, DTYPES)
+    _choice("model.device", cfg.model.device, DEVICES)
     e = cfg.eval
     for mode in e.modes:
         _choice("eval.modes", mode, EVAL_MODES)

@@ -1,14 +1,19 @@
-"""Stage 1: attention transfer, streamed layer by layer, sharded over ranks, resumable.
+"""Stage 1: attention transfer, streamed layer by layer, sharded over ranks, resumable, on model.device.
 
-For layer l, with the teacher's hidden states entering l in a memory-mapped buffer on disk:
-  1. read only layer l's tensors from the safetensors shards and build that one decoder layer;
-  2. train its feature maps (and gamma) so that linear attention mimics the layer's softmax attention, each rank
-     on its share of the sequences, gradients all-reduced;
+For layer l, with the teacher's hidden states entering l in a memory-mapped buffer on disk (sequence g on rank
+g mod world):
+  1. read only layer l's tensors from the safetensors shards and build that one decoder layer on the device;
+  2. train its feature maps (and gamma, fp32 masters) so that linear attention mimics the layer's softmax attention:
+     each step's batch is staged to the device (the next one read from disk meanwhile) and broadcast from the ranks
+     holding it; its query blocks are split over the ranks (objectives.split_units: every rank works every step),
+     and gradients, loss and the signal flag are summed in one fp32 all-reduce;
   3. run the *teacher* layer (exact softmax, SDPA) on the inputs and write layer l+1's inputs to the other buffer;
   4. commit: layer l's parameters (safetensors, written then renamed), then the manifest naming the buffer that holds
      layer l+1's inputs, then a marker with the parameter file's sha256 -- written last.
 A run killed at any point resumes at the first layer without a valid marker; when the buffer named by the manifest
 is missing (another node) or does not hold that layer's inputs, they are rebuilt by replaying the teacher layers.
+USR1/TERM: the ranks agree at the next step boundary, save a step checkpoint of the layer in training (resumed
+from there, bitwise) or, between layers, just stop; then Requeue (exit 75).
 Memory: one layer and a batch; disk: 2 x (sequences on this rank) x seq_len x hidden.
 """
 
@@ -346,7 +351,7 @@ _LEGACY_KEYS = {
 def run_identity(cfg, model_path: Path, attention, weights: dict[str, float]) -> dict:
     """Every setting that changes stage 1's result, under the dotted key a user writes, as it takes effect (JSON
     values). Left out, as they do not change what is computed: the number of ranks (the buffers are per sequence; a
-    resume on another world rebuilds them), model.device and model.arch (stage 1 computes on the CPU; arch is for
+    resume on another world rebuilds them), model.device and model.arch (the device moves only rounding; arch is for
     `plan`), distill.progress, distill.buffer_dir (where the buffers live, not what they hold), distill.recipe
     (only through distill.objectives, recorded as resolved) and distill.query_block (the same loss summed in other
     row blocks: memory only, like the number of ranks it moves only floating-point rounding)."""

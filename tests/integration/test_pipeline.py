@@ -35,15 +35,18 @@ def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_pat
     full = procs.run(["pipeline", *overrides(tiny, tmp_path / "full")], timeout=900)
     assert full.returncode == 0, full.stderr[-3000:]
     assert "pipeline done: distill" in full.stdout
-    # USR1 in stage 1 (layer 0, step 2): the pipeline's flag is the stage's; it saves a step checkpoint and exits 75
-    cut = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], {"HYBRID_SCALE_FAULT": "train:0:1@USR1"})
+    # USR1 in stage 1 (layer 0's first of 2 steps): the pipeline's flag is the stage's; it commits layer 0, exits 75
+    cut = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], {"HYBRID_SCALE_FAULT": "train:0:0@USR1"})
     assert cut.returncode == 75, cut.stderr[-3000:]
-    assert "stage 1 stopped by a signal at layer 0" in cut.stderr and (tmp_path / "cut" / "requeue_requested").is_file()
+    assert (
+        "stage 1 stopped by a signal after committing layer 0 of 2" in cut.stderr
+        and (tmp_path / "cut" / "requeue_requested").is_file()
+    )
     killed = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], {"HYBRID_SCALE_FAULT": "step:3"}, timeout=900)
-    assert killed.returncode == -signal.SIGKILL  # and SIGKILL in stage 2, after stage 1 resumed from its step
+    assert killed.returncode == -signal.SIGKILL  # and SIGKILL in stage 2, after stage 1 resumed at layer 1
     again = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "layer 0: resuming at step 3 of" in (tmp_path / "cut" / "stage1" / "log.txt").read_text()
+    assert "resuming at layer 1 from buffer" in (tmp_path / "cut" / "stage1" / "log.txt").read_text()
     a, b = outputs(tmp_path / "full"), outputs(tmp_path / "cut")
     assert a[0].keys() == b[0].keys() and all(torch.allclose(a[0][k], b[0][k], atol=1e-6) for k in a[0])
     assert torch.allclose(torch.tensor(a[1]), torch.tensor(b[1]), atol=1e-6)
