@@ -1,0 +1,50 @@
+"""The runtime's collectives: the only place the stages call torch.distributed's collectives, on device tensors."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_scale.distributed import runtime
+from hybrid_scale.errors import ConfigError
+
+PACKAGE = Path(runtime.__file__).parents[1]
+COLLECTIVE = re.compile(r"\bdist\.(all_reduce|broadcast|all_gather\w*|reduce\w*|gather|scatter|send|recv)\(")
+
+
+def test_only_the_runtime_calls_collectives_directly():
+    """Every stage goes through runtime.all_reduce / broadcast / all_ranks / sums, which check the device."""
+    callers = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if "import torch.distributed" in p.read_text() and COLLECTIVE.search(p.read_text())
+    )  # (loglik's `dist` is a distribution over the vocabulary)
+    assert callers == ["distributed/runtime.py"]
+
+
+def test_a_tensor_off_the_ranks_device_is_refused_before_any_collective():
+    """What NCCL would refuse on a GPU rank (a CPU tensor), the runtime refuses on every backend, at the call."""
+    rt = runtime.Runtime(rank=0, world=2, device=torch.device("meta"))  # a rank computing elsewhere than the CPU
+    with pytest.raises(RuntimeError, match="collective on a cpu tensor; this rank computes on meta"):
+        runtime.all_reduce(rt, torch.zeros(2))
+    with pytest.raises(RuntimeError, match="collective on a cpu tensor"):
+        runtime.broadcast(rt, torch.zeros(2), 0)
+
+
+def test_alone_the_helpers_need_no_process_group():
+    rt = runtime.Runtime()
+    assert runtime.all_ranks(rt, True) and not runtime.any_rank(rt, False)
+    assert runtime.sums(rt, [1.5, 2.0]) == [1.5, 2.0]
+    t = torch.ones(3)
+    assert runtime.all_reduce(rt, t) is t
+
+
+def test_device_resolution():
+    assert runtime.resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert runtime.resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ConfigError, match="model.device' is cuda but this process sees no GPU"):
+            runtime.resolve_device("cuda")
+    assert runtime.backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert runtime.backend(torch.device("cpu")) == "gloo"
