@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from .checkpoint import atomic_write
+from .runtime import Runtime, barrier
 
 EXIT_REQUEUE = 75  # "saved, please requeue" (EX_TEMPFAIL); the Slurm scripts requeue on it
 REQUEUE_MARKER = "requeue_requested"  # in run_dir: a stage saved on a signal and asks to be started again
@@ -57,10 +58,13 @@ def clear_request(run_dir: Path) -> None:
     (Path(run_dir) / REQUEUE_MARKER).unlink(missing_ok=True)
 
 
-def request(run_dir: Path, step, checkpoint: Path, write_marker: bool = True, what: str | None = None) -> Requeue:
-    """The exception to raise after a signal-triggered save; `write_marker` (rank 0) also marks the run for a requeue,
-    for batch scripts under torchrun, which does not pass the exit code on. `what` replaces the message's first part
-    ("stopped by a signal after step N; saved CHECKPOINT")."""
-    if write_marker:
+def request(run_dir: Path, step, checkpoint: Path, rt: Runtime, what: str | None = None) -> Requeue:
+    """The exception to raise after a signal-triggered save, on every rank: rank 0 marks the run for a requeue (for
+    batch scripts under torchrun, which does not pass the exit code on), then the ranks meet, so that the marker is
+    on disk before any of them exits (torchrun stops the others when one does). `what` replaces the message's first
+    part ("stopped by a signal after step N; saved CHECKPOINT")."""
+    if rt.main:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         atomic_write(Path(run_dir) / REQUEUE_MARKER, f"{step}\n")
+    barrier(rt)
     return Requeue(step, checkpoint, what)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .slurm import srun_environment
+from .environment import srun_environment
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,7 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
                     s.cfg.run_dir,
                     f"layer {i} step {step + 1}",
                     path,
-                    write_marker=rt.main,
+                    rt,
                     what=f"stage 1 stopped by a signal at layer {i}, step {step + 1} of {len(steps)}; saved {path}",
                 )
     bar.close()
@@ -463,7 +463,7 @@ def distill(cfg) -> Path:
                     cfg.run_dir,
                     f"layer {i}",
                     s.stage1,
-                    write_marker=s.rt.main,
+                    s.rt,
                     what=f"stage 1 stopped by a signal after committing layer {i} of {s.n_layers}",
                 )
         return write_output(s)

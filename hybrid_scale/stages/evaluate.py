@@ -4,21 +4,43 @@ plus perplexity by position bucket, the LA share, the paired-bootstrap deltas an
 `evaluate(cfg)` reads the config's `eval` section, writes {out_dir}/results.json, table.md and PNGs (rank 0), and
 returns the results. Under torchrun the batches are sharded over ranks (see loglik); the numbers do not depend on
 the number of ranks.
+
+The work is cut into cells: one per (mode, task) of the benchmark scoring, one per mode of the perplexity by position
+bucket, one for the LA share. Rank 0 commits each finished cell to {out_dir}/cells/<name>.json (`<mode>.<task>`,
+`perplexity.<mode>`, `la_share`): its result and the key it was computed from (the model and its files, the window,
+dtype, device type, CPU threads and library versions, the task's items and tokens or the held-out text, and the eval
+settings that change the numbers). A rerun loads every cell whose key matches and recomputes the others (logged), so
+that its results.json equals an uninterrupted run's apart from timings_s. The cells stay after the run (they are
+small); delete {out_dir}/cells to compute everything again.
+
+Signals (distributed/requeue.py): USR1/TERM only set a flag; the ranks agree on it at every cell boundary and between
+rounds of batches inside a cell (whose work is then dropped); the stage writes the requeue marker and raises Requeue
+(the CLI exits EXIT_REQUEUE). {out_dir}/log.txt says which cells were resumed, recomputed or dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
+import transformers
 from omegaconf import OmegaConf
 
+from .. import __version__
 from ..data import assets, benchmarks, corpus
-from ..distributed import runtime
+from ..distributed import requeue, runtime
+from ..distributed.checkpoint import atomic_write, fault
 from ..distributed.deepspeed import _import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
+from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError
 from ..models.convert import convert_model, set_modes, set_window
 from ..models.converted import (
@@ -32,13 +54,14 @@ from . import balance, loglik, report, rundir
 from .plan import preflight
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
+CELLS_DIR = "cells"  # in eval's out_dir: the committed cells of the evaluation
 
 
 class Models:
     """The base model and the converted model, each loaded once, on demand."""
 
-    def __init__(self, cfg, path: Path, converted: bool, device):
-        self.cfg, self.path, self.converted, self.device = cfg, path, converted, device
+    def __init__(self, cfg, path: Path, converted: bool, rt: runtime.Runtime):
+        self.cfg, self.path, self.converted, self.device = cfg, path, converted, rt.device
         self.dtype = getattr(torch, cfg.model.dtype)
         self._base = self._hybrid = None
         self.untrained = not converted
@@ -46,7 +69,8 @@ class Models:
         if cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
             from transformers.integrations import HfDeepSpeedConfig
 
-            _import_deepspeed().init_distributed(dist_backend="nccl" if torch.device(device).type == "cuda" else "gloo")
+            runtime.join_group(rt)  # the group DeepSpeed then finds: gloo for CPU tensors too on GPUs
+            _import_deepspeed().init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
             self._zero3 = HfDeepSpeedConfig(zero3_config(self.dtype))
 
     def _load_base(self):
@@ -124,18 +148,28 @@ def heldout_record(cfg, where: str) -> dict:
 
 def evaluate(cfg) -> dict:
     """The component ablation: every task scored in every mode, the paired-bootstrap deltas and the verdict,
-    perplexity by position bucket and the LA share; written to eval/ by rank 0."""
+    perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
+    raises Requeue after a signal."""
     preflight(cfg, "evaluate")  # the input model, its architecture, memory per rank
     rt = runtime.init(cfg.model.device)
+    if rt.main:
+        requeue.clear_request(cfg.run_dir)
+    with SignalFlag() as flag:  # a signal from here on stops the ranks at their next check (rounds, cell boundaries)
+        results = _evaluate(cfg, rt, flag)
+    runtime.barrier(rt)
+    return results
+
+
+def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
+    """evaluate's work, under the signal flag: the cells in order (loaded or computed), then the report."""
     e = cfg.eval
     benchmarks.check_tasks(e.tasks)
     path, converted = rundir.eval_source(cfg)
     tokenizer = load_tokenizer(rundir.base_of(path, converted))
-    models = Models(cfg, path, converted, rt.device)
+    models = Models(cfg, path, converted, rt)
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
-    items = {task: benchmarks.build(task, data_dir, e.limit) for task in e.tasks}
     max_len = getattr(base_config(rundir.base_of(path, converted)), "max_position_embeddings", 8192)
-    requests = Requests(items, tokenizer, max_len)
+    requests = {task: Requests(task, benchmarks.build(task, data_dir, e.limit), tokenizer, max_len) for task in e.tasks}
     held_text = report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
     window = models.window()
     results = {
@@ -146,96 +180,225 @@ def evaluate(cfg) -> dict:
         "world_size": rt.world,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "heldout": heldout_record(cfg, held_text[1]) if held_text else None,
-        "tasks": requests.beyond_window(window),
+        "tasks": {task: r.beyond_window(window) for task, r in requests.items()},
         "modes": {},
         "timings_s": {},
     }
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    common = model_key(cfg, path, converted, window, rt.device)
+    cells = Cells(cfg, rt, flag, total=count_cells(e))
     for mode in e.modes:
         t0 = time.perf_counter()
-        mine = loglik.score(
-            models.get(mode),
-            requests.groups,
-            e.batch_size,
-            pad_id,
-            rt,
-            desc=f"{mode:>10}",
-            progress=e.progress,
-            lockstep=e.shard_weights,
-        )
-        scores: dict[int, tuple[float, bool]] = {}
-        for part in runtime.gather_objects(rt, mine):
-            scores.update(part)
-        results["modes"][mode] = requests.per_task(scores)
+        per_task = {}
+        for task in e.tasks:
+            name = f"{mode}.{task}"
+            key = {**common, "mode": mode, "task": task, "limit": e.limit, "data_dir": str(data_dir.resolve())}
+            key |= {"batch_size": e.batch_size, "requests": requests[task].digest}
+            stop = cells.between_rounds(name)
+            per_task[task] = cells.run(
+                name, key, partial(_score_task, models, mode, requests[task], pad_id, cfg, rt, stop)
+            )
+        per_task["avg"] = sum(per_task[t]["metric"] for t in e.tasks) / len(e.tasks)
+        results["modes"][mode] = per_task
         results["timings_s"][mode] = time.perf_counter() - t0
-    _deltas(results, items, cfg)
+    _deltas(results, e.tasks, cfg)
     t0 = time.perf_counter()
-    if e.ppl_sequences and (rt.main or e.shard_weights):  # sharded weights: every rank joins every forward
-        _perplexity_and_la_share(results, models, tokenizer, cfg, rt, held_text)
+    if e.ppl_sequences:
+        _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)
     results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
+    cells.finish()
     if rt.main:
         out_dir = rundir.eval_dir(cfg)
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         (out_dir / "table.md").write_text(report.table(results))
         report.plots(results, out_dir)
-    runtime.barrier(rt)
     return results
 
 
-class Requests:
-    """Every task item as (context, continuation) requests, grouped by shared context for scoring."""
+def count_cells(e) -> int:
+    """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share."""
+    held_out = (len(e.modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
+    return len(e.modes) * len(e.tasks) + held_out
 
-    def __init__(self, items: dict, tokenizer, max_len: int):
-        self.items, requests, self.spans = items, [], {}
-        for task, task_items in items.items():
-            for j, item in enumerate(task_items):
-                self.spans[(task, j)] = (len(requests), len(item.continuations))
-                requests += item.requests()
+
+def digest(obj) -> str:
+    """sha256 of an object's JSON (for a cell's key)."""
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
+
+
+def model_key(cfg, path: Path, converted: bool, window: int, device: torch.device) -> dict:
+    """The part of every cell's key that names the model: its path, the name, size and mtime of its files (and of its
+    base's: stage 2 rewrites its output in place), the window, dtype, device type (and CPU threads: CPU kernels round
+    differently with another number), the attention settings a plain model is converted with, and the versions of
+    the code that computes the numbers."""
+    dirs = sorted({path.resolve(), rundir.base_of(path, converted).resolve()})
+    files = [
+        (str(f), f.stat().st_size, f.stat().st_mtime_ns) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()
+    ]
+    return {
+        "model": str(path.resolve()),
+        "converted": converted,
+        "files": digest(files),
+        "attention": None if converted else OmegaConf.to_container(cfg.attention, resolve=True),
+        "window": window,
+        "dtype": cfg.model.dtype,
+        "device": device.type,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "versions": {"hybrid_scale": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+class Cells:
+    """The committed cells ({out_dir}/cells/<name>.json: the cell's `result` and the `key` it was computed from),
+    read once by rank 0 and given to every rank, so that every rank makes the same choice to load or compute; `done`
+    counts the cells committed (loaded or computed) in this run, `resumed` names the loaded ones. At every cell
+    boundary, and between rounds of batches (between_rounds), the ranks agree on the signal flag; on a signal `stop`
+    writes the requeue marker and raises Requeue."""
+
+    def __init__(self, cfg, rt: runtime.Runtime, flag: SignalFlag, total: int):
+        self.cfg, self.rt, self.flag, self.total = cfg, rt, flag, total
+        self.dir = rundir.eval_dir(cfg) / CELLS_DIR
+        if rt.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        stored = {p.stem: json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))} if rt.main else None
+        self.stored = runtime.gather_objects(rt, stored)[0]
+        self.done, self.resumed = 0, []
+
+    def log(self, msg: str) -> None:
+        """A line in {out_dir}/log.txt and on stderr (rank 0)."""
+        if self.rt.main:
+            with open(self.dir.parent / "log.txt", "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+            print(f"evaluate: {msg}", file=sys.stderr)
+
+    def run(self, name: str, key: dict, compute: Callable[[], dict | None], here: bool = True) -> dict | None:
+        """The cell's result (as its file holds it): the committed one when its key matches, else compute() committed
+        by rank 0 -- a cell computed by rank 0 alone (`here` False on the others) is None there. Then the boundary:
+        the ranks stop on a signal. compute() returns None when a signal stopped it: the cell is dropped."""
+        key = json.loads(json.dumps(key))  # as the file holds it
+        stored = self.stored.get(name)
+        if stored is not None and stored["key"] == key:
+            self.done += 1
+            self.resumed.append(name)
+            return stored["result"] if here else None
+        result = None
+        if here:
+            if stored is not None:
+                changed = sorted(k for k in key.keys() | stored["key"].keys() if key.get(k) != stored["key"].get(k))
+                self.log(f"cell {name} was committed with another {', '.join(changed)}: recomputing it")
+            result = compute()
+            if result is None:
+                self.stop(dropped=name)
+            result = json.loads(json.dumps(result))
+            if self.rt.main:
+                atomic_write(self.dir / f"{name}.json", json.dumps({"key": key, "result": result}, indent=1) + "\n")
+            fault(f"eval:{name}", self.rt.rank)
+        self.done += 1
+        if runtime.any_rank(self.rt, self.flag.raised):
+            self.stop()
+        return result
+
+    def between_rounds(self, name: str) -> Callable[[int], bool]:
+        """loglik.score's `stop` for cell `name`: whether the ranks agree to stop, after `done` rounds of batches."""
+
+        def stop(done: int) -> bool:
+            fault(f"eval_batch:{name}:{done}", self.rt.rank)
+            return runtime.any_rank(self.rt, self.flag.raised)
+
+        return stop
+
+    def stop(self, dropped: str | None = None) -> NoReturn:
+        """After a signal, on every rank: the requeue marker (rank 0), then Requeue. Every finished cell is already
+        committed; `dropped` names the cell in progress, if any."""
+        t0 = time.perf_counter()
+        what = (
+            f"evaluation stopped by a signal after {self.done} of {self.total} cells; committed cells are in {self.dir}"
+        )
+        exc = requeue.request(self.cfg.run_dir, self.done, self.dir, self.rt, what=what)
+        resumed = f" ({len(self.resumed)} resumed)" if self.resumed else ""
+        dropped = f"; dropped the cell in progress, {dropped}" if dropped else ""
+        self.log(
+            f"signal: {self.done} of {self.total} cells committed{resumed}{dropped}; requeue marker written in "
+            f"{time.perf_counter() - t0:.2f} s, exiting for a requeue"
+        )
+        raise exc
+
+    def finish(self) -> None:
+        """Logs which cells were resumed (after a requeue)."""
+        if self.resumed:
+            self.log(f"resumed {len(self.resumed)} of {self.total} cells from {self.dir}: {', '.join(self.resumed)}")
+
+
+def _score_task(
+    models: Models, mode: str, requests: Requests, pad_id: int, cfg, rt, stop: Callable[[int], bool]
+) -> dict | None:
+    """One (mode, task) cell (Requests.result); None when the ranks stopped on a signal."""
+    e = cfg.eval
+    mine = loglik.score(
+        models.get(mode),
+        requests.groups,
+        e.batch_size,
+        pad_id,
+        rt,
+        desc=f"{mode:>10} {requests.task}",
+        progress=e.progress,
+        lockstep=e.shard_weights,
+        stop=stop,
+    )
+    if mine is None:
+        return None
+    scores: dict[int, tuple[float, bool]] = {}
+    for part in runtime.gather_objects(rt, mine):
+        scores.update(part)
+    return requests.result(scores)
+
+
+class Requests:
+    """One task's items as (context, continuation) requests, grouped by shared context for scoring; `digest` names
+    the items and their tokens (a cell's key)."""
+
+    def __init__(self, task: str, items: list, tokenizer, max_len: int):
+        self.task, self.items, requests, self.spans = task, items, [], []
+        for item in items:
+            self.spans.append((len(requests), len(item.continuations)))
+            requests += item.requests()
         self.groups = loglik.make_groups(tokenizer, requests, max_len)
         self.lengths = {
             r: (len(g.context), len(c)) for g in self.groups for r, c in zip(g.requests, g.continuations, strict=True)
         }
+        tokens = [(g.context, g.continuations, g.requests) for g in self.groups]
+        self.digest = digest({"items": [dataclasses.asdict(item) for item in items], "tokens": tokens})
 
     def beyond_window(self, window: int) -> dict:
-        """Per task: its metric, n, and the share of scored tokens beyond the window (at `window`, 16 and 64)."""
-        out = {}
-        for task, task_items in self.items.items():
-            spans = [self.spans[(task, j)] for j in range(len(task_items))]
-            scored = [self.lengths[r] for start, n in spans for r in range(start, start + n)]
-            total = sum(k for _, k in scored)
-            beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
-            out[task] = {"metric": benchmarks.REPORTED[task], "n": len(task_items), "beyond_window": beyond}
-        return out
+        """The task's metric, n, and the share of scored tokens beyond the window (at `window`, 16 and 64)."""
+        scored = [self.lengths[r] for r in range(len(self.lengths))]
+        total = sum(k for _, k in scored)
+        beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
+        return {"metric": benchmarks.REPORTED[self.task], "n": len(self.items), "beyond_window": beyond}
 
-    def per_task(self, scores: dict[int, tuple[float, bool]]) -> dict:
-        """Per task: the reported metric and its stderr, acc, acc_norm, per-item correctness and log-likelihoods."""
-        per_task = {}
-        for task, task_items in self.items.items():
-            lls, acc, acc_norm = [], [], []
-            for j, item in enumerate(task_items):
-                start, n = self.spans[(task, j)]
-                ll = [scores[r][0] for r in range(start, start + n)]
-                c = benchmarks.correct(item, ll)
-                lls.append(ll)
-                acc.append(c["acc"])
-                acc_norm.append(c["acc_norm"])
-            per_item = acc if benchmarks.REPORTED[task] == "acc" else acc_norm
-            value, stderr = benchmarks.mean_stderr(per_item)
-            per_task[task] = {
-                "metric": value,
-                "stderr": stderr,
-                "n": len(task_items),
-                "acc": sum(acc) / len(acc),
-                "acc_norm": sum(acc_norm) / len(acc_norm),
-                "correct": per_item,
-                "loglik": lls,
-            }
-        per_task["avg"] = sum(per_task[t]["metric"] for t in self.items) / len(self.items)
-        return per_task
+    def result(self, scores: dict[int, tuple[float, bool]]) -> dict:
+        """The reported metric and its stderr, acc, acc_norm, per-item correctness and log-likelihoods."""
+        lls, acc, acc_norm = [], [], []
+        for item, (start, n) in zip(self.items, self.spans, strict=True):
+            ll = [scores[r][0] for r in range(start, start + n)]
+            c = benchmarks.correct(item, ll)
+            lls.append(ll)
+            acc.append(c["acc"])
+            acc_norm.append(c["acc_norm"])
+        per_item = acc if benchmarks.REPORTED[self.task] == "acc" else acc_norm
+        value, stderr = benchmarks.mean_stderr(per_item)
+        return {
+            "metric": value,
+            "stderr": stderr,
+            "n": len(self.items),
+            "acc": sum(acc) / len(acc),
+            "acc_norm": sum(acc_norm) / len(acc_norm),
+            "correct": per_item,
+            "loglik": lls,
+        }
 
 
-def _deltas(results: dict, items: dict, cfg) -> None:
+def _deltas(results: dict, tasks: list[str], cfg) -> None:
     """Rec.% against the base, the paired-bootstrap deltas (hybrid - swa_only, la_only - none) and the verdict."""
     e, m = cfg.eval, results["modes"]
     if "base" in m:
@@ -244,7 +407,7 @@ def _deltas(results: dict, items: dict, cfg) -> None:
             r["rec"] = 100.0 * r["avg"] / base_avg if base_avg else float("nan")
 
     def correct_of(mode):
-        return {t: m[mode][t]["correct"] for t in items}
+        return {t: m[mode][t]["correct"] for t in tasks}
 
     if "hybrid" in m and "swa_only" in m:
         results["delta_swa"] = balance.paired_bootstrap(
@@ -255,16 +418,32 @@ def _deltas(results: dict, items: dict, cfg) -> None:
         results["verdict"] = balance.verdict(results["delta_la"]["avg"], e.margin)
 
 
-def _perplexity_and_la_share(results: dict, models: Models, tokenizer, cfg, rt, held_text) -> None:
+def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, rt, held_text) -> None:
+    """The cells of the held-out text: perplexity by position bucket per mode, then the LA share of `hybrid`. Rank 0
+    computes them, every rank when the weights are sharded (every rank joins every forward)."""
     e = cfg.eval
-    seqs = _heldout_sequences(tokenizer, cfg, held_text)
+    here = rt.main or e.shard_weights
+    seqs = _heldout_sequences(tokenizer, cfg, held_text) if here else None
+    text = {"text": digest(held_text[0]), "ppl_seq_len": e.ppl_seq_len, "buckets": list(e.buckets)}
     buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
-    results["perplexity"] = {
-        "seq_len": e.ppl_seq_len,
-        "sequences": len(seqs),
-        "by_mode": {mode: balance.perplexity_by_bucket(models.get(mode), seqs, buckets) for mode in e.modes},
-    }
+    by_mode = {}
+    for mode in e.modes:
+        key = {**common, **text, "mode": mode, "ppl_sequences": e.ppl_sequences}
+        by_mode[mode] = cells.run(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets), here)
+    if here:
+        results["perplexity"] = {"seq_len": e.ppl_seq_len, "sequences": len(seqs), "by_mode": by_mode}
     if e.la_share_seq_len:
-        ids = seqs[:1, : e.la_share_seq_len]
-        share_buckets = [b for b in e.buckets if b < ids.shape[1]] + [ids.shape[1]]
-        results["la_share"] = balance.la_share(models.get("hybrid"), ids.to(rt.device), share_buckets)
+        key = {**common, **text, "la_share_seq_len": e.la_share_seq_len}
+        share = cells.run("la_share", key, partial(_la_share, models, seqs, cfg, rt), here)
+        if here:
+            results["la_share"] = share
+
+
+def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int]) -> dict:
+    return balance.perplexity_by_bucket(models.get(mode), seqs, buckets)
+
+
+def _la_share(models: Models, seqs: torch.Tensor, cfg, rt) -> dict:
+    ids = seqs[:1, : cfg.eval.la_share_seq_len]
+    buckets = [b for b in cfg.eval.buckets if b < ids.shape[1]] + [ids.shape[1]]
+    return balance.la_share(models.get("hybrid"), ids.to(rt.device), buckets)

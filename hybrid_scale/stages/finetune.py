@@ -141,7 +141,7 @@ def finetune(cfg) -> Path:
                     run.log(
                         f"signal: saved {checkpoint.name} in {time.perf_counter() - t0:.1f} s, exiting for a requeue"
                     )
-                    raise requeue.request(cfg.run_dir, run.step, checkpoint, write_marker=run.rt.main)
+                    raise requeue.request(cfg.run_dir, run.step, checkpoint, run.rt)
     return finish(run)
 
 

@@ -179,10 +179,10 @@ def eval_inputs(cfg) -> None:
     out = rundir.eval_dir(cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'eval.out_dir': {out} is a file; set eval.out_dir to a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "results.json").is_file():
+    if out.is_dir() and any(out.iterdir()) and not ((out / "results.json").is_file() or (out / "cells").is_dir()):
         raise ConfigError(
             f"config key 'eval.out_dir': {out} is a non-empty directory without an evaluation of ours "
-            "(results.json); nothing was touched: choose a new or empty directory"
+            "(results.json or cells/); nothing was touched: choose a new or empty directory"
         )
 
 

@@ -9,6 +9,7 @@ lm-evaluation-harness: trailing spaces of the context move to the continuation, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -122,19 +123,25 @@ def score(
     desc: str = "scoring",
     progress: bool = True,
     lockstep: bool = False,
-) -> dict[int, tuple[float, bool]]:
+    stop: Callable[[int], bool] | None = None,
+) -> dict[int, tuple[float, bool]] | None:
     """This rank's share of the batches, scored. Returns {request index: (log-likelihood, is_greedy)}.
-    lockstep (ZeRO-3 weights): every rank runs the same number of batches, repeating its first one if short."""
+    The batches run in rounds of one per rank (ceil(batches / world) rounds on every rank). lockstep (ZeRO-3
+    weights): a rank without a batch in the last round repeats its first one and drops the result. stop (a
+    collective: every rank calls it equally often) is called between rounds with the number of rounds done; when it
+    returns True the scoring ends and None is returned."""
     batches = make_batches(groups, batch_size)
     mine = batches[rt.rank :: rt.world]
-    real = len(mine)
-    if lockstep:
-        rounds = -(-len(batches) // rt.world)
-        mine = mine + [mine[0] if mine else batches[0]] * (rounds - len(mine))
+    rounds = -(-len(batches) // rt.world)
     out: dict[int, tuple[float, bool]] = {}
-    bar = tqdm(mine, desc=desc, disable=not (progress and rt.main), unit="batch", dynamic_ncols=True)
-    for i, batch in enumerate(bar):
-        scored = score_batch(model, [groups[g] for g in batch], pad_id, rt.device)
-        if i < real:
-            out.update((req, (ll, greedy)) for req, ll, greedy in scored)
+    with tqdm(total=rounds, desc=desc, disable=not (progress and rt.main), unit="batch", dynamic_ncols=True) as bar:
+        for i in range(rounds):
+            if i < len(mine):
+                scored = score_batch(model, [groups[g] for g in mine[i]], pad_id, rt.device)
+                out.update((req, (ll, greedy)) for req, ll, greedy in scored)
+            elif lockstep:  # every rank joins every forward
+                score_batch(model, [groups[g] for g in (mine[0] if mine else batches[0])], pad_id, rt.device)
+            bar.update()
+            if stop is not None and i + 1 < rounds and stop(i + 1):
+                return None
     return out

@@ -96,9 +96,7 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
                 log(f"[pipeline] {stage}: done before, skipped")
                 continue
             if runtime.any_rank(rt, signal.raised):  # between stages: everything before is committed
-                raise requeue.request(
-                    cfg.run_dir, stage, run, write_marker=rt.main, what=f"pipeline stopped by a signal before {stage}"
-                )
+                raise requeue.request(cfg.run_dir, stage, run, rt, what=f"pipeline stopped by a signal before {stage}")
             log(f"[pipeline] {stage}: running")
             t0 = time.perf_counter()
             if stage == "distill":

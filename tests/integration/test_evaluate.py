@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import procs
@@ -14,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from hybrid_scale.cli import main
 from hybrid_scale.config import load_config
+from hybrid_scale.distributed.requeue import EXIT_REQUEUE, REQUEUE_MARKER, Requeue
 from hybrid_scale.stages.evaluate import evaluate
 
 LIMIT = 30
@@ -105,6 +108,23 @@ def test_per_item_loglikelihoods_agree_with_lm_evaluation_harness(smollm2, smoll
         assert out["results"][name]["acc,none"] == pytest.approx(ours[task]["acc"], abs=1e-9)
 
 
+@contextmanager
+def one_thread():
+    """This process computes with one CPU thread, as the CLI and torchrun children do (procs: OMP_NUM_THREADS=1): CPU
+    kernels round differently with another number of threads, and the tests compare numbers bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _evaluate(overrides: list[str]) -> dict:
+    with one_thread():
+        return evaluate(load_config(overrides=overrides))
+
+
 def _tiny_overrides(model, out):
     return [
         f"eval.model={model}",
@@ -125,7 +145,7 @@ def _tiny_overrides(model, out):
 @pytest.fixture(scope="module")
 def tiny_one_rank(tiny_smollm_vocab, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_one")
-    return out, evaluate(load_config(overrides=_tiny_overrides(tiny_smollm_vocab, out)))
+    return out, _evaluate(_tiny_overrides(tiny_smollm_vocab, out))
 
 
 def _torchrun(args, timeout=900):
@@ -154,7 +174,7 @@ def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_ra
         held["report"].startswith("report half of the held-out documents of ") and "selection half" in held["selection"]
     )
     share = one["la_share"]["share"]
-    assert sorted(share) == [0, 1] and len(share[0]["0-64"]) == 4
+    assert sorted(share) == ["0", "1"] and len(share["0"]["0-64"]) == 4  # as results.json holds it
 
 
 def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, tiny_one_rank, tmp_path):
@@ -166,6 +186,108 @@ def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, 
     la_one, la_z3 = one["la_share"]["share"], sharded["la_share"]["share"]
     assert json.loads(json.dumps(la_one)) == la_z3
     _same_numbers(one, sharded)
+
+
+def _requeue_overrides(model, tmp: Path) -> list[str]:
+    """The tiny evaluation (13 cells: 4 modes x 2 tasks, 4 perplexities, the LA share) in tmp/eval, its run_dir (the
+    requeue marker) tmp/run."""
+    return [*_tiny_overrides(model, tmp / "eval"), f"run_dir={tmp / 'run'}"]
+
+
+def _cells(out: Path) -> list[str]:
+    return sorted(p.stem for p in (out / "cells").glob("*.json"))
+
+
+def _same_results_json(resumed: Path, uninterrupted: Path) -> None:
+    """Equal text apart from timings_s and the two paths where the runs write (eval.out_dir, run_dir)."""
+    a, b = (json.loads(path.read_text()) for path in (resumed, uninterrupted))
+    for r in (a, b):
+        del r["timings_s"], r["config"]["eval"]["out_dir"], r["config"]["run_dir"]
+    assert json.dumps(a) == json.dumps(b)
+
+
+def test_signal_after_a_cell_exits_75_and_the_rerun_equals_an_uninterrupted_run(
+    tiny_smollm_vocab, tiny_one_rank, tmp_path, capsys
+):
+    args = _requeue_overrides(tiny_smollm_vocab, tmp_path)
+    out, run = tmp_path / "eval", tmp_path / "run"
+    stopped = procs.run(["evaluate", *args], {"HYBRID_SCALE_FAULT": "eval:base.piqa@USR1"})
+    assert stopped.returncode == EXIT_REQUEUE, stopped.stderr[-3000:]
+    assert f"evaluation stopped by a signal after 1 of 13 cells; committed cells are in {out / 'cells'}" in (
+        stopped.stderr
+    )
+    assert (run / REQUEUE_MARKER).read_text() == "1\n"
+    assert _cells(out) == ["base.piqa"] and not (out / "results.json").exists()
+    with one_thread():
+        assert main(["evaluate", *args]) == 0  # the requeued job
+    assert "resumed 1 of 13 cells" in capsys.readouterr().err
+    assert "resumed 1 of 13 cells" in (out / "log.txt").read_text() and not (run / REQUEUE_MARKER).exists()
+    assert len(_cells(out)) == 13
+    _same_results_json(out / "results.json", tiny_one_rank[0] / "results.json")
+
+
+def _same_as_one(results: dict, one: dict) -> None:
+    for key in ("modes", "perplexity", "la_share", "delta_la", "verdict"):
+        assert json.loads(json.dumps(results[key])) == json.loads(json.dumps(one[key])), key
+
+
+@pytest.fixture(scope="module")
+def stopped_mid_cell(tiny_smollm_vocab, tmp_path_factory):
+    """The tiny evaluation signalled inside its third cell (hybrid.piqa: 10 items in 4 batches, after its first
+    round), then rerun: (tmp, the Requeue, the cells and the requeue marker at the stop, the rerun's results)."""
+    tmp = tmp_path_factory.mktemp("mid_cell")
+    args = _requeue_overrides(tiny_smollm_vocab, tmp)
+    with pytest.MonkeyPatch.context() as env, pytest.raises(Requeue) as stop:
+        env.setenv("HYBRID_SCALE_FAULT", "eval_batch:hybrid.piqa:1@USR1")
+        _evaluate(args)
+    marker = (tmp / "run" / REQUEUE_MARKER).read_text()
+    return tmp, stop.value, (_cells(tmp / "eval"), marker), _evaluate(args)
+
+
+def test_signal_inside_a_cell_drops_only_that_cell(stopped_mid_cell, tiny_one_rank):
+    tmp, stop, (cells, marker), results = stopped_mid_cell
+    assert stop.step == 2 and cells == ["base.piqa", "base.winogrande"] and marker == "2\n"
+    assert not (tmp / "run" / REQUEUE_MARKER).exists()  # the rerun cleared it
+    log = (tmp / "eval" / "log.txt").read_text()
+    assert "signal: 2 of 13 cells committed; dropped the cell in progress, hybrid.piqa" in log
+    assert "resumed 2 of 13 cells" in log
+    _same_as_one(results, tiny_one_rank[1])
+
+
+def test_a_cell_committed_under_other_settings_is_recomputed(stopped_mid_cell, tiny_smollm_vocab, tmp_path):
+    """A cell whose key differs is recomputed and rewritten; one whose key matches is taken as committed (here one
+    with a planted metric, to show it was not recomputed)."""
+    done, _, _, results = stopped_mid_cell
+    shutil.copytree(done / "eval", tmp_path / "eval")
+    cells = tmp_path / "eval" / "cells"
+    stale, planted = (json.loads((cells / f"{name}.json").read_text()) for name in ("hybrid.piqa", "none.winogrande"))
+    right_key = dict(stale["key"])
+    stale["key"]["limit"], stale["result"]["metric"] = 5, -1.0
+    planted["result"]["metric"] = -2.0
+    (cells / "hybrid.piqa.json").write_text(json.dumps(stale))
+    (cells / "none.winogrande.json").write_text(json.dumps(planted))
+    again = _evaluate(_requeue_overrides(tiny_smollm_vocab, tmp_path))
+    assert (
+        "cell hybrid.piqa was committed with another limit: recomputing it"
+        in (tmp_path / "eval" / "log.txt").read_text()
+    )
+    assert again["modes"]["hybrid"]["piqa"] == results["modes"]["hybrid"]["piqa"]
+    assert json.loads((cells / "hybrid.piqa.json").read_text())["key"] == right_key
+    assert again["modes"]["none"]["winogrande"]["metric"] == -2.0
+    assert again["modes"]["none"]["winogrande"]["loglik"] == results["modes"]["none"]["winogrande"]["loglik"]
+
+
+def test_signal_inside_a_cell_on_two_ranks_stops_both_and_one_rank_resumes(tiny_smollm_vocab, tiny_one_rank, tmp_path):
+    """Rank 0 alone gets USR1 inside hybrid.piqa (4 batches: 2 rounds of 2); both ranks stop after the first round
+    (torchrun does not pass exit code 75 on: the marker says it). The cells do not depend on the number of ranks."""
+    args = _requeue_overrides(tiny_smollm_vocab, tmp_path)
+    stopped = procs.run(["evaluate", *args], {"HYBRID_SCALE_FAULT": "eval_batch:hybrid.piqa:1@USR1"}, ranks=2)
+    assert stopped.returncode != 0 and "evaluation stopped by a signal after 2 of 13 cells" in stopped.stderr
+    assert (tmp_path / "run" / REQUEUE_MARKER).read_text() == "2\n"
+    assert _cells(tmp_path / "eval") == ["base.piqa", "base.winogrande"]
+    resumed = _evaluate(args)
+    assert resumed["world_size"] == 1 and "resumed 2 of 13 cells" in (tmp_path / "eval" / "log.txt").read_text()
+    _same_as_one(resumed, tiny_one_rank[1])
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +307,7 @@ from hybrid_scale.stages.evaluate import Models
 
 path = Path(sys.argv[1])
 rt = runtime.init("cpu")
-models = Models(load_config(overrides=[f"eval.model={path}", "eval.shard_weights=true"]), path, True, rt.device)
+models = Models(load_config(overrides=[f"eval.model={path}", "eval.shard_weights=true"]), path, True, rt)
 held = {}  # per parameter: [elements this rank holds, elements of the whole tensor or None when not partitioned]
 for name, model in (("base", models._load_base()), ("converted", load_converted(path))):
     held[name] = {
@@ -199,7 +321,7 @@ Path(sys.argv[2], f"held.rank{rt.rank}.json").write_text(json.dumps(held))  # a 
 def test_sharded_stage2_output_is_loaded_partitioned_and_equals_one_process(stage2_like, tmp_path):
     """The adapter is merged into ZeRO-3-partitioned weights (gathered one at a time, merged on rank 0); no rank holds
     the whole model at any point of loading; the results equal one process's."""
-    one = evaluate(load_config(overrides=_tiny_overrides(stage2_like, tmp_path / "one")))
+    one = _evaluate(_tiny_overrides(stage2_like, tmp_path / "one"))
     assert one["converted"]
     _torchrun(["evaluate", *_tiny_overrides(stage2_like, tmp_path / "z3"), "eval.shard_weights=true"])
     _same_numbers(one, json.loads((tmp_path / "z3" / "results.json").read_text()))

@@ -14,7 +14,8 @@ from hybrid_scale.cli import main
 from hybrid_scale.config import JOBS, ConfigError, load_config
 from hybrid_scale.distributed import slurm as slurm_module
 from hybrid_scale.distributed.deepspeed import train_config
-from hybrid_scale.distributed.slurm import first_host, render
+from hybrid_scale.distributed.environment import first_host
+from hybrid_scale.distributed.slurm import render
 from hybrid_scale.stages import plan as plan_module
 from hybrid_scale.stages.export import export
 from hybrid_scale.stages.inputs import InputError
