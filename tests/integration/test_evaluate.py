@@ -148,8 +148,8 @@ def tiny_one_rank(tiny_smollm_vocab, tmp_path_factory):
     return out, _evaluate(_tiny_overrides(tiny_smollm_vocab, out))
 
 
-def _torchrun(args, timeout=900):
-    proc = procs.run(args, timeout=timeout, ranks=2)
+def _torchrun(args, timeout=900, env=None):
+    proc = procs.run(args, env, timeout=timeout, ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -178,9 +178,17 @@ def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_ra
 
 
 def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, tiny_one_rank, tmp_path):
-    """ZeRO-3 over 2 CPU ranks (gloo): each rank holds half of every weight; 7 batches, so one rank repeats one."""
+    """ZeRO-3 over 2 CPU ranks (gloo): each rank holds half of every weight; 7 batches, so one rank repeats one.
+    Every collective (the signal agreements, the gathered scores, ZeRO-3's weight gathers) is recorded: the same ops,
+    dtypes and shapes on both ranks, on the rank's device."""
     _, one = tiny_one_rank
-    _torchrun(["evaluate", *_tiny_overrides(tiny_smollm_vocab, tmp_path / "z3"), "eval.shard_weights=true"])
+    prefix = tmp_path / "collectives"
+    args = ["evaluate", *_tiny_overrides(tiny_smollm_vocab, tmp_path / "z3"), "eval.shard_weights=true"]
+    _torchrun(args, env=procs.checked(prefix))
+    calls = procs.collective_calls(prefix, 2)
+    agreements = [c for c in calls if c["where"].startswith("runtime.py") and c["op"] == "all_reduce"]
+    assert len(agreements) >= 13 and all(c["dtype"] == ["torch.int32"] for c in agreements)  # >= one per cell
+    assert sum(c["op"] in ("all_gather_into_tensor", "_all_gather_base") for c in calls) > 100  # ZeRO-3's gathers
     sharded = json.loads((tmp_path / "z3" / "results.json").read_text())
     assert sharded["config"]["eval"]["shard_weights"] is True
     la_one, la_z3 = one["la_share"]["share"], sharded["la_share"]["share"]
