@@ -224,7 +224,8 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     (objectives.split_units), and gradients, loss and the signal flag are summed over the ranks in one fp32
     all-reduce. On a signal the ranks save a step checkpoint at the next step boundary and raise Requeue."""
     d, rt = s.cfg.distill, s.rt
-    named = [(n, p) for n, p in m.hybrid_parameters() if p in set(_trainable(m, s.cfg, s.weights))]
+    trained = {id(p) for p in _trainable(m, s.cfg, s.weights)}
+    named = [(n, p) for n, p in m.hybrid_parameters() if id(p) in trained]
     params = [p for _, p in named]
     for p in m.parameters():
         p.requires_grad_(False)
