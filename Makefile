@@ -42,3 +42,9 @@ reproduce: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Wheels for the GPU check (benchmarks/gpu_check.sh on a machine without network; carry `.whl`): the packages the
+# toolkit needs that the GPU image lacks, at this venv's versions, plus this package. Prints the sizes and the total.
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP)
+	$(PY) benchmarks/gpu_check/wheels.py --dest .whl

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU check in one call (benchmarks/gpu_check.py: the pipeline on cuda/bfloat16 checked against cpu/float32, a
+# 1B-shaped stage-1 layer and stage-2 step, hybrid attention vs SDPA at 2k..32k tokens), on a machine without
+# network: the wheels that `make gpu-wheels` put into .whl/ are installed into /tmp/site first.
+#
+#   here:            make gpu-wheels
+#   on the device:   bash benchmarks/gpu_check.sh          (device tool: run, carry [".whl"], timeout_s 600)
+#
+# Writes gpu_check.md (the table), gpu_check.json (every figure), gpu_check.log (this output) and
+# gpu_check_children.log (every subprocess's output) into $OUT when set (the device tool brings those back), else
+# into docs/results/. Sized for about 5 minutes on one H200; GPU_CHECK_* variables (see gpu_check.py) change it.
+# Exit status: 0 when every check passed, 1 when one failed, 3 when the wheels could not be installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+OUT_DIR="${GPU_CHECK_OUT:-${OUT:-docs/results}}"
+mkdir -p "$OUT_DIR"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_check.sh: installing .whl/*.whl into /tmp/site failed" >&2; exit 3; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu_check.sh: installed $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
+  (cd /tmp && "$PY" -c "import hybrid_scale; print('gpu_check.sh: the wheel of hybrid_scale imports:', hybrid_scale.__file__)") \
+    || echo "gpu_check.sh: the wheel of hybrid_scale does not import (the check runs the checkout's code anyway)"
+else
+  echo "gpu_check.sh: no .whl/ here (make gpu-wheels; carry .whl): using the Python environment as it is"
+fi
+export GPU_CHECK_OUT="$OUT_DIR" GPU_CHECK_COMMAND="${GPU_CHECK_COMMAND:-bash benchmarks/gpu_check.sh}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"  # DeepSpeed's CPU op (reference run)
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "gpu_check.sh: $("$PY" -m pip list --format=freeze 2>/dev/null | grep -iE \
+  '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton)==' \
+  | tr '\n' ' ')"
+"$PY" benchmarks/gpu_check.py 2>&1 | tee "$OUT_DIR/gpu_check.log"
+exit "${PIPESTATUS[0]}"
