@@ -9,7 +9,7 @@ Steps (each guarded: a failing step is reported with its traceback and FAILED in
      every output finite, the stage-1 final losses, stage-2 held-out losses, perplexities by mode and bucket, task
      log-likelihoods and the export's held-out loss compared within stated relative tolerances (TOL), and the
      export's cached decode checked against its full forward; both runs under tests/collectives' checker (every
-     torch.distributed collective recorded, one on another device than the run's refused). The reference starts
+     torch.distributed collective recorded, one on another device than the run's reported). The reference starts
      in the background when step a is done; on the GPU, steps c and d run meanwhile (one at a time), then b's GPU
      run, which then joins it;
   c. big: a Llama-3.2-1B-shaped random model (hidden 2048, 32 heads, 8 KV heads, head_dim 64, intermediate 8192; 4
@@ -32,8 +32,11 @@ Environment (defaults in brackets):
   GPU_CHECK_CLI [stages]          one CLI process per stage; `pipeline` = one `hybrid-scale pipeline` per run
   GPU_CHECK_PARALLEL [0]          1 = steps b, c, d at once (the CPU dry run: its timings mean nothing anyway)
   GPU_CHECK_TIMEOUT [240]         seconds per subprocess
-  GPU_CHECK_DEADLINE [480]        seconds after which no subprocess runs on (each is cut to what is left) and no
-                                  step starts: the report is complete inside the device tool's 8-minute call
+  GPU_CHECK_DEADLINE [450]        seconds, from gpu_check.sh's start (its wheel installation included), after
+                                  which no subprocess runs on (each is cut to what is left) and no step starts;
+                                  step b's stages end 30 s before it (its export check runs after them), steps c
+                                  and d 150 s before it (step b's GPU run comes after them): the report is complete
+                                  inside an 8-minute call of the device tool
   GPU_CHECK_WORK [a temporary folder], GPU_CHECK_OUT [$OUT, else docs/results]
 (GPU_CHECK_SMALL=1 switches the defaults of GPU_CHECK_CLI to pipeline and of GPU_CHECK_PARALLEL to 1.)
 """
@@ -60,9 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "benchmarks" / "gpu_check" / "text.jsonl"
-COLLECTIVES = (
-    ROOT / "tests" / "collectives"
-)  # sitecustomize.py: records torch.distributed calls, refuses off-device ones
+COLLECTIVES = ROOT / "tests" / "collectives"  # sitecustomize.py: records torch.distributed calls (and off-device ones)
 HELDOUT_FRACTION = 0.1
 MODES = ["base", "hybrid", "swa_only", "la_only", "sinks_only", "none"]
 # relative tolerances of the checked run against the reference (bf16 against fp32 by default): bf16 keeps 8 bits of
@@ -94,7 +95,7 @@ def settings() -> dict:
         "ref_dtype": env("GPU_CHECK_REF_DTYPE", "float32"),
         "steps": env("GPU_CHECK_STEPS", "a,b,c,d").split(","),
         "timeout": int(env("GPU_CHECK_TIMEOUT", "240")),
-        "deadline": int(env("GPU_CHECK_DEADLINE", "480")),
+        "deadline": int(env("GPU_CHECK_DEADLINE", "450")),
         "cli": env("GPU_CHECK_CLI", "pipeline" if small else "stages"),
         "parallel": env("GPU_CHECK_PARALLEL", "1" if small else "0") == "1",
     }
@@ -374,11 +375,14 @@ class Log:
 
 
 DEADLINE = [math.inf]  # time.monotonic() by which every subprocess must have ended (GPU_CHECK_DEADLINE)
+EXPORT_CHECK_RESERVE = 30  # s before the deadline by which step b's stages end: its export check runs after them
+B_RESERVE = 150  # s before the deadline by which steps c and d end when step b's GPU run comes after them
 
 
-def run_child(cmd: list[str], title: str, log: Log, timeout: int, extra_env: dict | None = None):
+def run_child(cmd: list[str], title: str, log: Log, timeout: int, extra_env: dict | None = None, reserve: int = 0):
+    """cmd run to its end, cut at `timeout` s or at `reserve` s before the deadline, whichever comes first."""
     t0 = time.perf_counter()
-    timeout = max(1, min(timeout, int(DEADLINE[0] - time.monotonic())))
+    timeout = max(1, min(timeout, int(DEADLINE[0] - reserve - time.monotonic())))
     try:
         proc = subprocess.run(
             cmd, cwd=ROOT, env=child_env(extra_env), capture_output=True, text=True, timeout=timeout, check=False
@@ -400,15 +404,20 @@ def run_pipeline(s: dict, tag: str, device: str, dtype: str, built: dict, work: 
     overrides = pipeline_overrides(s, built["model"], built["tasks"], run_dir, device, dtype)
     result = {"device": device, "dtype": dtype, "run_dir": str(run_dir), "stage_s": {}, "failed": None}
     prefix = work / f"collectives_{tag}"
-    if (COLLECTIVES / "sitecustomize.py").is_file():  # every collective of the stages recorded, and refused when its
-        # tensor is not on the run's device (NCCL would refuse it; the cpu:gloo,cuda:nccl group would only be slow)
+    if (COLLECTIVES / "sitecustomize.py").is_file():  # every collective of the stages recorded; one whose tensor is
+        # not on the run's device is reported by own_checks (recorded, not refused: the run's other figures survive)
         kind = "cuda" if device.startswith("cuda") else "cpu"
-        extra_env = {**extra_env, "HYBRID_SCALE_COLLECTIVES": str(prefix), "HYBRID_SCALE_COLLECTIVES_DEVICE": kind}
+        extra_env = {
+            **extra_env,
+            "HYBRID_SCALE_COLLECTIVES": str(prefix),
+            "HYBRID_SCALE_COLLECTIVES_DEVICE": kind,
+            "HYBRID_SCALE_COLLECTIVES_REFUSE": "0",
+        }
         result["collectives_file"] = str(prefix) + ".rank0"
     commands = ["pipeline"] if s["cli"] == "pipeline" else ["distill", "finetune", "evaluate", "export"]
     for stage in commands:
         cmd = [sys.executable, "-m", "hybrid_scale.cli", stage, *overrides]
-        rc, _, err, seconds = run_child(cmd, f"{tag}: {stage}", log, s["timeout"], extra_env)
+        rc, _, err, seconds = run_child(cmd, f"{tag}: {stage}", log, s["timeout"], extra_env, EXPORT_CHECK_RESERVE)
         result["stage_s"][stage] = seconds
         if rc != 0:
             result["failed"] = f"{stage} (exit {rc}): {err.strip()[-1500:]}"
@@ -880,19 +889,24 @@ def part_attention(s: dict, work: Path) -> dict:
                 row["fwd_ms"] = clock(fwd)
                 row["fwd_peak_mib"] = peak(fwd)
                 row["fwd_bwd_ms"] = clock(fwd_bwd)
+                for k in GRAD_KEYS:  # the last timed call's gradients would count in the base, not the peak
+                    xg[k].grad = None
                 row["fwd_bwd_peak_mib"] = peak(fwd_bwd)
-            except torch.cuda.OutOfMemoryError:
-                row["skipped"] = "out of memory"
+            except torch.cuda.OutOfMemoryError:  # what was measured before stays in the JSON; the table skips it
+                row["skipped"] = "out of memory" + (" in fwd+bwd" if "fwd_ms" in row else "")
+            except Exception as e:  # one backend failing at one length must not lose the other rows
+                first = (str(e).strip().splitlines() or [""])[0][:200].replace("|", "/")
+                row["skipped"] = row["error"] = f"{type(e).__name__}: {first}"
             for k in GRAD_KEYS:
                 xg[k].grad = None
             if cuda:
                 torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)
-    sdpa = {r["T"]: r for r in rows if r["backend"] == "sdpa" and "fwd_ms" in r}
+    sdpa = {r["T"]: r for r in rows if r["backend"] == "sdpa" and "skipped" not in r}
     for r in rows:
         ref = sdpa.get(r["T"])
-        if ref and "fwd_ms" in r:
+        if ref and "skipped" not in r:
             r["fwd_x_sdpa"] = r["fwd_ms"] / ref["fwd_ms"]
             r["fwd_bwd_x_sdpa"] = r["fwd_bwd_ms"] / ref["fwd_bwd_ms"]
             if r.get("fwd_bwd_peak_mib") is not None and ref.get("fwd_bwd_peak_mib"):
@@ -1073,18 +1087,28 @@ class Report:
     def summary(self) -> str:
         failed = self.failures()
         n_checks = len(self.compare) + len(self.checks)
+        n_ok = sum(r["status"] == "ok" for r in [*self.compare, *self.checks])  # failed steps are not figures
         steps = ", ".join(f"{k} {v['status']}" for k, v in sorted(self.steps.items()))
         total = (datetime.datetime.now(datetime.timezone.utc) - self.started).total_seconds()
         head = "gpu_check: PASSED" if not failed else f"gpu_check: FAILED ({len(failed)}: {'; '.join(failed[:6])})"
-        return f"{head}; steps {steps}; {n_checks - len(failed)}/{n_checks} figure checks ok; {total:.0f} s"
+        return f"{head}; steps {steps}; {n_ok}/{n_checks} figure checks ok; {total:.0f} s"
 
     def write(self) -> None:
         with self.lock:
             self._write()
 
+    def safe_markdown(self) -> str:
+        """The table, or (a figure it did not expect) the traceback and the summary: the report is never lost."""
+        try:
+            return self.markdown()
+        except Exception:
+            tb = traceback.format_exc()
+            return f"# GPU check\n\nThe table failed (the figures are in gpu_check.json):\n\n```\n{tb}```\n\n" + (
+                f"**Summary:** {self.summary()}\n"
+            )
+
     def _write(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "gpu_check.md").write_text(self.markdown())
         data = dict(
             settings=self.s,
             command=self.command,
@@ -1097,16 +1121,17 @@ class Report:
             **self.data,
         )
         (self.out / "gpu_check.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        (self.out / "gpu_check.md").write_text(self.safe_markdown())
 
 
 # --- driver -------------------------------------------------------------------------------------------------------
 
 
-def run_part(name: str, s: dict, work: Path, log: Log, extra: list[str] = ()) -> dict:
+def run_part(name: str, s: dict, work: Path, log: Log, extra: list[str] = (), reserve: int = 0) -> dict:
     json_path = work / f"{name}.json"
     json_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__)), "--part", name, "--work", str(work), "--json", str(json_path), *extra]
-    rc, out, err, _ = run_child(cmd, f"part {name}", log, s["timeout"])
+    rc, out, err, _ = run_child(cmd, f"part {name}", log, s["timeout"], reserve=reserve)
     print(out[-4000:], end="", flush=True)
     if rc != 0:
         raise RuntimeError(f"part {name} failed (exit {rc}); its stderr ends with:\n{err.strip()[-3000:]}")
@@ -1164,7 +1189,8 @@ def step_pipeline(s: dict, report: Report, work: Path, log: Log, ref_job: concur
 def command_line(s: dict) -> str:
     if os.environ.get("GPU_CHECK_COMMAND"):
         return os.environ["GPU_CHECK_COMMAND"]
-    keys = sorted(k for k in os.environ if k.startswith("GPU_CHECK_") and k not in ("GPU_CHECK_OUT", "GPU_CHECK_WORK"))
+    internal = ("GPU_CHECK_OUT", "GPU_CHECK_WORK", "GPU_CHECK_STARTED")
+    keys = sorted(k for k in os.environ if k.startswith("GPU_CHECK_") and k not in internal)
     prefix = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in keys)
     return (prefix + " " if prefix else "") + "python benchmarks/gpu_check.py"
 
@@ -1199,7 +1225,9 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     log = Log(out / "gpu_check_children.log")
     report = Report(s, out, command_line(s))
-    DEADLINE[0] = time.monotonic() + s["deadline"]
+    # counted from gpu_check.sh's start (GPU_CHECK_STARTED, epoch s): its wheel installation is inside the call too
+    started = float(os.environ.get("GPU_CHECK_STARTED") or time.time())
+    DEADLINE[0] = time.monotonic() + s["deadline"] - max(0.0, time.time() - started)
     print(f"gpu_check: {json.dumps({k: s[k] for k in ('device', 'dtype', 'ref_device', 'ref_dtype', 'small')})}")
     print(f"gpu_check: work in {work}, results in {out}", flush=True)
 
@@ -1235,11 +1263,18 @@ def main() -> int:
     def pipeline():
         step_pipeline(s, report, work, log, ref_job)
 
+    def gpu_reserve() -> int:  # c and d leave step b's GPU run its time when it comes after them
+        return B_RESERVE if ref_job is not None and not s["parallel"] else 0
+
     def big():
-        report.data["big"] = run_part("big", s, work, log)
+        report.data["big"] = run_part("big", s, work, log, reserve=gpu_reserve())
 
     def attention():
-        report.data["attention"] = run_part("attention", s, work, log)
+        report.data["attention"] = data = run_part("attention", s, work, log, reserve=gpu_reserve())
+        bad = [f"{r['backend']} at {r['T']}: {r['error']}" for r in data["rows"] if "error" in r]
+        bad += [f"{r['backend']} at {r['T']}: output not finite" for r in data["rows"] if r.get("finite") is False]
+        if bad:
+            raise RuntimeError("; ".join(bad))
 
     guarded("a", "build the tiny model, tokenizer and task data", build)
     step_b = ("b", "pipeline via the CLI, checked vs reference", pipeline, "a")
@@ -1257,7 +1292,7 @@ def main() -> int:
             for step in (step_c, step_d, step_b):
                 guarded(*step)
     report.write()
-    print("\n" + report.markdown())
+    print("\n" + report.safe_markdown())
     print(report.summary(), flush=True)
     return 1 if report.failures() else 0
 

@@ -11,6 +11,7 @@
 # into docs/results/. Sized for about 5 minutes on one H200; GPU_CHECK_* variables (see gpu_check.py) change it.
 # Exit status: 0 when every check passed, 1 when one failed, 3 when the wheels could not be installed.
 set -uo pipefail
+export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s)}"  # GPU_CHECK_DEADLINE counts from here
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 OUT_DIR="${GPU_CHECK_OUT:-${OUT:-docs/results}}"
@@ -28,9 +29,14 @@ fi
 export GPU_CHECK_OUT="$OUT_DIR" GPU_CHECK_COMMAND="${GPU_CHECK_COMMAND:-bash benchmarks/gpu_check.sh}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"  # DeepSpeed's CPU op (reference run)
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-echo "gpu_check.sh: $("$PY" -m pip list --format=freeze 2>/dev/null | grep -iE \
-  '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton)==' \
-  | tr '\n' ' ')"
-"$PY" benchmarks/gpu_check.py 2>&1 | tee "$OUT_DIR/gpu_check.log"
+{  # the machine, also at the top of gpu_check.log (the device tool's output tail drops it on a long run)
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  # the reference run's stage 2 JIT-builds DeepSpeed's CPU shared-memory op: a C++ compiler, ninja and Python.h
+  echo "gpu_check.sh: $(for c in c++ g++ nvcc ninja; do printf '%s=%s ' "$c" "$(command -v "$c" || echo none)"; done)" \
+    "Python.h: $("$PY" -c 'import os, sysconfig; print(os.path.isfile(sysconfig.get_paths()["include"] + "/Python.h"))')"
+  echo "gpu_check.sh: $("$PY" -m pip list --format=freeze 2>/dev/null | grep -iE \
+    '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton)==' \
+    | tr '\n' ' ')"
+} 2>&1 | tee "$OUT_DIR/gpu_check.log"
+"$PY" benchmarks/gpu_check.py 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
 exit "${PIPESTATUS[0]}"

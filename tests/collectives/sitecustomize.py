@@ -2,8 +2,10 @@
 in its environment wraps torch.distributed's collectives. Each call is appended to <prefix>.rank<RANK> as one JSON
 line (op, dtype, shape, device, the calling line in hybrid_scale or deepspeed), and a call whose tensor is not on
 the rank's compute device fails at once (HYBRID_SCALE_COLLECTIVES_DEVICE: cpu, or cuda = cuda:<LOCAL_RANK>), as
-NCCL would fail it. The tests compare the ranks' files: the same ops with the same dtypes and shapes, in order.
-Used by tests/integration/test_collectives.py and benchmarks/gpu_check.py; nothing in the package knows about it."""
+NCCL would fail it (HYBRID_SCALE_COLLECTIVES_REFUSE=0: only recorded, for a check that reports it instead). The
+tests compare the ranks' files: the same ops with the same dtypes and shapes, in order.
+Used through tests/procs.py (checked, collective_calls) by the multi-rank tests of stages 1, 2 and evaluation, and by
+benchmarks/gpu_check.py; nothing in the package knows about it."""
 
 import os
 
@@ -33,9 +35,15 @@ if os.environ.get("HYBRID_SCALE_COLLECTIVES"):
         "scatter",
         "send",
         "recv",
+        # object collectives: recorded as one call (their inner tensor collectives are not recorded again)
+        "all_gather_object",
+        "broadcast_object_list",
+        "gather_object",
+        "scatter_object_list",
     )
     _prefix = os.environ["HYBRID_SCALE_COLLECTIVES"]
     _kind = os.environ.get("HYBRID_SCALE_COLLECTIVES_DEVICE", "cpu")
+    _refuse = os.environ.get("HYBRID_SCALE_COLLECTIVES_REFUSE", "1") != "0"  # 0: record only (the GPU check)
 
     def _expected() -> torch.device:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if _kind == "cuda" else torch.device("cpu")
@@ -77,7 +85,7 @@ if os.environ.get("HYBRID_SCALE_COLLECTIVES"):
             with open(f"{_prefix}.rank{rank}", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
             wrong = [str(t.device) for t in tensors if t.device != _expected()]
-            if wrong:
+            if wrong and _refuse:
                 raise RuntimeError(
                     f"collective checker: {op} at {record['where']} got a tensor on {wrong[0]}; this rank computes "
                     f"on {_expected()}"
