@@ -106,12 +106,6 @@ def any_rank(rt: Runtime, flag: bool) -> bool:
     return not all_ranks(rt, not flag)
 
 
-def sums(rt: Runtime, values: list[float]) -> list[float]:
-    """Each value summed over the ranks, in fp64."""
-    t = torch.tensor(values, dtype=torch.float64, device=rt.device)
-    return all_reduce(rt, t).tolist()
-
-
 def gather_objects(rt: Runtime, obj):
     """List of every rank's obj (on every rank); [obj] when alone."""
     if not rt.distributed:

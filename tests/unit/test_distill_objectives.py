@@ -30,3 +30,26 @@ def test_teacher_output_is_causal_softmax_attention():
     kk, vv = x["k"].repeat_interleave(2, 1), x["v"].repeat_interleave(2, 1)
     a = (0.3 * x["q"] @ kk.transpose(-1, -2)).masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), float("-inf"))
     torch.testing.assert_close(y, torch.softmax(a, -1) @ vv)
+
+
+def test_stage_1_units_split_over_any_number_of_ranks_sum_to_the_dense_objective():
+    """What stage 1 computes: each rank's query-block units (split_units) through unit_loss; summed over the ranks
+    they equal the whole-sequence soft cross-entropy (summed over the batch), for any block size and world."""
+    from types import SimpleNamespace
+
+    from hybrid_scale.stages.objectives import split_units, unit_loss
+
+    x = attention_inputs(B=2, H=4, Hkv=2, T=20, D=8, F=6, dtype=torch.float64)
+    scale = 8**-0.5
+    expect = weights_xent(x["q"], x["k"], x["fq"], x["fk"], scale, 20).sum()
+    m = SimpleNamespace(scaling=scale)
+    for block, world in ((1, 3), (7, 2), (20, 4), (6, 1)):
+        ranks = split_units(1, 20, block, world)
+        n = -(-20 // block)
+        assert sum(len(r) for r in ranks) == n and sum(bool(r) for r in ranks) == min(world, n)  # no rank idles
+        got = sum(
+            unit_loss(m, x["q"], x["k"], x["v"], x["fq"], x["fk"], a, b, 20, {"weights_xent": 1.0})
+            for units in ranks
+            for _, a, b in units
+        )
+        torch.testing.assert_close(got, expect)

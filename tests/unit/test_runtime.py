@@ -14,7 +14,7 @@ COLLECTIVE = re.compile(r"\bdist\.(all_reduce|broadcast|all_gather\w*|reduce\w*|
 
 
 def test_only_the_runtime_calls_collectives_directly():
-    """Every stage goes through runtime.all_reduce / broadcast / all_ranks / sums, which check the device."""
+    """Every stage goes through runtime.all_reduce / broadcast / all_ranks / any_rank, which check the device."""
     callers = sorted(
         str(p.relative_to(PACKAGE))
         for p in PACKAGE.rglob("*.py")
@@ -35,7 +35,6 @@ def test_a_tensor_off_the_ranks_device_is_refused_before_any_collective():
 def test_alone_the_helpers_need_no_process_group():
     rt = runtime.Runtime()
     assert runtime.all_ranks(rt, True) and not runtime.any_rank(rt, False)
-    assert runtime.sums(rt, [1.5, 2.0]) == [1.5, 2.0]
     t = torch.ones(3)
     assert runtime.all_reduce(rt, t) is t
 
