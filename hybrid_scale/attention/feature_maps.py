@@ -53,6 +53,14 @@ class FeatureMap(nn.Module):
                 nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.head_dim))
             self.bias.zero_()
 
+    def narrow(self, start: int, stop: int) -> None:
+        """Keep heads start..stop-1 only (tensor parallelism: a rank's own heads)."""
+        if self.learnable:
+            for name in ("weight", "bias"):
+                p = getattr(self, name)
+                setattr(self, name, nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad))
+        self.num_heads = stop - start
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] != self.num_heads:
             raise ValueError(f"{self.name} feature map has {self.num_heads} heads, input has {x.shape[1]}")

@@ -145,6 +145,26 @@ class HybridAttention(nn.Module):
             param_dtype=param_dtype,
         )
 
+    head_range: tuple[int, int] | None = None  # the query heads kept by narrow_heads (None: all of them)
+
+    def narrow_heads(self, start: int, stop: int) -> None:
+        """Keep only query heads start..stop-1 and their KV heads: phi_q, phi_k and gamma are sliced to them, so that
+        a rank computing only those heads (tensor parallelism) holds and trains only theirs; the LA state and the
+        decode cache follow from the local k/v. The projections are split by the caller (their own plan)."""
+        g = self.num_key_value_groups
+        if not (0 <= start < stop <= self.num_heads and start % g == 0 and stop % g == 0):
+            raise ValueError(
+                f"layer {self.layer_idx}: cannot keep query heads {start}..{stop - 1} of {self.num_heads} in whole "
+                f"groups of {g} per KV head"
+            )
+        self.feature_map_q.narrow(start, stop)
+        self.feature_map_k.narrow(start // g, stop // g)
+        theta = self.gamma_logit
+        self.gamma_logit = nn.Parameter(theta.detach()[start:stop].clone(), requires_grad=theta.requires_grad)
+        self.num_heads, self.num_key_value_heads = stop - start, (stop - start) // g
+        offset = self.head_range[0] if self.head_range else 0
+        self.head_range = (offset + start, offset + stop)
+
     def hybrid_parameters(self):
         """(name, parameter) of what conversion added: phi_q, phi_k, gamma (not the adopted projections)."""
         return [(n, p) for n, p in self.named_parameters() if not n.split(".")[0].endswith("_proj")]
@@ -154,7 +174,8 @@ class HybridAttention(nn.Module):
         return torch.sigmoid(self.gamma_logit)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}, mode={self.mode}"
+        heads = f", heads={self.head_range[0]}..{self.head_range[1] - 1}" if self.head_range else ""
+        return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}, mode={self.mode}{heads}"
 
     def attend(
         self,

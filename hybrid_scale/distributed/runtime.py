@@ -24,10 +24,24 @@ class Runtime:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    tp: int = 1  # launch.tensor_parallel: consecutive ranks form a tensor-parallel group (inside a node)
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the number of tensor-parallel groups, each working on its own share of the data."""
+        return self.world // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
     @property
     def distributed(self) -> bool:
@@ -57,19 +71,25 @@ def backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def init(device: str = "auto") -> Runtime:
+def init(device: str = "auto", tp: int = 1) -> Runtime:
     """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK) or srun does (one task per rank),
-    or run alone. The device is model.device (auto: the local rank's GPU when there is one)."""
+    or run alone. The device is model.device (auto: the local rank's GPU when there is one); `tp` is
+    launch.tensor_parallel, which must divide the number of ranks started."""
     for key, value in srun_environment().items():
         os.environ.setdefault(key, value)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if tp < 1 or world % tp:
+        raise ConfigError(
+            f"config key 'launch.tensor_parallel': {tp} does not divide the {world} ranks this job started; start a "
+            f"multiple of {tp} ranks (launch.procs_per_node) or set launch.tensor_parallel to a divisor of {world}"
+        )
     dev = resolve_device(device, local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend(dev))
-    return Runtime(rank, world, local, dev)
+    return Runtime(rank, world, local, dev, tp)
 
 
 def _on_device(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
@@ -78,10 +98,12 @@ def _on_device(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_reduce(rt: Runtime, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In place over the ranks (sum / min / max); a no-op alone."""
-    if rt.distributed:
-        dist.all_reduce(_on_device(rt, t), op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}.get(op, op))
+def all_reduce(rt: Runtime, t: torch.Tensor, op: str = "sum", group=None, size: int | None = None) -> torch.Tensor:
+    """In place over the ranks (sum / min / max), or over a subgroup (`group` of `size` ranks, e.g. the
+    data-parallel ranks of tensor_parallel.groups); a no-op alone."""
+    if (rt.world if size is None else size) > 1:
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(_on_device(rt, t), op=ops.get(op, op), group=group)
     return t
 
 

@@ -1,0 +1,175 @@
+"""Tensor parallelism with torch DTensor: every attention layer's heads, the MLP's inner columns and the vocabulary
+split over the `launch.tensor_parallel` consecutive ranks of a group (inside a node); the model code never learns of
+it (gpt-fast's tp.py beside model.py, torchtitan's plain-dict plans).
+
+The plan is one dict per architecture, module-name pattern -> style:
+  q/k/v, gate/up: column-wise (a rank computes its own heads / inner columns);
+  o, down: row-wise (partial sums, all-reduced);
+  embed_tokens: row-wise over the vocabulary (each rank looks up its rows, all-reduced); lm_head: column-wise over
+  the vocabulary, the logits gathered.
+A linear that PEFT wrapped with LoRA is split with its factors: column-wise -> base and lora_B column-wise, lora_A
+replicated; row-wise -> base and lora_A row-wise, lora_B replicated. So LoRA must wrap the whole model first.
+Each hybrid layer is narrowed to its rank's heads (HybridAttention.narrow_heads: phi_q, phi_k and gamma as plain
+tensors of the local heads); the LA state and the decode cache follow from the local k/v.
+
+Checkpoints hold whole tensors (a run resumes at another tensor-parallel size): `whole` gathers a rank's part,
+`local_part` cuts a whole tensor to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from ..attention.hybrid import HybridAttention
+from ..errors import ConfigError
+from .runtime import Runtime
+
+_LLAMA_LIKE = {
+    r"model\.embed_tokens": "vocab_rows",
+    r"model\.layers\.\d+\.self_attn\.[qkv]_proj": "colwise",
+    r"model\.layers\.\d+\.self_attn\.o_proj": "rowwise",
+    r"model\.layers\.\d+\.mlp\.(gate|up)_proj": "colwise",
+    r"model\.layers\.\d+\.mlp\.down_proj": "rowwise",
+    r"lm_head": "vocab_columns",
+}
+PLANS: dict[str, dict[str, str]] = {
+    "LlamaForCausalLM": _LLAMA_LIKE,
+    "MistralForCausalLM": _LLAMA_LIKE,
+    "Qwen2ForCausalLM": _LLAMA_LIKE,
+}
+_PEFT_PREFIX = "base_model.model."  # where PEFT puts the wrapped model in parameter and module names
+
+
+def _style(kind: str):
+    return {
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(),
+        "vocab_rows": RowwiseParallel(input_layouts=Replicate()),
+        "vocab_columns": ColwiseParallel(output_layouts=Replicate()),
+    }[kind]
+
+
+@functools.cache
+def _mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def mesh(rt: Runtime) -> DeviceMesh:
+    """The 2-D mesh (data x tensor) of this job: ranks r*tp .. r*tp+tp-1 form tensor-parallel group r."""
+    return _mesh(rt.device.type, rt.dp, rt.tp)
+
+
+def dp_group(rt: Runtime):
+    """The process group of this rank's data-parallel peers (the ranks holding the same heads), for runtime's
+    collectives; None means the whole world (tensor parallelism off)."""
+    return mesh(rt).get_group("dp") if rt.tp > 1 else None
+
+
+def plan_for(model: nn.Module, architecture: str) -> dict[str, str]:
+    """{module name: style} of this model instance (names as `model.named_modules` gives them, with PEFT's LoRA
+    wrappers expanded into their base layer and factors)."""
+    if architecture not in PLANS:
+        raise ConfigError(f"tensor parallelism has no plan for {architecture}; supported: {', '.join(sorted(PLANS))}")
+    patterns = [(re.compile(rf"(?:{re.escape(_PEFT_PREFIX)})?{p}"), kind) for p, kind in PLANS[architecture].items()]
+    plan = {}
+    for name, module in model.named_modules():
+        kind = next((k for p, k in patterns if p.fullmatch(name)), None)
+        if kind is None:
+            continue
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
+            if kind not in ("colwise", "rowwise"):
+                raise ConfigError(f"LoRA on {name} cannot be split over tensor-parallel ranks; leave it out of lora_targets")
+            plan[f"{name}.base_layer"] = kind
+            factor = "lora_B" if kind == "colwise" else "lora_A"
+            for adapter in getattr(module, factor):
+                plan[f"{name}.{factor}.{adapter}"] = kind
+        else:
+            plan[name] = kind
+    return plan
+
+
+def apply(model: nn.Module, rt: Runtime) -> nn.Module:
+    """Split `model` (a transformers causal LM, converted or not, optionally PEFT-wrapped) over this rank's
+    tensor-parallel group, in place: hybrid layers narrowed to the local heads, then the plan applied."""
+    if rt.tp == 1:
+        return model
+    config = _config(model)
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(config, name) % rt.tp:
+            raise ConfigError(
+                f"config key 'launch.tensor_parallel': {name} = {getattr(config, name)} is not divisible by "
+                f"{rt.tp}; choose a divisor of it"
+            )
+    for m in model.modules():
+        if isinstance(m, HybridAttention):
+            per = m.num_heads // rt.tp
+            m.narrow_heads(rt.tp_rank * per, (rt.tp_rank + 1) * per)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    plan = plan_for(model, type(inner).__name__)
+    parallelize_module(model, mesh(rt)["tp"], {name: _style(kind) for name, kind in plan.items()})
+    if getattr(config, "tie_word_embeddings", False):  # both split over the vocabulary: share the one local part
+        inner.lm_head.weight = inner.model.embed_tokens.weight
+    return model
+
+
+def _config(model: nn.Module):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def head_sharded(model: nn.Module) -> set[int]:
+    """ids of the plain tensors that hold only this rank's heads (phi/gamma of narrowed hybrid layers)."""
+    return {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, HybridAttention) and m.head_range is not None
+        for _, p in m.hybrid_parameters()
+    }
+
+
+def placement(p: torch.Tensor, heads: set[int]) -> int | None:
+    """The dimension along which this rank holds a part of parameter `p` (None: it holds all of it)."""
+    if isinstance(p, DTensor):
+        shard = [pl for pl in p.placements if isinstance(pl, Shard)]
+        return shard[0].dim if shard else None
+    return 0 if id(p) in heads else None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` as a plain tensor (a DTensor's local shard; a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor, dim: int | None, rt: Runtime) -> torch.Tensor:
+    """The whole tensor of which `t` is this rank's part along `dim` (collective over the tensor-parallel group when
+    dim is not None), detached."""
+    t = local(t.detach())
+    if dim is None or rt.tp == 1:
+        return t
+    return DTensor.from_local(t.contiguous(), mesh(rt)["tp"], [Shard(dim)], run_check=False).full_tensor()
+
+
+def local_part(full: torch.Tensor, dim: int | None, rt: Runtime) -> torch.Tensor:
+    """This rank's part of a whole tensor along `dim` (all of it when dim is None)."""
+    if dim is None or rt.tp == 1:
+        return full
+    return full.chunk(rt.tp, dim)[rt.tp_rank]
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a DTensor's local shard; a tied weight once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        t = local(p)
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

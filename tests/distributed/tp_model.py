@@ -1,0 +1,88 @@
+"""Run under torchrun with 2 ranks (tests/distributed/test_tensor_parallel.py): a tiny model split over 2
+tensor-parallel ranks against the same model whole on each rank. Prints one JSON line of measured differences."""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import perturb_hybrid, tiny_model  # noqa: E402
+
+import hybrid_scale as hs  # noqa: E402
+from hybrid_scale.attention.naive import MODES  # noqa: E402
+from hybrid_scale.distributed import runtime, tensor_parallel  # noqa: E402
+from hybrid_scale.models.convert import set_modes  # noqa: E402
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return peft_model
+
+
+def main(arch: str) -> None:
+    rt = runtime.init("cpu", tp=2)
+    out = {"arch": arch}
+    whole = perturb_hybrid(hs.convert_model(tiny_model(arch, tie_word_embeddings=True), {"window": 4, "sinks": 2}))
+    split = tensor_parallel.apply(copy.deepcopy(whole), rt)
+    out["bytes_ratio"] = tensor_parallel.parameter_bytes(split) / tensor_parallel.parameter_bytes(whole)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 16), generator=g)
+    out["logits"] = {}
+    with torch.no_grad():
+        for mode in MODES:
+            set_modes(whole, mode)
+            set_modes(split, mode)
+            ref, got = whole(ids).logits, split(ids).logits
+            out["logits"][mode] = (ref - got).abs().max().item()
+        set_modes(whole, "hybrid")
+        set_modes(split, "hybrid")
+        part = hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2, "layers": [1]})  # layer 0 stays softmax
+        out["partial"] = (part(ids).logits - tensor_parallel.apply(copy.deepcopy(part), rt)(ids).logits).abs().max().item()
+        kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0  # left padding on one row
+        a = whole.generate(ids, attention_mask=mask, **kw)
+        b = split.generate(ids, attention_mask=mask, **kw)
+        out["decode_equal"] = bool(torch.equal(a, b))
+        out["decode_tokens"] = int(a.shape[1] - ids.shape[1])
+    # gradients of LoRA (every factor) and of phi/gamma, whole vs split, in hybrid mode
+    base = perturb_hybrid(hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2}))
+    ref_model = lora(copy.deepcopy(base))
+    tp_model = lora(copy.deepcopy(base))
+    for m in (ref_model, tp_model):
+        for n, p in m.named_parameters():
+            if "feature_map" in n or "gamma_logit" in n:
+                p.requires_grad_(True)
+    tensor_parallel.apply(tp_model, rt)
+    heads = tensor_parallel.head_sharded(tp_model)
+    loss_ref = ref_model(input_ids=ids, labels=ids).loss
+    loss_tp = tp_model(input_ids=ids, labels=ids).loss
+    loss_ref.backward()
+    loss_tp.backward()
+    out["loss"] = abs(loss_ref.item() - loss_tp.item())
+    grads, n = 0.0, 0
+    ref_named = dict(ref_model.named_parameters())
+    for name, p in tp_model.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = tensor_parallel.whole(p.grad, tensor_parallel.placement(p, heads), rt)
+        grads = max(grads, (full - ref_named[name].grad).abs().max().item())
+        n += 1
+    out["grads"], out["trainable"] = grads, n
+    if rt.main:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
