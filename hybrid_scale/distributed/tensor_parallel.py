@@ -85,7 +85,10 @@ def plan_for(model: nn.Module, architecture: str) -> dict[str, str]:
             continue
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
             if kind not in ("colwise", "rowwise"):
-                raise ConfigError(f"LoRA on {name} cannot be split over tensor-parallel ranks; leave it out of lora_targets")
+                raise ConfigError(
+                    f"config key 'finetune.lora_targets': LoRA on {name} cannot be split over tensor-parallel ranks; "
+                    "leave it out"
+                )
             plan[f"{name}.base_layer"] = kind
             factor = "lora_B" if kind == "colwise" else "lora_A"
             for adapter in getattr(module, factor):

@@ -3,9 +3,8 @@
 import json
 from pathlib import Path
 
-import pytest
-
 import procs
+import pytest
 
 HERE = Path(__file__).parent
 

@@ -48,7 +48,8 @@ def main(arch: str) -> None:
         set_modes(whole, "hybrid")
         set_modes(split, "hybrid")
         part = hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2, "layers": [1]})  # layer 0 stays softmax
-        out["partial"] = (part(ids).logits - tensor_parallel.apply(copy.deepcopy(part), rt)(ids).logits).abs().max().item()
+        part_split = tensor_parallel.apply(copy.deepcopy(part), rt)
+        out["partial"] = (part(ids).logits - part_split(ids).logits).abs().max().item()
         kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
         mask = torch.ones_like(ids)
         mask[1, :3] = 0  # left padding on one row
