@@ -165,7 +165,9 @@ class LaunchConfig:
     nodes: int = 1
     procs_per_node: int = 1  # ranks per node (GPUs per node on a cluster)
     launcher: str = "torchrun"  # torchrun | deepspeed | srun (one task per rank)
-    tensor_parallel: int = 1  # heads split over this many ranks (KV heads must divide by it)
+    # attention heads, MLP columns and vocabulary split over this many consecutive ranks of a node, in stages 1, 2
+    # and evaluation (KV heads must divide by it); the rest of the ranks split the data
+    tensor_parallel: int = 1
     master_port: int = 29500
     gpu_memory_gb: float = 80.0  # per device, for `plan`
     gpu_tflops: float = 300.0  # sustained bf16 per device, for `plan`'s rough times
@@ -260,11 +262,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     _choice("launch.launcher", lc.launcher, LAUNCHERS)
     for key in ("nodes", "procs_per_node", "tensor_parallel"):
         _positive(f"launch.{key}", lc[key])
-    ranks = lc.nodes * lc.procs_per_node
-    if ranks % lc.tensor_parallel:
+    if lc.procs_per_node % lc.tensor_parallel:
         raise ConfigError(
-            f"config key 'launch.tensor_parallel': {lc.tensor_parallel} does not divide the {ranks} ranks "
-            "(launch.nodes x launch.procs_per_node)"
+            f"config key 'launch.tensor_parallel': {lc.tensor_parallel} does not divide launch.procs_per_node = "
+            f"{lc.procs_per_node}; a tensor-parallel group stays inside a node: choose a divisor of it"
         )
     _validate_slurm(cfg)
     x = cfg.export

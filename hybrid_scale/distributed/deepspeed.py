@@ -88,6 +88,15 @@ def train_config(f, dtype: torch.dtype, world: int) -> dict:
     }
 
 
+def clear_gradients(engine) -> None:
+    """Zero ZeRO-3's gradient partitions before an optimizer step's first backward. ZeRO-3 keeps them in one flat
+    buffer and overwrites only the partitions of parameters that receive a gradient: a parameter that gets none in a
+    step (gamma of a layer SSD runs in la_only) would otherwise be stepped with its previous step's gradient."""
+    buffer = getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None:
+        buffer.zero_()
+
+
 def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
 

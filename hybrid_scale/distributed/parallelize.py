@@ -1,10 +1,14 @@
-"""The one place where parallelism is applied to a model, always in this order (torchtitan's): tensor parallelism,
-then activation checkpointing, then data-parallel sharding. The model code never learns about any of them.
+"""The one place where parallelism is applied to a model. The model code never learns about any of it.
 
-- Tensor parallelism: not applied yet (launch.tensor_parallel is checked by `plan` only); it goes first here.
-- Activation checkpointing: non-reentrant (works with PEFT), on the transformers model.
-- Between them and the sharding, `adapt` (e.g. PEFT's LoRA wrapping), which must see the unsharded model.
-- Data parallel: DeepSpeed ZeRO-3 (stage 2's engine with its optimizer, or partitioned weights for inference).
+- Activation checkpointing: non-reentrant (works with PEFT), on the transformers model (it only wraps each layer's
+  call, so its place in the order changes nothing).
+- `adapt` (PEFT's LoRA wrapping), which must see whole linears: the tensor-parallel plan then splits each wrapped
+  linear together with its LoRA factors.
+- Tensor parallelism (launch.tensor_parallel > 1, torch DTensor, tensor_parallel.py): heads, MLP columns and the
+  vocabulary split over the ranks of a node.
+- Data parallel: DeepSpeed ZeRO-3 at tensor_parallel = 1 (stage 2's engine with its optimizer, or partitioned
+  weights for inference); at tensor_parallel > 1 the trainable state is replicated over the data-parallel ranks
+  (replicated.ReplicatedEngine: ZeRO-3 does not compose with DTensor-split weights) and inference needs no more.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from collections.abc import Callable
 
 from torch import nn
 
+from . import tensor_parallel
 from .deepspeed import _import_deepspeed
+from .replicated import ReplicatedEngine
+from .runtime import Runtime
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -31,8 +38,10 @@ def parallelize(
     adapt: Callable[[nn.Module], nn.Module] | None = None,
     zero3: dict | None = None,
     train: bool = False,
+    rt: Runtime | None = None,
 ):
-    """`model` with activation checkpointing, adapted, then sharded with ZeRO-3 (`zero3`: the DeepSpeed config).
+    """`model` with activation checkpointing, adapted, split over `rt`'s tensor-parallel group (rt.tp > 1), then
+    sharded with ZeRO-3 (`zero3`: the DeepSpeed config; at rt.tp > 1 it configures the replicated engine).
     Returns (engine, model): for training the engine's optimizer holds the parameters that require grad and the
     model is the adapted one; for inference the model is the sharded one in eval mode; without `zero3` the engine is
     None."""
@@ -40,6 +49,11 @@ def parallelize(
         enable_activation_checkpointing(model)
     if adapt is not None:
         model = adapt(model)
+    if rt is not None and rt.tp > 1:
+        tensor_parallel.apply(model, rt)
+        if train and zero3 is not None:
+            return ReplicatedEngine(model, zero3, rt), model
+        return None, model if train else model.eval()
     if zero3 is None:
         return None, model
     deepspeed = _import_deepspeed()

@@ -48,12 +48,14 @@ _PEFT_PREFIX = "base_model.model."  # where PEFT puts the wrapped model in param
 
 
 def _style(kind: str):
-    return {
+    style = {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(),
         "vocab_rows": RowwiseParallel(input_layouts=Replicate()),
         "vocab_columns": ColwiseParallel(output_layouts=Replicate()),
     }[kind]
+    style.src_data_rank = None  # every rank loaded the same weights: each keeps its part (no scatter from rank 0)
+    return style
 
 
 @functools.cache
@@ -70,6 +72,11 @@ def dp_group(rt: Runtime):
     """The process group of this rank's data-parallel peers (the ranks holding the same heads), for runtime's
     collectives; None means the whole world (tensor parallelism off)."""
     return mesh(rt).get_group("dp") if rt.tp > 1 else None
+
+
+def tp_group(rt: Runtime):
+    """The process group of this rank's tensor-parallel group (None when tensor parallelism is off)."""
+    return mesh(rt).get_group("tp") if rt.tp > 1 else None
 
 
 def plan_for(model: nn.Module, architecture: str) -> dict[str, str]:

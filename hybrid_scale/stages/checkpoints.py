@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..attention.hybrid import HybridAttention
-from ..distributed import runtime
+from ..distributed import runtime, tensor_parallel
 from ..distributed.checkpoint import (
     commit,
     fault,
@@ -23,6 +23,7 @@ from ..distributed.checkpoint import (
     start_partial,
 )
 from ..distributed.deepspeed import gather_full, restore_trainable, trainable_state
+from ..distributed.replicated import ReplicatedEngine
 from ..models.convert import set_modes
 from ..models.converted import ADAPTER_DIR, describe, write_converted
 
@@ -35,7 +36,7 @@ def committed_steps(stage2: Path) -> list[Path]:
 def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
     """A committed step checkpoint: trainable weights and AdamW moments (gathered whole), the scheduler, the loop's
     state, every rank's RNG state as a tensor. Collective."""
-    weights, moments = trainable_state(named)
+    weights, moments = engine.trainable_state() if isinstance(engine, ReplicatedEngine) else trainable_state(named)
     tmp = sibling(dest, "partial")
     if rt.main:
         start_partial(dest, "run_dir")
@@ -61,7 +62,10 @@ def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
     state = json.loads((checkpoint / "state.json").read_text())
     step = state["step"]
     weights, moments = load_file(checkpoint / "trainable.safetensors"), load_file(checkpoint / "optimizer.safetensors")
-    restore_trainable(engine, named, weights, moments, step)
+    if isinstance(engine, ReplicatedEngine):
+        engine.restore(weights, moments, step)
+    else:
+        restore_trainable(engine, named, weights, moments, step)
     engine.lr_scheduler.load_state_dict(state["scheduler"])
     engine.lr_scheduler.step(state["scheduler"]["last_batch_iteration"])  # puts that lr into the optimizer
     rng = checkpoint / f"rng_rank{rt.rank}.safetensors"
@@ -93,8 +97,8 @@ def write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt,
         if isinstance(m, HybridAttention)
         for n, _ in m.hybrid_parameters()
     }
-    hybrid = gather_full([(n, p) for n, p in model.named_parameters() if n in hybrid_names])
-    lora = gather_full([(n, p) for n, p in peft_model.named_parameters() if "lora_" in n])
+    hybrid = _whole([(n, p) for n, p in model.named_parameters() if n in hybrid_names], model, rt)
+    lora = _whole([(n, p) for n, p in peft_model.named_parameters() if "lora_" in n], model, rt)
     if rt.main:
         tmp = start_partial(dest, "run_dir")
         origin = {"stage": "stage2", "checkpoint": dest.name, "step": step}
@@ -103,3 +107,11 @@ def write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt,
         commit(tmp)
         replace_dir(tmp, dest, "run_dir")
     runtime.barrier(rt)
+
+
+def _whole(named: list, model, rt) -> dict:
+    """{name: whole tensor on the CPU} of parameters partitioned by ZeRO-3 or split by tensor parallelism."""
+    if rt.tp == 1:
+        return gather_full(named)
+    heads = tensor_parallel.head_sharded(model)
+    return {n: tensor_parallel.whole(p, tensor_parallel.placement(p, heads), rt).cpu().contiguous() for n, p in named}

@@ -31,7 +31,7 @@ from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime
 from ..distributed.checkpoint import fault, throttle
-from ..distributed.deepspeed import _import_deepspeed, quiet, train_config
+from ..distributed.deepspeed import _import_deepspeed, clear_gradients, quiet, train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, FinetuneError
@@ -159,14 +159,14 @@ def start(cfg) -> Run:
     f = cfg.finetune
     recipe = RECIPES[f.recipe or cfg.distill.recipe]
     early = early_stopping(cfg)
-    rt = runtime.init(cfg.model.device)
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel)
     runtime.join_group(rt)
     _import_deepspeed().init_distributed(dist_backend=runtime.backend(rt.device))  # joined above: no new group
     stage2, source = rundir.stage2_dir(cfg), rundir.finetune_source(cfg)
     T = f.seq_len or cfg.data.seq_len
     train_ids, held_ids = finetune_data(cfg, load_tokenizer(base_dir(source)), T)
     try:
-        ds_config = train_config(f, getattr(torch, cfg.model.dtype), rt.world)
+        ds_config = train_config(f, getattr(torch, cfg.model.dtype), rt.dp)
     except ValueError as e:
         raise ConfigError(f"config key 'finetune.global_batch': {e}") from None
     settings = OmegaConf.to_container(f, resolve=True)
@@ -208,7 +208,8 @@ def start(cfg) -> Run:
         run.log(f"resumed from {resume.name} (step {run.step}, saved by {state['world']} ranks, now {rt.world})")
     else:
         run.log(
-            f"start: recipe {recipe.name} (trains in {run.mode}), {len(run.named)} trainable tensors, {rt.world} ranks"
+            f"start: recipe {recipe.name} (trains in {run.mode}), {len(run.named)} trainable tensors, {rt.world} ranks "
+            f"(data {rt.dp} x tensor {rt.tp})"
         )
     return run
 
@@ -221,18 +222,22 @@ def early_stopping(cfg) -> bool:
 
 def build_model(run: Run, ds_config: dict) -> None:
     """The converted model loaded partitioned, phi/gamma trainable as asked, then (parallelize) activation
-    checkpointing, LoRA, ZeRO-3."""
+    checkpointing, LoRA, then ZeRO-3 -- or, at launch.tensor_parallel > 1, the heads split over the tensor-parallel
+    ranks and the trainable state (fp32) replicated over the data-parallel ones."""
     from peft import LoraConfig, get_peft_model
     from transformers.integrations import HfDeepSpeedConfig
 
-    f, cfg = run.cfg.finetune, run.cfg
-    run.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
+    f, cfg, split = run.cfg.finetune, run.cfg, run.rt.tp > 1
+    if not split:
+        run.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
     model = load_converted(run.source, dtype=getattr(torch, cfg.model.dtype), device=run.rt.device)
     model.config.use_cache = False
     layers = hybrid_layers(model)
     for m in layers.values():
         for name, p in m.hybrid_parameters():
             p.requires_grad_(f.train_gamma if name == "gamma_logit" else f.train_feature_maps)
+            if split and p.requires_grad:
+                p.data = p.data.float()  # the replicated engine's masters are the parameters themselves
     trained_hybrid = {id(p) for m in layers.values() for _, p in m.hybrid_parameters() if p.requires_grad}
     lora = LoraConfig(
         r=f.lora_r,
@@ -244,7 +249,8 @@ def build_model(run: Run, ds_config: dict) -> None:
     )
 
     def add_lora(m):
-        peft_model = get_peft_model(m, lora, autocast_adapter_dtype=False)  # DeepSpeed keeps the fp32 masters
+        # DeepSpeed keeps fp32 masters of the adapters; the replicated engine trains them in fp32 themselves
+        peft_model = get_peft_model(m, lora, autocast_adapter_dtype=split)
         for layer in layers.values():  # PEFT froze everything but LoRA
             for _, p in layer.hybrid_parameters():
                 p.requires_grad_(id(p) in trained_hybrid)
@@ -255,7 +261,12 @@ def build_model(run: Run, ds_config: dict) -> None:
     quiet()
     torch.manual_seed(cfg.seed)  # LoRA's initialisation
     engine, peft_model = parallelize(
-        model, activation_checkpointing=f.gradient_checkpointing, adapt=add_lora, zero3=ds_config, train=True
+        model,
+        activation_checkpointing=f.gradient_checkpointing,
+        adapt=add_lora,
+        zero3=ds_config,
+        train=True,
+        rt=run.rt,
     )
     run.model, run.peft_model, run.engine, run.layers = model, peft_model, engine, layers
     run.named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
@@ -273,8 +284,10 @@ def train_step(run: Run, signalled: bool) -> bool:
         modes.update({i: "la_only" for i, drop in run.ssd.drops(run.step, f.max_steps).items() if drop})
     set_modes(run.model, modes)
     run.dropped = sum(m == "la_only" for m in modes.values())
-    mine = rank_share(global_batch(run.step, len(run.train_ids), f.global_batch, run.cfg.seed), rt.rank, rt.world)
+    batch = global_batch(run.step, len(run.train_ids), f.global_batch, run.cfg.seed)
+    mine = rank_share(batch, rt.dp_rank, rt.dp)  # the ranks of a tensor-parallel group share their micro-batches
     flag = torch.zeros(2, dtype=torch.float64, device=rt.device)  # [loss, signal], summed over the ranks
+    clear_gradients(run.engine)
     for a in range(run.accumulation):
         ids = run.train_ids[mine[a * f.micro_batch : (a + 1) * f.micro_batch]].to(rt.device)
         loss = run.engine(input_ids=ids, labels=ids).loss
@@ -282,7 +295,7 @@ def train_step(run: Run, signalled: bool) -> bool:
         run.engine.step()
         flag[0] += loss.detach().double() / run.accumulation
     flag[1] = float(signalled)
-    loss, signals = runtime.all_reduce(rt, flag).tolist()
+    loss, signals = runtime.all_reduce(rt, flag).tolist()  # each data-parallel share counted tp times: / world
     if not math.isfinite(loss):  # all-reduced: every rank sees it and stops at this step
         _non_finite(run, loss / rt.world)
     run.step += 1
@@ -356,11 +369,12 @@ def finish(run: Run) -> Path:
 @torch.no_grad()
 def heldout_loss(engine, model, held: torch.Tensor, mode: str, micro: int, rt) -> float:
     """Mean next-token loss over the held-out sequences with every hybrid layer in `mode`. Every rank runs the same
-    number of forwards (ZeRO-3 gathers weights collectively); a rank short of sequences repeats one at weight 0."""
+    number of forwards (ZeRO-3 gathers weights collectively); a rank short of sequences repeats one at weight 0.
+    The ranks of a tensor-parallel group score the same sequences (their sums count tp times, in both totals)."""
     set_modes(model, mode)
     engine.module.eval()
-    mine = list(range(rt.rank, len(held), rt.world))
-    rounds = math.ceil(math.ceil(len(held) / rt.world) / micro)
+    mine = list(range(rt.dp_rank, len(held), rt.dp))
+    rounds = math.ceil(math.ceil(len(held) / rt.dp) / micro)
     total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # [loss x tokens, tokens], summed over the ranks
     for r in range(rounds):
         idx = mine[r * micro : (r + 1) * micro]

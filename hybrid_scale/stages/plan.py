@@ -59,8 +59,10 @@ class Plan:
 
 
 def stage_input(cfg, stage: str | None) -> Path | None:
-    """The model directory evaluate / export will read (their own resolution; a missing input is one clear error);
-    None for the other stages and for `plan` itself, which plan from model.path / model.arch."""
+    """The model directory finetune / evaluate / export will read (their own resolution; a missing input is one clear
+    error); None for stage 1 and for `plan` itself, which plan from model.path / model.arch."""
+    if stage == "finetune":
+        return base_dir(rundir.finetune_source(cfg))
     if stage == "evaluate":
         return rundir.base_of(*rundir.eval_source(cfg))
     if stage == "export":

@@ -397,3 +397,75 @@ def test_bf16_on_two_ranks_under_zero3_stays_near_fp32_with_checked_collectives(
     for key in ("train", "hybrid", "la_only"):  # (the learning-rate decay ends at step 5 here, at 10 there)
         assert got[key] and all(math.isfinite(x) for x in got[key])
         assert max(abs(a - b) / b for a, b in zip(got[key], ref[key], strict=False)) < 0.02, (key, got[key], ref[key])
+
+
+# --- tensor parallelism (launch.tensor_parallel): the same run at any split --------------------------------------
+
+
+def tp_args(setup: Path, run: Path, ranks: int, tp: int, *extra) -> list[str]:
+    return overrides(
+        setup, run, "finetune.max_steps=5", f"launch.procs_per_node={ranks}", f"launch.tensor_parallel={tp}", *extra
+    )
+
+
+@pytest.fixture(scope="module")
+def tp1(setup, tmp_path_factory):
+    """5 steps on 2 ranks, tensor_parallel 1 (ZeRO-3 over 2 data-parallel ranks)."""
+    run = tmp_path_factory.mktemp("tp1")
+    proc = finetune(tp_args(setup, run, 2, 1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def same_run(a: Path, b: Path, tol: float) -> None:
+    """Equal loss curves (training and held-out) and equal saved adapters and phi/gamma, within tol."""
+    ca, cb = curves(a), curves(b)
+    for key in ("train", "hybrid", "la_only"):
+        assert len(ca[key]) == len(cb[key]) > 0, key
+        assert max(abs(x - y) for x, y in zip(ca[key], cb[key], strict=True)) <= tol, (key, ca[key], cb[key])
+    for name in ("adapter/adapter_model.safetensors", "hybrid_params.safetensors"):
+        x, y = (load_file(run / "stage2" / "final" / name) for run in (a, b))
+        assert x.keys() == y.keys() and x
+        worst = max((x[k].float() - y[k].float()).abs().max().item() for k in x)
+        assert worst <= tol, (name, worst)
+
+
+def test_tensor_parallel_2_trains_as_tensor_parallel_1(setup, tp1, tmp_path):
+    """2 ranks splitting every layer's heads (data 1 x tensor 2) against ZeRO-3 on 2 data-parallel ranks: the same
+    5-step loss curve and held-out losses within 1e-5, the same adapter and phi/gamma (whole tensors on disk)."""
+    prefix = tmp_path / "collectives"
+    proc = finetune(tp_args(setup, tmp_path, 2, 2), env=procs.checked(prefix))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(data 1 x tensor 2)" in (tmp_path / "stage2" / "log.txt").read_text()
+    same_run(tp1, tmp_path, 1e-5)
+    calls = procs.collective_calls(prefix, 2)  # every rank the same calls, each on its device
+    ours = [c for c in calls if c["where"].startswith(("runtime.py", "replicated.py"))]
+    assert ours and all(c["dtype"][0] in ("torch.float32", "torch.float64", "torch.int32") for c in ours)
+
+
+def test_data_2_x_tensor_2_trains_as_data_4(setup, tmp_path):
+    """4 ranks: a 2 x 2 mesh (replicated engine) against ZeRO-3 over 4 data-parallel ranks, 5 steps."""
+    runs = {}
+    for tp in (1, 2):
+        runs[tp] = tmp_path / f"tp{tp}"
+        proc = finetune(tp_args(setup, runs[tp], 4, tp), ranks=4)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(data 2 x tensor 2)" in (runs[2] / "stage2" / "log.txt").read_text()
+    same_run(runs[1], runs[2], 1e-5)
+
+
+def test_a_run_stopped_at_tensor_parallel_2_resumes_at_tensor_parallel_1(setup, tp1, tmp_path):
+    """Killed after saving step 3 at tensor_parallel 2; resumed on 2 ranks at tensor_parallel 1 (ZeRO-3), from the
+    whole tensors of the checkpoint: the curve and the adapter of the uninterrupted run."""
+    proc = finetune(tp_args(setup, tmp_path, 2, 2), env={"HYBRID_SCALE_FAULT": "saved:3"})
+    assert proc.returncode != 0
+    stage2 = tmp_path / "stage2"
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000003"]
+    weights = load_file(stage2 / "step_00000003" / "trainable.safetensors")
+    reference = load_file(tp1 / "stage2" / "step_00000003" / "trainable.safetensors")
+    assert weights.keys() == reference.keys()
+    assert all(weights[k].shape == reference[k].shape for k in weights)  # whole tensors, not a rank's part
+    proc = finetune(tp_args(setup, tmp_path, 2, 1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step_00000003" in (stage2 / "log.txt").read_text()
+    same_run(tp1, tmp_path, 1e-5)

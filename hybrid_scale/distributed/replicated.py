@@ -1,0 +1,114 @@
+"""Stage 2's engine when tensor parallelism splits the frozen base (launch.tensor_parallel > 1).
+
+ZeRO-3 does not compose with DTensor-split weights, and what trains is small (LoRA, phi/gamma: megabytes), so the
+trainable state is *replicated* over the data-parallel ranks instead of sharded. `ReplicatedEngine` does what
+DeepSpeed's engine does for stage 2, from the same generated DeepSpeed config, so that a run gives the same numbers at
+any tensor-parallel size:
+  - backward scales the loss by 1 / gradient_accumulation_steps;
+  - at the accumulation boundary the gradients are averaged over the data-parallel ranks (one fp32 all-reduce), the
+    global norm is clipped to gradient_clipping (a split tensor counted once: its squares summed over the
+    tensor-parallel group), then torch's AdamW steps and DeepSpeed's own WarmupDecayLR advances.
+The trainable parameters are fp32 (their own masters); the frozen base computes in model.dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import runtime, tensor_parallel
+from .runtime import Runtime
+
+
+class ReplicatedEngine:
+    def __init__(self, module: nn.Module, ds_config: dict, rt: Runtime):
+        from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+        self.module, self.rt = module, rt
+        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        heads = tensor_parallel.head_sharded(module)
+        self.dims = {n: tensor_parallel.placement(p, heads) for n, p in self.named}
+        o = ds_config["optimizer"]["params"]
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.named],
+            lr=o["lr"],
+            betas=tuple(o["betas"]),
+            eps=o["eps"],
+            weight_decay=o["weight_decay"],
+            foreach=False,  # DTensor and plain parameters side by side
+        )
+        self.lr_scheduler = WarmupDecayLR(self.optimizer, **ds_config["scheduler"]["params"])
+        self.accumulation = ds_config["gradient_accumulation_steps"]
+        self.clip = ds_config["gradient_clipping"]
+        self.micro_steps = 0
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()
+
+    def step(self) -> None:
+        """Counts a micro-batch; at the accumulation boundary: average, clip, AdamW, the schedule."""
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulation:
+            return
+        rt = self.rt
+        grads = []
+        for _, p in self.named:
+            if p.grad is None:  # e.g. gamma of a layer SSD runs in la_only: a zero gradient, as under ZeRO-3
+                p.grad = torch.zeros_like(p)
+            grads.append(tensor_parallel.local(p.grad))
+        flat = torch.cat([g.float().flatten() for g in grads])
+        runtime.all_reduce(rt, flat, group=tensor_parallel.dp_group(rt), size=rt.dp)
+        flat /= rt.dp
+        offset, squares = 0, torch.zeros(2, dtype=torch.float32, device=rt.device)  # [split, whole] sums of squares
+        for (name, _), g in zip(self.named, grads, strict=True):
+            part = flat[offset : offset + g.numel()]
+            g.copy_(part.view_as(g))
+            squares[0 if self.dims[name] is not None else 1] += part.pow(2).sum()
+            offset += g.numel()
+        split = squares[:1].clone()
+        runtime.all_reduce(rt, split, group=tensor_parallel.tp_group(rt), size=rt.tp)
+        norm = float((split[0] + squares[1]).sqrt())
+        if self.clip and norm > self.clip:
+            for g in grads:
+                g.mul_(self.clip / (norm + 1e-6))
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- whole tensors in and out (checkpoints are independent of the tensor-parallel size) -------------------
+
+    def trainable_state(self) -> tuple[dict, dict]:
+        """(weights, AdamW moments) of the trainable parameters, each whole, on the CPU; collective."""
+        weights, moments = {}, {}
+        for name, p in self.named:
+            dim = self.dims[name]
+            weights[name] = tensor_parallel.whole(p, dim, self.rt).float().cpu().contiguous()
+            state = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state[key] if key in state else torch.zeros_like(p)
+                moments[f"{name}::{key}"] = tensor_parallel.whole(value, dim, self.rt).float().cpu().contiguous()
+        return weights, moments
+
+    def restore(self, weights: dict, moments: dict, step: int) -> None:
+        """Put whole saved weights and moments back, cut to this rank's parts."""
+        with torch.no_grad():
+            for name, p in self.named:
+                dim = self.dims[name]
+                part = tensor_parallel.local_part(weights[name], dim, self.rt)
+                tensor_parallel.local(p).copy_(part.to(p.dtype))
+                state = {"step": torch.tensor(float(step))}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    local = tensor_parallel.local_part(moments[f"{name}::{key}"], dim, self.rt).to(self.rt.device)
+                    state[key] = _like(p, local.to(torch.float32 if p.dtype == torch.float32 else p.dtype))
+                self.optimizer.state[p] = state
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` laid out as parameter `p` is (a DTensor with p's mesh and placements, or plain)."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local.contiguous(), p.device_mesh, p.placements, run_check=False)
+    return local.clone()
