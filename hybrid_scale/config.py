@@ -134,7 +134,9 @@ class EvalConfig:
     ppl_sequences: int = 4
     buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])
     la_share_seq_len: int = 1024
-    shard_weights: bool = False  # ZeRO-3: weights partitioned over the ranks (a model too large for one device)
+    # ZeRO-3: weights partitioned over the ranks (a model too large for one device); with launch.tensor_parallel > 1
+    # the tensor-parallel split does this instead, and setting both is refused
+    shard_weights: bool = False
     progress: bool = True
 
 
@@ -262,6 +264,12 @@ def validate(cfg: DictConfig) -> DictConfig:
     _choice("launch.launcher", lc.launcher, LAUNCHERS)
     for key in ("nodes", "procs_per_node", "tensor_parallel"):
         _positive(f"launch.{key}", lc[key])
+    if lc.tensor_parallel > 1 and cfg.eval.shard_weights:
+        raise ConfigError(
+            "config keys 'eval.shard_weights' and 'launch.tensor_parallel': ZeRO-3 partitioning and the "
+            f"tensor-parallel split ({lc.tensor_parallel}) do not combine; the split already divides the weights: set "
+            "eval.shard_weights=false (or launch.tensor_parallel=1)"
+        )
     if lc.procs_per_node % lc.tensor_parallel:
         raise ConfigError(
             f"config key 'launch.tensor_parallel': {lc.tensor_parallel} does not divide launch.procs_per_node = "

@@ -48,14 +48,12 @@ _PEFT_PREFIX = "base_model.model."  # where PEFT puts the wrapped model in param
 
 
 def _style(kind: str):
-    style = {
+    return {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(),
         "vocab_rows": RowwiseParallel(input_layouts=Replicate()),
         "vocab_columns": ColwiseParallel(output_layouts=Replicate()),
     }[kind]
-    style.src_data_rank = None  # every rank loaded the same weights: each keeps its part (no scatter from rank 0)
-    return style
 
 
 @functools.cache
@@ -123,7 +121,9 @@ def apply(model: nn.Module, rt: Runtime) -> nn.Module:
             m.narrow_heads(rt.tp_rank * per, (rt.tp_rank + 1) * per)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     plan = plan_for(model, type(inner).__name__)
-    parallelize_module(model, mesh(rt)["tp"], {name: _style(kind) for name, kind in plan.items()})
+    styles = {name: _style(kind) for name, kind in plan.items()}
+    # every rank loaded the same weights: each keeps its own part (src_data_rank None: no scatter from rank 0)
+    parallelize_module(model, mesh(rt)["tp"], styles, src_data_rank=None)
     if getattr(config, "tie_word_embeddings", False):  # both split over the vocabulary: share the one local part
         inner.lm_head.weight = inner.model.embed_tokens.weight
     return model

@@ -66,7 +66,10 @@ class Models:
         self._base = self._hybrid = None
         self.untrained = not converted
         self._zero3 = None
-        if cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
+        self.rt = rt
+        if rt.tp > 1:  # the heads split over the tensor-parallel ranks (loaded whole on each, then split)
+            runtime.join_group(rt)
+        elif cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
             from transformers.integrations import HfDeepSpeedConfig
 
             runtime.join_group(rt)  # the group DeepSpeed then finds: gloo for CPU tensors too on GPUs
@@ -78,6 +81,8 @@ class Models:
         return load_base_model(rundir.base_of(self.path, self.converted), self.dtype).to(self.device).eval()
 
     def _ready(self, model):
+        if self.rt.tp > 1:
+            return parallelize(model, rt=self.rt)[1]
         return parallelize(model, zero3=zero3_config(self.dtype))[1] if self.cfg.eval.shard_weights else model
 
     def get(self, mode: str):
@@ -151,7 +156,7 @@ def evaluate(cfg) -> dict:
     perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
     raises Requeue after a signal."""
     preflight(cfg, "evaluate")  # the input model, its architecture, memory per rank
-    rt = runtime.init(cfg.model.device)
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel)
     if rt.main:
         requeue.clear_request(cfg.run_dir)
     with SignalFlag() as flag:  # a signal from here on stops the ranks at their next check (rounds, cell boundaries)
@@ -178,6 +183,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
         "untrained_feature_maps": not converted,
         "window": window,
         "world_size": rt.world,
+        "tensor_parallel": rt.tp,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "heldout": heldout_record(cfg, held_text[1]) if held_text else None,
         "tasks": {task: r.beyond_window(window) for task, r in requests.items()},
@@ -342,7 +348,7 @@ def _score_task(
         rt,
         desc=f"{mode:>10} {requests.task}",
         progress=e.progress,
-        lockstep=e.shard_weights,
+        lockstep=e.shard_weights or rt.tp > 1,
         stop=stop,
     )
     if mine is None:
@@ -420,9 +426,9 @@ def _deltas(results: dict, tasks: list[str], cfg) -> None:
 
 def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, rt, held_text) -> None:
     """The cells of the held-out text: perplexity by position bucket per mode, then the LA share of `hybrid`. Rank 0
-    computes them, every rank when the weights are sharded (every rank joins every forward)."""
+    computes them, every rank when the weights are sharded or split (every rank joins every forward)."""
     e = cfg.eval
-    here = rt.main or e.shard_weights
+    here = rt.main or e.shard_weights or rt.tp > 1
     seqs = _heldout_sequences(tokenizer, cfg, held_text) if here else None
     text = {"text": digest(held_text[0]), "ppl_seq_len": e.ppl_seq_len, "buckets": list(e.buckets)}
     buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
@@ -446,4 +452,11 @@ def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int
 def _la_share(models: Models, seqs: torch.Tensor, cfg, rt) -> dict:
     ids = seqs[:1, : cfg.eval.la_share_seq_len]
     buckets = [b for b in cfg.eval.buckets if b < ids.shape[1]] + [ids.shape[1]]
-    return balance.la_share(models.get("hybrid"), ids.to(rt.device), buckets)
+    result = balance.la_share(models.get("hybrid"), ids.to(rt.device), buckets)
+    if rt.tp > 1:  # each rank measured its own heads: put the tensor-parallel group's heads together, in order
+        parts = runtime.gather_objects(rt, result)[: rt.tp]
+        for kind in ("share", "effect"):
+            for i, by_bucket in result[kind].items():
+                for label in by_bucket:
+                    by_bucket[label] = [h for part in parts for h in part[kind][i][label]]
+    return result

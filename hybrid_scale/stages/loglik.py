@@ -1,7 +1,8 @@
 """Log-likelihood scoring of (context, continuation) requests, batched by length, each context run once.
 
 Requests that share a context form a group. Groups are sorted globally by length (longest first) and cut into
-batches; batch b goes to rank b mod world, so the batches -- and therefore every number -- are the same for any
+batches; batch b goes to data-parallel rank b mod dp (every rank of a tensor-parallel group scores the same batches;
+without tensor parallelism dp = world), so the batches -- and therefore every number -- are the same for any
 number of ranks. In a batch the contexts are prefilled once (left-padded) with the model's cache, the cache rows are
 repeated for the continuations, and the continuations (right-padded) extend it. Tokenisation follows
 lm-evaluation-harness: trailing spaces of the context move to the continuation, the pair is encoded whole and split.
@@ -126,13 +127,13 @@ def score(
     stop: Callable[[int], bool] | None = None,
 ) -> dict[int, tuple[float, bool]] | None:
     """This rank's share of the batches, scored. Returns {request index: (log-likelihood, is_greedy)}.
-    The batches run in rounds of one per rank (ceil(batches / world) rounds on every rank). lockstep (ZeRO-3
+    The batches run in rounds of one per data-parallel rank (ceil(batches / dp) rounds on every rank). lockstep (ZeRO-3
     weights): a rank without a batch in the last round repeats its first one and drops the result. stop (a
     collective: every rank calls it equally often) is called between rounds with the number of rounds done; when it
     returns True the scoring ends and None is returned."""
     batches = make_batches(groups, batch_size)
-    mine = batches[rt.rank :: rt.world]
-    rounds = -(-len(batches) // rt.world)
+    mine = batches[rt.dp_rank :: rt.dp]
+    rounds = -(-len(batches) // rt.dp)
     out: dict[int, tuple[float, bool]] = {}
     with tqdm(total=rounds, desc=desc, disable=not (progress and rt.main), unit="batch", dynamic_ncols=True) as bar:
         for i in range(rounds):

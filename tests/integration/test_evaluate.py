@@ -196,6 +196,46 @@ def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, 
     _same_numbers(one, sharded)
 
 
+def _close(a, b, tol: float, where: str = "") -> None:
+    """Nested results equal in structure, their numbers within tol."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _close(a[k], b[k], tol, f"{where}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _close(x, y, tol, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert abs(a - b) <= tol * max(1.0, abs(a)), (where, a, b)
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_tensor_parallel_2_evaluates_as_one_process(tiny_smollm_vocab, tiny_one_rank, tmp_path):
+    """launch.tensor_parallel=2 on 2 ranks: each holds half of every attention/MLP weight and of the vocabulary and
+    scores the same batches; every log-likelihood within 1e-4 of one process's, the same correct answers, the
+    perplexities and the LA share of every head (the ranks' heads put together) too."""
+    _, one = tiny_one_rank
+    prefix = tmp_path / "collectives"
+    overrides = [*_tiny_overrides(tiny_smollm_vocab, tmp_path / "tp"), "launch.procs_per_node=2"]
+    _torchrun(["evaluate", *overrides, "launch.tensor_parallel=2"], env=procs.checked(prefix))
+    calls = procs.collective_calls(prefix, 2)  # the same calls on both ranks, each on the rank's device
+    assert not [c for c in calls if c["op"] == "scatter"]  # each rank keeps its part of the weights it loaded
+    split = json.loads((tmp_path / "tp" / "results.json").read_text())
+    assert split["world_size"] == 2 and split["tensor_parallel"] == 2
+    for mode, tasks in one["modes"].items():
+        for task, r in tasks.items():
+            if not isinstance(r, dict):  # the averages: checked through the per-item numbers
+                continue
+            assert split["modes"][mode][task]["correct"] == r["correct"], (mode, task)
+            _close(r["loglik"], split["modes"][mode][task]["loglik"], 1e-4, f"{mode}.{task}")
+    _close(json.loads(json.dumps(one["perplexity"])), split["perplexity"], 1e-4)
+    la = json.loads(json.dumps(one["la_share"]))
+    assert len(split["la_share"]["share"]["0"]["0-64"]) == 4  # every head, not one rank's two
+    _close(la, split["la_share"], 1e-4)
+
+
 def _requeue_overrides(model, tmp: Path) -> list[str]:
     """The tiny evaluation (13 cells: 4 modes x 2 tasks, 4 perplexities, the LA share) in tmp/eval, its run_dir (the
     requeue marker) tmp/run."""
