@@ -114,6 +114,7 @@ class HybridAttention(nn.Module):
         self.config = getattr(base, "config", None)
         self.layer_idx = layer_idx
         self.num_heads, self.num_key_value_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.all_heads = num_heads  # the layer's query heads, also after narrow_heads
         self.num_key_value_groups = num_heads // num_kv_heads
         self.scaling = scaling
         self.is_causal = True

@@ -31,12 +31,15 @@ from ..attention.hybrid import HybridAttention
 from ..errors import ConfigError
 from .runtime import Runtime
 
+LAYER_PLAN = {  # a decoder layer of every supported architecture (stage 1 splits one layer at a time)
+    r"self_attn\.[qkv]_proj": "colwise",
+    r"self_attn\.o_proj": "rowwise",
+    r"mlp\.(gate|up)_proj": "colwise",
+    r"mlp\.down_proj": "rowwise",
+}
 _LLAMA_LIKE = {
     r"model\.embed_tokens": "vocab_rows",
-    r"model\.layers\.\d+\.self_attn\.[qkv]_proj": "colwise",
-    r"model\.layers\.\d+\.self_attn\.o_proj": "rowwise",
-    r"model\.layers\.\d+\.mlp\.(gate|up)_proj": "colwise",
-    r"model\.layers\.\d+\.mlp\.down_proj": "rowwise",
+    **{rf"model\.layers\.\d+\.{pattern}": kind for pattern, kind in LAYER_PLAN.items()},
     r"lm_head": "vocab_columns",
 }
 PLANS: dict[str, dict[str, str]] = {
@@ -77,12 +80,10 @@ def tp_group(rt: Runtime):
     return mesh(rt).get_group("tp") if rt.tp > 1 else None
 
 
-def plan_for(model: nn.Module, architecture: str) -> dict[str, str]:
-    """{module name: style} of this model instance (names as `model.named_modules` gives them, with PEFT's LoRA
-    wrappers expanded into their base layer and factors)."""
-    if architecture not in PLANS:
-        raise ConfigError(f"tensor parallelism has no plan for {architecture}; supported: {', '.join(sorted(PLANS))}")
-    patterns = [(re.compile(rf"(?:{re.escape(_PEFT_PREFIX)})?{p}"), kind) for p, kind in PLANS[architecture].items()]
+def plan_for(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module name: style} of this model instance from a plan of name patterns (names as `model.named_modules`
+    gives them, with PEFT's LoRA wrappers expanded into their base layer and factors)."""
+    patterns = [(re.compile(rf"(?:{re.escape(_PEFT_PREFIX)})?{p}"), kind) for p, kind in plan.items()]
     plan = {}
     for name, module in model.named_modules():
         kind = next((k for p, k in patterns if p.fullmatch(name)), None)
@@ -117,16 +118,36 @@ def apply(model: nn.Module, rt: Runtime) -> nn.Module:
             )
     for m in model.modules():
         if isinstance(m, HybridAttention):
-            per = m.num_heads // rt.tp
-            m.narrow_heads(rt.tp_rank * per, (rt.tp_rank + 1) * per)
+            narrow(m, rt)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    plan = plan_for(model, type(inner).__name__)
-    styles = {name: _style(kind) for name, kind in plan.items()}
-    # every rank loaded the same weights: each keeps its own part (src_data_rank None: no scatter from rank 0)
-    parallelize_module(model, mesh(rt)["tp"], styles, src_data_rank=None)
+    architecture = type(inner).__name__
+    if architecture not in PLANS:
+        raise ConfigError(f"tensor parallelism has no plan for {architecture}; supported: {', '.join(sorted(PLANS))}")
+    _split(model, plan_for(model, PLANS[architecture]), rt)
     if getattr(config, "tie_word_embeddings", False):  # both split over the vocabulary: share the one local part
         inner.lm_head.weight = inner.model.embed_tokens.weight
     return model
+
+
+def split_layer(layer: nn.Module, rt: Runtime) -> nn.Module:
+    """One decoder layer (stage 1 streams them) split over the tensor-parallel group, in place."""
+    if rt.tp > 1:
+        _split(layer, plan_for(layer, LAYER_PLAN), rt)
+    return layer
+
+
+def narrow(m: HybridAttention, rt: Runtime) -> HybridAttention:
+    """A hybrid layer narrowed to this rank's heads (its projections are split by the plan)."""
+    if rt.tp > 1:
+        per = m.num_heads // rt.tp
+        m.narrow_heads(rt.tp_rank * per, (rt.tp_rank + 1) * per)
+    return m
+
+
+def _split(module: nn.Module, plan: dict[str, str], rt: Runtime) -> None:
+    styles = {name: _style(kind) for name, kind in plan.items()}
+    # every rank loaded the same weights: each keeps its own part (src_data_rank None: no scatter from rank 0)
+    parallelize_module(module, mesh(rt)["tp"], styles, src_data_rank=None)
 
 
 def _config(model: nn.Module):

@@ -39,7 +39,7 @@ from ..attention.hybrid import HybridAttention
 from ..config import attention_settings
 from ..data import assets, corpus
 from ..data.staging import Stager
-from ..distributed import requeue, runtime
+from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import atomic_write, fault, sha256
 from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, DistillError
@@ -129,14 +129,15 @@ class StepCheckpoint:
 
 def _save_step(s: Stage1, i: int, named: list, opt, done: int, losses: list[float]) -> Path:
     path = StepCheckpoint.path(s.stage1, i)
+    tensors, dim = {}, _head_dim(s)  # whole tensors (gathered over the tensor-parallel group): any split resumes
+    for name, p in named:
+        st = opt.state.get(p, {})
+        tensors[f"param.{name}"] = tensor_parallel.whole(p, dim, s.rt).cpu()
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            if k in st:
+                value = st[k] if k == "step" else tensor_parallel.whole(st[k], dim, s.rt)
+                tensors[f"{k}.{name}"] = value.detach().cpu().reshape(value.shape)
     if s.rt.main:
-        tensors = {}
-        for name, p in named:
-            st = opt.state.get(p, {})
-            tensors[f"param.{name}"] = p.detach().cpu()
-            for k in ("exp_avg", "exp_avg_sq", "step"):
-                if k in st:
-                    tensors[f"{k}.{name}"] = st[k].detach().cpu().reshape(st[k].shape)
         meta = {"identity": json.dumps(s.identity, sort_keys=True), "done": str(done), "losses": json.dumps(losses)}
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, tmp, metadata=meta)
@@ -166,13 +167,24 @@ def _load_step(s: Stage1, i: int) -> StepCheckpoint | None:
     return StepCheckpoint(tensors, int(meta["done"]), json.loads(meta["losses"]))
 
 
-def _restore(named: list, opt, ckpt: StepCheckpoint) -> None:
+def _restore(s: Stage1, named: list, opt, ckpt: StepCheckpoint) -> None:
+    """The whole saved tensors, cut to this rank's heads."""
+    dim = _head_dim(s)
+
+    def mine(key: str) -> torch.Tensor:
+        return tensor_parallel.local_part(ckpt.tensors[key], dim, s.rt)
+
     with torch.no_grad():
         for name, p in named:
-            p.copy_(ckpt.tensors[f"param.{name}"])
+            p.copy_(mine(f"param.{name}"))
             if f"step.{name}" in ckpt.tensors:
-                opt.state[p] = {k: ckpt.tensors[f"{k}.{name}"].to(p.device) for k in ("step", "exp_avg", "exp_avg_sq")}
-                opt.state[p]["step"] = opt.state[p]["step"].cpu()  # AdamW keeps its step count on the host
+                opt.state[p] = {k: mine(f"{k}.{name}").to(p.device) for k in ("exp_avg", "exp_avg_sq")}
+                opt.state[p]["step"] = ckpt.tensors[f"step.{name}"].cpu()  # AdamW keeps its step count on the host
+
+
+def _head_dim(s: Stage1) -> int | None:
+    """The dimension of phi/gamma (and their AdamW moments) that tensor parallelism splits: their heads."""
+    return 0 if s.rt.tp > 1 else None
 
 
 def _plan_steps(s: Stage1, i: int) -> list[list[int]]:
@@ -204,25 +216,28 @@ def _step_loss(s: Stage1, m, layer, hidden: torch.Tensor, units: list) -> torch.
 
 
 def _gather_batch(s: Stage1, staged: torch.Tensor | None, batch: list[int], mine: list[int]) -> torch.Tensor:
-    """The step's whole batch [B, T, D] on every rank's device: each sequence from the rank whose buffer holds it
-    (sequence g lives on rank g mod world), in the buffer dtype."""
+    """The step's whole batch [B, T, D] on every rank's device: each sequence from a rank whose buffer holds it
+    (sequence g lives on the ranks of data-parallel group g mod dp; the first of them sends it), in the buffer
+    dtype."""
     T, D = s.cfg.data.seq_len, s.config.hidden_size
-    if not s.rt.distributed:
+    if s.rt.dp == 1:  # every rank holds every sequence
         return staged
     out = torch.empty(len(batch), T, D, dtype=s.buf_dtype, device=s.rt.device)
     own = {g: j for j, g in enumerate(mine)}
     for pos, g in enumerate(batch):
         if g in own:
             out[pos] = staged[own[g]]
-        runtime.broadcast(s.rt, out[pos], g % s.rt.world)
+        runtime.broadcast(s.rt, out[pos], (g % s.rt.dp) * s.rt.tp)
     return out
 
 
 def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     """Train layer i's feature maps (and gamma) on the teacher's inputs to it; returns the per-step global losses.
     Every step: the batch is staged to the device, this rank computes its share of the step's query blocks
-    (objectives.split_units), and gradients, loss and the signal flag are summed over the ranks in one fp32
-    all-reduce. On a signal the ranks save a step checkpoint at the next step boundary and raise Requeue."""
+    (objectives.split_units, one share per data-parallel group) for its heads (tensor parallelism), and gradients,
+    loss and the signal flag are summed over the ranks in one fp32 all-reduce (each rank's gradients at its heads'
+    place in whole-layer buffers, so that they are summed over the data-parallel ranks only). On a signal the ranks
+    save a step checkpoint at the next step boundary and raise Requeue."""
     d, rt = s.cfg.distill, s.rt
     trained = {id(p) for p in _trainable(m, s.cfg, s.weights)}
     named = [(n, p) for n, p in m.hybrid_parameters() if id(p) in trained]
@@ -239,7 +254,7 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     resumed = _load_step(s, i)
     done, losses = (resumed.done, list(resumed.losses)) if resumed else (0, [])
     if resumed:
-        _restore(named, opt, resumed)
+        _restore(s, named, opt, resumed)
         s.log(f"layer {i}: resuming at step {done + 1} of {len(steps)} from its step checkpoint")
     local_of = {g: j for j, g in enumerate(s.owned)}
     mine = [[g for g in batch if g in local_of] for batch in steps[done:]]
@@ -250,21 +265,20 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     with SignalFlag() as signal:
         for step, (batch, rows, x) in enumerate(zip(steps[done:], mine, staged, strict=True), start=done):
             opt.zero_grad(set_to_none=False)
-            units = objectives.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.world)[rt.rank]
+            units = objectives.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.dp)[rt.dp_rank]
             hidden = _gather_batch(s, x, batch, rows)
             loss = _step_loss(s, m, layer, hidden, units) / len(batch)
             if units:
                 loss.backward()
-            flat = torch.cat(
-                [p.grad.float().flatten() for p in params]
-                + [loss.detach().reshape(1), torch.tensor([float(signal.raised)], device=rt.device)]
-            )
+            flag = torch.tensor([float(signal.raised)], device=rt.device)
+            flat = torch.cat([_spread(p.grad, rt) for p in params] + [loss.detach().reshape(1), flag])
             runtime.all_reduce(rt, flat)
             value, stop = flat[-2].item(), flat[-1].item() > 0
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+                whole = flat[offset : offset + p.numel() * rt.tp].view(p.shape[0] * rt.tp, *p.shape[1:])
+                p.grad.copy_(whole[rt.tp_rank * p.shape[0] : (rt.tp_rank + 1) * p.shape[0]])
+                offset += p.numel() * rt.tp
             if not math.isfinite(value):  # summed over the ranks: every rank sees it and stops here
                 bar.close()
                 msg = _nonfinite_loss(value, s.cfg, i, step // per_epoch, step + 1, len(steps))
@@ -291,6 +305,17 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     bar.close()
     s.log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
     return losses
+
+
+def _spread(grad: torch.Tensor, rt) -> torch.Tensor:
+    """A gradient of this rank's heads at their place in a whole layer's buffer (zeros at the other ranks' heads),
+    fp32, flattened: summed over every rank, each head's entry sums its data-parallel ranks' shares."""
+    if rt.tp == 1:
+        return grad.float().flatten()
+    n = grad.shape[0]
+    whole = grad.new_zeros((n * rt.tp, *grad.shape[1:]), dtype=torch.float32)
+    whole[rt.tp_rank * n : (rt.tp_rank + 1) * n] = grad
+    return whole.flatten()
 
 
 def _nonfinite_loss(loss: float, cfg, i: int, epoch: int, step: int, steps: int) -> str:
@@ -451,6 +476,7 @@ def distill(cfg) -> Path:
             s.log(f"warning: {warning}")
         current = inputs_of_first_layer(s)
         for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device):
+            tensor_parallel.split_layer(layer, s.rt)  # its heads and MLP columns over the tensor-parallel group
             other = "b" if current == "a" else "a"
             (s.buffer_dir / f"written_{other}.rank{s.rt.rank}").unlink(missing_ok=True)
             params, losses = transfer(s, i, layer, current)
@@ -473,7 +499,7 @@ def distill(cfg) -> Path:
 def start(cfg) -> Stage1:
     """The teacher's config and checkpoint, the run's identity (a rerun with other settings is refused before any
     write), the first uncommitted layer."""
-    rt = runtime.init(cfg.model.device)
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel)
     if rt.main:
         requeue.clear_request(cfg.run_dir)
     model_path = Path(cfg.model.path) if cfg.model.path else assets.require().model
@@ -494,7 +520,7 @@ def start(cfg) -> Stage1:
         None,
         getattr(torch, cfg.model.dtype),
         getattr(torch, cfg.distill.buffer_dtype),
-        list(range(rt.rank, N, rt.world)),
+        list(range(rt.dp_rank, N, rt.dp)),  # the ranks of a tensor-parallel group hold the same sequences
     )
     manifest_path = s.stage1 / "manifest.json"
     s.manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
@@ -507,7 +533,10 @@ def start(cfg) -> Stage1:
     s.stage1.mkdir(parents=True, exist_ok=True)
     preflight_buffers(s.buffer_dir, len(s.owned), cfg.data.seq_len, config.hidden_size, s.buf_dtype)
     s.first = next((i for i in range(s.n_layers) if not committed(s.stage1, i)), s.n_layers)
-    s.log(f"start at layer {s.first} of {s.n_layers}: {rt.world} ranks, {len(s.owned)} of {N} sequences on rank 0")
+    s.log(
+        f"start at layer {s.first} of {s.n_layers}: {rt.world} ranks (data {rt.dp} x tensor {rt.tp}), "
+        f"{len(s.owned)} of {N} sequences on rank 0"
+    )
     return s
 
 
@@ -518,11 +547,12 @@ def inputs_of_first_layer(s: Stage1) -> str:
     rt, manifest, T, D = s.rt, s.manifest, s.cfg.data.seq_len, s.config.hidden_size
     paths = {k: s.buffer_dir / f"hidden_{k}.rank{rt.rank}.bin" for k in ("a", "b")}
     size = len(s.owned) * T * D * torch.empty((), dtype=s.buf_dtype).element_size()
+    layout = (rt.world, rt.tp)
     ready = (
         manifest is not None
         and manifest["next_layer"] == s.first
-        and manifest.get("world") == rt.world
-        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}") == rt.world
+        and _layout(manifest) == layout
+        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}") == layout
         and paths[manifest["inputs"]].is_file()
         and paths[manifest["inputs"]].stat().st_size == size
     )
@@ -541,8 +571,9 @@ def inputs_of_first_layer(s: Stage1) -> str:
     if s.first >= s.n_layers:
         return "a"
     if manifest is not None:
-        if manifest.get("world") != rt.world:
-            why = f"its buffers were written by {manifest.get('world')} ranks, now {rt.world}"
+        if _layout(manifest) != layout:
+            (world, tp) = _layout(manifest)
+            why = f"its buffers were written by {world} ranks at tensor_parallel {tp}, now {rt.world} at {rt.tp}"
         elif manifest["next_layer"] != s.first:
             why = f"the manifest names layer {manifest['next_layer']}'s inputs"
         else:
@@ -565,6 +596,7 @@ def _rebuild_inputs(s: Stage1) -> str:
     del emb
     current = "a"
     for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype, device=s.rt.device), s.first):
+        tensor_parallel.split_layer(layer, s.rt)
         s.log(f"replaying teacher layer {j} to rebuild layer {s.first}'s inputs")
         other = "b" if current == "a" else "a"
         run_teacher(s, layer, s.bufs[current], s.bufs[other])
@@ -580,8 +612,12 @@ def transfer(s: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]
         return {}, []
     torch.manual_seed(s.cfg.seed * 7919 + i)
     m = HybridAttention.from_softmax(layer.self_attn, s.config, i, s.attention, param_dtype=torch.float32)
+    tensor_parallel.narrow(m, s.rt)  # this rank's heads (its q/k/v projections are split already)
     losses = train_layer(s, m, layer, s.bufs[current], i)
-    params = {f"model.layers.{i}.self_attn.{n}": p.detach().clone() for n, p in m.hybrid_parameters()}
+    params = {
+        f"model.layers.{i}.self_attn.{n}": tensor_parallel.whole(p, _head_dim(s), s.rt).clone()
+        for n, p in m.hybrid_parameters()
+    }
     if not all(bool(torch.isfinite(t).all()) for t in params.values()):  # the same on every rank
         raise DistillError(
             f"stage 1: layer {i}'s trained feature maps hold nan/inf after its last step (its loss stayed "
@@ -613,6 +649,7 @@ def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: st
         os.replace(tmp, stage1 / f"layer_{i:03d}.safetensors")
         fault(f"commit:{i}")
         manifest = {"identity": s.identity, "next_layer": i + 1, "inputs": other, "world": s.rt.world}
+        manifest["tensor_parallel"] = s.rt.tp
         atomic_write(stage1 / "manifest.json", json.dumps(manifest))
         atomic_write(
             stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": sha256(stage1 / f"layer_{i:03d}.safetensors")})
@@ -655,12 +692,20 @@ def _mark_written(buffer_dir: Path, name: str, rt) -> None:
     before the buffer is trusted)."""
     with open(buffer_dir / f"hidden_{name}.rank{rt.rank}.bin", "rb+") as f:
         os.fsync(f.fileno())
-    atomic_write(buffer_dir / f"written_{name}.rank{rt.rank}", json.dumps({"world": rt.world}))
+    atomic_write(
+        buffer_dir / f"written_{name}.rank{rt.rank}", json.dumps({"world": rt.world, "tensor_parallel": rt.tp})
+    )
 
 
-def _written_by(marker: Path) -> int | None:
-    """The number of ranks whose layout a buffer's marker vouches for; None without a marker (or an older one)."""
+def _layout(record: dict) -> tuple[int, int]:
+    """(ranks, tensor_parallel) of a manifest or marker: which sequences each rank's buffers hold."""
+    return record.get("world"), record.get("tensor_parallel", 1)
+
+
+def _written_by(marker: Path) -> tuple[int, int] | None:
+    """The layout (ranks, tensor_parallel) a buffer's marker vouches for; None without a marker (or an older one)."""
     try:
-        return int(json.loads(marker.read_text())["world"])
+        record = json.loads(marker.read_text())
+        return int(record["world"]), int(record.get("tensor_parallel", 1))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -78,7 +78,7 @@ def unit_loss(m, q, k, v, fq, fk, a: int, b: int, seq_len: int, weights: dict[st
     """One unit's share of its sequence's weighted objective (fp32 scalar, summed over the B given sequences).
     q..fk are the sequence's projections of rows 0..b'-1 for some b' >= b (q, k, v detached); m the layer's
     HybridAttention (its gamma, window, sinks and scaling)."""
-    H, d = q.shape[1], q.shape[-1]
+    H, d = m.all_heads, q.shape[-1]  # with tensor parallelism q holds this rank's heads: a partial sum over heads
     qa, fqa, kb, vb, fkb = q[:, :, a:b], fq[:, :, a:b], k[:, :, :b], v[:, :, :b], fk[:, :, :b]
     loss = q.new_zeros((), dtype=compute_dtype(q))
     if weights.get("weights_xent"):

@@ -376,3 +376,55 @@ def test_a_signal_on_two_ranks_between_layers_stops_after_the_commit(sharded_mod
     assert "resuming at layer 1 from buffer" in (tmp_path / "stage1" / "log.txt").read_text()
     got, ref = params(tmp_path), params(uninterrupted[0])
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-3
+
+
+def test_tensor_parallel_2_trains_the_maps_of_tensor_parallel_1(sharded_model, tmp_path):
+    """launch.tensor_parallel=2 on 2 ranks: each rank builds half of every layer's heads (q/k/v/o and the MLP split),
+    computes its heads' teacher attention and trains its heads' phi/gamma; 3 steps per layer with the weights and
+    the hybrid output objectives. Layer 0 (the same inputs) ends with the committed phi/gamma (whole tensors) within
+    1e-5 of one process's; the next layers' inputs come from the split teacher layer, whose row-parallel sums
+    (o_proj, down_proj) round differently (the buffers agree to ~1e-6), which 3 Adam steps carry into ~3e-5."""
+    extra = (
+        "distill.epochs=1",
+        "data.num_sequences=12",
+        "distill.objectives={weights_xent: 1.0, hybrid_output_mse: 1.0}",
+        "distill.lr=0.01",  # the default
+    )
+    one = tmp_path / "one"
+    stage1.distill(load_config(overrides=overrides(sharded_model, one, *extra)))
+    prefix = tmp_path / "collectives"
+    split = [*overrides(sharded_model, tmp_path / "tp", *extra), "launch.procs_per_node=2", "launch.tensor_parallel=2"]
+    proc = procs.run(["distill", *split], procs.checked(prefix), ranks=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    procs.collective_calls(prefix, 2)
+    assert "(data 1 x tensor 2)" in (tmp_path / "tp" / "stage1" / "log.txt").read_text()
+    got, ref = params(tmp_path / "tp"), params(one)
+    assert got.keys() == ref.keys() and all(got[k].shape == ref[k].shape for k in ref)
+    assert len(json.loads(safe_open(one / "stage1" / "layer_000.safetensors", "pt").metadata()["losses"])) == 3
+    worst = {i: max((ref[k] - got[k]).abs().max().item() for k in ref if f".{i}." in k) for i in range(3)}
+    assert worst[0] <= 1e-5 and worst[1] <= 1e-4 and worst[2] <= 1e-4, worst
+    for name in ("a", "b"):  # layer 1's and layer 2's inputs, made by the split teacher layers 0 and 1
+        a, b = (torch.from_file(str(run / "stage1" / "buffers" / f"hidden_{name}.rank0.bin"), size=12 * 64 * 64)
+                for run in (one, tmp_path / "tp"))  # fmt: skip
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max(), name
+    gamma = "model.layers.0.self_attn.gamma_logit"
+    assert (ref[gamma] - torch.full_like(ref[gamma], ref[gamma][0].item())).abs().max() > 0  # gamma trained per head
+
+
+def test_a_signal_at_tensor_parallel_2_resumes_at_tensor_parallel_1(sharded_model, tmp_path):
+    """USR1 mid-layer on 2 ranks at tensor_parallel 2: the step checkpoint holds whole phi/gamma and AdamW moments;
+    the rerun on one process (tensor_parallel 1) replays the teacher for the inputs, resumes the layer at the saved
+    step and ends as an uninterrupted one-process run (within the split teacher's rounding, see above)."""
+    extra = ("distill.epochs=1", "data.num_sequences=12", "distill.lr=0.01")
+    split = [*overrides(sharded_model, tmp_path / "run", *extra), "launch.procs_per_node=2", "launch.tensor_parallel=2"]
+    proc = procs.run(["distill", *split], {"HYBRID_SCALE_FAULT": "train:1:0@USR1"}, ranks=2)
+    assert "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
+    step = safe_open(tmp_path / "run" / "stage1" / "layer_001.step.safetensors", "pt")
+    assert step.get_tensor("param.feature_map_q.weight").shape == (4, 16, 16)  # all 4 heads, not a rank's 2
+    stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path / "run", *extra)))
+    log = (tmp_path / "run" / "stage1" / "log.txt").read_text()
+    assert "layer 1: resuming at step 3 of 3 from its step checkpoint" in log, log
+    one = tmp_path / "one"
+    stage1.distill(load_config(overrides=overrides(sharded_model, one, *extra)))
+    got, ref = params(tmp_path / "run"), params(one)
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) <= 1e-4
