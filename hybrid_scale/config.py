@@ -99,7 +99,7 @@ class FinetuneConfig:
     seq_len: int | None = None  # None = data.seq_len
     heldout_sequences: int = 8  # held-out packed sequences for the early-stopping losses
     gradient_checkpointing: bool = True  # non-reentrant
-    offload: bool = False  # ZeRO-3 parameter and optimizer offload to CPU
+    offload: bool = False  # ZeRO-3 parameter and optimizer offload to CPU (launch.tensor_parallel = 1 only)
     eval_every: int = 20  # steps between held-out losses in hybrid and la_only (0 = never)
     early_stopping: bool | None = None  # None = only for recipe hedgecats
     patience: int = 3  # evaluations without a better hybrid loss before stopping
@@ -264,6 +264,12 @@ def validate(cfg: DictConfig) -> DictConfig:
     _choice("launch.launcher", lc.launcher, LAUNCHERS)
     for key in ("nodes", "procs_per_node", "tensor_parallel"):
         _positive(f"launch.{key}", lc[key])
+    if lc.tensor_parallel > 1 and cfg.finetune.offload:
+        raise ConfigError(
+            "config keys 'finetune.offload' and 'launch.tensor_parallel': CPU offload is ZeRO-3's; with the "
+            f"tensor-parallel split ({lc.tensor_parallel}) the weights are divided over the GPUs instead: set "
+            "finetune.offload=false (or launch.tensor_parallel=1)"
+        )
     if lc.tensor_parallel > 1 and cfg.eval.shard_weights:
         raise ConfigError(
             "config keys 'eval.shard_weights' and 'launch.tensor_parallel': ZeRO-3 partitioning and the "

@@ -1,7 +1,7 @@
 """Stage 1: attention transfer, streamed layer by layer, sharded over ranks, resumable, on model.device.
 
 For layer l, with the teacher's hidden states entering l in a memory-mapped buffer on disk (sequence g on rank
-g mod world):
+g mod world; with tensor parallelism, on data-parallel group g mod dp):
   1. read only layer l's tensors from the safetensors shards and build that one decoder layer on the device;
   2. train its feature maps (and gamma, fp32 masters) so that linear attention mimics the layer's softmax attention:
      each step's batch is staged to the device (the next one read from disk meanwhile) and broadcast from the ranks
@@ -14,7 +14,9 @@ A run killed at any point resumes at the first layer without a valid marker; whe
 is missing (another node) or does not hold that layer's inputs, they are rebuilt by replaying the teacher layers.
 USR1/TERM: the ranks agree at the next step boundary, save a step checkpoint of the layer in training (resumed
 from there, bitwise) or, between layers, just stop; then Requeue (exit 75).
-Memory: one layer and a batch; disk: 2 x (sequences on this rank) x seq_len x hidden.
+Tensor parallelism (launch.tensor_parallel): each layer's heads and MLP columns are split over the ranks of a group
+(the teacher forward too); the group holds one copy of its sequences' buffers (on its node) and trains its heads.
+Memory: one layer (/ tensor_parallel) and a batch; disk: 2 x (sequences of this group) x seq_len x hidden.
 """
 
 from __future__ import annotations
@@ -353,8 +355,21 @@ def run_teacher(s: Stage1, layer, buf_in, buf_out) -> bool:
     for a, x in zip(starts, staged, strict=True):
         out = streaming.teacher(layer, x.to(s.dtype), s.rope).to(buf_out.dtype)
         finite &= torch.isfinite(out).all()
-        buf_out[a : a + batch] = out.cpu()
+        if _writer(s.rt):  # the ranks of a tensor-parallel group share one buffer (the same outputs)
+            buf_out[a : a + batch] = out.cpu()
+    if s.rt.tp > 1:  # the group's other ranks read buf_out next: not before it is whole
+        runtime.barrier(s.rt)
     return bool(finite)
+
+
+def _slot(rt) -> int:
+    """The rank whose buffer files this rank uses: its own, or with tensor parallelism the first rank of its group
+    (a group's ranks hold the same sequences and sit on one node: they share one copy, written by that rank)."""
+    return rt.dp_rank * rt.tp
+
+
+def _writer(rt) -> bool:
+    return rt.tp_rank == 0
 
 
 # --- the run's identity ----------------------------------------------------------------------------------------------
@@ -478,7 +493,8 @@ def distill(cfg) -> Path:
         for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device):
             tensor_parallel.split_layer(layer, s.rt)  # its heads and MLP columns over the tensor-parallel group
             other = "b" if current == "a" else "a"
-            (s.buffer_dir / f"written_{other}.rank{s.rt.rank}").unlink(missing_ok=True)
+            if _writer(s.rt):
+                (s.buffer_dir / f"written_{other}.rank{_slot(s.rt)}").unlink(missing_ok=True)
             params, losses = transfer(s, i, layer, current)
             if i + 1 < s.n_layers:
                 advance(s, i, layer, current, other)
@@ -545,25 +561,30 @@ def inputs_of_first_layer(s: Stage1) -> str:
     of it is complete and laid out for this number of ranks (every rank must agree), else rebuilt from the
     embeddings by replaying the committed teacher layers."""
     rt, manifest, T, D = s.rt, s.manifest, s.cfg.data.seq_len, s.config.hidden_size
-    paths = {k: s.buffer_dir / f"hidden_{k}.rank{rt.rank}.bin" for k in ("a", "b")}
+    paths = {k: s.buffer_dir / f"hidden_{k}.rank{_slot(rt)}.bin" for k in ("a", "b")}
     size = len(s.owned) * T * D * torch.empty((), dtype=s.buf_dtype).element_size()
     layout = (rt.world, rt.tp)
     ready = (
         manifest is not None
         and manifest["next_layer"] == s.first
         and _layout(manifest) == layout
-        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{rt.rank}") == layout
+        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{_slot(rt)}") == layout
         and paths[manifest["inputs"]].is_file()
         and paths[manifest["inputs"]].stat().st_size == size
     )
     ready = runtime.all_ranks(rt, ready)
     if not ready:  # what this rank's buffers hold is trusted no more: their markers go before a buffer is resized
         for name in paths:
-            (s.buffer_dir / f"written_{name}.rank{rt.rank}").unlink(missing_ok=True)
+            if _writer(rt):
+                (s.buffer_dir / f"written_{name}.rank{_slot(rt)}").unlink(missing_ok=True)
         if rt.main and manifest is not None and manifest.get("world") != rt.world:
             _drop_absent_ranks(s.buffer_dir, rt.world)
         runtime.barrier(rt)
-    s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=True) for k, p in paths.items()}
+    if _writer(rt):
+        s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=True) for k, p in paths.items()}
+    if rt.tp > 1:  # the other ranks of the group map the files their first rank made
+        runtime.barrier(rt)
+        s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=False) for k, p in paths.items()}
     s.rope = streaming.rotary(s.config, T, s.dtype, rt.device)
     if ready:
         s.log(f"resuming at layer {s.first} from buffer {manifest['inputs']}")
@@ -573,7 +594,10 @@ def inputs_of_first_layer(s: Stage1) -> str:
     if manifest is not None:
         if _layout(manifest) != layout:
             (world, tp) = _layout(manifest)
-            why = f"its buffers were written by {world} ranks at tensor_parallel {tp}, now {rt.world} at {rt.tp}"
+            were, now = f"{world} ranks", f"{rt.world}"
+            if (tp, rt.tp) != (1, 1):
+                were, now = f"{were} at tensor_parallel {tp}", f"{now} at {rt.tp}"
+            why = f"its buffers were written by {were}, now {now}"
         elif manifest["next_layer"] != s.first:
             why = f"the manifest names layer {manifest['next_layer']}'s inputs"
         else:
@@ -590,10 +614,13 @@ def _rebuild_inputs(s: Stage1) -> str:
         cfg.data.heldout_fraction if cfg.data.source else 0.0,
     )
     ids = corpus.pack(tokenizer, docs, cfg.data.seq_len, cfg.data.num_sequences, cfg.seed)[s.owned]
-    emb = streaming.embedding(s.ckpt, s.dtype)
-    for a in range(0, len(s.owned), batch):
-        s.bufs["a"][a : a + batch] = emb[ids[a : a + batch]].to(s.buf_dtype)
-    del emb
+    if _writer(s.rt):
+        emb = streaming.embedding(s.ckpt, s.dtype)
+        for a in range(0, len(s.owned), batch):
+            s.bufs["a"][a : a + batch] = emb[ids[a : a + batch]].to(s.buf_dtype)
+        del emb
+    if s.rt.tp > 1:
+        runtime.barrier(s.rt)
     current = "a"
     for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype, device=s.rt.device), s.first):
         tensor_parallel.split_layer(layer, s.rt)
@@ -689,12 +716,13 @@ def _drop_absent_ranks(buffer_dir: Path, world: int) -> None:
 
 def _mark_written(buffer_dir: Path, name: str, rt) -> None:
     """This rank's buffer `name` now holds complete inputs, laid out for this number of ranks (checked on resume
-    before the buffer is trusted)."""
-    with open(buffer_dir / f"hidden_{name}.rank{rt.rank}.bin", "rb+") as f:
+    before the buffer is trusted); written by the rank that writes the buffer."""
+    if not _writer(rt):
+        return
+    with open(buffer_dir / f"hidden_{name}.rank{_slot(rt)}.bin", "rb+") as f:
         os.fsync(f.fileno())
-    atomic_write(
-        buffer_dir / f"written_{name}.rank{rt.rank}", json.dumps({"world": rt.world, "tensor_parallel": rt.tp})
-    )
+    layout = json.dumps({"world": rt.world, "tensor_parallel": rt.tp})
+    atomic_write(buffer_dir / f"written_{name}.rank{_slot(rt)}", layout)
 
 
 def _layout(record: dict) -> tuple[int, int]:

@@ -138,6 +138,7 @@ class Shape:
     ranks: int
     wbytes: int
     fdim: int  # the feature map's output size per head
+    tp: int = 1  # launch.tensor_parallel
 
 
 def plan(cfg, stage: str | None = None) -> Plan:
@@ -158,7 +159,7 @@ def plan(cfg, stage: str | None = None) -> Plan:
         return p
     c = counts(a)
     fdim = 2 * (cfg.attention.feature_dim or c["hd"]) if cfg.attention.feature_map == "hedgehog" else c["hd"]
-    sh = Shape(a, c, lc.nodes * lc.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim)
+    sh = Shape(a, c, lc.nodes * lc.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim, lc.tensor_parallel)
     _check_shape_and_path(p, cfg, sh)
     p.rows += [
         ("model", "architecture", f"{model_type} ({source})"),
@@ -214,40 +215,52 @@ def _check_shape_and_path(p: Plan, cfg, sh: Shape) -> None:
 
 
 def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
-    """Stage 1: one layer + a batch; the embedding only while building layer 0's inputs. (memory, buffer disk,
-    flops, tokens)"""
-    a, c, d, ranks = sh.a, sh.c, cfg.distill, sh.ranks
+    """Stage 1: one layer (its heads and MLP columns split over tensor_parallel ranks) + a batch; the embedding only
+    while building layer 0's inputs. The query blocks of a step are split over the data-parallel groups, and the
+    ranks of a group hold the same sequences. (memory, buffer disk, flops, tokens)"""
+    a, c, d, ranks, tp = sh.a, sh.c, cfg.distill, sh.ranks, sh.tp
+    dp = ranks // tp
     N, T = cfg.data.num_sequences, cfg.data.seq_len
-    n_local = -(-N // ranks)
+    n_local = -(-N // dp)
     B = d.batch_size
     blocks = -(-T // d.query_block)
     units = objectives.units_per_step(B, T, d.query_block)
-    per_rank = -(-units // ranks)
+    per_rank = -(-units // dp)
     touched = min(B, -(-per_rank // blocks) + 1)  # sequences a rank projects (its units are contiguous)
     batch = B * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]  # the step's whole batch, on every rank
-    acts = touched * T * (c["D"] * 8 + a["intermediate_size"] * 3) * 4  # hidden, q/k/v/features, teacher MLP
-    block = per_rank * c["H"] * min(d.query_block, T) * T * 4 * 6  # score blocks kept for the backward, fp32
-    s1_mem = c["layer"] * sh.wbytes + c["V"] * c["D"] * sh.wbytes + batch + acts + block
+    # hidden states, then this rank's q/k/v/features and teacher MLP columns
+    acts = touched * T * (c["D"] * 2 + (c["D"] * 6 + a["intermediate_size"] * 3) / tp) * 4
+    block = per_rank * c["H"] / tp * min(d.query_block, T) * T * 4 * 6  # score blocks kept for the backward, fp32
+    s1_mem = c["layer"] * sh.wbytes / tp + c["V"] * c["D"] * sh.wbytes + batch + acts + block
     s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]
     tokens1 = N * T * d.epochs
     # per layer: feature maps, the T^2 score rows of the objective (forward + backward), the teacher layer's forward
     scores = 3 * 2 * N * T * T * c["H"] * (c["hd"] + sh.fdim) * d.epochs
     flops1 = c["L"] * (6 * tokens1 * c["H"] * c["hd"] * sh.fdim + scores + 2 * N * T * c["layer"])
     p.rows += [
-        ("stage 1", "per-rank memory", f"~{_gb(s1_mem)} (one layer + embedding + batch of {B} x {T})"),
+        (
+            "stage 1",
+            "per-rank memory",
+            f"~{_gb(s1_mem)} (one layer{f' / {tp}' if tp > 1 else ''} + embedding + batch of {B} x {T})",
+        ),
         (
             "stage 1",
             "work per step",
-            f"{units} query blocks ({B} seq x {blocks} of {min(d.query_block, T)} rows) over {ranks} ranks: "
-            f"{per_rank} per rank",
+            f"{units} query blocks ({B} seq x {blocks} of {min(d.query_block, T)} rows) over {dp} "
+            f"{'data-parallel groups' if tp > 1 else 'ranks'}: {per_rank} per {'group' if tp > 1 else 'rank'}"
+            + (f", {c['H'] // tp} of {c['H']} heads per rank" if tp > 1 else ""),
         ),
-        ("stage 1", "hidden-state buffers per rank", f"{_gb(s1_disk)} (2 x {n_local} seq x {T} x {c['D']})"),
+        (
+            "stage 1",
+            f"hidden-state buffers per {'tensor-parallel group' if tp > 1 else 'rank'}",
+            f"{_gb(s1_disk)} (2 x {n_local} seq x {T} x {c['D']})",
+        ),
     ]
-    if units < ranks:
+    if units < dp:
         p.warnings.append(
-            f"stage 1 leaves {ranks - units} of {ranks} ranks idle every step: a step has {units} query blocks "
+            f"stage 1 leaves {(dp - units) * tp} of {ranks} ranks idle every step: a step has {units} query blocks "
             f"(distill.batch_size {B} x {blocks}); raise distill.batch_size or lower distill.query_block to at most "
-            f"{max(1, T * B // ranks)}"
+            f"{max(1, T * B // dp)}"
         )
     return s1_mem, s1_disk, flops1, tokens1
 
@@ -282,9 +295,10 @@ def _requeue(p: Plan, cfg, per_stage: dict[str, tuple[float, float]]) -> None:
 
 
 def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
-    """Stage 2: ZeRO-3 partitions weights, gradients and optimizer state of the trainable part over the ranks.
-    (memory, checkpoint size, flops, tokens)"""
-    a, c, f, ranks, wbytes = sh.a, sh.c, cfg.finetune, sh.ranks, sh.wbytes
+    """Stage 2: ZeRO-3 partitions weights, gradients and optimizer state of the trainable part over the ranks; at
+    tensor_parallel > 1 the weights are split over the tensor-parallel ranks and the trainable state (fp32 weights,
+    gradients, AdamW moments) is replicated. (memory, checkpoint size, flops, tokens)"""
+    a, c, f, ranks, wbytes, tp = sh.a, sh.c, cfg.finetune, sh.ranks, sh.wbytes, sh.tp
     T2 = f.seq_len or cfg.data.seq_len
     per_target = {
         "q_proj": c["D"] + c["H"] * c["hd"],
@@ -295,14 +309,17 @@ def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     lora = c["L"] * f.lora_r * sum(per_target.get(t, 2 * c["D"]) for t in f.lora_targets)
     phi = c["L"] * (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2 if cfg.attention.feature_map == "hedgehog" else 0)
     trainable = lora + (phi if f.train_feature_maps else 0) + (c["L"] * c["H"] if f.train_gamma else 0)
-    weights = 0 if f.offload else c["total"] * wbytes / ranks
-    states = 0 if f.offload else trainable * (4 + 8 + wbytes) / ranks
+    if tp > 1:  # (finetune.offload is refused with tensor parallelism)
+        weights, states = c["total"] * wbytes / tp, trainable * (4 + 4 + 8)
+    else:
+        weights = 0 if f.offload else c["total"] * wbytes / ranks
+        states = 0 if f.offload else trainable * (4 + 8 + wbytes) / ranks
     act_layers = c["L"] if f.gradient_checkpointing else c["L"] * 12
     s2_acts = (
         f.micro_batch * T2 * c["D"] * wbytes * act_layers
         + f.micro_batch * T2 * (c["D"] * 10 + a["intermediate_size"] * 4 + c["V"]) * 4
     )
-    gathered = 2 * c["layer"] * wbytes  # ZeRO-3 gathers a layer (and prefetches the next)
+    gathered = 2 * c["layer"] * wbytes if tp == 1 else 0  # ZeRO-3 gathers a layer (and prefetches the next)
     s2_mem = weights + states + s2_acts + gathered
     ckpt = trainable * (4 + 8)
     tokens2 = f.max_steps * f.global_batch * T2
@@ -312,7 +329,13 @@ def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
             "trainable parameters",
             f"{trainable / 1e6:.1f} M (LoRA r={f.lora_r} on {', '.join(f.lora_targets)})",
         ),
-        ("stage 2", "per-rank memory", f"~{_gb(s2_mem)} (weights/{ranks}, states, activations, 2 gathered layers)"),
+        (
+            "stage 2",
+            "per-rank memory",
+            f"~{_gb(s2_mem)} (weights/{ranks}, states, activations, 2 gathered layers)"
+            if tp == 1
+            else f"~{_gb(s2_mem)} (weights/{tp} split by tensor parallelism, replicated fp32 states, activations)",
+        ),
         ("stage 2", "checkpoint size", f"{_gb(ckpt)} per step dir (fp32 weights + AdamW moments; no base)"),
         ("stage 2", "CPU offload", "on (weights and optimizer state in host memory)" if f.offload else "off"),
     ]
@@ -324,10 +347,12 @@ def _evaluation(p: Plan, cfg, sh: Shape) -> float:
     the converted model both (when `base` is among the modes), one perplexity forward."""
     a, c, e, ranks = sh.a, sh.c, cfg.eval, sh.ranks
     copies = 2 if "base" in e.modes and len(set(e.modes)) > 1 else 1
-    eval_weights = copies * c["total"] * sh.wbytes / (ranks if e.shard_weights else 1)
+    parts = ranks if e.shard_weights else sh.tp
+    eval_weights = copies * c["total"] * sh.wbytes / parts
     eval_acts = e.ppl_seq_len * (c["D"] * 12 + a["intermediate_size"] * 3 + c["V"] * 2) * 4
     eval_mem = eval_weights + eval_acts + (2 * c["layer"] * sh.wbytes if e.shard_weights else 0)
     how = f"{copies} model(s)" + (f" / {ranks} ranks" if e.shard_weights else "")
+    how += f" / {sh.tp} (tensor parallel)" if sh.tp > 1 else ""
     p.rows.append(("evaluate", "per-rank memory", f"~{_gb(eval_mem)} ({how}, a {e.ppl_seq_len}-token forward)"))
     return eval_mem
 
@@ -342,14 +367,16 @@ def _device_fit(p: Plan, cfg, s1_mem: float, s2_mem: float, eval_mem: float) -> 
         (
             "stage 2",
             s2_mem,
-            "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks",
+            "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks"
+            if lc.tensor_parallel == 1
+            else "raise launch.tensor_parallel, lower finetune.micro_batch or finetune.seq_len",
         ),
         (
             "evaluate",
             eval_mem,
             "add ranks (launch.nodes), lower eval.ppl_seq_len or leave 'base' out of eval.modes"
             if cfg.eval.shard_weights
-            else "set eval.shard_weights=true (ZeRO-3 inference)",
+            else "set eval.shard_weights=true (ZeRO-3 inference) or raise launch.tensor_parallel",
         ),
     ):
         if mem > device_gb:
@@ -364,7 +391,8 @@ def _disk(p: Plan, cfg, sh: Shape, s1_disk: float, ckpt: float) -> None:
     buffer_dir = rundir.buffer_dir(cfg)
     probe, free = _free_at(buffer_dir)
     have = sum(x.stat().st_size for x in buffer_dir.glob("*.bin")) if buffer_dir.is_dir() else 0  # reused in place
-    buffers = max(0, s1_disk * (sh.ranks if lc.nodes == 1 else lc.procs_per_node) - have)
+    groups = (sh.ranks if lc.nodes == 1 else lc.procs_per_node) // sh.tp  # a tensor-parallel group shares one copy
+    buffers = max(0, s1_disk * groups - have)
     checkpoints = (cfg.finetune.keep + 1) * ckpt
     p.rows.append(
         (

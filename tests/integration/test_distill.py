@@ -228,7 +228,7 @@ def test_buffers_an_interrupted_resume_on_other_ranks_rewrote_are_not_trusted(
     monkeypatch.setattr(stage1, "train_layer", killed)
     with pytest.raises(KeyboardInterrupt):
         stage1.distill(load_config(overrides=args))
-    assert json.loads((buffers / "written_b.rank0").read_text()) == {"world": 1}
+    assert json.loads((buffers / "written_b.rank0").read_text()) == {"world": 1, "tensor_parallel": 1}
     for name, data in rank1.items():
         (buffers / name).write_bytes(data)
     proc = run_cli(args, torchrun=True)
@@ -398,6 +398,8 @@ def test_tensor_parallel_2_trains_the_maps_of_tensor_parallel_1(sharded_model, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     procs.collective_calls(prefix, 2)
     assert "(data 1 x tensor 2)" in (tmp_path / "tp" / "stage1" / "log.txt").read_text()
+    buffers = sorted(p.name for p in (tmp_path / "tp" / "stage1" / "buffers").glob("hidden_*"))
+    assert buffers == ["hidden_a.rank0.bin", "hidden_b.rank0.bin"]  # the group's ranks share one copy
     got, ref = params(tmp_path / "tp"), params(one)
     assert got.keys() == ref.keys() and all(got[k].shape == ref[k].shape for k in ref)
     assert len(json.loads(safe_open(one / "stage1" / "layer_000.safetensors", "pt").metadata()["losses"])) == 3

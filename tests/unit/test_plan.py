@@ -20,7 +20,7 @@ from hybrid_scale.stages import plan as plan_module
 from hybrid_scale.stages.export import export
 from hybrid_scale.stages.inputs import InputError
 from hybrid_scale.stages.pipeline import pipeline
-from hybrid_scale.stages.plan import plan, preflight
+from hybrid_scale.stages.plan import counts, plan, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["smollm2-135m", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"]
@@ -122,7 +122,8 @@ def test_plan_on_the_70b_preset(tmp_path, big_disk):
     assert p.problems == [
         "model.path /path/to/Meta-Llama-3-70B is not a Hugging Face model directory (no config.json); set model.path"
     ]
-    bad = plan(load_config("models/llama3-70b.yaml", ["launch.tensor_parallel=16", f"run_dir={tmp_path}"]))
+    split = ["finetune.offload=false", "eval.shard_weights=false", f"run_dir={tmp_path}"]
+    bad = plan(load_config("models/llama3-70b.yaml", [*split, "launch.procs_per_node=16", "launch.tensor_parallel=16"]))
     assert any(
         m.startswith("num_key_value_heads = 8 is not divisible by launch.tensor_parallel = 16") for m in bad.problems
     )
@@ -152,7 +153,7 @@ def test_preflight_blocks_only_the_stages_a_problem_concerns(tmp_path, big_disk)
     unsharded = plan(load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}", "eval.shard_weights=false"]))
     (msg,) = unsharded.blocking("evaluate")
     assert msg.startswith("evaluate needs ~285.83 GB per rank") and msg.endswith(
-        "set eval.shard_weights=true (ZeRO-3 inference)"
+        "set eval.shard_weights=true (ZeRO-3 inference) or raise launch.tensor_parallel"
     )
     assert unsharded.blocking("finetune") == []
     with pytest.raises(InputError) as e:  # the stage's own input check comes first, more precise than the plan's
@@ -286,3 +287,32 @@ def test_plan_warns_when_stage_1_would_idle_ranks_and_when_the_signal_lead_is_to
     )
     assert "WARNING: stage 1 leaves 30 of 32 ranks idle" in p.table()
     assert any(w.startswith("finetune needs ~") and "torchrun's grace is 30 s (a job" in w for w in p.warnings)
+
+
+def test_plan_divides_the_weights_by_tensor_parallel(tmp_path):
+    """launch.tensor_parallel=8 on the 70B preset (4 nodes x 8): stage 2 holds 141 GB / 8 of bf16 weights per rank
+    plus replicated fp32 LoRA state, evaluation 2 models / 8, stage 1 a layer / 8 and 8 of 64 heads; its query blocks
+    go to 4 data-parallel groups; a group of 8 shares one copy of its stage-1 buffers."""
+    split = ["launch.tensor_parallel=8", "finetune.offload=false", "eval.shard_weights=false", f"run_dir={tmp_path}"]
+    one, eight = (
+        {(s, q): v for s, q, v in plan(load_config("models/llama3-70b.yaml", [*extra, f"run_dir={tmp_path}"])).rows}
+        for extra in (["finetune.offload=false"], split)
+    )
+
+    def gb(row):
+        return float(row.split("~")[1].split()[0])
+
+    c = counts(load_config("models/llama3-70b.yaml").model.arch)
+    weights = c["total"] * 2 / 1e9
+    assert eight[("stage 2", "per-rank memory")].endswith("(weights/8 split by tensor parallelism, replicated fp32 "
+                                                          "states, activations)")  # fmt: skip
+    # the same activations at tp 1 and 8: the difference is weights/32 + ZeRO's 2 gathered layers vs weights/8 + states
+    lora = 32.8e6 * 16 / 1e9
+    layers = 2 * c["layer"] * 2 / 1e9
+    expected = gb(one[("stage 2", "per-rank memory")]) - weights / 32 - 32.8e6 * 14 / 32 / 1e9 - layers
+    assert gb(eight[("stage 2", "per-rank memory")]) == pytest.approx(expected + weights / 8 + lora, abs=0.02)
+    assert eight[("evaluate", "per-rank memory")].startswith("~38.89 GB (2 model(s) / 8 (tensor parallel)")
+    assert "over 4 data-parallel groups: 16 per group, 8 of 64 heads per rank" in eight[("stage 1", "work per step")]
+    assert gb(eight[("stage 1", "per-rank memory")]) < gb(one[("stage 1", "per-rank memory")])
+    assert eight[("stage 1", "hidden-state buffers per tensor-parallel group")].startswith("17.18 GB (2 x 512 seq")
+    assert one[("stage 1", "hidden-state buffers per rank")].startswith("2.15 GB (2 x 64 seq")
