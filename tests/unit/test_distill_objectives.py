@@ -42,7 +42,7 @@ def test_stage_1_units_split_over_any_number_of_ranks_sum_to_the_dense_objective
     x = attention_inputs(B=2, H=4, Hkv=2, T=20, D=8, F=6, dtype=torch.float64)
     scale = 8**-0.5
     expect = weights_xent(x["q"], x["k"], x["fq"], x["fk"], scale, 20).sum()
-    m = SimpleNamespace(scaling=scale)
+    m = SimpleNamespace(scaling=scale, all_heads=4)
     for block, world in ((1, 3), (7, 2), (20, 4), (6, 1)):
         ranks = split_units(1, 20, block, world)
         n = -(-20 // block)
@@ -53,3 +53,11 @@ def test_stage_1_units_split_over_any_number_of_ranks_sum_to_the_dense_objective
             for _, a, b in units
         )
         torch.testing.assert_close(got, expect)
+    # tensor parallelism: each rank holds 2 of the 4 query heads (and 1 of the 2 KV heads); the sum over the ranks
+    # of their partial sums over heads is the objective
+    halves = [{k: x[k][:, h * n : (h + 1) * n] for k, n in (("q", 2), ("fq", 2), ("k", 1), ("v", 1), ("fk", 1))}
+              for h in (0, 1)]  # fmt: skip
+    got = sum(
+        unit_loss(m, *(p[k] for k in ("q", "k", "v", "fq", "fk")), 0, 20, 20, {"weights_xent": 1.0}) for p in halves
+    )
+    torch.testing.assert_close(got, expect)
