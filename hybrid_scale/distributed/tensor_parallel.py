@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ..attention.hybrid import HybridAttention
 from ..errors import ConfigError
+from . import runtime
 from .runtime import Runtime
 
 LAYER_PLAN = {  # a decoder layer of every supported architecture (stage 1 splits one layer at a time)
@@ -106,7 +107,9 @@ def plan_for(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 def apply(model: nn.Module, rt: Runtime) -> nn.Module:
     """Split `model` (a transformers causal LM, converted or not, optionally PEFT-wrapped) over this rank's
-    tensor-parallel group, in place: hybrid layers narrowed to the local heads, then the plan applied."""
+    tensor-parallel group, in place, and put it on rt.device: hybrid layers narrowed to the local heads, then the
+    plan applied. A model on the host moves to the device one split weight at a time (the whole weight, then this
+    rank's part of it), so that the device never holds more than its part and one weight."""
     if rt.tp == 1:
         return model
     config = _config(model)
@@ -126,7 +129,20 @@ def apply(model: nn.Module, rt: Runtime) -> nn.Module:
     _split(model, plan_for(model, PLANS[architecture]), rt)
     if getattr(config, "tie_word_embeddings", False):  # both split over the vocabulary: share the one local part
         inner.lm_head.weight = inner.model.embed_tokens.weight
-    return model
+    return model.to(rt.device)  # what stays whole: norms, rotary tables, the narrowed phi/gamma
+
+
+def in_turns(rt: Runtime, build):
+    """build() on the ranks of each tensor-parallel group one after another (a barrier between turns), for builds
+    that load a whole model on the host and keep a part: a node then holds one whole model per group at a time,
+    not one per rank. build() must make no collective call (the mesh is made here, before the turns)."""
+    mesh(rt)
+    out = None
+    for turn in range(rt.tp):
+        if rt.tp_rank == turn:
+            out = build()
+        runtime.barrier(rt)
+    return out
 
 
 def split_layer(layer: nn.Module, rt: Runtime) -> nn.Module:

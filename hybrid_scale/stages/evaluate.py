@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from .. import __version__
 from ..data import assets, benchmarks, corpus
-from ..distributed import requeue, runtime
+from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import atomic_write, fault
 from ..distributed.deepspeed import _import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
@@ -78,7 +78,15 @@ class Models:
 
     def _load_base(self):
         # an export's base architecture: "base" is its softmax model (merged weights)
-        return load_base_model(rundir.base_of(self.path, self.converted), self.dtype).to(self.device).eval()
+        return load_base_model(rundir.base_of(self.path, self.converted), self.dtype).to(self._load_on).eval()
+
+    @property
+    def _load_on(self):
+        """Split models load on the host and move their parts to the device (tensor_parallel.apply)."""
+        return "cpu" if self.rt.tp > 1 else self.device
+
+    def _in_turns(self, build):
+        return tensor_parallel.in_turns(self.rt, build) if self.rt.tp > 1 else build()
 
     def _ready(self, model):
         if self.rt.tp > 1:
@@ -88,18 +96,21 @@ class Models:
     def get(self, mode: str):
         if mode == "base":
             if self._base is None:
-                self._base = self._ready(self._load_base())
+                self._base = self._in_turns(lambda: self._ready(self._load_base()))
             return self._base
         if self._hybrid is None:
-            if self.converted:
-                model = load_converted(self.path, dtype=self.dtype, device=self.device)
-            else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
-                model = convert_model(self._load_base(), self.cfg.attention)
-            if self.cfg.eval.window is not None:
-                set_window(model, self.cfg.eval.window)
-            self._hybrid = self._ready(model)
+            self._hybrid = self._in_turns(self._load_hybrid)
         set_modes(self._hybrid, mode)
         return self._hybrid
+
+    def _load_hybrid(self):
+        if self.converted:
+            model = load_converted(self.path, dtype=self.dtype, device=self._load_on)
+        else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
+            model = convert_model(self._load_base(), self.cfg.attention)
+        if self.cfg.eval.window is not None:
+            set_window(model, self.cfg.eval.window)
+        return self._ready(model)
 
     def window(self) -> int:
         if self.cfg.eval.window is not None:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
-from ..distributed import requeue, runtime
+from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import fault, throttle
 from ..distributed.deepspeed import _import_deepspeed, clear_gradients, quiet, train_config
 from ..distributed.parallelize import parallelize
@@ -224,13 +224,20 @@ def build_model(run: Run, ds_config: dict) -> None:
     """The converted model loaded partitioned, phi/gamma trainable as asked, then (parallelize) activation
     checkpointing, LoRA, then ZeRO-3 -- or, at launch.tensor_parallel > 1, the heads split over the tensor-parallel
     ranks and the trainable state (fp32) replicated over the data-parallel ones."""
-    from peft import LoraConfig, get_peft_model
     from transformers.integrations import HfDeepSpeedConfig
 
-    f, cfg, split = run.cfg.finetune, run.cfg, run.rt.tp > 1
-    if not split:
+    if run.rt.tp > 1:  # loaded whole on the host, each rank's part then moved to its device (tensor_parallel.py)
+        tensor_parallel.in_turns(run.rt, lambda: _build(run, ds_config, "cpu"))
+    else:
         run.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
-    model = load_converted(run.source, dtype=getattr(torch, cfg.model.dtype), device=run.rt.device)
+        _build(run, ds_config, run.rt.device)
+
+
+def _build(run: Run, ds_config: dict, load_on) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    f, cfg, split = run.cfg.finetune, run.cfg, run.rt.tp > 1
+    model = load_converted(run.source, dtype=getattr(torch, cfg.model.dtype), device=load_on)
     model.config.use_cache = False
     layers = hybrid_layers(model)
     for m in layers.values():

@@ -337,6 +337,18 @@ def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
             else f"~{_gb(s2_mem)} (weights/{tp} split by tensor parallelism, replicated fp32 states, activations)",
         ),
         ("stage 2", "checkpoint size", f"{_gb(ckpt)} per step dir (fp32 weights + AdamW moments; no base)"),
+        *(
+            [
+                (
+                    "stage 2",
+                    "host memory while loading",
+                    f"~{_gb(c['total'] * wbytes * cfg.launch.procs_per_node // tp)} per node (each tensor-parallel "
+                    "group loads the whole model on the host, its ranks in turns, and keeps its parts)",
+                )
+            ]
+            if tp > 1
+            else []
+        ),
         ("stage 2", "CPU offload", "on (weights and optimizer state in host memory)" if f.offload else "off"),
     ]
     return s2_mem, ckpt, 6 * c["total"] * tokens2, tokens2

@@ -312,6 +312,7 @@ def test_plan_divides_the_weights_by_tensor_parallel(tmp_path):
     expected = gb(one[("stage 2", "per-rank memory")]) - weights / 32 - 32.8e6 * 14 / 32 / 1e9 - layers
     assert gb(eight[("stage 2", "per-rank memory")]) == pytest.approx(expected + weights / 8 + lora, abs=0.02)
     assert eight[("evaluate", "per-rank memory")].startswith("~38.89 GB (2 model(s) / 8 (tensor parallel)")
+    assert eight[("stage 2", "host memory while loading")].startswith("~141.11 GB per node")  # one group per node
     assert "over 4 data-parallel groups: 16 per group, 8 of 64 heads per rank" in eight[("stage 1", "work per step")]
     assert gb(eight[("stage 1", "per-rank memory")]) < gb(one[("stage 1", "per-rank memory")])
     assert eight[("stage 1", "hidden-state buffers per tensor-parallel group")].startswith("17.18 GB (2 x 512 seq")
