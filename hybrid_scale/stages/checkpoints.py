@@ -43,7 +43,7 @@ def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
         fault_enospc(f"save:{dest.name}")
         save_file(weights, tmp / "trainable.safetensors")
         save_file(moments, tmp / "optimizer.safetensors")
-        state = {**state, "scheduler": engine.lr_scheduler.state_dict(), "world": rt.world}
+        state = {**state, "scheduler": engine.lr_scheduler.state_dict(), "world": rt.world, "tensor_parallel": rt.tp}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
     runtime.barrier(rt)
     save_file({"rng": torch.get_rng_state()}, tmp / f"rng_rank{rt.rank}.safetensors")
@@ -58,7 +58,8 @@ def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
 
 def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
     """Restore a step checkpoint into this world size's partitions, the scheduler and this rank's RNG (another world
-    size: a fresh stream per rank derived from the seed and the step). Returns the loop's saved state."""
+    size or tensor-parallel size: a fresh stream per data-parallel rank derived from the seed and the step, the same
+    on the ranks of a tensor-parallel group, whose LoRA dropout masks must agree). Returns the loop's saved state."""
     state = json.loads((checkpoint / "state.json").read_text())
     step = state["step"]
     weights, moments = load_file(checkpoint / "trainable.safetensors"), load_file(checkpoint / "optimizer.safetensors")
@@ -69,10 +70,10 @@ def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
     engine.lr_scheduler.load_state_dict(state["scheduler"])
     engine.lr_scheduler.step(state["scheduler"]["last_batch_iteration"])  # puts that lr into the optimizer
     rng = checkpoint / f"rng_rank{rt.rank}.safetensors"
-    if state["world"] == rt.world and rng.is_file():
+    if (state["world"], state.get("tensor_parallel", 1)) == (rt.world, rt.tp) and rng.is_file():
         torch.set_rng_state(load_file(rng)["rng"])  # tensors only: no pickle is ever loaded
     else:
-        torch.manual_seed(seed * 1_000_003 + step * 101 + rt.rank)
+        torch.manual_seed(seed * 1_000_003 + step * 101 + rt.dp_rank)
     return state
 
 
