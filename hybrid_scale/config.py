@@ -264,6 +264,11 @@ def validate(cfg: DictConfig) -> DictConfig:
     _choice("launch.launcher", lc.launcher, LAUNCHERS)
     for key in ("nodes", "procs_per_node", "tensor_parallel"):
         _positive(f"launch.{key}", lc[key])
+    if lc.tensor_parallel > 1 and cfg.model.dtype == "float16":
+        raise ConfigError(
+            "config keys 'model.dtype' and 'launch.tensor_parallel': float16 needs DeepSpeed's loss scaling, which "
+            "the tensor-parallel path does not use: set model.dtype=bfloat16 (or float32)"
+        )
     if lc.tensor_parallel > 1 and cfg.finetune.offload:
         raise ConfigError(
             "config keys 'finetune.offload' and 'launch.tensor_parallel': CPU offload is ZeRO-3's; with the "

@@ -443,6 +443,19 @@ def test_tensor_parallel_2_trains_as_tensor_parallel_1(setup, tp1, tmp_path):
     assert ours and all(c["dtype"][0] in ("torch.float32", "torch.float64", "torch.int32") for c in ours)
 
 
+def test_bf16_at_tensor_parallel_2_stays_near_fp32(setup, tp1, tmp_path):
+    """The presets' dtype on the split path: a bf16 frozen base split over 2 ranks, fp32 LoRA and phi/gamma in the
+    replicated engine; the 5 training and the held-out losses within 1% of the fp32 run's."""
+    proc = finetune(tp_args(setup, tmp_path, 2, 2, "model.dtype=bfloat16"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, ref = curves(tmp_path), curves(tp1)
+    for key in ("train", "hybrid", "la_only"):
+        assert len(got[key]) == len(ref[key]) and all(math.isfinite(x) for x in got[key])
+        assert max(abs(a - b) / b for a, b in zip(got[key], ref[key], strict=True)) < 0.01, (key, got[key], ref[key])
+    adapter = load_file(tmp_path / "stage2" / "final" / "adapter" / "adapter_model.safetensors")
+    assert {t.dtype for t in adapter.values()} == {torch.float32}  # trained and saved as fp32 masters
+
+
 def test_data_2_x_tensor_2_trains_as_data_4(setup, tmp_path):
     """4 ranks: a 2 x 2 mesh (replicated engine) against ZeRO-3 over 4 data-parallel ranks, 5 steps."""
     runs = {}

@@ -96,6 +96,18 @@ def test_presets_load_by_name_and_carry_their_architecture():
             {"run.yaml": "launch: {procs_per_node: 8, tensor_parallel: 3}\n"},
             "3 does not divide launch.procs_per_node",
         ),
+        (
+            {"run.yaml": "launch: {procs_per_node: 2, tensor_parallel: 2}\neval: {shard_weights: true}\n"},
+            "ZeRO-3 partitioning and the tensor-parallel split (2) do not combine",
+        ),
+        (
+            {"run.yaml": "launch: {procs_per_node: 2, tensor_parallel: 2}\nfinetune: {offload: true}\n"},
+            "CPU offload is ZeRO-3's; with the tensor-parallel split (2)",
+        ),
+        (
+            {"run.yaml": "model: {dtype: float16}\nlaunch: {procs_per_node: 2, tensor_parallel: 2}\n"},
+            "float16 needs DeepSpeed's loss scaling",
+        ),
         ({"run.yaml": "slurm: {max_restarts: -1}\n"}, "'slurm.max_restarts': must be >= 0"),
     ],
 )
