@@ -119,13 +119,13 @@ def apply(model: nn.Module, rt: Runtime) -> nn.Module:
                 f"config key 'launch.tensor_parallel': {name} = {getattr(config, name)} is not divisible by "
                 f"{rt.tp}; choose a divisor of it"
             )
-    for m in model.modules():
-        if isinstance(m, HybridAttention):
-            narrow(m, rt)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     architecture = type(inner).__name__
     if architecture not in PLANS:
         raise ConfigError(f"tensor parallelism has no plan for {architecture}; supported: {', '.join(sorted(PLANS))}")
+    for m in model.modules():
+        if isinstance(m, HybridAttention):
+            narrow(m, rt)
     _split(model, plan_for(model, PLANS[architecture]), rt)
     if getattr(config, "tie_word_embeddings", False):  # both split over the vocabulary: share the one local part
         inner.lm_head.weight = inner.model.embed_tokens.weight
