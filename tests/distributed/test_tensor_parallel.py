@@ -9,11 +9,16 @@ import pytest
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(arch):
-    proc = procs.run([arch], ranks=2, script=HERE / "tp_model.py", timeout=300)
+@pytest.fixture(scope="module")
+def split_models():
+    proc = procs.run(["llama", "qwen2"], ranks=2, script=HERE / "tp_model.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {r["arch"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_models, arch):
+    out = split_models[arch]
     assert set(out["logits"]) == {"hybrid", "swa_only", "la_only", "sinks_only", "none"}
     assert max(out["logits"].values()) <= 1e-5, out["logits"]  # every component mode
     assert out["partial"] <= 1e-5  # a softmax layer left unconverted is split the same way

@@ -30,8 +30,7 @@ def lora(model):
     return peft_model
 
 
-def main(arch: str) -> None:
-    rt = runtime.init("cpu", tp=2)
+def main(arch: str, rt) -> dict:
     out = {"arch": arch}
     whole = perturb_hybrid(hs.convert_model(tiny_model(arch, tie_word_embeddings=True), {"window": 4, "sinks": 2}))
     split = tensor_parallel.apply(copy.deepcopy(whole), rt)
@@ -81,9 +80,11 @@ def main(arch: str) -> None:
         grads = max(grads, (full - ref_named[name].grad).abs().max().item())
         n += 1
     out["grads"], out["trainable"] = grads, n
-    if rt.main:
-        print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    rt = runtime.init("cpu", tp=2)
+    results = [main(arch, rt) for arch in sys.argv[1:]]  # one process start for every architecture
+    if rt.main:
+        print(json.dumps(results))
