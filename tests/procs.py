@@ -46,14 +46,6 @@ def checked(prefix: Path) -> dict:
     return {"PYTHONPATH": path, "HYBRID_SCALE_COLLECTIVES": str(prefix), "HYBRID_SCALE_COLLECTIVES_DEVICE": "cpu"}
 
 
-def _key(call: dict) -> tuple:
-    """What every rank must agree on; scatter/gather pass their list of tensors on the root rank only (torch's
-    distribute_tensor scatters from rank 0): their own tensor is compared."""
-    if call["op"] in ("scatter", "gather"):
-        return call["op"], call["dtype"][:1], call["shape"][:1]
-    return call["op"], call["dtype"], call["shape"]
-
-
 def collective_calls(prefix: Path, world: int) -> list[dict]:
     """Rank 0's recorded collectives, after checking that every rank made the same calls (op, dtypes, shapes) in the
     same order, each on the device it computes on (cpu here)."""
@@ -61,7 +53,7 @@ def collective_calls(prefix: Path, world: int) -> list[dict]:
     for r in range(world):
         path = Path(f"{prefix}.rank{r}")
         ranks.append([json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else [])
-    key = [[_key(c) for c in calls] for calls in ranks]
+    key = [[(c["op"], c["dtype"], c["shape"]) for c in calls] for calls in ranks]
     for r in range(1, world):
         for j, (a, b) in enumerate(zip(key[0], key[r], strict=False)):
             where = ranks[0][j]["where"], ranks[r][j]["where"]

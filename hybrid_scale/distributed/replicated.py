@@ -103,7 +103,7 @@ class ReplicatedEngine:
                 state = {"step": torch.tensor(float(step))}
                 for key in ("exp_avg", "exp_avg_sq"):
                     local = tensor_parallel.local_part(moments[f"{name}::{key}"], dim, self.rt).to(self.rt.device)
-                    state[key] = _like(p, local.to(torch.float32 if p.dtype == torch.float32 else p.dtype))
+                    state[key] = _like(p, local.to(p.dtype))
                 self.optimizer.state[p] = state
 
 
