@@ -52,14 +52,16 @@ def _sinks(q, k, v, sinks, scale):
 GROUP_TOKENS = 4096  # queries processed together: bounds the working set so time stays linear in T
 
 
-def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False):
-    """hybrid / swa_only / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F], k/v/fk [B,Hkv,T,*]."""
+def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0):
+    """hybrid / swa_only / swa_sinks / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F],
+    k/v/fk [B,Hkv,T,*]. swa_sinks adds the first `sinks` keys that have left a query's window to its softmax."""
     T = q.shape[-2]
     w = min(window, T)  # a window >= T makes P(n) empty: identical to w = T
     nb = -(-T // chunk)
     Tp = nb * chunk
     span = w + chunk - 1
-    softmax, linear = mode in ("hybrid", "swa_only"), mode in ("hybrid", "la_only")
+    softmax, linear = mode in ("hybrid", "swa_only", "swa_sinks"), mode in ("hybrid", "la_only")
+    S = min(sinks, T) if mode == "swa_sinks" else 0
 
     def blocks(x):  # [..., T, d] -> [..., nb, C, d]
         x = F.pad(x, (0, 0, 0, Tp - T))
@@ -76,6 +78,10 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
     exists = torch.arange(nb, device=q.device)[:, None, None] * chunk - (w - 1) + s >= 0  # [nb, 1, span]
     soft_ok = (d >= 0) & (d <= w - 1)
     lin_ok = (d < 0) if mode == "hybrid" else (d <= w - 1)
+    if S:  # sink key j counts for query n once it has left the window: j <= n - w
+        n_abs = torch.arange(nb, device=q.device)[:, None, None] * chunk + i[None]  # [nb, C, 1]
+        sink_ok = torch.arange(S, device=q.device)[None, None, :] <= n_abs - w  # [nb, C, S]
+        k_sink, v_sink = k[:, :, :S], v[:, :, :S]
     if linear:
         fks = spans(fk)
         # state of block b: padded keys [0, bC), i.e. real keys j <= bC - w; exclusive cumsum over chunks
@@ -99,10 +105,17 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
             ok = exists[sl] & soft_ok
             a = scale * torch.einsum("bhgncd,bhnsd->bhgncs", qg, ks[:, :, sl])
             c = torch.where(ok, a, float("-inf")).amax(-1, keepdim=True)
+            if S:  # one max over the window and the sinks: a single softmax
+                a_sink = scale * torch.einsum("bhgncd,bhsd->bhgncs", qg, k_sink)
+                c = torch.maximum(c, torch.where(sink_ok[sl], a_sink, float("-inf")).amax(-1, keepdim=True))
             c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
             e = gamma.view(*gamma.shape, 1, 1, 1) * torch.exp(torch.where(ok, a - c, float("-inf")))
             num = num + torch.einsum("bhgncs,bhnsd->bhgncd", e, vg)
             den = den + e.sum(-1, keepdim=True)
+            if S:
+                e_sink = torch.exp(torch.where(sink_ok[sl], a_sink - c, float("-inf")))
+                num = num + torch.einsum("bhgncs,bhsd->bhgncd", e_sink, v_sink)
+                den = den + e_sink.sum(-1, keepdim=True)
             den_soft = den
         if linear:
             lin = torch.where(exists[sl] & lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqg, fks[:, :, sl]), 0.0)
@@ -167,13 +180,17 @@ def chunk_hybrid_attention(
         q, k, v, fq, fk = (gather_time(t, order) for t in (q, k, v, fq, fk))
     q = q.reshape(B, Hkv, H // Hkv, T, D)
     fq = fq.reshape(B, Hkv, H // Hkv, T, fq.shape[-1])
-    if return_denominators and (packed or mode == "sinks_only"):
+    if return_denominators and (packed or mode in ("sinks_only", "swa_sinks")):
         raise ValueError("return_denominators needs an unpadded input in hybrid, swa_only or la_only mode")
     if mode == "sinks_only":
         y = _sinks(q, k, v, sinks, scale)
     else:
         g = gamma.to(q.dtype).view(Hkv, H // Hkv)
-        y = _windowed(q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators)
+        if mode == "swa_sinks":  # no L: plain softmax, gamma does not enter (as in naive)
+            g = torch.ones_like(g)
+        y = _windowed(
+            q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators, sinks=sinks
+        )
         if return_denominators:
             y, den_soft, den_lin = y
             return (y.reshape(B, H, T, -1).to(out_dtype), den_soft.reshape(B, H, T), den_lin.reshape(B, H, T))

@@ -5,8 +5,9 @@ For query n and key j (positions counted in real tokens only), window w, scale s
     E_nj = gamma_h * exp(s q_n.k_j - c_n) on W(n), c_n = max over W(n) of s q_n.k_j (not detached)
     L_nj = phi_q(q_n) . phi_k(k_j) on P(n)
     hybrid: y_n = (sum E v + sum L v) / (sum E + sum L + EPS)
-Other modes: swa_only (E on W only), la_only (L on all j <= n), sinks_only (causal softmax over the first S real
-tokens), none (zeros). Padded query rows give exactly 0. All arithmetic is fp32; the output has q's dtype.
+Other modes: swa_only (E on W only), swa_sinks (softmax over W(n) and the first S real tokens, no L: the
+sliding-window + attention-sinks baseline), la_only (L on all j <= n), sinks_only (causal softmax over the first S
+real tokens), none (zeros). Padded query rows give exactly 0. All arithmetic is fp32; the output has q's dtype.
 
 This file imports only torch (the export copies it next to a modeling file).
 """
@@ -17,7 +18,7 @@ import math
 
 import torch
 
-MODES = ("hybrid", "swa_only", "la_only", "sinks_only", "none")
+MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
 EPS = 1e-12  # the one denominator eps shared by every path (only guards 0/0: all-zero feature rows)
 
 
@@ -76,6 +77,8 @@ def masked_attention(
         soft = in_window
     elif mode == "sinks_only":
         soft = causal & (pk < sinks)
+    elif mode == "swa_sinks":
+        soft = in_window | (causal & (pk < sinks))
     else:
         soft = None
     linear = {"hybrid": in_past, "la_only": causal}.get(mode)
@@ -87,7 +90,7 @@ def masked_attention(
         c = torch.where(soft, a, float("-inf")).amax(-1, keepdim=True)
         c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
         e = torch.exp(torch.where(soft, a - c, float("-inf")))
-        if mode != "sinks_only":
+        if mode in ("hybrid", "swa_only"):  # gamma cancels without L; the sink modes are plain softmax
             e = gamma * e
         num = num + e @ v
         den = den + e.sum(-1, keepdim=True)

@@ -6,7 +6,7 @@ Per layer and KV head the state holds
     use, long ones hold exactly the window;
   * the linear-attention state sum phi_k(k) v^T and sum phi_k(k) of every key that has left the ring (fp32), kept in
     every mode so the mode can change between calls;
-  * the first S real keys/values (sinks_only);
+  * the first S real keys/values (sinks_only, swa_sinks);
   * per row, the number of real tokens seen (padding is not counted) and, for transformers, the positions seen.
 When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
 the whole sequence: short extensions attend densely over ring + new keys, long ones run the chunked path over the
@@ -165,10 +165,17 @@ def extend(
         y = masked_attention(
             q, keys, vals, fq, dummy, gamma, pos_new, pos_keys, window=window, mode=mode, sinks=sinks, scale=scale
         )
-    elif T <= chunk_size or mode == "none":
+    elif T <= chunk_size or mode == "none" or (mode == "swa_sinks" and bool(state.count.any())):
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
         vals = torch.cat([state.v, v.to(state.v.dtype)], 2)
         fks = torch.cat([state.fk, fk.to(acc)], 2)
+        pos_keys = torch.cat([pos_ring, pos_new], 1)
+        if mode == "swa_sinks":  # the sinks that have left the ring (the ring holds real tokens count-R .. count-1)
+            slots = torch.arange(S, device=q.device)
+            pos_sink = torch.where(slots[None] < (state.count - R)[:, None], slots[None], -1)
+            keys, vals = torch.cat([state.sink_k, keys], 2), torch.cat([state.sink_v, vals], 2)
+            fks = torch.cat([fks.new_zeros(*fks.shape[:2], S, fks.shape[-1]), fks], 2)
+            pos_keys = torch.cat([pos_sink, pos_keys], 1)
         y = masked_attention(
             q,
             keys,
@@ -177,7 +184,7 @@ def extend(
             fks,
             gamma,
             pos_new,
-            torch.cat([pos_ring, pos_new], 1),
+            pos_keys,
             window=window,
             mode=mode,
             sinks=sinks,

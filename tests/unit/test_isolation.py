@@ -36,4 +36,4 @@ def test_imports_in_isolation(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "HybridAttention 5"
+    assert out.stdout.strip() == "HybridAttention 6"

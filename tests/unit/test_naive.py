@@ -32,6 +32,10 @@ def loop_query(q, k, v, fq, fk, gamma, window, mode, sinks, b, h, kh, n, real):
         terms += [(lin(pj), pj) for j, pj in keys if j <= n - window]
     if mode == "la_only":
         terms += [(lin(pj), pj) for _, pj in keys]
+    if mode == "swa_sinks":  # the window and the first S real tokens, each key once; plain softmax (no gamma)
+        both = [pj for j, pj in keys if n - window < j or j < sinks]
+        c = max(score(pj) for pj in both)
+        terms += [(math.exp(score(pj) - c), pj) for pj in both]
     if mode == "sinks_only":
         sink = [pj for j, pj in keys if j < sinks]
         c = max(score(pj) for pj in sink)
@@ -127,3 +131,19 @@ def test_padded_rows_have_zero_gradient():
     assert torch.equal(x["q"].grad[0, :, :3], torch.zeros_like(x["q"].grad[0, :, :3]))
     assert torch.equal(x["k"].grad[0, :, :3], torch.zeros_like(x["k"].grad[0, :, :3]))
     assert x["q"].grad[0, :, 3:].abs().max() > 0
+
+
+def test_swa_sinks_is_the_window_plus_the_first_tokens():
+    """swa_sinks with no sinks is swa_only; a window >= T (or sinks >= T) makes it causal softmax; otherwise the
+    first S tokens are what it adds to swa_only, beyond the window only."""
+    x = attention_inputs(T=12)
+    full = torch.nn.functional.scaled_dot_product_attention(
+        x["q"], x["k"].repeat_interleave(2, 1), x["v"].repeat_interleave(2, 1), is_causal=True
+    )
+    swa = naive.naive_hybrid_attention(**x, window=3, mode="swa_only")
+    torch.testing.assert_close(naive.naive_hybrid_attention(**x, window=3, mode="swa_sinks", sinks=0), swa)
+    torch.testing.assert_close(naive.naive_hybrid_attention(**x, window=12, mode="swa_sinks", sinks=2), full)
+    torch.testing.assert_close(naive.naive_hybrid_attention(**x, window=1, mode="swa_sinks", sinks=12), full)
+    y = naive.naive_hybrid_attention(**x, window=3, mode="swa_sinks", sinks=2)
+    torch.testing.assert_close(y[:, :, :5], full[:, :, :5])  # n < w + S: the window and the sinks cover 0..n
+    assert (y[:, :, 5:] - swa[:, :, 5:]).abs().min() > 0  # beyond: the sinks change every output
