@@ -1,8 +1,10 @@
 """DeepSpeed helpers: ZeRO-3 configs (stage 2's engine, partitioned weights for inference), the ZeRO-3 state gathered
 whole and restored (world-size-free checkpoints), and the log noise it makes.
 
-DeepSpeed compiles a small C++ op on first use (a shared-memory collective on CPU); TORCH_EXTENSIONS_DIR defaults
-to a folder inside the virtual environment so that the build is paid once, not on every run.
+On CPU, DeepSpeed's communication backend compiles a C++ op when it starts (a shared-memory all-reduce, ~70 s on 2
+cores). That op serves only `inference_all_reduce` (DeepSpeed's own inference engine), which nothing here calls --
+ZeRO-3 gathers and reduces through torch.distributed -- so it is marked unavailable and never built.
+TORCH_EXTENSIONS_DIR still defaults to a folder inside the virtual environment, for any op DeepSpeed does build.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+SHM_OP = "deepspeed_shm_comm"  # the name of DeepSpeed's shared-memory all-reduce op (ShareMemCommBuilder.NAME)
+
 
 def _import_deepspeed():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     try:
         import deepspeed
+        import deepspeed.ops
     except ImportError:
         raise ImportError(
             "sharded weights need DeepSpeed: .venv/bin/pip install 'hybrid_scale[deepspeed]' (deepspeed>=0.16)"
         ) from None
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False  # unused (module docstring): no compile at start
     return deepspeed
 
 
