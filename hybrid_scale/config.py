@@ -112,7 +112,7 @@ class FinetuneConfig:
     progress: bool = True
 
 
-EVAL_MODES = ("base", "hybrid", "swa_only", "la_only", "sinks_only", "none")
+EVAL_MODES = ("base", "hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
 EVAL_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu")
 
 
@@ -128,12 +128,20 @@ class EvalConfig:
     data_dir: str | None = None  # task datasets; None = the embedded default's cache
     out_dir: str | None = None  # None = {run_dir}/eval
     bootstrap: int = 1000  # paired bootstrap resamples for the ablation deltas
-    margin: float = 0.01  # |delta LA| inside +-margin (CI) means "LA bypassed"
+    margin: float = 0.01  # tasks: |delta LA| (la_only - none, CI) inside +-margin means "LA bypassed"
+    # the main verdict: NLL beyond the window, hybrid vs the strongest mode without LA (nats/token, CI) inside
+    # +-ppl_margin means "LA bypassed", above it "LA used" (needs ppl_sequences > 0 and such a mode in eval.modes)
+    ppl_margin: float = 0.02
     ppl_text: str | None = None  # long held-out text for perplexity / LA share; None = the embedded default's
     ppl_seq_len: int = 2048
     ppl_sequences: int = 4
     buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])
     la_share_seq_len: int = 1024
+    # passkey retrieval past the window: a key stated once, then filler (held-out text), then the question; scored
+    # by answer log-likelihood and greedy exact match at each distance (tokens from the key to the answer)
+    passkey_distances: list[int] = field(default_factory=lambda: [32, 128, 512, 1024, 2048])  # [] = no probe
+    passkey_trials: int = 20  # prompts per distance (seeded keys and filler)
+    passkey_modes: list[str] = field(default_factory=lambda: ["base", "hybrid", "swa_only", "swa_sinks", "la_only"])
     # ZeRO-3: weights partitioned over the ranks (a model too large for one device); with launch.tensor_parallel > 1
     # the tensor-parallel split does this instead, and setting both is refused
     shard_weights: bool = False
@@ -243,6 +251,13 @@ def validate(cfg: DictConfig) -> DictConfig:
     _positive("eval.ppl_seq_len", e.ppl_seq_len, 2)
     _positive("eval.ppl_sequences", e.ppl_sequences, 0)
     _positive("eval.la_share_seq_len", e.la_share_seq_len, 0)
+    _positive("eval.passkey_trials", e.passkey_trials, 0)
+    for mode in e.passkey_modes:
+        _choice("eval.passkey_modes", mode, EVAL_MODES)
+    for d in e.passkey_distances:
+        _positive("eval.passkey_distances", d)
+    if e.ppl_margin < 0:
+        raise ConfigError(f"config key 'eval.ppl_margin': must be >= 0, got {e.ppl_margin}")
     d = cfg.distill
     _choice("distill.recipe", d.recipe, list(RECIPES))
     for name, weight in (d.objectives or {}).items():

@@ -27,7 +27,8 @@ class HybridScaleMixin:
             self.set_hybrid_mode({int(i): m for i, m in settings["layer_modes"].items()})
 
     def set_hybrid_mode(self, mode):
-        """One mode for every hybrid layer (hybrid, swa_only, swa_sinks, la_only, sinks_only, none), or {layer: mode}."""
+        """One mode for every hybrid layer (hybrid, swa_only, swa_sinks, la_only, sinks_only, none), or
+        {layer: mode}."""
         layers = hybrid_layers(self)
         modes = dict.fromkeys(layers, mode) if isinstance(mode, str) else dict(mode)
         for i, m in modes.items():

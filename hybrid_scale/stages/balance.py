@@ -1,8 +1,9 @@
 """Balance diagnostics (DESIGN.md section 2): is the linear attention used?
 
 * paired bootstrap deltas over the same items, stratified by task: delta_SWA = hybrid - swa_only,
-  delta_LA = la_only - none, and the verdict on delta_LA with a margin;
-* perplexity per mode by position bucket on long held-out text (LA only matters beyond the window);
+  delta_LA = la_only - none, and its verdict with a margin (the tasks' scored tokens mostly lie inside the window);
+* perplexity per mode by position bucket on long held-out text (LA only matters beyond the window), and the main
+  verdict: the hybrid against the strongest mode without LA on the tokens beyond the window (beyond_window);
 * the LA share of the shared normaliser, sum_P L / (sum_W E + sum_P L), per layer, head and position bucket, in
   `hybrid` mode, next to the output effect ||y_hybrid - y_swa_only|| / ||y_hybrid||.
 """
@@ -41,7 +42,8 @@ def _summary(delta: float, boot: torch.Tensor) -> dict:
 
 
 def verdict(delta_la: dict, margin: float) -> str:
-    """On the task-average delta_LA = la_only - none."""
+    """On a delta with a CI (`lo`, `hi`) where positive means the LA helps: the task-average delta_LA = la_only -
+    none, or the beyond-window NLL of the strongest mode without LA minus the hybrid's."""
     lo, hi = delta_la["lo"], delta_la["hi"]
     if lo > margin:
         return "LA used"
@@ -56,24 +58,84 @@ def bucket_labels(buckets: list[int]) -> list[str]:
     return [f"{a}-{b}" for a, b in zip(buckets[:-1], buckets[1:], strict=True)]
 
 
+BLOCK = 16  # tokens per block of the beyond-window bootstrap (neighbouring tokens are not independent)
+NO_LA = ("swa_only", "swa_sinks", "sinks_only", "none")  # the modes without linear attention
+
+
 @torch.no_grad()
-def perplexity_by_bucket(model, sequences: torch.Tensor, buckets: list[int]) -> dict[str, float]:
-    """exp(mean NLL) of the tokens at positions [a, b) of each bucket (position of the predicted token)."""
-    nll_sum = torch.zeros(len(buckets) - 1, dtype=torch.float64)
-    count = torch.zeros(len(buckets) - 1, dtype=torch.float64)
+def token_nll(model, sequences: torch.Tensor) -> torch.Tensor:
+    """NLL of every predicted token, [N, T-1] fp64 (column t predicts the token at position t+1)."""
+    rows = []
     for seq in sequences:
         ids = seq[None].to(next(model.parameters()).device)
         logits = model(ids, use_cache=False).logits[0, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none").double().cpu()
-        pos = torch.arange(1, ids.shape[1])
-        for i, (a, b) in enumerate(zip(buckets[:-1], buckets[1:], strict=True)):
-            sel = (pos >= a) & (pos < b)
-            nll_sum[i] += nll[sel].sum()
-            count[i] += sel.sum()
-    return {
-        label: (math.exp(s / c) if c else float("nan"))
-        for label, s, c in zip(bucket_labels(buckets), nll_sum.tolist(), count.tolist(), strict=True)
-    }
+        rows.append(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none").double().cpu())
+    return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.float64)
+
+
+def by_bucket(nll: torch.Tensor, buckets: list[int]) -> dict[str, float]:
+    """exp(mean NLL) of the tokens at positions [a, b) of each bucket (position of the predicted token)."""
+    pos = torch.arange(1, nll.shape[-1] + 1)
+    out = {}
+    for label, a, b in zip(bucket_labels(buckets), buckets[:-1], buckets[1:], strict=True):
+        sel = nll[:, (pos >= a) & (pos < b)]
+        out[label] = math.exp(sel.mean().item()) if sel.numel() else float("nan")
+    return out
+
+
+def perplexity_by_bucket(model, sequences: torch.Tensor, buckets: list[int]) -> dict[str, float]:
+    return by_bucket(token_nll(model, sequences), buckets)
+
+
+def blocks_beyond(nll: torch.Tensor, window: int) -> list[list[float]]:
+    """[NLL sum, tokens] of consecutive BLOCK-token blocks of each sequence's tokens at positions >= window: the
+    units the beyond-window verdict resamples."""
+    out = []
+    for row in nll[:, max(window - 1, 0) :]:
+        for part in row.split(BLOCK):
+            out.append([part.sum().item(), part.numel()])
+    return out
+
+
+def beyond_window(blocks: dict[str, list[list[float]]], window: int, margin: float, resamples: int, seed: int):
+    """The verdict on the held-out text past the window, from NLL differences in nats per token with paired
+    bootstrap CIs over BLOCK-token blocks (positive: the hybrid is better):
+
+    * is the LA used? the hybrid against `swa_only`, the same model with its LA removed (`swa_only` key);
+    * is it worth its cost? the hybrid against the strongest mode without LA (`against`: the lowest NLL of NO_LA
+      present, e.g. swa_sinks), the top-level delta / lo / hi / ratio.
+
+    "LA used" needs both; "LA used; no better than X" / "LA used; X without LA is better" say that the LA carries
+    something past the window but a cheaper mode does as well or better. Without swa_only the verdict is on
+    `against` alone. None without hybrid or a mode without LA."""
+    no_la = [m for m in NO_LA if m in blocks]
+    if "hybrid" not in blocks or not no_la or not blocks["hybrid"]:
+        return None
+    t = {m: torch.tensor(b, dtype=torch.float64) for m, b in blocks.items()}
+    mean = {m: (x[:, 0].sum() / x[:, 1].sum()).item() for m, x in t.items()}
+    count = t["hybrid"][:, 1]
+    idx = torch.randint(0, len(count), (max(resamples, 1), len(count)), generator=torch.Generator().manual_seed(seed))
+
+    def compare(mode: str) -> dict:
+        diff = t[mode][:, 0] - t["hybrid"][:, 0]  # per block, summed over its tokens
+        out = _summary((diff.sum() / count.sum()).item(), diff[idx].sum(1) / count[idx].sum(1))
+        return out | {"ratio": math.exp(mean["hybrid"] - mean[mode])}
+
+    against = min(no_la, key=mean.get)
+    out = compare(against) | {"against": against, "window": window, "tokens": int(count.sum().item())}
+    out |= {"margin": margin, "perplexity": {m: math.exp(v) for m, v in mean.items()}}
+    used = verdict(out, margin)
+    if "swa_only" in mean:
+        out["swa_only"] = compare("swa_only")
+        used = verdict(out["swa_only"], margin)
+        if used == "LA used" and against != "swa_only":
+            worth = verdict(out, margin)
+            if worth == "LA harmful":
+                used = f"LA used; {against} without LA is better"
+            elif worth != "LA used":
+                used = f"LA used; no better than {against} without LA"
+    out["verdict"] = used
+    return out
 
 
 @torch.no_grad()

@@ -6,12 +6,13 @@ returns the results. Under torchrun the batches are sharded over ranks (see logl
 the number of ranks.
 
 The work is cut into cells: one per (mode, task) of the benchmark scoring, one per mode of the perplexity by position
-bucket, one for the LA share. Rank 0 commits each finished cell to {out_dir}/cells/<name>.json (`<mode>.<task>`,
-`perplexity.<mode>`, `la_share`): its result and the key it was computed from (the model and its files, the window,
-dtype, device type, CPU threads and library versions, the task's items and tokens or the held-out text, and the eval
-settings that change the numbers). A rerun loads every cell whose key matches and recomputes the others (logged), so
-that its results.json equals an uninterrupted run's apart from timings_s. The cells stay after the run (they are
-small); delete {out_dir}/cells to compute everything again.
+bucket, one for the LA share, one per mode of the passkey probe (retrieval.py). Rank 0 commits each finished cell to
+{out_dir}/cells/<name>.json (`<mode>.<task>`, `perplexity.<mode>`, `la_share`, `passkey.<mode>`): its result and
+the key it was computed from (the model and its files, the window, dtype, device type, CPU threads and library
+versions, the task's items and tokens or the held-out text, and the eval settings that change the numbers). A rerun
+loads every cell whose key matches and recomputes the others (logged), so that its results.json equals an
+uninterrupted run's apart from timings_s. The cells stay after the run (they are small); delete {out_dir}/cells to
+compute everything again.
 
 Signals (distributed/requeue.py): USR1/TERM only set a flag; the ranks agree on it at every cell boundary and between
 rounds of batches inside a cell (whose work is then dropped); the stage writes the requeue marker and raises Requeue
@@ -33,6 +34,7 @@ from typing import NoReturn
 import torch
 import transformers
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from .. import __version__
 from ..data import assets, benchmarks, corpus
@@ -50,7 +52,7 @@ from ..models.converted import (
     load_tokenizer,
     read_hybrid_config,
 )
-from . import balance, loglik, report, rundir
+from . import balance, loglik, report, retrieval, rundir
 from .plan import preflight
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
@@ -223,6 +225,11 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     if e.ppl_sequences:
         _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)
     results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
+    if e.passkey_distances and e.passkey_trials and e.passkey_modes:
+        t0 = time.perf_counter()
+        _passkey(results, cells, common, models, tokenizer, cfg, rt, held_text)
+        results["timings_s"]["passkey"] = time.perf_counter() - t0
+    _verdict(results)
     cells.finish()
     if rt.main:
         out_dir = rundir.eval_dir(cfg)
@@ -235,7 +242,8 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
 def count_cells(e) -> int:
     """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share."""
     held_out = (len(e.modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
-    return len(e.modes) * len(e.tasks) + held_out
+    passkey = len(e.passkey_modes) if e.passkey_distances and e.passkey_trials else 0
+    return len(e.modes) * len(e.tasks) + held_out + passkey
 
 
 def digest(obj) -> str:
@@ -432,7 +440,16 @@ def _deltas(results: dict, tasks: list[str], cfg) -> None:
         )
     if "la_only" in m and "none" in m:
         results["delta_la"] = balance.paired_bootstrap(correct_of("la_only"), correct_of("none"), e.bootstrap, cfg.seed)
-        results["verdict"] = balance.verdict(results["delta_la"]["avg"], e.margin)
+        results["verdict_tasks"] = balance.verdict(results["delta_la"]["avg"], e.margin)
+
+
+def _verdict(results: dict) -> None:
+    """The verdict: beyond the window (hybrid vs the strongest mode without LA on held-out text) when measured, else
+    the tasks' (la_only - none); `verdict_basis` says which."""
+    if results.get("beyond_window"):
+        results["verdict"], results["verdict_basis"] = results["beyond_window"]["verdict"], "beyond_window"
+    elif "verdict_tasks" in results:
+        results["verdict"], results["verdict_basis"] = results["verdict_tasks"], "tasks"
 
 
 def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, rt, held_text) -> None:
@@ -443,12 +460,16 @@ def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, 
     seqs = _heldout_sequences(tokenizer, cfg, held_text) if here else None
     text = {"text": digest(held_text[0]), "ppl_seq_len": e.ppl_seq_len, "buckets": list(e.buckets)}
     buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
-    by_mode = {}
+    window = results["window"]
+    by_mode, blocks = {}, {}
     for mode in e.modes:
-        key = {**common, **text, "mode": mode, "ppl_sequences": e.ppl_sequences}
-        by_mode[mode] = cells.run(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets), here)
+        key = {**common, **text, "mode": mode, "ppl_sequences": e.ppl_sequences, "format": 2}
+        cell = cells.run(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets, window), here)
+        if here:
+            by_mode[mode], blocks[mode] = cell["buckets"], cell["blocks"]
     if here:
         results["perplexity"] = {"seq_len": e.ppl_seq_len, "sequences": len(seqs), "by_mode": by_mode}
+        results["beyond_window"] = balance.beyond_window(blocks, window, e.ppl_margin, e.bootstrap, cfg.seed)
     if e.la_share_seq_len:
         key = {**common, **text, "la_share_seq_len": e.la_share_seq_len}
         share = cells.run("la_share", key, partial(_la_share, models, seqs, cfg, rt), here)
@@ -456,8 +477,47 @@ def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, 
             results["la_share"] = share
 
 
-def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int]) -> dict:
-    return balance.perplexity_by_bucket(models.get(mode), seqs, buckets)
+def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int], window: int) -> dict:
+    nll = balance.token_nll(models.get(mode), seqs)
+    return {"buckets": balance.by_bucket(nll, buckets), "blocks": balance.blocks_beyond(nll, window)}
+
+
+PASSKEY_TOKENS = 8192  # tokens per forward of the passkey probe (prompts of one length batched up to this)
+
+
+def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, rt, held_text) -> None:
+    """The passkey cells, one per mode of eval.passkey_modes: retrieval at each distance on seeded prompts whose
+    filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
+    e = cfg.eval
+    here = rt.main or e.shard_weights or rt.tp > 1
+    text = (held_text or report_text(cfg))[0]
+    sinks = read_hybrid_config(models.path)["attention"]["sinks"] if models.converted else cfg.attention.sinks
+    lead = max(retrieval.LEAD, sinks)
+    try:
+        filler = tokenizer.encode(text)
+        items = retrieval.probes(tokenizer, filler, e.passkey_distances, e.passkey_trials, cfg.seed, lead)
+    except ValueError as err:
+        raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
+    key = {**common, "text": digest(text), "distances": list(e.passkey_distances), "trials": e.passkey_trials}
+    key |= {"seed": cfg.seed, "lead": lead, "prompts": digest([p.ids for p in items])}
+    by_mode = {}
+    for mode in e.passkey_modes:
+        run = partial(_passkey_mode, models, mode, items, rt, e.progress)
+        by_mode[mode] = cells.run(f"passkey.{mode}", {**key, "mode": mode}, run, here)
+    if here:
+        results["passkey"] = {
+            "distances": list(e.passkey_distances),
+            "trials": e.passkey_trials,
+            "digits": retrieval.DIGITS,
+            "chance": {"exact": 10.0**-retrieval.DIGITS, "loglik": retrieval.CHANCE_LOGLIK},
+            "by_mode": by_mode,
+            "sanity": retrieval.sanity(by_mode, results["window"]),
+        }
+
+
+def _passkey_mode(models: Models, mode: str, items: list, rt, progress: bool) -> dict:
+    with tqdm(total=len(items), desc=f"{mode:>10} passkey", disable=not (progress and rt.main), unit="prompt") as bar:
+        return retrieval.run(models.get(mode), items, rt.device, PASSKEY_TOKENS, bar)
 
 
 def _la_share(models: Models, seqs: torch.Tensor, cfg, rt) -> dict:

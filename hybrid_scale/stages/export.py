@@ -248,9 +248,12 @@ def balance_report(cfg, source: Path, tmp: Path, log) -> str | None:
         )
         return None
     (tmp / "balance").mkdir()
-    for name in ("table.md", "results.json"):
+    for name in ("table.md", "results.json", *(p.name for p in sorted(results.glob("*.png")))):
         shutil.copy(results / name, tmp / "balance" / name)
-    return (results / "table.md").read_text()
+    table = (results / "table.md").read_text()
+    if (results / "long_context.png").is_file():  # the figure first: retrieval and perplexity past the window
+        table = "![retrieval and perplexity past the window](balance/long_context.png)\n\n" + table
+    return table
 
 
 def model_card(out_name: str, config: dict, report: dict | None, balance: str | None, origin: str = "") -> str:
@@ -271,7 +274,7 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
         "",
         "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)",
         "tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # a plain tokenizer: no remote code",
-        'model.set_hybrid_mode("la_only")  # or hybrid / swa_only / sinks_only / none, or {layer: mode}',
+        'model.set_hybrid_mode("la_only")  # or hybrid / swa_only / swa_sinks / sinks_only / none, or {layer: mode}',
         "```",
         "",
         "Runs in Hugging Face transformers (>= 5, < 6) with `trust_remote_code=True`: the modeling code is in this "

@@ -42,9 +42,10 @@ def table(r: dict) -> str:
         for key, name in (("delta_swa", "SWA = hybrid - swa_only"), ("delta_la", "LA = la_only - none")):
             if key in r:
                 lines.append(f"| {name} | " + " | ".join(_ci(r[key][t]) for t in [*tasks, "avg"]) + " |")
-    if "verdict" in r:
+    if "verdict_tasks" in r:
         margin = r["config"]["eval"]["margin"]
-        lines += ["", f"**Verdict: {r['verdict']}** (delta LA on the task average, margin ±{100 * margin:.1f} points)"]
+        basis = "delta LA = la_only - none on the task average"
+        lines += ["", f"Tasks: **{r['verdict_tasks']}** ({basis}, margin ±{100 * margin:.1f} points)."]
     if "perplexity" in r:
         p = r["perplexity"]
         labels = list(next(iter(p["by_mode"].values())))
@@ -56,6 +57,13 @@ def table(r: dict) -> str:
         lines += ["| mode | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
         for mode, v in p["by_mode"].items():
             lines.append(f"| {mode} | " + " | ".join(f"{v[b]:.1f}" for b in labels) + " |")
+    if r.get("beyond_window"):
+        lines += ["", *beyond_window_lines(r["beyond_window"])]
+    if r.get("passkey"):
+        lines += ["", *passkey_lines(r["passkey"], r["window"])]
+    if "verdict" in r:
+        basis = {"beyond_window": "held-out text beyond the window", "tasks": "tasks, la_only - none"}
+        lines += ["", f"**Verdict: {r['verdict']}** (on the {basis[r['verdict_basis']]})"]
     if "la_share" in r:
         s = r["la_share"]
         lines += ["", f"LA share of the normaliser in `hybrid` (mean over layers and heads, T={s['seq_len']}):", ""]
@@ -67,6 +75,48 @@ def table(r: dict) -> str:
     t = r["timings_s"]
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()), ""]
     return "\n".join(lines)
+
+
+def beyond_window_lines(b: dict) -> list[str]:
+    """The beyond-window comparisons the verdict rests on (balance.beyond_window)."""
+    lines = [
+        f"Beyond the window ({b['tokens']} held-out tokens at positions >= {b['window']}), perplexity: "
+        + ", ".join(f"{m} {v:.1f}" for m, v in b["perplexity"].items())
+        + ". Hybrid against (NLL gain in nats/token, 95% CI, paired bootstrap over 16-token blocks; margin "
+        + f"±{b['margin']}):",
+        "",
+    ]
+    rows = [("swa_only", "its own window alone: is the LA used?", b.get("swa_only"))]
+    if b["against"] != "swa_only":
+        rows.append((b["against"], "the strongest mode without LA: is the LA worth it?", b))
+    for mode, what, c in rows:
+        if c:
+            lines.append(
+                f"- `{mode}`, {what} {c['ratio']:.2f}x its perplexity, {c['delta']:+.3f} "
+                f"[{c['lo']:+.3f}, {c['hi']:+.3f}]"
+            )
+    return lines
+
+
+def passkey_lines(p: dict, window: int) -> list[str]:
+    """The passkey table: greedy exact match and mean answer log-likelihood per mode and distance."""
+    ds = [str(d) for d in p["distances"]]
+    lines = [
+        f"Passkey retrieval ({p['trials']} seeded prompts per distance, a {p['digits']}-digit key stated once, then "
+        f"filler from the held-out text; distance = tokens from the key to the answer; window {window}). Greedy exact "
+        f"match %, (mean log-likelihood of the answer, chance {p['chance']['loglik']:.1f}):",
+        "",
+        "| mode | " + " | ".join(f"d={d}{' *' if int(d) >= window else ''}" for d in ds) + " |",
+        "|---|" + "---:|" * len(ds),
+    ]
+    for mode, by_d in p["by_mode"].items():
+        lines.append(
+            f"| {mode} | " + " | ".join(f"{100 * by_d[d]['exact']:.0f} ({by_d[d]['loglik']:.1f})" for d in ds) + " |"
+        )
+    lines += ["", "\\* beyond the window: only what crosses it can answer; base is the ceiling."]
+    if p.get("sanity"):
+        lines += ["", "**Probe check failed:** " + "; ".join(p["sanity"])]
+    return lines
 
 
 def _mean_over(per_layer: dict, bucket: str) -> float:
@@ -111,6 +161,74 @@ def plots(r: dict, out_dir: Path) -> None:
         fig.colorbar(im, ax=axes[0].tolist(), label="LA share of normaliser")
         fig.savefig(out_dir / "la_share.png", dpi=120)
         plt.close(fig)
+    long_context_png(r, out_dir / "long_context.png")
+
+
+def long_context_png(r: dict, path: Path) -> bool:
+    """Passkey retrieval by distance and perplexity by position bucket, one line per mode, the window marked: the
+    figure to read first. False (nothing written) when neither was measured."""
+    p, ppl = r.get("passkey"), r.get("perplexity")
+    if not p and not ppl:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [x for x in ("passkey", "perplexity") if r.get(x)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "passkey":
+            for mode, by_d in p["by_mode"].items():
+                ds = sorted(by_d, key=int)
+                ax.plot([int(d) for d in ds], [100 * by_d[d]["exact"] for d in ds], label=mode, **_style(mode))
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-3, 103)
+            ax.set_xlabel("distance from the key to the answer (tokens)")
+            ax.set_ylabel("passkey exact match (%)")
+            ax.set_title(f"Retrieval ({p['trials']} prompts per distance)")
+        else:
+            labels = list(next(iter(ppl["by_mode"].values())))
+            mids = [(int(a) + int(b)) / 2 for a, b in (x.split("-") for x in labels)]
+            for mode, v in ppl["by_mode"].items():
+                if mode == "none":
+                    continue  # orders of magnitude above the rest: it would flatten every other line
+                ax.plot(mids, [v[x] for x in labels], label=mode, **_style(mode))
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("position of the predicted token (bucket middle)")
+            ax.set_ylabel("perplexity")
+            ax.set_title(f"Held-out perplexity ({ppl['sequences']} x {ppl['seq_len']} tokens)")
+        ax.axvline(r["window"], color="grey", ls="--", lw=1)
+        ax.text(r["window"], ax.get_ylim()[1], f" window {r['window']}", va="top", fontsize=8, color="grey")
+        ax.legend(fontsize=8)
+    if r.get("verdict"):
+        fig.suptitle(f"Verdict: {r['verdict']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+MODE_COLORS = {
+    "base": "black",
+    "hybrid": "tab:red",
+    "swa_only": "tab:blue",
+    "swa_sinks": "tab:cyan",
+    "la_only": "tab:green",
+    "sinks_only": "tab:purple",
+    "none": "tab:gray",
+}
+
+
+def _style(mode: str) -> dict:
+    """One colour per mode in every figure; the hybrid drawn thickest, the base dashed (the ceiling)."""
+    return {
+        "color": MODE_COLORS.get(mode),
+        "marker": "o",
+        "lw": 2.5 if mode == "hybrid" else 1.2,
+        "ls": "--" if mode == "base" else "-",
+    }
 
 
 def curves_png(curves: dict, path: Path) -> None:

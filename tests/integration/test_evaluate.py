@@ -33,6 +33,7 @@ def smollm2_eval(smollm2, tmp_path_factory):
             "eval.modes=[base,swa_only,none]",
             "eval.window=4096",
             "eval.ppl_sequences=0",
+            "eval.passkey_trials=0",
             f"eval.out_dir={out}",
             "eval.progress=false",
         ]
@@ -131,11 +132,14 @@ def _tiny_overrides(model, out):
         "eval.tasks=[piqa,winogrande]",
         "eval.limit=10",
         "eval.batch_size=3",
-        "eval.modes=[base,hybrid,la_only,none]",
+        "eval.modes=[base,hybrid,swa_sinks,la_only,none]",
         "attention.window=8",
         "eval.ppl_sequences=1",
         "eval.ppl_seq_len=96",
         "eval.la_share_seq_len=64",
+        "eval.passkey_distances=[12,40]",
+        "eval.passkey_trials=3",
+        "eval.passkey_modes=[base,hybrid,swa_sinks]",
         "eval.bootstrap=50",
         f"eval.out_dir={out}",
         "eval.progress=false",
@@ -158,6 +162,8 @@ def _same_numbers(one, two):
     assert two["modes"] == json.loads(json.dumps(one["modes"]))
     assert two["perplexity"] == json.loads(json.dumps(one["perplexity"]))
     assert two["delta_la"] == json.loads(json.dumps(one["delta_la"])) and two["verdict"] == one["verdict"]
+    assert two["passkey"] == json.loads(json.dumps(one["passkey"]))
+    assert two["beyond_window"] == json.loads(json.dumps(one["beyond_window"]))
 
 
 def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_rank, tmp_path):
@@ -187,7 +193,7 @@ def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, 
     _torchrun(args, env=procs.checked(prefix))
     calls = procs.collective_calls(prefix, 2)
     agreements = [c for c in calls if c["where"].startswith("runtime.py") and c["op"] == "all_reduce"]
-    assert len(agreements) >= 13 and all(c["dtype"] == ["torch.int32"] for c in agreements)  # >= one per cell
+    assert len(agreements) >= 19 and all(c["dtype"] == ["torch.int32"] for c in agreements)  # >= one per cell
     assert sum(c["op"] in ("all_gather_into_tensor", "_all_gather_base") for c in calls) > 100  # ZeRO-3's gathers
     sharded = json.loads((tmp_path / "z3" / "results.json").read_text())
     assert sharded["config"]["eval"]["shard_weights"] is True
@@ -237,8 +243,8 @@ def test_tensor_parallel_2_evaluates_as_one_process(tiny_smollm_vocab, tiny_one_
 
 
 def _requeue_overrides(model, tmp: Path) -> list[str]:
-    """The tiny evaluation (13 cells: 4 modes x 2 tasks, 4 perplexities, the LA share) in tmp/eval, its run_dir (the
-    requeue marker) tmp/run."""
+    """The tiny evaluation (19 cells: 5 modes x 2 tasks, 5 perplexities, the LA share, 3 passkey modes) in tmp/eval,
+    its run_dir (the requeue marker) tmp/run."""
     return [*_tiny_overrides(model, tmp / "eval"), f"run_dir={tmp / 'run'}"]
 
 
@@ -261,21 +267,21 @@ def test_signal_after_a_cell_exits_75_and_the_rerun_equals_an_uninterrupted_run(
     out, run = tmp_path / "eval", tmp_path / "run"
     stopped = procs.run(["evaluate", *args], {"HYBRID_SCALE_FAULT": "eval:base.piqa@USR1"})
     assert stopped.returncode == EXIT_REQUEUE, stopped.stderr[-3000:]
-    assert f"evaluation stopped by a signal after 1 of 13 cells; committed cells are in {out / 'cells'}" in (
+    assert f"evaluation stopped by a signal after 1 of 19 cells; committed cells are in {out / 'cells'}" in (
         stopped.stderr
     )
     assert (run / REQUEUE_MARKER).read_text() == "1\n"
     assert _cells(out) == ["base.piqa"] and not (out / "results.json").exists()
     with one_thread():
         assert main(["evaluate", *args]) == 0  # the requeued job
-    assert "resumed 1 of 13 cells" in capsys.readouterr().err
-    assert "resumed 1 of 13 cells" in (out / "log.txt").read_text() and not (run / REQUEUE_MARKER).exists()
-    assert len(_cells(out)) == 13
+    assert "resumed 1 of 19 cells" in capsys.readouterr().err
+    assert "resumed 1 of 19 cells" in (out / "log.txt").read_text() and not (run / REQUEUE_MARKER).exists()
+    assert len(_cells(out)) == 19
     _same_results_json(out / "results.json", tiny_one_rank[0] / "results.json")
 
 
 def _same_as_one(results: dict, one: dict) -> None:
-    for key in ("modes", "perplexity", "la_share", "delta_la", "verdict"):
+    for key in ("modes", "perplexity", "la_share", "delta_la", "verdict", "passkey", "beyond_window"):
         assert json.loads(json.dumps(results[key])) == json.loads(json.dumps(one[key])), key
 
 
@@ -297,8 +303,8 @@ def test_signal_inside_a_cell_drops_only_that_cell(stopped_mid_cell, tiny_one_ra
     assert stop.step == 2 and cells == ["base.piqa", "base.winogrande"] and marker == "2\n"
     assert not (tmp / "run" / REQUEUE_MARKER).exists()  # the rerun cleared it
     log = (tmp / "eval" / "log.txt").read_text()
-    assert "signal: 2 of 13 cells committed; dropped the cell in progress, hybrid.piqa" in log
-    assert "resumed 2 of 13 cells" in log
+    assert "signal: 2 of 19 cells committed; dropped the cell in progress, hybrid.piqa" in log
+    assert "resumed 2 of 19 cells" in log
     _same_as_one(results, tiny_one_rank[1])
 
 
@@ -330,11 +336,11 @@ def test_signal_inside_a_cell_on_two_ranks_stops_both_and_one_rank_resumes(tiny_
     (torchrun does not pass exit code 75 on: the marker says it). The cells do not depend on the number of ranks."""
     args = _requeue_overrides(tiny_smollm_vocab, tmp_path)
     stopped = procs.run(["evaluate", *args], {"HYBRID_SCALE_FAULT": "eval_batch:hybrid.piqa:1@USR1"}, ranks=2)
-    assert stopped.returncode != 0 and "evaluation stopped by a signal after 2 of 13 cells" in stopped.stderr
+    assert stopped.returncode != 0 and "evaluation stopped by a signal after 2 of 19 cells" in stopped.stderr
     assert (tmp_path / "run" / REQUEUE_MARKER).read_text() == "2\n"
     assert _cells(tmp_path / "eval") == ["base.piqa", "base.winogrande"]
     resumed = _evaluate(args)
-    assert resumed["world_size"] == 1 and "resumed 2 of 13 cells" in (tmp_path / "eval" / "log.txt").read_text()
+    assert resumed["world_size"] == 1 and "resumed 2 of 19 cells" in (tmp_path / "eval" / "log.txt").read_text()
     _same_as_one(resumed, tiny_one_rank[1])
 
 

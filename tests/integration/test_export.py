@@ -316,6 +316,7 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
                 f"eval.limit={n}",
                 "eval.modes=[hybrid]",
                 "eval.ppl_sequences=0",
+                "eval.passkey_trials=0",
                 "eval.bootstrap=0",
                 "eval.progress=false",
                 f"run_dir={tmp_path / 'run'}",

@@ -52,3 +52,44 @@ def test_la_share_is_zero_inside_the_window_and_grows():
         assert share["0-8"] == [0.0] * 4 and effect["0-8"] == [0.0] * 4  # n < w: hybrid is exact softmax
         assert all(0 < s < 1 for s in share["8-32"]) and all(e > 0 for e in effect["8-32"])
         assert sum(share["32-64"]) > sum(share["8-32"])  # more keys have left the window
+
+
+def test_beyond_window_verdict_against_swa_only_and_the_strongest_mode_without_la():
+    """Blocks of [NLL sum, tokens], paired by block: "LA used" needs the hybrid better than its own swa_only, and it
+    says so when a cheaper mode without LA (here swa_sinks) does as well or better."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.rand(40, generator=g) * 16 + 40).tolist()  # NLL sums of 16-token blocks, ~3 nats/token
+
+    def shifted(nats_per_token):
+        return [[s + 16 * nats_per_token, 16] for s in base]
+
+    def run(**modes):
+        return balance.beyond_window(modes, 64, 0.02, 200, seed=0)
+
+    out = run(swa_only=shifted(1.0), swa_sinks=shifted(0.0), hybrid=shifted(-0.5))
+    assert out["against"] == "swa_sinks" and out["tokens"] == 640 and out["verdict"] == "LA used"
+    assert out["delta"] == pytest.approx(0.5) and out["lo"] == pytest.approx(0.5) and out["hi"] == pytest.approx(0.5)
+    assert out["ratio"] == pytest.approx(math.exp(-0.5)) and out["swa_only"]["ratio"] == pytest.approx(math.exp(-1.5))
+    assert out["swa_only"]["delta"] == pytest.approx(1.5)
+    assert run(swa_only=shifted(1.0), swa_sinks=shifted(0.0), hybrid=shifted(0.5))["verdict"] == (
+        "LA used; swa_sinks without LA is better"
+    )
+    assert run(swa_only=shifted(1.0), swa_sinks=shifted(0.0), hybrid=shifted(0.0))["verdict"] == (
+        "LA used; no better than swa_sinks without LA"
+    )
+    assert run(swa_only=shifted(0.0), swa_sinks=shifted(0.5), hybrid=shifted(0.0))["verdict"] == "LA bypassed"
+    worse = run(swa_only=shifted(0.0), hybrid=shifted(0.5))
+    assert worse["against"] == "swa_only" and worse["verdict"] == "LA harmful" and worse["ratio"] > 1
+    noisy = [[s + (-40.0 if i % 2 else 39.0), 16] for i, s in enumerate(base)]  # +-2.5 nats/token, mean ~0
+    assert run(swa_only=shifted(0.0), hybrid=noisy)["verdict"] == "inconclusive"
+    assert run(none=shifted(5.0), hybrid=shifted(0.0))["verdict"] == "LA used"  # no swa_only: against `none` alone
+    assert run(hybrid=shifted(0.0), la_only=shifted(1.0)) is None
+
+
+def test_blocks_beyond_the_window_cover_exactly_the_tokens_past_it():
+    nll = torch.arange(2 * 40, dtype=torch.float64).view(2, 40)  # column t predicts position t + 1
+    blocks = balance.blocks_beyond(nll, 8)
+    assert [c for _, c in blocks] == [16, 16, 1, 16, 16, 1]  # positions 8..40 = columns 7..39, per sequence
+    assert sum(s for s, _ in blocks) == nll[:, 7:].sum().item()
+    ppl = balance.by_bucket(nll, [0, 8, 40])  # [a, b) of predicted positions 1..40: position 40 is past the end
+    assert ppl == {"0-8": math.exp(nll[:, :7].mean()), "8-40": math.exp(nll[:, 7:39].mean())}

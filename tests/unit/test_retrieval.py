@@ -1,0 +1,71 @@
+"""The passkey probe: seeded prompts with the key where the docstring says, scored teacher-forced."""
+
+import torch
+from conftest import tiny_model
+from transformers import AutoTokenizer
+
+from hybrid_scale.stages import retrieval
+
+
+def _tokenizer(smollm2):
+    return AutoTokenizer.from_pretrained(smollm2.model)
+
+
+def test_prompts_are_seeded_and_put_the_key_at_the_distance(smollm2):
+    tok = _tokenizer(smollm2)
+    filler = tok.encode("Plain filler words about nothing in particular. " * 120)
+    items = retrieval.probes(tok, filler, [16, 40], trials=3, seed=7, lead=20)
+    assert [p.distance for p in items] == [16] * 3 + [40] * 3
+    assert [p.key for p in items] == [p.key for p in retrieval.probes(tok, filler, [16, 40], 3, 7, 20)]
+    assert len({p.key for p in items}) == 6 and all(len(p.key) == retrieval.DIGITS for p in items)
+    question = tok.encode(retrieval.QUESTION, add_special_tokens=False)
+    for p in items:
+        text = tok.decode(p.ids)
+        assert text.endswith(f"{retrieval.QUESTION} {p.key}") and text.count(p.key) == 3
+        needle = tok.encode(" " + retrieval.NEEDLE.format(key=p.key), add_special_tokens=False)
+        assert p.ids[20 : 20 + len(needle)] == needle  # after the lead filler
+        first_answer = len(p.ids) - p.answer
+        assert first_answer - (20 + len(needle) - 1) == p.distance  # from the needle's last token
+        assert p.ids[first_answer - len(question) : first_answer] == question
+
+
+def test_too_short_a_distance_or_filler_is_a_clear_error(smollm2):
+    tok = _tokenizer(smollm2)
+    try:
+        retrieval.probes(tok, list(range(100)), [5], 1, 0)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "passkey distances must be >= 11" in str(e)
+    try:
+        retrieval.probes(tok, list(range(100)), [200], 1, 0)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "needs 221 tokens of filler, the held-out text has 100" in str(e)
+
+
+def test_scores_are_the_teacher_forced_answer_and_greedy_generation_agrees():
+    model = tiny_model("llama", vocab_size=128)
+    g = torch.Generator().manual_seed(0)
+    items = [retrieval.Probe(8, "k", torch.randint(3, 128, (30,), generator=g).tolist(), 4) for _ in range(3)]
+    with torch.no_grad():
+        full = model(torch.tensor([p.ids for p in items])).logits
+    logp = torch.log_softmax(full[:, -5:-1], -1)
+    want = logp.gather(-1, torch.tensor([p.ids[-4:] for p in items])[..., None])[..., 0].sum(-1)
+    got = retrieval.score(model, items, "cpu")
+    assert [round(ll, 4) for ll, _ in got] == [round(x, 4) for x in want.tolist()]
+    # make one prompt's answer what greedy decoding produces: exact match must then be True, and False elsewhere
+    prompt = torch.tensor([items[0].ids[:-4]])
+    greedy = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, -4:].tolist()
+    items[0].ids = items[0].ids[:-4] + greedy
+    got = retrieval.score(model, items, "cpu")
+    assert got[0][1] is True and not got[1][1]
+    summary = retrieval.run(model, items, "cpu", tokens_per_batch=60)  # 2 prompts per forward
+    assert summary["8"]["trials"] == 3 and summary["8"]["exact"] == 1 / 3
+
+
+def test_sanity_flags_a_window_mode_that_retrieves_beyond_the_window():
+    hit, miss = {"exact": 0.5, "loglik": -1.0}, {"exact": 0.0, "loglik": -11.0}
+    assert retrieval.sanity({"swa_only": {"16": hit, "64": miss}, "base": {"64": hit}}, 32) == []
+    assert retrieval.sanity({"swa_sinks": {"64": hit}}, 32) == [
+        "swa_sinks retrieved 50% of keys at distance 64 >= window 32"
+    ]
