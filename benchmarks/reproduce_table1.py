@@ -26,7 +26,8 @@ from pathlib import Path
 from hybrid_scale.recipes import RECIPES as RECIPE_TABLE
 
 RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
-MODES = ("hybrid", "swa_only", "la_only", "none")
+MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "none")
+ACCURACY_MODES = ("hybrid", "swa_only", "la_only", "none")  # the table's accuracy columns
 CALIBRATED = "la_only + SWA, gamma calibrated (export)"
 
 
@@ -64,9 +65,11 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--tasks", nargs="+", default=["piqa", "arc_easy"])
-    ap.add_argument("--eval-limit", type=int, default=25)
+    ap.add_argument("--eval-limit", type=int, default=50)
     ap.add_argument("--ppl-seq-len", type=int, default=512)
     ap.add_argument("--ppl-sequences", type=int, default=4)
+    ap.add_argument("--passkey-distances", nargs="+", type=int, default=[32, 128, 512])
+    ap.add_argument("--passkey-trials", type=int, default=10)
     ap.add_argument("--no-calibrated-row", action="store_true", help="skip la_only + calibrated gamma (export)")
     args = ap.parse_args()
     root = Path(args.run_root)
@@ -91,15 +94,24 @@ def main():
         f"eval.limit={args.eval_limit}",
         f"eval.ppl_seq_len={args.ppl_seq_len}",
         f"eval.ppl_sequences={args.ppl_sequences}",
-        "eval.buckets=[0,64,256]",
+        f"eval.buckets=[{','.join(str(b) for b in sorted({0, args.window, 64, 256}))}]",
         f"eval.la_share_seq_len={args.ppl_seq_len}",
+        f"eval.passkey_distances=[{','.join(map(str, args.passkey_distances))}]",
+        f"eval.passkey_trials={args.passkey_trials}",
     ]
+    modes = [f"eval.modes=[{','.join(MODES)}]", f"eval.passkey_modes=[{','.join(m for m in MODES if m != 'none')}]"]
     base_run = root / "base"
     timed(
         base_run,
         "eval",
         lambda: hybrid_scale(
-            "evaluate", *common, *evaluation, "eval.modes=[base]", f"run_dir={base_run}", "eval.la_share_seq_len=0"
+            "evaluate",
+            *common,
+            *evaluation,
+            "eval.modes=[base]",
+            "eval.passkey_modes=[base]",
+            f"run_dir={base_run}",
+            "eval.la_share_seq_len=0",
         ),
     )
     rows = {"base": json.loads((base_run / "eval" / "results.json").read_text())}
@@ -127,7 +139,7 @@ def main():
             run,
             "eval",
             lambda r=run, m=model: hybrid_scale(
-                "evaluate", *common, *evaluation, f"eval.model={m}", f"eval.modes=[{','.join(MODES)}]", f"run_dir={r}"
+                "evaluate", *common, *evaluation, f"eval.model={m}", *modes, f"run_dir={r}"
             ),
         )
         rows[recipe] = json.loads((run / "eval" / "results.json").read_text())
@@ -158,7 +170,7 @@ def main():
                 *common,
                 *evaluation,
                 f"eval.model={exported}",
-                f"eval.modes=[{','.join(MODES)}]",
+                *modes,
                 f"eval.out_dir={run / 'eval_calibrated'}",
                 f"run_dir={run}",
             ),
@@ -176,35 +188,60 @@ def _ci(d: dict) -> str:
     return f"{100 * d['delta']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
 
 
+def _nats(d: dict) -> str:
+    return f"{d['delta']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+
+
+def _far(r: dict, mode: str, window: int) -> str:
+    """Passkey exact match (%) over the distances beyond the window."""
+    p = r.get("passkey")
+    if not p or mode not in p["by_mode"]:
+        return ""
+    far = [str(d) for d in p["distances"] if d >= window]
+    return f"{100 * sum(p['by_mode'][mode][d]['exact'] for d in far) / max(len(far), 1):.0f}" if far else ""
+
+
 def table(out: dict) -> str:
     a, rows = out["args"], out["results"]
     tasks = a["tasks"]
     base = rows["base"]["modes"]["base"]
+    w = a["window"]
     lines = [
         "# Table 1 on SmolLM2-135M-Instruct (reduced budget)",
         "",
         f"Budget: stage 1 {a['stage1_sequences']} x {a['stage1_seq_len']} tokens, {a['stage1_epochs']} epochs/layer; "
         f"stage 2 {a['steps']} steps x {a['global_batch']} x {a['seq_len']} tokens, lr {a['lr']}; window "
         f"{a['window']}; {a['eval_limit']} items per task ({', '.join(tasks)}); perplexity on {a['ppl_sequences']} "
-        f"held-out sequences of {a['ppl_seq_len']}. Accuracy in points (reported metric per task), AVG over tasks.",
+        f"held-out sequences of {a['ppl_seq_len']}; passkey {a['passkey_trials']} prompts per distance "
+        f"{a['passkey_distances']}. Accuracy in points (reported metric per task), AVG over tasks. Beyond the window: "
+        f"held-out tokens at positions >= {w}; NLL gains in nats/token with 95% CIs (positive: the hybrid is better).",
         "",
-        "| recipe | hybrid | swa_only | la_only | none | dSWA [95% CI] | dLA [95% CI] | verdict | ppl hybrid "
-        "256+ | ppl swa_only 256+ | ppl la_only 256+ | stage 1 / 2 / eval (min) |",
+        "| recipe | hybrid | swa_only | la_only | none | dLA [95% CI] | ppl beyond window: hybrid / swa_only / "
+        "swa_sinks / la_only | hybrid vs swa_only | hybrid vs swa_sinks | passkey beyond window: hybrid / swa_sinks "
+        "(%) | verdict | stage 1 / 2 / eval (min) |",
         "|---|" + "---:|" * 11,
-        f"| base (softmax) | {100 * base['avg']:.1f} | | | | | | | "
-        f"{rows['base']['perplexity']['by_mode']['base']['256-' + str(a['ppl_seq_len'])]:.1f} | | | |",
     ]
+    base_ppl = rows["base"]["perplexity"]["by_mode"]["base"]
+    lines.append(
+        f"| base (softmax) | {100 * base['avg']:.1f} | | | | | {base_ppl[list(base_ppl)[-1]]:.1f} (last bucket) | | "
+        f"| {_far(rows['base'], 'base', w)} (base) | | |"
+    )
     for recipe, r in rows.items():
         if recipe == "base":
             continue
-        m, ppl, w = r["modes"], r["perplexity"]["by_mode"], out["walls"][recipe]
-        last = f"256-{a['ppl_seq_len']}"
+        m, b, wall = r["modes"], r["beyond_window"], out["walls"][recipe]
+        ppl = " / ".join(
+            f"{b['perplexity'][x]:.1f}" if x in b["perplexity"] else "-"
+            for x in ("hybrid", "swa_only", "swa_sinks", "la_only")
+        )
+        vs_sinks = _nats(b) if b["against"] == "swa_sinks" else ""
+        acc = " | ".join(f"{100 * m[x]['avg']:.1f}" if x in m else "-" for x in ACCURACY_MODES)
+        vs_swa = _nats(b["swa_only"]) if "swa_only" in b else ""
         lines.append(
-            f"| {recipe} | "
-            + " | ".join(f"{100 * m[x]['avg']:.1f}" for x in MODES)
-            + f" | {_ci(r['delta_swa']['avg'])} | {_ci(r['delta_la']['avg'])} | {r['verdict']} | "
-            + " | ".join(f"{ppl[x][last]:.1f}" for x in ("hybrid", "swa_only", "la_only"))
-            + f" | {w['stage1'] / 60:.0f} / {w['stage2'] / 60:.0f} / {(w['eval'] + w.get('export', 0)) / 60:.0f} |"
+            f"| {recipe} | {acc} | {_ci(r['delta_la']['avg'])} | {ppl} | {vs_swa} | {vs_sinks} | "
+            + f"{_far(r, 'hybrid', w)} / {_far(r, 'swa_sinks', w)} | {r['verdict']} | "
+            + f"{wall['stage1'] / 60:.0f} / {wall['stage2'] / 60:.0f} / "
+            + f"{(wall['eval'] + wall.get('export', 0)) / 60:.0f} |"
         )
     lines += ["", "Stage 2 held-out losses (hybrid / la_only) at each evaluation, and why it stopped:", ""]
     for recipe, w in out["walls"].items():

@@ -416,3 +416,26 @@ def test_clear_errors(smollm2, tmp_path, capsys):
     assert main(["evaluate", f"eval.data_dir={tmp_path}", "eval.tasks=[piqa]", "eval.modes=[base]"]) == 2
     err = capsys.readouterr().err
     assert f"config key 'eval.data_dir': {tmp_path} has no piqa dataset(s) (one save_to_disk directory per task)" in err
+
+
+def test_reproduce_table_renders_an_evaluation(tiny_one_rank):
+    """benchmarks/reproduce_table1.py's table from real results.json files (here the tiny evaluation as both the base
+    run and a recipe's): the beyond-window columns and the verdict come through."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "benchmarks" / "reproduce_table1.py"
+    spec = importlib.util.spec_from_file_location("reproduce_table1", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, one = tiny_one_rank
+    args = {"tasks": ["piqa", "winogrande"], "window": 8, "stage1_sequences": 8, "stage1_seq_len": 64}
+    args |= {"stage1_epochs": 1, "steps": 2, "global_batch": 2, "seq_len": 64, "lr": 1e-3, "eval_limit": 10}
+    args |= {"ppl_sequences": 1, "ppl_seq_len": 96, "passkey_trials": 3, "passkey_distances": [12, 40]}
+    curves = {"eval_steps": [2], "hybrid": [3.0], "la_only": [4.0], "output": "final", "stopping": {"reason": None}}
+    walls = {"lolcats": {"stage1": 60, "stage2": 120, "eval": 180, "curves": curves}}
+    text = mod.table({"args": args, "results": {"base": one, "lolcats": one}, "walls": walls})
+    row = next(line for line in text.splitlines() if line.startswith("| lolcats |"))
+    b = one["beyond_window"]
+    assert f"{b['perplexity']['hybrid']:.1f} / - / {b['perplexity']['swa_sinks']:.1f}" in row
+    assert f"| {one['verdict']} | 1 / 2 / 3 |" in row
+    assert "- lolcats: 2: 3.000/4.000; output = final; stop: max_steps" in text
