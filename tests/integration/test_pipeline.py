@@ -68,7 +68,14 @@ def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, t
     proc = procs.run(args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "| mode | PIQA (acc) | AVG | Rec.% |" in out and "| sinks_only |" in out  # base + the five modes
+    assert "| mode | PIQA (acc) | AVG | Rec.% |" in out and "| swa_sinks |" in out  # base + the preset's modes
     assert "Verdict on the linear attention: " in out and "Perplexity by position bucket" in out
+    assert "beyond the window (" in out and "passkey exact match at distances [12, 24] (beyond the window)" in out
+    assert "| d=12 * | d=24 * |" in out  # the passkey table, both distances past the tiny model's window of 8
+    figure = tmp_path / "qs" / "eval" / "long_context.png"
+    assert f"Figure (retrieval and perplexity past the window): {figure.resolve()}" in out and figure.is_file()
     assert f"Run directory: {(tmp_path / 'qs').resolve()}" in out
     assert (tmp_path / "qs" / "export" / "COMMITTED").is_file() and (tmp_path / "qs" / "config.yaml").is_file()
+    card = (tmp_path / "qs" / "export" / "README.md").read_text()  # the model card carries the figure and the probe
+    assert "![retrieval and perplexity past the window](balance/long_context.png)" in card and "Passkey" in card
+    assert (tmp_path / "qs" / "export" / "balance" / "long_context.png").is_file()
