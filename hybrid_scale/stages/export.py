@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..attention.architectures import ARCHITECTURES
 from ..attention.hybrid import HybridAttention
+from ..attention.naive import EPS
 from ..data import corpus
 from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, start_partial
 from ..errors import ExportError
@@ -153,14 +154,38 @@ def export_config(base: Path, settings: dict, dtype_name: str | None) -> dict:
 # --- gamma: fixed or calibrated ------------------------------------------------------------------------------------
 
 
+def gamma_parts(m: HybridAttention, q, k, v, fq, fk) -> tuple[torch.Tensor, ...]:
+    """The hybrid output as a function of gamma, from one pass at the layer's own gamma g0: the shared normaliser
+    gives y(gamma) = (r * num_soft + num_lin) / (r * den_soft + den_lin + EPS) with r = gamma / g0 per head, where
+    num_soft, den_soft are the window part at g0 and num_lin, den_lin the LA part (which gamma does not touch).
+    Returns (g0 [H], num_soft, num_lin [B,H,T,D], den_soft, den_lin [B,H,T,1]), all fp32."""
+    with torch.no_grad():
+        g0 = m.gamma.detach().float()
+        y, soft, lin = m.attend(q, k, v, fq, fk, gamma=g0, mode="hybrid", return_denominators=True)
+        y_soft = m.attend(q, k, v, fq, fk, gamma=g0, mode="swa_only")
+        soft, lin = soft.float()[..., None], lin.float()[..., None]
+        num_soft = y_soft.float() * (soft + EPS)
+        num_lin = y.float() * (soft + lin + EPS) - num_soft
+    return g0, num_soft, num_lin, soft, lin
+
+
+def hybrid_at(gamma: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The hybrid output at `gamma` [H] from gamma_parts (differentiable in gamma)."""
+    g0, num_soft, num_lin, soft, lin = parts
+    r = (gamma / g0).view(1, -1, 1, 1)
+    return (r * num_soft + num_lin) / (r * soft + lin + EPS)
+
+
 def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[torch.Tensor, float, float]:
-    """gamma logits per head minimising the MSE of the hybrid output to `target`; with the MSE before and after."""
-    logit = m.gamma_logit.detach().clone().requires_grad_(True)
+    """gamma logits per head minimising the MSE of the hybrid output to `target`; with the MSE before and after. The
+    attention runs once (gamma_parts); every Adam step is then elementwise."""
+    logit = m.gamma_logit.detach().clone().float().requires_grad_(True)
     opt = torch.optim.Adam([logit], lr=0.1)
+    parts = gamma_parts(m, q, k, v, fq, fk)
+    target = target.float()
 
     def mse():
-        y = m.attend(q, k, v, fq, fk, gamma=torch.sigmoid(logit), mode="hybrid")
-        return (y - target).pow(2).mean()
+        return (hybrid_at(torch.sigmoid(logit), parts) - target).pow(2).mean()
 
     with torch.no_grad():
         before = mse().item()

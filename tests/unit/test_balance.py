@@ -93,3 +93,32 @@ def test_blocks_beyond_the_window_cover_exactly_the_tokens_past_it():
     assert sum(s for s, _ in blocks) == nll[:, 7:].sum().item()
     ppl = balance.by_bucket(nll, [0, 8, 40])  # [a, b) of predicted positions 1..40: position 40 is past the end
     assert ppl == {"0-8": math.exp(nll[:, :7].mean()), "8-40": math.exp(nll[:, 7:39].mean())}
+
+
+def test_gamma_fit_from_one_attention_pass_equals_refitting_through_the_attention():
+    """export.fit_gamma runs the attention once and then steps gamma in closed form: the hybrid output at any gamma
+    equals the attention's, and 15 Adam steps land where 15 steps through the full attention land."""
+    from hybrid_scale.attention.hybrid import hybrid_layers
+    from hybrid_scale.stages import export
+
+    model = perturb_hybrid(hs.convert_model(tiny_model("llama"), {"window": 8}))
+    m = hybrid_layers(model)[0]
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 40, model.config.hidden_size, generator=g)
+    rope = model.model.rotary_emb(hidden, torch.arange(40)[None])
+    with torch.no_grad():
+        q, k, v, fq, fk = m.project(hidden, rope)
+    parts = export.gamma_parts(m, q, k, v, fq, fk)
+    for gamma in (torch.full((4,), 0.7), torch.rand(4, generator=g)):
+        want = m.attend(q, k, v, fq, fk, gamma=gamma, mode="hybrid")
+        torch.testing.assert_close(export.hybrid_at(gamma, parts), want, rtol=1e-5, atol=1e-6)
+    target = m.attend(q, k, v, fq, fk, gamma=torch.full((4,), 0.9), mode="swa_only").detach()
+    logit, before, after = export.fit_gamma(m, q, k, v, fq, fk, target, steps=15)
+    ref = m.gamma_logit.detach().clone().requires_grad_(True)  # the same fit through the full attention
+    opt = torch.optim.Adam([ref], lr=0.1)
+    for _ in range(15):
+        opt.zero_grad()
+        (m.attend(q, k, v, fq, fk, gamma=torch.sigmoid(ref), mode="hybrid") - target).pow(2).mean().backward()
+        opt.step()
+    torch.testing.assert_close(logit, ref.detach(), rtol=1e-4, atol=1e-4)
+    assert after < before
