@@ -35,8 +35,10 @@ quickstart: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/attention_scaling.py
 
-# Table 1 on SmolLM2: every recipe through stage 1, stage 2 and the ablation evaluation (about 3 hours on 2 cores
-# at the default budget; resumable). Options: .venv/bin/python benchmarks/reproduce_table1.py --help
+# Table 1 on SmolLM2: every recipe through stage 1, stage 2 (32 LoRA steps) and the ablation evaluation with the
+# beyond-window verdict and the passkey probe (an estimated 3 to 3.5 hours on 2 idle cores at the default budget,
+# scaled from the stage times measured at the previous one; resumable). Options: .venv/bin/python
+# benchmarks/reproduce_table1.py --help
 reproduce: $(STAMP)
 	$(PY) benchmarks/reproduce_table1.py
 

@@ -137,8 +137,8 @@ class EvalConfig:
     ppl_sequences: int = 4
     buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])
     la_share_seq_len: int = 1024
-    # passkey retrieval past the window: a key stated once, then filler (held-out text), then the question; scored
-    # by answer log-likelihood and greedy exact match at each distance (tokens from the key to the answer)
+    # passkey retrieval past the window: a key stated in one place, then filler (held-out text), then the question;
+    # scored by answer log-likelihood and greedy exact match at each distance (tokens from the key to the answer)
     passkey_distances: list[int] = field(default_factory=lambda: [32, 128, 512, 1024, 2048])  # [] = no probe
     passkey_trials: int = 20  # prompts per distance (seeded keys and filler)
     passkey_modes: list[str] = field(default_factory=lambda: ["base", "hybrid", "swa_only", "swa_sinks", "la_only"])

@@ -102,9 +102,9 @@ def passkey_lines(p: dict, window: int) -> list[str]:
     """The passkey table: greedy exact match and mean answer log-likelihood per mode and distance."""
     ds = [str(d) for d in p["distances"]]
     lines = [
-        f"Passkey retrieval ({p['trials']} seeded prompts per distance, a {p['digits']}-digit key stated once, then "
-        f"filler from the held-out text; distance = tokens from the key to the answer; window {window}). Greedy exact "
-        f"match %, (mean log-likelihood of the answer, chance {p['chance']['loglik']:.1f}):",
+        f"Passkey retrieval ({p['trials']} seeded prompts per distance, a {p['digits']}-digit key stated in one "
+        f"place, then filler from the held-out text; distance = tokens from the key to the answer; window {window}). "
+        f"Greedy exact match %, (mean log-likelihood of the answer, chance {p['chance']['loglik']:.1f}):",
         "",
         "| mode | " + " | ".join(f"d={d}{' *' if int(d) >= window else ''}" for d in ds) + " |",
         "|---|" + "---:|" * len(ds),

@@ -1,16 +1,17 @@
 """Passkey retrieval past the window: does anything cross it?
 
-A prompt states a random key once (``NEEDLE``), then runs `distance` tokens of filler and a question, and the model
-must continue with the key:
+A prompt states a random key (``NEEDLE``: twice, in one place), then runs filler and a question, and the model must
+continue with the key:
 
-    [LEAD tokens of filler] The pass key is 73921. Remember it. 73921 is the pass key. [filler]
-    What is the pass key? The pass key is 73921
-                                          ^ first answer token, `distance` positions after the needle's last token
+    [LEAD tokens of filler] The pass key is 73921. Remember it. The pass key is 73921. [filler] The pass key is 73921
+                                                                                  ^ key's last token      ^ first answer
+                                                                                    token: `distance` positions later
 
 Everything is seeded: the keys and the places the filler is cut from (the held-out text). The lead filler keeps the
 needle away from the first tokens, so that attention sinks (swa_sinks, sinks_only) cannot hold it. With distance >=
-window the whole needle has left the window of every answer token: a model that only attends within the window
-(swa_only, swa_sinks) can answer only by chance.
+window the key has left the window of every answer token: a model that only attends within the window (swa_only,
+swa_sinks) can answer only by chance. With distance + DIGITS - 1 < window the whole key is inside the window of the
+first answer token.
 
 Each prompt is scored teacher-forced in one forward: the log-likelihood of the answer's tokens and greedy exact
 match. Greedy decoding produces the answer iff at every answer position the argmax given the true prefix is the
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = " What is the pass key? The pass key is"
+NEEDLE = " The pass key is {key}. Remember it. The pass key is {key}"  # then NEEDLE_END
+NEEDLE_END = "."
+QUESTION = " The pass key is"
 DIGITS = 5
 LEAD = 32  # filler tokens before the needle (evaluate uses at least the sink count: no sink may hold the key)
 CHANCE_LOGLIK = DIGITS * math.log(0.1)  # guessing each digit uniformly
@@ -44,13 +46,16 @@ def probes(tokenizer, filler: list[int], distances: list[int], trials: int, seed
     """`trials` prompts per distance, seeded: the same prompts for every mode and every run with this seed; `lead`
     filler tokens before the needle (at least the model's sink count)."""
     question = tokenizer.encode(QUESTION, add_special_tokens=False)
-    shortest = len(question) + 1
+    end = tokenizer.encode(NEEDLE_END, add_special_tokens=False)
+    shortest = len(end) + len(question) + 1
     if min(distances, default=shortest) < shortest:
-        raise ValueError(f"passkey distances must be >= {shortest} (the question alone is {len(question)} tokens)")
+        raise ValueError(
+            f"passkey distances must be >= {shortest} (the needle's end and the question take {shortest - 1} tokens)"
+        )
     g = torch.Generator().manual_seed(seed)
     out = []
     for d in distances:
-        gap = d - len(question) - 1  # filler between the needle and the question
+        gap = d - len(end) - len(question) - 1  # filler between the needle and the question
         need = lead + gap
         if need > len(filler):
             raise ValueError(
@@ -61,7 +66,7 @@ def probes(tokenizer, filler: list[int], distances: list[int], trials: int, seed
             key = "".join(str(int(x)) for x in torch.randint(0, 10, (DIGITS,), generator=g))
             start = int(torch.randint(0, len(filler) - need + 1, (1,), generator=g))
             cut = filler[start : start + need]
-            needle = tokenizer.encode(" " + NEEDLE.format(key=key), add_special_tokens=False)
+            needle = tokenizer.encode(NEEDLE.format(key=key), add_special_tokens=False) + end
             answer = tokenizer.encode(" " + key, add_special_tokens=False)
             ids = cut[:lead] + needle + cut[lead:] + question + answer
             out.append(Probe(d, key, ids, len(answer)))

@@ -14,18 +14,19 @@ def _tokenizer(smollm2):
 def test_prompts_are_seeded_and_put_the_key_at_the_distance(smollm2):
     tok = _tokenizer(smollm2)
     filler = tok.encode("Plain filler words about nothing in particular. " * 120)
-    items = retrieval.probes(tok, filler, [16, 40], trials=3, seed=7, lead=20)
-    assert [p.distance for p in items] == [16] * 3 + [40] * 3
-    assert [p.key for p in items] == [p.key for p in retrieval.probes(tok, filler, [16, 40], 3, 7, 20)]
+    items = retrieval.probes(tok, filler, [8, 40], trials=3, seed=7, lead=20)
+    assert [p.distance for p in items] == [8] * 3 + [40] * 3
+    assert [p.key for p in items] == [p.key for p in retrieval.probes(tok, filler, [8, 40], 3, 7, 20)]
     assert len({p.key for p in items}) == 6 and all(len(p.key) == retrieval.DIGITS for p in items)
     question = tok.encode(retrieval.QUESTION, add_special_tokens=False)
     for p in items:
         text = tok.decode(p.ids)
         assert text.endswith(f"{retrieval.QUESTION} {p.key}") and text.count(p.key) == 3
-        needle = tok.encode(" " + retrieval.NEEDLE.format(key=p.key), add_special_tokens=False)
-        assert p.ids[20 : 20 + len(needle)] == needle  # after the lead filler
+        head = tok.encode(retrieval.NEEDLE.format(key=p.key), add_special_tokens=False)
+        assert tok.decode(head[-5:]) == p.key  # the key's digits end the needle's head
+        assert p.ids[20 : 20 + len(head) + 1] == head + tok.encode(".")  # after the lead filler
         first_answer = len(p.ids) - p.answer
-        assert first_answer - (20 + len(needle) - 1) == p.distance  # from the needle's last token
+        assert first_answer - (20 + len(head) - 1) == p.distance  # from the key's last token
         assert p.ids[first_answer - len(question) : first_answer] == question
 
 
@@ -35,12 +36,12 @@ def test_too_short_a_distance_or_filler_is_a_clear_error(smollm2):
         retrieval.probes(tok, list(range(100)), [5], 1, 0)
         raise AssertionError("no error")
     except ValueError as e:
-        assert "passkey distances must be >= 11" in str(e)
+        assert "passkey distances must be >= 6" in str(e)
     try:
         retrieval.probes(tok, list(range(100)), [200], 1, 0)
         raise AssertionError("no error")
     except ValueError as e:
-        assert "needs 221 tokens of filler, the held-out text has 100" in str(e)
+        assert "needs 226 tokens of filler, the held-out text has 100" in str(e)
 
 
 def test_scores_are_the_teacher_forced_answer_and_greedy_generation_agrees():
