@@ -38,7 +38,9 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-    m = HybridAttention.from_softmax(LlamaAttention(config, 0), config, 0, {"window": args.window})
+    settings = {"window": args.window, "feature_map": "hedgehog", "feature_dim": None, "gamma_init": 0.1}
+    settings |= {"sinks": 8, "mode": "hybrid", "chunk_size": 64}
+    m = HybridAttention.from_softmax(LlamaAttention(config, 0), config, 0, settings)
     hidden = torch.randn(args.sequences, args.seq_len, 576)
     rope = LlamaRotaryEmbedding(config)(hidden, torch.arange(args.seq_len)[None])
     with torch.no_grad():

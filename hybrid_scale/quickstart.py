@@ -43,9 +43,8 @@ def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ..
 
 CAVEAT = """\
 Scale of this run: {sequences} training sequences for stage 1 and {steps} LoRA steps, on CPU. The verdict rests on
-the held-out text beyond the window, where a hybrid can differ from its sliding window; on the short task items
-nearly every scored token lies inside the window, so their accuracies say little either way. Small samples: read
-the confidence intervals. The comparison of recipes at a larger budget is `make reproduce`."""
+the held-out text beyond the window, where a hybrid can differ from its sliding window; the task accuracies rest on a
+few items each and their CIs are wide. The comparison of recipes at a larger budget is `make reproduce`."""
 
 
 def summary(r: dict) -> str:
