@@ -28,6 +28,7 @@ def main():
             f"eval.limit={args.limit}",
             "eval.modes=[base]",
             "eval.ppl_sequences=0",
+            "eval.passkey_trials=0",
             f"eval.out_dir={out / 'eval_reference'}",
         ]
     )

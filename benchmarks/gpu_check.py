@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "benchmarks" / "gpu_check" / "text.jsonl"
 COLLECTIVES = ROOT / "tests" / "collectives"  # sitecustomize.py: records torch.distributed calls (and off-device ones)
 HELDOUT_FRACTION = 0.1
-MODES = ["base", "hybrid", "swa_only", "la_only", "sinks_only", "none"]
+MODES = ["base", "hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none"]
 # relative tolerances of the checked run against the reference (bf16 against fp32 by default): bf16 keeps 8 bits of
 # mantissa (0.4 % per rounding), and stages 1 and 2 train a few steps on top of it. Measured at the full step-b sizes
 # on CPU, bf16 vs fp32 (60 pretraining steps): stage-1 losses within 0.07 %, stage-2 losses 0.04 %, perplexities
@@ -105,7 +105,7 @@ def settings() -> dict:
         s["pretrain"] = dict(steps=10, seq_len=64, batch=4, lr=3e-3)
         s["pipe"] = dict(window=16, seq_len=64, num_sequences=8, epochs=1, distill_batch=4, steps=4, global_batch=2)
         s["pipe"] |= dict(micro_batch=1, eval_every=2, heldout=2, limit=4, ppl_seq_len=128, ppl_sequences=1)
-        s["pipe"] |= dict(buckets=[0, 16, 64, 128], la_share=64, decode_steps=4)
+        s["pipe"] |= dict(buckets=[0, 16, 64, 128], la_share=64, decode_steps=4, passkey=[20, 40], passkey_trials=2)
         s["big"] = dict(layers=2, hidden=64, heads=4, kv=2, head_dim=16, inter=128, seq_len=64, sequences=8)
         s["big"] |= dict(distill_batch=4, steps=3, global_batch=2)
         s["attn"] = dict(lengths=[256, 512], heads=4, kv=2, head_dim=16, feature=32, naive_max=512, window=16)
@@ -116,7 +116,8 @@ def settings() -> dict:
         s["pretrain"] = dict(steps=300, seq_len=256, batch=16, lr=3e-3)
         s["pipe"] = dict(window=64, seq_len=256, num_sequences=32, epochs=2, distill_batch=8, steps=8, global_batch=4)
         s["pipe"] |= dict(micro_batch=2, eval_every=4, heldout=4, limit=16, ppl_seq_len=512, ppl_sequences=2)
-        s["pipe"] |= dict(buckets=[0, 64, 256, 512], la_share=256, decode_steps=8)
+        s["pipe"] |= dict(buckets=[0, 64, 256, 512], la_share=256, decode_steps=8, passkey=[32, 128, 512])
+        s["pipe"] |= dict(passkey_trials=8)
         s["big"] = dict(layers=4, hidden=2048, heads=32, kv=8, head_dim=64, inter=8192, seq_len=2048, sequences=16)
         s["big"] |= dict(distill_batch=4, steps=4, global_batch=4)
         s["attn"] = dict(lengths=[2048, 4096, 8192, 16384, 32768], heads=32, kv=8, head_dim=64, feature=128)
@@ -350,6 +351,8 @@ def pipeline_overrides(s: dict, model: str, tasks: str, run_dir: Path, device: s
         f"eval.ppl_sequences={p['ppl_sequences']}",
         f"eval.buckets=[{','.join(map(str, p['buckets']))}]",
         f"eval.la_share_seq_len={p['la_share']}",
+        f"eval.passkey_distances=[{','.join(map(str, p['passkey']))}]",
+        f"eval.passkey_trials={p['passkey_trials']}",
         "eval.bootstrap=100",
         "eval.batch_size=8",
         "eval.progress=false",

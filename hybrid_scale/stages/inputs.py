@@ -176,6 +176,8 @@ def eval_inputs(cfg) -> None:
             )
     elif not assets.paths().datasets.is_dir():
         assets.require()  # one clear error saying how to make them
+    if e.passkey_distances and e.passkey_trials and e.passkey_modes:
+        passkey_prompts(cfg)
     out = rundir.eval_dir(cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'eval.out_dir': {out} is a file; set eval.out_dir to a directory")
@@ -184,6 +186,28 @@ def eval_inputs(cfg) -> None:
             f"config key 'eval.out_dir': {out} is a non-empty directory without an evaluation of ours "
             "(results.json or cells/); nothing was touched: choose a new or empty directory"
         )
+
+
+def passkey_prompts(cfg) -> None:
+    """The passkey probe's prompts can be built: every distance fits the tokenizer's question and the held-out text
+    holds enough filler (checked before a pipeline's first stage, not after its training)."""
+    from transformers import AutoTokenizer
+
+    from .evaluate import report_text  # the text the probe will cut its filler from
+    from .retrieval import LEAD, probes
+
+    e = cfg.eval
+    source = Path(e.model) if e.model else Path(cfg.model.path) if cfg.model.path else assets.require().model
+    try:
+        tokenizer_dir = base_dir(source) if (source / CONFIG_NAME).is_file() else source
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except Exception:  # a missing or broken model: the model checks name it (this check needs a tokenizer)
+        return
+    try:
+        filler = tokenizer.encode(report_text(cfg)[0])
+        probes(tokenizer, filler, list(e.passkey_distances), 1, cfg.seed, max(LEAD, cfg.attention.sinks))
+    except ValueError as err:
+        raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
 
 
 def export_output(cfg, *protected: Path) -> Path:

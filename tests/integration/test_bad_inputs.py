@@ -328,6 +328,18 @@ ROWS = [
         ["config key 'eval.ppl_text'", "missing.txt does not exist; point it at a text file"],
     ),
     (
+        "eval-passkey-too-close",
+        "evaluate",
+        lambda w: base(w, f"eval.model={w['s1']}", "eval.passkey_distances=[3,64]"),
+        ["config key 'eval.passkey_distances': passkey distances must be >= 6 (the needle's end and the question"],
+    ),
+    (
+        "eval-passkey-beyond-the-text",
+        "evaluate",
+        lambda w: base(w, f"eval.model={w['s1']}", "eval.passkey_distances=[100000]"),
+        ["config key 'eval.passkey_distances': passkey distance 100000 needs", "tokens of filler", "eval.ppl_text"],
+    ),
+    (
         "eval-data-dir-empty",
         "evaluate",
         lambda w: base(w, f"eval.model={w['s1']}", f"eval.data_dir={w['empty_tasks']}"),
