@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CorpusError
+from ..errors import ConfigError, CorpusError
 from .assets import require
 
 
@@ -150,3 +150,21 @@ def heldout_documents(source: str | Path | None, text_field: str, heldout_fracti
     if source is None:
         return heldout_splits(read_documents(require().heldout_text, text_field), "the embedded default")[split]
     return train_and_heldout(source, text_field, heldout_fraction, split)[1]
+
+
+def report_text(cfg) -> tuple[str, str]:
+    """(text, description) of the held-out text the perplexity and the LA share are reported on: eval.ppl_text, else
+    the `report` half of the held-out documents (of data.source, else of the embedded default) -- never the
+    `selection` half on which stage 2 chose its checkpoint."""
+    e = cfg.eval
+    if e.ppl_text:
+        path = Path(e.ppl_text)
+        if not path.is_file():
+            raise ConfigError(
+                f"config key 'eval.ppl_text': {path} does not exist; point it at a text file, or leave it unset for "
+                "the report half of the held-out text"
+            )
+        return path.read_text(), f"eval.ppl_text {path}"
+    docs = heldout_documents(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
+    where = heldout_source(cfg.data.source)
+    return "\n\n".join(docs), f"report half of the held-out documents of {where} ({len(docs)} documents)"

@@ -122,28 +122,10 @@ class Models:
         return self.cfg.attention.window
 
 
-def report_text(cfg) -> tuple[str, str]:
-    """(text, description) of the held-out text the perplexity and the LA share are reported on: eval.ppl_text, else
-    the `report` half of the held-out documents (of data.source, else of the embedded default) -- never the
-    `selection` half on which stage 2 chose its checkpoint."""
-    e = cfg.eval
-    if e.ppl_text:
-        path = Path(e.ppl_text)
-        if not path.is_file():
-            raise ConfigError(
-                f"config key 'eval.ppl_text': {path} does not exist; point it at a text file, or leave it unset for "
-                "the report half of the held-out text"
-            )
-        return path.read_text(), f"eval.ppl_text {path}"
-    docs = corpus.heldout_documents(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
-    where = corpus.heldout_source(cfg.data.source)
-    return "\n\n".join(docs), f"report half of the held-out documents of {where} ({len(docs)} documents)"
-
-
 def _heldout_sequences(tokenizer, cfg, held_text: tuple[str, str] | None = None) -> torch.Tensor:
-    """The report text (report_text, read here unless given) as eval.ppl_sequences rows of eval.ppl_seq_len."""
+    """The report text (corpus.report_text, read here unless given) as eval.ppl_sequences rows of eval.ppl_seq_len."""
     e = cfg.eval
-    text, where = held_text if held_text is not None else report_text(cfg)
+    text, where = held_text if held_text is not None else corpus.report_text(cfg)
     ids = tokenizer.encode(text)
     n = min(e.ppl_sequences, len(ids) // e.ppl_seq_len)
     if n == 0 and e.ppl_sequences:
@@ -155,8 +137,8 @@ def _heldout_sequences(tokenizer, cfg, held_text: tuple[str, str] | None = None)
 
 
 def heldout_record(cfg, where: str) -> dict:
-    """Which held-out text chose the checkpoint and which one (`where`, from report_text) the perplexity is reported
-    on (results.json)."""
+    """Which held-out text chose the checkpoint and which one (`where`, from corpus.report_text) the perplexity is
+    reported on (results.json)."""
     return {
         "selection": f"selection half of the held-out documents of {corpus.heldout_source(cfg.data.source)} "
         "(stage 2's held-out loss: best/ and early stopping)",
@@ -188,7 +170,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
     max_len = getattr(base_config(rundir.base_of(path, converted)), "max_position_embeddings", 8192)
     requests = {task: Requests(task, benchmarks.build(task, data_dir, e.limit), tokenizer, max_len) for task in e.tasks}
-    held_text = report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
+    held_text = corpus.report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
     window = models.window()
     results = {
         "model": str(path),
@@ -490,7 +472,7 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
     filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
     e = cfg.eval
     here = rt.main or e.shard_weights or rt.tp > 1
-    text = (held_text or report_text(cfg))[0]
+    text = (held_text or corpus.report_text(cfg))[0]
     sinks = read_hybrid_config(models.path)["attention"]["sinks"] if models.converted else cfg.attention.sinks
     lead = max(retrieval.LEAD, sinks)
     try:

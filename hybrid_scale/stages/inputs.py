@@ -17,6 +17,7 @@ from ..errors import ConfigError, InputError
 from ..models import streaming
 from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME, base_dir
 from . import rundir
+from .retrieval import LEAD, probes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -193,18 +194,17 @@ def passkey_prompts(cfg) -> None:
     holds enough filler (checked before a pipeline's first stage, not after its training)."""
     from transformers import AutoTokenizer
 
-    from .evaluate import report_text  # the text the probe will cut its filler from
-    from .retrieval import LEAD, probes
-
     e = cfg.eval
     source = Path(e.model) if e.model else Path(cfg.model.path) if cfg.model.path else assets.require().model
     try:
         tokenizer_dir = base_dir(source) if (source / CONFIG_NAME).is_file() else source
+        if not (tokenizer_dir / "tokenizer_config.json").is_file():
+            return  # a missing or broken model: the model checks name it (this check needs its tokenizer)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except Exception:  # a missing or broken model: the model checks name it (this check needs a tokenizer)
+    except Exception:
         return
     try:
-        filler = tokenizer.encode(report_text(cfg)[0])
+        filler = tokenizer.encode(corpus.report_text(cfg)[0])  # the text the probe cuts its filler from
         probes(tokenizer, filler, list(e.passkey_distances), 1, cfg.seed, max(LEAD, cfg.attention.sinks))
     except ValueError as err:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None

@@ -448,9 +448,9 @@ def test_passkey_on_smollm2_base_retrieves_and_window_modes_are_at_chance_beyond
     from transformers import AutoTokenizer
 
     import hybrid_scale as hs
+    from hybrid_scale.data.corpus import report_text
     from hybrid_scale.models.convert import set_modes
     from hybrid_scale.stages import retrieval
-    from hybrid_scale.stages.evaluate import report_text
 
     tok = AutoTokenizer.from_pretrained(smollm2.model)
     filler = tok.encode(report_text(load_config(overrides=[]))[0])
