@@ -1,0 +1,593 @@
+"""Fused hybrid attention in Triton: forward, backward, exact for any window, length, padding and mode.
+
+Each program of the forward takes one (batch, query head, query block) tile; its KV head is head // G (GQA: keys,
+values, phi_k and the LA state exist once per KV head, never repeated in memory). For query block [m0, m0+B) it
+  1. streams the key blocks [lo, m0+B) with lo = the block start at or before m0 - w + 1: online softmax over the
+     window keys (the exact per-query max c_n over real keys: the running max ends as that max; its argmax is kept
+     for the backward), and the masked intra-block LA terms of keys j <= n - w;
+  2. adds the sinks (swa_sinks: the first S real keys once they have left the window; sinks_only: all of them);
+  3. adds the LA numerator and denominator of every key before lo from the fp32 prefix state of whole key blocks
+     (one [F, D] matrix and one [F] vector per KV head and block boundary, computed once by `chunk_states`);
+  4. writes y = (gamma sum E v + sum L v) / (gamma sum E + sum L + EPS), with one shared normaliser, and saves c_n,
+     the denominator and the argmax per query for the backward.
+The backward recomputes everything (the block states too): `_bwd_q` gives dq, dphi_q, the per-query gamma term and
+each query block's state gradient; the state gradients are summed in reverse over blocks (the key side of the LA
+state); `_bwd_kv` gives dk, dv, dphi_k per key block; `_bwd_sinks` the sinks' share. The gradient through c_n (which
+is not detached, DESIGN.md section 2) reaches only the argmax key and is added outside the kernels.
+
+Rows whose real tokens are one contiguous span [start, end) are handled in place (left padding, right padding, no
+padding); other masks are packed first. Inputs in fp32 run their dots in IEEE fp32; half inputs run q.k, p.v and
+the feature-map dots on the tensor cores in their dtype with fp32 accumulation, and the state dots in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+EPS = 1e-12  # must equal hybrid_scale.attention.naive.EPS (checked by the tests)
+_EPS = tl.constexpr(EPS)
+
+# mode -> (window softmax, linear attention, sinks, gamma used)
+MODE_PARTS = {
+    "hybrid": (True, True, False, True),
+    "swa_only": (True, False, False, False),
+    "swa_sinks": (True, False, True, False),
+    "la_only": (False, True, False, False),
+    "sinks_only": (False, False, True, False),
+}
+MODES = (*MODE_PARTS, "none")
+
+
+@triton.jit
+def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def _fwd(
+    Q, K, V, FQ, FK, GAMMA, STATE_KV, STATE_K, START, END,  # inputs
+    Y, C, Z, DEN_E, DEN_L, IDX,  # outputs
+    T, H, G, D, F, NC, window, lin_off, sink_off, n_sinks, scale,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hkv = b * (H // G) + h // G
+    start = tl.load(START + b)
+    end = tl.load(END + b)
+    m0 = pid_m * BLOCK
+    rows = m0 + tl.arange(0, BLOCK)
+    n = rows - start
+    row_ok = (rows >= start) & (rows < end)
+    od = tl.arange(0, BLOCK_D)
+    of = tl.arange(0, BLOCK_F)
+    dm = od < D
+    fm = of < F
+    q_row = pid_bh.to(tl.int64) * T + rows
+    q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    num_e = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    den_e = tl.zeros([BLOCK], tl.float32)
+    num_l = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    den_l = tl.zeros([BLOCK], tl.float32)
+    idx = tl.zeros([BLOCK], tl.int32)
+    if LIN:
+        fq = tl.load(FQ + q_row[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+        lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
+    else:
+        lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
+    hi = tl.minimum(m0 + BLOCK, end)
+    if SOFT or LIN:
+        for kb in range(lo, hi, BLOCK):
+            cols = kb + tl.arange(0, BLOCK)
+            j = cols - start
+            k_ok = (cols >= start) & (cols < end)
+            k_row = hkv.to(tl.int64) * T + cols
+            v = tl.load(V + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+            causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
+            if SOFT:
+                k = tl.load(K + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+                a = _dot(q, tl.trans(k), DT, PREC) * scale
+                a = tl.where(causal & (j[None, :] > n[:, None] - window), a, float("-inf"))
+                block_max = tl.max(a, 1)
+                m_new = tl.maximum(m_i, block_max)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(a - m_safe[:, None])
+                if HYBRID:
+                    idx = tl.where(block_max > m_i, kb + tl.argmax(a, 1).to(tl.int32), idx)
+                num_e = num_e * alpha[:, None] + _dot(p, v, DT, PREC)
+                den_e = den_e * alpha + tl.sum(p, 1)
+                m_i = m_new
+            if LIN:
+                fk = tl.load(FK + k_row[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :], other=0.0)
+                s = _dot(fq, tl.trans(fk), DT, PREC)
+                s = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)
+                num_l += _dot(s, v, DT, PREC)
+                den_l += tl.sum(s, 1)
+    if SINKS:
+        sj = tl.arange(0, BLOCK_S)
+        cols = start + sj
+        s_ok = (sj < n_sinks) & (cols < end)
+        k_row = hkv.to(tl.int64) * T + cols
+        ks = tl.load(K + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        vs = tl.load(V + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        a = _dot(q, tl.trans(ks), DT, PREC) * scale
+        a = tl.where(row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off), a, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(a, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(a - m_safe[:, None])
+        num_e = num_e * alpha[:, None] + _dot(p, vs, DT, PREC)
+        den_e = den_e * alpha + tl.sum(p, 1)
+        m_i = m_new
+    if LIN:  # keys before lo: the prefix state of whole blocks (exclusive), fp32
+        st = hkv.to(tl.int64) * NC + lo // BLOCK
+        kv = tl.load(STATE_KV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
+        ksum = tl.load(STATE_K + st * F + of, mask=fm, other=0.0)
+        num_l += tl.dot(fq.to(tl.float32), kv, input_precision=PREC)
+        den_l += tl.sum(fq.to(tl.float32) * ksum[None, :], 1)
+    if HYBRID:
+        g = tl.load(GAMMA + h).to(tl.float32)
+    else:
+        g = 1.0
+    den = g * den_e + den_l + _EPS
+    y = (g * num_e + num_l) / den[:, None]
+    y = tl.where(row_ok[:, None], y, 0.0)
+    tl.store(Y + q_row[:, None] * D + od[None, :], y.to(Y.dtype.element_ty), mask=(rows < T)[:, None] & dm[None, :])
+    out = rows < T
+    tl.store(C + q_row, tl.where(m_i == float("-inf"), 0.0, m_i), mask=out)
+    tl.store(Z + q_row, den, mask=out)
+    tl.store(DEN_E + q_row, tl.where(row_ok, g * den_e, 0.0), mask=out)
+    tl.store(DEN_L + q_row, tl.where(row_ok, den_l, 0.0), mask=out)
+    tl.store(IDX + q_row, idx, mask=out)
+
+
+@triton.jit
+def _bwd_q(
+    Q, K, V, FQ, FK, GAMMA, STATE_KV, STATE_K, START, END, DY, C, Z, DELTA,  # inputs
+    DQ, DFQ, RSUM, DS_KV, DS_K,  # outputs
+    T, H, G, D, F, NC, NM, window, lin_off, sink_off, n_sinks, scale,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hkv = b * (H // G) + h // G
+    start = tl.load(START + b)
+    end = tl.load(END + b)
+    m0 = pid_m * BLOCK
+    rows = m0 + tl.arange(0, BLOCK)
+    n = rows - start
+    row_ok = (rows >= start) & (rows < end)
+    od = tl.arange(0, BLOCK_D)
+    of = tl.arange(0, BLOCK_F)
+    dm = od < D
+    fm = of < F
+    q_row = pid_bh.to(tl.int64) * T + rows
+    q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+    dy = tl.load(DY + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+    c = tl.load(C + q_row, mask=row_ok, other=0.0)
+    z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+    dyz = dy.to(tl.float32) / z[:, None]
+    dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+    if HYBRID:
+        g = tl.load(GAMMA + h).to(tl.float32)
+    else:
+        g = 1.0
+    dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    dfq = tl.zeros([BLOCK, BLOCK_F], tl.float32)
+    rsum = tl.zeros([BLOCK], tl.float32)
+    if LIN:
+        fq = tl.load(FQ + q_row[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+        lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
+    else:
+        lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
+    hi = tl.minimum(m0 + BLOCK, end)
+    if SOFT or LIN:
+        for kb in range(lo, hi, BLOCK):
+            cols = kb + tl.arange(0, BLOCK)
+            j = cols - start
+            k_ok = (cols >= start) & (cols < end)
+            k_row = hkv.to(tl.int64) * T + cols
+            v = tl.load(V + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+            causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
+            dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
+            if SOFT:
+                k = tl.load(K + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+                a = _dot(q, tl.trans(k), DT, PREC) * scale
+                win = causal & (j[None, :] > n[:, None] - window)
+                p = tl.where(win, g * tl.exp(a - c[:, None]), 0.0)
+                ds = p * dp
+                rsum += tl.sum(ds, 1)
+                dq += _dot(ds, k, DT, PREC) * scale
+            if LIN:
+                fk = tl.load(FK + k_row[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :], other=0.0)
+                dsl = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), dp, 0.0)
+                dfq += _dot(dsl, fk, DT, PREC)
+    if SINKS:
+        sj = tl.arange(0, BLOCK_S)
+        cols = start + sj
+        s_ok = (sj < n_sinks) & (cols < end)
+        k_row = hkv.to(tl.int64) * T + cols
+        ks = tl.load(K + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        vs = tl.load(V + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        a = _dot(q, tl.trans(ks), DT, PREC) * scale
+        ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
+        p = tl.where(ok, tl.exp(a - c[:, None]), 0.0)
+        dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
+        dq += _dot(p * dp, ks, DT, PREC) * scale
+    if LIN:
+        st = hkv.to(tl.int64) * NC + lo // BLOCK
+        kv = tl.load(STATE_KV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
+        ksum = tl.load(STATE_K + st * F + of, mask=fm, other=0.0)
+        dfq += tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
+        # this block's gradient of the state it read, for the keys before lo
+        fq32 = fq.to(tl.float32)
+        ds_kv = tl.dot(tl.trans(fq32), dyz, input_precision=PREC)
+        ds_k = -tl.sum(fq32 * dz[:, None], 0)
+        blk = pid_bh.to(tl.int64) * NM + pid_m
+        tl.store(DS_KV + blk * F * D + of[:, None] * D + od[None, :], ds_kv, mask=fm[:, None] & dm[None, :])
+        tl.store(DS_K + blk * F + of, ds_k, mask=fm)
+        tl.store(DFQ + q_row[:, None] * F + of[None, :], dfq, mask=(rows < T)[:, None] & fm[None, :])
+    out = rows < T
+    tl.store(DQ + q_row[:, None] * D + od[None, :], dq, mask=out[:, None] & dm[None, :])
+    tl.store(RSUM + q_row, rsum, mask=out)
+
+
+@triton.jit
+def _bwd_kv(
+    Q, K, V, FQ, FK, GAMMA, START, END, DY, C, Z, DELTA, G_KV, G_K,  # inputs
+    DK, DV, DFK,  # outputs
+    T, H, G, D, F, NC, window, lin_off, scale,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    pid_k = tl.program_id(0)
+    pid_bhkv = tl.program_id(1)
+    Hkv = H // G
+    b = pid_bhkv // Hkv
+    hk = pid_bhkv % Hkv
+    start = tl.load(START + b)
+    end = tl.load(END + b)
+    kb = pid_k * BLOCK
+    cols = kb + tl.arange(0, BLOCK)
+    j = cols - start
+    k_ok = (cols >= start) & (cols < end)
+    od = tl.arange(0, BLOCK_D)
+    of = tl.arange(0, BLOCK_F)
+    dm = od < D
+    fm = of < F
+    k_row = pid_bhkv.to(tl.int64) * T + cols
+    k = tl.load(K + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+    v = tl.load(V + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+    dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    dfk = tl.zeros([BLOCK, BLOCK_F], tl.float32)
+    if LIN:
+        fk = tl.load(FK + k_row[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :], other=0.0)
+        reach = lin_off  # query blocks whose dense span starts at or before this key block
+    else:
+        reach = window
+    m_end = tl.minimum(kb + BLOCK + reach - 1, end)
+    for gi in range(0, G):
+        h = hk * G + gi
+        bh = (b * H + h).to(tl.int64)
+        if HYBRID:
+            g = tl.load(GAMMA + h).to(tl.float32)
+        else:
+            g = 1.0
+        for m0 in range(kb, m_end, BLOCK):
+            rows = m0 + tl.arange(0, BLOCK)
+            n = rows - start
+            row_ok = (rows >= start) & (rows < end)
+            q_row = bh * T + rows
+            dy = tl.load(DY + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+            z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+            dyz = dy.to(tl.float32) / z[:, None]
+            dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+            causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
+            dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
+            if SOFT:
+                q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+                c = tl.load(C + q_row, mask=row_ok, other=0.0)
+                a = _dot(q, tl.trans(k), DT, PREC) * scale
+                p = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0)
+                dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
+                dv += _dot(tl.trans(p), dyz, DT, PREC)
+            if LIN:
+                fq = tl.load(FQ + q_row[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+                lin = causal & (j[None, :] <= n[:, None] - lin_off)
+                s = tl.where(lin, _dot(fq, tl.trans(fk), DT, PREC), 0.0)
+                dfk += _dot(tl.trans(tl.where(lin, dp, 0.0)), fq, DT, PREC)
+                dv += _dot(tl.trans(s), dyz, DT, PREC)
+    if LIN:  # the state this key block is part of: every later query block whose span starts after it
+        st = pid_bhkv.to(tl.int64) * NC + pid_k
+        gkv = tl.load(G_KV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
+        gk = tl.load(G_K + st * F + of, mask=fm, other=0.0)
+        dfk += tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
+        dv += tl.dot(fk.to(tl.float32), gkv, input_precision=PREC)
+        dfk = tl.where(k_ok[:, None], dfk, 0.0)
+        tl.store(DFK + k_row[:, None] * F + of[None, :], dfk, mask=(cols < T)[:, None] & fm[None, :])
+    dv = tl.where(k_ok[:, None], dv, 0.0)
+    tl.store(DK + k_row[:, None] * D + od[None, :], dk, mask=(cols < T)[:, None] & dm[None, :])
+    tl.store(DV + k_row[:, None] * D + od[None, :], dv, mask=(cols < T)[:, None] & dm[None, :])
+
+
+@triton.jit
+def _bwd_sinks(
+    Q, K, V, START, END, DY, C, Z, DELTA,  # inputs
+    DKS, DVS,  # outputs [B, Hkv, BLOCK_S, D]
+    T, H, G, D, sink_off, n_sinks, scale,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    pid_bhkv = tl.program_id(0)
+    Hkv = H // G
+    b = pid_bhkv // Hkv
+    hk = pid_bhkv % Hkv
+    start = tl.load(START + b)
+    end = tl.load(END + b)
+    sj = tl.arange(0, BLOCK_S)
+    cols = start + sj
+    s_ok = (sj < n_sinks) & (cols < end)
+    od = tl.arange(0, BLOCK_D)
+    dm = od < D
+    k_row = pid_bhkv.to(tl.int64) * T + cols
+    ks = tl.load(K + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+    vs = tl.load(V + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for gi in range(0, G):
+        bh = (b * H + hk * G + gi).to(tl.int64)
+        for m0 in range(start // BLOCK * BLOCK, end, BLOCK):
+            rows = m0 + tl.arange(0, BLOCK)
+            n = rows - start
+            row_ok = (rows >= start) & (rows < end)
+            q_row = bh * T + rows
+            q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+            dy = tl.load(DY + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+            c = tl.load(C + q_row, mask=row_ok, other=0.0)
+            z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+            dyz = dy.to(tl.float32) / z[:, None]
+            dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+            a = _dot(q, tl.trans(ks), DT, PREC) * scale
+            ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
+            p = tl.where(ok, tl.exp(a - c[:, None]), 0.0)
+            dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
+            dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
+            dv += _dot(tl.trans(p), dyz, DT, PREC)
+    out = pid_bhkv.to(tl.int64) * BLOCK_S + sj
+    tl.store(DKS + out[:, None] * D + od[None, :], dk, mask=dm[None, :])
+    tl.store(DVS + out[:, None] * D + od[None, :], dv, mask=dm[None, :])
+
+
+def _pow2(x: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(int(x)))
+
+
+def _spans(attention_mask, batch, length, device):
+    """(start, end) int32 [B] of each row's real tokens if they form one contiguous span in every row, else None."""
+    if attention_mask is None:
+        full = torch.full((batch,), length, dtype=torch.int32, device=device)
+        return torch.zeros_like(full), full
+    real = attention_mask.bool()
+    count = real.sum(-1)
+    first = torch.where(count > 0, real.int().argmax(-1), 0)
+    pos = torch.arange(length, device=device)
+    contiguous = (real == ((pos >= first[:, None]) & (pos < (first + count)[:, None]))).all()
+    if not bool(contiguous):
+        return None
+    return first.to(torch.int32), (first + count).to(torch.int32)
+
+
+def chunk_states(fk, v, start, end, block):
+    """Exclusive prefix LA state at each key-block boundary: kv [B,Hkv,NC,F,D], k [B,Hkv,NC,F] (fp32),
+    state c = sum over real keys in blocks 0..c-1 of phi_k(k) v^T and phi_k(k)."""
+    B, Hkv, T, F = fk.shape
+    nc = triton.cdiv(T, block)
+    pos = torch.arange(T, device=fk.device)
+    real = ((pos >= start[:, None]) & (pos < end[:, None])).to(torch.float32)[:, None, :, None]
+    pad = nc * block - T
+    fk32 = torch.nn.functional.pad(fk.float() * real, (0, 0, 0, pad)).view(B, Hkv, nc, block, F)
+    v32 = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(B, Hkv, nc, block, -1)
+    kv = torch.einsum("bhncf,bhncd->bhnfd", fk32, v32)
+    ks = fk32.sum(3)
+    kv = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], 2)
+    ks = torch.cat([torch.zeros_like(ks[:, :, :1]), ks[:, :, :-1].cumsum(2)], 2)
+    return kv.contiguous(), ks.contiguous()
+
+
+def _settings(q, k, fq, window, mode, sinks, block):
+    soft, lin, sink, hybrid = MODE_PARTS[mode]
+    B, H, T, D = q.shape
+    F = fq.shape[-1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return dict(
+        T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=int(window) if mode == "hybrid" else 0,
+        BLOCK=block, BLOCK_D=_pow2(D), BLOCK_F=_pow2(F), SOFT=soft, LIN=lin, HYBRID=hybrid,
+        sink_off=int(window) if mode == "swa_sinks" else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
+        DT=tl.bfloat16 if q.dtype == torch.bfloat16 else (tl.float16 if half else tl.float32),
+        PREC="tf32" if half else "ieee",
+    )  # fmt: skip
+
+
+class _HybridAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, fq, fk, gamma, start, end, window, mode, sinks, scale, block, num_warps):
+        B, H, T, D = q.shape
+        s = _settings(q, k, fq, window, mode, sinks, block)
+        nm = triton.cdiv(T, block)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        y = torch.empty_like(q)
+        c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
+        idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
+        if s["LIN"]:
+            state_kv, state_k = chunk_states(fk, v, start, end, block)
+        else:
+            state_kv = state_k = c  # unused
+        g = gamma.detach().to(torch.float32).contiguous()
+        _fwd[(nm, B * H)](
+            q, k, v, fq, fk, g, state_kv, state_k, start, end, y, c, z, den_e, den_l, idx,
+            s["T"], s["H"], s["G"], s["D"], s["F"], nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
+            BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_F=s["BLOCK_F"], BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"],
+            LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, fq, fk, gamma, start, end, y, c, z, idx)
+        ctx.opts = (window, mode, sinks, scale, block, num_warps)
+        ctx.mark_non_differentiable(den_e, den_l)
+        return y, den_e, den_l
+
+    @staticmethod
+    def backward(ctx, dy, _de, _dl):
+        q, k, v, fq, fk, gamma, start, end, y, c, z, idx = ctx.saved_tensors
+        window, mode, sinks, scale, block, num_warps = ctx.opts
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        s = _settings(q, k, fq, window, mode, sinks, block)
+        nm = triton.cdiv(T, block)
+        F = s["F"]
+        dy = dy.contiguous()
+        delta = (dy.float() * y.float()).sum(-1).contiguous()
+        g = gamma.detach().to(torch.float32).contiguous()
+        dq = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device)
+        dfq = torch.zeros(B, H, T, F, dtype=torch.float32, device=q.device)
+        rsum = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+        consts = dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps)
+        if s["LIN"]:
+            state_kv, state_k = chunk_states(fk, v, start, end, block)  # recomputed, not stored
+            ds_kv = torch.empty(B, H, nm, F, D, dtype=torch.float32, device=q.device)
+            ds_k = torch.empty(B, H, nm, F, dtype=torch.float32, device=q.device)
+        else:
+            state_kv = state_k = ds_kv = ds_k = rsum  # unused
+        _bwd_q[(nm, B * H)](
+            q, k, v, fq, fk, g, state_kv, state_k, start, end, dy, c, z, delta, dq, dfq, rsum, ds_kv, ds_k,
+            T, H, s["G"], D, F, nm, nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
+            BLOCK_F=s["BLOCK_F"], BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"], LIN=s["LIN"], SINKS=s["SINKS"],
+            HYBRID=s["HYBRID"], **consts,
+        )  # fmt: skip
+        if s["LIN"]:  # state gradient of key block c: every query block whose state covers it (its lo > c)
+            lo = (torch.arange(nm, device=q.device) * block - s["lin_off"] + 1).clamp(min=0) // block
+            per_kv = (ds_kv.view(B, Hkv, -1, nm, F, D).sum(2), ds_k.view(B, Hkv, -1, nm, F).sum(2))
+            grads = []
+            for d in per_kv:
+                acc = torch.zeros(B, Hkv, nm + 1, *d.shape[3:], dtype=torch.float32, device=q.device)
+                acc.index_add_(2, lo, d)
+                rev = acc.flip(2).cumsum(2).flip(2)  # rev[c] = sum over lo >= c
+                grads.append(rev[:, :, 1:].contiguous())  # key block c: lo >= c + 1
+            g_kv, g_k = grads
+        else:
+            g_kv = g_k = rsum
+        dk = torch.empty(B, Hkv, T, D, dtype=torch.float32, device=q.device)
+        dv = torch.empty_like(dk)
+        dfk = torch.zeros(B, Hkv, T, F, dtype=torch.float32, device=q.device)
+        _bwd_kv[(nm, B * Hkv)](
+            q, k, v, fq, fk, g, start, end, dy, c, z, delta, g_kv, g_k, dk, dv, dfk,
+            T, H, s["G"], D, F, nm, s["window"], s["lin_off"], scale,
+            BLOCK_F=s["BLOCK_F"], SOFT=s["SOFT"], LIN=s["LIN"], HYBRID=s["HYBRID"], **consts,
+        )  # fmt: skip
+        if s["SINKS"]:
+            bs = _pow2(max(sinks, 1))
+            dks = torch.empty(B, Hkv, bs, D, dtype=torch.float32, device=q.device)
+            dvs = torch.empty_like(dks)
+            _bwd_sinks[(B * Hkv,)](
+                q, k, v, start, end, dy, c, z, delta, dks, dvs, T, H, s["G"], D, s["sink_off"], s["n_sinks"], scale,
+                BLOCK_S=bs, **consts,
+            )  # fmt: skip
+            pos = (start.long()[:, None] + torch.arange(bs, device=q.device)).clamp(max=T - 1)
+            ok = (torch.arange(bs, device=q.device)[None] < sinks) & (pos < end.long()[:, None])
+            index = pos[:, None, :, None].expand(B, Hkv, bs, D)
+            dk.scatter_add_(2, index, dks * ok[:, None, :, None])
+            dv.scatter_add_(2, index, dvs * ok[:, None, :, None])
+        dgamma = None
+        if s["HYBRID"]:
+            # the gradient through c_n = max over the window reaches the argmax key only: dc_n = -sum_j dE_nj E_nj
+            dc = -rsum
+            index = idx.long()
+            per_kv = index.view(B, Hkv, s["G"] * T)[..., None].expand(-1, -1, -1, D)
+            dq += scale * dc[..., None] * k.float().gather(2, per_kv).view(B, H, T, D)
+            dk.scatter_add_(2, per_kv, (scale * dc[..., None] * q.float()).view(B, Hkv, -1, D))
+            if gamma.requires_grad:
+                dgamma = (rsum.sum((0, 2)) / gamma.detach().float()).to(gamma.dtype)
+        elif gamma.requires_grad:
+            dgamma = torch.zeros_like(gamma)
+        return (
+            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma,
+            None, None, None, None, None, None, None, None,
+        )  # fmt: skip
+
+
+def default_block(device: torch.device) -> int:
+    """Tile size: 64 on a GPU; 16 under the interpreter (tiny test shapes still cross several tiles)."""
+    return 64 if device.type == "cuda" else 16
+
+
+def triton_hybrid_attention(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    gamma,
+    *,
+    window,
+    mode="hybrid",
+    sinks=8,
+    scale=None,
+    attention_mask=None,
+    chunk_size=None,
+    return_denominators=False,
+    block=None,
+    num_warps=4,
+):
+    """The attention backend contract of hybrid_scale/attention/backends.py, computed by the fused kernels.
+    chunk_size is ignored (the tile is `block`: 64 on a GPU, 16 under the interpreter)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    block = block or default_block(q.device)
+    if sinks > 64 and mode in ("swa_sinks", "sinks_only"):
+        raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {sinks}")
+    B, H, T, D = q.shape
+    if mode == "none" or T == 0:
+        y = q.new_zeros(B, H, T, v.shape[-1])
+        zero = q.new_zeros(B, H, T, dtype=torch.float32)
+        return (y, zero, zero.clone()) if return_denominators else y
+    if v.shape[-1] != D:
+        raise ValueError(f"the triton backend needs value dim == head dim, got {v.shape[-1]} and {D}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    dtype = q.dtype
+    k, v, fq, fk = (t.to(dtype) for t in (k, v, fq, fk))
+    spans = _spans(attention_mask, B, T, q.device)
+    order = None
+    if spans is None:  # padding not in one span per row: move real tokens to the front (stable), then back
+        real = attention_mask.bool()
+        order = torch.argsort((~real).to(torch.int8), dim=-1, stable=True)
+        q, k, v, fq, fk = (_gather(t, order) for t in (q, k, v, fq, fk))
+        count = real.sum(-1).to(torch.int32)
+        spans = (torch.zeros_like(count), count)
+    q, k, v, fq, fk = (t.contiguous() for t in (q, k, v, fq, fk))
+    y, den_e, den_l = _HybridAttention.apply(q, k, v, fq, fk, gamma, *spans, window, mode, sinks, scale, block, num_warps)
+    if order is not None:
+        inverse = torch.argsort(order, dim=-1)
+        y, den_e, den_l = _gather(y, inverse), _gather(den_e[..., None], inverse)[..., 0], _gather(
+            den_l[..., None], inverse
+        )[..., 0]
+    return (y, den_e, den_l) if return_denominators else y
+
+
+def _gather(x, index):
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
