@@ -16,6 +16,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .attention.backends import CHOICES as BACKEND_CHOICES
 from .attention.feature_maps import FEATURE_MAPS
 from .attention.naive import MODES
 from .errors import ConfigError
@@ -44,7 +45,10 @@ class AttentionConfig:
     sinks: int = 8  # S for sinks_only
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)
-    chunk_size: int = 64
+    chunk_size: int = 64  # query block of the torch path (the Triton kernels pick their own tile)
+    # what computes the attention in every stage: auto = the fused Triton kernels (kernels/, `pip install
+    # hybrid_scale[triton]`) for CUDA tensors when installed, the chunked torch path elsewhere; torch; triton (CUDA)
+    backend: str = "auto"
 
 
 @dataclass
@@ -233,6 +237,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _positive("attention.chunk_size", a.chunk_size)
     _choice("attention.feature_map", a.feature_map, sorted(FEATURE_MAPS))
     _choice("attention.mode", a.mode, MODES)
+    _choice("attention.backend", a.backend, BACKEND_CHOICES)
     if not 0.0 < a.gamma_init < 1.0:
         raise ConfigError(f"config key 'attention.gamma_init': must be in (0, 1), got {a.gamma_init}")
     if a.layers is not None and any(i < 0 for i in a.layers):

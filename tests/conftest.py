@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter on CPU (read when triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,

@@ -1,9 +1,15 @@
 """Backends of the hybrid attention entry point (hybrid.attend, HybridAttention.attend): a name -> function registry.
 
 Registered here: "naive" (naive.naive_hybrid_attention, the O(T^2) spec) and "chunk" (chunked.chunk_hybrid_attention,
-O(T (w + C)), fp32 state). A faster implementation, e.g. a Triton kernel, registers itself from its own module with
-`register_backend("triton", fn)`; attention never imports it, so an exported model (these files copied next to a
-modeling file) runs on the torch backends alone.
+O(T (w + C)), fp32 state). A faster implementation registers itself from its own package: every installed entry point
+in the group "hybrid_scale.attention_backends" is called once, the first time a backend outside the built-ins is
+wanted, with `register_backend` (the fused Triton kernels of kernels/ register "triton" and its decode step this way).
+Attention never imports such a package by name, so an exported model (these files copied next to a modeling file) uses
+the kernels where they are installed and runs on the torch backends where they are not.
+
+The config's `attention.backend` names a choice, resolved per call by `resolve(choice, device)`: "torch" = "chunk",
+"triton" = the kernels (an error naming the fix when they are not installed), "auto" = "triton" for CUDA tensors
+when it registered, else "chunk".
 
 A backend is called with the tensors positionally and everything else by keyword:
 
@@ -15,26 +21,37 @@ hint; a backend without chunks ignores it). It returns y [B,H,T,D] in q's dtype,
 (y, sum of E [B,H,T], sum of L [B,H,T]), and must equal the naive backend in outputs and gradients (DESIGN.md
 section 7); what it cannot do it refuses with a ValueError.
 
-This file imports only its siblings (the export copies it next to a modeling file).
+This file imports only torch, importlib.metadata and its siblings (the export copies it next to a modeling file).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.metadata import entry_points
+
+import torch
 
 from .chunked import chunk_hybrid_attention
 from .naive import naive_hybrid_attention
 
 BUILTIN = ("naive", "chunk")
+CHOICES = ("auto", "torch", "triton")  # the values of attention.backend
+PLUGIN_GROUP = "hybrid_scale.attention_backends"
 _BACKENDS: dict[str, Callable] = {}
+_DECODERS: dict[str, Callable] = {}
+_PLUGIN_ERRORS: dict[str, str] = {}
+_plugins_loaded = False
 
 
 def _naive(q, k, v, fq, fk, gamma, *, chunk_size, **options):
     return naive_hybrid_attention(q, k, v, fq, fk, gamma, **options)  # the spec has no chunks
 
 
-def register_backend(name: str, fn: Callable) -> Callable:
-    """Make `fn` the backend called `name` (registering a name again replaces it; the built-ins cannot be)."""
+def register_backend(name: str, fn: Callable, decode: Callable | None = None) -> Callable:
+    """Make `fn` the backend called `name` (registering a name again replaces it; the built-ins cannot be).
+    `decode`, optional: a fused one-token decode step, called as decode(state, q, k, v, fq, fk, gamma, *, window,
+    mode, sinks, attention_mask, scale) with a recurrent.DecodeState that it advances in place; it returns y, or None
+    for a step it does not take (then recurrent.extend runs)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"an attention backend needs a non-empty name, got {name!r}")
     if not callable(fn):
@@ -42,19 +59,64 @@ def register_backend(name: str, fn: Callable) -> Callable:
     if name in BUILTIN and name in _BACKENDS and _BACKENDS[name] is not fn:
         raise ValueError(f"attention backend '{name}' is built in and cannot be replaced; register another name")
     _BACKENDS[name] = fn
+    if decode is not None:
+        _DECODERS[name] = decode
     return fn
 
 
+def load_plugins() -> None:
+    """Call every installed "hybrid_scale.attention_backends" entry point once (a failing one is remembered and named
+    when its backend is asked for)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for point in entry_points(group=PLUGIN_GROUP):
+        try:
+            point.load()(register_backend)
+        except Exception as e:  # noqa: BLE001  (e.g. triton missing or broken: the torch backends still work)
+            _PLUGIN_ERRORS[point.name] = f"{type(e).__name__}: {e}"
+
+
 def available() -> tuple[str, ...]:
-    """Names of the registered backends, sorted."""
+    """Names of the registered backends (installed plugins included), sorted."""
+    load_plugins()
     return tuple(sorted(_BACKENDS))
 
 
+def resolve(choice: str, device: torch.device | str) -> str:
+    """The backend name an `attention.backend` choice (or a backend name) means for tensors on `device`."""
+    if choice == "torch":
+        return "chunk"
+    if choice == "auto":
+        if torch.device(device).type == "cuda":
+            load_plugins()
+            if "triton" in _BACKENDS:
+                return "triton"
+        return "chunk"
+    return choice
+
+
 def get_backend(name: str) -> Callable:
+    if name not in _BACKENDS:
+        load_plugins()
     try:
         return _BACKENDS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown attention backend '{name}'; available: {', '.join(available())}") from None
+        pass
+    if name == "triton":
+        why = _PLUGIN_ERRORS.get(name, "hybrid_scale_kernels is not installed")
+        raise ValueError(
+            f"attention backend 'triton' is not available ({why}); install the kernels with "
+            "pip install 'hybrid_scale[triton]' on a CUDA machine, or set attention.backend=auto or torch"
+        )
+    raise ValueError(f"unknown attention backend '{name}'; available: {', '.join(available())}")
+
+
+def get_decode(name: str) -> Callable | None:
+    """The fused decode step registered with backend `name`, or None."""
+    get_backend(name)
+    return _DECODERS.get(name)
 
 
 register_backend("naive", _naive)

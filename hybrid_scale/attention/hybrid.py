@@ -1,9 +1,11 @@
 """The hybrid attention entry point and nn.Module, its decode cache, and the input preparation a converted model needs.
 
 `attend` is the one entry point to the attention math over whole sequences (decode with a cache goes through
-recurrent.extend): tensors, then keyword-only settings, computed by a backend of backends.py ("chunk" by default,
-"naive" = the spec, or one registered from outside such as a Triton kernel). `HybridAttention.attend` is the same with
-the layer's own settings as defaults; its forward, stage 1, gamma calibration and the LA-share diagnostic call it.
+recurrent.extend, or a backend's fused decode step): tensors, then keyword-only settings, computed by a backend of
+backends.py chosen per call from `backend` ("auto" by default: the Triton kernels for CUDA tensors when installed,
+the chunked torch path elsewhere; "torch", "triton", or a backend name such as "naive" = the spec).
+`HybridAttention.attend` is the same with the layer's own settings (its `backend` included) as defaults; its forward,
+stage 1, gamma calibration and the LA-share diagnostic call it.
 
 `HybridAttention` takes the place of a Llama/Mistral/Qwen2 attention module and adopts its q/k/v/o projections (same
 names, so PEFT targets them as before), its scaling and the model's rotary embeddings; it adds phi_q (per query head),
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .backends import get_backend
+from .backends import get_backend, get_decode, resolve
 from .feature_maps import make_feature_map
 from .naive import check_mode
 from .recurrent import DecodeState, extend
@@ -58,17 +60,18 @@ def attend(
     scale=None,
     attention_mask=None,
     chunk_size=64,
-    backend="chunk",
+    backend="auto",
     return_denominators=False,
 ):
-    """Hybrid attention (DESIGN.md section 2) computed by the named backend (see backends.py).
+    """Hybrid attention (DESIGN.md section 2) computed by the backend `backend` resolves to for q's device (see
+    backends.py: auto, torch, triton, or a registered name).
 
     q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F] = phi_q(q), fk [B,Hkv,T,F] = phi_k(k), gamma [H] in (0,1);
     mode one of naive.MODES; scale None = 1/sqrt(D); attention_mask [B,T] (1 = token, 0 = padding) or None.
     Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
     of the shared normaliser (unpadded input; the LA-share diagnostic)."""
     check_mode(mode)
-    return get_backend(backend)(
+    return get_backend(resolve(backend, q.device))(
         q,
         k,
         v,
@@ -102,6 +105,7 @@ class HybridAttention(nn.Module):
         sinks: int = 8,
         mode: str = "hybrid",
         chunk_size: int = 64,
+        backend: str = "auto",
         param_dtype: torch.dtype | None = None,
     ):
         super().__init__()
@@ -119,7 +123,7 @@ class HybridAttention(nn.Module):
         self.scaling = scaling
         self.is_causal = True
         self.window, self.sinks, self.mode, self.chunk_size = int(window), int(sinks), mode, int(chunk_size)
-        self.backend = "chunk"  # the backends.py name `attend` uses; not a setting (exports always run on torch)
+        self.backend = backend  # what `attend` runs on: auto | torch | triton or a backends.py name (per call)
         ref = self.q_proj.weight
         dtype = param_dtype or ref.dtype  # fp32 masters for training in half precision; else the projections'
         self.feature_map_q = make_feature_map(feature_map, num_heads, head_dim, feature_dim)
@@ -129,7 +133,8 @@ class HybridAttention(nn.Module):
         logit = math.log(gamma_init / (1.0 - gamma_init))
         self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=dtype))
 
-    SETTINGS = ("window", "feature_map", "feature_dim", "gamma_init", "sinks", "mode", "chunk_size")
+    SETTINGS = ("window", "feature_map", "feature_dim", "gamma_init", "sinks", "mode", "chunk_size", "backend")
+    DEFAULTS = {"backend": "auto"}  # settings that older hybrid_config.json files do not have
 
     @classmethod
     def from_softmax(cls, base: nn.Module, config, layer_idx: int, settings, param_dtype=None) -> HybridAttention:
@@ -142,7 +147,7 @@ class HybridAttention(nn.Module):
             num_kv_heads=config.num_key_value_heads,
             head_dim=base.head_dim,
             scaling=base.scaling,
-            **{name: settings[name] for name in cls.SETTINGS},
+            **{name: settings[name] if name in settings else cls.DEFAULTS[name] for name in cls.SETTINGS},
             param_dtype=param_dtype,
         )
 
@@ -262,6 +267,7 @@ class HybridCacheLayer(CacheLayerMixin):
         self.state: DecodeState | None = None
 
     def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
+        backend = resolve(module.backend, q.device)
         if self.state is None:
             if module.window != self.window or module.sinks != self.sinks:
                 raise ValueError(
@@ -273,6 +279,12 @@ class HybridCacheLayer(CacheLayerMixin):
                 B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
             )
             self.is_initialized = True
+        options = dict(window=module.window, mode=module.mode, sinks=module.sinks, attention_mask=mask)
+        step = get_decode(backend) if q.shape[2] == 1 else None
+        if step is not None:
+            y = step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
+            if y is not None:
+                return y
         return extend(
             self.state,
             q,
@@ -281,12 +293,10 @@ class HybridCacheLayer(CacheLayerMixin):
             fq,
             fk,
             module.gamma,
-            window=module.window,
-            mode=module.mode,
-            sinks=module.sinks,
-            attention_mask=mask,
             scale=module.scaling,
             chunk_size=module.chunk_size,
+            prefill=get_backend(backend),
+            **options,
         )
 
     def lazy_initialization(self, key_states, value_states) -> None:

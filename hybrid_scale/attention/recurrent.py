@@ -119,9 +119,12 @@ def extend(
     attention_mask=None,
     scale=None,
     chunk_size=64,
+    prefill=None,
 ) -> torch.Tensor:
     """Attend k new tokens (q [B,H,k,D], k/v [B,Hkv,k,D], fq, fk) to everything the state has seen, then fold
     them into the state. attention_mask [B,k] marks the new tokens' real ones. Returns [B,H,k,D].
+    prefill: optional backend function (backends.py contract) that computes the first call's attention when the
+    state is still empty and the call is long (a prompt), e.g. the Triton kernels; the state is built the same way.
 
     Longer than the rest on purpose: the ring buffer's bookkeeping (positions, real-token counts, what leaves the
     window and is folded into the LA state, the sink buffer) is one sequence of steps that reads top to bottom
@@ -164,6 +167,22 @@ def extend(
         pos_keys = torch.cat([pos_sink, pos_new.gather(1, pick)], 1)
         y = masked_attention(
             q, keys, vals, fq, dummy, gamma, pos_new, pos_keys, window=window, mode=mode, sinks=sinks, scale=scale
+        )
+    elif prefill is not None and T > chunk_size and not bool(state.count.any()):  # a prompt: nothing seen yet
+        y = prefill(
+            q,
+            k,
+            v,
+            fq,
+            fk,
+            gamma,
+            window=window,
+            mode=mode,
+            sinks=sinks,
+            scale=scale,
+            attention_mask=attention_mask,
+            chunk_size=chunk_size,
+            return_denominators=False,
         )
     elif T <= chunk_size or mode == "none" or (mode == "swa_sinks" and bool(state.count.any())):
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)

@@ -89,6 +89,7 @@ def describe(model: nn.Module) -> dict:
         sinks=first.sinks,
         mode=first.mode,
         chunk_size=first.chunk_size,
+        backend=first.backend,
         feature_map=first.feature_map_q.name,
         feature_dim=first.feature_map_q.feature_dim,
         layers=sorted(layers),
@@ -216,9 +217,14 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
                 p.copy_(merge(p, a, b, scaling))
 
 
-def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_converted(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: str | None = None,
+):
     """Load base model + hybrid parameters (+ a stage-2 LoRA adapter, merged). The dtype is always passed explicitly
-    to transformers."""
+    to transformers. backend: the attention backend to run on (auto | torch | triton); None = as recorded."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     path = Path(path)
@@ -231,6 +237,8 @@ def load_converted(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     model = load_base_model(base, dtype)
     attention = dict(meta["attention"])
     layer_modes = attention.pop("layer_modes", None)
+    if backend is not None:
+        attention["backend"] = backend
     convert_model(model, attention)
     params_file = path / PARAMS_NAME
     if not params_file.is_file():

@@ -394,8 +394,9 @@ def run_identity(cfg, model_path: Path, attention, weights: dict[str, float]) ->
     values). Left out, as they do not change what is computed: the number of ranks (the buffers are per sequence; a
     resume on another world rebuilds them), model.device and model.arch (the device moves only rounding; arch is for
     `plan`), distill.progress, distill.buffer_dir (where the buffers live, not what they hold), distill.recipe
-    (only through distill.objectives, recorded as resolved) and distill.query_block (the same loss summed in other
-    row blocks: memory only, like the number of ranks it moves only floating-point rounding)."""
+    (only through distill.objectives, recorded as resolved), distill.query_block (the same loss summed in other
+    row blocks: memory only, like the number of ranks it moves only floating-point rounding) and attention.backend
+    (the same attention computed by another implementation: rounding only)."""
     d, data = cfg.distill, cfg.data
     user_source = data.source is not None  # the embedded default ignores text_field and heldout_fraction
     identity = {
@@ -417,7 +418,7 @@ def run_identity(cfg, model_path: Path, attention, weights: dict[str, float]) ->
         "distill.buffer_dtype": d.buffer_dtype,
     }
     container = OmegaConf.to_container(attention, resolve=True) if OmegaConf.is_config(attention) else dict(attention)
-    identity.update({f"attention.{k}": v for k, v in container.items()})  # window, feature_map, layers, ...
+    identity.update({f"attention.{k}": v for k, v in container.items() if k != "backend"})  # window, layers, ...
     return json.loads(json.dumps(identity))
 
 

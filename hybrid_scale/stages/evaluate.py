@@ -107,7 +107,7 @@ class Models:
 
     def _load_hybrid(self):
         if self.converted:
-            model = load_converted(self.path, dtype=self.dtype, device=self._load_on)
+            model = load_converted(self.path, self.dtype, self._load_on, self.cfg.attention.backend)
         else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
             model = convert_model(self._load_base(), self.cfg.attention)
         if self.cfg.eval.window is not None:

@@ -339,6 +339,9 @@ def export(cfg) -> Path:
         settings.pop("layer_modes", None)
     if x.window:
         settings["window"] = x.window
+    # the exported model runs the Triton kernels where they are installed (CUDA) and torch elsewhere, unless the run
+    # asked for torch; it never demands the kernels
+    settings["backend"] = "torch" if cfg.attention.backend == "torch" else "auto"
     dtype = getattr(torch, x.dtype) if x.dtype else None
     hybrid = load_file(source / PARAMS_NAME)
     adapter = source / ADAPTER_DIR

@@ -237,7 +237,7 @@ def _build(run: Run, ds_config: dict, load_on) -> None:
     from peft import LoraConfig, get_peft_model
 
     f, cfg, split = run.cfg.finetune, run.cfg, run.rt.tp > 1
-    model = load_converted(run.source, dtype=getattr(torch, cfg.model.dtype), device=load_on)
+    model = load_converted(run.source, getattr(torch, cfg.model.dtype), load_on, cfg.attention.backend)
     model.config.use_cache = False
     layers = hybrid_layers(model)
     for m in layers.values():

@@ -27,7 +27,7 @@ from .plan import preflight_ahead
 
 # what a stage's result depends on; eval/export/launch/slurm settings can change between reruns
 RESULT_KEYS = ("model.path", "model.dtype", "attention", "data", "distill", "finetune", "seed")
-IGNORED = ("distill.progress", "distill.buffer_dir", "finetune.progress")
+IGNORED = ("distill.progress", "distill.buffer_dir", "finetune.progress", "attention.backend")  # rounding only
 
 
 def _flat(d, prefix=""):

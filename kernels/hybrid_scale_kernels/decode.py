@@ -151,7 +151,8 @@ def _decode(
                 fe = tl.load(RING_FK + e_ptr * F + ff, mask=fok, other=0.0).to(tl.float32)
                 st = pid.to(tl.int64) * F + ff
                 kv = tl.load(KV + st[:, None] * D + od[None, :], mask=fok[:, None] & dm[None, :], other=0.0)
-                tl.store(KV + st[:, None] * D + od[None, :], kv + fe[:, None] * ve[None, :], mask=fok[:, None] & dm[None, :])
+                both = fok[:, None] & dm[None, :]
+                tl.store(KV + st[:, None] * D + od[None, :], kv + fe[:, None] * ve[None, :], mask=both)
                 ks = tl.load(KSUM + st, mask=fok, other=0.0)
                 tl.store(KSUM + st, ks + fe, mask=fok)
         tl.debug_barrier()

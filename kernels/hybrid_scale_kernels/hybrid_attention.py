@@ -580,12 +580,15 @@ def triton_hybrid_attention(
         count = real.sum(-1).to(torch.int32)
         spans = (torch.zeros_like(count), count)
     q, k, v, fq, fk = (t.contiguous() for t in (q, k, v, fq, fk))
-    y, den_e, den_l = _HybridAttention.apply(q, k, v, fq, fk, gamma, *spans, window, mode, sinks, scale, block, num_warps)
+    options = (window, mode, sinks, scale, block, num_warps)
+    y, den_e, den_l = _HybridAttention.apply(q, k, v, fq, fk, gamma, *spans, *options)
     if order is not None:
         inverse = torch.argsort(order, dim=-1)
-        y, den_e, den_l = _gather(y, inverse), _gather(den_e[..., None], inverse)[..., 0], _gather(
-            den_l[..., None], inverse
-        )[..., 0]
+        y, den_e, den_l = (
+            _gather(y, inverse),
+            _gather(den_e[..., None], inverse)[..., 0],
+            _gather(den_l[..., None], inverse)[..., 0],
+        )
     return (y, den_e, den_l) if return_denominators else y
 
 

@@ -1,0 +1,209 @@
+"""The fused Triton kernels (kernels/hybrid_scale_kernels) against the naive spec.
+
+On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1 before triton loads) in fp32 with 16-wide
+tiles, so tiny shapes cross several tiles: every mode, windows 1 / 16 / 64 / 100, lengths that are not a multiple of
+the tile, GQA 3:1, a left-padded row beside an unpadded one, padding with holes; outputs and the gradients of q, k, v,
+phi_q, phi_k and gamma; the fused decode step against the full forward and against recurrent.extend; a converted
+model on the "triton" backend (forward, gradients, generate()); the backend switch. The tests marked `gpu` run the
+kernels compiled, in bf16, with the tolerances stated there (CUDA only).
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import hybrid_scale as hs
+from hybrid_scale.attention import backends, naive
+from hybrid_scale.attention.recurrent import DecodeState, extend
+from hybrid_scale.config import ConfigError, load_config
+
+kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
+
+MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only")
+NAMES = ("q", "k", "v", "fq", "fk", "gamma")
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make(T, B=2, H=3, Hkv=1, D=16, F=16, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = dict(
+        q=torch.randn(B, H, T, D, generator=g),
+        k=torch.randn(B, Hkv, T, D, generator=g),
+        v=torch.randn(B, Hkv, T, D, generator=g),
+        fq=torch.rand(B, H, T, F, generator=g),
+        fk=torch.rand(B, Hkv, T, F, generator=g),
+        gamma=0.05 + 0.9 * torch.rand(H, generator=g),
+    )
+    x = {n: t.to(device=device, dtype=dtype if n != "gamma" else torch.float32) for n, t in x.items()}
+    return {n: t.requires_grad_() for n, t in x.items()}
+
+
+def left_padded(T, pad=7):
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :pad] = 0
+    return mask
+
+
+def run(fn, x, mask, **options):
+    y = fn(*(x[n] for n in NAMES), attention_mask=mask, **options)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y)
+    grads = torch.autograd.grad(y, [x[n] for n in NAMES], dy, allow_unused=True)
+    return y, {n: torch.zeros_like(x[n]) if g is None else g for n, g in zip(NAMES, grads, strict=True)}
+
+
+def check(x, mask, atol=2e-5, **options):
+    y, grads = run(kernels.triton_hybrid_attention, x, mask, block=16, **options)
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, **options)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=atol)
+    for n in NAMES:
+        torch.testing.assert_close(grads[n].double(), grads_ref[n], rtol=1e-4, atol=atol * 5, msg=f"grad of {n}")
+    return y_ref, grads_ref
+
+
+@pytest.mark.parametrize("window", [1, 16, 64, 100])
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_and_gradients_equal_the_naive_spec(mode, window):
+    T = window + 21  # not a multiple of the tile; the LA reaches past the window over several tiles
+    _, grads = check(make(T, seed=window), left_padded(T), window=window, mode=mode, sinks=3)
+    used = {"hybrid": NAMES, "swa_only": NAMES[:3], "swa_sinks": NAMES[:3], "la_only": NAMES[2:5]}.get(mode, NAMES[:3])
+    if window == 1 and mode in ("hybrid", "swa_only"):  # one window key: exp(a - c) = 1 whatever q and k are
+        used = tuple(n for n in used if n not in ("q", "k"))
+    for n in used:  # the test sees every input the mode uses
+        assert grads[n].abs().max() > 0, n
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "swa_sinks", "la_only"])
+def test_padding_anywhere_is_packed_and_restored(mode):
+    T = 45
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, -5:] = 0  # right padding: one span, handled in place
+    mask[1, :3] = 0
+    mask[1, 20:24] = 0  # a hole: packed, computed, put back
+    y, _ = check(make(T, seed=3), mask, window=16, mode=mode, sinks=3)
+    assert torch.equal(y[1, :, 20:24], torch.zeros_like(y[1, :, 20:24]))
+
+
+def test_denominators_and_none_mode():
+    x = make(40)
+    y, den_e, den_l = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=16, return_denominators=True)
+    ref = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=16, return_denominators=True)
+    for a, b in zip((y, den_e, den_l), ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert kernels.EPS == naive.EPS
+    zero = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=16, mode="none")
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+@pytest.mark.parametrize(("mode", "window"), [(m, 16) for m in MODES] + [("hybrid", 1), ("swa_sinks", 4)])
+def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window):
+    x = {n: t.detach() for n, t in make(40, seed=7).items()}
+    mask = left_padded(40, pad=5)
+    full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=window, mode=mode, sinks=3, attention_mask=mask)
+    B, Hkv, _, D = x["k"].shape
+    fused = DecodeState.empty(B, Hkv, D, D, x["fk"].shape[-1], window, 3, window, torch.float32, "cpu")
+    ref = copy.deepcopy(fused)
+
+    def step(a, b):
+        return dict(q=x["q"][:, :, a:b], k=x["k"][:, :, a:b], v=x["v"][:, :, a:b], fq=x["fq"][:, :, a:b],
+                    fk=x["fk"][:, :, a:b], gamma=x["gamma"])  # fmt: skip
+
+    options = dict(window=window, mode=mode, sinks=3)
+    P = 9  # a prompt, then one token at a time: the ring grows, fills, evicts into the state
+    for state in (fused, ref):
+        extend(state, *step(0, P).values(), attention_mask=mask[:, :P], **options)
+    for t in range(P, 40):
+        y = kernels.triton_decode_step(fused, *step(t, t + 1).values(), attention_mask=mask[:, t : t + 1], **options)
+        y_ref = extend(ref, *step(t, t + 1).values(), attention_mask=mask[:, t : t + 1], **options)
+        torch.testing.assert_close(y, full[:, :, t : t + 1], rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=2e-6)
+    for a, b in zip(fused.tensors(), ref.tensors(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert fused.ring == window and torch.equal(fused.count, ref.count) and fused.seen == ref.seen == 40
+
+
+def test_a_converted_model_runs_on_the_triton_backend(tiny):
+    torch.manual_seed(0)
+    models = {}
+    for backend in ("torch", "triton"):
+        model = hs.convert_model(tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96),
+                                 {"window": 16, "backend": backend})  # fmt: skip
+        assert {m.backend for m in hs.attention.hybrid.hybrid_layers(model).values()} == {backend}
+        models[backend] = model
+    ids = torch.randint(3, 128, (2, 45))
+    mask = left_padded(45, pad=6)
+    out = {}
+    for backend, model in models.items():
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits
+        logits[mask.bool()].logsumexp(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        gen = model.generate(ids[:, :30], attention_mask=mask[:, :30], max_new_tokens=6, do_sample=False)
+        out[backend] = (logits.detach(), grads, gen)
+    torch.testing.assert_close(out["triton"][0], out["torch"][0], rtol=1e-4, atol=1e-4)
+    assert out["triton"][1].keys() == out["torch"][1].keys()
+    for n, g in out["torch"][1].items():
+        torch.testing.assert_close(out["triton"][1][n], g, rtol=1e-3, atol=1e-4, msg=n)
+    assert torch.equal(out["triton"][2], out["torch"][2])
+
+
+def test_the_backend_switch(monkeypatch):
+    assert backends.resolve("auto", torch.device("cpu")) == "chunk"
+    assert backends.resolve("torch", "cuda") == "chunk"
+    assert backends.resolve("auto", torch.device("cuda")) == "triton"  # registered from its entry point
+    assert backends.get_backend("triton") is kernels.forward and backends.get_decode("triton") is kernels.decode
+    assert backends.get_decode("chunk") is None
+    assert load_config(None).attention.backend == "auto"
+    with pytest.raises(ConfigError, match="'attention.backend': 'cuda' is not allowed; choose one of: auto, torch, t"):
+        load_config(None, ["attention.backend=cuda"])
+    x = make(20)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a CPU machine outside the tests has
+    with pytest.raises(ValueError, match="attention backend 'triton' runs on CUDA tensors, got cpu; use attention"):
+        hs.attention.hybrid.attend(*(x[n] for n in NAMES[:5]), gamma=x["gamma"], window=4, backend="triton")
+
+
+def test_the_attention_package_never_imports_the_kernels():
+    root = os.path.join(os.path.dirname(hs.__file__), "attention")
+    for name in os.listdir(root):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name)) as f:
+                text = f.read()
+                assert "import hybrid_scale_kernels" not in text and "from hybrid_scale_kernels" not in text, name
+
+
+# --- compiled, bf16 (CUDA only) -----------------------------------------------------------------------------------
+# Tolerances: bf16 inputs carry ~3 significant digits (2^-8 relative); outputs are averages of values of size ~1, so
+# |y - y_ref| <= 3e-2 against the fp64 spec on the same bf16-rounded inputs; gradients <= 5e-2 absolute plus 5e-2
+# relative (sums over up to T terms in bf16 tensor-core dots with fp32 accumulation).
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [1, 64, 100])
+def test_bf16_on_gpu_against_the_spec(mode, window):
+    T = 700
+    x = make(T, B=2, H=6, Hkv=2, D=64, F=128, dtype=torch.bfloat16, device="cuda", seed=window)
+    mask = left_padded(T, pad=37).cuda()
+    y, grads = run(kernels.triton_hybrid_attention, x, mask, window=window, mode=mode, sinks=4)
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, window=window, mode=mode, sinks=4)
+    torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=3e-2)
+    for n in NAMES:
+        torch.testing.assert_close(grads[n].double(), grads_ref[n], rtol=5e-2, atol=5e-2, msg=f"grad of {n}")
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_decode_on_gpu(mode):
+    x = {n: t.detach() for n, t in make(300, H=6, Hkv=2, D=64, F=128, dtype=torch.bfloat16, device="cuda").items()}
+    full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=64, mode=mode, sinks=4)
+    state = DecodeState.empty(2, 2, 64, 64, 128, 64, 4, 64, torch.bfloat16, "cuda")
+    for t in range(300):
+        y = kernels.triton_decode_step(
+            state, *(x[n][:, :, t : t + 1] for n in NAMES[:5]), x["gamma"], window=64, mode=mode, sinks=4
+        )
+        torch.testing.assert_close(y.float(), full[:, :, t : t + 1].float(), rtol=0, atol=3e-2)
