@@ -14,10 +14,13 @@ Steps (each guarded: a failing step is reported with its traceback and FAILED in
      run, which then joins it;
   c. big: a Llama-3.2-1B-shaped random model (hidden 2048, 32 heads, 8 KV heads, head_dim 64, intermediate 8192; 4
      layers by default) in the checked dtype on the checked device: seconds per stage-1 layer and per stage-2 step;
-  d. attention: hybrid attention (every registered backend; naive only up to GPU_CHECK_NAIVE_MAX) vs SDPA
-     (is_causal, GQA) at 2k..32k tokens, batch 1, the 1B head shape: forward and forward+backward time (CUDA events,
-     after warm-up) and peak memory, with the ratios to SDPA;
-  e. the table (gpu_check.md) and every figure (gpu_check.json) in GPU_CHECK_OUT (default $OUT, else docs/results),
+  d. attention: hybrid attention (every registered backend, the Triton kernels on CUDA only; naive only up to
+     GPU_CHECK_NAIVE_MAX) vs SDPA (is_causal, GQA) at 4k and 16k tokens, batch 1, the 1B head shape: forward and
+     forward+backward time (CUDA events, after warm-up) and peak memory, with the ratios to SDPA;
+  e. kernels: benchmarks/kernel_speed.py (the fused Triton kernels vs SDPA, FlashAttention if importable and the
+     torch path, T = 1k..64k, SmolLM2 and Llama-3-8B head shapes; decode at 1k/8k/32k context vs a KV-cache decode)
+     within GPU_CHECK_KERNEL_BUDGET seconds; its kernel_speed.md/json land beside the report;
+  f. the table (gpu_check.md) and every figure (gpu_check.json) in GPU_CHECK_OUT (default $OUT, else docs/results),
      rewritten after each step; printed at the end with a one-line summary; exit status 1 if any check failed.
 
 Run on the GPU machine: `bash benchmarks/gpu_check.sh` (installs the carried wheels of `make gpu-wheels` first).
@@ -25,8 +28,9 @@ Environment (defaults in brackets):
   GPU_CHECK_DEVICE [cuda], GPU_CHECK_DTYPE [bfloat16]            the checked run (b, c, d)
   GPU_CHECK_REF_DEVICE [cpu], GPU_CHECK_REF_DTYPE [float32]      the reference of step b
   GPU_CHECK_SMALL [0]             1 = toy sizes (the CPU dry run of tests/integration/test_gpu_check.py)
-  GPU_CHECK_STEPS [a,b,c,d]       the steps to run
-  GPU_CHECK_LENGTHS [2048,4096,8192,16384,32768], GPU_CHECK_NAIVE_MAX [8192]     step d
+  GPU_CHECK_STEPS [a,b,c,d,e]     the steps to run
+  GPU_CHECK_LENGTHS [4096,16384], GPU_CHECK_NAIVE_MAX [8192]     step d
+  GPU_CHECK_KERNEL_BUDGET [100]   step e: seconds after which kernel_speed.py starts no measurement
   GPU_CHECK_BIG_LAYERS [4]        depth of the 1B-shaped model of step c (16 = Llama-3.2-1B's)
   GPU_CHECK_PRETRAIN_STEPS [300]  pretraining of the tiny model (step a)
   GPU_CHECK_CLI [stages]          one CLI process per stage; `pipeline` = one `hybrid-scale pipeline` per run
@@ -93,7 +97,8 @@ def settings() -> dict:
         "dtype": env("GPU_CHECK_DTYPE", "bfloat16"),
         "ref_device": env("GPU_CHECK_REF_DEVICE", "cpu"),
         "ref_dtype": env("GPU_CHECK_REF_DTYPE", "float32"),
-        "steps": env("GPU_CHECK_STEPS", "a,b,c,d").split(","),
+        "steps": env("GPU_CHECK_STEPS", "a,b,c,d,e").split(","),
+        "kernel_budget": int(env("GPU_CHECK_KERNEL_BUDGET", "100")),
         "timeout": int(env("GPU_CHECK_TIMEOUT", "240")),
         "deadline": int(env("GPU_CHECK_DEADLINE", "450")),
         "cli": env("GPU_CHECK_CLI", "pipeline" if small else "stages"),
@@ -120,7 +125,7 @@ def settings() -> dict:
         s["pipe"] |= dict(passkey_trials=8)
         s["big"] = dict(layers=4, hidden=2048, heads=32, kv=8, head_dim=64, inter=8192, seq_len=2048, sequences=16)
         s["big"] |= dict(distill_batch=4, steps=4, global_batch=4)
-        s["attn"] = dict(lengths=[2048, 4096, 8192, 16384, 32768], heads=32, kv=8, head_dim=64, feature=128)
+        s["attn"] = dict(lengths=[4096, 16384], heads=32, kv=8, head_dim=64, feature=128)
         s["attn"] |= dict(naive_max=8192, window=64, warmup=2, repeats=5)
     if "GPU_CHECK_LENGTHS" in os.environ:
         s["attn"]["lengths"] = [int(x) for x in os.environ["GPU_CHECK_LENGTHS"].split(",")]
@@ -379,7 +384,7 @@ class Log:
 
 DEADLINE = [math.inf]  # time.monotonic() by which every subprocess must have ended (GPU_CHECK_DEADLINE)
 EXPORT_CHECK_RESERVE = 30  # s before the deadline by which step b's stages end: its export check runs after them
-B_RESERVE = 150  # s before the deadline by which steps c and d end when step b's GPU run comes after them
+B_RESERVE = 150  # s before the deadline by which steps c, d and e end when step b's GPU run comes after them
 
 
 def run_child(cmd: list[str], title: str, log: Log, timeout: int, extra_env: dict | None = None, reserve: int = 0):
@@ -864,7 +869,8 @@ def part_attention(s: dict, work: Path) -> dict:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
-    names = ["sdpa", *backends.available()]
+    # the Triton kernels are timed on CUDA only (in the interpreter they are a correctness tool, not a speed)
+    names = ["sdpa", *(b for b in backends.available() if cuda or b != "triton")]
     rows = []
     for T in a["lengths"]:
         x = inputs(T)
@@ -918,7 +924,21 @@ def part_attention(s: dict, work: Path) -> dict:
     return {"rows": rows, "shape": shape, "sdpa": sdpa_kind, "dtype": s["dtype"], "device_info": device_info(device)}
 
 
-# --- e. the report ------------------------------------------------------------------------------------------------
+# --- e. the kernels' own benchmark ---------------------------------------------------------------------------------
+
+
+def kernel_speed(s: dict, out: Path, log: Log, reserve: int = 0) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_speed.py"), "--budget", str(s["kernel_budget"])]
+    cmd += ["--out", str(out), *(["--small"] if s["small"] else ["--device", s["device"], "--dtype", s["dtype"]])]
+    rc, stdout, err, _ = run_child(cmd, "kernel_speed", log, s["kernel_budget"] + 120, reserve=reserve)
+    print(stdout[-4000:], end="", flush=True)
+    if rc != 0:
+        tail = (stdout + err).strip()[-2000:]
+        raise RuntimeError(f"kernel_speed.py failed (exit {rc}); its output ends with:\n{tail}")
+    return json.loads((out / "kernel_speed.json").read_text())
+
+
+# --- f. the report ------------------------------------------------------------------------------------------------
 
 
 def fmt(x, digits=4) -> str:
@@ -1084,6 +1104,10 @@ class Report:
                     f"{fmt(r.get('fwd_bwd_x_sdpa'), 3)} | {fmt(r.get('mem_x_sdpa'), 3)} |"
                 )
             lines.append("")
+        kernel_md = self.out / "kernel_speed.md"
+        if d.get("kernel_speed") and kernel_md.is_file():  # its own tables, under this report's heading
+            lines += ["## e. Fused Triton kernels (benchmarks/kernel_speed.py)", ""]
+            lines += [line for line in kernel_md.read_text().splitlines()[1:] if not line.startswith("Command:")]
         lines += ["", f"**Summary:** {self.summary()}", ""]
         return "\n".join(lines)
 
@@ -1279,20 +1303,24 @@ def main() -> int:
         if bad:
             raise RuntimeError("; ".join(bad))
 
+    def kernels():
+        report.data["kernel_speed"] = kernel_speed(s, out, log, reserve=gpu_reserve())
+
     guarded("a", "build the tiny model, tokenizer and task data", build)
     step_b = ("b", "pipeline via the CLI, checked vs reference", pipeline, "a")
     step_c = ("c", "1B-shaped stage-1 layer and stage-2 step", big, None)
     step_d = ("d", "hybrid attention vs SDPA", attention, None)
+    step_e = ("e", "Triton kernels vs SDPA: prefill and decode", kernels, None)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         ref_job = None
         if "b" in s["steps"] and report.steps.get("a", {}).get("status") == "ok":
             ref_job = start_reference(s, report, work, log, pool)
             print("gpu_check: the reference pipeline of step b runs in the background from now on", flush=True)
         if s["parallel"]:  # the CPU dry run: its timings mean nothing, its wall time does
-            for f in [pool.submit(guarded, *step) for step in (step_b, step_c, step_d)]:
+            for f in [pool.submit(guarded, *step) for step in (step_b, step_c, step_d, step_e)]:
                 f.result()
         else:  # the GPU steps one at a time (c, d while the CPU reference runs; then b's GPU run, joined with it)
-            for step in (step_c, step_d, step_b):
+            for step in (step_c, step_d, step_e, step_b):
                 guarded(*step)
     report.write()
     print("\n" + report.safe_markdown())

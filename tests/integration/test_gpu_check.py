@@ -31,6 +31,9 @@ def _numbers(x):
             yield from _numbers(v)
 
 
+METHODS = ("triton", "torch", "sdpa")  # kernel_speed's prefill methods here (flash_attn is not installed)
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = {
@@ -50,13 +53,17 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("gpu_check: PASSED; steps a ok, b ok, c ok, d ok;"), last
+    assert last.startswith("gpu_check: PASSED; steps a ok, b ok, c ok, d ok, e ok;"), last
     table = (tmp_path / "out" / "gpu_check.md").read_text()
     for row in (
         "| a. build the tiny model, tokenizer and task data | ok |",
         "| b. pipeline via the CLI, checked vs reference | ok |",
         "| c. 1B-shaped stage-1 layer and stage-2 step | ok |",
         "| d. hybrid attention vs SDPA | ok |",
+        "| e. Triton kernels vs SDPA: prefill and decode | ok |",
+        "## e. Fused Triton kernels (benchmarks/kernel_speed.py)",
+        "| tiny | 80 | triton |",
+        "| tiny | 72 | kv_cache |",
         "| stage 1 final loss, layer 0 |",
         "| stage 1 final loss, layer 1 |",
         "| stage 2 held-out loss, hybrid |",
@@ -86,6 +93,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert measured >= {(T, b) for T in (256, 512) for b in ("sdpa", "chunk", "naive")}
     for r in attention:
         assert r["finite"] and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+    kernel = data["kernel_speed"]
+    assert [(r["T"], r["method"]) for r in kernel["prefill"]] == [(T, m) for T in (48, 80) for m in METHODS]
+    assert all(r["fwd_bwd_ms"] > 0 and r["fwd_bwd_tflops"] > 0 for r in kernel["prefill"])
+    decode = {(r["context"], r["method"]): r["bytes_per_step"] for r in kernel["decode"]}
+    assert decode[40, "triton"] == decode[72, "triton"] == decode[72, "torch"]  # the ring and state: context-free
+    assert decode[72, "kv_cache"] == 72 / 40 * decode[40, "kv_cache"]
+    assert (tmp_path / "out" / "kernel_speed.md").is_file()
     for section in ("big", "attention", "build"):
         assert all(math.isfinite(x) for x in _numbers(data[section])), section
 

@@ -10,6 +10,9 @@ kernels compiled, in bf16, with the tolerances stated there (CUDA only).
 
 import copy
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,6 +165,22 @@ def test_the_backend_switch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a CPU machine outside the tests has
     with pytest.raises(ValueError, match="attention backend 'triton' runs on CUDA tensors, got cpu; use attention"):
         hs.attention.hybrid.attend(*(x[n] for n in NAMES[:5]), gamma=x["gamma"], window=4, backend="triton")
+
+
+def test_a_copy_of_the_attention_files_finds_the_installed_kernels(tmp_path):
+    """What an exported model carries (the attention files beside its modeling file) registers the kernels from their
+    entry point into its own registry, and resolves auto to them for CUDA tensors."""
+    source = os.path.dirname(naive.__file__)
+    shutil.copytree(source, tmp_path / "exported", ignore=shutil.ignore_patterns("__pycache__"))
+    code = (
+        "import sys; sys.modules.pop('hybrid_scale', None)\n"
+        "from exported import backends\n"
+        "print(backends.resolve('auto', 'cuda'), backends.resolve('auto', 'cpu'), "
+        "backends.get_backend('triton').__module__, backends.get_decode('triton').__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["triton", "chunk", "hybrid_scale_kernels", "decode"]
 
 
 def test_the_attention_package_never_imports_the_kernels():

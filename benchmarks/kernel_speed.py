@@ -1,0 +1,345 @@
+"""The fused Triton hybrid attention against SDPA, FlashAttention (if importable) and the torch chunked path.
+
+Prefill (hybrid mode, window --window, batch 1, every length in --lengths, the SmolLM2-135M and Llama-3-8B head
+shapes): forward and forward+backward time (CUDA events, median of --repeats after warm-up), the achieved TFLOP/s and
+the peak memory above the inputs, with the ratios to SDPA side by side. FLOP counts (stated so the TFLOP/s can be
+checked): causal softmax attention does 2 * 2 * H * D * T^2 / 2 in the forward (q.k and p.v over the causal half); the
+hybrid does 4 * H * D * T * w (the window's q.k and p.v) + 2 * H * F * D * T (each query's state read) +
+2 * Hkv * F * D * T (the block states); forward+backward = 3.5 x forward for both (the backward is counted as 2.5
+forwards, the usual convention for attention kernels).
+
+Decode (one new token per step after a --contexts long prompt, the same shapes): time per step and tokens/s of one
+layer's attention, and the bytes one step reads, for the fused decode step (ring buffer of w keys + the fp32 state:
+independent of the context) against a KV-cache decode (SDPA of one query over the whole cache) and the torch decode
+step (recurrent.extend).
+
+    python benchmarks/kernel_speed.py [--budget 150] [--out docs/results]    # on a CUDA machine, with triton
+
+Writes kernel_speed.md and kernel_speed.json into --out. Stops starting new measurements after --budget seconds
+(what was measured is written). The GPU check (benchmarks/gpu_check.py, step e) runs it. `--small` is the CPU dry
+run of the tests (tiny shapes, the Triton interpreter, timings meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "--small" in sys.argv and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels run on CPU
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_scale.attention import backends, hybrid
+from hybrid_scale.attention.recurrent import DecodeState, extend
+
+SHAPES = {  # query heads, KV heads, head dim, feature dim (hedgehog: 2 x head dim)
+    "smollm2-135m": dict(H=9, Hkv=3, D=64, F=128),
+    "llama-3-8b": dict(H=32, Hkv=8, D=128, F=256),
+}
+SMALL_SHAPES = {"tiny": dict(H=3, Hkv=1, D=16, F=32)}
+
+
+def inputs(shape, T, device, dtype, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    H, Hkv, D, Fd = shape["H"], shape["Hkv"], shape["D"], shape["F"]
+
+    def r(*s):
+        return torch.randn(*s, generator=g, device=device, dtype=dtype)
+
+    def features(heads):  # hedgehog-like: two softmaxes over F/2 features
+        x = torch.randn(1, heads, T, Fd // 2, generator=g, device=device)
+        return torch.cat([x.softmax(-1), (-x).softmax(-1)], -1).to(dtype)
+
+    gamma = torch.full((H,), 0.1, device=device)
+    return dict(q=r(1, H, T, D), k=r(1, Hkv, T, D), v=r(1, Hkv, T, D), fq=features(H), fk=features(Hkv), gamma=gamma)
+
+
+def flops(method, shape, T, window):
+    H, Hkv, D, Fd = shape["H"], shape["Hkv"], shape["D"], shape["F"]
+    if method in ("sdpa", "flash_attn"):
+        return 2 * H * D * T * T
+    w = min(window, T)
+    return 4 * H * D * T * w + 2 * H * Fd * D * T + 2 * Hkv * Fd * D * T
+
+
+class Clock:
+    def __init__(self, device, warmup, repeats):
+        self.cuda = torch.device(device).type == "cuda"
+        self.warmup, self.repeats = warmup, repeats
+
+    def ms(self, fn):
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    def peak_mib(self, fn):
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func as fn  # noqa: PLC0415  (optional: measured when installed)
+    except ImportError:
+        return None
+    return fn
+
+
+def prefill_methods(window):
+    def hybrid_on(backend):
+        def run(x):
+            return hybrid.attend(x["q"], x["k"], x["v"], x["fq"], x["fk"], gamma=x["gamma"], window=window,
+                                 backend=backend)  # fmt: skip
+
+        return run
+
+    def sdpa(x):
+        return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True, enable_gqa=True)
+
+    methods = {"triton": hybrid_on("triton"), "torch": hybrid_on("torch"), "sdpa": sdpa}
+    fa = flash_attn_func()
+    if fa is not None:
+        methods["flash_attn"] = lambda x: fa(*(x[n].transpose(1, 2) for n in "qkv"), causal=True).transpose(1, 2)
+    return methods
+
+
+def prefill_rows(args, shapes, clock, deadline):
+    rows = []
+    for shape_name, shape in shapes.items():
+        for T in args.lengths:
+            x = inputs(shape, T, args.device, args.dtype, seed=T)
+            gy = torch.randn_like(x["q"])
+            for method, fn in prefill_methods(args.window).items():
+                row = dict(shape=shape_name, T=T, method=method)
+                if time.monotonic() > deadline:
+                    rows.append(row | {"skipped": "--budget reached"})
+                    continue
+                xg = {n: t.detach().requires_grad_(n != "gamma") for n, t in x.items()}
+
+                def fwd(fn=fn, x=x):
+                    with torch.no_grad():
+                        return fn(x)
+
+                def fwd_bwd(fn=fn, xg=xg, gy=gy):
+                    for t in xg.values():
+                        t.grad = None
+                    fn(xg).backward(gy)
+
+                try:
+                    row["fwd_ms"] = clock.ms(fwd)
+                    row["fwd_peak_mib"] = clock.peak_mib(fwd)
+                    row["fwd_bwd_ms"] = clock.ms(fwd_bwd)
+                    row["fwd_bwd_peak_mib"] = clock.peak_mib(fwd_bwd)
+                    work = flops(method, shape, T, args.window)
+                    row["fwd_tflops"] = work / row["fwd_ms"] / 1e9
+                    row["fwd_bwd_tflops"] = 3.5 * work / row["fwd_bwd_ms"] / 1e9
+                except torch.cuda.OutOfMemoryError:
+                    row["skipped"] = "out of memory"
+                except Exception as e:  # noqa: BLE001  (one method failing must not lose the other rows)
+                    row["skipped"] = row["error"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                for t in xg.values():
+                    t.grad = None
+                if clock.cuda:
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    ref = {(r["shape"], r["T"]): r for r in rows if r["method"] == "sdpa" and "fwd_bwd_ms" in r}
+    for r in rows:
+        base = ref.get((r["shape"], r["T"]))
+        if base and "fwd_bwd_ms" in r:
+            r["fwd_speedup_vs_sdpa"] = base["fwd_ms"] / r["fwd_ms"]
+            r["fwd_bwd_speedup_vs_sdpa"] = base["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+    return rows
+
+
+def decode_rows(args, shapes, clock, deadline):
+    rows = []
+    kernels = backends.get_backend("triton")
+    step = backends.get_decode("triton")
+    for shape_name, shape in shapes.items():
+        Hkv, D, Fd = shape["Hkv"], shape["D"], shape["F"]
+        for ctx in args.contexts:
+            x = inputs(shape, ctx + args.warmup + args.repeats + 1, args.device, args.dtype, seed=ctx)
+            for method in ("triton", "torch", "kv_cache"):
+                row = dict(shape=shape_name, context=ctx, method=method)
+                if time.monotonic() > deadline:
+                    rows.append(row | {"skipped": "--budget reached"})
+                    continue
+                try:
+                    if method == "kv_cache":
+                        k_cache, v_cache = x["k"][:, :, :ctx].clone(), x["v"][:, :, :ctx].clone()
+                        q1 = x["q"][:, :, ctx : ctx + 1]
+
+                        def one(q1=q1, k_cache=k_cache, v_cache=v_cache):
+                            return F.scaled_dot_product_attention(q1, k_cache, v_cache, enable_gqa=True)
+
+                        row["bytes_per_step"] = (k_cache.numel() + v_cache.numel()) * k_cache.element_size()
+                    else:
+                        state = DecodeState.empty(1, Hkv, D, D, Fd, args.window, 8, args.window, args.dtype,
+                                                  args.device)  # fmt: skip
+                        with torch.no_grad():
+                            extend(state, *(x[k][:, :, :ctx] for k in ("q", "k", "v", "fq", "fk")), x["gamma"],
+                                   window=args.window, prefill=kernels if method == "triton" else None)  # fmt: skip
+                        pos = [ctx]
+
+                        def one(state=state, pos=pos, method=method, x=x):
+                            t = pos[0]
+                            pos[0] += 1
+                            token = (x[k][:, :, t : t + 1] for k in ("q", "k", "v", "fq", "fk"))
+                            with torch.no_grad():
+                                if method == "triton":
+                                    return step(state, *token, x["gamma"], window=args.window)
+                                return extend(state, *token, x["gamma"], window=args.window)
+
+                        row["bytes_per_step"] = state.nbytes
+                    row["step_ms"] = clock.ms(one)
+                    row["tokens_per_s"] = 1000.0 / row["step_ms"]
+                except torch.cuda.OutOfMemoryError:
+                    row["skipped"] = "out of memory"
+                except Exception as e:  # noqa: BLE001
+                    row["skipped"] = row["error"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def fmt(x, digits=3):
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def markdown(result) -> str:
+    a = result["settings"]
+    lines = [
+        "# Fused Triton hybrid attention: speed",
+        "",
+        f"Command: `{result['command']}`",
+        f"Device: {result['device']}; dtype {a['dtype']}; window {a['window']}; batch 1; hybrid mode.",
+        f"Methods measured: {', '.join(result['methods'])}"
+        + ("" if "flash_attn" in result["methods"] else " (flash_attn not importable: not measured)"),
+        "",
+        "## Prefill: forward and forward+backward",
+        "",
+        "| shape | T | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak MiB (fwd+bwd) | "
+        "fwd+bwd speed-up vs SDPA |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["prefill"]:
+        if "skipped" in r:
+            lines.append(f"| {r['shape']} | {r['T']} | {r['method']} | {r['skipped']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['T']} | {r['method']} | {fmt(r['fwd_ms'])} | {fmt(r['fwd_tflops'])} | "
+            f"{fmt(r['fwd_bwd_ms'])} | {fmt(r['fwd_bwd_tflops'])} | {fmt(r['fwd_bwd_peak_mib'])} | "
+            f"{fmt(r.get('fwd_bwd_speedup_vs_sdpa'))}x |"
+        )
+    lines += [
+        "",
+        "## Decode: one token per step, one layer",
+        "",
+        "| shape | context | method | ms per step | tokens/s | bytes per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["decode"]:
+        if "skipped" in r:
+            lines.append(f"| {r['shape']} | {r['context']} | {r['method']} | {r['skipped']} | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['context']} | {r['method']} | {fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], 4)} | "
+            f"{r['bytes_per_step']:,} |"
+        )
+    lines += ["", f"FLOP counts: see the docstring of benchmarks/kernel_speed.py. Wall time {result['seconds']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1024,4096,16384,65536")
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--budget", type=float, default=150.0, help="seconds after which no measurement starts")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"))
+    parser.add_argument("--small", action="store_true", help="CPU dry run: tiny shapes, the Triton interpreter")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    deadline = t0 + args.budget
+    if args.small:
+        args.device, args.dtype, args.window = "cpu", "float32", 16
+        shapes = SMALL_SHAPES
+        args.lengths, args.contexts, args.warmup, args.repeats = "48,80", "40,72", 0, 1
+    else:
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        if not torch.cuda.is_available() and args.device == "cuda":
+            print("kernel_speed: no CUDA device here; the kernels' speed is measured on a GPU (--small: CPU dry run)")
+            return 2
+    args.lengths = [int(t) for t in str(args.lengths).split(",")]
+    args.contexts = [int(t) for t in str(args.contexts).split(",")]
+    args.dtype = getattr(torch, args.dtype)
+    if "triton" not in backends.available():
+        print("kernel_speed: the triton backend is not installed (pip install -e '.[triton]')")
+        return 2
+    clock = Clock(args.device, args.warmup, args.repeats)
+    name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu (Triton interpreter)"
+    result = dict(
+        command="python " + " ".join(["benchmarks/kernel_speed.py", *(argv if argv is not None else sys.argv[1:])]),
+        device=name,
+        versions={"torch": torch.__version__, "triton": __import__("triton").__version__},
+        settings=dict(window=args.window, dtype=str(args.dtype).replace("torch.", ""), shapes=shapes),
+        methods=[],
+        prefill=[],
+        decode=[],
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after each part: a run cut short keeps what it measured
+        result["seconds"] = time.monotonic() - t0
+        (out / "kernel_speed.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / "kernel_speed.md").write_text(markdown(result))
+
+    result["prefill"] = prefill_rows(args, shapes, clock, deadline)
+    result["methods"] = list(dict.fromkeys(r["method"] for r in result["prefill"]))
+    save()
+    result["decode"] = decode_rows(args, shapes, clock, deadline)
+    save()
+    print(markdown(result))
+    errors = [r for r in result["prefill"] + result["decode"] if "error" in r]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
