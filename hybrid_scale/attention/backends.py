@@ -13,11 +13,14 @@ when it registered, else "chunk".
 
 A backend is called with the tensors positionally and everything else by keyword:
 
-    fn(q, k, v, fq, fk, gamma, *, window, mode, sinks, scale, attention_mask, chunk_size, return_denominators)
+    fn(q, k, v, fq, fk, gamma, *, window, mode, sinks, scale, attention_mask, chunk_size, initial_state,
+       return_denominators)
 
 q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F], fk [B,Hkv,T,F], gamma [H] in (0,1), window >= 1, mode one of
 naive.MODES, sinks S, scale (None = 1/sqrt(D)), attention_mask [B,T] or None (1 = token, 0 = padding), chunk_size (a
-hint; a backend without chunks ignores it). It returns y [B,H,T,D] in q's dtype, or with return_denominators
+hint; a backend without chunks ignores it), initial_state None or (kv [B,Hkv,F,D], k [B,Hkv,F]): the LA sums of keys
+that precede the sequence by more than the window (stage 1 attends a block of rows with the keys before it folded
+in; gradients flow into it). It returns y [B,H,T,D] in q's dtype, or with return_denominators
 (y, sum of E [B,H,T], sum of L [B,H,T]), and must equal the naive backend in outputs and gradients (DESIGN.md
 section 7); what it cannot do it refuses with a ValueError.
 
@@ -32,7 +35,7 @@ from importlib.metadata import entry_points
 import torch
 
 from .chunked import chunk_hybrid_attention
-from .naive import naive_hybrid_attention
+from .naive import masked_attention, naive_hybrid_attention, real_positions
 
 BUILTIN = ("naive", "chunk")
 CHOICES = ("auto", "torch", "triton")  # the values of attention.backend
@@ -43,8 +46,11 @@ _PLUGIN_ERRORS: dict[str, str] = {}
 _plugins_loaded = False
 
 
-def _naive(q, k, v, fq, fk, gamma, *, chunk_size, **options):
-    return naive_hybrid_attention(q, k, v, fq, fk, gamma, **options)  # the spec has no chunks
+def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options):
+    if initial_state is None:
+        return naive_hybrid_attention(q, k, v, fq, fk, gamma, **options)  # the spec has no chunks
+    pos = real_positions(options.pop("attention_mask"), q.shape[0], q.shape[2], q.device)
+    return masked_attention(q, k, v, fq, fk, gamma, pos, pos, state=initial_state, **options)
 
 
 def register_backend(name: str, fn: Callable, decode: Callable | None = None) -> Callable:

@@ -61,13 +61,15 @@ def attend(
     attention_mask=None,
     chunk_size=64,
     backend="auto",
+    initial_state=None,
     return_denominators=False,
 ):
     """Hybrid attention (DESIGN.md section 2) computed by the backend `backend` resolves to for q's device (see
     backends.py: auto, torch, triton, or a registered name).
 
     q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F] = phi_q(q), fk [B,Hkv,T,F] = phi_k(k), gamma [H] in (0,1);
-    mode one of naive.MODES; scale None = 1/sqrt(D); attention_mask [B,T] (1 = token, 0 = padding) or None.
+    mode one of naive.MODES; scale None = 1/sqrt(D); attention_mask [B,T] (1 = token, 0 = padding) or None;
+    initial_state None or the LA sums (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys before the sequence (see backends.py).
     Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
     of the shared normaliser (unpadded input; the LA-share diagnostic)."""
     check_mode(mode)
@@ -84,6 +86,7 @@ def attend(
         scale=scale,
         attention_mask=attention_mask,
         chunk_size=chunk_size,
+        initial_state=initial_state,
         return_denominators=return_denominators,
     )
 
@@ -199,6 +202,7 @@ class HybridAttention(nn.Module):
         chunk_size=None,
         attention_mask=None,
         backend=None,
+        initial_state=None,
         return_denominators=False,
     ):
         """`attend` with this layer's mode, gamma, window, sinks, scaling, chunk_size and backend; a keyword given
@@ -217,6 +221,7 @@ class HybridAttention(nn.Module):
             attention_mask=attention_mask,
             chunk_size=self.chunk_size if chunk_size is None else chunk_size,
             backend=self.backend if backend is None else backend,
+            initial_state=initial_state,
             return_denominators=return_denominators,
         )
 

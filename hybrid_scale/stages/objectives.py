@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.naive import compute_dtype, masked_attention
+from ..attention.naive import compute_dtype
 
 Unit = tuple[int, int, int]  # (sequence within the step's batch, first query row, end row)
 
@@ -86,24 +86,31 @@ def unit_loss(m, q, k, v, fq, fk, a: int, b: int, seq_len: int, weights: dict[st
     if weights.get("output_mse") or weights.get("hybrid_output_mse"):
         with torch.no_grad():
             target = teacher_rows(qa.float(), kb.float(), vb.float(), a, m.scaling)
-        B = q.shape[0]
-        pos_q = torch.arange(a, b, device=q.device).expand(B, -1)
-        pos_k = torch.arange(b, device=q.device).expand(B, -1)
         for name, mode in (("output_mse", "la_only"), ("hybrid_output_mse", "hybrid")):
             if weights.get(name):
-                y = masked_attention(
-                    qa.float(),
-                    kb,
-                    vb,
-                    fqa,
-                    fkb,
-                    m.gamma,
-                    pos_q,
-                    pos_k,
-                    window=m.window,
-                    mode=mode,
-                    sinks=m.sinks,
-                    scale=m.scaling,
-                )  # fmt: skip (q in fp32: y comes back in fp32)
+                y = unit_attention(m, q, k, v, fq, fk, a, b, mode)
                 loss = loss + weights[name] * (y - target).pow(2).sum() / (H * seq_len * d)
     return loss
+
+
+def unit_attention(m, q, k, v, fq, fk, a: int, b: int, mode: str) -> torch.Tensor:
+    """Rows a..b-1 of the layer's attention in `mode` (fp32), through its backend (attention.backend): the backend
+    attends rows a0..b-1 with a0 = a - w + 1 (every window key of row a on), and the keys before a0 -- all of them
+    in P(n) of every row -- enter as the initial LA state (fp32, differentiable)."""
+    a0 = max(0, a - m.window + 1)
+    state = None
+    if a0 > 0:
+        acc = compute_dtype(q)
+        fk0, v0 = fk[:, :, :a0].to(acc), v[:, :, :a0].to(acc)
+        state = (fk0.transpose(-1, -2) @ v0, fk0.sum(2))
+    rows = slice(a0, b)
+    y = m.attend(
+        q[:, :, rows].float(),
+        k[:, :, rows],
+        v[:, :, rows],
+        fq[:, :, rows],
+        fk[:, :, rows],
+        mode=mode,
+        initial_state=state,
+    )  # fmt: skip (q in fp32: y comes back in fp32)
+    return y[:, :, a - a0 :]

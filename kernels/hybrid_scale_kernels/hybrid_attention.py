@@ -393,9 +393,10 @@ def _spans(attention_mask, batch, length, device):
     return first.to(torch.int32), (first + count).to(torch.int32)
 
 
-def chunk_states(fk, v, start, end, block):
+def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None):
     """Exclusive prefix LA state at each key-block boundary: kv [B,Hkv,NC,F,D], k [B,Hkv,NC,F] (fp32),
-    state c = sum over real keys in blocks 0..c-1 of phi_k(k) v^T and phi_k(k)."""
+    state c = sum over real keys in blocks 0..c-1 of phi_k(k) v^T and phi_k(k), plus the initial state if given
+    (kv [B,Hkv,F,D], k [B,Hkv,F]: keys before the sequence)."""
     B, Hkv, T, F = fk.shape
     nc = triton.cdiv(T, block)
     pos = torch.arange(T, device=fk.device)
@@ -407,6 +408,9 @@ def chunk_states(fk, v, start, end, block):
     ks = fk32.sum(3)
     kv = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], 2)
     ks = torch.cat([torch.zeros_like(ks[:, :, :1]), ks[:, :, :-1].cumsum(2)], 2)
+    if init_kv is not None and init_kv.numel():
+        kv = kv + init_kv.float()[:, :, None]
+        ks = ks + init_k.float()[:, :, None]
     return kv.contiguous(), ks.contiguous()
 
 
@@ -426,7 +430,7 @@ def _settings(q, k, fq, window, mode, sinks, block):
 
 class _HybridAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fq, fk, gamma, start, end, window, mode, sinks, scale, block, num_warps):
+    def forward(ctx, q, k, v, fq, fk, gamma, init_kv, init_k, start, end, window, mode, sinks, scale, block, num_warps):
         B, H, T, D = q.shape
         s = _settings(q, k, fq, window, mode, sinks, block)
         nm = triton.cdiv(T, block)
@@ -435,7 +439,7 @@ class _HybridAttention(torch.autograd.Function):
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block)
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k)
         else:
             state_kv = state_k = c  # unused
         g = gamma.detach().to(torch.float32).contiguous()
@@ -445,14 +449,14 @@ class _HybridAttention(torch.autograd.Function):
             BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_F=s["BLOCK_F"], BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"],
             LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, fq, fk, gamma, start, end, y, c, z, idx)
+        ctx.save_for_backward(q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx)
         ctx.opts = (window, mode, sinks, scale, block, num_warps)
         ctx.mark_non_differentiable(den_e, den_l)
         return y, den_e, den_l
 
     @staticmethod
     def backward(ctx, dy, _de, _dl):
-        q, k, v, fq, fk, gamma, start, end, y, c, z, idx = ctx.saved_tensors
+        q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx = ctx.saved_tensors
         window, mode, sinks, scale, block, num_warps = ctx.opts
         B, H, T, D = q.shape
         Hkv = k.shape[1]
@@ -467,7 +471,7 @@ class _HybridAttention(torch.autograd.Function):
         rsum = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         consts = dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block)  # recomputed, not stored
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k)  # recomputed, not stored
             ds_kv = torch.empty(B, H, nm, F, D, dtype=torch.float32, device=q.device)
             ds_k = torch.empty(B, H, nm, F, dtype=torch.float32, device=q.device)
         else:
@@ -488,8 +492,11 @@ class _HybridAttention(torch.autograd.Function):
                 rev = acc.flip(2).cumsum(2).flip(2)  # rev[c] = sum over lo >= c
                 grads.append(rev[:, :, 1:].contiguous())  # key block c: lo >= c + 1
             g_kv, g_k = grads
+            # the initial state is part of every query block's state
+            d_init = (per_kv[0].sum(2), per_kv[1].sum(2)) if init_kv.numel() else (None, None)
         else:
             g_kv = g_k = rsum
+            d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if init_kv.numel() else (None, None)
         dk = torch.empty(B, Hkv, T, D, dtype=torch.float32, device=q.device)
         dv = torch.empty_like(dk)
         dfk = torch.zeros(B, Hkv, T, F, dtype=torch.float32, device=q.device)
@@ -524,7 +531,7 @@ class _HybridAttention(torch.autograd.Function):
         elif gamma.requires_grad:
             dgamma = torch.zeros_like(gamma)
         return (
-            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma,
+            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, *d_init,
             None, None, None, None, None, None, None, None,
         )  # fmt: skip
 
@@ -548,12 +555,14 @@ def triton_hybrid_attention(
     scale=None,
     attention_mask=None,
     chunk_size=None,
+    initial_state=None,
     return_denominators=False,
     block=None,
     num_warps=4,
 ):
     """The attention backend contract of hybrid_scale/attention/backends.py, computed by the fused kernels.
-    chunk_size is ignored (the tile is `block`: 64 on a GPU, 16 under the interpreter)."""
+    chunk_size is ignored (the tile is `block`: 64 on a GPU, 16 under the interpreter). initial_state: optional
+    (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable)."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     if window < 1:
@@ -581,7 +590,11 @@ def triton_hybrid_attention(
         spans = (torch.zeros_like(count), count)
     q, k, v, fq, fk = (t.contiguous() for t in (q, k, v, fq, fk))
     options = (window, mode, sinks, scale, block, num_warps)
-    y, den_e, den_l = _HybridAttention.apply(q, k, v, fq, fk, gamma, *spans, *options)
+    if initial_state is None:
+        init = (q.new_zeros(0), q.new_zeros(0))
+    else:
+        init = tuple(t.float().contiguous() for t in initial_state)
+    y, den_e, den_l = _HybridAttention.apply(q, k, v, fq, fk, gamma, *init, *spans, *options)
     if order is not None:
         inverse = torch.argsort(order, dim=-1)
         y, den_e, den_l = (

@@ -101,7 +101,23 @@ def test_unknown_backend_is_a_clear_error(registry):
 def test_a_backend_registered_from_outside_is_used_when_asked(registry):
     calls = []
 
-    def spy(q, k, v, fq, fk, gamma, *, window, mode, sinks, scale, attention_mask, chunk_size, return_denominators):
+    def spy(
+        q,
+        k,
+        v,
+        fq,
+        fk,
+        gamma,
+        *,
+        window,
+        mode,
+        sinks,
+        scale,
+        attention_mask,
+        chunk_size,
+        initial_state,
+        return_denominators,
+    ):
         calls.append(dict(window=window, mode=mode, sinks=sinks, scale=scale, chunk_size=chunk_size))
         return 2 * naive.naive_hybrid_attention(
             q, k, v, fq, fk, gamma, window=window, mode=mode, sinks=sinks, attention_mask=attention_mask, scale=scale

@@ -89,6 +89,60 @@ def test_padding_anywhere_is_packed_and_restored(mode):
     assert torch.equal(y[1, :, 20:24], torch.zeros_like(y[1, :, 20:24]))
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "la_only"])
+def test_an_initial_state_counts_as_keys_before_the_sequence(mode):
+    """Stage 1 attends a block of rows with the keys before it folded into an initial LA state: the rows equal the
+    whole sequence's, and the gradients reach the folded keys through the state."""
+    x = make(70, seed=11)
+    T0 = 23  # keys 0..22 folded away; rows 23..69 attended
+    fk0, v0 = x["fk"][:, :, :T0], x["v"][:, :, :T0]
+    state = (fk0.transpose(-1, -2) @ v0, fk0.sum(2))
+    part = {n: t[:, :, T0:] if n != "gamma" else t for n, t in x.items()}
+    y = kernels.triton_hybrid_attention(*(part[n] for n in NAMES), window=16, mode=mode, initial_state=state)
+    full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=16, mode=mode)
+    # rows T0.. see keys T0-15.. in their window: the test folds only keys that every row has left (T0 <= n - 16)
+    torch.testing.assert_close(y[:, :, 16:], full[:, :, T0 + 16 :], rtol=1e-5, atol=2e-6)
+    dy = torch.randn(y[:, :, 16:].shape, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(y[:, :, 16:], [x[n] for n in NAMES], dy, allow_unused=True)
+    ref = torch.autograd.grad(full[:, :, T0 + 16 :], [x[n] for n in NAMES], dy, allow_unused=True)
+    for n, a, b in zip(NAMES, got, ref, strict=True):
+        a, b = (torch.zeros_like(x[n]) if g is None else g for g in (a, b))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"grad of {n}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_sequence(backend):
+    """Stage 1's output objectives per unit of rows (objectives.unit_loss, as split over ranks) through the layer's
+    backend: their sum equals the whole-sequence objective computed with the spec, and so do the gradients."""
+    from types import SimpleNamespace
+
+    from hybrid_scale.attention.hybrid import attend
+    from hybrid_scale.stages.objectives import split_units, teacher_rows, unit_loss
+
+    x = make(53, seed=4)
+    T, H, D, w = 53, 3, 16, 8
+    scale = D**-0.5
+
+    def layer_attend(q, k, v, fq, fk, mode, initial_state=None):
+        return attend(q, k, v, fq, fk, gamma=x["gamma"], window=w, mode=mode, scale=scale, chunk_size=8,
+                      backend=backend, initial_state=initial_state)  # fmt: skip
+
+    m = SimpleNamespace(scaling=scale, all_heads=H, gamma=x["gamma"], window=w, sinks=3, attend=layer_attend)
+    weights = {"output_mse": 0.5, "hybrid_output_mse": 1.0}
+    target = teacher_rows(x["q"].detach(), x["k"].detach(), x["v"].detach(), 0, scale)
+    expect = sum(
+        weights[name] * (naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=w, mode=mode) - target).pow(2).sum()
+        for name, mode in (("output_mse", "la_only"), ("hybrid_output_mse", "hybrid"))
+    ) / (H * T * D)  # fmt: skip
+    tensors = [x[n] for n in NAMES[:5]]
+    units = [u for rank in split_units(1, T, 16, 3) for u in rank]  # rows 0-15, 16-31, 32-47, 48-52 (window 8)
+    got = sum(unit_loss(m, *tensors, a, b, T, weights) for _, a, b in units)  # each over the batch's 2 sequences
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-7)
+    for n, g_got, g_ref in zip(NAMES, torch.autograd.grad(got, list(x.values())), torch.autograd.grad(
+            expect, list(x.values())), strict=True):  # fmt: skip
+        torch.testing.assert_close(g_got, g_ref, rtol=1e-4, atol=1e-6, msg=f"grad of {n}")
+
+
 def test_denominators_and_none_mode():
     x = make(40)
     y, den_e, den_l = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=16, return_denominators=True)
