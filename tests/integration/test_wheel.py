@@ -64,6 +64,13 @@ def test_wheel_install_finds_presets_and_templates(tmp_path):
     packages = {p.relative_to(ROOT).as_posix() for p in ROOT.glob("hybrid_scale/**/__init__.py")}
     assert packages <= names, f"packages missing from the wheel: {sorted(packages - names)}"
     assert not any(n.split("/")[0] in ("configs", "slurm") for n in names), "top-level data folders in site-packages"
+    # the Triton kernels: their own package (never a top-level `kernels`), found by the attention via an entry point
+    kernels = {f"hybrid_scale_kernels/{p.name}" for p in ROOT.glob("kernels/hybrid_scale_kernels/*.py")}
+    assert len(kernels) >= 3 and kernels <= names, f"missing from the wheel: {sorted(kernels - names)}"
+    assert not any(n.startswith("kernels/") for n in names)
+    (points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(points).decode()
+    assert "[hybrid_scale.attention_backends]\ntriton = hybrid_scale_kernels:register" in text, text
 
     # a fresh venv: the wheel in its own site-packages, this venv's site-packages only for the dependencies
     venv = tmp_path / "venv"
