@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install assets test lint format quickstart bench reproduce clean
+.PHONY: install assets test lint format quickstart bench kernel-speed reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,10 @@ quickstart: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention_scaling.py
+
+# The fused Triton kernels vs SDPA / FlashAttention / the torch path, prefill and decode (a CUDA GPU; ~3 minutes)
+kernel-speed: $(STAMP)
+	$(PY) benchmarks/kernel_speed.py
 
 # Table 1 on SmolLM2: every recipe through stage 1, stage 2 (32 LoRA steps) and the ablation evaluation with the
 # beyond-window verdict and the passkey probe (an estimated 3 to 3.5 hours on 2 idle cores at the default budget,

@@ -189,7 +189,6 @@ def triton_decode_step(
     y = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
     for name in ("k", "v", "fk", "sink_k", "sink_v", "kv", "ksum"):
         setattr(state, name, getattr(state, name).contiguous())
-    small = q.device.type != "cuda"
     _decode[(B * Hkv,)](
         q.contiguous(), k.contiguous(), v.contiguous(), fq.contiguous(), fk.contiguous(),
         gamma.detach().float().contiguous(), state.k, state.v, state.fk, state.sink_k, state.sink_v, state.kv,
@@ -197,9 +196,9 @@ def triton_decode_step(
         H, H // Hkv, D, F, state.ring, state.sink_k.shape[2], int(window), int(window) if mode == "hybrid" else 0,
         int(window) if mode == "swa_sinks" else 0, int(sinks) if sink else 0,
         1.0 / math.sqrt(D) if scale is None else float(scale),
-        BLOCK_G=max(1, triton.next_power_of_2(H // Hkv)), BLOCK_N=16 if small else 64,
+        BLOCK_G=max(1, triton.next_power_of_2(H // Hkv)), BLOCK_N=16,  # [G, 16, D] products stay in registers
         BLOCK_D=triton.next_power_of_2(D), BLOCK_F=triton.next_power_of_2(F),
-        BLOCK_FS=16 if small else min(64, triton.next_power_of_2(F)),
+        BLOCK_FS=16,
         BLOCK_S=max(2, triton.next_power_of_2(max(1, state.sink_k.shape[2]))),
         SOFT=soft, LIN=lin, SINKS=sink, HYBRID=hybrid, LA_ONLY=mode == "la_only", SINKS_ONLY=mode == "sinks_only",
     )  # fmt: skip

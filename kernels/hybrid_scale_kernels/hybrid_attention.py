@@ -536,9 +536,13 @@ class _HybridAttention(torch.autograd.Function):
         )  # fmt: skip
 
 
-def default_block(device: torch.device) -> int:
-    """Tile size: 64 on a GPU; 16 under the interpreter (tiny test shapes still cross several tiles)."""
-    return 64 if device.type == "cuda" else 16
+def default_tiles(device: torch.device, head_dim: int, feature_dim: int) -> tuple[int, int]:
+    """(tile, num_warps): 16 under the interpreter (tiny test shapes still cross several tiles); on a GPU 64 rows
+    with 8 warps, or 32 with 4 when the head or feature dim exceeds 128 (the tiles of q, phi and their gradients
+    stay in registers). First choices, not yet tuned on a GPU."""
+    if device.type != "cuda":
+        return 16, 4
+    return (64, 8) if max(head_dim, feature_dim) <= 128 else (32, 4)
 
 
 def triton_hybrid_attention(
@@ -558,16 +562,17 @@ def triton_hybrid_attention(
     initial_state=None,
     return_denominators=False,
     block=None,
-    num_warps=4,
+    num_warps=None,
 ):
     """The attention backend contract of hybrid_scale/attention/backends.py, computed by the fused kernels.
-    chunk_size is ignored (the tile is `block`: 64 on a GPU, 16 under the interpreter). initial_state: optional
+    chunk_size is ignored (the tile is `block`, by default_tiles). initial_state: optional
     (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable)."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    block = block or default_block(q.device)
+    tile, warps = default_tiles(q.device, q.shape[-1], fq.shape[-1])
+    block, num_warps = block or tile, num_warps or warps
     if sinks > 64 and mode in ("swa_sinks", "sinks_only"):
         raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {sinks}")
     B, H, T, D = q.shape
