@@ -48,6 +48,47 @@ def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _span(first, start, end, BLOCK: tl.constexpr):
+    """Token indices first..first+BLOCK-1, their real-token index, and whether they are real tokens."""
+    idx = first + tl.arange(0, BLOCK)
+    return idx, idx - start, (idx >= start) & (idx < end)
+
+
+@triton.jit
+def _rows(PTR, row, ok, width, BLOCK_W: tl.constexpr):
+    """Rows `row` (int64 row numbers of a [rows, width] tensor) as a [len(row), BLOCK_W] tile, 0 where not ok."""
+    o = tl.arange(0, BLOCK_W)
+    return tl.load(PTR + row[:, None] * width + o[None, :], mask=ok[:, None] & (o < width)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(PTR, row, ok, width, x, BLOCK_W: tl.constexpr):
+    o = tl.arange(0, BLOCK_W)
+    tl.store(
+        PTR + row[:, None] * width + o[None, :], x.to(PTR.dtype.element_ty), mask=ok[:, None] & (o < width)[None, :]
+    )
+
+
+@triton.jit
+def _state(STATE_KV, STATE_K, st, F, D, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fp32 LA state number st: kv [BLOCK_F, BLOCK_D] and k [BLOCK_F]."""
+    of = tl.arange(0, BLOCK_F)
+    kv = _rows(STATE_KV + st * F * D, of.to(tl.int64), of < F, D, BLOCK_D)
+    return kv, tl.load(STATE_K + st * F + of, mask=of < F, other=0.0)
+
+
+@triton.jit
+def _online(m_i, num, den, a, v, DT: tl.constexpr, PREC: tl.constexpr):
+    """One step of the online softmax: scores a (-inf where masked) and values v join the running max, numerator
+    and denominator."""
+    m_new = tl.maximum(m_i, tl.max(a, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(a - m_safe[:, None])
+    return m_new, num * alpha[:, None] + _dot(p, v, DT, PREC), den * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _fwd(
     Q, K, V, FQ, FK, GAMMA, STATE_KV, STATE_K, START, END,  # inputs
     Y, C, Z, DEN_E, DEN_L, IDX,  # outputs
@@ -56,24 +97,14 @@ def _fwd(
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hkv = b * (H // G) + h // G
-    start = tl.load(START + b)
-    end = tl.load(END + b)
-    m0 = pid_m * BLOCK
-    rows = m0 + tl.arange(0, BLOCK)
-    n = rows - start
-    row_ok = (rows >= start) & (rows < end)
-    od = tl.arange(0, BLOCK_D)
-    of = tl.arange(0, BLOCK_F)
-    dm = od < D
-    fm = of < F
+    b, h = pid_bh // H, pid_bh % H
+    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
+    start, end = tl.load(START + b), tl.load(END + b)
+    m0 = tl.program_id(0) * BLOCK
+    rows, n, row_ok = _span(m0, start, end, BLOCK)
     q_row = pid_bh.to(tl.int64) * T + rows
-    q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-
+    q = _rows(Q, q_row, row_ok, D, BLOCK_D)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     num_e = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     den_e = tl.zeros([BLOCK], tl.float32)
@@ -81,59 +112,34 @@ def _fwd(
     den_l = tl.zeros([BLOCK], tl.float32)
     idx = tl.zeros([BLOCK], tl.int32)
     if LIN:
-        fq = tl.load(FQ + q_row[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+        fq = _rows(FQ, q_row, row_ok, F, BLOCK_F)
         lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
     else:
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
-    hi = tl.minimum(m0 + BLOCK, end)
     if SOFT or LIN:
-        for kb in range(lo, hi, BLOCK):
-            cols = kb + tl.arange(0, BLOCK)
-            j = cols - start
-            k_ok = (cols >= start) & (cols < end)
-            k_row = hkv.to(tl.int64) * T + cols
-            v = tl.load(V + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+        for kb in range(lo, tl.minimum(m0 + BLOCK, end), BLOCK):
+            cols, j, k_ok = _span(kb, start, end, BLOCK)
+            v = _rows(V, kv_base + cols, k_ok, D, BLOCK_D)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
             if SOFT:
-                k = tl.load(K + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
-                a = _dot(q, tl.trans(k), DT, PREC) * scale
+                a = _dot(q, tl.trans(_rows(K, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) * scale
                 a = tl.where(causal & (j[None, :] > n[:, None] - window), a, float("-inf"))
-                block_max = tl.max(a, 1)
-                m_new = tl.maximum(m_i, block_max)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(a - m_safe[:, None])
-                if HYBRID:
-                    idx = tl.where(block_max > m_i, kb + tl.argmax(a, 1).to(tl.int32), idx)
-                num_e = num_e * alpha[:, None] + _dot(p, v, DT, PREC)
-                den_e = den_e * alpha + tl.sum(p, 1)
-                m_i = m_new
+                if HYBRID:  # the argmax of the window max, for its gradient
+                    idx = tl.where(tl.max(a, 1) > m_i, kb + tl.argmax(a, 1).to(tl.int32), idx)
+                m_i, num_e, den_e = _online(m_i, num_e, den_e, a, v, DT, PREC)
             if LIN:
-                fk = tl.load(FK + k_row[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :], other=0.0)
-                s = _dot(fq, tl.trans(fk), DT, PREC)
+                s = _dot(fq, tl.trans(_rows(FK, kv_base + cols, k_ok, F, BLOCK_F)), DT, PREC)
                 s = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)
                 num_l += _dot(s, v, DT, PREC)
                 den_l += tl.sum(s, 1)
     if SINKS:
-        sj = tl.arange(0, BLOCK_S)
-        cols = start + sj
-        s_ok = (sj < n_sinks) & (cols < end)
-        k_row = hkv.to(tl.int64) * T + cols
-        ks = tl.load(K + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-        vs = tl.load(V + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-        a = _dot(q, tl.trans(ks), DT, PREC) * scale
+        cols, sj, s_ok = _span(start, start, end, BLOCK_S)
+        s_ok = s_ok & (sj < n_sinks)
+        a = _dot(q, tl.trans(_rows(K, kv_base + cols, s_ok, D, BLOCK_D)), DT, PREC) * scale
         a = tl.where(row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off), a, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(a, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(a - m_safe[:, None])
-        num_e = num_e * alpha[:, None] + _dot(p, vs, DT, PREC)
-        den_e = den_e * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, num_e, den_e = _online(m_i, num_e, den_e, a, _rows(V, kv_base + cols, s_ok, D, BLOCK_D), DT, PREC)
     if LIN:  # keys before lo: the prefix state of whole blocks (exclusive), fp32
-        st = hkv.to(tl.int64) * NC + lo // BLOCK
-        kv = tl.load(STATE_KV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
-        ksum = tl.load(STATE_K + st * F + of, mask=fm, other=0.0)
+        kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, BLOCK_F, BLOCK_D)
         num_l += tl.dot(fq.to(tl.float32), kv, input_precision=PREC)
         den_l += tl.sum(fq.to(tl.float32) * ksum[None, :], 1)
     if HYBRID:
@@ -141,15 +147,22 @@ def _fwd(
     else:
         g = 1.0
     den = g * den_e + den_l + _EPS
-    y = (g * num_e + num_l) / den[:, None]
-    y = tl.where(row_ok[:, None], y, 0.0)
-    tl.store(Y + q_row[:, None] * D + od[None, :], y.to(Y.dtype.element_ty), mask=(rows < T)[:, None] & dm[None, :])
     out = rows < T
+    _store_rows(Y, q_row, out, D, tl.where(row_ok[:, None], (g * num_e + num_l) / den[:, None], 0.0), BLOCK_D)
     tl.store(C + q_row, tl.where(m_i == float("-inf"), 0.0, m_i), mask=out)
     tl.store(Z + q_row, den, mask=out)
     tl.store(DEN_E + q_row, tl.where(row_ok, g * den_e, 0.0), mask=out)
     tl.store(DEN_L + q_row, tl.where(row_ok, den_l, 0.0), mask=out)
     tl.store(IDX + q_row, idx, mask=out)
+
+
+@triton.jit
+def _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D: tl.constexpr):
+    """Per query row of the backward: dy / Z, delta / Z (delta = dy . y) and the max c."""
+    z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+    dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
+    dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+    return dyz, dz, tl.load(C + q_row, mask=row_ok, other=0.0)
 
 
 @triton.jit
@@ -163,26 +176,14 @@ def _bwd_q(
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hkv = b * (H // G) + h // G
-    start = tl.load(START + b)
-    end = tl.load(END + b)
+    b, h = pid_bh // H, pid_bh % H
+    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
+    start, end = tl.load(START + b), tl.load(END + b)
     m0 = pid_m * BLOCK
-    rows = m0 + tl.arange(0, BLOCK)
-    n = rows - start
-    row_ok = (rows >= start) & (rows < end)
-    od = tl.arange(0, BLOCK_D)
-    of = tl.arange(0, BLOCK_F)
-    dm = od < D
-    fm = of < F
+    rows, n, row_ok = _span(m0, start, end, BLOCK)
     q_row = pid_bh.to(tl.int64) * T + rows
-    q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-    dy = tl.load(DY + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-    c = tl.load(C + q_row, mask=row_ok, other=0.0)
-    z = tl.load(Z + q_row, mask=row_ok, other=1.0)
-    dyz = dy.to(tl.float32) / z[:, None]
-    dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+    q = _rows(Q, q_row, row_ok, D, BLOCK_D)
+    dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
     if HYBRID:
         g = tl.load(GAMMA + h).to(tl.float32)
     else:
@@ -191,59 +192,47 @@ def _bwd_q(
     dfq = tl.zeros([BLOCK, BLOCK_F], tl.float32)
     rsum = tl.zeros([BLOCK], tl.float32)
     if LIN:
-        fq = tl.load(FQ + q_row[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+        fq = _rows(FQ, q_row, row_ok, F, BLOCK_F)
         lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
     else:
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
-    hi = tl.minimum(m0 + BLOCK, end)
     if SOFT or LIN:
-        for kb in range(lo, hi, BLOCK):
-            cols = kb + tl.arange(0, BLOCK)
-            j = cols - start
-            k_ok = (cols >= start) & (cols < end)
-            k_row = hkv.to(tl.int64) * T + cols
-            v = tl.load(V + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+        for kb in range(lo, tl.minimum(m0 + BLOCK, end), BLOCK):
+            cols, j, k_ok = _span(kb, start, end, BLOCK)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
-            dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
+            # dL/dw for every term w_nj of the shared normaliser: (dy_n . v_j - dy_n . y_n) / Z_n
+            dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
             if SOFT:
-                k = tl.load(K + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+                k = _rows(K, kv_base + cols, k_ok, D, BLOCK_D)
                 a = _dot(q, tl.trans(k), DT, PREC) * scale
-                win = causal & (j[None, :] > n[:, None] - window)
-                p = tl.where(win, g * tl.exp(a - c[:, None]), 0.0)
-                ds = p * dp
+                ds = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0) * dp
                 rsum += tl.sum(ds, 1)
                 dq += _dot(ds, k, DT, PREC) * scale
             if LIN:
-                fk = tl.load(FK + k_row[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :], other=0.0)
                 dsl = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), dp, 0.0)
-                dfq += _dot(dsl, fk, DT, PREC)
+                dfq += _dot(dsl, _rows(FK, kv_base + cols, k_ok, F, BLOCK_F), DT, PREC)
     if SINKS:
-        sj = tl.arange(0, BLOCK_S)
-        cols = start + sj
-        s_ok = (sj < n_sinks) & (cols < end)
-        k_row = hkv.to(tl.int64) * T + cols
-        ks = tl.load(K + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-        vs = tl.load(V + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        cols, sj, s_ok = _span(start, start, end, BLOCK_S)
+        s_ok = s_ok & (sj < n_sinks)
+        ks = _rows(K, kv_base + cols, s_ok, D, BLOCK_D)
         a = _dot(q, tl.trans(ks), DT, PREC) * scale
-        ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
-        p = tl.where(ok, tl.exp(a - c[:, None]), 0.0)
-        dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
+        p = tl.where(
+            row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off), tl.exp(a - c[:, None]), 0.0
+        )
+        dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, s_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
         dq += _dot(p * dp, ks, DT, PREC) * scale
-    if LIN:
-        st = hkv.to(tl.int64) * NC + lo // BLOCK
-        kv = tl.load(STATE_KV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
-        ksum = tl.load(STATE_K + st * F + of, mask=fm, other=0.0)
-        dfq += tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
-        # this block's gradient of the state it read, for the keys before lo
-        fq32 = fq.to(tl.float32)
-        ds_kv = tl.dot(tl.trans(fq32), dyz, input_precision=PREC)
-        ds_k = -tl.sum(fq32 * dz[:, None], 0)
-        blk = pid_bh.to(tl.int64) * NM + pid_m
-        tl.store(DS_KV + blk * F * D + of[:, None] * D + od[None, :], ds_kv, mask=fm[:, None] & dm[None, :])
-        tl.store(DS_K + blk * F + of, ds_k, mask=fm)
-        tl.store(DFQ + q_row[:, None] * F + of[None, :], dfq, mask=(rows < T)[:, None] & fm[None, :])
     out = rows < T
-    tl.store(DQ + q_row[:, None] * D + od[None, :], dq, mask=out[:, None] & dm[None, :])
+    if LIN:
+        kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, BLOCK_F, BLOCK_D)
+        dfq += tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
+        _store_rows(DFQ, q_row, out, F, dfq, BLOCK_F)
+        # this block's gradient of the state it read, for the keys before lo
+        of = tl.arange(0, BLOCK_F)
+        blk = pid_bh.to(tl.int64) * NM + pid_m
+        _store_rows(DS_KV + blk * F * D, of.to(tl.int64), of < F, D, tl.dot(tl.trans(fq.to(tl.float32)), dyz,
+                    input_precision=PREC), BLOCK_D)  # fmt: skip
+        tl.store(DS_K + blk * F + of, -tl.sum(fq.to(tl.float32) * dz[:, None], 0), mask=of < F)
+    _store_rows(DQ, q_row, out, D, dq, BLOCK_D)
     tl.store(RSUM + q_row, rsum, mask=out)
 
 
@@ -258,73 +247,52 @@ def _bwd_kv(
 ):  # fmt: skip
     pid_k = tl.program_id(0)
     pid_bhkv = tl.program_id(1)
-    Hkv = H // G
-    b = pid_bhkv // Hkv
-    hk = pid_bhkv % Hkv
-    start = tl.load(START + b)
-    end = tl.load(END + b)
+    b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
+    start, end = tl.load(START + b), tl.load(END + b)
     kb = pid_k * BLOCK
-    cols = kb + tl.arange(0, BLOCK)
-    j = cols - start
-    k_ok = (cols >= start) & (cols < end)
-    od = tl.arange(0, BLOCK_D)
-    of = tl.arange(0, BLOCK_F)
-    dm = od < D
-    fm = of < F
+    cols, j, k_ok = _span(kb, start, end, BLOCK)
     k_row = pid_bhkv.to(tl.int64) * T + cols
-    k = tl.load(K + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
-    v = tl.load(V + k_row[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+    k = _rows(K, k_row, k_ok, D, BLOCK_D)
+    v = _rows(V, k_row, k_ok, D, BLOCK_D)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dfk = tl.zeros([BLOCK, BLOCK_F], tl.float32)
     if LIN:
-        fk = tl.load(FK + k_row[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :], other=0.0)
-        reach = lin_off  # query blocks whose dense span starts at or before this key block
+        fk = _rows(FK, k_row, k_ok, F, BLOCK_F)
+        reach = lin_off  # the query blocks whose streamed span starts at or before this key block
     else:
         reach = window
-    m_end = tl.minimum(kb + BLOCK + reach - 1, end)
     for gi in range(0, G):
         h = hk * G + gi
-        bh = (b * H + h).to(tl.int64)
         if HYBRID:
             g = tl.load(GAMMA + h).to(tl.float32)
         else:
             g = 1.0
-        for m0 in range(kb, m_end, BLOCK):
-            rows = m0 + tl.arange(0, BLOCK)
-            n = rows - start
-            row_ok = (rows >= start) & (rows < end)
-            q_row = bh * T + rows
-            dy = tl.load(DY + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-            z = tl.load(Z + q_row, mask=row_ok, other=1.0)
-            dyz = dy.to(tl.float32) / z[:, None]
-            dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+        for m0 in range(kb, tl.minimum(kb + BLOCK + reach - 1, end), BLOCK):
+            rows, n, row_ok = _span(m0, start, end, BLOCK)
+            q_row = (b * H + h).to(tl.int64) * T + rows
+            dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
             dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
             if SOFT:
-                q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-                c = tl.load(C + q_row, mask=row_ok, other=0.0)
+                q = _rows(Q, q_row, row_ok, D, BLOCK_D)
                 a = _dot(q, tl.trans(k), DT, PREC) * scale
                 p = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0)
                 dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
                 dv += _dot(tl.trans(p), dyz, DT, PREC)
             if LIN:
-                fq = tl.load(FQ + q_row[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+                fq = _rows(FQ, q_row, row_ok, F, BLOCK_F)
                 lin = causal & (j[None, :] <= n[:, None] - lin_off)
-                s = tl.where(lin, _dot(fq, tl.trans(fk), DT, PREC), 0.0)
                 dfk += _dot(tl.trans(tl.where(lin, dp, 0.0)), fq, DT, PREC)
-                dv += _dot(tl.trans(s), dyz, DT, PREC)
+                dv += _dot(tl.trans(tl.where(lin, _dot(fq, tl.trans(fk), DT, PREC), 0.0)), dyz, DT, PREC)
+    out = cols < T
     if LIN:  # the state this key block is part of: every later query block whose span starts after it
-        st = pid_bhkv.to(tl.int64) * NC + pid_k
-        gkv = tl.load(G_KV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
-        gk = tl.load(G_K + st * F + of, mask=fm, other=0.0)
+        gkv, gk = _state(G_KV, G_K, pid_bhkv.to(tl.int64) * NC + pid_k, F, D, BLOCK_F, BLOCK_D)
         dfk += tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
         dv += tl.dot(fk.to(tl.float32), gkv, input_precision=PREC)
-        dfk = tl.where(k_ok[:, None], dfk, 0.0)
-        tl.store(DFK + k_row[:, None] * F + of[None, :], dfk, mask=(cols < T)[:, None] & fm[None, :])
-    dv = tl.where(k_ok[:, None], dv, 0.0)
-    tl.store(DK + k_row[:, None] * D + od[None, :], dk, mask=(cols < T)[:, None] & dm[None, :])
-    tl.store(DV + k_row[:, None] * D + od[None, :], dv, mask=(cols < T)[:, None] & dm[None, :])
+        _store_rows(DFK, k_row, out, F, tl.where(k_ok[:, None], dfk, 0.0), BLOCK_F)
+    _store_rows(DK, k_row, out, D, dk, BLOCK_D)
+    _store_rows(DV, k_row, out, D, tl.where(k_ok[:, None], dv, 0.0), BLOCK_D)
 
 
 @triton.jit
@@ -335,43 +303,29 @@ def _bwd_sinks(
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid_bhkv = tl.program_id(0)
-    Hkv = H // G
-    b = pid_bhkv // Hkv
-    hk = pid_bhkv % Hkv
-    start = tl.load(START + b)
-    end = tl.load(END + b)
-    sj = tl.arange(0, BLOCK_S)
-    cols = start + sj
-    s_ok = (sj < n_sinks) & (cols < end)
-    od = tl.arange(0, BLOCK_D)
-    dm = od < D
-    k_row = pid_bhkv.to(tl.int64) * T + cols
-    ks = tl.load(K + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-    vs = tl.load(V + k_row[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+    b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
+    start, end = tl.load(START + b), tl.load(END + b)
+    cols, sj, s_ok = _span(start, start, end, BLOCK_S)
+    s_ok = s_ok & (sj < n_sinks)
+    ks = _rows(K, pid_bhkv.to(tl.int64) * T + cols, s_ok, D, BLOCK_D)
+    vs = _rows(V, pid_bhkv.to(tl.int64) * T + cols, s_ok, D, BLOCK_D)
     dk = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     for gi in range(0, G):
-        bh = (b * H + hk * G + gi).to(tl.int64)
         for m0 in range(start // BLOCK * BLOCK, end, BLOCK):
-            rows = m0 + tl.arange(0, BLOCK)
-            n = rows - start
-            row_ok = (rows >= start) & (rows < end)
-            q_row = bh * T + rows
-            q = tl.load(Q + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-            dy = tl.load(DY + q_row[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-            c = tl.load(C + q_row, mask=row_ok, other=0.0)
-            z = tl.load(Z + q_row, mask=row_ok, other=1.0)
-            dyz = dy.to(tl.float32) / z[:, None]
-            dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+            rows, n, row_ok = _span(m0, start, end, BLOCK)
+            q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
+            q = _rows(Q, q_row, row_ok, D, BLOCK_D)
+            dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
             a = _dot(q, tl.trans(ks), DT, PREC) * scale
             ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
             p = tl.where(ok, tl.exp(a - c[:, None]), 0.0)
             dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
             dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
             dv += _dot(tl.trans(p), dyz, DT, PREC)
-    out = pid_bhkv.to(tl.int64) * BLOCK_S + sj
-    tl.store(DKS + out[:, None] * D + od[None, :], dk, mask=dm[None, :])
-    tl.store(DVS + out[:, None] * D + od[None, :], dv, mask=dm[None, :])
+    slot = pid_bhkv.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    _store_rows(DKS, slot, slot >= 0, D, dk, BLOCK_D)
+    _store_rows(DVS, slot, slot >= 0, D, dv, BLOCK_D)
 
 
 def _pow2(x: int, least: int = 16) -> int:
