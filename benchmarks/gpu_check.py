@@ -778,6 +778,7 @@ GRAD_KEYS = ("q", "k", "v", "fq", "fk")  # the inputs the attention benchmark di
 def part_attention(s: dict, work: Path) -> dict:
     import torch
     import torch.nn.functional as F
+    from kernel_speed import Clock  # benchmarks/ (this script's folder) is on sys.path
 
     from hybrid_scale.attention import backends, hybrid
 
@@ -840,34 +841,7 @@ def part_attention(s: dict, work: Path) -> dict:
             backend=name,
         )
 
-    def clock(fn):
-        for _ in range(a["warmup"]):
-            fn()
-        times = []
-        for _ in range(a["repeats"]):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1000 * (time.perf_counter() - t0))
-        return statistics.median(times)
-
-    def peak(fn):
-        if not cuda:
-            fn()
-            return None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    clock = Clock(device, a["warmup"], a["repeats"])  # CUDA events after warm-up; peak memory above the inputs
 
     # the Triton kernels are timed on CUDA only (in the interpreter they are a correctness tool, not a speed)
     names = ["sdpa", *(b for b in backends.available() if cuda or b != "triton")]
@@ -895,12 +869,12 @@ def part_attention(s: dict, work: Path) -> dict:
                 y = fwd()
                 row["finite"] = bool(torch.isfinite(y).all())
                 del y
-                row["fwd_ms"] = clock(fwd)
-                row["fwd_peak_mib"] = peak(fwd)
-                row["fwd_bwd_ms"] = clock(fwd_bwd)
+                row["fwd_ms"] = clock.ms(fwd)
+                row["fwd_peak_mib"] = clock.peak_mib(fwd)
+                row["fwd_bwd_ms"] = clock.ms(fwd_bwd)
                 for k in GRAD_KEYS:  # the last timed call's gradients would count in the base, not the peak
                     xg[k].grad = None
-                row["fwd_bwd_peak_mib"] = peak(fwd_bwd)
+                row["fwd_bwd_peak_mib"] = clock.peak_mib(fwd_bwd)
             except torch.cuda.OutOfMemoryError:  # what was measured before stays in the JSON; the table skips it
                 row["skipped"] = "out of memory" + (" in fwd+bwd" if "fwd_ms" in row else "")
             except Exception as e:  # one backend failing at one length must not lose the other rows
