@@ -10,7 +10,7 @@ Steps (each guarded: a failing step is reported with its traceback and FAILED in
      log-likelihoods and the export's held-out loss compared within stated relative tolerances (TOL), and the
      export's cached decode checked against its full forward; both runs under tests/collectives' checker (every
      torch.distributed collective recorded, one on another device than the run's reported). The reference starts
-     in the background when step a is done; on the GPU, steps c and d run meanwhile (one at a time), then b's GPU
+     in the background when step a is done; on the GPU, steps c, d and e run meanwhile (one at a time), then b's GPU
      run, which then joins it;
   c. big: a Llama-3.2-1B-shaped random model (hidden 2048, 32 heads, 8 KV heads, head_dim 64, intermediate 8192; 4
      layers by default) in the checked dtype on the checked device: seconds per stage-1 layer and per stage-2 step;
@@ -1264,7 +1264,7 @@ def main() -> int:
     def pipeline():
         step_pipeline(s, report, work, log, ref_job)
 
-    def gpu_reserve() -> int:  # c and d leave step b's GPU run its time when it comes after them
+    def gpu_reserve() -> int:  # c, d and e leave step b's GPU run its time when it comes after them
         return B_RESERVE if ref_job is not None and not s["parallel"] else 0
 
     def big():
