@@ -9,7 +9,8 @@
 #
 # Writes gpu_check.md (the table), gpu_check.json (every figure), gpu_check.log (this output) and
 # gpu_check_children.log (every subprocess's output) into $OUT when set (the device tool brings those back), else
-# into docs/results/. Sized for about 7 minutes on one H200 (GPU_CHECK_DEADLINE, 450 s, caps it); GPU_CHECK_* variables (see gpu_check.py) change it.
+# into docs/results/. Sized for about 7 minutes on one H200 (GPU_CHECK_DEADLINE, 450 s, caps it); GPU_CHECK_*
+# variables (see gpu_check.py) change it.
 # Exit status: 0 when every check passed, 1 when one failed, 3 when the wheels could not be installed.
 set -uo pipefail
 export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s)}"  # GPU_CHECK_DEADLINE counts from here
