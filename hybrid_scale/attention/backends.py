@@ -9,7 +9,9 @@ the kernels where they are installed and runs on the torch backends where they a
 
 The config's `attention.backend` names a choice, resolved per call by `resolve(choice, device)`: "torch" = "chunk",
 "triton" = the kernels (an error naming the fix when they are not installed), "auto" = "triton" for CUDA tensors
-when it registered, else "chunk".
+when it registered and passed its self-check on that device (`self_check`, once per process: a tiny forward,
+backward and a few decode steps against the chunked path; on failure a warning names what failed and "chunk" is
+used), else "chunk".
 
 A backend is called with the tensors positionally and everything else by keyword:
 
@@ -29,6 +31,8 @@ This file imports only torch, importlib.metadata and its siblings (the export co
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
@@ -36,6 +40,7 @@ import torch
 
 from .chunked import chunk_hybrid_attention
 from .naive import masked_attention, naive_hybrid_attention, real_positions
+from .recurrent import DecodeState, extend
 
 BUILTIN = ("naive", "chunk")
 CHOICES = ("auto", "torch", "triton")  # the values of attention.backend
@@ -44,6 +49,7 @@ _BACKENDS: dict[str, Callable] = {}
 _DECODERS: dict[str, Callable] = {}
 _PLUGIN_ERRORS: dict[str, str] = {}
 _plugins_loaded = False
+_CHECKED: dict[tuple[str, str], str | None] = {}  # (backend, device) -> None when it passed its self-check, else why
 
 
 def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options):
@@ -95,12 +101,78 @@ def resolve(choice: str, device: torch.device | str) -> str:
     if choice == "torch":
         return "chunk"
     if choice == "auto":
-        if torch.device(device).type == "cuda":
+        device = torch.device(device)
+        if device.type == "cuda":
             load_plugins()
-            if "triton" in _BACKENDS:
+            if "triton" in _BACKENDS and _passes("triton", device):
                 return "triton"
         return "chunk"
     return choice
+
+
+def _passes(name: str, device: torch.device) -> bool:
+    key = (name, str(device))
+    if key not in _CHECKED:
+        _CHECKED[key] = why = self_check(name, device)
+        if why is not None:
+            warnings.warn(
+                f"attention backend '{name}' failed its self-check on {device} ({why}); attention.backend=auto uses "
+                f"the chunked torch path instead (attention.backend={name} would use it anyway)",
+                stacklevel=3,
+            )
+    return _CHECKED[key] is None
+
+
+def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Backend `name` on tiny inputs on `device` in `dtype` against the chunked torch path: hybrid mode with a
+    left-padded row, the output and the gradients of q, k, v, phi_q, phi_k and gamma, and (if it has a fused decode
+    step) 20 decode steps past a 16-key window against recurrent.extend. None when it agrees, else what differed or
+    failed."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    tol = 3e-2 if half else 1e-4
+    B, H, Hkv, T, D, F = 2, 4, 2, 80, 16, 32
+    gen = torch.Generator().manual_seed(0)
+
+    def make(*shape, positive=False):
+        x = torch.rand(*shape, generator=gen) if positive else torch.randn(*shape, generator=gen)
+        return x.to(device=device, dtype=dtype)
+
+    def differs(what, a, b):
+        err, scale = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
+        return None if err <= tol * (1 + scale) else f"{what} differs from the torch path by {err:.3g} (of {scale:.3g})"
+
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = [make(B, H, T, D), make(B, Hkv, T, D), make(B, Hkv, T, D), make(B, H, T, F, positive=True)]
+            x += [make(B, Hkv, T, F, positive=True), torch.full((H,), 0.3, device=device)]
+            mask = torch.ones(B, T, dtype=torch.long, device=device)
+            mask[1, :7] = 0
+            opts = dict(window=16, mode="hybrid", sinks=4, scale=None, attention_mask=mask, chunk_size=16)
+            results = []
+            for fn in (get_backend(name), chunk_hybrid_attention):
+                inputs = [t.detach().requires_grad_() for t in x]
+                y = fn(*inputs, **opts, initial_state=None, return_denominators=False)
+                results.append([y, *torch.autograd.grad(y.float().square().sum(), inputs)])
+            names = ("output", "dq", "dk", "dv", "dphi_q", "dphi_k", "dgamma")
+            for what, a, b in zip(names, *results, strict=True):
+                if (why := differs(what, a, b)) is not None:
+                    return why
+        step = _DECODERS.get(name)
+        if step is not None:
+            with torch.no_grad():
+                fused = DecodeState.empty(B, Hkv, D, D, F, 16, 4, 16, dtype, device)
+                extend(fused, *(t[:, :, :40] for t in x[:5]), x[5], window=16, sinks=4, attention_mask=mask[:, :40])
+                ref = copy.deepcopy(fused)
+                for t in range(40, 60):
+                    token = [u[:, :, t : t + 1] for u in x[:5]]
+                    got = step(fused, *token, x[5], window=16, mode="hybrid", sinks=4, attention_mask=None, scale=None)
+                    want = extend(ref, *token, x[5], window=16, sinks=4)
+                    if got is None or (why := differs(f"decode step {t}", got, want)) is not None:
+                        return why or "the decode step declined a plain one-token step"
+    except Exception as e:  # noqa: BLE001  (a kernel that does not compile or launch here: reported, not raised)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return f"{type(e).__name__}: {first}"
+    return None
 
 
 def get_backend(name: str) -> Callable:

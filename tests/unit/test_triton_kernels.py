@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hybrid_scale as hs
-from hybrid_scale.attention import backends, naive
+from hybrid_scale.attention import backends, chunked, naive
 from hybrid_scale.attention.recurrent import DecodeState, extend
 from hybrid_scale.config import ConfigError, load_config
 
@@ -27,6 +27,17 @@ kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need t
 
 MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only")
 NAMES = ("q", "k", "v", "fq", "fk", "gamma")
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A private copy of the backend registry (what a test registers is gone after it)."""
+    backends.load_plugins()
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
+    monkeypatch.setattr(backends, "_DECODERS", dict(backends._DECODERS))
+    return backends
+
+
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -212,6 +223,8 @@ def test_a_converted_model_runs_on_the_triton_backend(tiny):
 def test_the_backend_switch(monkeypatch):
     assert backends.resolve("auto", torch.device("cpu")) == "chunk"
     assert backends.resolve("torch", "cuda") == "chunk"
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    monkeypatch.setattr(backends, "self_check", lambda name, device: None)  # what passing it on a GPU gives
     assert backends.resolve("auto", torch.device("cuda")) == "triton"  # registered from its entry point
     assert backends.get_backend("triton") is kernels.forward and backends.get_decode("triton") is kernels.decode
     assert backends.get_decode("chunk") is None
@@ -232,12 +245,27 @@ def test_a_copy_of_the_attention_files_finds_the_installed_kernels(tmp_path):
     code = (
         "import sys; sys.modules.pop('hybrid_scale', None)\n"
         "from exported import backends\n"
+        "backends.self_check = lambda name, device: None\n"  # no GPU here: as if it passed there
         "print(backends.resolve('auto', 'cuda'), backends.resolve('auto', 'cpu'), "
         "backends.get_backend('triton').__module__, backends.get_decode('triton').__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["triton", "chunk", "hybrid_scale_kernels", "decode"]
+
+
+def test_auto_uses_the_kernels_only_after_they_pass_their_self_check(registry, monkeypatch):
+    """auto checks the kernels once per device (forward, backward, decode against the torch path); a failure is a
+    warning naming it, and the torch path runs."""
+    assert backends.self_check("triton", "cpu", torch.float32) is None  # under the interpreter, fp32
+    registry.register_backend("off", lambda *a, **k: 1.01 * chunked.chunk_hybrid_attention(*a, **k))
+    assert backends.self_check("off", "cpu", torch.float32).startswith("output differs from the torch path by ")
+    assert backends.self_check("triton", "cuda").startswith(("RuntimeError", "AssertionError"))  # no CUDA here
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    with pytest.warns(UserWarning, match=r"attention backend 'triton' failed its self-check on cuda \("):
+        assert backends.resolve("auto", "cuda") == "chunk"
+    assert backends.resolve("auto", "cuda") == "chunk"  # checked once: no second warning, same answer
+    assert backends.resolve("triton", "cuda") == "triton"  # asked for by name: used anyway
 
 
 def test_the_attention_package_never_imports_the_kernels():
