@@ -246,6 +246,8 @@ def markdown(result) -> str:
         f"Device: {result['device']}; dtype {a['dtype']}; window {a['window']}; batch 1; hybrid mode.",
         f"Methods measured: {', '.join(result['methods'])}"
         + ("" if "flash_attn" in result["methods"] else " (flash_attn not importable: not measured)"),
+        "Self-check of the kernels against the torch path (what attention.backend=auto relies on): "
+        + ("passed" if result["self_check"] is None else f"FAILED: {result['self_check']}"),
         "",
         "## Prefill: forward and forward+backward",
         "",
@@ -319,6 +321,7 @@ def main(argv=None) -> int:
         device=name,
         versions={"torch": torch.__version__, "triton": __import__("triton").__version__},
         settings=dict(window=args.window, dtype=str(args.dtype).replace("torch.", ""), shapes=shapes),
+        self_check=backends.self_check("triton", args.device, args.dtype),  # what attention.backend=auto relies on
         methods=[],
         prefill=[],
         decode=[],
@@ -338,7 +341,7 @@ def main(argv=None) -> int:
     save()
     print(markdown(result))
     errors = [r for r in result["prefill"] + result["decode"] if "error" in r]
-    return 1 if errors else 0
+    return 1 if errors or result["self_check"] is not None else 0
 
 
 if __name__ == "__main__":
