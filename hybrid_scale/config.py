@@ -39,10 +39,11 @@ class ModelConfig:
 @dataclass
 class AttentionConfig:
     window: int = 64  # sliding-window size in real tokens
-    feature_map: str = "hedgehog"
+    feature_map: str = "hedgehog"  # phi of the linear attention: hedgehog | exp | relu | elu1 | t2r
     feature_dim: int | None = None  # None = head_dim (hedgehog then outputs 2 * head_dim)
-    gamma_init: float = 0.1
-    sinks: int = 8  # S for sinks_only
+    gamma_init: float = 0.1  # initial window weight gamma of every head (sigmoid of a learnable logit)
+    sinks: int = 8  # S, the first real tokens that swa_sinks and sinks_only attend to besides the window
+    # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)
     chunk_size: int = 64  # query block of the torch path (the Triton kernels pick their own tile)
@@ -54,8 +55,8 @@ class AttentionConfig:
 @dataclass
 class DataConfig:
     source: str | None = None  # .txt (documents split by blank lines), .jsonl, a datasets dir; None = embedded default
-    text_field: str = "text"
-    seq_len: int = 512
+    text_field: str = "text"  # the text field of a .jsonl or datasets source
+    seq_len: int = 512  # tokens per packed training sequence (stage 1, and stage 2 unless finetune.seq_len)
     num_sequences: int = 256  # packed training sequences for stage 1
     heldout_fraction: float = 0.05  # documents held out (user sources; the embedded default has its own split)
 
@@ -68,16 +69,16 @@ OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
 class DistillConfig:
     recipe: str = "hedgecats"  # lolcats = hybrid_output_mse; hedgecats / ssd / la_only = weights_xent
     objectives: dict[str, float] | None = None  # explicit weights, e.g. {weights_xent: 1, output_mse: 0.5}
-    train_feature_maps: bool = True
+    train_feature_maps: bool = True  # train phi_q / phi_k (false: only gamma, with a hybrid objective)
     train_gamma: bool | None = None  # None = only when a hybrid objective is used (gamma has no effect on LA-only)
     lr: float = 1e-2  # AdamW, as LoLCATs
-    weight_decay: float = 0.0
-    epochs: int = 2
+    weight_decay: float = 0.0  # AdamW weight decay of phi / gamma
+    epochs: int = 2  # passes over the training sequences per layer
     batch_size: int = 8  # global batch of sequences per step (split over ranks)
     query_block: int = 128  # weights_xent rows per block: memory O(block * T)
     buffer_dir: str | None = None  # hidden-state buffers; None = {run_dir}/stage1/buffers (may be a shared disk)
-    buffer_dtype: str = "float32"
-    progress: bool = True
+    buffer_dtype: str = "float32"  # dtype of the hidden-state buffers on disk: float32 | bfloat16 | float16
+    progress: bool = True  # a progress bar per layer
 
 
 SSD_GRANULARITY = ("step", "layer")
@@ -87,14 +88,14 @@ SSD_GRANULARITY = ("step", "layer")
 class FinetuneConfig:
     model: str | None = None  # converted model to fine-tune; None = {run_dir}/stage1/converted
     recipe: str | None = None  # None = distill.recipe; lolcats/hedgecats/ssd train in hybrid, la_only in la_only
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_r: int = 8  # LoRA rank (PEFT)
+    lora_alpha: int = 16  # LoRA scaling numerator (PEFT: the update is scaled by alpha / r)
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # modules by name
     train_feature_maps: bool = False  # also train phi (saved with the stage's output)
     train_gamma: bool = False  # also train gamma
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    lr: float = 1e-4  # peak AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 10  # linear warmup, then linear decay to 0 at max_steps
     max_steps: int = 200  # optimizer steps
     global_batch: int = 8  # sequences per optimizer step over all ranks (accumulation = global / (micro * ranks))
@@ -110,10 +111,11 @@ class FinetuneConfig:
     la_margin: float = 0.05  # stop when the la_only held-out loss rises this far (nats) above its best
     save_every: int = 20  # steps between committed checkpoints
     keep: int = 2  # committed step checkpoints kept (best/ is outside the rotation)
+    # SSD (recipe ssd): (fraction of training, probability that a layer drops its SWA and runs la_only) steps
     ssd_schedule: list[list[float]] = field(default_factory=lambda: [[0.0, 0.9], [1 / 3, 0.75], [2 / 3, 0.5]])
     ssd_windows: list[list[float]] | None = None  # optional (fraction, window) steps, e.g. [[0, 16], [0.5, 64]]
     ssd_granularity: str = "step"  # step: all layers drop SWA together; layer: each layer independently
-    progress: bool = True
+    progress: bool = True  # a progress bar over the steps
 
 
 EVAL_MODES = ("base", "hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
@@ -122,10 +124,11 @@ EVAL_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "m
 
 @dataclass
 class EvalConfig:
-    model: str | None = None  # HF dir or converted model; None = the run's stage2/output or stage1/converted, else
-    # model.path, else the embedded default
-    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
-    tasks: list[str] = field(default_factory=lambda: list(EVAL_TASKS))
+    # HF dir or converted model; None = the run's stage2/output or stage1/converted, else model.path, else the
+    # embedded default
+    model: str | None = None
+    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))  # modes to score (base = the unconverted model)
+    tasks: list[str] = field(default_factory=lambda: list(EVAL_TASKS))  # piqa, arc_easy, arc_challenge, hellaswag, ...
     limit: int | None = 100  # items per task (MMLU: in total, stratified over subjects); None = all
     batch_size: int = 16  # items per batch (their contexts are prefilled together)
     window: int | None = None  # evaluate at another window than the model's (the diagnostic at smaller windows)
@@ -137,19 +140,20 @@ class EvalConfig:
     # +-ppl_margin means "LA bypassed", above it "LA used" (needs ppl_sequences > 0 and such a mode in eval.modes)
     ppl_margin: float = 0.02
     ppl_text: str | None = None  # long held-out text for perplexity / LA share; None = the embedded default's
-    ppl_seq_len: int = 2048
-    ppl_sequences: int = 4
-    buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])
-    la_share_seq_len: int = 1024
+    ppl_seq_len: int = 2048  # tokens per held-out sequence for perplexity by position
+    ppl_sequences: int = 4  # held-out sequences for perplexity, the beyond-window verdict and LA share (0 = none)
+    buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])  # position bucket edges
+    la_share_seq_len: int = 1024  # tokens per sequence for the LA share of the normaliser (0 = skip it)
     # passkey retrieval past the window: a key stated in one place, then filler (held-out text), then the question;
     # scored by answer log-likelihood and greedy exact match at each distance (tokens from the key to the answer)
     passkey_distances: list[int] = field(default_factory=lambda: [32, 128, 512, 1024, 2048])  # [] = no probe
     passkey_trials: int = 20  # prompts per distance (seeded keys and filler)
+    # the modes the passkey probe scores
     passkey_modes: list[str] = field(default_factory=lambda: ["base", "hybrid", "swa_only", "swa_sinks", "la_only"])
     # ZeRO-3: weights partitioned over the ranks (a model too large for one device); with launch.tensor_parallel > 1
     # the tensor-parallel split does this instead, and setting both is refused
     shard_weights: bool = False
-    progress: bool = True
+    progress: bool = True  # progress bars over batches
 
 
 @dataclass
@@ -160,12 +164,12 @@ class ExportConfig:
     window: int | None = None  # None = as trained
     gamma: float | None = None  # fix gamma of every head (inference-time hybridisation)
     calibrate_gamma: bool = False  # fit gamma per layer and head so hybrid matches full softmax on a few batches
-    calibration_sequences: int = 8
-    calibration_seq_len: int = 512
-    calibration_steps: int = 60
+    calibration_sequences: int = 8  # training sequences the gamma calibration fits on
+    calibration_seq_len: int = 512  # their length in tokens
+    calibration_steps: int = 60  # Adam steps of the gamma fit per layer
     report_sequences: int = 4  # held-out sequences for the before/after perplexity of a gamma change (0 = skip)
-    report_seq_len: int = 512
-    max_shard_gb: float = 5.0
+    report_seq_len: int = 512  # their length in tokens
+    max_shard_gb: float = 5.0  # largest output safetensors shard
     dtype: str | None = None  # None = as the base checkpoint's tensors
 
 
@@ -176,25 +180,25 @@ LAUNCHERS = ("torchrun", "deepspeed", "srun")
 
 @dataclass
 class LaunchConfig:
-    nodes: int = 1
+    nodes: int = 1  # nodes of the job (several: one launcher per node, rendezvous from the Slurm environment)
     procs_per_node: int = 1  # ranks per node (GPUs per node on a cluster)
     launcher: str = "torchrun"  # torchrun | deepspeed | srun (one task per rank)
     # attention heads, MLP columns and vocabulary split over this many consecutive ranks of a node, in stages 1, 2
     # and evaluation (KV heads must divide by it); the rest of the ranks split the data
     tensor_parallel: int = 1
-    master_port: int = 29500
+    master_port: int = 29500  # rendezvous port base (+ SLURM_JOB_ID mod 1000 under Slurm)
     gpu_memory_gb: float = 80.0  # per device, for `plan`
     gpu_tflops: float = 300.0  # sustained bf16 per device, for `plan`'s rough times
 
 
 @dataclass
 class SlurmConfig:
-    partition: str | None = None
-    account: str | None = None
-    time: str = "24:00:00"
-    cpus_per_task: int = 8
+    partition: str | None = None  # #SBATCH --partition (None: the cluster's default)
+    account: str | None = None  # #SBATCH --account
+    time: str = "24:00:00"  # time limit of each stage's job (Slurm format; slurm.times overrides it per stage)
+    cpus_per_task: int = 8  # #SBATCH --cpus-per-task
     mem: str | None = None  # e.g. 0 (whole node) or 200G
-    job_name: str = "hybrid_scale"
+    job_name: str = "hybrid_scale"  # job name prefix (the stage is appended)
     signal_lead_s: int = 120  # USR1 this long before the time limit: save and requeue
     max_restarts: int = 5  # requeues after "saved, please requeue", capped via SLURM_RESTART_COUNT
     extra: list[str] = field(default_factory=list)  # more #SBATCH lines, e.g. ["--qos=high"]
@@ -205,17 +209,17 @@ class SlurmConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    run_dir: str = "runs/default"
-    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)  # the base model
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # the hybrid attention
+    data: DataConfig = field(default_factory=DataConfig)  # training text
+    distill: DistillConfig = field(default_factory=DistillConfig)  # stage 1
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)  # stage 2
+    eval: EvalConfig = field(default_factory=EvalConfig)  # the component-ablation evaluation
+    export: ExportConfig = field(default_factory=ExportConfig)  # the merged export
+    launch: LaunchConfig = field(default_factory=LaunchConfig)  # ranks, nodes, tensor parallelism
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # sbatch scripts
+    run_dir: str = "runs/default"  # where every stage writes (one directory per conversion)
+    seed: int = 0  # seeds data selection, initialisation, SSD decisions, bootstrap and the passkey prompts
     allow_config_change: bool = False  # rerun a run_dir with settings that change results (named in the refusal)
 
 

@@ -1,5 +1,5 @@
-"""The README is tested: every command in it either runs here (cheap ones, in-process) or is parsed by the real tool it
-calls, so the README cannot drift from the code.
+"""The README and docs/ are tested: every command in them either runs here (cheap ones, in-process) or is parsed by the
+real tool it calls, so the documentation cannot drift from the code.
 
 Commands are the lines of its ```bash blocks (line continuations joined, `# comments` stripped, `...` placeholders
 removed) and the inline `code spans` of its prose that start with a known program. Per program:
@@ -11,12 +11,15 @@ removed) and the inline `code spans` of its prose that start with a known progra
 - `make X`: X is a target of the Makefile (and `make -n X`, a dry run that only prints, succeeds).
 - `launch/torchrun.sh` / `launch/deepspeed.sh`: executable, `--help` runs, and the arguments are those of
   `hybrid-scale launch STAGE ... launch.launcher=NAME`, which the script runs.
+- `python benchmarks/X.py ARGS` (or a benchmark package directory): the script exists and, when it uses argparse,
+  its own parser accepts ARGS (the script runs in-process only up to its `parse_args`).
 - PARSED_ONLY programs (not installed here, or never run by a test): split into words, and a command they wrap
   (`srun ... launch/torchrun.sh ...`) is checked as above. Any other program fails the test.
 
-Besides commands: ```yaml blocks load through `load_config` (written under the name the README gives them, which its
-commands then use), ```python blocks compile and name only attributes hybrid_scale has, config keys in prose exist in
-the schema, repository paths and presets in prose exist, and the README's list of subcommands is the CLI's.
+Besides commands: ```yaml blocks load through `load_config` (written under the name a document gives them, which
+the commands of every document then use), ```python blocks compile and name only attributes hybrid_scale has, config
+keys in prose exist in the schema, repository paths, presets and relative links in prose exist, and the list of
+subcommands is the CLI's. The README itself: the two set-up commands first, and at most ~150 lines.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import importlib.util
 import io
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -45,7 +49,20 @@ from hybrid_scale.config import JOBS, PRESETS, Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-TEXT = README.read_text()
+README_MAX_LINES = 150
+
+
+@dataclass(frozen=True)
+class Doc:
+    path: Path
+    text: str
+
+    @property
+    def name(self) -> str:
+        return str(self.path.relative_to(ROOT))
+
+
+DOCS = [Doc(p, p.read_text()) for p in [README, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "kernels" / "README.md"]]
 
 HYBRID_SCALE = ("hybrid-scale", ".venv/bin/hybrid-scale")
 PYTHONS = ("python", "python3", ".venv/bin/python")
@@ -53,7 +70,7 @@ MODULES = ("hybrid_scale", "hybrid_scale.cli")
 LAUNCH_SCRIPTS = ("launch/torchrun.sh", "launch/deepspeed.sh")
 # Programs whose commands are only split into words here (not installed on a CPU test machine, or not to be run by a
 # test); a command they wrap is checked on its own.
-PARSED_ONLY = ("srun", "sbatch", "pip", "git")
+PARSED_ONLY = ("srun", "sbatch", "pip", "git", "bash")
 KNOWN = (*HYBRID_SCALE, *PYTHONS, *LAUNCH_SCRIPTS, *PARSED_ONLY, "torchrun", "deepspeed", "make")
 # Placeholders of the prose (`hybrid-scale plan CONFIG`): what the test puts in their place.
 CONFIG_EXAMPLE = "quickstart.yaml"  # "a YAML file (or a preset name ...)"
@@ -63,28 +80,33 @@ SECTIONS = tuple(k for k, v in OmegaConf.structured(Config).items() if isinstanc
 # ---------------------------------------------------------------------------------------------- README extraction
 
 
-def _line_of(offset: int, text: str = TEXT) -> int:
+def _line_of(offset: int, text: str) -> int:
     return text.count("\n", 0, offset) + 1
 
 
-def fenced_blocks(lang: str) -> list[tuple[int, str, int]]:
+def fenced_blocks(doc: Doc, lang: str) -> list[tuple[int, str, int]]:
     """(line of the first body line, body, offset of the fence) of each ```lang block."""
     return [
-        (_line_of(m.start(1)), m.group(1), m.start())
-        for m in re.finditer(rf"^```{lang}[ \t]*\n(.*?)^```[ \t]*$", TEXT, re.M | re.S)
+        (_line_of(m.start(1), doc.text), m.group(1), m.start())
+        for m in re.finditer(rf"^```{lang}[ \t]*\n(.*?)^```[ \t]*$", doc.text, re.M | re.S)
     ]
 
 
-def prose() -> str:
-    """The README without its fenced blocks (replaced by as many newlines, so line numbers stay)."""
-    return re.sub(r"^```.*?^```[ \t]*$", lambda m: "\n" * m.group().count("\n"), TEXT, flags=re.M | re.S)
+def prose(doc: Doc) -> str:
+    """The document without its fenced blocks (replaced by as many newlines, so line numbers stay)."""
+    return re.sub(r"^```.*?^```[ \t]*$", lambda m: "\n" * m.group().count("\n"), doc.text, flags=re.M | re.S)
 
 
-def inline_spans() -> list[tuple[int, str]]:
+def inline_spans(doc: Doc) -> list[tuple[int, str]]:
     """(line, text) of every inline code span of the prose; a span may wrap onto the next line, never a paragraph."""
-    text = prose()
+    text = prose(doc)
     spans = re.finditer(r"`([^`\n]+(?:\n[^`\n]+)?)`", text)
     return [(_line_of(m.start(), text), " ".join(m.group(1).split())) for m in spans]
+
+
+def all_spans() -> list[tuple[str, int, str]]:
+    """(document, line, text) of every inline code span of every document."""
+    return [(doc.name, line, span) for doc in DOCS for line, span in inline_spans(doc)]
 
 
 def strip_comment(line: str) -> str:
@@ -140,14 +162,15 @@ class Command:
     line: int
     text: str
     where: str  # "bash block" or "prose"
+    doc: str = "README.md"
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.where}): {self.text}"
+        return f"{self.doc}:{self.line} ({self.where}): {self.text}"
 
 
-def bash_commands() -> list[Command]:
+def bash_commands(doc: Doc) -> list[Command]:
     out = []
-    for first, body, _ in fenced_blocks("bash"):
+    for first, body, _ in fenced_blocks(doc, "bash"):
         pending, start = "", first
         for n, line in enumerate(body.splitlines(), start=first):
             if not pending:
@@ -159,24 +182,27 @@ def bash_commands() -> list[Command]:
             text = (pending + code).strip()
             pending = ""
             if text:
-                out.append(Command(start, text, "bash block"))
-        assert not pending, f"README.md:{start}: a line continuation ends the block"
+                out.append(Command(start, text, "bash block", doc.name))
+        assert not pending, f"{doc.name}:{start}: a line continuation ends the block"
     return out
 
 
-def prose_commands() -> list[Command]:
-    return [Command(n, s, "prose") for n, s in inline_spans() if s.split()[0] in KNOWN]
+def prose_commands(doc: Doc) -> list[Command]:
+    """Inline spans that start with a known program and pass it something (a bare `torchrun` names a program)."""
+    spans = inline_spans(doc)
+    return [Command(n, s, "prose", doc.name) for n, s in spans if len(s.split()) > 1 and s.split()[0] in KNOWN]
 
 
-COMMANDS = bash_commands() + prose_commands()
+COMMANDS = [c for doc in DOCS for c in bash_commands(doc) + prose_commands(doc)]
 
 
 def written_files() -> dict[str, str]:
-    """```yaml blocks by the file name the README gives them (the last `*.yaml` named just before the block)."""
+    """```yaml blocks by the file name a document gives them (the last `*.yaml` named just before the block)."""
     out = {}
-    for i, (_, body, fence) in enumerate(fenced_blocks("yaml")):
-        names = re.findall(r"`([\w.-]+\.ya?ml)`", TEXT[max(0, fence - 300) : fence])
-        out[names[-1] if names else f"readme_block_{i}.yaml"] = body
+    for doc in DOCS:
+        for i, (_, body, fence) in enumerate(fenced_blocks(doc, "yaml")):
+            names = re.findall(r"`([\w.-]+\.ya?ml)`", doc.text[max(0, fence - 300) : fence])
+            out[names[-1] if names else f"{doc.path.stem}_block_{i}.yaml"] = body
     return out
 
 
@@ -226,13 +252,16 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 
 def expand(args: list[str]) -> list[list[str]]:
     """The concrete commands a prose template stands for: CONFIG -> a preset, STAGE -> every choice at its place,
-    [--flag] -> without and with the flag."""
+    [--flag] -> without and with the flag, a{b,c} -> ab and ac (as bash)."""
     variants = [[]]
     for i, a in enumerate(args):
         if a == "CONFIG":
             choices = [[CONFIG_EXAMPLE]]
-        elif a == "STAGE":
-            choices = [[s] for s in (JOBS if i and args[i - 1] == "launch" else _subcommands())]
+        elif a == "STAGE":  # a stage of `launch`, any subcommand before --help, else a stage that runs a config
+            helps = "--help" in args or "-h" in args
+            choices = [[s] for s in (_subcommands() if helps and not (i and args[i - 1] == "launch") else JOBS)]
+        elif m := re.fullmatch(r"([^{}]*)\{([\w.-]+(?:,[\w.-]+)+)\}([^{}]*)", a):  # bash's brace expansion
+            choices = [[m.group(1) + alt + m.group(3)] for alt in m.group(2).split(",")]
         elif re.fullmatch(r"\[-[^\]]+\]", a):
             choices = [[], a[1:-1].split()]
         else:
@@ -275,6 +304,35 @@ def check_module(module: str, args: list[str], cmd: Command, files: dict[str, st
     check_hybrid_scale(args, cmd, files, who=f"{who} -m {module}")
 
 
+class _Parsed(Exception):
+    pass
+
+
+def check_script(script: str, args: list[str], cmd: Command) -> None:
+    """`python benchmarks/X.py ARGS`: the script (or package directory with __main__.py) exists, and a script that
+    uses argparse accepts ARGS: it runs in-process until its parser has parsed them, then stops."""
+    path = ROOT / script
+    main_file = path / "__main__.py" if path.is_dir() else path
+    assert main_file.is_file(), f"{cmd}\n{script} does not exist"
+    if "argparse" not in main_file.read_text():
+        assert not args, f"{cmd}\n{script} takes no argparse arguments, but the command passes {args}"
+        return
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, argv=None, namespace=None):
+        if argv is None:
+            _parse(self, args, script, cmd)  # fails the test on a rejected argument
+            raise _Parsed
+        return real(self, argv, namespace)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+        mp.setattr("sys.argv", [str(path), *args])
+        mp.syspath_prepend(str(path if path.is_dir() else path.parent))
+        with pytest.raises(_Parsed):
+            runpy.run_path(str(path), run_name="__main__")
+
+
 def make_targets() -> set[str]:
     text = (ROOT / "Makefile").read_text()
     return {t for line in re.findall(r"^([^\s:#=][^:=]*):(?!=)", text, re.M) for t in line.split()}
@@ -287,6 +345,9 @@ def check(words: list[str], cmd: Command, files: dict[str, str]) -> None:
         assert script.value == "hybrid_scale.cli:main", script
         check_hybrid_scale(args, cmd, files)
     elif prog in PYTHONS:
+        if args and args[0].startswith("benchmarks/"):
+            check_script(args[0], args[1:], cmd)
+            return
         assert len(args) >= 2 and args[0] == "-m", f"{cmd}\nonly `python -m hybrid_scale[.cli] ...` is known here"
         check_module(args[1], args[2:], cmd, files, prog)
     elif prog == "torchrun":
@@ -322,7 +383,11 @@ def check(words: list[str], cmd: Command, files: dict[str, str]) -> None:
         if args != ["..."]:  # the script runs `hybrid-scale launch STAGE [CONFIG] [key=value ...] launch.launcher=NAME`
             check_hybrid_scale(["launch", *args, f"launch.launcher={script.stem}"], cmd, files, who=prog)
     elif prog in PARSED_ONLY:
-        if prog == "srun":  # srun [options] program [args]: the program is checked on its own
+        if prog == "bash":  # bash SCRIPT: a repository script that bash accepts (`bash -n`, nothing runs)
+            assert args and (ROOT / args[0]).is_file(), f"{cmd}\nno script {args[:1]}"
+            r = subprocess.run(["bash", "-n", str(ROOT / args[0])], capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, f"{cmd}\nbash -n: {r.stderr}"
+        elif prog == "srun":  # srun [options] program [args]: the program is checked on its own
             rest = list(args)
             while rest and rest[0].startswith("-"):
                 opt = rest.pop(0)
@@ -342,15 +407,27 @@ def check(words: list[str], cmd: Command, files: dict[str, str]) -> None:
 
 def test_the_readme_commands_are_found():
     """The extraction itself: bash blocks and prose both yield commands, including each launcher."""
-    assert len(bash_commands()) >= 10 and len(prose_commands()) >= 5
+    assert len([c for c in COMMANDS if c.where == "bash block"]) >= 10 and len(COMMANDS) >= 30
     progs = {split_command(c.text)[0][0] for c in COMMANDS}
     assert {"make", "torchrun", "deepspeed", ".venv/bin/hybrid-scale", "hybrid-scale", "launch/torchrun.sh"} <= progs
-    for c in bash_commands():  # a bash block holds only commands: an unknown program is an error, not prose
-        for words in split_command(c.text):
-            assert words[0] in KNOWN, f"{c}\nunknown program {words[0]!r}: teach this test how to check it"
+    assert {doc.name for doc in DOCS} >= {"README.md", "docs/reference/config.md", "docs/guide/scale.md"}
+    for doc in DOCS:  # a bash block holds only commands: an unknown program is an error, not prose
+        for c in bash_commands(doc):
+            for words in split_command(c.text):
+                assert words[0] in KNOWN, f"{c}\nunknown program {words[0]!r}: teach this test how to check it"
 
 
-@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: f"L{c.line}-{c.text[:50]}")
+def test_readme_starts_with_the_two_setup_commands_and_stays_short():
+    readme = DOCS[0]
+    _, body, fence = fenced_blocks(readme, "bash")[0]
+    assert "\n## " not in readme.text[:fence], "the set-up commands come before any section"
+    words = [split_command(line)[0] for line in body.splitlines() if strip_comment(line).strip()]
+    assert words == [["make", "quickstart"], ["make", "test"]], words
+    n = readme.text.count("\n")
+    assert n <= README_MAX_LINES, f"README.md has {n} lines; move detail into docs/guide/ (at most {README_MAX_LINES})"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: f"{c.doc}:L{c.line}-{c.text[:50]}")
 def test_readme_command(cmd, readme_files):
     for words in split_command(cmd.text):
         check(words, cmd, readme_files)
@@ -362,24 +439,25 @@ def test_readme_deepspeed_line_uses_the_runner_flag():
 
     with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
         runner.parse_args(["--num_gpus", "8", "-m", "hybrid_scale.cli", "finetune"])
-    assert [c for c in COMMANDS if c.text.startswith("deepspeed ")], "the README lost its deepspeed command"
+    assert [c for c in COMMANDS if c.text.startswith("deepspeed ")], "the docs lost their deepspeed command"
 
 
 def test_yaml_blocks_load(readme_files):
-    assert readme_files, "no ```yaml block in the README"
+    assert readme_files, "no ```yaml block in the docs"
     for name, path in readme_files.items():
         try:
             load_config(path)
         except ConfigError as e:
-            pytest.fail(f"README's {name}: {e}")
+            pytest.fail(f"the docs' {name}: {e}")
 
 
 def test_python_blocks_compile_and_name_real_attributes():
-    blocks = fenced_blocks("python")
+    blocks = [(doc, *b) for doc in DOCS for b in fenced_blocks(doc, "python")]
     assert blocks
-    for line, body, _ in blocks:
-        tree = compile(body, f"README.md:{line}", "exec", ast.PyCF_ONLY_AST)
-        compile(tree, f"README.md:{line}", "exec")
+    for doc, line, body, _ in blocks:
+        where = f"{doc.name}:{line}"
+        tree = compile(body, where, "exec", ast.PyCF_ONLY_AST)
+        compile(tree, where, "exec")
         aliases = {
             a.asname or a.name: a.name
             for node in ast.walk(tree)
@@ -390,12 +468,12 @@ def test_python_blocks_compile_and_name_real_attributes():
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
                 module = importlib.import_module(aliases[node.value.id])
-                assert hasattr(module, node.attr), f"README.md:{line}: {aliases[node.value.id]} has no {node.attr}"
+                assert hasattr(module, node.attr), f"{where}: {aliases[node.value.id]} has no {node.attr}"
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hybrid_scale"):
                 module = importlib.import_module(node.module)
                 for a in node.names:
-                    assert hasattr(module, a.name), f"README.md:{line}: {node.module} has no {a.name}"
+                    assert hasattr(module, a.name), f"{where}: {node.module} has no {a.name}"
 
 
 KEY = re.compile(rf"^((?:{'|'.join(SECTIONS)})\.[a-z_]+(?:\.[a-z_]+)*|run_dir|seed|allow_config_change)(=.*)?$")
@@ -406,69 +484,98 @@ def test_config_keys_in_prose_exist():
     type (value checks that need the rest of a config, e.g. tensor_parallel vs ranks, are the commands' business)."""
     schema = OmegaConf.structured(Config)
     seen = 0
-    for line, span in inline_spans():
+    for doc, line, span in all_spans():
         m = KEY.match(span)
         if not m or re.search(r"\.(sbatch|ya?ml|json|md|png|py|safetensors)$", span):  # `export.sbatch`: a file
             continue
         seen += 1
         key, value = m.group(1), m.group(2)
-        assert OmegaConf.select(schema, key, default="<missing>") != "<missing>", f"README.md:{line}: no key {key}"
+        assert OmegaConf.select(schema, key, default="<missing>") != "<missing>", f"{doc}:{line}: no key {key}"
         if value and value != "=":
             try:
                 OmegaConf.merge(schema, OmegaConf.from_dotlist([span]))
             except Exception as e:
-                pytest.fail(f"README.md:{line}: `{span}`: {e}")
+                pytest.fail(f"{doc}:{line}: `{span}`: {e}")
     assert seen >= 10
 
 
 def test_repository_paths_in_prose_exist():
     seen = 0
-    for line, span in inline_spans():
-        if not re.fullmatch(r"(configs|docs|benchmarks|slurm|launch|hybrid_scale|tests)/[\w./*-]*", span):
+    for doc, line, span in all_spans():
+        if not re.fullmatch(r"(configs|docs|benchmarks|slurm|launch|hybrid_scale|tests|kernels)/[\w./*-]*", span):
             continue
         seen += 1
         if "*" in span:
-            assert list(ROOT.glob(span)), f"README.md:{line}: nothing matches {span}"
+            assert list(ROOT.glob(span)), f"{doc}:{line}: nothing matches {span}"
         else:
-            assert (ROOT / span).exists(), f"README.md:{line}: {span} does not exist"
-    for line, span in inline_spans():  # preset names: `models/llama3-8b.yaml`
+            assert (ROOT / span).exists(), f"{doc}:{line}: {span} does not exist"
+    for doc, line, span in all_spans():  # preset names: `models/llama3-8b.yaml`
         if re.fullmatch(r"(models|recipes)/[\w.-]+\.yaml", span):
             seen += 1
-            assert (PRESETS / span).is_file(), f"README.md:{line}: no preset configs/{span}"
+            assert (PRESETS / span).is_file(), f"{doc}:{line}: no preset configs/{span}"
         if re.fullmatch(r"hybrid_scale(\.\w+)+", span):
             seen += 1
-            assert importlib.util.find_spec(span), f"README.md:{line}: no module {span}"
+            assert importlib.util.find_spec(span), f"{doc}:{line}: no module {span}"
     assert seen >= 10
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    """[text](other.md#anchor): the file exists, and so does the heading the anchor names."""
+    seen = 0
+    for doc in DOCS:
+        for m in re.finditer(r"\]\(([^)\s]+)\)", prose(doc)):
+            target = m.group(1)
+            if re.match(r"[a-z]+://", target):
+                continue
+            seen += 1
+            file, _, anchor = target.partition("#")
+            path = (doc.path.parent / file).resolve() if file else doc.path
+            where = f"{doc.name}:{_line_of(m.start(), doc.text)}"
+            assert path.exists(), f"{where}: link to {target}: no file {path}"
+            if anchor:
+                headings = {_anchor(h) for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
+                assert anchor in headings, f"{where}: link to {target}: no such heading in {file or doc.name}"
+    assert seen >= 5
+
+
+def _prose_match(pattern: str) -> tuple[Doc, re.Match]:
+    found = [(doc, m) for doc in DOCS if (m := re.search(pattern, prose(doc), re.M | re.S))]
+    assert len(found) == 1, f"{len(found)} documents match {pattern!r}; update this test"
+    return found[0]
 
 
 def test_presets_list_matches_configs():
     """'Presets in `configs/`: models `...`; recipes `...`; `quickstart.yaml`' names exactly the files there."""
-    m = re.search(r"^- Presets in `configs/`:(.*?)(?=^- |\Z)", prose(), re.M | re.S)
-    assert m, "README lost its 'Presets in `configs/`' bullet; update this test"
+    _, m = _prose_match(r"^- Presets in `configs/`:(.*?)(?=^- |\Z)")
     names = set(re.findall(r"`([^`]+)`", m.group(1)))
     files = {p.stem for p in PRESETS.glob("models/*.yaml")} | {p.stem for p in PRESETS.glob("recipes/*.yaml")}
     files |= {p.name for p in PRESETS.glob("*.yaml")}
-    assert names == files, f"README names {sorted(names - files)} that are not presets; omits {sorted(files - names)}"
+    assert names == files, f"the docs name {sorted(names - files)} that are not presets; omit {sorted(files - names)}"
 
 
 def test_subcommand_list_matches_the_cli(readme_files):
     """'Command line (`hybrid-scale --help` ...): `config ...`; `convert ...`; ...' lists every subcommand."""
-    m = re.search(r"^Command line \(.*?(?=^\s*$)", prose(), re.M | re.S)
-    assert m, "README lost its 'Command line (...)' paragraph; update this test"
+    doc, m = _prose_match(r"^Command line \(.*?(?=^\s*$)")
     listed = {s.split()[0] for s in re.findall(r"`([^`]+)`", m.group()) if re.fullmatch(r"[a-z]+", s.split()[0])}
     listed -= {"python"}
-    assert listed == set(_subcommands()), f"README lists {sorted(listed)}, the CLI has {sorted(_subcommands())}"
+    assert listed == set(_subcommands()), f"the docs list {sorted(listed)}, the CLI has {sorted(_subcommands())}"
     for span in re.findall(r"`([^`]+)`", m.group()):  # the synopses: `convert [CONFIG] model.path=DIR [key=value ...]`
         if span.split()[0] in listed:
             args = (
                 re.sub(r"\[key=value \.\.\.\]", "", span).replace("[CONFIG]", "CONFIG").replace("=DIR", "=/path/to/dir")
             )
-            check_hybrid_scale(args.split(), Command(_line_of(m.start(), prose()), span, "prose"), readme_files)
+            line = _line_of(m.start(), prose(doc))
+            check_hybrid_scale(args.split(), Command(line, span, "prose", doc.name), readme_files)
 
 
 def test_make_targets_run_what_the_readme_says():
     """`make bench` (= `benchmarks/attention_scaling.py`): the target's recipe runs that file."""
-    pairs = re.findall(r"`make (\w+)` \(= `([^`]+)`\)", TEXT)
+    pairs = [p for doc in DOCS for p in re.findall(r"`make ([\w-]+)` \(= `([^`]+)`\)", doc.text)]
     assert pairs
     for target, what in pairs:
         assert (ROOT / what).exists(), what

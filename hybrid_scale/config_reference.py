@@ -1,0 +1,128 @@
+"""docs/reference/config.md, generated from the config dataclasses of `config.py` and the comments on their fields.
+
+A field's description is its trailing comment plus any comment lines directly above it; every key must have one.
+`make docs` (= `python -m hybrid_scale.config_reference docs/reference/config.md`) rewrites the page, and
+tests/unit/test_config_reference.py fails when the committed page is stale or a key has no comment.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import io
+import json
+import sys
+import tokenize
+from pathlib import Path
+
+from . import config as config_module
+from .config import Config
+
+HEADER = """# Configuration reference
+
+Generated from `hybrid_scale/config.py` by `make docs`; do not edit by hand (a test fails when this page is stale).
+A config is YAML (`defaults: [...]` pulls in presets first) plus `key=value` overrides on the command line, e.g.
+`hybrid-scale pipeline models/llama3-8b.yaml attention.window=32`. `hybrid-scale STAGE --help` lists the sections a
+stage reads; `hybrid-scale config CONFIG` prints the resolved config.
+"""
+
+
+def _comments(source: str) -> dict[int, str]:
+    """Line number -> the text of the comment on that line."""
+    out = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            out[tok.start[0]] = tok.string.lstrip("#").strip()
+    return out
+
+
+def field_docs(source: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """{class name: {field: (annotation, description)}} from the source of config.py."""
+    comments = _comments(source)
+    lines = source.splitlines()
+    out: dict[str, dict[str, tuple[str, str]]] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields = {}
+        for stmt in node.body:
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            above, n = [], stmt.lineno - 1
+            while n >= 1 and lines[n - 1].strip().startswith("#"):  # comment lines directly above the field
+                above.insert(0, comments[n])
+                n -= 1
+            trailing = [comments[i] for i in range(stmt.lineno, stmt.end_lineno + 1) if i in comments]
+            fields[stmt.target.id] = (ast.unparse(stmt.annotation), " ".join(above + trailing))
+        out[node.name] = fields
+    return out
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return ""
+    if dataclasses.is_dataclass(value):
+        return ""
+    text = "null" if value is None else json.dumps(value) if not isinstance(value, str) else value
+    return f"`{text}`" if text != "" else '`""`'
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render() -> str:
+    docs = field_docs(Path(config_module.__file__).read_text())
+    sections, top = [], []
+    for f in dataclasses.fields(Config):
+        section_type = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if section_type is not None and dataclasses.is_dataclass(section_type):
+            sections.append((f.name, section_type))
+        else:
+            top.append(f)
+    parts = [HEADER]
+
+    def table(rows) -> None:
+        parts.append("| key | type | default | what it does |\n|---|---|---|---|")
+        for key, f, (annotation, description) in rows:
+            parts.append(f"| `{key}` | `{_cell(annotation)}` | {_cell(_default(f))} | {_cell(description)} |")
+        parts.append("")
+
+    parts.append("## Top level\n")
+    table([(f.name, f, docs["Config"][f.name]) for f in top])
+    for name, cls in sections:
+        parts.append(f"## `{name}`: {docs['Config'][name][1]}\n")
+        table([(f"{name}.{f.name}", f, docs[cls.__name__][f.name]) for f in dataclasses.fields(cls)])
+    return "\n".join(parts)
+
+
+def undocumented() -> list[str]:
+    """Keys whose field has no comment."""
+    docs = field_docs(Path(config_module.__file__).read_text())
+    missing = []
+    for f in dataclasses.fields(Config):
+        cls = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if cls is not None and dataclasses.is_dataclass(cls):
+            missing += [f"{f.name}.{k}" for k, (_, d) in docs[cls.__name__].items() if not d]
+        elif not docs["Config"][f.name][1]:
+            missing.append(f.name)
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    text = render()
+    if argv:
+        Path(argv[0]).write_text(text)
+        print(f"wrote {argv[0]}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
