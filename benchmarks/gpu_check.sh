@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one call (benchmarks/gpu_check.py: the pipeline on cuda/bfloat16 checked against cpu/float32, a
+# The GPU check in one call (benchmarks/gpu_check/: the pipeline on cuda/bfloat16 checked against cpu/float32, a
 # 1B-shaped stage-1 layer and stage-2 step, hybrid attention vs SDPA at 4k and 16k tokens, the fused Triton kernels
 # through benchmarks/kernel_speed.py), on a machine without network: the wheels that `make gpu-wheels` put into .whl/
 # are installed into /tmp/site first.
@@ -10,7 +10,7 @@
 # Writes gpu_check.md (the table), gpu_check.json (every figure), gpu_check.log (this output) and
 # gpu_check_children.log (every subprocess's output) into $OUT when set (the device tool brings those back), else
 # into docs/results/. Sized for about 7 minutes on one H200 (GPU_CHECK_DEADLINE, 450 s, caps it); GPU_CHECK_*
-# variables (see gpu_check.py) change it.
+# variables (see benchmarks/gpu_check/__init__.py) change it.
 # Exit status: 0 when every check passed, 1 when one failed, 3 when the wheels could not be installed.
 set -uo pipefail
 export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s)}"  # GPU_CHECK_DEADLINE counts from here
@@ -40,5 +40,5 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"  # 
     '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton)==' \
     | tr '\n' ' ')"
 } 2>&1 | tee "$OUT_DIR/gpu_check.log"
-"$PY" benchmarks/gpu_check.py 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+"$PY" benchmarks/gpu_check 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -16,7 +16,7 @@ step (recurrent.extend).
     python benchmarks/kernel_speed.py [--budget 150] [--out docs/results]    # on a CUDA machine, with triton
 
 Writes kernel_speed.md and kernel_speed.json into --out. Stops starting new measurements after --budget seconds
-(what was measured is written). The GPU check (benchmarks/gpu_check.py, step e) runs it. `--small` is the CPU dry
+(what was measured is written). The GPU check (benchmarks/gpu_check/, step e) runs it. `--small` is the CPU dry
 run of the tests (tiny shapes, the Triton interpreter, timings meaningless).
 """
 

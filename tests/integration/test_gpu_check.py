@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py end to end on the CPU at toy sizes (everything but the GPU itself): the tiny model and its
-byte-level tokenizer, the pipeline through the CLI in bfloat16 checked against float32, the 1B-shaped timing at a toy
-shape, attention vs SDPA; and `make gpu-wheels` / gpu_check.sh at least parse."""
+"""The GPU check (benchmarks/gpu_check/) end to end on the CPU at toy sizes (everything but the GPU itself): the tiny
+model and its byte-level tokenizer, the pipeline through the CLI in bfloat16 checked against float32, the 1B-shaped
+timing at a toy shape, attention vs SDPA; and `make gpu-wheels` / gpu_check.sh / the driver's --help at least parse."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "benchmarks" / "gpu_check"  # a package: `python benchmarks/gpu_check` runs its __main__.py
 
 
 def _numbers(x):
@@ -112,6 +112,8 @@ def test_gpu_wheels_target_and_script_parse():
         assert "benchmarks/gpu_check/wheels.py --dest .whl" in proc.stdout
     proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and "GPU_CHECK_DEADLINE" in proc.stdout, proc.stderr
     assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()
     sys.path.insert(0, str(ROOT / "benchmarks" / "gpu_check"))
     try:

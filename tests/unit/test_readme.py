@@ -314,7 +314,8 @@ def check_script(script: str, args: list[str], cmd: Command) -> None:
     path = ROOT / script
     main_file = path / "__main__.py" if path.is_dir() else path
     assert main_file.is_file(), f"{cmd}\n{script} does not exist"
-    if "argparse" not in main_file.read_text():
+    sources = [*path.glob("*.py")] if path.is_dir() else [path]
+    if not any("argparse" in p.read_text() for p in sources):
         assert not args, f"{cmd}\n{script} takes no argparse arguments, but the command passes {args}"
         return
     real = argparse.ArgumentParser.parse_args

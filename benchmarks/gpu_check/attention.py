@@ -1,0 +1,135 @@
+"""Step d, attention (the part `attention`, run in its own process): hybrid attention, every registered backend
+(the Triton kernels on CUDA only; naive only up to GPU_CHECK_NAIVE_MAX), against SDPA at the 1B head shape:
+forward and forward+backward time after warm-up (kernel_speed's Clock) and peak memory, with the ratios to SDPA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import device_info
+
+GRAD_KEYS = ("q", "k", "v", "fq", "fk")  # the inputs the attention benchmark differentiates
+
+
+def part_attention(s: dict, work: Path) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from kernel_speed import Clock  # benchmarks/ (this package's folder) is on sys.path
+
+    from hybrid_scale.attention import backends, hybrid
+
+    a, device, dtype = s["attn"], s["device"], getattr(torch, s["dtype"])
+    cuda = torch.device(device).type == "cuda"
+    H, Hkv, D, Fdim = a["heads"], a["kv"], a["head_dim"], a["feature"]
+
+    def inputs(T):
+        g = torch.Generator(device=device).manual_seed(T)
+
+        def r(*shape):
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+        def features(heads):  # hedgehog-like: two softmaxes over F/2 features each
+            x = torch.randn(1, heads, T, Fdim // 2, generator=g, device=device, dtype=torch.float32)
+            return torch.cat([x.softmax(-1), (-x).softmax(-1)], -1).to(dtype)
+
+        return dict(
+            q=r(1, H, T, D),
+            k=r(1, Hkv, T, D),
+            v=r(1, Hkv, T, D),
+            fq=features(H),
+            fk=features(Hkv),
+            gamma=torch.full((H,), 0.1, device=device, dtype=torch.float32),
+        )
+
+    def sdpa_flash_gqa(x):  # the flash kernel with grouped KV heads as they are
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True, enable_gqa=True)
+
+    def sdpa_repeat(x):  # KV heads repeated to the query heads (what Llama's SDPA path does without enable_gqa)
+        rep = H // Hkv
+        k, v = x["k"].repeat_interleave(rep, 1), x["v"].repeat_interleave(rep, 1)
+        return F.scaled_dot_product_attention(x["q"], k, v, is_causal=True)
+
+    sdpa, sdpa_kind = sdpa_repeat, "k/v repeated to the query heads, backend chosen by torch"
+    if cuda:  # native GQA in the flash kernel when this torch has it (forward and backward), else k/v repeated
+        try:
+            probe = {k: v.detach().requires_grad_(k in ("q", "k", "v")) for k, v in inputs(256).items()}
+            sdpa_flash_gqa(probe).sum().backward()
+            sdpa, sdpa_kind = sdpa_flash_gqa, "flash kernel, enable_gqa (KV heads not repeated)"
+        except RuntimeError as e:
+            print(f"gpu_check: SDPA flash with enable_gqa unavailable ({str(e).splitlines()[0][:200]}); k/v repeated")
+
+    def call(name, x):
+        if name == "sdpa":
+            return sdpa(x)
+        return hybrid.attend(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["fq"],
+            x["fk"],
+            gamma=x["gamma"],
+            window=a["window"],
+            mode="hybrid",
+            chunk_size=64,
+            backend=name,
+        )
+
+    clock = Clock(device, a["warmup"], a["repeats"])  # CUDA events after warm-up; peak memory above the inputs
+
+    # the Triton kernels are timed on CUDA only (in the interpreter they are a correctness tool, not a speed)
+    names = ["sdpa", *(b for b in backends.available() if cuda or b != "triton")]
+    rows = []
+    for T in a["lengths"]:
+        x = inputs(T)
+        gy = torch.randn(1, H, T, D, device=device, dtype=dtype)
+        for name in names:
+            row = {"T": T, "backend": name}
+            if name == "naive" and T > a["naive_max"]:
+                rows.append(row | {"skipped": f"T > GPU_CHECK_NAIVE_MAX ({a['naive_max']})"})
+                continue
+            xg = {k: (v.detach().requires_grad_(k in GRAD_KEYS)) for k, v in x.items()}
+
+            def fwd(name=name, x=x):
+                with torch.no_grad():
+                    return call(name, x)
+
+            def fwd_bwd(name=name, xg=xg, gy=gy):
+                for k in GRAD_KEYS:
+                    xg[k].grad = None
+                call(name, xg).backward(gy)
+
+            try:
+                y = fwd()
+                row["finite"] = bool(torch.isfinite(y).all())
+                del y
+                row["fwd_ms"] = clock.ms(fwd)
+                row["fwd_peak_mib"] = clock.peak_mib(fwd)
+                row["fwd_bwd_ms"] = clock.ms(fwd_bwd)
+                for k in GRAD_KEYS:  # the last timed call's gradients would count in the base, not the peak
+                    xg[k].grad = None
+                row["fwd_bwd_peak_mib"] = clock.peak_mib(fwd_bwd)
+            except torch.cuda.OutOfMemoryError:  # what was measured before stays in the JSON; the table skips it
+                row["skipped"] = "out of memory" + (" in fwd+bwd" if "fwd_ms" in row else "")
+            except Exception as e:  # one backend failing at one length must not lose the other rows
+                first = (str(e).strip().splitlines() or [""])[0][:200].replace("|", "/")
+                row["skipped"] = row["error"] = f"{type(e).__name__}: {first}"
+            for k in GRAD_KEYS:
+                xg[k].grad = None
+            if cuda:
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    sdpa = {r["T"]: r for r in rows if r["backend"] == "sdpa" and "skipped" not in r}
+    for r in rows:
+        ref = sdpa.get(r["T"])
+        if ref and "skipped" not in r:
+            r["fwd_x_sdpa"] = r["fwd_ms"] / ref["fwd_ms"]
+            r["fwd_bwd_x_sdpa"] = r["fwd_bwd_ms"] / ref["fwd_bwd_ms"]
+            if r.get("fwd_bwd_peak_mib") is not None and ref.get("fwd_bwd_peak_mib"):
+                r["mem_x_sdpa"] = r["fwd_bwd_peak_mib"] / ref["fwd_bwd_peak_mib"]
+    shape = dict(batch=1, heads=H, kv_heads=Hkv, head_dim=D, feature=Fdim, window=a["window"], chunk=64)
+    return {"rows": rows, "shape": shape, "sdpa": sdpa_kind, "dtype": s["dtype"], "device_info": device_info(device)}
