@@ -11,21 +11,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from . import quickstart
 from .config import JOBS, Config, load_config
-from .data import assets
 from .distributed.requeue import EXIT_REQUEUE, Requeue
-from .distributed.slurm import launch_command, submit
 from .errors import USER_ERRORS, ConfigError
-from .models.convert import convert_model
-from .models.converted import save_converted
-from .stages.distill import distill
-from .stages.evaluate import evaluate
-from .stages.export import export
-from .stages.finetune import finetune
-from .stages.pipeline import pipeline
-from .stages.plan import plan
-from .stages.report import table
+
+# Each subcommand imports its stage when it runs: a process imports only what its stage needs (a rank of `finetune`
+# never loads the evaluation, `--help` loads no stage), which saves seconds per process start.
 
 
 def cmd_config(args) -> int:
@@ -45,6 +36,9 @@ def cmd_convert(args) -> int:
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"config key 'model.path': {path} is not a Hugging Face model directory (no config.json)")
+    from .models.convert import convert_model
+    from .models.converted import save_converted
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype), local_files_only=True)
     convert_model(model, cfg.attention)
     out = save_converted(model, Path(cfg.run_dir) / "converted", base_path=path)
@@ -54,6 +48,8 @@ def cmd_convert(args) -> int:
 
 def cmd_assets(args) -> int:
     """Convert and cache the embedded default (SmolLM2-135M-Instruct, the task datasets, held-out text)."""
+    from .data import assets
+
     a = assets.prepare(force=args.force)
     print(f"model:    {a.model}\ndatasets: {a.datasets}\ntext:     {a.train_text.parent}")
     return 0
@@ -61,6 +57,9 @@ def cmd_assets(args) -> int:
 
 def cmd_evaluate(args) -> int:
     """Component-ablation evaluation (the `eval` section); writes results.json, table.md and PNGs."""
+    from .stages.evaluate import evaluate
+    from .stages.report import table
+
     cfg = load_config(args.config, args.overrides)
     results = evaluate(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -70,6 +69,8 @@ def cmd_evaluate(args) -> int:
 
 def cmd_distill(args) -> int:
     """Stage 1: layer-by-layer attention transfer (the `data` and `distill` sections); resumes where it stopped."""
+    from .stages.distill import distill
+
     out = distill(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"stage 1 done: converted model in {out}")
@@ -79,6 +80,8 @@ def cmd_distill(args) -> int:
 def cmd_finetune(args) -> int:
     """Stage 2: LoRA fine-tuning under DeepSpeed ZeRO-3 with SSD / early stopping (the `finetune` section); resumes
     from the newest committed checkpoint; exits 75 after a signal-triggered save (requeue me)."""
+    from .stages.finetune import finetune
+
     out = finetune(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"stage 2 done: {out} -> {out.resolve()}")
@@ -88,6 +91,8 @@ def cmd_finetune(args) -> int:
 def cmd_export(args) -> int:
     """Export (the `export` section): merged, self-contained Hugging Face directory (trust_remote_code), with optional
     inference-time hybridisation (export.mode=hybrid, export.gamma or export.calibrate_gamma)."""
+    from .stages.export import export
+
     out = export(load_config(args.config, args.overrides))
     print(f"export written to {out} (load with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))")
     return 0
@@ -95,6 +100,8 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     """Preflight: per-rank memory, buffer disk, checkpoint sizes, rough times, and blocking problems (exit 1)."""
+    from .stages.plan import plan
+
     result = plan(load_config(args.config, args.overrides))
     print(result.table())
     return 0 if result.ok else 1
@@ -102,6 +109,8 @@ def cmd_plan(args) -> int:
 
 def cmd_pipeline(args) -> int:
     """Stage 1 -> stage 2 -> ablation evaluation -> export in one command; skips finished stages, resumes the rest."""
+    from .stages.pipeline import pipeline
+
     timings = pipeline(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
         print("pipeline done: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
@@ -111,6 +120,8 @@ def cmd_pipeline(args) -> int:
 def cmd_launch(args) -> int:
     """Start a stage on this node with launch.launcher (torchrun / deepspeed), rendezvous from the Slurm environment
     (first host of the node list, port, node rank). Used by the generated sbatch scripts, one task per node."""
+    from .distributed.slurm import launch_command
+
     cfg = load_config(args.config, args.overrides)
     rest = ([args.config] if args.config else []) + list(args.overrides)
     cmd = launch_command(cfg, args.stage, rest)
@@ -125,6 +136,8 @@ def cmd_launch(args) -> int:
 def cmd_submit(args) -> int:
     """Render sbatch scripts from the config (the `slurm` and `launch` sections) and submit the stages chained with
     afterok (or the whole pipeline as one job with --pipeline); prints the job ids."""
+    from .distributed.slurm import submit
+
     cfg = load_config(args.config, args.overrides)
     stages = ["pipeline"] if args.pipeline else args.stages.split(",")
     ids = submit(cfg, args.config, list(args.overrides), stages, python=sys.executable)
@@ -135,6 +148,8 @@ def cmd_submit(args) -> int:
 
 def cmd_quickstart(args) -> int:
     """The whole pipeline on the embedded default, CPU, tiny budgets (configs/quickstart.yaml + overrides)."""
+    from . import quickstart
+
     return quickstart.main(args.run_dir, args.overrides)
 
 
