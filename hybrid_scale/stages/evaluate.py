@@ -12,7 +12,7 @@ the key it was computed from (the model and its files, the window, dtype, device
 versions, the task's items and tokens or the held-out text, and the eval settings that change the numbers). A rerun
 loads every cell whose key matches and recomputes the others (logged), so that its results.json equals an
 uninterrupted run's apart from timings_s. The cells stay after the run (they are small); delete {out_dir}/cells to
-compute everything again.
+compute everything again. The cells and their keys are in evaluate_cells.py.
 
 Signals (distributed/requeue.py): USR1/TERM only set a flag; the ranks agree on it at every cell boundary and between
 rounds of batches inside a cell (whose work is then dropped); the stage writes the requeue marker and raises Requeue
@@ -22,24 +22,18 @@ rounds of batches inside a cell (whose work is then dropped); the stage writes t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
 
 import torch
-import transformers
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from .. import __version__
 from ..data import assets, benchmarks, corpus
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.checkpoint import atomic_write, fault
 from ..distributed.deepspeed import _import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
 from ..distributed.requeue import SignalFlag
@@ -53,10 +47,10 @@ from ..models.converted import (
     read_hybrid_config,
 )
 from . import balance, loglik, report, retrieval, rundir
+from .evaluate_cells import Cells, count_cells, digest, model_key
 from .plan import preflight
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
-CELLS_DIR = "cells"  # in eval's out_dir: the committed cells of the evaluation
 
 
 class Models:
@@ -219,121 +213,6 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
         (out_dir / "table.md").write_text(report.table(results))
         report.plots(results, out_dir)
     return results
-
-
-def count_cells(e) -> int:
-    """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share."""
-    held_out = (len(e.modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
-    passkey = len(e.passkey_modes) if e.passkey_distances and e.passkey_trials else 0
-    return len(e.modes) * len(e.tasks) + held_out + passkey
-
-
-def digest(obj) -> str:
-    """sha256 of an object's JSON (for a cell's key)."""
-    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
-
-
-def model_key(cfg, path: Path, converted: bool, window: int, device: torch.device) -> dict:
-    """The part of every cell's key that names the model: its path, the name, size and mtime of its files (and of its
-    base's: stage 2 rewrites its output in place), the window, dtype, device type (and CPU threads: CPU kernels round
-    differently with another number), the attention settings a plain model is converted with, and the versions of
-    the code that computes the numbers."""
-    dirs = sorted({path.resolve(), rundir.base_of(path, converted).resolve()})
-    files = [
-        (str(f), f.stat().st_size, f.stat().st_mtime_ns) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()
-    ]
-    return {
-        "model": str(path.resolve()),
-        "converted": converted,
-        "files": digest(files),
-        "attention": None if converted else OmegaConf.to_container(cfg.attention, resolve=True),
-        "window": window,
-        "dtype": cfg.model.dtype,
-        "device": device.type,
-        "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "versions": {"hybrid_scale": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
-    }
-
-
-class Cells:
-    """The committed cells ({out_dir}/cells/<name>.json: the cell's `result` and the `key` it was computed from),
-    read once by rank 0 and given to every rank, so that every rank makes the same choice to load or compute; `done`
-    counts the cells committed (loaded or computed) in this run, `resumed` names the loaded ones. At every cell
-    boundary, and between rounds of batches (between_rounds), the ranks agree on the signal flag; on a signal `stop`
-    writes the requeue marker and raises Requeue."""
-
-    def __init__(self, cfg, rt: runtime.Runtime, flag: SignalFlag, total: int):
-        self.cfg, self.rt, self.flag, self.total = cfg, rt, flag, total
-        self.dir = rundir.eval_dir(cfg) / CELLS_DIR
-        if rt.main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        stored = {p.stem: json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))} if rt.main else None
-        self.stored = runtime.gather_objects(rt, stored)[0]
-        self.done, self.resumed = 0, []
-
-    def log(self, msg: str) -> None:
-        """A line in {out_dir}/log.txt and on stderr (rank 0)."""
-        if self.rt.main:
-            with open(self.dir.parent / "log.txt", "a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
-            print(f"evaluate: {msg}", file=sys.stderr)
-
-    def run(self, name: str, key: dict, compute: Callable[[], dict | None], here: bool = True) -> dict | None:
-        """The cell's result (as its file holds it): the committed one when its key matches, else compute() committed
-        by rank 0 -- a cell computed by rank 0 alone (`here` False on the others) is None there. Then the boundary:
-        the ranks stop on a signal. compute() returns None when a signal stopped it: the cell is dropped."""
-        key = json.loads(json.dumps(key))  # as the file holds it
-        stored = self.stored.get(name)
-        if stored is not None and stored["key"] == key:
-            self.done += 1
-            self.resumed.append(name)
-            return stored["result"] if here else None
-        result = None
-        if here:
-            if stored is not None:
-                changed = sorted(k for k in key.keys() | stored["key"].keys() if key.get(k) != stored["key"].get(k))
-                self.log(f"cell {name} was committed with another {', '.join(changed)}: recomputing it")
-            result = compute()
-            if result is None:
-                self.stop(dropped=name)
-            result = json.loads(json.dumps(result))
-            if self.rt.main:
-                atomic_write(self.dir / f"{name}.json", json.dumps({"key": key, "result": result}, indent=1) + "\n")
-            fault(f"eval:{name}", self.rt.rank)
-        self.done += 1
-        if runtime.any_rank(self.rt, self.flag.raised):
-            self.stop()
-        return result
-
-    def between_rounds(self, name: str) -> Callable[[int], bool]:
-        """loglik.score's `stop` for cell `name`: whether the ranks agree to stop, after `done` rounds of batches."""
-
-        def stop(done: int) -> bool:
-            fault(f"eval_batch:{name}:{done}", self.rt.rank)
-            return runtime.any_rank(self.rt, self.flag.raised)
-
-        return stop
-
-    def stop(self, dropped: str | None = None) -> NoReturn:
-        """After a signal, on every rank: the requeue marker (rank 0), then Requeue. Every finished cell is already
-        committed; `dropped` names the cell in progress, if any."""
-        t0 = time.perf_counter()
-        what = (
-            f"evaluation stopped by a signal after {self.done} of {self.total} cells; committed cells are in {self.dir}"
-        )
-        exc = requeue.request(self.cfg.run_dir, self.done, self.dir, self.rt, what=what)
-        resumed = f" ({len(self.resumed)} resumed)" if self.resumed else ""
-        dropped = f"; dropped the cell in progress, {dropped}" if dropped else ""
-        self.log(
-            f"signal: {self.done} of {self.total} cells committed{resumed}{dropped}; requeue marker written in "
-            f"{time.perf_counter() - t0:.2f} s, exiting for a requeue"
-        )
-        raise exc
-
-    def finish(self) -> None:
-        """Logs which cells were resumed (after a requeue)."""
-        if self.resumed:
-            self.log(f"resumed {len(self.resumed)} of {self.total} cells from {self.dir}: {', '.join(self.resumed)}")
 
 
 def _score_task(

@@ -18,6 +18,9 @@ is not detached, DESIGN.md section 2) reaches only the argmax key and is added o
 Rows whose real tokens are one contiguous span [start, end) are handled in place (left padding, right padding, no
 padding); other masks are packed first. Inputs in fp32 run their dots in IEEE fp32; half inputs run q.k, p.v and
 the feature-map dots on the tensor cores in their dtype with fp32 accumulation, and the state dots in fp32.
+It stays one file: the backward kernels recompute exactly what `_fwd` computes, through the same jit helpers
+(_dot, _span, _rows, _store_rows, _state), and the autograd Function that launches both sits beside them, so the
+forward and the backward are read and changed together.
 """
 
 from __future__ import annotations

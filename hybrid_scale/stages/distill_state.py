@@ -1,0 +1,54 @@
+"""Stage 1's state, Stage1: what its loop (distill.py), its buffers (distill_buffers.py) and its training step
+(distill_step.py) read -- the teacher checkpoint and config, this rank's sequences and buffers, the run's identity
+and the layer to start at. In a module of its own so that each of them can import it without a cycle."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..distributed import runtime
+from ..models import streaming
+from . import rundir
+
+
+@dataclass
+class Stage1:
+    """What stage 1's loop reads: the teacher checkpoint, its config, this rank's sequences and buffers, the run's
+    identity and the layer to start at."""
+
+    cfg: object
+    rt: runtime.Runtime
+    model_path: Path
+    config: object
+    ckpt: streaming.ShardedCheckpoint
+    attention: object
+    weights: dict
+    identity: dict
+    manifest: dict | None
+    dtype: torch.dtype
+    buf_dtype: torch.dtype
+    owned: list[int]  # the sequences this rank holds: s = rank mod world
+    first: int = 0
+    bufs: dict = field(default_factory=dict)  # 'a' / 'b': this rank's memory-mapped hidden-state buffers
+    rope: object = None
+
+    @property
+    def stage1(self) -> Path:
+        return rundir.stage1_dir(self.cfg)
+
+    @property
+    def buffer_dir(self) -> Path:
+        return rundir.buffer_dir(self.cfg)
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def log(self, msg: str) -> None:
+        if self.rt.main:
+            with open(self.stage1 / "log.txt", "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")

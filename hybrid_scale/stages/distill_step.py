@@ -1,0 +1,282 @@
+"""Stage 1's training step: what is trained and on which objectives (objective_weights, train_gamma, _trainable),
+every step's batch (_plan_steps), a step's loss over this rank's query blocks and the one fp32 all-reduce of
+gradients, loss and signal flag (train_layer), the refusal of a non-finite loss, and the step checkpoint a signal
+saves at a step boundary (StepCheckpoint: resumed bitwise when made with this run's identity)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from ..attention.hybrid import HybridAttention
+from ..data.staging import Stager
+from ..distributed import requeue, runtime, tensor_parallel
+from ..distributed.checkpoint import fault
+from ..distributed.requeue import SignalFlag
+from ..errors import ConfigError, DistillError
+from ..recipes import RECIPES
+from . import objectives
+from .distill_state import Stage1
+
+
+def objective_weights(cfg) -> dict[str, float]:
+    d = cfg.distill
+    if d.objectives:
+        return {k: float(v) for k, v in d.objectives.items() if v}
+    return {RECIPES[d.recipe].objective: 1.0}
+
+
+def train_gamma(cfg, weights) -> bool:
+    """distill.train_gamma as resolved: unset = only when a hybrid objective is used."""
+    if cfg.distill.train_gamma is None:
+        return bool(weights.get("hybrid_output_mse"))
+    return bool(cfg.distill.train_gamma)
+
+
+def _trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
+    params = []
+    if cfg.distill.train_feature_maps:
+        params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
+    if train_gamma(cfg, weights):
+        params.append(m.gamma_logit)
+    if not params:
+        raise ConfigError("config: stage 1 has nothing to train (distill.train_feature_maps=false, no gamma)")
+    return params
+
+
+@dataclass
+class StepCheckpoint:
+    """Layer i's training stopped by a signal at a step boundary: phi/gamma (fp32 masters), AdamW's state, the
+    steps done and their losses. `layer_{i}.step.safetensors`, written by rank 0, removed when the layer commits."""
+
+    tensors: dict
+    done: int
+    losses: list[float]
+
+    @staticmethod
+    def path(stage1: Path, i: int) -> Path:
+        return stage1 / f"layer_{i:03d}.step.safetensors"
+
+
+def _save_step(s: Stage1, i: int, named: list, opt, done: int, losses: list[float]) -> Path:
+    path = StepCheckpoint.path(s.stage1, i)
+    tensors, dim = {}, _head_dim(s)  # whole tensors (gathered over the tensor-parallel group): any split resumes
+    for name, p in named:
+        st = opt.state.get(p, {})
+        tensors[f"param.{name}"] = tensor_parallel.whole(p, dim, s.rt).cpu()
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            if k in st:
+                value = st[k] if k == "step" else tensor_parallel.whole(st[k], dim, s.rt)
+                tensors[f"{k}.{name}"] = value.detach().cpu().reshape(value.shape)
+    if s.rt.main:
+        meta = {"identity": json.dumps(s.identity, sort_keys=True), "done": str(done), "losses": json.dumps(losses)}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    runtime.barrier(s.rt)
+    return path
+
+
+def _load_step(s: Stage1, i: int) -> StepCheckpoint | None:
+    """Layer i's step checkpoint, when there is one made with this run's settings (else None, and it goes)."""
+    path = StepCheckpoint.path(s.stage1, i)
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+        ok = meta.get("identity") == json.dumps(s.identity, sort_keys=True)
+    except (SafetensorError, OSError, ValueError):
+        ok = False
+    if not runtime.all_ranks(s.rt, ok):
+        s.log(f"layer {i}: its step checkpoint is unreadable or from other settings; the layer starts over")
+        runtime.barrier(s.rt)
+        if s.rt.main:
+            path.unlink(missing_ok=True)
+        return None
+    return StepCheckpoint(tensors, int(meta["done"]), json.loads(meta["losses"]))
+
+
+def _restore(s: Stage1, named: list, opt, ckpt: StepCheckpoint) -> None:
+    """The whole saved tensors, cut to this rank's heads."""
+    dim = _head_dim(s)
+
+    def mine(key: str) -> torch.Tensor:
+        return tensor_parallel.local_part(ckpt.tensors[key], dim, s.rt)
+
+    with torch.no_grad():
+        for name, p in named:
+            p.copy_(mine(f"param.{name}"))
+            if f"step.{name}" in ckpt.tensors:
+                opt.state[p] = {k: mine(f"{k}.{name}").to(p.device) for k in ("exp_avg", "exp_avg_sq")}
+                opt.state[p]["step"] = ckpt.tensors[f"step.{name}"].cpu()  # AdamW keeps its step count on the host
+
+
+def _head_dim(s: Stage1) -> int | None:
+    """The dimension of phi/gamma (and their AdamW moments) that tensor parallelism splits: their heads."""
+    return 0 if s.rt.tp > 1 else None
+
+
+def _plan_steps(s: Stage1, i: int) -> list[list[int]]:
+    """Every step's batch of global sequence indices, in order (the same on every rank): epoch e's permutation comes
+    from (seed, layer, epoch), cut into distill.batch_size sequences."""
+    d, n = s.cfg.distill, s.cfg.data.num_sequences
+    out = []
+    for epoch in range(d.epochs):
+        g = torch.Generator().manual_seed(s.cfg.seed * 1_000_003 + i * 1009 + epoch)
+        perm = torch.randperm(n, generator=g).tolist()
+        out += [perm[a : a + d.batch_size] for a in range(0, n, d.batch_size)]
+    return out
+
+
+def _step_loss(s: Stage1, m, layer, hidden: torch.Tensor, units: list) -> torch.Tensor:
+    """This rank's units of a step: each sequence it touches projected once (rows up to its last unit's end), the
+    units' terms summed (fp32). hidden [B, T, D] on the device, the whole step's batch."""
+    T = s.cfg.data.seq_len
+    loss = torch.zeros((), dtype=torch.float32, device=s.rt.device)
+    for seq in sorted({u[0] for u in units}):
+        mine = [u for u in units if u[0] == seq]
+        end = max(b for _, _, b in mine)
+        rope = tuple(t[:, :end] for t in s.rope)
+        q, k, v, fq, fk = m.project(layer.input_layernorm(hidden[seq : seq + 1, :end].to(s.dtype)), rope)
+        q, k, v = q.detach(), k.detach(), v.detach()
+        for _, a, b in mine:
+            loss = loss + objectives.unit_loss(m, q, k, v, fq, fk, a, b, T, s.weights)
+    return loss
+
+
+def _gather_batch(s: Stage1, staged: torch.Tensor | None, batch: list[int], mine: list[int]) -> torch.Tensor:
+    """The step's whole batch [B, T, D] on every rank's device: each sequence from a rank whose buffer holds it
+    (sequence g lives on the ranks of data-parallel group g mod dp; the first of them sends it), in the buffer
+    dtype."""
+    T, D = s.cfg.data.seq_len, s.config.hidden_size
+    if s.rt.dp == 1:  # every rank holds every sequence
+        return staged
+    out = torch.empty(len(batch), T, D, dtype=s.buf_dtype, device=s.rt.device)
+    own = {g: j for j, g in enumerate(mine)}
+    for pos, g in enumerate(batch):
+        if g in own:
+            out[pos] = staged[own[g]]
+        runtime.broadcast(s.rt, out[pos], (g % s.rt.dp) * s.rt.tp)
+    return out
+
+
+def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
+    """Train layer i's feature maps (and gamma) on the teacher's inputs to it; returns the per-step global losses.
+    Every step: the batch is staged to the device, this rank computes its share of the step's query blocks
+    (objectives.split_units, one share per data-parallel group) for its heads (tensor parallelism), and gradients,
+    loss and the signal flag are summed over the ranks in one fp32 all-reduce (each rank's gradients at its heads'
+    place in whole-layer buffers, so that they are summed over the data-parallel ranks only). On a signal the ranks
+    save a step checkpoint at the next step boundary and raise Requeue."""
+    d, rt = s.cfg.distill, s.rt
+    trained = {id(p) for p in _trainable(m, s.cfg, s.weights)}
+    named = [(n, p) for n, p in m.hybrid_parameters() if id(p) in trained]
+    params = [p for _, p in named]
+    for p in m.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    for p in params:
+        p.grad = torch.zeros_like(p)  # a rank without units this step still sends its (zero) share
+    opt = torch.optim.AdamW(params, lr=d.lr, weight_decay=d.weight_decay)
+    steps = _plan_steps(s, i)
+    per_epoch = len(steps) // d.epochs
+    resumed = _load_step(s, i)
+    done, losses = (resumed.done, list(resumed.losses)) if resumed else (0, [])
+    if resumed:
+        _restore(s, named, opt, resumed)
+        s.log(f"layer {i}: resuming at step {done + 1} of {len(steps)} from its step checkpoint")
+    local_of = {g: j for j, g in enumerate(s.owned)}
+    mine = [[g for g in batch if g in local_of] for batch in steps[done:]]
+    bar = tqdm(
+        total=len(steps), initial=done, desc=f"layer {i:>3}", disable=not (d.progress and rt.main), dynamic_ncols=True
+    )
+    staged = Stager(buf_in, rt.device).steps([[local_of[g] for g in rows] for rows in mine])
+    with SignalFlag() as signal:
+        for step, (batch, rows, x) in enumerate(zip(steps[done:], mine, staged, strict=True), start=done):
+            opt.zero_grad(set_to_none=False)
+            units = objectives.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.dp)[rt.dp_rank]
+            hidden = _gather_batch(s, x, batch, rows)
+            loss = _step_loss(s, m, layer, hidden, units) / len(batch)
+            if units:
+                loss.backward()
+            flag = torch.tensor([float(signal.raised)], device=rt.device)
+            flat = torch.cat([_spread(p.grad, rt) for p in params] + [loss.detach().reshape(1), flag])
+            runtime.all_reduce(rt, flat)
+            value, stop = flat[-2].item(), flat[-1].item() > 0
+            offset = 0
+            for p in params:
+                whole = flat[offset : offset + p.numel() * rt.tp].view(p.shape[0] * rt.tp, *p.shape[1:])
+                p.grad.copy_(whole[rt.tp_rank * p.shape[0] : (rt.tp_rank + 1) * p.shape[0]])
+                offset += p.numel() * rt.tp
+            if not math.isfinite(value):  # summed over the ranks: every rank sees it and stops here
+                bar.close()
+                msg = _nonfinite_loss(value, s.cfg, i, step // per_epoch, step + 1, len(steps))
+                s.log(msg)
+                raise DistillError(msg)
+            opt.step()
+            losses.append(value)
+            bar.update()
+            bar.set_postfix(loss=f"{value:.4f}")
+            fault(f"train:{i}:{step}", rt.rank)
+            if stop and step + 1 < len(steps):
+                t0 = time.perf_counter()
+                path = _save_step(s, i, named, opt, step + 1, losses)
+                bar.close()
+                took = time.perf_counter() - t0
+                s.log(f"signal: saved layer {i}'s step {step + 1} in {took:.2f} s, exiting for a requeue")
+                raise requeue.request(
+                    s.cfg.run_dir,
+                    f"layer {i} step {step + 1}",
+                    path,
+                    rt,
+                    what=f"stage 1 stopped by a signal at layer {i}, step {step + 1} of {len(steps)}; saved {path}",
+                )
+    bar.close()
+    s.log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
+    return losses
+
+
+def _spread(grad: torch.Tensor, rt) -> torch.Tensor:
+    """A gradient of this rank's heads at their place in a whole layer's buffer (zeros at the other ranks' heads),
+    fp32, flattened: summed over every rank, each head's entry sums its data-parallel ranks' shares."""
+    if rt.tp == 1:
+        return grad.float().flatten()
+    n = grad.shape[0]
+    whole = grad.new_zeros((n * rt.tp, *grad.shape[1:]), dtype=torch.float32)
+    whole[rt.tp_rank * n : (rt.tp_rank + 1) * n] = grad
+    return whole.flatten()
+
+
+def _nonfinite_loss(loss: float, cfg, i: int, epoch: int, step: int, steps: int) -> str:
+    """The one-line refusal for a nan/inf loss at layer i, step `step` (1-based) of `steps`: where, what is kept and
+    the fix (layers commit in order, so every layer before i is committed)."""
+    d = cfg.distill
+    kept = {0: "no layer is committed yet", 1: "layer 0 stays committed"}.get(i, f"layers 0-{i - 1} stay committed")
+    layers = "layer 0" if i == 0 else f"layers 0-{i}"  # layer i's own weights, or inputs its teachers computed
+    if step == 1:  # before any update: the weights or the inputs, not the learning rate
+        fix = (
+            f"it is not finite before any update, so layer {i}'s weights or its inputs hold nan/inf: check the "
+            f"weights of {layers} in model.path for nan/inf"
+        )
+    else:
+        fix = (
+            f"lower distill.lr (now {d.lr}), or check the weights of {layers} in model.path for nan/inf (a batch's "
+            "inputs may hold them)"
+        )
+    if d.buffer_dtype == "float16":
+        fix += ", or set distill.buffer_dtype=bfloat16 (hidden states can overflow float16)"
+    return (
+        f"stage 1: the loss is {loss} at layer {i}, step {step} of {steps} (epoch {epoch + 1} of {d.epochs}); "
+        f"nothing of layer {i} is committed, {kept} and a rerun resumes at layer {i}; {fix}"
+    )
