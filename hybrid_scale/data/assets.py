@@ -4,11 +4,13 @@ under $HYBRID_SCALE_CACHE (default ~/.cache/hybrid_scale); afterwards nothing ne
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,8 +145,26 @@ def _write_text(a: Assets) -> None:
 
 
 def prepare(root: Path | None = None, force: bool = False, log=print) -> Assets:
-    """Convert and cache everything (idempotent; `force` redoes it). Returns the cached paths."""
+    """Convert and cache everything (idempotent; `force` redoes it). Returns the cached paths. Processes that prepare
+    the same cache at once (two jobs on a fresh node, parallel test workers) take turns: the later ones find it done."""
     a = paths(root)
+    a.model.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(a.model.parent):
+        return _prepare(a, force, log)
+
+
+@contextmanager
+def _locked(folder: Path):
+    """An exclusive flock on the cache folder itself (no lock file left in a folder that may hold other things)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _prepare(a: Assets, force: bool, log) -> Assets:
     if force:  # only what prepare() itself writes: HYBRID_SCALE_CACHE may point at a folder holding other things
         _remove_own(a.model)
         for name in DATASETS:
@@ -155,7 +175,6 @@ def prepare(root: Path | None = None, force: bool = False, log=print) -> Assets:
             f.unlink(missing_ok=True)
     if not (a.model / "config.json").is_file():
         log(f"converting {GGUF_NAME} to fp32 safetensors in {a.model} (about a minute)")
-        a.model.parent.mkdir(parents=True, exist_ok=True)
         _convert_model(a.model)
     _copy_datasets(a.datasets)
     if not (a.train_text.is_file() and a.heldout_text.is_file()):

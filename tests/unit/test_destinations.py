@@ -125,3 +125,29 @@ def test_assets_force_removes_only_what_assets_wrote(tmp_path):
     (a.model / "SOURCE.json").write_text("{}")  # now it is one of ours
     assets._remove_own(a.model)
     assert not a.model.exists() and (a.train_text.parent / "diary.txt").read_text() == "mine\n"
+
+
+def _hold_prepare_lock(folder, seconds):
+    import time
+
+    from hybrid_scale.data import assets
+
+    with assets._locked(folder):
+        time.sleep(seconds)
+
+
+def test_two_processes_preparing_one_cache_take_turns_and_leave_no_lock_file(tmp_path):
+    """Two jobs (or test workers) preparing the same cache at once: the second waits for the first's lock, which is a
+    flock on the cache folder itself, so nothing is added to a folder that may hold other things."""
+    import multiprocessing
+    import time
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_hold_prepare_lock, args=(tmp_path, 0.6)) for _ in range(2)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert time.monotonic() - t0 >= 1.2 and all(p.exitcode == 0 for p in procs)
+    assert list(tmp_path.iterdir()) == []
