@@ -22,12 +22,13 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# One pytest worker per core (pytest-xdist), whole files per worker (their module fixtures are built once).
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
-# The inner loop (~3 minutes on 2 cores): the unit tier and the cheapest integration checks (tests/fast.txt lists them).
+# The inner loop (~3 minutes on 2 cores): tests/unit and the integration checks marked `fast` (tests/conftest.py).
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -n 2 -m fast
 
 # docs/reference/config.md from the config dataclasses and their comments (a test fails when it is stale)
 docs: $(STAMP)

@@ -9,6 +9,9 @@ import torch
 
 if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter on CPU (read when triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: each worker, and what it starts,
+    torch.set_num_threads(1)  # uses one thread (tiny models gain nothing from more; two workers would oversubscribe)
+    os.environ["OMP_NUM_THREADS"] = "1"
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -179,3 +182,30 @@ def tiny_run_overrides(model, run_dir, *extra) -> list[str]:
         "eval.progress=false",
         *extra,
     ]
+
+
+# The files that take longest (docs/results/test_time.md), longest first. `make test` hands whole files to its two
+# workers in collection order (--dist loadfile), so these go first and the many short files fill in at the end:
+# otherwise one worker can start a four-minute file when the other has nothing left.
+LONGEST_FIRST = [
+    "tests/integration/test_finetune.py",
+    "tests/integration/test_evaluate.py",
+    "tests/slurm/test_slurm.py",
+    "tests/unit/test_triton_kernels.py",
+    "tests/integration/test_distill.py",
+    "tests/integration/test_pipeline.py",
+    "tests/integration/test_launch.py",
+    "tests/integration/test_gpu_check.py",
+    "tests/integration/test_export.py",
+    "tests/integration/test_bad_inputs.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/unit is the fast tier (`make test-fast` = `-m fast`) unless a test there is marked slow; the longest
+    files are collected first."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept otherwise
+    for item in items:
+        if item.nodeid.startswith("tests/unit/") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.fast)

@@ -123,7 +123,7 @@ def test_an_initial_state_counts_as_keys_before_the_sequence(mode):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"grad of {n}")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])  # 24 s interpreted
 def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_sequence(backend):
     """Stage 1's output objectives per unit of rows (objectives.unit_loss, as split over ranks) through the layer's
     backend: their sum equals the whole-sequence objective computed with the spec, and so do the gradients."""
@@ -195,6 +195,7 @@ def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window):
     assert fused.ring == window and torch.equal(fused.count, ref.count) and fused.seen == ref.seen == 40
 
 
+@pytest.mark.slow  # 11 s in the interpreter: `make test` runs it, `make test-fast` does not
 def test_a_converted_model_runs_on_the_triton_backend(tiny):
     torch.manual_seed(0)
     models = {}
@@ -254,6 +255,7 @@ def test_a_copy_of_the_attention_files_finds_the_installed_kernels(tmp_path):
     assert out.stdout.split() == ["triton", "chunk", "hybrid_scale_kernels", "decode"]
 
 
+@pytest.mark.slow  # 26 s in the interpreter
 def test_auto_uses_the_kernels_only_after_they_pass_their_self_check(registry, monkeypatch):
     """auto checks the kernels once per device (forward, backward, decode against the torch path); a failure is a
     warning naming it, and the torch path runs."""
