@@ -73,7 +73,10 @@ def test_result_is_a_converted_model_and_training_moved_the_maps(uninterrupted):
     assert len(losses) == 8 and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("fault, resume_at", [("train:1:5", 1), ("commit:1", 1), ("after:0", 1), ("after:1", 2)])
+@pytest.mark.parametrize(
+    "fault, resume_at",
+    [("train:1:5", 1), pytest.param("commit:1", 1, marks=pytest.mark.fast), ("after:0", 1), ("after:1", 2)],
+)
 def test_sigkill_anywhere_then_resume_equals_uninterrupted(sharded_model, uninterrupted, tmp_path, fault, resume_at):
     """Killed mid-layer (training step 5 of layer 1), after writing a layer's parameters but before its commit,
     and between layers: the resumed run starts at the first uncommitted layer and ends bitwise equal."""
