@@ -70,7 +70,7 @@ MODULES = ("hybrid_scale", "hybrid_scale.cli")
 LAUNCH_SCRIPTS = ("launch/torchrun.sh", "launch/deepspeed.sh")
 # Programs whose commands are only split into words here (not installed on a CPU test machine, or not to be run by a
 # test); a command they wrap is checked on its own.
-PARSED_ONLY = ("srun", "sbatch", "pip", "git", "bash")
+PARSED_ONLY = ("srun", "sbatch", "pip", "git", "bash", "pytest", ".venv/bin/pytest")
 KNOWN = (*HYBRID_SCALE, *PYTHONS, *LAUNCH_SCRIPTS, *PARSED_ONLY, "torchrun", "deepspeed", "make")
 # Placeholders of the prose (`hybrid-scale plan CONFIG`): what the test puts in their place.
 CONFIG_EXAMPLE = "quickstart.yaml"  # "a YAML file (or a preset name ...)"
@@ -388,6 +388,10 @@ def check(words: list[str], cmd: Command, files: dict[str, str]) -> None:
             assert args and (ROOT / args[0]).is_file(), f"{cmd}\nno script {args[:1]}"
             r = subprocess.run(["bash", "-n", str(ROOT / args[0])], capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, f"{cmd}\nbash -n: {r.stderr}"
+        elif prog in ("pytest", ".venv/bin/pytest"):  # the test paths it names exist
+            for a in args:
+                if a.startswith("tests"):
+                    assert (ROOT / a.split("::")[0]).exists(), f"{cmd}\nno {a}"
         elif prog == "srun":  # srun [options] program [args]: the program is checked on its own
             rest = list(args)
             while rest and rest[0].startswith("-"):
