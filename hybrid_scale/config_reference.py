@@ -75,42 +75,41 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def render() -> str:
+def _section_type(f: dataclasses.Field):
+    """The dataclass of a section field of Config (model, attention, ...), None for a top-level key."""
+    cls = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+    return cls if cls is not None and dataclasses.is_dataclass(cls) else None
+
+
+def _keys() -> list[tuple[str | None, str, dataclasses.Field, str, str]]:
+    """(section or None, dotted key, field, annotation, description) of every key, top-level keys first."""
     docs = field_docs(Path(config_module.__file__).read_text())
-    sections, top = [], []
+    top, nested = [], []
     for f in dataclasses.fields(Config):
-        section_type = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if section_type is not None and dataclasses.is_dataclass(section_type):
-            sections.append((f.name, section_type))
+        cls = _section_type(f)
+        if cls is None:
+            top.append((None, f.name, f, *docs["Config"][f.name]))
         else:
-            top.append(f)
-    parts = [HEADER]
+            nested += [(f.name, f"{f.name}.{g.name}", g, *docs[cls.__name__][g.name]) for g in dataclasses.fields(cls)]
+    return top + nested
 
-    def table(rows) -> None:
-        parts.append("| key | type | default | what it does |\n|---|---|---|---|")
-        for key, f, (annotation, description) in rows:
-            parts.append(f"| `{key}` | `{_cell(annotation)}` | {_cell(_default(f))} | {_cell(description)} |")
-        parts.append("")
 
-    parts.append("## Top level\n")
-    table([(f.name, f, docs["Config"][f.name]) for f in top])
-    for name, cls in sections:
-        parts.append(f"## `{name}`: {docs['Config'][name][1]}\n")
-        table([(f"{name}.{f.name}", f, docs[cls.__name__][f.name]) for f in dataclasses.fields(cls)])
-    return "\n".join(parts)
+def render() -> str:
+    section_docs = field_docs(Path(config_module.__file__).read_text())["Config"]
+    parts, current = [HEADER], "top"
+    for section, key, f, annotation, description in _keys():
+        if section != current:  # a new table
+            title = "Top level" if section is None else f"`{section}`: {section_docs[section][1]}"
+            parts += ([""] if current != "top" else []) + [f"## {title}\n", "| key | type | default | what it does |"]
+            parts.append("|---|---|---|---|")
+            current = section
+        parts.append(f"| `{key}` | `{_cell(annotation)}` | {_cell(_default(f))} | {_cell(description)} |")
+    return "\n".join([*parts, ""])
 
 
 def undocumented() -> list[str]:
     """Keys whose field has no comment."""
-    docs = field_docs(Path(config_module.__file__).read_text())
-    missing = []
-    for f in dataclasses.fields(Config):
-        cls = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if cls is not None and dataclasses.is_dataclass(cls):
-            missing += [f"{f.name}.{k}" for k, (_, d) in docs[cls.__name__].items() if not d]
-        elif not docs["Config"][f.name][1]:
-            missing.append(f.name)
-    return missing
+    return [key for _, key, _, _, description in _keys() if not description]
 
 
 def main(argv: list[str] | None = None) -> int:
