@@ -1,10 +1,7 @@
 """Component-ablation evaluation on the embedded SmolLM2 (<= 50 items per task) and on a tiny model."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +16,7 @@ from hybrid_scale.config import load_config
 from hybrid_scale.distributed.requeue import EXIT_REQUEUE, REQUEUE_MARKER, Requeue
 from hybrid_scale.stages.evaluate import evaluate
 
-LIMIT = 30
+LIMIT = 16
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +366,10 @@ for name, model in (("base", models._load_base()), ("converted", load_converted(
         for n, p in model.named_parameters()
     }
 Path(sys.argv[2], f"held.rank{rt.rank}.json").write_text(json.dumps(held))  # a file each: stdout interleaves
+del models
+from hybrid_scale.cli import main  # then the evaluation itself, in the same two processes
+
+sys.exit(main(sys.argv[3:]))
 """
 
 
@@ -377,27 +378,12 @@ def test_sharded_stage2_output_is_loaded_partitioned_and_equals_one_process(stag
     the whole model at any point of loading; the results equal one process's."""
     one = _evaluate(_tiny_overrides(stage2_like, tmp_path / "one"))
     assert one["converted"]
-    _torchrun(["evaluate", *_tiny_overrides(stage2_like, tmp_path / "z3"), "eval.shard_weights=true"])
-    _same_numbers(one, json.loads((tmp_path / "z3" / "results.json").read_text()))
-    script = tmp_path / "probe.py"
+    script = tmp_path / "probe.py"  # the loading probe, then `evaluate` in the same two processes
     script.write_text(PROBE)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={procs.free_port()}",
-            str(script),
-            str(stage2_like),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    args = [str(stage2_like), str(tmp_path), "evaluate", *_tiny_overrides(stage2_like, tmp_path / "z3")]
+    proc = procs.run([*args, "eval.shard_weights=true"], timeout=600, ranks=2, script=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_numbers(one, json.loads((tmp_path / "z3" / "results.json").read_text()))
     held = [json.loads((tmp_path / f"held.rank{r}.json").read_text()) for r in (0, 1)]
     for rank in held:  # half of every weight, rounded up (the small phi/gamma are whole until deepspeed.initialize)
         assert rank["base"] and all(whole and mine == -(-whole // 2) for mine, whole in rank["base"].values()), rank

@@ -186,23 +186,44 @@ def test_reference_run_trains_and_keeps_the_newest_two_checkpoints(reference):
     assert "2 ranks" in log and "ssd realised drop rate per phase" in log
 
 
-def test_sigkill_after_step_6_then_resume_equals_uninterrupted(setup, reference, tmp_path):
-    """Killed during step 7 (step 6 committed): partial and corrupt step directories are ignored on resume."""
-    proc = finetune(overrides(setup, tmp_path), env={"HYBRID_SCALE_FAULT": "step:7"})
+def test_a_signal_saves_quickly_exits_75_then_sigkill_and_resume_equal_uninterrupted(setup, reference, tmp_path):
+    """One run, stopped twice on 2 ranks. USR1 (TERM sets the same flag: tests/unit/test_requeue.py) during step 4:
+    the handler only sets a flag; the ranks agree at the next step boundary, save step 5 and exit 75. Resumed, it is
+    SIGKILLed during step 7 (step 6 committed): partial and corrupt step directories are ignored on the next resume,
+    whose losses and adapter equal the uninterrupted run's. A copy of the run as the signal left it, resumed on 1
+    rank, continues the same curve."""
+    run, copy = tmp_path / "a", tmp_path / "b"
+    proc = finetune(overrides(setup, run), env={"HYBRID_SCALE_FAULT": "step:4@USR1"})
+    assert proc.returncode != 0 and f"exitcode  : {EXIT_REQUEUE}" in proc.stderr, proc.stderr[-3000:]
+    stage2 = run / "stage2"
+    # the signal came after step 4's agreement: the ranks agree at the end of step 5 and save there
+    assert committed_steps(stage2)[-1].name == "step_00000005"
+    seconds = float(re.search(r"signal: saved step_00000005 in ([\d.]+) s", (stage2 / "log.txt").read_text())[1])
+    assert seconds < 30
+    shutil.copytree(stage2, copy / "stage2")
+
+    proc = finetune(overrides(setup, run), env={"HYBRID_SCALE_FAULT": "step:7"})
     assert proc.returncode != 0
-    stage2 = tmp_path / "stage2"
-    assert [p.name for p in committed_steps(stage2)] == ["step_00000003", "step_00000006"]
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000005", "step_00000006"]
     shutil.copytree(stage2 / "step_00000006", stage2 / "step_00000007.partial")  # a save cut short
     corrupt = shutil.copytree(stage2 / "step_00000006", stage2 / "step_00000008")  # marker no longer matches
     (corrupt / "trainable.safetensors").write_bytes(b"\0" * 64)
-    assert finetune(overrides(setup, tmp_path)).returncode == 0
-    assert "resumed from step_00000006" in (stage2 / "log.txt").read_text()
-    ref, got = curves(reference), curves(tmp_path)
+    assert finetune(overrides(setup, run)).returncode == 0
+    log = (stage2 / "log.txt").read_text()
+    assert "resumed from step_00000005" in log and "resumed from step_00000006" in log
+    ref, got = curves(reference), curves(run)
     assert torch.allclose(torch.tensor(got["train"]), torch.tensor(ref["train"]), rtol=0, atol=1e-6)
     assert got["hybrid"] == pytest.approx(ref["hybrid"], abs=1e-6)
     a = load_file(reference / "stage2" / "final" / "adapter" / "adapter_model.safetensors")
     b = load_file(stage2 / "final" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+    one = finetune(overrides(setup, copy), ranks=0)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "saved by 2 ranks, now 1" in (copy / "stage2" / "log.txt").read_text()
+    got = curves(copy)["train"]
+    assert got[:5] == ref["train"][:5]  # restored from the checkpoint
+    assert torch.allclose(torch.tensor(got[5:]), torch.tensor(ref["train"][5:]), rtol=1e-4)  # the same curve continues
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(setup, tmp_path):
@@ -221,31 +242,6 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(set
     assert "resumed from step_00000003" in (stage2 / "log.txt").read_text()
     assert [p.name for p in committed_steps(stage2)] == ["step_00000006", "step_00000007"]
     assert not (stage2 / "step_00000006.partial").exists() and len(curves(tmp_path)["train"]) == 7
-
-
-@pytest.mark.parametrize("sig", ["USR1"])  # TERM sets the same flag: tests/unit/test_requeue.py
-def test_signal_saves_quickly_exits_75_and_resumes(setup, reference, tmp_path, sig):
-    """The handler only sets a flag; the ranks agree at the next step boundary, save and exit 75. Resumed on 2 ranks
-    the losses equal the uninterrupted run's; resumed on 1 rank (USR1 case) the same curve continues."""
-    proc = finetune(overrides(setup, tmp_path / "a"), env={"HYBRID_SCALE_FAULT": f"step:4@{sig}"})
-    assert proc.returncode != 0 and f"exitcode  : {EXIT_REQUEUE}" in proc.stderr, proc.stderr[-3000:]
-    stage2 = tmp_path / "a" / "stage2"
-    # the signal came after step 4's agreement: the ranks agree at the end of step 5 and save there
-    assert committed_steps(stage2)[-1].name == "step_00000005"
-    seconds = float(re.search(r"signal: saved step_00000005 in ([\d.]+) s", (stage2 / "log.txt").read_text())[1])
-    assert seconds < 30
-    if sig == "USR1":
-        shutil.copytree(stage2, tmp_path / "b" / "stage2")
-    assert finetune(overrides(setup, tmp_path / "a")).returncode == 0
-    ref = curves(reference)["train"]
-    assert torch.allclose(torch.tensor(curves(tmp_path / "a")["train"]), torch.tensor(ref), rtol=0, atol=1e-6)
-    if sig == "USR1":
-        one = finetune(overrides(setup, tmp_path / "b"), ranks=0)
-        assert one.returncode == 0, one.stderr[-3000:]
-        assert "saved by 2 ranks, now 1" in (tmp_path / "b" / "stage2" / "log.txt").read_text()
-        got = curves(tmp_path / "b")["train"]
-        assert got[:5] == ref[:5]  # restored from the checkpoint
-        assert torch.allclose(torch.tensor(got[5:]), torch.tensor(ref[5:]), rtol=1e-4)  # the same curve continues
 
 
 def test_saved_adapter_is_whole_and_reloads_to_the_trained_logits(setup, reference):
@@ -456,15 +452,13 @@ def test_bf16_at_tensor_parallel_2_stays_near_fp32(setup, tp1, tmp_path):
     assert {t.dtype for t in adapter.values()} == {torch.float32}  # trained and saved as fp32 masters
 
 
-def test_data_2_x_tensor_2_trains_as_data_4(setup, tmp_path):
-    """4 ranks: a 2 x 2 mesh (replicated engine) against ZeRO-3 over 4 data-parallel ranks, 5 steps."""
-    runs = {}
-    for tp in (1, 2):
-        runs[tp] = tmp_path / f"tp{tp}"
-        proc = finetune(tp_args(setup, runs[tp], 4, tp), ranks=4)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(data 2 x tensor 2)" in (runs[2] / "stage2" / "log.txt").read_text()
-    same_run(runs[1], runs[2], 1e-5)
+def test_data_2_x_tensor_2_trains_as_data_2(setup, tp1, tmp_path):
+    """4 ranks: a 2 x 2 mesh (the replicated engine over 2 data-parallel groups, each splitting every layer over 2
+    ranks) against ZeRO-3 over 2 data-parallel ranks (tp1), 5 steps: the same data split, the same curve and adapter."""
+    proc = finetune(tp_args(setup, tmp_path, 4, 2), ranks=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(data 2 x tensor 2)" in (tmp_path / "stage2" / "log.txt").read_text()
+    same_run(tp1, tmp_path, 1e-5)
 
 
 def test_a_run_stopped_at_tensor_parallel_2_resumes_at_tensor_parallel_1(setup, tp1, tmp_path):

@@ -147,13 +147,21 @@ def wait_for(env, jobs, timeout=900):
     raise AssertionError(f"jobs {jobs} still queued after {timeout} s")
 
 
-def test_submit_chains_the_stages_with_afterok(slurm, tiny, tmp_path):
-    run = tmp_path / "run"
-    jobs = submit(slurm, overrides(tiny, run))
+@pytest.fixture(scope="module")
+def chained(slurm, tiny_run_model, tmp_path_factory):
+    """The tiny pipeline submitted as four afterok-chained jobs and run to the end: the submit test reads it, and the
+    requeue test takes its stage 1 and its uninterrupted stage-2 curve (the same settings, also run under Slurm)."""
+    run = tmp_path_factory.mktemp("chained") / "run"
+    jobs = submit(slurm, overrides(tiny_run_model, run))
+    wait_for(slurm, list(jobs.values()))
+    return run, jobs
+
+
+def test_submit_chains_the_stages_with_afterok(chained):
+    run, jobs = chained
     assert list(jobs) == ["distill", "finetune", "evaluate", "export"]
     script = (run / "slurm" / "finetune.sbatch").read_text()
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@120" in script and "trap forward USR1" in script
-    wait_for(slurm, list(jobs.values()))
     logs = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
     assert (run / "stage1" / "converted" / "hybrid_config.json").is_file(), logs[-3000:]
     assert json.loads((run / "stage2" / "curves.json").read_text())["output"] == "final", logs[-3000:]
@@ -163,12 +171,11 @@ def test_submit_chains_the_stages_with_afterok(slurm, tiny, tmp_path):
     assert "torch.distributed.run --nnodes=1 --nproc-per-node=1 --node-rank=0 --master-addr=localhost" in logs
 
 
-def test_stage2_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, tiny, tmp_path):
+def test_stage2_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, chained, tiny, tmp_path):
     """USR1 to the batch script (what --signal=B:USR1@lead sends): forwarded as TERM through torchrun, the stage saves
-    at the next step boundary, the job requeues itself and resumes from the committed checkpoint."""
-    ref = tmp_path / "ref"
-    assert procs.run(["distill", *overrides(tiny, ref)], timeout=300).returncode == 0
-    assert procs.run(["finetune", *overrides(tiny, ref)], timeout=600).returncode == 0
+    at the next step boundary, the job requeues itself and resumes from the committed checkpoint. The reference is
+    the chained run's uninterrupted stage 2 (same settings, same stage 1)."""
+    ref = chained[0]
     run = tmp_path / "run"
     shutil.copytree(ref / "stage1", run / "stage1")
     env = {**slurm, "HYBRID_SCALE_STEP_SLEEP": "1.5"}  # slow steps, so that the signal lands mid-run
