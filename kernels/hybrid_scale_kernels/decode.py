@@ -58,14 +58,13 @@ def _decode(
         fq = fq.to(tl.float32)
         fk_new = tl.load(FK + pid.to(tl.int64) * F + of, mask=fm, other=0.0).to(tl.float32)
     if SOFT:  # the new key: always in its own window
-        a = tl.sum(q * k_new[None, :], 1) * scale
-        m_i = a
+        m_i = tl.sum(q * k_new[None, :], 1) * scale
         den_e = tl.full([BLOCK_G], 1.0, tl.float32)
         num_e = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new[None, :]
     if LA_ONLY:  #: the new key is an LA term
-        s = tl.sum(fq * fk_new[None, :], 1)
-        num_l += s[:, None] * v_new[None, :]
-        den_l += s
+        s_new = tl.sum(fq * fk_new[None, :], 1)
+        num_l += s_new[:, None] * v_new[None, :]
+        den_l += s_new
     ring = pid.to(tl.int64) * R
     if SOFT or LIN:
         for r0 in range(0, R, BLOCK_N):

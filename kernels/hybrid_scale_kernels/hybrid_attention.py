@@ -58,26 +58,48 @@ def _span(first, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rows(PTR, row, ok, width, BLOCK_W: tl.constexpr):
-    """Rows `row` (int64 row numbers of a [rows, width] tensor) as a [len(row), BLOCK_W] tile, 0 where not ok."""
-    o = tl.arange(0, BLOCK_W)
+def _cols(PTR, row, ok, width, c0, BLOCK_C: tl.constexpr):
+    """Columns c0..c0+BLOCK_C-1 of rows `row` (int64 row numbers of a [rows, width] tensor), 0 where not ok."""
+    o = c0 + tl.arange(0, BLOCK_C)
     return tl.load(PTR + row[:, None] * width + o[None, :], mask=ok[:, None] & (o < width)[None, :], other=0.0)
 
 
 @triton.jit
-def _store_rows(PTR, row, ok, width, x, BLOCK_W: tl.constexpr):
-    o = tl.arange(0, BLOCK_W)
+def _store_cols(PTR, row, ok, width, c0, x, BLOCK_C: tl.constexpr):
+    o = c0 + tl.arange(0, BLOCK_C)
     tl.store(
         PTR + row[:, None] * width + o[None, :], x.to(PTR.dtype.element_ty), mask=ok[:, None] & (o < width)[None, :]
     )
 
 
 @triton.jit
-def _state(STATE_KV, STATE_K, st, F, D, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The fp32 LA state number st: kv [BLOCK_F, BLOCK_D] and k [BLOCK_F]."""
-    of = tl.arange(0, BLOCK_F)
+def _rows(PTR, row, ok, width, BLOCK_W: tl.constexpr):
+    return _cols(PTR, row, ok, width, 0, BLOCK_W)
+
+
+@triton.jit
+def _store_rows(PTR, row, ok, width, x, BLOCK_W: tl.constexpr):
+    _store_cols(PTR, row, ok, width, 0, x, BLOCK_W)
+
+
+@triton.jit
+def _state(STATE_KV, STATE_K, st, F, D, f0, BLOCK_FC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Features f0..f0+BLOCK_FC-1 of the fp32 LA state number st: kv [BLOCK_FC, BLOCK_D] and k [BLOCK_FC]."""
+    of = f0 + tl.arange(0, BLOCK_FC)
     kv = _rows(STATE_KV + st * F * D, of.to(tl.int64), of < F, D, BLOCK_D)
     return kv, tl.load(STATE_K + st * F + of, mask=of < F, other=0.0)
+
+
+@triton.jit
+def _la_scores(FQ, FK, q_row, row_ok, k_row, k_ok, F, BLOCK: tl.constexpr, BLOCK_FC: tl.constexpr,
+               DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """phi_q . phi_k of a query tile and a key tile, summed over feature chunks (no [BLOCK, F] tile stays live)."""
+    s = tl.zeros([BLOCK, BLOCK], tl.float32)
+    for f0 in range(0, F, BLOCK_FC):
+        s += _dot(
+            _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC), tl.trans(_cols(FK, k_row, k_ok, F, f0, BLOCK_FC)), DT, PREC
+        )
+    return s
 
 
 @triton.jit
@@ -92,11 +114,45 @@ def _online(m_i, num, den, a, v, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _states_fwd(
+    FK, V, START, END, INIT_KV, INIT_K,  # inputs
+    STATE_KV, STATE_K,  # outputs [B, Hkv, NC, F, D], [B, Hkv, NC, F]
+    T, Hkv, F, D, NC,
+    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_D: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The exclusive prefix LA state at every key-block boundary, one program per (feature chunk, batch x KV head):
+    state c = the initial state + sum over the real keys of blocks 0..c-1 of phi_k(k) v^T, and of phi_k(k)."""
+    f0 = tl.program_id(0) * BLOCK_FC
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    start, end = tl.load(START + b), tl.load(END + b)
+    of = f0 + tl.arange(0, BLOCK_FC)
+    od = tl.arange(0, BLOCK_D)
+    both = (of < F)[:, None] & (od < D)[None, :]
+    base = pid_bh.to(tl.int64)
+    if HAS_INIT:
+        kv = tl.load(INIT_KV + (base * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
+        ks = tl.load(INIT_K + base * F + of, mask=of < F, other=0.0).to(tl.float32)
+    else:
+        kv = tl.zeros([BLOCK_FC, BLOCK_D], tl.float32)
+        ks = tl.zeros([BLOCK_FC], tl.float32)
+    for c in range(0, NC):
+        st = base * NC + c
+        tl.store(STATE_KV + (st * F + of)[:, None] * D + od[None, :], kv, mask=both)
+        tl.store(STATE_K + st * F + of, ks, mask=of < F)
+        cols, _, k_ok = _span(c * BLOCK, start, end, BLOCK)
+        fk = _cols(FK, base * T + cols, k_ok, F, f0, BLOCK_FC)
+        kv += _dot(tl.trans(fk), _rows(V, base * T + cols, k_ok, D, BLOCK_D), DT, PREC)
+        ks += tl.sum(fk.to(tl.float32), 0)
+
+
+@triton.jit
 def _fwd(
     Q, K, V, FQ, FK, GAMMA, STATE_KV, STATE_K, START, END,  # inputs
     Y, C, Z, DEN_E, DEN_L, IDX,  # outputs
     T, H, G, D, F, NC, window, lin_off, sink_off, n_sinks, scale,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
@@ -115,7 +171,6 @@ def _fwd(
     den_l = tl.zeros([BLOCK], tl.float32)
     idx = tl.zeros([BLOCK], tl.int32)
     if LIN:
-        fq = _rows(FQ, q_row, row_ok, F, BLOCK_F)
         lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
     else:
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
@@ -125,26 +180,31 @@ def _fwd(
             v = _rows(V, kv_base + cols, k_ok, D, BLOCK_D)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
             if SOFT:
-                a = _dot(q, tl.trans(_rows(K, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) * scale
-                a = tl.where(causal & (j[None, :] > n[:, None] - window), a, float("-inf"))
-                if HYBRID:  # the argmax of the window max, for its gradient
-                    idx = tl.where(tl.max(a, 1) > m_i, kb + tl.argmax(a, 1).to(tl.int32), idx)
-                m_i, num_e, den_e = _online(m_i, num_e, den_e, a, v, DT, PREC)
+                if kb + BLOCK - 1 > m0 - window:  # some key of the block is in some query's window
+                    a = _dot(q, tl.trans(_rows(K, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) * scale
+                    a = tl.where(causal & (j[None, :] > n[:, None] - window), a, float("-inf"))
+                    if HYBRID:  # the argmax of the window max, for its gradient
+                        idx = tl.where(tl.max(a, 1) > m_i, kb + tl.argmax(a, 1).to(tl.int32), idx)
+                    m_i, num_e, den_e = _online(m_i, num_e, den_e, a, v, DT, PREC)
             if LIN:
-                s = _dot(fq, tl.trans(_rows(FK, kv_base + cols, k_ok, F, BLOCK_F)), DT, PREC)
-                s = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)
-                num_l += _dot(s, v, DT, PREC)
-                den_l += tl.sum(s, 1)
+                if kb <= m0 + BLOCK - 1 - lin_off:  # some key of the block has left some query's window
+                    s = _la_scores(FQ, FK, q_row, row_ok, kv_base + cols, k_ok, F, BLOCK, BLOCK_FC, DT, PREC)
+                    s = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)
+                    num_l += _dot(s, v, DT, PREC)
+                    den_l += tl.sum(s, 1)
     if SINKS:
         cols, sj, s_ok = _span(start, start, end, BLOCK_S)
         s_ok = s_ok & (sj < n_sinks)
         a = _dot(q, tl.trans(_rows(K, kv_base + cols, s_ok, D, BLOCK_D)), DT, PREC) * scale
         a = tl.where(row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off), a, float("-inf"))
         m_i, num_e, den_e = _online(m_i, num_e, den_e, a, _rows(V, kv_base + cols, s_ok, D, BLOCK_D), DT, PREC)
-    if LIN:  # keys before lo: the prefix state of whole blocks (exclusive), fp32
-        kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, BLOCK_F, BLOCK_D)
-        num_l += tl.dot(fq.to(tl.float32), kv, input_precision=PREC)
-        den_l += tl.sum(fq.to(tl.float32) * ksum[None, :], 1)
+    if LIN:  # keys before lo: the prefix state of whole blocks (exclusive), fp32, a feature chunk at a time
+        st = kv_base // T * NC + lo // BLOCK
+        for f0 in range(0, F, BLOCK_FC):
+            kv, ksum = _state(STATE_KV, STATE_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
+            fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
+            num_l += tl.dot(fq, kv, input_precision=PREC)
+            den_l += tl.sum(fq * ksum[None, :], 1)
     if HYBRID:
         g = tl.load(GAMMA + h).to(tl.float32)
     else:
@@ -169,14 +229,14 @@ def _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _bwd_q(
-    Q, K, V, FQ, FK, GAMMA, STATE_KV, STATE_K, START, END, DY, C, Z, DELTA,  # inputs
-    DQ, DFQ, RSUM, DS_KV, DS_K,  # outputs
-    T, H, G, D, F, NC, NM, window, lin_off, sink_off, n_sinks, scale,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_S: tl.constexpr,
-    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+def _bwd_dq(
+    Q, K, V, GAMMA, START, END, DY, C, Z, DELTA,  # inputs
+    DQ, RSUM,  # outputs
+    T, H, G, D, window, sink_off, n_sinks, scale,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """dq of the softmax terms (window and sinks) and the per-query sum of gamma's terms, per query tile."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
@@ -192,28 +252,18 @@ def _bwd_q(
     else:
         g = 1.0
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    dfq = tl.zeros([BLOCK, BLOCK_F], tl.float32)
     rsum = tl.zeros([BLOCK], tl.float32)
-    if LIN:
-        fq = _rows(FQ, q_row, row_ok, F, BLOCK_F)
-        lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
-    else:
-        lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
-    if SOFT or LIN:
-        for kb in range(lo, tl.minimum(m0 + BLOCK, end), BLOCK):
+    if SOFT:
+        for kb in range(tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK, tl.minimum(m0 + BLOCK, end), BLOCK):
             cols, j, k_ok = _span(kb, start, end, BLOCK)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
             # dL/dw for every term w_nj of the shared normaliser: (dy_n . v_j - dy_n . y_n) / Z_n
             dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
-            if SOFT:
-                k = _rows(K, kv_base + cols, k_ok, D, BLOCK_D)
-                a = _dot(q, tl.trans(k), DT, PREC) * scale
-                ds = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0) * dp
-                rsum += tl.sum(ds, 1)
-                dq += _dot(ds, k, DT, PREC) * scale
-            if LIN:
-                dsl = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), dp, 0.0)
-                dfq += _dot(dsl, _rows(FK, kv_base + cols, k_ok, F, BLOCK_F), DT, PREC)
+            k = _rows(K, kv_base + cols, k_ok, D, BLOCK_D)
+            a = _dot(q, tl.trans(k), DT, PREC) * scale
+            ds = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0) * dp
+            rsum += tl.sum(ds, 1)
+            dq += _dot(ds, k, DT, PREC) * scale
     if SINKS:
         cols, sj, s_ok = _span(start, start, end, BLOCK_S)
         s_ok = s_ok & (sj < n_sinks)
@@ -225,29 +275,98 @@ def _bwd_q(
         dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, s_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
         dq += _dot(p * dp, ks, DT, PREC) * scale
     out = rows < T
-    if LIN:
-        kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, BLOCK_F, BLOCK_D)
-        dfq += tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
-        _store_rows(DFQ, q_row, out, F, dfq, BLOCK_F)
-        # this block's gradient of the state it read, for the keys before lo
-        of = tl.arange(0, BLOCK_F)
-        blk = pid_bh.to(tl.int64) * NM + pid_m
-        _store_rows(DS_KV + blk * F * D, of.to(tl.int64), of < F, D, tl.dot(tl.trans(fq.to(tl.float32)), dyz,
-                    input_precision=PREC), BLOCK_D)  # fmt: skip
-        tl.store(DS_K + blk * F + of, -tl.sum(fq.to(tl.float32) * dz[:, None], 0), mask=of < F)
     _store_rows(DQ, q_row, out, D, dq, BLOCK_D)
     tl.store(RSUM + q_row, rsum, mask=out)
 
 
 @triton.jit
-def _bwd_kv(
-    Q, K, V, FQ, FK, GAMMA, START, END, DY, C, Z, DELTA, G_KV, G_K,  # inputs
-    DK, DV, DFK,  # outputs
-    T, H, G, D, F, NC, window, lin_off, scale,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-    SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+def _bwd_dfq(
+    FQ, FK, V, STATE_KV, STATE_K, START, END, DY, Z, DELTA,  # inputs
+    DFQ,  # output
+    T, H, G, D, F, NC, lin_off,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """dphi_q of the LA terms, one feature chunk per program (query tile x head x chunk): the intra terms of the
+    streamed keys, then the state of the keys before them."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    f0 = tl.program_id(2) * BLOCK_FC
+    b, h = pid_bh // H, pid_bh % H
+    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
+    start, end = tl.load(START + b), tl.load(END + b)
+    m0 = pid_m * BLOCK
+    rows, n, row_ok = _span(m0, start, end, BLOCK)
+    q_row = pid_bh.to(tl.int64) * T + rows
+    z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+    dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
+    dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+    lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
+    dfq = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
+    for kb in range(lo, tl.minimum(m0 + BLOCK - lin_off, end), BLOCK):  # blocks with some key past some window
+        cols, j, k_ok = _span(kb, start, end, BLOCK)
+        lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
+        dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
+        dfq += _dot(tl.where(lin, dp, 0.0), _cols(FK, kv_base + cols, k_ok, F, f0, BLOCK_FC), DT, PREC)
+    kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, f0, BLOCK_FC, BLOCK_D)
+    dfq += tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
+    _store_cols(DFQ, q_row, rows < T, F, f0, tl.where(row_ok[:, None], dfq, 0.0), BLOCK_FC)
+
+
+@triton.jit
+def _states_bwd(
+    FQ, START, END, DY, Z, DELTA,  # inputs
+    G_KV, G_K, D_INIT_KV, D_INIT_K,  # outputs [B, Hkv, NC, F, D], [B, Hkv, NC, F]; [B, Hkv, F, D], [B, Hkv, F]
+    T, H, G, D, F, NC, off,
+    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """The gradient of every key block's share of the LA state, per (feature chunk, batch x KV head), in reverse
+    time. Query block m reads the state of the keys before its streamed span, which starts at block lo(m); key block
+    c is in it when lo(m) >= c + 1, i.e. m >= c + 1 + off. So g_c = sum over m >= c + 1 + off of X_m, with X_m =
+    sum over the G query heads of phi_q(block m)^T dy/Z (and -phi_q dz for the key sums); the initial state is in
+    every block's state: its gradient is the sum of every X_m."""
+    f0 = tl.program_id(0) * BLOCK_FC
+    pid_bhkv = tl.program_id(1)
+    b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
+    start, end = tl.load(START + b), tl.load(END + b)
+    of = f0 + tl.arange(0, BLOCK_FC)
+    od = tl.arange(0, BLOCK_D)
+    both = (of < F)[:, None] & (od < D)[None, :]
+    acc = tl.zeros([BLOCK_FC, BLOCK_D], tl.float32)
+    acc_k = tl.zeros([BLOCK_FC], tl.float32)
+    for i in range(0, NC + 1 + off):
+        m = NC + off - i  # query blocks NC+off .. 0 (those past the end add nothing)
+        c = m - 1 - off  # the key block whose gradient is complete once block m is added
+        if m < NC:
+            for gi in range(0, G):
+                rows, _, row_ok = _span(m * BLOCK, start, end, BLOCK)
+                q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
+                z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+                dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
+                dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+                fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
+                acc += tl.dot(tl.trans(fq), dyz, input_precision=PREC)
+                acc_k -= tl.sum(fq * dz[:, None], 0)
+        if (c >= 0) & (c < NC):
+            st = pid_bhkv.to(tl.int64) * NC + c
+            tl.store(G_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
+            tl.store(G_K + st * F + of, acc_k, mask=of < F)
+    if HAS_INIT:
+        st = pid_bhkv.to(tl.int64)
+        tl.store(D_INIT_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
+        tl.store(D_INIT_K + st * F + of, acc_k, mask=of < F)
+
+
+@triton.jit
+def _bwd_dkv(
+    Q, K, V, FQ, FK, GAMMA, START, END, DY, C, Z, DELTA, G_KV,  # inputs
+    DK, DV,  # outputs
+    T, H, G, D, F, NC, window, lin_off, scale,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """dk and dv per key tile x KV head: the window terms and the LA terms of the query tiles that stream this key
+    tile (every head of the GQA group), then the LA state this tile is part of (dv only)."""
     pid_k = tl.program_id(0)
     pid_bhkv = tl.program_id(1)
     b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
@@ -259,9 +378,7 @@ def _bwd_kv(
     v = _rows(V, k_row, k_ok, D, BLOCK_D)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    dfk = tl.zeros([BLOCK, BLOCK_F], tl.float32)
     if LIN:
-        fk = _rows(FK, k_row, k_ok, F, BLOCK_F)
         reach = lin_off  # the query blocks whose streamed span starts at or before this key block
     else:
         reach = window
@@ -276,26 +393,65 @@ def _bwd_kv(
             q_row = (b * H + h).to(tl.int64) * T + rows
             dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
-            dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
             if SOFT:
-                q = _rows(Q, q_row, row_ok, D, BLOCK_D)
-                a = _dot(q, tl.trans(k), DT, PREC) * scale
-                p = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0)
-                dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
-                dv += _dot(tl.trans(p), dyz, DT, PREC)
+                if m0 < kb + BLOCK - 1 + window:  # some key of this tile in some query's window
+                    dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
+                    q = _rows(Q, q_row, row_ok, D, BLOCK_D)
+                    a = _dot(q, tl.trans(k), DT, PREC) * scale
+                    p = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0)
+                    dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
+                    dv += _dot(tl.trans(p), dyz, DT, PREC)
             if LIN:
-                fq = _rows(FQ, q_row, row_ok, F, BLOCK_F)
-                lin = causal & (j[None, :] <= n[:, None] - lin_off)
-                dfk += _dot(tl.trans(tl.where(lin, dp, 0.0)), fq, DT, PREC)
-                dv += _dot(tl.trans(tl.where(lin, _dot(fq, tl.trans(fk), DT, PREC), 0.0)), dyz, DT, PREC)
+                if m0 + BLOCK - 1 - lin_off >= kb:  # some key of this tile past some query's window
+                    s = _la_scores(FQ, FK, q_row, row_ok, k_row, k_ok, F, BLOCK, BLOCK_FC, DT, PREC)
+                    dv += _dot(tl.trans(tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)), dyz, DT,
+                               PREC)  # fmt: skip
     out = cols < T
     if LIN:  # the state this key block is part of: every later query block whose span starts after it
-        gkv, gk = _state(G_KV, G_K, pid_bhkv.to(tl.int64) * NC + pid_k, F, D, BLOCK_F, BLOCK_D)
-        dfk += tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
-        dv += tl.dot(fk.to(tl.float32), gkv, input_precision=PREC)
-        _store_rows(DFK, k_row, out, F, tl.where(k_ok[:, None], dfk, 0.0), BLOCK_F)
+        st = pid_bhkv.to(tl.int64) * NC + pid_k
+        for f0 in range(0, F, BLOCK_FC):
+            of = f0 + tl.arange(0, BLOCK_FC)
+            gkv = _rows(G_KV + st * F * D, of.to(tl.int64), of < F, D, BLOCK_D)
+            dv += tl.dot(_cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32), gkv, input_precision=PREC)
     _store_rows(DK, k_row, out, D, dk, BLOCK_D)
     _store_rows(DV, k_row, out, D, tl.where(k_ok[:, None], dv, 0.0), BLOCK_D)
+
+
+@triton.jit
+def _bwd_dfk(
+    FQ, V, START, END, DY, Z, DELTA, G_KV, G_K,  # inputs
+    DFK,  # output
+    T, H, G, D, F, NC, lin_off,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """dphi_k per key tile x KV head x feature chunk: the LA terms of the query tiles that stream this key tile,
+    then the state gradient of the tile."""
+    pid_k = tl.program_id(0)
+    pid_bhkv = tl.program_id(1)
+    f0 = tl.program_id(2) * BLOCK_FC
+    b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
+    start, end = tl.load(START + b), tl.load(END + b)
+    kb = pid_k * BLOCK
+    cols, j, k_ok = _span(kb, start, end, BLOCK)
+    k_row = pid_bhkv.to(tl.int64) * T + cols
+    v = _rows(V, k_row, k_ok, D, BLOCK_D)
+    dfk = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
+    # query tiles with some query past the window of some key here, whose span still streams this tile
+    first = (tl.maximum(kb + lin_off - BLOCK + 1, kb) + BLOCK - 1) // BLOCK * BLOCK
+    for gi in range(0, G):
+        for m0 in range(first, tl.minimum(kb + BLOCK + lin_off - 1, end), BLOCK):
+            rows, n, row_ok = _span(m0, start, end, BLOCK)
+            q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
+            z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+            dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
+            dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+            lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
+            dp = tl.where(lin, _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None], 0.0)
+            dfk += _dot(tl.trans(dp), _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC), DT, PREC)
+    st = pid_bhkv.to(tl.int64) * NC + pid_k
+    gkv, gk = _state(G_KV, G_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
+    dfk += tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
+    _store_cols(DFK, k_row, cols < T, F, f0, tl.where(k_ok[:, None], dfk, 0.0), BLOCK_FC)
 
 
 @triton.jit
@@ -350,125 +506,139 @@ def _spans(attention_mask, batch, length, device):
     return first.to(torch.int32), (first + count).to(torch.int32)
 
 
-def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None):
+def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, fchunk=None, num_warps=4):
     """Exclusive prefix LA state at each key-block boundary: kv [B,Hkv,NC,F,D], k [B,Hkv,NC,F] (fp32),
     state c = sum over real keys in blocks 0..c-1 of phi_k(k) v^T and phi_k(k), plus the initial state if given
-    (kv [B,Hkv,F,D], k [B,Hkv,F]: keys before the sequence)."""
+    (kv [B,Hkv,F,D], k [B,Hkv,F]: keys before the sequence). One Triton program per feature chunk and KV head."""
     B, Hkv, T, F = fk.shape
+    D = v.shape[-1]
     nc = triton.cdiv(T, block)
-    pos = torch.arange(T, device=fk.device)
-    real = ((pos >= start[:, None]) & (pos < end[:, None])).to(torch.float32)[:, None, :, None]
-    pad = nc * block - T
-    fk32 = torch.nn.functional.pad(fk.float() * real, (0, 0, 0, pad)).view(B, Hkv, nc, block, F)
-    v32 = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(B, Hkv, nc, block, -1)
-    kv = torch.einsum("bhncf,bhncd->bhnfd", fk32, v32)
-    ks = fk32.sum(3)
-    kv = torch.cat([torch.zeros_like(kv[:, :, :1]), kv[:, :, :-1].cumsum(2)], 2)
-    ks = torch.cat([torch.zeros_like(ks[:, :, :1]), ks[:, :, :-1].cumsum(2)], 2)
-    if init_kv is not None and init_kv.numel():
-        kv = kv + init_kv.float()[:, :, None]
-        ks = ks + init_k.float()[:, :, None]
-    return kv.contiguous(), ks.contiguous()
+    fchunk = fchunk or min(_pow2(F), 64)
+    kv = torch.empty(B, Hkv, nc, F, D, dtype=torch.float32, device=fk.device)
+    ks = torch.empty(B, Hkv, nc, F, dtype=torch.float32, device=fk.device)
+    has_init = init_kv is not None and init_kv.numel() > 0
+    init_kv, init_k = (init_kv.float().contiguous(), init_k.float().contiguous()) if has_init else (kv, ks)
+    half = fk.dtype in (torch.float16, torch.bfloat16)
+    _states_fwd[(triton.cdiv(F, fchunk), B * Hkv)](
+        fk.contiguous(), v.contiguous(), start, end, init_kv, init_k, kv, ks, T, Hkv, F, D, nc,
+        HAS_INIT=has_init, BLOCK=block, BLOCK_FC=fchunk, BLOCK_D=_pow2(D), DT=_DT[fk.dtype],
+        PREC="tf32" if half else "ieee", num_warps=num_warps,
+    )  # fmt: skip
+    return kv, ks
 
 
-def _settings(q, k, fq, window, mode, sinks, block):
+_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _settings(q, k, fq, window, mode, sinks, block, fchunk):
     soft, lin, sink, hybrid = MODE_PARTS[mode]
     B, H, T, D = q.shape
     F = fq.shape[-1]
     half = q.dtype in (torch.float16, torch.bfloat16)
+    lin_off = int(window) if mode == "hybrid" else 0
     return dict(
-        T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=int(window) if mode == "hybrid" else 0,
-        BLOCK=block, BLOCK_D=_pow2(D), BLOCK_F=_pow2(F), SOFT=soft, LIN=lin, HYBRID=hybrid,
+        T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=lin_off,
+        BLOCK=block, BLOCK_D=_pow2(D), BLOCK_FC=fchunk, SOFT=soft, LIN=lin, HYBRID=hybrid,
         sink_off=int(window) if mode == "swa_sinks" else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
-        DT=tl.bfloat16 if q.dtype == torch.bfloat16 else (tl.float16 if half else tl.float32),
-        PREC="tf32" if half else "ieee",
+        DT=_DT[q.dtype], PREC="tf32" if half else "ieee",
+        # query block m reads the state of key blocks < lo(m); key block c is in it when m >= c + 1 + off
+        off=-((1 - lin_off) // block),
     )  # fmt: skip
 
 
 class _HybridAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fq, fk, gamma, init_kv, init_k, start, end, window, mode, sinks, scale, block, num_warps):
+    def forward(ctx, q, k, v, fq, fk, gamma, init_kv, init_k, start, end, window, mode, sinks, scale, tiles):
+        block, num_warps, fchunk = tiles
         B, H, T, D = q.shape
-        s = _settings(q, k, fq, window, mode, sinks, block)
+        s = _settings(q, k, fq, window, mode, sinks, block, fchunk)
         nm = triton.cdiv(T, block)
         f32 = dict(dtype=torch.float32, device=q.device)
         y = torch.empty_like(q)
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k)
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, fchunk, num_warps)
         else:
             state_kv = state_k = c  # unused
         g = gamma.detach().to(torch.float32).contiguous()
         _fwd[(nm, B * H)](
             q, k, v, fq, fk, g, state_kv, state_k, start, end, y, c, z, den_e, den_l, idx,
             s["T"], s["H"], s["G"], s["D"], s["F"], nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
-            BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_F=s["BLOCK_F"], BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"],
+            BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fchunk, BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"],
             LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx)
-        ctx.opts = (window, mode, sinks, scale, block, num_warps)
+        ctx.opts = (window, mode, sinks, scale, tiles)
         ctx.mark_non_differentiable(den_e, den_l)
         return y, den_e, den_l
 
     @staticmethod
     def backward(ctx, dy, _de, _dl):
         q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx = ctx.saved_tensors
-        window, mode, sinks, scale, block, num_warps = ctx.opts
+        window, mode, sinks, scale, tiles = ctx.opts
+        block, num_warps, fchunk = tiles
         B, H, T, D = q.shape
         Hkv = k.shape[1]
-        s = _settings(q, k, fq, window, mode, sinks, block)
-        nm = triton.cdiv(T, block)
-        F = s["F"]
+        s = _settings(q, k, fq, window, mode, sinks, block, fchunk)
+        nm, nf = triton.cdiv(T, block), triton.cdiv(s["F"], fchunk)
+        F, G = s["F"], s["G"]
+        f32 = dict(dtype=torch.float32, device=q.device)
         dy = dy.contiguous()
         delta = (dy.float() * y.float()).sum(-1).contiguous()
         g = gamma.detach().to(torch.float32).contiguous()
-        dq = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device)
-        dfq = torch.zeros(B, H, T, F, dtype=torch.float32, device=q.device)
-        rsum = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-        consts = dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps)
+        common = dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps)
+        dq = torch.empty(B, H, T, D, **f32)
+        rsum = torch.empty(B, H, T, **f32)
+        _bwd_dq[(nm, B * H)](
+            q, k, v, g, start, end, dy, c, z, delta, dq, rsum,
+            T, H, G, D, s["window"], s["sink_off"], s["n_sinks"], scale,
+            BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], **common,
+        )  # fmt: skip
+        has_init = init_kv.numel() > 0
+        d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if has_init else (None, None)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k)  # recomputed, not stored
-            ds_kv = torch.empty(B, H, nm, F, D, dtype=torch.float32, device=q.device)
-            ds_k = torch.empty(B, H, nm, F, dtype=torch.float32, device=q.device)
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, fchunk, num_warps)
+            dfq = torch.empty(B, H, T, F, **f32)
+            _bwd_dfq[(nm, B * H, nf)](
+                fq, fk, v, state_kv, state_k, start, end, dy, z, delta, dfq, T, H, G, D, F, nm, s["lin_off"],
+                BLOCK_FC=fchunk, **common,
+            )  # fmt: skip
+            del state_kv, state_k
+            g_kv = torch.empty(B, Hkv, nm, F, D, **f32)
+            g_k = torch.empty(B, Hkv, nm, F, **f32)
+            _states_bwd[(nf, B * Hkv)](
+                fq, start, end, dy, z, delta, g_kv, g_k, *(d_init if has_init else (g_kv, g_k)),
+                T, H, G, D, F, nm, s["off"], HAS_INIT=has_init, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fchunk,
+                PREC=s["PREC"], num_warps=num_warps,
+            )  # fmt: skip
+            dfk = torch.empty(B, Hkv, T, F, **f32)
+            _bwd_dfk[(nm, B * Hkv, nf)](
+                fq, v, start, end, dy, z, delta, g_kv, g_k, dfk, T, H, G, D, F, nm, s["lin_off"],
+                BLOCK_FC=fchunk, **common,
+            )  # fmt: skip
         else:
-            state_kv = state_k = ds_kv = ds_k = rsum  # unused
-        _bwd_q[(nm, B * H)](
-            q, k, v, fq, fk, g, state_kv, state_k, start, end, dy, c, z, delta, dq, dfq, rsum, ds_kv, ds_k,
-            T, H, s["G"], D, F, nm, nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
-            BLOCK_F=s["BLOCK_F"], BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"], LIN=s["LIN"], SINKS=s["SINKS"],
-            HYBRID=s["HYBRID"], **consts,
-        )  # fmt: skip
-        if s["LIN"]:  # state gradient of key block c: every query block whose state covers it (its lo > c)
-            lo = (torch.arange(nm, device=q.device) * block - s["lin_off"] + 1).clamp(min=0) // block
-            per_kv = (ds_kv.view(B, Hkv, -1, nm, F, D).sum(2), ds_k.view(B, Hkv, -1, nm, F).sum(2))
-            grads = []
-            for d in per_kv:
-                acc = torch.zeros(B, Hkv, nm + 1, *d.shape[3:], dtype=torch.float32, device=q.device)
-                acc.index_add_(2, lo, d)
-                rev = acc.flip(2).cumsum(2).flip(2)  # rev[c] = sum over lo >= c
-                grads.append(rev[:, :, 1:].contiguous())  # key block c: lo >= c + 1
-            g_kv, g_k = grads
-            # the initial state is part of every query block's state
-            d_init = (per_kv[0].sum(2), per_kv[1].sum(2)) if init_kv.numel() else (None, None)
+            dfq = torch.zeros(B, H, T, F, **f32)
+            dfk = torch.zeros(B, Hkv, T, F, **f32)
+            g_kv = rsum  # unused
+        if s["SOFT"] or s["LIN"]:
+            dk = torch.empty(B, Hkv, T, D, **f32)
+            dv = torch.empty_like(dk)
+            _bwd_dkv[(nm, B * Hkv)](
+                q, k, v, fq, fk, g, start, end, dy, c, z, delta, g_kv, dk, dv,
+                T, H, G, D, F, nm, s["window"], s["lin_off"], scale,
+                BLOCK_FC=fchunk, SOFT=s["SOFT"], LIN=s["LIN"], HYBRID=s["HYBRID"], **common,
+            )  # fmt: skip
         else:
-            g_kv = g_k = rsum
-            d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if init_kv.numel() else (None, None)
-        dk = torch.empty(B, Hkv, T, D, dtype=torch.float32, device=q.device)
-        dv = torch.empty_like(dk)
-        dfk = torch.zeros(B, Hkv, T, F, dtype=torch.float32, device=q.device)
-        _bwd_kv[(nm, B * Hkv)](
-            q, k, v, fq, fk, g, start, end, dy, c, z, delta, g_kv, g_k, dk, dv, dfk,
-            T, H, s["G"], D, F, nm, s["window"], s["lin_off"], scale,
-            BLOCK_F=s["BLOCK_F"], SOFT=s["SOFT"], LIN=s["LIN"], HYBRID=s["HYBRID"], **consts,
-        )  # fmt: skip
+            dk = torch.zeros(B, Hkv, T, D, **f32)
+            dv = torch.zeros_like(dk)
         if s["SINKS"]:
             bs = _pow2(max(sinks, 1))
-            dks = torch.empty(B, Hkv, bs, D, dtype=torch.float32, device=q.device)
+            dks = torch.empty(B, Hkv, bs, D, **f32)
             dvs = torch.empty_like(dks)
             _bwd_sinks[(B * Hkv,)](
-                q, k, v, start, end, dy, c, z, delta, dks, dvs, T, H, s["G"], D, s["sink_off"], s["n_sinks"], scale,
-                BLOCK_S=bs, **consts,
+                q, k, v, start, end, dy, c, z, delta, dks, dvs, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
+                BLOCK_S=bs, **common,
             )  # fmt: skip
             pos = (start.long()[:, None] + torch.arange(bs, device=q.device)).clamp(max=T - 1)
             ok = (torch.arange(bs, device=q.device)[None] < sinks) & (pos < end.long()[:, None])
@@ -480,7 +650,7 @@ class _HybridAttention(torch.autograd.Function):
             # the gradient through c_n = max over the window reaches the argmax key only: dc_n = -sum_j dE_nj E_nj
             dc = -rsum
             index = idx.long()
-            per_kv = index.view(B, Hkv, s["G"] * T)[..., None].expand(-1, -1, -1, D)
+            per_kv = index.view(B, Hkv, G * T)[..., None].expand(-1, -1, -1, D)
             dq += scale * dc[..., None] * k.float().gather(2, per_kv).view(B, H, T, D)
             dk.scatter_add_(2, per_kv, (scale * dc[..., None] * q.float()).view(B, Hkv, -1, D))
             if gamma.requires_grad:
@@ -489,17 +659,20 @@ class _HybridAttention(torch.autograd.Function):
             dgamma = torch.zeros_like(gamma)
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, *d_init,
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
-def default_tiles(device: torch.device, head_dim: int, feature_dim: int) -> tuple[int, int]:
-    """(tile, num_warps): 16 under the interpreter (tiny test shapes still cross several tiles); on a GPU 64 rows
-    with 8 warps, or 32 with 4 when the head or feature dim exceeds 128 (the tiles of q, phi and their gradients
-    stay in registers). First choices, not yet tuned on a GPU."""
-    if device.type != "cuda":
-        return 16, 4
-    return (64, 8) if max(head_dim, feature_dim) <= 128 else (32, 4)
+def default_tiles(device: torch.device, head_dim: int, feature_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int]:
+    """(tile rows, num_warps, feature chunk): 16 rows under the interpreter (CPU tensors: tiny test shapes still
+    cross several tiles); on a GPU (and on the meta device, which stands for one in the compile check) the largest
+    tile that compiles without register spills for sm_80 and sm_90 at the presets' shapes (benchmarks/
+    kernel_compile.py checks it for every kernel, mode and dtype; docs/results/kernel_compile.md)."""
+    fchunk = min(_pow2(feature_dim), 64)
+    if device.type == "cpu":
+        return 16, 4, fchunk
+    wide = max(head_dim, feature_dim) > 128 or dtype == torch.float32
+    return (32, 4, fchunk) if wide else (64, 4, fchunk)
 
 
 def triton_hybrid_attention(
@@ -520,16 +693,17 @@ def triton_hybrid_attention(
     return_denominators=False,
     block=None,
     num_warps=None,
+    fchunk=None,
 ):
     """The attention backend contract of hybrid_scale/attention/backends.py, computed by the fused kernels.
-    chunk_size is ignored (the tile is `block`, by default_tiles). initial_state: optional
+    chunk_size is ignored (the tile is `block`, the feature chunk `fchunk`: by default_tiles). initial_state: optional
     (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable)."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    tile, warps = default_tiles(q.device, q.shape[-1], fq.shape[-1])
-    block, num_warps = block or tile, num_warps or warps
+    tile, warps, chunk = default_tiles(q.device, q.shape[-1], fq.shape[-1], q.dtype)
+    tiles = (block or tile, num_warps or warps, fchunk or chunk)
     if sinks > 64 and mode in ("swa_sinks", "sinks_only"):
         raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {sinks}")
     B, H, T, D = q.shape
@@ -551,7 +725,7 @@ def triton_hybrid_attention(
         count = real.sum(-1).to(torch.int32)
         spans = (torch.zeros_like(count), count)
     q, k, v, fq, fk = (t.contiguous() for t in (q, k, v, fq, fk))
-    options = (window, mode, sinks, scale, block, num_warps)
+    options = (window, mode, sinks, scale, tiles)
     if initial_state is None:
         init = (q.new_zeros(0), q.new_zeros(0))
     else:

@@ -68,8 +68,8 @@ def run(fn, x, mask, **options):
     return y, {n: torch.zeros_like(x[n]) if g is None else g for n, g in zip(NAMES, grads, strict=True)}
 
 
-def check(x, mask, atol=2e-5, block=16, **options):
-    y, grads = run(kernels.triton_hybrid_attention, x, mask, block=block, **options)
+def check(x, mask, atol=2e-5, block=16, fchunk=None, **options):
+    y, grads = run(kernels.triton_hybrid_attention, x, mask, block=block, fchunk=fchunk, **options)
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, **options)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=atol)
@@ -100,6 +100,13 @@ def test_padding_anywhere_is_packed_and_restored(mode):
     mask[1, 20:24] = 0  # a hole: packed, computed, put back
     y, _ = check(make(T, seed=3), mask, window=16, mode=mode, sinks=3)
     assert torch.equal(y[1, :, 20:24], torch.zeros_like(y[1, :, 20:24]))
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only"])
+def test_feature_dims_wider_than_one_chunk(mode):
+    """phi's F = 40 in chunks of 16, the last one partial: every kernel tiles the feature dim (no [tile, F] tile stays
+    live, so F = 256 compiles without spills), with padding and GQA 3:1."""
+    check(make(45, F=40, seed=7), left_padded(45), window=16, mode=mode, fchunk=16)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "la_only"])

@@ -1,0 +1,179 @@
+"""The kernels compiled for sm_80 and sm_90 on this machine (no GPU): every kernel x mode x dtype x preset head shape.
+
+For each model preset (configs/models/*.yaml: its heads, KV heads, head dim, feature dim, window and sinks), each
+attention mode the kernels take and each of bf16 / fp16 / fp32, the wrappers are called as training and generation
+call them -- the forward and its backward through autograd on meta tensors at the preset's training length, one
+fused decode step on a ring of `window` keys -- with the tiles the kernels choose on a GPU. Every launch they make is
+recorded (nothing runs) and compiled for both architectures by Triton and the wheel's ptxas
+(hybrid_scale_kernels.compile_check); equal launches compile once.
+
+    python benchmarks/kernel_compile.py [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
+
+Prints one line per failing compile and exits 1 when a kernel does not compile, uses more shared memory than the
+architecture allows, or spills more than SPILL_BUDGET bytes. `make kernel-compile` writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hybrid_scale_kernels import compile_check
+from hybrid_scale_kernels.decode import triton_decode_step
+from hybrid_scale_kernels.hybrid_attention import MODE_PARTS, triton_hybrid_attention
+
+from hybrid_scale.attention.feature_maps import make_feature_map
+from hybrid_scale.attention.recurrent import DecodeState
+from hybrid_scale.config import PRESETS, load_config
+
+SPILL_BUDGET = 0  # bytes of spill stores + loads a kernel may have: none
+MODES = tuple(MODE_PARTS)  # every mode the kernels compute ("none" launches nothing)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Shape:
+    preset: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    features: int
+    window: int
+    sinks: int
+    length: int  # the preset's training length (T of the training kernels)
+
+
+def preset_shapes(names: list[str] | None = None) -> list[Shape]:
+    """The attention shapes of every model preset, from its YAML file."""
+    shapes = []
+    for path in sorted((PRESETS / "models").glob("*.yaml")):
+        if names and path.stem not in names:
+            continue
+        cfg = load_config(f"models/{path.name}")
+        arch, a = cfg.model.arch, cfg.attention
+        d = arch.head_dim or arch.hidden_size // arch.num_attention_heads
+        f = make_feature_map(a.feature_map, 1, d, a.feature_dim).out_dim
+        shapes.append(
+            Shape(path.stem, arch.num_attention_heads, arch.num_key_value_heads, d, f, a.window, a.sinks,
+                  cfg.finetune.seq_len)
+        )  # fmt: skip
+    return shapes
+
+
+def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.Launch]:
+    """The launches of one forward + backward (meta tensors, batch 1) and one decode step (a ring of `window`)."""
+    b, h, hkv, t, d, f = 1, shape.heads, shape.kv_heads, shape.length, shape.head_dim, shape.features
+
+    def meta(*size):
+        return torch.empty(*size, device="meta", dtype=dtype, requires_grad=True)
+
+    q, k, v, fq, fk = meta(b, h, t, d), meta(b, hkv, t, d), meta(b, hkv, t, d), meta(b, h, t, f), meta(b, hkv, t, f)
+    gamma = torch.empty(h, device="meta", requires_grad=True)
+    options = dict(window=shape.window, mode=mode, sinks=shape.sinks)
+    with compile_check.record_launches() as recorded:
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options)
+        y.backward(torch.empty_like(y))
+        state = DecodeState.empty(b, hkv, d, d, f, shape.window, shape.sinks, shape.window, dtype, "cpu")
+        state.grow(shape.window)
+
+        def one(*size):
+            return torch.zeros(*size, dtype=dtype)
+
+        triton_decode_step(state, one(b, h, 1, d), one(b, hkv, 1, d), one(b, hkv, 1, d), one(b, h, 1, f),
+                           one(b, hkv, 1, f), torch.ones(h), **options)  # fmt: skip
+    return list(recorded)
+
+
+@dataclass
+class Row:
+    kernel: str
+    mode: str
+    dtype: str
+    presets: list[str]
+    compiled: dict[int, compile_check.Compiled]
+
+
+def compile_matrix(shapes: list[Shape], modes=MODES, dtypes=tuple(DTYPES), progress=None) -> list[Row]:
+    """Every launch of every (shape, mode, dtype) compiled for both architectures; one row per distinct compile of
+    a (kernel, mode, dtype), with the presets that share it."""
+    cache = compile_check.Cache()
+    rows: dict[tuple, Row] = {}
+    for shape in shapes:
+        for mode in modes:
+            for name in dtypes:
+                for launch in launches(shape, mode, DTYPES[name]):
+                    done = {arch: cache(launch, arch) for arch in compile_check.ARCHS}
+                    row_key = (launch.name, mode, name, compile_check.key(launch, 90))
+                    row = rows.setdefault(row_key, Row(launch.name, mode, name, [], done))
+                    row.presets.append(shape.preset)
+                    if progress:
+                        progress(len(cache))
+    return list(rows.values())
+
+
+def failures(rows: list[Row]) -> list[str]:
+    out = []
+    for row in rows:
+        for arch, c in row.compiled.items():
+            what = f"{row.kernel} {row.mode} {row.dtype} sm_{arch} ({', '.join(row.presets)})"
+            if not c.shared_ok:
+                out.append(f"{what}: {c.shared} bytes of shared memory, over the {compile_check.SHARED_LIMIT[arch]}")
+            if c.spills > SPILL_BUDGET:
+                out.append(f"{what}: {c.spills} bytes of spills (budget {SPILL_BUDGET}), {c.registers} registers")
+    return out
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| kernel | mode | dtype | presets | tiles | sm_80: regs / spill B / shared KiB / products | "
+        "sm_90: regs / spill B / shared KiB / products |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: (r.kernel, r.mode, r.dtype, r.presets)):
+        cells = []
+        for arch in compile_check.ARCHS:
+            c = row.compiled[arch]
+            cells.append(f"{c.registers} / {c.spills} / {c.shared / 1024:.0f} / {c.products}")
+        c = row.compiled[90]
+        tiles = ", ".join(x for x in c.constants.split(", ") if x.startswith("BLOCK")) + f", warps={c.num_warps}"
+        lines.append(f"| `{row.kernel}` | {row.mode} | {row.dtype} | {', '.join(row.presets)} | {tiles} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
+    parser.add_argument("--presets", default="", help="comma-separated preset names (default: every preset)")
+    args = parser.parse_args(argv)
+    shapes = preset_shapes([p for p in args.presets.split(",") if p] or None)
+    t0 = time.time()
+    rows = compile_matrix(shapes, progress=lambda n: print(f"\r{n} compiles", end="", file=sys.stderr))
+    print(file=sys.stderr)
+    seconds = time.time() - t0
+    bad = failures(rows)
+    for line in bad:
+        print(f"kernel_compile: {line}")
+    print(f"kernel_compile: {len(rows)} kernel configurations x 2 architectures in {seconds:.0f} s; "
+          f"{len(bad)} over budget")  # fmt: skip
+    if args.out:
+        args.out.write_text(
+            "# The kernels compiled for sm_80 and sm_90 (no GPU)\n\n"
+            "Made by `make kernel-compile` (`python benchmarks/kernel_compile.py --out docs/results/kernel_compile.md`)"
+            f" with triton {__import__('triton').__version__} and the ptxas its wheel ships. Each row is one compile "
+            "of a kernel for a mode and dtype, at the head shapes of the presets listed (presets whose launches "
+            "compile identically share a row). Registers and spill bytes (stores + loads) are `ptxas -v`'s; shared "
+            "memory is what the kernel asks for (limits: sm_80 163 KiB, sm_90 227 KiB); products says whether the "
+            f"matrix products became wgmma (sm_90), mma.sync or plain FMAs. Spill budget: {SPILL_BUDGET} bytes.\n\n"
+            + table(rows)
+            + "\n"
+        )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Compile the kernels for a GPU that is not here: what `ptxas` makes of them on sm_80 and sm_90.
+
+The Triton interpreter runs the kernels with Python semantics, so it misses what a real compile enforces (types of
+loop-carried values, shared memory, registers). Triton can compile for any target without a driver, and its wheel
+ships `ptxas`. This module records the launches a wrapper makes (`record_launches`: `JITFunction.run` is replaced,
+nothing runs, so the wrapper may be fed meta tensors at a 70B model's shapes), then compiles each launch exactly as
+Triton's launcher would (its own binder gives the signature, the specialisations and the options) for a
+`GPUTarget("cuda", arch, 32)`, and reads registers, spills and the stack frame from `ptxas -v`, the shared memory
+from the compiled kernel, and whether the matrix products are wgmma (sm_90) or mma.sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.runtime.jit import JITFunction
+
+# Largest shared memory one block may use (the opt-in maximum): A100 163 KiB, H100/H200 227 KiB.
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+ARCHS = (80, 90)
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+
+@dataclass(frozen=True)
+class Compiled:
+    kernel: str
+    arch: int
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    stack: int  # bytes of stack frame
+    shared: int  # bytes
+    num_warps: int
+    wgmma: bool
+    mma_sync: bool
+    seconds: float
+    constants: str  # the constexpr values, for the table
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+    @property
+    def shared_ok(self) -> bool:
+        return self.shared <= SHARED_LIMIT[self.arch]
+
+    @property
+    def products(self) -> str:
+        return "wgmma" if self.wgmma else ("mma.sync" if self.mma_sync else "none (FMA)")
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Within the block, `kernel[grid](...)` records a Launch instead of running; yields the list they go to."""
+    launches: list[Launch] = []
+    run = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, dict(kwargs)))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = run
+
+
+def _target(arch: int):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", arch, 32)
+
+
+def _bind(launch: Launch, arch: int):
+    """Triton's own launch-time binding for this target: options, signature, constexprs, specialisations."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(_target(arch))
+    binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    return launch.kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
+
+
+def key(launch: Launch, arch: int) -> str:
+    """What makes one compile differ from another: equal keys compile to the same code."""
+    options, signature, constexprs, attrs = _bind(launch, arch)
+    text = repr((launch.name, arch, sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items())))
+    text += repr(sorted((k, str(v)) for k, v in options.__dict__.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_PTXAS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int, int]:
+    """(registers, spill store bytes, spill load bytes, stack frame bytes) from the wheel's ptxas -v."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run(
+            [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+             f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    registers = int(_PTXAS.search(out.stderr)[1])
+    stack, stores, loads = (int(x) for x in _SPILL.search(out.stderr).groups())
+    return registers, stores, loads, stack
+
+
+def compile_launch(launch: Launch, arch: int) -> Compiled:
+    """Compile one recorded launch for sm_<arch> (no GPU needed) and read what it costs."""
+    from triton.compiler import ASTSource
+
+    options, signature, constexprs, attrs = _bind(launch, arch)
+    t0 = time.perf_counter()
+    kernel = triton.compile(
+        ASTSource(launch.kernel, signature, constexprs, attrs), target=_target(arch), options=options.__dict__
+    )
+    seconds = time.perf_counter() - t0
+    ptx = kernel.asm["ptx"]
+    registers, stores, loads, stack = ptxas_report(ptx, arch)
+    names = [p.name for p in launch.kernel.params]
+    constants = ", ".join(f"{names[path[0]]}={value}" for path, value in sorted(constexprs.items()))
+    return Compiled(
+        kernel=launch.name,
+        arch=arch,
+        registers=registers,
+        spill_stores=stores,
+        spill_loads=loads,
+        stack=stack,
+        shared=int(kernel.metadata.shared),
+        num_warps=int(options.num_warps),
+        wgmma="wgmma.mma_async" in ptx,
+        mma_sync="mma.sync" in ptx,
+        seconds=seconds,
+        constants=constants,
+    )
+
+
+class Cache:
+    """One compile per distinct (launch, arch) within a process: the matrix of shapes and modes repeats many."""
+
+    def __init__(self):
+        self._done: dict[str, Compiled] = {}
+
+    def __call__(self, launch: Launch, arch: int) -> Compiled:
+        k = key(launch, arch)
+        if k not in self._done:
+            self._done[k] = compile_launch(launch, arch)
+        return self._done[k]
+
+    def __len__(self) -> int:
+        return len(self._done)
