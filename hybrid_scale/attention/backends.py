@@ -7,11 +7,13 @@ wanted, with `register_backend` (the fused Triton kernels of kernels/ register "
 Attention never imports such a package by name, so an exported model (these files copied next to a modeling file) uses
 the kernels where they are installed and runs on the torch backends where they are not.
 
-The config's `attention.backend` names a choice, resolved per call by `resolve(choice, device)`: "torch" = "chunk",
-"triton" = the kernels (an error naming the fix when they are not installed), "auto" = "triton" for CUDA tensors
-when it registered and passed its self-check on that device (`self_check`, once per process: a tiny forward,
-backward and a few decode steps against the chunked path; on failure a warning names what failed and "chunk" is
-used), else "chunk".
+The config's `attention.backend` names a choice, resolved per call by `resolve(choice, device, shape)`: "torch" =
+"chunk", "triton" = the kernels (an error naming the fix when they are not installed), "auto" = "triton" for CUDA
+tensors when it registered and passed its self-check on that device at the call's attention shape (`self_check`,
+once per process, device and `Shape` -- the model's heads, KV heads, head dim, feature dim, window, sinks and
+dtype: a forward, backward and 20 decode steps against the chunked path; a shape the backend declares it cannot
+take is refused by name; on failure a warning names what failed and "chunk" is used), else "chunk". A backend asked
+for by name on CUDA runs the same check first and raises its failure there, so it never fails later than that.
 
 A backend is called with the tensors positionally and everything else by keyword:
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 import torch
@@ -49,7 +52,32 @@ _BACKENDS: dict[str, Callable] = {}
 _DECODERS: dict[str, Callable] = {}
 _PLUGIN_ERRORS: dict[str, str] = {}
 _plugins_loaded = False
-_CHECKED: dict[tuple[str, str], str | None] = {}  # (backend, device) -> None when it passed its self-check, else why
+_SUPPORTS: dict[str, Callable] = {}  # backend -> supports(shape) -> None, or why it cannot take that shape
+_CHECKED: dict[tuple, str | None] = {}  # (backend, device, shape) -> None when it passed its self-check, else why
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a self-check runs at: one attention call's shape (the model's, not the batch's or the length's)."""
+
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    value_dim: int = 16
+    features: int = 32
+    window: int = 16
+    sinks: int = 4
+    dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def of(cls, q, k, v, fq, window: int, sinks: int) -> Shape:
+        return cls(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], fq.shape[-1], int(window), int(sinks), q.dtype)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.heads} heads / {self.kv_heads} KV heads, head dim {self.head_dim}, feature dim {self.features}, "
+            f"window {self.window}, {self.sinks} sinks, {str(self.dtype).removeprefix('torch.')}"
+        )
 
 
 def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options):
@@ -59,11 +87,14 @@ def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options)
     return masked_attention(q, k, v, fq, fk, gamma, pos, pos, state=initial_state, **options)
 
 
-def register_backend(name: str, fn: Callable, decode: Callable | None = None) -> Callable:
+def register_backend(
+    name: str, fn: Callable, decode: Callable | None = None, supports: Callable | None = None
+) -> Callable:
     """Make `fn` the backend called `name` (registering a name again replaces it; the built-ins cannot be).
     `decode`, optional: a fused one-token decode step, called as decode(state, q, k, v, fq, fk, gamma, *, window,
     mode, sinks, attention_mask, scale) with a recurrent.DecodeState that it advances in place; it returns y, or None
-    for a step it does not take (then recurrent.extend runs)."""
+    for a step it does not take (then recurrent.extend runs). `supports`, optional: supports(head_dim, value_dim,
+    features, sinks, dtype) -> None, or why the backend cannot take that shape (its self-check then fails with it)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"an attention backend needs a non-empty name, got {name!r}")
     if not callable(fn):
@@ -73,6 +104,8 @@ def register_backend(name: str, fn: Callable, decode: Callable | None = None) ->
     _BACKENDS[name] = fn
     if decode is not None:
         _DECODERS[name] = decode
+    if supports is not None:
+        _SUPPORTS[name] = supports
     return fn
 
 
@@ -96,45 +129,69 @@ def available() -> tuple[str, ...]:
     return tuple(sorted(_BACKENDS))
 
 
-def resolve(choice: str, device: torch.device | str) -> str:
-    """The backend name an `attention.backend` choice (or a backend name) means for tensors on `device`."""
+def resolve(choice: str, device: torch.device | str, shape: Shape | None = None) -> str:
+    """The backend name an `attention.backend` choice (or a backend name) means for tensors on `device` in an
+    attention call of `shape` (None: the self-check's small default shape)."""
     if choice == "torch":
         return "chunk"
+    device = torch.device(device)
     if choice == "auto":
-        device = torch.device(device)
         if device.type == "cuda":
             load_plugins()
-            if "triton" in _BACKENDS and _passes("triton", device):
+            if "triton" in _BACKENDS and _passes("triton", device, shape or Shape()):
                 return "triton"
         return "chunk"
+    if device.type == "cuda" and choice not in BUILTIN:
+        get_backend(choice)  # not installed: its own error
+        why = _check(choice, device, shape or Shape())
+        if why is not None:
+            raise ValueError(
+                f"attention backend '{choice}' failed its self-check on {device} at {shape or Shape()} ({why}); "
+                "set attention.backend=auto (which then uses the torch path) or torch"
+            )
     return choice
 
 
-def _passes(name: str, device: torch.device) -> bool:
-    key = (name, str(device))
+def _check(name: str, device: torch.device, shape: Shape) -> str | None:
+    key = (name, str(device), shape)
     if key not in _CHECKED:
-        _CHECKED[key] = why = self_check(name, device)
+        _CHECKED[key] = self_check(name, device, shape=shape)
+    return _CHECKED[key]
+
+
+def _passes(name: str, device: torch.device, shape: Shape) -> bool:
+    fresh = (name, str(device), shape) not in _CHECKED
+    why = _check(name, device, shape)
+    if why is not None and fresh:
+        warnings.warn(
+            f"attention backend '{name}' failed its self-check on {device} at {shape} ({why}); attention.backend=auto "
+            f"uses the chunked torch path instead (attention.backend={name} would refuse to run)",
+            stacklevel=3,
+        )
+    return why is None
+
+
+def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Shape | None = None) -> str | None:
+    """Backend `name` on `device` at `shape` (default: a small one in `dtype`) against the chunked torch path: a
+    forward whose 2 rows (one left-padded) cross several tiles, in hybrid mode, the output and the gradients of q, k,
+    v, phi_q, phi_k and gamma; and (if it has a fused decode step) 20 decode steps past the window against
+    recurrent.extend. None when it agrees, else what differed, failed, or the shape the backend cannot take."""
+    shape = shape or Shape(dtype=dtype)
+    dtype = shape.dtype
+    supports = _SUPPORTS.get(name)
+    if supports is not None:
+        why = supports(shape.head_dim, shape.value_dim, shape.features, shape.sinks, dtype)
         if why is not None:
-            warnings.warn(
-                f"attention backend '{name}' failed its self-check on {device} ({why}); attention.backend=auto uses "
-                f"the chunked torch path instead (attention.backend={name} would use it anyway)",
-                stacklevel=3,
-            )
-    return _CHECKED[key] is None
-
-
-def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Backend `name` on tiny inputs on `device` in `dtype` against the chunked torch path: hybrid mode with a
-    left-padded row, the output and the gradients of q, k, v, phi_q, phi_k and gamma, and (if it has a fused decode
-    step) 20 decode steps past a 16-key window against recurrent.extend. None when it agrees, else what differed or
-    failed."""
+            return f"it cannot take this shape: {why}"
     half = dtype in (torch.float16, torch.bfloat16)
     tol = 3e-2 if half else 1e-4
-    B, H, Hkv, T, D, F = 2, 4, 2, 80, 16, 32
+    B, H, Hkv, D, Dv, F, w, S = 2, shape.heads, shape.kv_heads, shape.head_dim, shape.value_dim, shape.features, \
+        shape.window, shape.sinks  # fmt: skip
+    T = 2 * w + 48  # past the window, across several tiles, not a multiple of them
     gen = torch.Generator().manual_seed(0)
 
-    def make(*shape, positive=False):
-        x = torch.rand(*shape, generator=gen) if positive else torch.randn(*shape, generator=gen)
+    def make(*size, positive=False):
+        x = torch.rand(*size, generator=gen) if positive else torch.randn(*size, generator=gen)
         return x.to(device=device, dtype=dtype)
 
     def differs(what, a, b):
@@ -143,11 +200,11 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16) -> str | 
 
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            x = [make(B, H, T, D), make(B, Hkv, T, D), make(B, Hkv, T, D), make(B, H, T, F, positive=True)]
+            x = [make(B, H, T, D), make(B, Hkv, T, D), make(B, Hkv, T, Dv), make(B, H, T, F, positive=True)]
             x += [make(B, Hkv, T, F, positive=True), torch.full((H,), 0.3, device=device)]
             mask = torch.ones(B, T, dtype=torch.long, device=device)
             mask[1, :7] = 0
-            opts = dict(window=16, mode="hybrid", sinks=4, scale=None, attention_mask=mask, chunk_size=16)
+            opts = dict(window=w, mode="hybrid", sinks=S, scale=None, attention_mask=mask, chunk_size=16)
             results = []
             for fn in (get_backend(name), chunk_hybrid_attention):
                 inputs = [t.detach().requires_grad_() for t in x]
@@ -160,13 +217,14 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16) -> str | 
         step = _DECODERS.get(name)
         if step is not None:
             with torch.no_grad():
-                fused = DecodeState.empty(B, Hkv, D, D, F, 16, 4, 16, dtype, device)
-                extend(fused, *(t[:, :, :40] for t in x[:5]), x[5], window=16, sinks=4, attention_mask=mask[:, :40])
+                fused = DecodeState.empty(B, Hkv, D, Dv, F, w, S, w, dtype, device)
+                t0 = T - 20
+                extend(fused, *(t[:, :, :t0] for t in x[:5]), x[5], window=w, sinks=S, attention_mask=mask[:, :t0])
                 ref = copy.deepcopy(fused)
-                for t in range(40, 60):
+                for t in range(t0, T):
                     token = [u[:, :, t : t + 1] for u in x[:5]]
-                    got = step(fused, *token, x[5], window=16, mode="hybrid", sinks=4, attention_mask=None, scale=None)
-                    want = extend(ref, *token, x[5], window=16, sinks=4)
+                    got = step(fused, *token, x[5], window=w, mode="hybrid", sinks=S, attention_mask=None, scale=None)
+                    want = extend(ref, *token, x[5], window=w, sinks=S)
                     if got is None or (why := differs(f"decode step {t}", got, want)) is not None:
                         return why or "the decode step declined a plain one-token step"
     except Exception as e:  # noqa: BLE001  (a kernel that does not compile or launch here: reported, not raised)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .backends import get_backend, get_decode, resolve
+from .backends import Shape, get_backend, get_decode, resolve
 from .feature_maps import make_feature_map
 from .naive import check_mode
 from .recurrent import DecodeState, extend
@@ -73,7 +73,7 @@ def attend(
     Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
     of the shared normaliser (unpadded input; the LA-share diagnostic)."""
     check_mode(mode)
-    return get_backend(resolve(backend, q.device))(
+    return get_backend(resolve(backend, q.device, Shape.of(q, k, v, fq, window, sinks)))(
         q,
         k,
         v,
@@ -272,7 +272,7 @@ class HybridCacheLayer(CacheLayerMixin):
         self.state: DecodeState | None = None
 
     def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
-        backend = resolve(module.backend, q.device)
+        backend = resolve(module.backend, q.device, Shape.of(q, k, v, fq, module.window, module.sinks))
         if self.state is None:
             if module.window != self.window or module.sinks != self.sinks:
                 raise ValueError(

@@ -15,7 +15,7 @@ import torch
 from .decode import triton_decode_step
 from .hybrid_attention import EPS, MODES, chunk_states, triton_hybrid_attention
 
-__all__ = ["EPS", "MODES", "chunk_states", "register", "triton_decode_step", "triton_hybrid_attention"]
+__all__ = ["EPS", "MODES", "chunk_states", "register", "supports", "triton_decode_step", "triton_hybrid_attention"]
 
 
 def interpreting() -> bool:
@@ -43,5 +43,25 @@ def decode(state, q, k, v, fq, fk, gamma, **options):
     return triton_decode_step(state, q, k, v, fq, fk, gamma, **options)
 
 
+def supports(head_dim: int, value_dim: int, features: int, sinks: int, dtype: torch.dtype) -> str | None:
+    """None when the kernels take this attention shape, else why not (the self-check refuses it by name): the
+    shapes benchmarks/kernel_compile.py compiles without spills for sm_80 and sm_90 are the presets' (head dim 64
+    and 128, feature dim up to 256)."""
+    if value_dim != head_dim:
+        return f"value dim {value_dim} differs from head dim {head_dim}"
+    if head_dim > 128:
+        return f"head dim {head_dim} is over 128, the largest the kernels are compile-checked at"
+    if features > 256:
+        return f"feature dim {features} is over 256, the largest the kernels are compile-checked at"
+    if sinks > 64:
+        return f"{sinks} sinks are over 64, the most one tile holds"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {dtype} is not one of bfloat16, float16, float32"
+    return None
+
+
 def register(register_backend) -> None:
-    register_backend("triton", forward, decode=decode)
+    try:
+        register_backend("triton", forward, decode=decode, supports=supports)
+    except TypeError:  # the attention files of an older export: no shape declaration
+        register_backend("triton", forward, decode=decode)

@@ -1,31 +1,40 @@
 """Fused hybrid attention in Triton: forward, backward, exact for any window, length, padding and mode.
 
-Each program of the forward takes one (batch, query head, query block) tile; its KV head is head // G (GQA: keys,
-values, phi_k and the LA state exist once per KV head, never repeated in memory). For query block [m0, m0+B) it
-  1. streams the key blocks [lo, m0+B) with lo = the block start at or before m0 - w + 1: online softmax over the
+Each program of the forward takes one (batch, query head, query tile) of `block` rows; its KV head is head // G
+(GQA: keys, values, phi_k and the LA state exist once per KV head, never repeated in memory). For query tile
+[m0, m0+B) it
+  1. streams the key tiles [lo, m0+B) with lo = the tile start at or before m0 - w + 1: online softmax over the
      window keys (the exact per-query max c_n over real keys: the running max ends as that max; its argmax is kept
-     for the backward), and the masked intra-block LA terms of keys j <= n - w;
+     for the backward), and the masked intra-tile LA terms of keys j <= n - w; a tile with no window key (or no LA
+     key) for any of its queries skips that part;
   2. adds the sinks (swa_sinks: the first S real keys once they have left the window; sinks_only: all of them);
-  3. adds the LA numerator and denominator of every key before lo from the fp32 prefix state of whole key blocks
-     (one [F, D] matrix and one [F] vector per KV head and block boundary, computed once by `chunk_states`);
+  3. adds the LA numerator and denominator of every key before lo from the fp32 prefix state of whole key tiles
+     (one [F, D] matrix and one [F] vector per KV head and tile boundary, made by `_states_fwd`, one program per
+     KV head and feature chunk walking the tiles in order);
   4. writes y = (gamma sum E v + sum L v) / (gamma sum E + sum L + EPS), with one shared normaliser, and saves c_n,
      the denominator and the argmax per query for the backward.
-The backward recomputes everything (the block states too): `_bwd_q` gives dq, dphi_q, the per-query gamma term and
-each query block's state gradient; the state gradients are summed in reverse over blocks (the key side of the LA
-state); `_bwd_kv` gives dk, dv, dphi_k per key block; `_bwd_sinks` the sinks' share. The gradient through c_n (which
-is not detached, DESIGN.md section 2) reaches only the argmax key and is added outside the kernels.
+The backward recomputes (the states too) and is split so that few tiles are live in any kernel: `_bwd_dq` (dq of
+the softmax terms, gamma's per-query sum), `_bwd_dfq` (dphi_q per feature chunk), `_states_bwd` (the gradient of
+every key tile's share of the state, per KV head and feature chunk, in reverse time over the G query heads),
+`_bwd_dkv` (dk, dv of the window terms; then dv of the LA terms and the state), `_bwd_dfk` (dphi_k per feature
+chunk) and `_bwd_sinks`. The gradient through c_n (which is not detached, DESIGN.md section 2) reaches only the
+argmax key and is added outside the kernels. The feature dim is always walked in chunks (`fchunk`), so no
+[tile, F] or [F, D] tile stays in registers.
 
 Rows whose real tokens are one contiguous span [start, end) are handled in place (left padding, right padding, no
-padding); other masks are packed first. Inputs in fp32 run their dots in IEEE fp32; half inputs run q.k, p.v and
-the feature-map dots on the tensor cores in their dtype with fp32 accumulation, and the state dots in fp32.
+padding); other masks are packed first. Half inputs run q.k, p.v and the feature-map dots on the tensor cores in
+their dtype with fp32 accumulation, and the state dots in tf32 on fp32; fp32 inputs run IEEE fp32 under the
+interpreter and on a GPU (`_precision`). Tiles per dtype: `GPU_TILES`, checked by
+benchmarks/kernel_compile.py for sm_80 and sm_90.
 It stays one file: the backward kernels recompute exactly what `_fwd` computes, through the same jit helpers
-(_dot, _span, _rows, _store_rows, _state), and the autograd Function that launches both sits beside them, so the
+(_dot, _span, _cols, _state, _la_scores), and the autograd Function that launches them sits beside them, so the
 forward and the backward are read and changed together.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -363,10 +372,12 @@ def _bwd_dkv(
     DK, DV,  # outputs
     T, H, G, D, F, NC, window, lin_off, scale,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr,
-    SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr, ACC: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dk and dv per key tile x KV head: the window terms and the LA terms of the query tiles that stream this key
-    tile (every head of the GQA group), then the LA state this tile is part of (dv only)."""
+    """dk and dv per key tile x KV head: the window terms (SOFT) or the LA terms (LIN) of the query tiles that stream
+    this key tile (every head of the GQA group) and then the LA state this tile is part of (dv only). The hybrid
+    launches it twice, SOFT then LIN with ACC (dv added to the first launch's): fewer live tiles, no spills."""
     pid_k = tl.program_id(0)
     pid_bhkv = tl.program_id(1)
     b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
@@ -413,7 +424,10 @@ def _bwd_dkv(
             of = f0 + tl.arange(0, BLOCK_FC)
             gkv = _rows(G_KV + st * F * D, of.to(tl.int64), of < F, D, BLOCK_D)
             dv += tl.dot(_cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32), gkv, input_precision=PREC)
-    _store_rows(DK, k_row, out, D, dk, BLOCK_D)
+    if SOFT:
+        _store_rows(DK, k_row, out, D, dk, BLOCK_D)
+    if ACC:
+        dv += _rows(DV, k_row, out, D, BLOCK_D)
     _store_rows(DV, k_row, out, D, tl.where(k_ok[:, None], dv, 0.0), BLOCK_D)
 
 
@@ -506,7 +520,7 @@ def _spans(attention_mask, batch, length, device):
     return first.to(torch.int32), (first + count).to(torch.int32)
 
 
-def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, fchunk=None, num_warps=4):
+def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, num_warps=4, fchunk=None):
     """Exclusive prefix LA state at each key-block boundary: kv [B,Hkv,NC,F,D], k [B,Hkv,NC,F] (fp32),
     state c = sum over real keys in blocks 0..c-1 of phi_k(k) v^T and phi_k(k), plus the initial state if given
     (kv [B,Hkv,F,D], k [B,Hkv,F]: keys before the sequence). One Triton program per feature chunk and KV head."""
@@ -518,11 +532,10 @@ def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, fchunk=Non
     ks = torch.empty(B, Hkv, nc, F, dtype=torch.float32, device=fk.device)
     has_init = init_kv is not None and init_kv.numel() > 0
     init_kv, init_k = (init_kv.float().contiguous(), init_k.float().contiguous()) if has_init else (kv, ks)
-    half = fk.dtype in (torch.float16, torch.bfloat16)
     _states_fwd[(triton.cdiv(F, fchunk), B * Hkv)](
         fk.contiguous(), v.contiguous(), start, end, init_kv, init_k, kv, ks, T, Hkv, F, D, nc,
         HAS_INIT=has_init, BLOCK=block, BLOCK_FC=fchunk, BLOCK_D=_pow2(D), DT=_DT[fk.dtype],
-        PREC="tf32" if half else "ieee", num_warps=num_warps,
+        PREC=_precision(fk), num_warps=num_warps,
     )  # fmt: skip
     return kv, ks
 
@@ -530,17 +543,23 @@ def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, fchunk=Non
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _settings(q, k, fq, window, mode, sinks, block, fchunk):
+def _precision(x: torch.Tensor) -> str:
+    """tl.dot's input precision. Half inputs: their products on the tensor cores, and the fp32 state dots in tf32
+    (exact for values that came from half). fp32 inputs: IEEE fp32 (three TF32 passes, "tf32x3", need three times
+    the operand registers and spill far more at these tiles: checked with benchmarks/kernel_compile.py)."""
+    return "tf32" if x.dtype in (torch.float16, torch.bfloat16) else "ieee"
+
+
+def _settings(q, k, fq, window, mode, sinks, block):
     soft, lin, sink, hybrid = MODE_PARTS[mode]
     B, H, T, D = q.shape
     F = fq.shape[-1]
-    half = q.dtype in (torch.float16, torch.bfloat16)
     lin_off = int(window) if mode == "hybrid" else 0
     return dict(
         T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=lin_off,
-        BLOCK=block, BLOCK_D=_pow2(D), BLOCK_FC=fchunk, SOFT=soft, LIN=lin, HYBRID=hybrid,
+        BLOCK=block, BLOCK_D=_pow2(D), SOFT=soft, LIN=lin, HYBRID=hybrid,
         sink_off=int(window) if mode == "swa_sinks" else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
-        DT=_DT[q.dtype], PREC="tf32" if half else "ieee",
+        DT=_DT[q.dtype], PREC=_precision(q),
         # query block m reads the state of key blocks < lo(m); key block c is in it when m >= c + 1 + off
         off=-((1 - lin_off) // block),
     )  # fmt: skip
@@ -549,19 +568,20 @@ def _settings(q, k, fq, window, mode, sinks, block, fchunk):
 class _HybridAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, gamma, init_kv, init_k, start, end, window, mode, sinks, scale, tiles):
-        block, num_warps, fchunk = tiles
+        block = tiles.block
         B, H, T, D = q.shape
-        s = _settings(q, k, fq, window, mode, sinks, block, fchunk)
+        s = _settings(q, k, fq, window, mode, sinks, block)
         nm = triton.cdiv(T, block)
         f32 = dict(dtype=torch.float32, device=q.device)
         y = torch.empty_like(q)
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, fchunk, num_warps)
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, *tiles.of("_states_fwd"))
         else:
             state_kv = state_k = c  # unused
         g = gamma.detach().to(torch.float32).contiguous()
+        num_warps, fchunk = tiles.of("_fwd")
         _fwd[(nm, B * H)](
             q, k, v, fq, fk, g, state_kv, state_k, start, end, y, c, z, den_e, den_l, idx,
             s["T"], s["H"], s["G"], s["D"], s["F"], nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
@@ -577,68 +597,74 @@ class _HybridAttention(torch.autograd.Function):
     def backward(ctx, dy, _de, _dl):
         q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx = ctx.saved_tensors
         window, mode, sinks, scale, tiles = ctx.opts
-        block, num_warps, fchunk = tiles
+        block = tiles.block
         B, H, T, D = q.shape
         Hkv = k.shape[1]
-        s = _settings(q, k, fq, window, mode, sinks, block, fchunk)
-        nm, nf = triton.cdiv(T, block), triton.cdiv(s["F"], fchunk)
-        F, G = s["F"], s["G"]
+        s = _settings(q, k, fq, window, mode, sinks, block)
+        nm, F, G = triton.cdiv(T, block), s["F"], s["G"]
         f32 = dict(dtype=torch.float32, device=q.device)
         dy = dy.contiguous()
         delta = (dy.float() * y.float()).sum(-1).contiguous()
         g = gamma.detach().to(torch.float32).contiguous()
-        common = dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps)
+
+        def common(kernel):
+            """The launch settings of one kernel, and its feature chunk."""
+            w, f = tiles.of(kernel)
+            return dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], num_warps=w), f
+
         dq = torch.empty(B, H, T, D, **f32)
         rsum = torch.empty(B, H, T, **f32)
+        opts, _ = common("_bwd_dq")
         _bwd_dq[(nm, B * H)](
             q, k, v, g, start, end, dy, c, z, delta, dq, rsum,
             T, H, G, D, s["window"], s["sink_off"], s["n_sinks"], scale,
-            BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], **common,
+            BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], **opts,
         )  # fmt: skip
         has_init = init_kv.numel() > 0
         d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if has_init else (None, None)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, fchunk, num_warps)
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, *tiles.of("_states_fwd"))
             dfq = torch.empty(B, H, T, F, **f32)
-            _bwd_dfq[(nm, B * H, nf)](
+            opts, fc = common("_bwd_dfq")
+            _bwd_dfq[(nm, B * H, triton.cdiv(F, fc))](
                 fq, fk, v, state_kv, state_k, start, end, dy, z, delta, dfq, T, H, G, D, F, nm, s["lin_off"],
-                BLOCK_FC=fchunk, **common,
+                BLOCK_FC=fc, **opts,
             )  # fmt: skip
             del state_kv, state_k
             g_kv = torch.empty(B, Hkv, nm, F, D, **f32)
             g_k = torch.empty(B, Hkv, nm, F, **f32)
-            _states_bwd[(nf, B * Hkv)](
+            opts, fc = common("_states_bwd")
+            _states_bwd[(triton.cdiv(F, fc), B * Hkv)](
                 fq, start, end, dy, z, delta, g_kv, g_k, *(d_init if has_init else (g_kv, g_k)),
-                T, H, G, D, F, nm, s["off"], HAS_INIT=has_init, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fchunk,
-                PREC=s["PREC"], num_warps=num_warps,
+                T, H, G, D, F, nm, s["off"], HAS_INIT=has_init, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fc,
+                PREC=s["PREC"], num_warps=opts["num_warps"],
             )  # fmt: skip
             dfk = torch.empty(B, Hkv, T, F, **f32)
-            _bwd_dfk[(nm, B * Hkv, nf)](
-                fq, v, start, end, dy, z, delta, g_kv, g_k, dfk, T, H, G, D, F, nm, s["lin_off"],
-                BLOCK_FC=fchunk, **common,
+            opts, fc = common("_bwd_dfk")
+            _bwd_dfk[(nm, B * Hkv, triton.cdiv(F, fc))](
+                fq, v, start, end, dy, z, delta, g_kv, g_k, dfk, T, H, G, D, F, nm, s["lin_off"], BLOCK_FC=fc, **opts,
             )  # fmt: skip
         else:
             dfq = torch.zeros(B, H, T, F, **f32)
             dfk = torch.zeros(B, Hkv, T, F, **f32)
             g_kv = rsum  # unused
-        if s["SOFT"] or s["LIN"]:
-            dk = torch.empty(B, Hkv, T, D, **f32)
-            dv = torch.empty_like(dk)
-            _bwd_dkv[(nm, B * Hkv)](
-                q, k, v, fq, fk, g, start, end, dy, c, z, delta, g_kv, dk, dv,
-                T, H, G, D, F, nm, s["window"], s["lin_off"], scale,
-                BLOCK_FC=fchunk, SOFT=s["SOFT"], LIN=s["LIN"], HYBRID=s["HYBRID"], **common,
-            )  # fmt: skip
-        else:
-            dk = torch.zeros(B, Hkv, T, D, **f32)
-            dv = torch.zeros_like(dk)
+        dk = torch.zeros(B, Hkv, T, D, **f32) if not s["SOFT"] else torch.empty(B, Hkv, T, D, **f32)
+        dv = torch.zeros_like(dk) if not (s["SOFT"] or s["LIN"]) else torch.empty_like(dk)
+        for part in ("SOFT", "LIN"):  # the window terms, then the LA terms added to dv
+            if s[part]:
+                opts, fc = common("_bwd_dkv")
+                _bwd_dkv[(nm, B * Hkv)](
+                    q, k, v, fq, fk, g, start, end, dy, c, z, delta, g_kv, dk, dv,
+                    T, H, G, D, F, nm, s["window"], s["lin_off"], scale, BLOCK_FC=fc, SOFT=part == "SOFT",
+                    LIN=part == "LIN", HYBRID=s["HYBRID"], ACC=part == "LIN" and s["SOFT"], **opts,
+                )  # fmt: skip
         if s["SINKS"]:
             bs = _pow2(max(sinks, 1))
             dks = torch.empty(B, Hkv, bs, D, **f32)
             dvs = torch.empty_like(dks)
             _bwd_sinks[(B * Hkv,)](
                 q, k, v, start, end, dy, c, z, delta, dks, dvs, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
-                BLOCK_S=bs, **common,
+                BLOCK_S=bs, **common("_bwd_sinks")[0],
             )  # fmt: skip
             pos = (start.long()[:, None] + torch.arange(bs, device=q.device)).clamp(max=T - 1)
             ok = (torch.arange(bs, device=q.device)[None] < sinks) & (pos < end.long()[:, None])
@@ -663,16 +689,38 @@ class _HybridAttention(torch.autograd.Function):
         )  # fmt: skip
 
 
-def default_tiles(device: torch.device, head_dim: int, feature_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int]:
-    """(tile rows, num_warps, feature chunk): 16 rows under the interpreter (CPU tensors: tiny test shapes still
-    cross several tiles); on a GPU (and on the meta device, which stands for one in the compile check) the largest
-    tile that compiles without register spills for sm_80 and sm_90 at the presets' shapes (benchmarks/
-    kernel_compile.py checks it for every kernel, mode and dtype; docs/results/kernel_compile.md)."""
-    fchunk = min(_pow2(feature_dim), 64)
+@dataclass(frozen=True)
+class Tiles:
+    """The tile rows every kernel of one call shares (the LA state is kept per tile), and each kernel's warps and
+    feature chunk: `warps` / `fchunk` unless `per_kernel` ((name, warps, fchunk), ...) says otherwise."""
+
+    block: int
+    warps: int = 4
+    fchunk: int = 32
+    per_kernel: tuple = ()
+
+    def of(self, kernel: str) -> tuple[int, int]:
+        """(num_warps, feature chunk) of one kernel."""
+        for name, warps, fchunk in self.per_kernel:
+            if name == kernel:
+                return warps, fchunk
+        return self.warps, self.fchunk
+
+
+# On a GPU, what benchmarks/kernel_compile.py found to compile without register spills and within shared memory on
+# sm_80 and sm_90 at every preset's head shapes (docs/results/kernel_compile.md; a test fails if that changes).
+GPU_TILES = {
+    "half": Tiles(32, 8, 32, per_kernel=(("_states_bwd", 4, 32), ("_bwd_dfk", 4, 32))),
+    "fp32": Tiles(16, 4, 16),
+}
+
+
+def default_tiles(device: torch.device, head_dim: int, feature_dim: int, dtype=torch.bfloat16) -> Tiles:
+    """16 rows under the interpreter (CPU tensors: tiny test shapes still cross several tiles); on a GPU (and on the
+    meta device, which stands for one in the compile check) GPU_TILES by dtype."""
     if device.type == "cpu":
-        return 16, 4, fchunk
-    wide = max(head_dim, feature_dim) > 128 or dtype == torch.float32
-    return (32, 4, fchunk) if wide else (64, 4, fchunk)
+        return Tiles(16, 4, min(_pow2(feature_dim), 64))
+    return GPU_TILES["fp32" if dtype == torch.float32 else "half"]
 
 
 def triton_hybrid_attention(
@@ -702,8 +750,9 @@ def triton_hybrid_attention(
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    tile, warps, chunk = default_tiles(q.device, q.shape[-1], fq.shape[-1], q.dtype)
-    tiles = (block or tile, num_warps or warps, fchunk or chunk)
+    tiles = default_tiles(q.device, q.shape[-1], fq.shape[-1], q.dtype)
+    if block or num_warps or fchunk:  # asked for: every kernel gets them
+        tiles = Tiles(block or tiles.block, num_warps or tiles.warps, fchunk or tiles.fchunk)
     if sinks > 64 and mode in ("swa_sinks", "sinks_only"):
         raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {sinks}")
     B, H, T, D = q.shape

@@ -232,7 +232,7 @@ def test_the_backend_switch(monkeypatch):
     assert backends.resolve("auto", torch.device("cpu")) == "chunk"
     assert backends.resolve("torch", "cuda") == "chunk"
     monkeypatch.setattr(backends, "_CHECKED", {})
-    monkeypatch.setattr(backends, "self_check", lambda name, device: None)  # what passing it on a GPU gives
+    monkeypatch.setattr(backends, "self_check", lambda name, device, **_: None)  # what passing it on a GPU gives
     assert backends.resolve("auto", torch.device("cuda")) == "triton"  # registered from its entry point
     assert backends.get_backend("triton") is kernels.forward and backends.get_decode("triton") is kernels.decode
     assert backends.get_decode("chunk") is None
@@ -253,7 +253,7 @@ def test_a_copy_of_the_attention_files_finds_the_installed_kernels(tmp_path):
     code = (
         "import sys; sys.modules.pop('hybrid_scale', None)\n"
         "from exported import backends\n"
-        "backends.self_check = lambda name, device: None\n"  # no GPU here: as if it passed there
+        "backends.self_check = lambda name, device, **_: None\n"  # no GPU here: as if it passed there
         "print(backends.resolve('auto', 'cuda'), backends.resolve('auto', 'cpu'), "
         "backends.get_backend('triton').__module__, backends.get_decode('triton').__name__)\n"
     )
@@ -271,10 +271,35 @@ def test_auto_uses_the_kernels_only_after_they_pass_their_self_check(registry, m
     assert backends.self_check("off", "cpu", torch.float32).startswith("output differs from the torch path by ")
     assert backends.self_check("triton", "cuda").startswith(("RuntimeError", "AssertionError"))  # no CUDA here
     monkeypatch.setattr(backends, "_CHECKED", {})
-    with pytest.warns(UserWarning, match=r"attention backend 'triton' failed its self-check on cuda \("):
+    with pytest.warns(UserWarning, match=r"attention backend 'triton' failed its self-check on cuda at 4 heads"):
         assert backends.resolve("auto", "cuda") == "chunk"
     assert backends.resolve("auto", "cuda") == "chunk"  # checked once: no second warning, same answer
-    assert backends.resolve("triton", "cuda") == "triton"  # asked for by name: used anyway
+    with pytest.raises(ValueError, match=r"attention backend 'triton' failed its self-check on cuda at 4 heads / 2 K"):
+        backends.resolve("triton", "cuda")  # asked for by name: refused at the check, not later
+
+
+def test_the_self_check_runs_at_the_model_shape_and_refuses_what_the_kernels_cannot_take(registry, monkeypatch):
+    """The check runs once per device and attention shape, at that shape; a shape the kernels declare they cannot
+    take fails it by name, so auto uses torch and backend=triton refuses it before anything runs."""
+    seen = []
+    real = backends.self_check
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    monkeypatch.setattr(backends, "self_check", lambda name, device, **kw: seen.append(kw["shape"]))
+    llama = backends.Shape(32, 8, 128, 128, 256, 64, 8, torch.bfloat16)
+    smol = backends.Shape(9, 3, 64, 64, 128, 64, 8, torch.bfloat16)
+    for shape in (llama, smol, llama):
+        assert backends.resolve("auto", "cuda", shape) == "triton"
+    assert seen == [llama, smol]  # once per shape
+    x = make(20, H=6, Hkv=2, D=32, F=16)
+    with pytest.warns(UserWarning):  # the real check, with a stub that would fail anything: shape recorded
+        monkeypatch.setattr(backends, "self_check", lambda name, device, **kw: seen.append(kw["shape"]) or "no")
+        backends.resolve("auto", "cuda", backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], 4, 2))
+    assert seen[-1] == backends.Shape(6, 2, 32, 32, 16, 4, 2, torch.float32)
+    wide = backends.Shape(16, 16, 256, 256, 512, 64, 8, torch.bfloat16)  # head dim 256: not compile-checked
+    why = real("triton", "cuda", shape=wide)
+    assert why == "it cannot take this shape: head dim 256 is over 128, the largest the kernels are compile-checked at"
+    assert kernels.supports(128, 128, 256, 8, torch.bfloat16) is None
+    assert "value dim 64 differs" in kernels.supports(128, 64, 256, 8, torch.bfloat16)
 
 
 def test_the_attention_package_never_imports_the_kernels():
