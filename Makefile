@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install assets test test-fast lint format docs quickstart bench kernel-speed reproduce clean
+.PHONY: install assets test test-fast lint format docs quickstart bench kernel-speed kernel-compile reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,6 +47,12 @@ bench: $(STAMP)
 # The fused Triton kernels vs SDPA / FlashAttention / the torch path, prefill and decode (a CUDA GPU; ~3 minutes)
 kernel-speed: $(STAMP)
 	$(PY) benchmarks/kernel_speed.py
+
+# Every Triton kernel compiled for sm_80 and sm_90 without a GPU (every mode, dtype and preset head shape; ~10 minutes
+# on 2 cores): the table of registers, spills, shared memory and wgmma / mma.sync that tests/unit/test_kernel_compile.py
+# checks against the kernels
+kernel-compile: $(STAMP)
+	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) benchmarks/kernel_compile.py --out docs/results/kernel_compile.md
 
 # Table 1 on SmolLM2: every recipe through stage 1, stage 2 (32 LoRA steps) and the ablation evaluation with the
 # beyond-window verdict and the passkey probe (an estimated 3 to 3.5 hours on 2 idle cores at the default budget,

@@ -11,7 +11,8 @@
 # gpu_check_children.log (every subprocess's output) into $OUT when set (the device tool brings those back), else
 # into docs/results/. Sized for about 7 minutes on one H200 (GPU_CHECK_DEADLINE, 450 s, caps it); GPU_CHECK_*
 # variables (see benchmarks/gpu_check/__init__.py) change it.
-# Exit status: 0 when every check passed, 1 when one failed, 3 when the wheels could not be installed.
+# It runs the gpu-marked tests (the compiled kernels against the spec) first, then the check.
+# Exit status: 0 when every check and test passed, 1 when one failed, 3 when the wheels could not be installed.
 set -uo pipefail
 export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s)}"  # GPU_CHECK_DEADLINE counts from here
 cd "$(dirname "$0")/.."
@@ -40,5 +41,12 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"  # 
     '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton)==' \
     | tr '\n' ' ')"
 } 2>&1 | tee "$OUT_DIR/gpu_check.log"
+# first what only a GPU can check: the compiled kernels against the spec (tests marked gpu; at most 4 minutes)
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_triton_kernels.py 2>&1 \
+  | tee -a "$OUT_DIR/gpu_check.log"
+tests=${PIPESTATUS[0]}
+echo "gpu_check.sh: gpu-marked tests exit status $tests" | tee -a "$OUT_DIR/gpu_check.log"
 "$PY" benchmarks/gpu_check 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+if [ "$status" -eq 0 ] && [ "$tests" -ne 0 ]; then status=1; fi
+exit "$status"

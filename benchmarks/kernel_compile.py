@@ -145,11 +145,56 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+CANDIDATES = ((8, 32, None), (4, 32, None), (8, 16, None), (4, 16, None), (8, 64, None), (4, 64, None),
+              (8, 32, 255), (4, 32, 255), (16, 32, None), (2, 32, None))  # (warps, feature chunk, maxnreg)  # fmt: skip
+
+
+def tune(kind: str, head_dim: int, block: int) -> str:
+    """For the presets with this head dim, each kernel's first launch setting in CANDIDATES that compiles without
+    spills and within shared memory on both architectures in every mode (or its least-spilling one): the
+    GPU_TILES entry to paste, and what each kernel spills with it."""
+    from hybrid_scale_kernels import hybrid_attention as ha
+
+    shapes = [s for s in preset_shapes() if (64 if s.head_dim <= 64 else 128) == head_dim]
+    shapes = list({(s.head_dim, s.features, s.kv_heads == s.heads): s for s in shapes}.values())
+    dtype = DTYPES["bf16" if kind == "half" else "fp32"]
+    cache = compile_check.Cache()
+    best: dict[str, tuple] = {}
+    for cand in CANDIDATES:
+        warps, fchunk, maxnreg = cand
+        names = {"_states_fwd", "_fwd", "_bwd_dq", "_bwd_dfq", "_states_bwd", "_bwd_dkv", "_bwd_dfk", "_bwd_sinks"}
+        ha.GPU_TILES[kind, head_dim] = ha.Tiles(block, per_kernel=tuple((n, warps, fchunk, maxnreg) for n in names))
+        worst: dict[str, int] = {}
+        for shape in shapes:
+            for mode in MODES:
+                for launch in launches(shape, mode, dtype):
+                    if launch.name == "_decode" or best.get(launch.name, (None, 1))[1] == 0:
+                        continue
+                    for arch in compile_check.ARCHS:
+                        c = cache(launch, arch)
+                        bad = c.spills + (1 << 20 if not c.shared_ok else 0)
+                        worst[launch.name] = max(worst.get(launch.name, 0), bad)
+        for name, bad in worst.items():
+            if name not in best or bad < best[name][1]:
+                best[name] = (cand, bad)
+        print(f"tune {kind} {head_dim} {cand}: {worst}", file=sys.stderr, flush=True)
+        if all(b == 0 for _, b in best.values()) and best:
+            break
+    entries = ", ".join(f'("{n}", {c[0]}, {c[1]}, {c[2]})' for n, (c, _) in sorted(best.items()))
+    spills = {n: b for n, (_, b) in best.items() if b}
+    return f'("{kind}", {head_dim}): Tiles({block}, per_kernel=({entries},)),  # spills left: {spills or "none"}'
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     parser.add_argument("--presets", default="", help="comma-separated preset names (default: every preset)")
+    parser.add_argument("--tune", default="", help="KIND,HEAD_DIM,BLOCK (e.g. half,128,32): search the tiles")
     args = parser.parse_args(argv)
+    if args.tune:
+        kind, head_dim, block = args.tune.split(",")
+        print(tune(kind, int(head_dim), int(block)))
+        return 0
     shapes = preset_shapes([p for p in args.presets.split(",") if p] or None)
     t0 = time.time()
     rows = compile_matrix(shapes, progress=lambda n: print(f"\r{n} compiles", end="", file=sys.stderr))

@@ -1,4 +1,5 @@
-"""The fused Triton hybrid attention against SDPA, FlashAttention (if importable) and the torch chunked path.
+"""The fused Triton hybrid attention against SDPA, FlashAttention (if importable), flash-linear-attention's
+chunk_linear_attn (fla-core, if importable: the la_only part alone) and the torch chunked path.
 
 Prefill (hybrid mode, window --window, batch 1, every length in --lengths, the SmolLM2-135M and Llama-3-8B head
 shapes): forward and forward+backward time (CUDA events, median of --repeats after warm-up), the achieved TFLOP/s and
@@ -65,6 +66,8 @@ def flops(method, shape, T, window):
     H, Hkv, D, Fd = shape["H"], shape["Hkv"], shape["D"], shape["F"]
     if method in ("sdpa", "flash_attn"):
         return 2 * H * D * T * T
+    if method == "fla":  # linear attention only: each query's state read, the chunk states, the intra-chunk terms
+        return 2 * H * Fd * D * T + 2 * H * Fd * D * T + 2 * H * 64 * T * (Fd + D)
     w = min(window, T)
     return 4 * H * D * T * w + 2 * H * Fd * D * T + 2 * Hkv * Fd * D * T
 
@@ -111,7 +114,17 @@ def flash_attn_func():
     return fn
 
 
-def prefill_methods(window):
+def fla_chunk_linear_attn():
+    """flash-linear-attention's chunked linear attention (fla-core), the reference for linear-attention kernels, or
+    None when it does not import."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn  # noqa: PLC0415  (optional: measured when installed)
+    except Exception:  # noqa: BLE001  (not installed, or a triton it cannot use)
+        return None
+    return chunk_linear_attn
+
+
+def prefill_methods(window, device="cuda"):
     def hybrid_on(backend):
         def run(x):
             return hybrid.attend(x["q"], x["k"], x["v"], x["fq"], x["fk"], gamma=x["gamma"], window=window,
@@ -126,6 +139,18 @@ def prefill_methods(window):
     fa = flash_attn_func()
     if fa is not None:
         methods["flash_attn"] = lambda x: fa(*(x[n].transpose(1, 2) for n in "qkv"), causal=True).transpose(1, 2)
+    fla = fla_chunk_linear_attn() if torch.device(device).type == "cuda" else None
+    if fla is not None:  # la_only's math (phi_q, phi_k, v; normalised), its GQA groups repeated to every head
+
+        def fla_la(x):
+            rep = x["q"].shape[1] // x["k"].shape[1]
+            q, k, v = (
+                t.repeat_interleave(rep, 1) if t.shape[1] != x["q"].shape[1] else t for t in (x["fq"], x["fk"], x["v"])
+            )
+            y, _ = fla(*(t.transpose(1, 2) for t in (q, k, v)), scale=1.0, normalize=True)
+            return y.transpose(1, 2)
+
+        methods["fla"] = fla_la
     return methods
 
 
@@ -135,7 +160,7 @@ def prefill_rows(args, shapes, clock, deadline):
         for T in args.lengths:
             x = inputs(shape, T, args.device, args.dtype, seed=T)
             gy = torch.randn_like(x["q"])
-            for method, fn in prefill_methods(args.window).items():
+            for method, fn in prefill_methods(args.window, args.device).items():
                 row = dict(shape=shape_name, T=T, method=method)
                 if time.monotonic() > deadline:
                     rows.append(row | {"skipped": "--budget reached"})
@@ -245,7 +270,12 @@ def markdown(result) -> str:
         f"Command: `{result['command']}`",
         f"Device: {result['device']}; dtype {a['dtype']}; window {a['window']}; batch 1; hybrid mode.",
         f"Methods measured: {', '.join(result['methods'])}"
-        + ("" if "flash_attn" in result["methods"] else " (flash_attn not importable: not measured)"),
+        + ("" if "flash_attn" in result["methods"] else " (flash_attn not importable: not measured)")
+        + (
+            ""
+            if "fla" in result["methods"]
+            else " (fla-core's chunk_linear_attn not importable on this device: not measured)"
+        ),
         "Self-check of the kernels against the torch path (what attention.backend=auto relies on): "
         + ("passed" if result["self_check"] is None else f"FAILED: {result['self_check']}"),
         "",

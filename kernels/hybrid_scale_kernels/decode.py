@@ -177,7 +177,9 @@ def triton_decode_step(
     if T != 1 or mode == "none" or v.shape[-1] != D or window != state.window or sinks != state.sink_k.shape[2]:
         return None
     real = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, 0].bool()
-    needed = int((state.count + real.long()).max())
+    # no host sync (CUDA graphs can capture the step): the ring size comes from the positions seen, a host count that
+    # bounds every row's real tokens (count <= seen), not from the count itself
+    needed = state.seen + 1
     if needed > state.capacity and state.capacity < window:
         return None  # past the cache's max_length: the caller's extend raises its error
     if needed > state.ring and state.ring < state.capacity:

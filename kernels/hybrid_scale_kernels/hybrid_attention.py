@@ -520,14 +520,15 @@ def _spans(attention_mask, batch, length, device):
     return first.to(torch.int32), (first + count).to(torch.int32)
 
 
-def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, num_warps=4, fchunk=None):
+def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, tiles=None):
     """Exclusive prefix LA state at each key-block boundary: kv [B,Hkv,NC,F,D], k [B,Hkv,NC,F] (fp32),
     state c = sum over real keys in blocks 0..c-1 of phi_k(k) v^T and phi_k(k), plus the initial state if given
     (kv [B,Hkv,F,D], k [B,Hkv,F]: keys before the sequence). One Triton program per feature chunk and KV head."""
     B, Hkv, T, F = fk.shape
     D = v.shape[-1]
     nc = triton.cdiv(T, block)
-    fchunk = fchunk or min(_pow2(F), 64)
+    tiles = tiles or Tiles(block, 4, min(_pow2(F), 64))
+    fchunk = tiles.of("_states_fwd")[1]
     kv = torch.empty(B, Hkv, nc, F, D, dtype=torch.float32, device=fk.device)
     ks = torch.empty(B, Hkv, nc, F, dtype=torch.float32, device=fk.device)
     has_init = init_kv is not None and init_kv.numel() > 0
@@ -535,7 +536,7 @@ def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, num_warps=
     _states_fwd[(triton.cdiv(F, fchunk), B * Hkv)](
         fk.contiguous(), v.contiguous(), start, end, init_kv, init_k, kv, ks, T, Hkv, F, D, nc,
         HAS_INIT=has_init, BLOCK=block, BLOCK_FC=fchunk, BLOCK_D=_pow2(D), DT=_DT[fk.dtype],
-        PREC=_precision(fk), num_warps=num_warps,
+        PREC=_precision(fk), **tiles.launch("_states_fwd"),
     )  # fmt: skip
     return kv, ks
 
@@ -577,16 +578,16 @@ class _HybridAttention(torch.autograd.Function):
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, *tiles.of("_states_fwd"))
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles)
         else:
             state_kv = state_k = c  # unused
         g = gamma.detach().to(torch.float32).contiguous()
-        num_warps, fchunk = tiles.of("_fwd")
+        fchunk = tiles.of("_fwd")[1]
         _fwd[(nm, B * H)](
             q, k, v, fq, fk, g, state_kv, state_k, start, end, y, c, z, den_e, den_l, idx,
             s["T"], s["H"], s["G"], s["D"], s["F"], nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
             BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fchunk, BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"],
-            LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DT=s["DT"], PREC=s["PREC"], num_warps=num_warps,
+            LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DT=s["DT"], PREC=s["PREC"], **tiles.launch("_fwd"),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx)
         ctx.opts = (window, mode, sinks, scale, tiles)
@@ -609,8 +610,8 @@ class _HybridAttention(torch.autograd.Function):
 
         def common(kernel):
             """The launch settings of one kernel, and its feature chunk."""
-            w, f = tiles.of(kernel)
-            return dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], num_warps=w), f
+            opts = dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], **tiles.launch(kernel))
+            return opts, tiles.of(kernel)[1]
 
         dq = torch.empty(B, H, T, D, **f32)
         rsum = torch.empty(B, H, T, **f32)
@@ -623,7 +624,7 @@ class _HybridAttention(torch.autograd.Function):
         has_init = init_kv.numel() > 0
         d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if has_init else (None, None)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, *tiles.of("_states_fwd"))
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles)
             dfq = torch.empty(B, H, T, F, **f32)
             opts, fc = common("_bwd_dfq")
             _bwd_dfq[(nm, B * H, triton.cdiv(F, fc))](
@@ -637,7 +638,7 @@ class _HybridAttention(torch.autograd.Function):
             _states_bwd[(triton.cdiv(F, fc), B * Hkv)](
                 fq, start, end, dy, z, delta, g_kv, g_k, *(d_init if has_init else (g_kv, g_k)),
                 T, H, G, D, F, nm, s["off"], HAS_INIT=has_init, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fc,
-                PREC=s["PREC"], num_warps=opts["num_warps"],
+                PREC=s["PREC"], **tiles.launch("_states_bwd"),
             )  # fmt: skip
             dfk = torch.empty(B, Hkv, T, F, **f32)
             opts, fc = common("_bwd_dfk")
@@ -691,36 +692,47 @@ class _HybridAttention(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Tiles:
-    """The tile rows every kernel of one call shares (the LA state is kept per tile), and each kernel's warps and
-    feature chunk: `warps` / `fchunk` unless `per_kernel` ((name, warps, fchunk), ...) says otherwise."""
+    """The tile rows every kernel of one call shares (the LA state is kept per tile), and each kernel's warps,
+    feature chunk and register cap: `warps` / `fchunk` / none unless `per_kernel` ((name, warps, fchunk, maxnreg),
+    ...) says otherwise (maxnreg None: ptxas chooses)."""
 
     block: int
     warps: int = 4
     fchunk: int = 32
     per_kernel: tuple = ()
 
-    def of(self, kernel: str) -> tuple[int, int]:
-        """(num_warps, feature chunk) of one kernel."""
-        for name, warps, fchunk in self.per_kernel:
+    def of(self, kernel: str) -> tuple[int, int, int | None]:
+        """(num_warps, feature chunk, maxnreg) of one kernel."""
+        for name, warps, fchunk, maxnreg in self.per_kernel:
             if name == kernel:
-                return warps, fchunk
-        return self.warps, self.fchunk
+                return warps, fchunk, maxnreg
+        return self.warps, self.fchunk, None
+
+    def launch(self, kernel: str) -> dict:
+        """The launch options of one kernel."""
+        warps, _, maxnreg = self.of(kernel)
+        return dict(num_warps=warps) if maxnreg is None else dict(num_warps=warps, maxnreg=maxnreg)
 
 
-# On a GPU, what benchmarks/kernel_compile.py found to compile without register spills and within shared memory on
-# sm_80 and sm_90 at every preset's head shapes (docs/results/kernel_compile.md; a test fails if that changes).
+# On a GPU, by dtype and head dim (<= 64, <= 128): what benchmarks/kernel_compile.py (--tune) found to compile
+# without register spills and within shared memory on sm_80 and sm_90 at every preset's head shapes
+# (docs/results/kernel_compile.md; a test fails if that changes).
 GPU_TILES = {
-    "half": Tiles(32, 8, 32, per_kernel=(("_states_bwd", 4, 32), ("_bwd_dfk", 4, 32))),
-    "fp32": Tiles(16, 4, 16),
+    ("half", 64): Tiles(
+        32, 8, 32, per_kernel=(("_bwd_dkv", 4, 32, None), ("_bwd_sinks", 8, 32, 255), ("_fwd", 4, 32, None))
+    ),
+    ("half", 128): Tiles(32, 8, 32, per_kernel=(("_bwd_dfk", 4, 32, None), ("_states_bwd", 4, 32, None))),
+    ("fp32", 64): Tiles(16, 4, 16),
+    ("fp32", 128): Tiles(16, 4, 16),
 }
 
 
 def default_tiles(device: torch.device, head_dim: int, feature_dim: int, dtype=torch.bfloat16) -> Tiles:
     """16 rows under the interpreter (CPU tensors: tiny test shapes still cross several tiles); on a GPU (and on the
-    meta device, which stands for one in the compile check) GPU_TILES by dtype."""
+    meta device, which stands for one in the compile check) GPU_TILES by dtype and head dim."""
     if device.type == "cpu":
         return Tiles(16, 4, min(_pow2(feature_dim), 64))
-    return GPU_TILES["fp32" if dtype == torch.float32 else "half"]
+    return GPU_TILES["fp32" if dtype == torch.float32 else "half", 64 if head_dim <= 64 else 128]
 
 
 def triton_hybrid_attention(

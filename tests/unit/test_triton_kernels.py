@@ -345,3 +345,19 @@ def test_bf16_decode_on_gpu(mode):
             state, *(x[n][:, :, t : t + 1] for n in NAMES[:5]), x["gamma"], window=64, mode=mode, sinks=4
         )
         torch.testing.assert_close(y.float(), full[:, :, t : t + 1].float(), rtol=0, atol=3e-2)
+
+
+def test_la_only_equals_flash_linear_attention_naive_reference():
+    """An independent check of the linear-attention math: la_only (the spec, the chunked path and the kernels under
+    the interpreter) against fla-core's naive recurrent linear attention, normalised, with phi_q, phi_k as its q, k
+    (its scale cancels in the normalised form: 1 here)."""
+    fla_naive = pytest.importorskip(
+        "fla.ops.linear_attn.naive", reason="fla-core is a dev extra"
+    ).naive_recurrent_linear_attn
+    x = make(45, H=3, Hkv=3, F=24, seed=9)
+    ref, _ = fla_naive(*(x[n].detach().double().transpose(1, 2) for n in ("fq", "fk", "v")), scale=1.0, normalize=True)
+    ref = ref.transpose(1, 2)
+    args = [x[n].detach() for n in NAMES]
+    for fn in (naive.naive_hybrid_attention, chunked.chunk_hybrid_attention, kernels.triton_hybrid_attention):
+        y = fn(*args, window=8, mode="la_only")
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6, msg=fn.__name__)
