@@ -49,8 +49,8 @@ kernel-speed: $(STAMP)
 	$(PY) benchmarks/kernel_speed.py
 
 # Every Triton kernel compiled for sm_80 and sm_90 without a GPU (every mode, dtype and preset head shape; ~10 minutes
-# on 2 cores): the table of registers, spills, shared memory and wgmma / mma.sync that tests/unit/test_kernel_compile.py
-# checks against the kernels
+# on 2 cores): the table of registers, spills, shared memory and wgmma / mma.sync, and its JSON, that
+# tests/unit/test_kernel_compile.py checks against the kernels (it compiles what changed since)
 kernel-compile: $(STAMP)
 	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) benchmarks/kernel_compile.py --out docs/results/kernel_compile.md
 

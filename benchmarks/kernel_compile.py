@@ -8,6 +8,13 @@ recorded (nothing runs) and compiled for both architectures by Triton and the wh
 (hybrid_scale_kernels.compile_check); equal launches compile once.
 
     python benchmarks/kernel_compile.py [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
+        [--reuse docs/results/kernel_compile.json --verify 8]
+
+--out also writes the results as JSON beside the table (kernel_compile.json), keyed by what determines a compile:
+the kernel's source and the jit functions it calls, the launch's signature, constexprs and options, the target and
+Triton's version. --reuse takes the results of unchanged keys from such a file and compiles the rest; --verify N
+compiles N of the reused ones again and fails if any differs (the test suite does this: a change to a kernel is
+compiled, an unchanged one costs nothing).
 
 Prints one line per failing compile and exits 1 when a kernel does not compile, uses more shared memory than the
 architecture allows, or spills more than SPILL_BUDGET bytes. `make kernel-compile` writes the table.
@@ -16,6 +23,8 @@ architecture allows, or spills more than SPILL_BUDGET bytes. `make kernel-compil
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -97,10 +106,12 @@ class Row:
     compiled: dict[int, compile_check.Compiled]
 
 
-def compile_matrix(shapes: list[Shape], modes=MODES, dtypes=tuple(DTYPES), progress=None) -> list[Row]:
+def compile_matrix(
+    shapes: list[Shape], modes=MODES, dtypes=tuple(DTYPES), progress=None, cache: compile_check.Cache | None = None
+) -> list[Row]:
     """Every launch of every (shape, mode, dtype) compiled for both architectures; one row per distinct compile of
     a (kernel, mode, dtype), with the presets that share it."""
-    cache = compile_check.Cache()
+    cache = cache if cache is not None else compile_check.Cache()
     rows: dict[tuple, Row] = {}
     for shape in shapes:
         for mode in modes:
@@ -120,6 +131,9 @@ def failures(rows: list[Row]) -> list[str]:
     for row in rows:
         for arch, c in row.compiled.items():
             what = f"{row.kernel} {row.mode} {row.dtype} sm_{arch} ({', '.join(row.presets)})"
+            if c.error:
+                out.append(f"{what}: does not compile: {c.error}")
+                continue
             if not c.shared_ok:
                 out.append(f"{what}: {c.shared} bytes of shared memory, over the {compile_check.SHARED_LIMIT[arch]}")
             if c.spills > SPILL_BUDGET:
@@ -190,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     parser.add_argument("--presets", default="", help="comma-separated preset names (default: every preset)")
     parser.add_argument("--tune", default="", help="KIND,HEAD_DIM,BLOCK (e.g. half,128,32): search the tiles")
+    parser.add_argument(
+        "--reuse", type=Path, default=None,
+        help="a JSON this script wrote: results whose key (kernel source, launch, Triton version) it holds are "
+             "taken from it, the rest compiled",
+    )  # fmt: skip
+    parser.add_argument("--verify", type=int, default=0, help="with --reuse: compile this many reused ones again")
     args = parser.parse_args(argv)
     if args.tune:
         kind, head_dim, block = args.tune.split(",")
@@ -197,15 +217,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shapes = preset_shapes([p for p in args.presets.split(",") if p] or None)
     t0 = time.time()
-    rows = compile_matrix(shapes, progress=lambda n: print(f"\r{n} compiles", end="", file=sys.stderr))
+    known = json.loads(args.reuse.read_text())["results"] if args.reuse and args.reuse.is_file() else None
+    cache = compile_check.Cache(known)
+    rows = compile_matrix(shapes, progress=lambda n: print(f"\r{n} compiles", end="", file=sys.stderr), cache=cache)
     print(file=sys.stderr)
+    differ = cache.verify(args.verify, random.Random()) if known else []
     seconds = time.time() - t0
-    bad = failures(rows)
+    bad = failures(rows) + [f"recompiled, not as stored: {d}" for d in differ]
     for line in bad:
         print(f"kernel_compile: {line}")
-    print(f"kernel_compile: {len(rows)} kernel configurations x 2 architectures in {seconds:.0f} s; "
-          f"{len(bad)} over budget")  # fmt: skip
+    print(f"kernel_compile: {len(rows)} kernel configurations x 2 architectures ({cache.compiled} compiled, "
+          f"{cache.reused} reused from {args.reuse}, {min(args.verify, cache.reused)} of those compiled again) in "
+          f"{seconds:.0f} s; {len(bad)} over budget")  # fmt: skip
     if args.out:
+        args.out.with_suffix(".json").write_text(
+            json.dumps({"triton": __import__("triton").__version__, "results": cache.results()}, indent=1) + "\n"
+        )
         args.out.write_text(
             "# The kernels compiled for sm_80 and sm_90 (no GPU)\n\n"
             "Made by `make kernel-compile` (`python benchmarks/kernel_compile.py --out docs/results/kernel_compile.md`)"

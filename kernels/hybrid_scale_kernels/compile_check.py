@@ -12,7 +12,9 @@ from the compiled kernel, and whether the matrix products are wgmma (sm_90) or m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import io
 import re
 import subprocess
 import tempfile
@@ -53,6 +55,7 @@ class Compiled:
     mma_sync: bool
     seconds: float
     constants: str  # the constexpr values, for the table
+    error: str = ""  # the compile error, when it did not compile (then the figures above are 0)
 
     @property
     def spills(self) -> int:
@@ -60,7 +63,7 @@ class Compiled:
 
     @property
     def shared_ok(self) -> bool:
-        return self.shared <= SHARED_LIMIT[self.arch]
+        return not self.error and self.shared <= SHARED_LIMIT[self.arch]
 
     @property
     def products(self) -> str:
@@ -101,11 +104,21 @@ def _bind(launch: Launch, arch: int):
 
 
 def key(launch: Launch, arch: int) -> str:
-    """What makes one compile differ from another: equal keys compile to the same code."""
+    """What makes one compile differ from another: the kernel's source and the jit functions it calls (Triton's
+    cache_key), the signature, constexprs, specialisations, options, target and Triton's version. Equal keys
+    compile to the same code."""
     options, signature, constexprs, attrs = _bind(launch, arch)
-    text = repr((launch.name, arch, sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items())))
-    text += repr(sorted((k, str(v)) for k, v in options.__dict__.items()))
+    text = repr((launch.name, launch.kernel.cache_key, triton.__version__, arch))
+    text += repr((sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items())))
+    text += repr(sorted((k, _portable(k, v)) for k, v in options.__dict__.items()))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _portable(name: str, value) -> str:
+    """An option as it keys a compile on any machine: libraries by file name (their folder is the venv's)."""
+    if name == "extern_libs" and value:
+        return str(tuple((lib, Path(path).name) for lib, path in value))
+    return str(value)
 
 
 _PTXAS = re.compile(r"Used (\d+) registers")
@@ -124,9 +137,24 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int, int, int]:
              f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o", str(Path(tmp) / "k.o")],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
-    registers = int(_PTXAS.search(out.stderr)[1])
-    stack, stores, loads = (int(x) for x in _SPILL.search(out.stderr).groups())
+    return _parse(out.stderr)
+
+
+def _parse(log: str) -> tuple[int, int, int, int]:
+    registers = int(_PTXAS.search(log)[1])
+    stack, stores, loads = (int(x) for x in _SPILL.search(log).groups())
     return registers, stores, loads, stack
+
+
+@contextlib.contextmanager
+def _ptxas_log():
+    knobs = triton.knobs.nvidia
+    before = knobs.dump_ptxas_log
+    knobs.dump_ptxas_log = True
+    try:
+        yield
+    finally:
+        knobs.dump_ptxas_log = before
 
 
 def compile_launch(launch: Launch, arch: int) -> Compiled:
@@ -134,15 +162,25 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
     from triton.compiler import ASTSource
 
     options, signature, constexprs, attrs = _bind(launch, arch)
-    t0 = time.perf_counter()
-    kernel = triton.compile(
-        ASTSource(launch.kernel, signature, constexprs, attrs), target=_target(arch), options=options.__dict__
-    )
-    seconds = time.perf_counter() - t0
-    ptx = kernel.asm["ptx"]
-    registers, stores, loads, stack = ptxas_report(ptx, arch)
     names = [p.name for p in launch.kernel.params]
     constants = ", ".join(f"{names[path[0]]}={value}" for path, value in sorted(constexprs.items()))
+    t0 = time.perf_counter()
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), _ptxas_log():  # Triton's own ptxas -v run prints its log
+            kernel = triton.compile(
+                ASTSource(launch.kernel, signature, constexprs, attrs), target=_target(arch), options=options.__dict__
+            )
+    except Exception as e:  # noqa: BLE001  (a kernel that does not compile: reported with its reason)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        return Compiled(launch.name, arch, 0, 0, 0, 0, 0, int(options.num_warps), False, False,
+                        time.perf_counter() - t0, constants, error=f"{type(e).__name__}: {first[:300]}")  # fmt: skip
+    seconds = time.perf_counter() - t0
+    ptx = kernel.asm["ptx"]
+    if _PTXAS.search(log.getvalue()) and _SPILL.search(log.getvalue()):
+        registers, stores, loads, stack = _parse(log.getvalue())
+    else:  # from Triton's cache (no ptxas run): run it here
+        registers, stores, loads, stack = ptxas_report(ptx, arch)
     return Compiled(
         kernel=launch.name,
         arch=arch,
@@ -160,16 +198,44 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
 
 
 class Cache:
-    """One compile per distinct (launch, arch) within a process: the matrix of shapes and modes repeats many."""
+    """One compile per distinct (launch, arch): the matrix of shapes and modes repeats many. `known` (key -> the
+    fields of a Compiled, from an earlier run's JSON) is used for keys it has: their kernel source, launch and
+    Triton version are those that produced the stored result, so compiling again would give it again (`verify`
+    recompiles some to check that)."""
 
-    def __init__(self):
+    def __init__(self, known: dict[str, dict] | None = None):
         self._done: dict[str, Compiled] = {}
+        self._known = known or {}
+        self._launches: dict[str, Launch] = {}
+        self.compiled = self.reused = 0
 
     def __call__(self, launch: Launch, arch: int) -> Compiled:
         k = key(launch, arch)
         if k not in self._done:
-            self._done[k] = compile_launch(launch, arch)
+            self._launches[k] = launch
+            if k in self._known:
+                self._done[k] = Compiled(**self._known[k])
+                self.reused += 1
+            else:
+                self._done[k] = compile_launch(launch, arch)
+                self.compiled += 1
         return self._done[k]
 
     def __len__(self) -> int:
         return len(self._done)
+
+    def results(self) -> dict[str, dict]:
+        return {k: dataclasses.asdict(c) for k, c in sorted(self._done.items())}
+
+    def verify(self, count: int, rng) -> list[str]:
+        """Compile `count` of the reused results again (chosen by rng); what differs from the stored result."""
+        reused = sorted(k for k in self._done if k in self._known)
+        out = []
+        for k in rng.sample(reused, min(count, len(reused))):
+            stored, launch = self._done[k], self._launches[k]
+            fresh = compile_launch(launch, stored.arch)
+            for field in ("registers", "spill_stores", "spill_loads", "stack", "shared", "wgmma", "mma_sync", "error"):
+                if getattr(fresh, field) != getattr(stored, field):
+                    out.append(f"{stored.kernel} sm_{stored.arch} ({stored.constants}): {field} is "
+                               f"{getattr(fresh, field)}, stored {getattr(stored, field)}")  # fmt: skip
+        return out

@@ -165,6 +165,15 @@ def _decode(
             tl.store(SINK_V + s_ptr * D + od, v_new.to(SINK_V.dtype.element_ty), mask=dm)
 
 
+PRODUCT = 4096  # elements of the [G, slots, D or F] products one loop step holds in registers (4 warps: 32 each)
+
+
+def _slots(width: int) -> int:
+    """Ring slots (or state features) per loop step: the most, up to 16, whose products with `width` = G x D (or
+    G x F) elements per slot stay within PRODUCT (checked without spills by benchmarks/kernel_compile.py)."""
+    return max(1, min(16, PRODUCT // width))
+
+
 def triton_decode_step(
     state, q, k, v, fq, fk, gamma, *, window, mode="hybrid", sinks=8, attention_mask=None, scale=None, block=None
 ):
@@ -188,6 +197,7 @@ def triton_decode_step(
     Hkv = k.shape[1]
     F = fk.shape[-1]
     y = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
+    bg, bd, bf = max(1, triton.next_power_of_2(H // Hkv)), triton.next_power_of_2(D), triton.next_power_of_2(F)
     for name in ("k", "v", "fk", "sink_k", "sink_v", "kv", "ksum"):
         setattr(state, name, getattr(state, name).contiguous())
     _decode[(B * Hkv,)](
@@ -197,11 +207,10 @@ def triton_decode_step(
         H, H // Hkv, D, F, state.ring, state.sink_k.shape[2], int(window), int(window) if mode == "hybrid" else 0,
         int(window) if mode == "swa_sinks" else 0, int(sinks) if sink else 0,
         1.0 / math.sqrt(D) if scale is None else float(scale),
-        BLOCK_G=max(1, triton.next_power_of_2(H // Hkv)), BLOCK_N=16,  # [G, 16, D] products stay in registers
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_F=triton.next_power_of_2(F),
-        BLOCK_FS=16,
+        BLOCK_G=bg, BLOCK_N=_slots(bg * max(bd, bf)), BLOCK_D=bd, BLOCK_F=bf, BLOCK_FS=_slots(bg * bd),
         BLOCK_S=max(2, triton.next_power_of_2(max(1, state.sink_k.shape[2]))),
         SOFT=soft, LIN=lin, SINKS=sink, HYBRID=hybrid, LA_ONLY=mode == "la_only", SINKS_ONLY=mode == "sinks_only",
+        num_warps=4, maxnreg=255,  # ptxas otherwise caps some modes at 80-96 registers and spills
     )  # fmt: skip
     state.count = state.count + real.long()
     state.seen += 1

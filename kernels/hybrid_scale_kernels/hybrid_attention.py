@@ -243,9 +243,12 @@ def _bwd_dq(
     DQ, RSUM,  # outputs
     T, H, G, D, window, sink_off, n_sinks, scale,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    SOFT: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    SOFT: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, ACC: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dq of the softmax terms (window and sinks) and the per-query sum of gamma's terms, per query tile."""
+    """dq of the softmax terms (window, SOFT, or sinks, SINKS) and the per-query sum of gamma's window terms, per
+    query tile. With both, it is launched twice: the window, then the sinks with ACC (dq added to the first
+    launch's, the gamma sums kept): fewer live tiles, no spills."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
@@ -284,8 +287,11 @@ def _bwd_dq(
         dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, s_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
         dq += _dot(p * dp, ks, DT, PREC) * scale
     out = rows < T
+    if ACC:
+        dq += _rows(DQ, q_row, out, D, BLOCK_D)
+    else:
+        tl.store(RSUM + q_row, rsum, mask=out)
     _store_rows(DQ, q_row, out, D, dq, BLOCK_D)
-    tl.store(RSUM + q_row, rsum, mask=out)
 
 
 @triton.jit
@@ -471,21 +477,26 @@ def _bwd_dfk(
 @triton.jit
 def _bwd_sinks(
     Q, K, V, START, END, DY, C, Z, DELTA,  # inputs
-    DKS, DVS,  # outputs [B, Hkv, BLOCK_S, D]
-    T, H, G, D, sink_off, n_sinks, scale,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    OUT,  # output [NSPLIT, B, Hkv, BLOCK_S, D]: this split's share of dk (DK) or dv of the sinks
+    T, H, G, D, sink_off, n_sinks, scale, TILES,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DK: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    pid_bhkv = tl.program_id(0)
+    """The sinks' dk (DK) or dv, per (split of TILES query tiles, batch x KV head): the splits run in parallel and
+    are summed after; dk and dv are separate launches (fewer live tiles, no spills)."""
+    pid_s = tl.program_id(0)
+    pid_bhkv = tl.program_id(1)
     b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
     start, end = tl.load(START + b), tl.load(END + b)
     cols, sj, s_ok = _span(start, start, end, BLOCK_S)
     s_ok = s_ok & (sj < n_sinks)
     ks = _rows(K, pid_bhkv.to(tl.int64) * T + cols, s_ok, D, BLOCK_D)
-    vs = _rows(V, pid_bhkv.to(tl.int64) * T + cols, s_ok, D, BLOCK_D)
-    dk = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    if DK:
+        vs = _rows(V, pid_bhkv.to(tl.int64) * T + cols, s_ok, D, BLOCK_D)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    first = start // BLOCK * BLOCK + pid_s * TILES * BLOCK
     for gi in range(0, G):
-        for m0 in range(start // BLOCK * BLOCK, end, BLOCK):
+        for m0 in range(first, tl.minimum(first + TILES * BLOCK, end), BLOCK):
             rows, n, row_ok = _span(m0, start, end, BLOCK)
             q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
             q = _rows(Q, q_row, row_ok, D, BLOCK_D)
@@ -493,12 +504,16 @@ def _bwd_sinks(
             a = _dot(q, tl.trans(ks), DT, PREC) * scale
             ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
             p = tl.where(ok, tl.exp(a - c[:, None]), 0.0)
-            dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
-            dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
-            dv += _dot(tl.trans(p), dyz, DT, PREC)
-    slot = pid_bhkv.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    _store_rows(DKS, slot, slot >= 0, D, dk, BLOCK_D)
-    _store_rows(DVS, slot, slot >= 0, D, dv, BLOCK_D)
+            if DK:
+                dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
+                acc += _dot(tl.trans(p * dp), q, DT, PREC) * scale
+            else:
+                acc += _dot(tl.trans(p), dyz, DT, PREC)
+    slot = (pid_s * tl.num_programs(1) + pid_bhkv).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    _store_rows(OUT, slot, slot >= 0, D, acc, BLOCK_D)
+
+
+SINK_TILES = 16  # query tiles per program of _bwd_sinks
 
 
 def _pow2(x: int, least: int = 16) -> int:
@@ -616,11 +631,13 @@ class _HybridAttention(torch.autograd.Function):
         dq = torch.empty(B, H, T, D, **f32)
         rsum = torch.empty(B, H, T, **f32)
         opts, _ = common("_bwd_dq")
-        _bwd_dq[(nm, B * H)](
-            q, k, v, g, start, end, dy, c, z, delta, dq, rsum,
-            T, H, G, D, s["window"], s["sink_off"], s["n_sinks"], scale,
-            BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], **opts,
-        )  # fmt: skip
+        parts = [p for p in ("SOFT", "SINKS") if s[p]] or ["SOFT"]  # (la_only: one launch writes the zeros)
+        for i, part in enumerate(parts):  # the window terms, then the sinks' added to dq
+            _bwd_dq[(nm, B * H)](
+                q, k, v, g, start, end, dy, c, z, delta, dq, rsum,
+                T, H, G, D, s["window"], s["sink_off"], s["n_sinks"], scale, BLOCK_S=_pow2(max(sinks, 1)),
+                SOFT=part == "SOFT" and s["SOFT"], SINKS=part == "SINKS", HYBRID=s["HYBRID"], ACC=i > 0, **opts,
+            )  # fmt: skip
         has_init = init_kv.numel() > 0
         d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if has_init else (None, None)
         if s["LIN"]:
@@ -661,12 +678,14 @@ class _HybridAttention(torch.autograd.Function):
                 )  # fmt: skip
         if s["SINKS"]:
             bs = _pow2(max(sinks, 1))
-            dks = torch.empty(B, Hkv, bs, D, **f32)
-            dvs = torch.empty_like(dks)
-            _bwd_sinks[(B * Hkv,)](
-                q, k, v, start, end, dy, c, z, delta, dks, dvs, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
-                BLOCK_S=bs, **common("_bwd_sinks")[0],
-            )  # fmt: skip
+            nsplit = triton.cdiv(nm, SINK_TILES)
+            dks, dvs = (torch.empty(nsplit, B, Hkv, bs, D, **f32) for _ in range(2))
+            for out, is_dk in ((dks, True), (dvs, False)):
+                _bwd_sinks[(nsplit, B * Hkv)](
+                    q, k, v, start, end, dy, c, z, delta, out, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
+                    SINK_TILES, BLOCK_S=bs, DK=is_dk, **common("_bwd_sinks")[0],
+                )  # fmt: skip
+            dks, dvs = dks.sum(0), dvs.sum(0)
             pos = (start.long()[:, None] + torch.arange(bs, device=q.device)).clamp(max=T - 1)
             ok = (torch.arange(bs, device=q.device)[None] < sinks) & (pos < end.long()[:, None])
             index = pos[:, None, :, None].expand(B, Hkv, bs, D)
@@ -717,14 +736,18 @@ class Tiles:
 # On a GPU, by dtype and head dim (<= 64, <= 128): what benchmarks/kernel_compile.py (--tune) found to compile
 # without register spills and within shared memory on sm_80 and sm_90 at every preset's head shapes
 # (docs/results/kernel_compile.md; a test fails if that changes).
+# fmt: off
 GPU_TILES = {
-    ("half", 64): Tiles(
-        32, 8, 32, per_kernel=(("_bwd_dkv", 4, 32, None), ("_bwd_sinks", 8, 32, 255), ("_fwd", 4, 32, None))
-    ),
-    ("half", 128): Tiles(32, 8, 32, per_kernel=(("_bwd_dfk", 4, 32, None), ("_states_bwd", 4, 32, None))),
-    ("fp32", 64): Tiles(16, 4, 16),
-    ("fp32", 128): Tiles(16, 4, 16),
+    ("half", 64): Tiles(32, 8, 32, per_kernel=(("_bwd_dkv", 4, 32, 255), ("_bwd_sinks", 8, 32, 255),
+                                               ("_fwd", 4, 32, None))),
+    ("half", 128): Tiles(32, 8, 32, per_kernel=(("_bwd_dfk", 4, 32, None), ("_bwd_sinks", 8, 32, 255),
+                                                ("_states_bwd", 4, 32, None))),
+    ("fp32", 64): Tiles(16, 8, 32, per_kernel=(("_bwd_dfk", 4, 32, None), ("_bwd_dkv", 4, 32, None),
+                                               ("_bwd_sinks", 8, 32, 255), ("_fwd", 4, 32, None))),
+    ("fp32", 128): Tiles(16, 8, 32, per_kernel=(("_bwd_dfk", 4, 32, None), ("_bwd_dfq", 8, 16, None),
+                                                ("_bwd_dkv", 4, 32, None))),
 }
+# fmt: on
 
 
 def default_tiles(device: torch.device, head_dim: int, feature_dim: int, dtype=torch.bfloat16) -> Tiles:

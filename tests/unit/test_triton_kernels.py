@@ -361,3 +361,11 @@ def test_la_only_equals_flash_linear_attention_naive_reference():
     for fn in (naive.naive_hybrid_attention, chunked.chunk_hybrid_attention, kernels.triton_hybrid_attention):
         y = fn(*args, window=8, mode="la_only")
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6, msg=fn.__name__)
+
+
+@pytest.mark.parametrize("mode", ["swa_sinks", "sinks_only"])
+def test_the_sinks_gradient_summed_over_parallel_splits(mode, monkeypatch):
+    """The sinks' dk and dv are computed by splits of the query tiles in parallel and summed: 2 tiles per split
+    here, so 45 rows in tiles of 16 make 2 splits, one of them partial; a left-padded row and GQA 3:1."""
+    monkeypatch.setattr(kernels.hybrid_attention, "SINK_TILES", 2)
+    check(make(45, seed=4), left_padded(45), window=4, mode=mode, sinks=3)
