@@ -120,7 +120,8 @@ def compile_matrix(
                     done = {arch: cache(launch, arch) for arch in compile_check.ARCHS}
                     row_key = (launch.name, mode, name, compile_check.key(launch, 90))
                     row = rows.setdefault(row_key, Row(launch.name, mode, name, [], done))
-                    row.presets.append(shape.preset)
+                    if shape.preset not in row.presets:  # (the forward's states are launched again in the backward)
+                        row.presets.append(shape.preset)
                     if progress:
                         progress(len(cache))
     return list(rows.values())
