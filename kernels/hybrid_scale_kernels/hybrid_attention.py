@@ -27,8 +27,8 @@ their dtype with fp32 accumulation, and the state dots in tf32 on fp32; fp32 inp
 interpreter and on a GPU (`_precision`). Tiles per dtype: `GPU_TILES`, checked by
 benchmarks/kernel_compile.py for sm_80 and sm_90.
 It stays one file: the backward kernels recompute exactly what `_fwd` computes, through the same jit helpers
-(_dot, _span, _cols, _state, _la_scores), and the autograd Function that launches them sits beside them, so the
-forward and the backward are read and changed together.
+(_dot, _span, _query_tile, _cols, _state, _la_scores), and the autograd Function that launches them sits beside
+them, so the forward and the backward are read and changed together.
 """
 
 from __future__ import annotations
@@ -123,6 +123,20 @@ def _online(m_i, num, den, a, v, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(START, END, T, H, G, BLOCK: tl.constexpr):
+    """This program's query tile (grid axis 0) of (batch x query head) axis 1: its head, the first row of its KV
+    head's keys, the batch row's real span, the tile's first row, its rows, their real-token index and which are
+    real, and their row numbers in [B * H * T]."""
+    pid_bh = tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
+    start, end = tl.load(START + b), tl.load(END + b)
+    m0 = tl.program_id(0) * BLOCK
+    rows, n, row_ok = _span(m0, start, end, BLOCK)
+    return h, kv_base, start, end, m0, rows, n, row_ok, pid_bh.to(tl.int64) * T + rows
+
+
+@triton.jit
 def _states_fwd(
     FK, V, START, END, INIT_KV, INIT_K,  # inputs
     STATE_KV, STATE_K,  # outputs [B, Hkv, NC, F, D], [B, Hkv, NC, F]
@@ -165,13 +179,7 @@ def _fwd(
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    pid_bh = tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
-    start, end = tl.load(START + b), tl.load(END + b)
-    m0 = tl.program_id(0) * BLOCK
-    rows, n, row_ok = _span(m0, start, end, BLOCK)
-    q_row = pid_bh.to(tl.int64) * T + rows
+    h, kv_base, start, end, m0, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     q = _rows(Q, q_row, row_ok, D, BLOCK_D)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     num_e = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -249,14 +257,7 @@ def _bwd_dq(
     """dq of the softmax terms (window, SOFT, or sinks, SINKS) and the per-query sum of gamma's window terms, per
     query tile. With both, it is launched twice: the window, then the sinks with ACC (dq added to the first
     launch's, the gamma sums kept): fewer live tiles, no spills."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
-    start, end = tl.load(START + b), tl.load(END + b)
-    m0 = pid_m * BLOCK
-    rows, n, row_ok = _span(m0, start, end, BLOCK)
-    q_row = pid_bh.to(tl.int64) * T + rows
+    h, kv_base, start, end, m0, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     q = _rows(Q, q_row, row_ok, D, BLOCK_D)
     dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
     if HYBRID:
@@ -303,15 +304,8 @@ def _bwd_dfq(
 ):  # fmt: skip
     """dphi_q of the LA terms, one feature chunk per program (query tile x head x chunk): the intra terms of the
     streamed keys, then the state of the keys before them."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     f0 = tl.program_id(2) * BLOCK_FC
-    b, h = pid_bh // H, pid_bh % H
-    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
-    start, end = tl.load(START + b), tl.load(END + b)
-    m0 = pid_m * BLOCK
-    rows, n, row_ok = _span(m0, start, end, BLOCK)
-    q_row = pid_bh.to(tl.int64) * T + rows
+    h, kv_base, start, end, m0, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     z = tl.load(Z + q_row, mask=row_ok, other=1.0)
     dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
     dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
