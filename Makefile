@@ -22,9 +22,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# One pytest worker per core (pytest-xdist), whole files per worker (their module fixtures are built once).
+# One pytest worker per core (pytest-xdist), whole files per worker (their module fixtures are built once), handed
+# out longest first (tests/conftest.py LONGEST_FIRST; xdist would otherwise order files by their number of tests).
 test: lint
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The inner loop (147 s on 2 cores; 3 minutes at most): tests/unit and the integration checks marked `fast` (tests/conftest.py).
 test-fast: $(STAMP)

@@ -185,8 +185,8 @@ def tiny_run_overrides(model, run_dir, *extra) -> list[str]:
 
 
 # The files that take longest (docs/results/test_time.md), longest first. `make test` hands whole files to its two
-# workers in collection order (--dist loadfile), so these go first and the many short files fill in at the end:
-# otherwise one worker can start a four-minute file when the other has nothing left.
+# workers in collection order (--dist loadfile --no-loadscope-reorder), so these go first and the many short files
+# fill in at the end: otherwise one worker can start a four-minute file when the other has nothing left.
 LONGEST_FIRST = [
     "tests/integration/test_finetune.py",
     "tests/integration/test_evaluate.py",

@@ -1,12 +1,16 @@
 """Child processes for tests (torchrun, a CLI run): their own process group, killed whole on timeout."""
 
+import atexit
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import warm
 
 
 def free_port() -> int:
@@ -15,10 +19,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args: list[str], env_extra: dict | None = None, timeout: int = 600, ranks: int = 0, script=None):
+def run(args: list[str], env_extra: dict | None = None, timeout: int = 600, ranks: int = 0, script=None,
+        cold: bool = False):  # fmt: skip
     """`python -m hybrid_scale.cli ARGS`, or `python SCRIPT ARGS` (under torchrun with `ranks` processes when
-    ranks > 0)."""
+    ranks > 0). Forked from tests/warm.py's pre-imported server unless `cold` (a fresh python and a real torchrun:
+    for a test that reads torchrun's own report), HYBRID_SCALE_TEST_COLD=1, or an environment the server cannot
+    give (warm.differs)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    if not cold and os.environ.get("HYBRID_SCALE_TEST_COLD") != "1":
+        server = _warm_server()
+        if not warm.differs(env, server.env):
+            return server.run(args, env, timeout, ranks, script)
     target = [str(script)] if script else ["-m", "hybrid_scale.cli"]
     launcher = (
         ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}"] if ranks else []
@@ -61,3 +72,67 @@ def collective_calls(prefix: Path, world: int) -> list[dict]:
         assert len(key[0]) == len(key[r]), f"rank 0 made {len(key[0])} collectives, rank {r} {len(key[r])}"
     assert all(d == "cpu" for calls in ranks for c in calls for d in c["device"])
     return ranks[0]
+
+
+class _Warm:
+    """tests/warm.py started once per test process; stopped by its PID when the process exits."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="hs-warm-")
+        self.path = os.path.join(self.dir, "sock")
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "warm.py"), self.path],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        )  # fmt: skip
+        atexit.register(self.stop)
+        for line in self.proc.stdout:  # (DeepSpeed logs its accelerator to stdout first)
+            if line.strip() == "ready":
+                break
+        else:
+            raise RuntimeError(f"tests/warm.py did not start (exit {self.proc.wait()})")
+        self.proc.stdout.close()
+        self.n = 0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def run(self, args, env, timeout, ranks, script):
+        self.n += 1
+        out, err = (os.path.join(self.dir, f"{self.n}.{s}") for s in ("out", "err"))
+        script = str(script) if script else None
+        cmd = ["warm:", *([f"torchrun --nproc-per-node={ranks}"] if ranks else []), script or "hybrid_scale.cli", *args]
+        req = dict(args=args, script=script, ranks=ranks, port=free_port(), env=env, cwd=os.getcwd(), out=out, err=err)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(self.path)
+            f = s.makefile("rw")
+            f.write(json.dumps(req) + "\n")
+            f.flush()
+            pids = json.loads(f.readline())["pids"]
+            s.settimeout(timeout)
+            try:
+                code = json.loads(f.readline())["status"]
+            except TimeoutError:
+                for pid in pids:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                raise AssertionError(f"{' '.join(cmd)} timed out after {timeout} s; stderr: "
+                                     f"{Path(err).read_text()[-2000:]}") from None  # fmt: skip
+        result = subprocess.CompletedProcess(cmd, code, Path(out).read_text(), Path(err).read_text())
+        os.unlink(out)
+        os.unlink(err)
+        return result
+
+
+_server = None
+
+
+def _warm_server() -> _Warm:
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _Warm()
+    return _server

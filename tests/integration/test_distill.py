@@ -49,8 +49,8 @@ def params(run_dir: Path) -> dict:
     return {k: v for i in range(3) for k, v in load_file(run_dir / "stage1" / f"layer_{i:03d}.safetensors").items()}
 
 
-def run_cli(args, env_extra=None, torchrun=False):
-    return procs.run(["distill", *args], env_extra, timeout=300, ranks=2 if torchrun else 0)
+def run_cli(args, env_extra=None, torchrun=False, cold=False):
+    return procs.run(["distill", *args], env_extra, timeout=300, ranks=2 if torchrun else 0, cold=cold)
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +372,7 @@ def test_a_signal_mid_layer_saves_a_step_checkpoint_exits_75_and_resumes_bitwise
 def test_a_signal_on_two_ranks_between_layers_stops_after_the_commit(sharded_model, uninterrupted, tmp_path):
     """USR1 to rank 0 only, after layer 0 commits: both ranks agree and stop (exit 75) before layer 1; resumed on 2
     ranks from the buffers, the result is the 2-rank one (within the rounding bound of the 1-rank reference)."""
-    proc = run_cli(overrides(sharded_model, tmp_path), {"HYBRID_SCALE_FAULT": "after:0@USR1"}, torchrun=True)
+    proc = run_cli(overrides(sharded_model, tmp_path), {"HYBRID_SCALE_FAULT": "after:0@USR1"}, torchrun=True, cold=True)
     assert "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
     assert stage1.committed(tmp_path / "stage1", 0) and not stage1.committed(tmp_path / "stage1", 1)
     assert "signal: layer 0 is committed, exiting for a requeue" in (tmp_path / "stage1" / "log.txt").read_text()
@@ -423,7 +423,7 @@ def test_a_signal_at_tensor_parallel_2_resumes_at_tensor_parallel_1(sharded_mode
     step and ends as an uninterrupted one-process run (within the split teacher's rounding, see above)."""
     extra = ("distill.epochs=1", "data.num_sequences=12", "distill.lr=0.01")
     split = [*overrides(sharded_model, tmp_path / "run", *extra), "launch.procs_per_node=2", "launch.tensor_parallel=2"]
-    proc = procs.run(["distill", *split], {"HYBRID_SCALE_FAULT": "train:1:0@USR1"}, ranks=2)
+    proc = procs.run(["distill", *split], {"HYBRID_SCALE_FAULT": "train:1:0@USR1"}, ranks=2, cold=True)
     assert "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
     step = safe_open(tmp_path / "run" / "stage1" / "layer_001.step.safetensors", "pt")
     assert step.get_tensor("param.feature_map_q.weight").shape == (4, 16, 16)  # all 4 heads, not a rank's 2

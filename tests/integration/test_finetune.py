@@ -62,8 +62,8 @@ def overrides(setup: Path, run_dir: Path, *extra) -> list[str]:
     ]
 
 
-def finetune(args, ranks=2, env=None):
-    return procs.run(["finetune", *args], env, timeout=600, ranks=ranks)
+def finetune(args, ranks=2, env=None, cold=False):
+    return procs.run(["finetune", *args], env, timeout=600, ranks=ranks, cold=cold)
 
 
 def curves(run: Path) -> dict:
@@ -193,7 +193,7 @@ def test_a_signal_saves_quickly_exits_75_then_sigkill_and_resume_equal_uninterru
     whose losses and adapter equal the uninterrupted run's. A copy of the run as the signal left it, resumed on 1
     rank, continues the same curve."""
     run, copy = tmp_path / "a", tmp_path / "b"
-    proc = finetune(overrides(setup, run), env={"HYBRID_SCALE_FAULT": "step:4@USR1"})
+    proc = finetune(overrides(setup, run), env={"HYBRID_SCALE_FAULT": "step:4@USR1"}, cold=True)
     assert proc.returncode != 0 and f"exitcode  : {EXIT_REQUEUE}" in proc.stderr, proc.stderr[-3000:]
     stage2 = run / "stage2"
     # the signal came after step 4's agreement: the ranks agree at the end of step 5 and save there
