@@ -32,26 +32,32 @@ LENGTHS = (4096, 16384, 65536)
 BF16, FP32 = 2, 4
 
 
-def _tiles_streamed(block: int, w: int) -> tuple[float, float]:
-    """Per query tile of a long sequence: the key tiles with some window term, and those with some LA term (the
-    streamed span starts at the tile at or before m0 - w + 1; a tile past every query's window only has LA terms)."""
+def _tiles_streamed(block: int, w: int, G: int) -> tuple[float, float]:
+    """Per packed query tile of a long sequence (block rows: block / G positions of each of the G heads of a KV
+    head), on average over the tiles' alignments: the key tiles with some window term, and those with some LA term
+    (the streamed span starts at the key tile at or before m0 - w + 1; a key tile past every query's window only has
+    LA terms)."""
     soft = la = 0
-    for m0 in range(8 * block, 9 * block, block):  # a tile far from the start: every tile alike
+    first = 64 * G  # tiles far from the start; G of them cover every alignment of m0 to the key tiles
+    for i in range(first, first + G * block):
+        m0, m1 = i * block // G, ((i + 1) * block - 1) // G
         lo = (m0 - w + 1) // block * block
-        for kb in range(lo, m0 + block, block):
+        for kb in range(lo, m1 + 1, block):
             soft += kb + block - 1 > m0 - w
-            la += kb <= m0 + block - 1 - w
-    return soft, la
+            la += kb <= m1 - w
+    return soft / (G * block), la / (G * block)
 
 
 def hybrid_kernels(T: int) -> dict[str, tuple[float, float]]:
-    """FLOPs and bytes of each kernel launch of one forward + backward, hybrid mode."""
+    """FLOPs and bytes of each kernel launch of one forward + backward, hybrid mode. Query-side kernels run one
+    program per packed tile (H * T / block of them, as many as unpacked tiles); key-side ones one per key tile and
+    KV head, over the packed tiles that reach it."""
     H, Hkv, D, F, w = (SHAPE[k] for k in ("H", "Hkv", "D", "F", "w"))
     G = H // Hkv
     tiles = default_tiles(torch.device("cuda"), D, F, torch.bfloat16)
     B = tiles.block
     nm = T // B
-    soft, la = _tiles_streamed(B, w)
+    soft, la = _tiles_streamed(B, w, G)
     out = {}
     # forward
     fc = tiles.of("_states_fwd")[1]
@@ -74,16 +80,17 @@ def hybrid_kernels(T: int) -> dict[str, tuple[float, float]]:
         2 * T * F * D * H,
         Hkv * (F // fc) * (G * T * (D * BF16 + 2 * FP32 + fc * BF16)) + Hkv * nm * F * D * FP32,
     )
-    q_tiles = (B + w - 1) / B + 1  # query tiles that stream a key tile
-    per_prog = G * q_tiles * (6 * B * B * D)
-    load = 2 * B * D * BF16 + G * q_tiles * (2 * B * D * BF16 + 3 * B * FP32)
+    q_tiles = (B + w - 1) * G / B + 1  # packed query tiles that reach a key tile with window terms
+    per_prog = q_tiles * (6 * B * B * D)
+    load = 2 * B * D * BF16 + q_tiles * (2 * B * D * BF16 + 3 * B * FP32)
     out["_bwd_dkv (window)"] = (Hkv * nm * per_prog, Hkv * nm * (load + 2 * B * D * FP32))
-    per_prog = G * la * (2 * B * B * F + 2 * B * B * D) + 2 * B * F * D
-    load = 2 * B * D * BF16 + G * la * (B * D * BF16 + 2 * B * F * BF16) + F * D * FP32 + B * F * BF16
+    la_q = (B - 1) * G / B + 1  # packed query tiles whose streamed span holds a key tile, with LA terms in it
+    per_prog = la_q * (2 * B * B * F + 2 * B * B * D) + 2 * B * F * D
+    load = 2 * B * D * BF16 + la_q * (B * D * BF16 + 2 * B * F * BF16) + F * D * FP32 + B * F * BF16
     out["_bwd_dkv (LA)"] = (Hkv * nm * per_prog, Hkv * nm * (load + 2 * B * D * FP32))
     fc = tiles.of("_bwd_dfk")[1]
-    per_prog = G * la * (2 * B * B * D + 2 * B * B * fc) + 2 * B * fc * D
-    load = B * D * BF16 + G * la * (B * D * BF16 + B * fc * BF16 + 2 * B * FP32) + fc * D * FP32
+    per_prog = la_q * (2 * B * B * D + 2 * B * B * fc) + 2 * B * fc * D
+    load = B * D * BF16 + la_q * (B * D * BF16 + B * fc * BF16 + 2 * B * FP32) + fc * D * FP32
     out["_bwd_dfk"] = (Hkv * nm * (F // fc) * per_prog, Hkv * nm * (F // fc) * (load + B * fc * FP32))
     return out
 

@@ -1,9 +1,10 @@
 """Fused hybrid attention in Triton: forward, backward, exact for any window, length, padding and mode.
 
-Each program of the forward takes one (batch, query head, query tile) of `block` rows; its KV head is head // G
-(GQA: keys, values, phi_k and the LA state exist once per KV head, never repeated in memory). For query tile
-[m0, m0+B) it
-  1. streams the key tiles [lo, m0+B) with lo = the tile start at or before m0 - w + 1: online softmax over the
+Each program of the forward takes one packed query tile of `block` rows for one (batch, KV head): the (position,
+query head) pairs of the KV head's G query heads, position-major, so a tile holds block / G positions of every head
+of the group (GQA: keys, values, phi_k and the LA state exist once per KV head, and each tile of them is read once
+for the whole group, as in fla's and FlashAttention's packed GQA). For a query tile of positions [m0, m1] it
+  1. streams the key tiles [lo, m1] with lo = the tile start at or before m0 - w + 1: online softmax over the
      window keys (the exact per-query max c_n over real keys: the running max ends as that max; its argmax is kept
      for the backward), and the masked intra-tile LA terms of keys j <= n - w; a tile with no window key (or no LA
      key) for any of its queries skips that part;
@@ -15,11 +16,11 @@ Each program of the forward takes one (batch, query head, query tile) of `block`
      the denominator and the argmax per query for the backward.
 The backward recomputes (the states too) and is split so that few tiles are live in any kernel: `_bwd_dq` (dq of
 the softmax terms, gamma's per-query sum), `_bwd_dfq` (dphi_q per feature chunk), `_states_bwd` (the gradient of
-every key tile's share of the state, per KV head and feature chunk, in reverse time over the G query heads),
-`_bwd_dkv` (dk, dv of the window terms; then dv of the LA terms and the state), `_bwd_dfk` (dphi_k per feature
-chunk) and `_bwd_sinks`. The gradient through c_n (which is not detached, DESIGN.md section 2) reaches only the
-argmax key and is added outside the kernels. The feature dim is always walked in chunks (`fchunk`), so no
-[tile, F] or [F, D] tile stays in registers.
+every key tile's share of the state, per KV head and feature chunk, in reverse time over the packed query tiles),
+`_bwd_dkv` (dk, dv of the window terms; then dv of the LA terms and the state; per key tile, over the packed query
+tiles that reach it), `_bwd_dfk` (dphi_k per feature chunk) and `_bwd_sinks`. The gradient through c_n (which is
+not detached, DESIGN.md section 2) reaches only the argmax key and is added outside the kernels. The feature dim is
+always walked in chunks (`fchunk`), so no [tile, F] or [F, D] tile stays in registers.
 
 Rows whose real tokens are one contiguous span [start, end) are handled in place (left padding, right padding, no
 padding); other masks are packed first. Half inputs run q.k, p.v and the feature-map dots on the tensor cores in
@@ -27,8 +28,8 @@ their dtype with fp32 accumulation, and the state dots in tf32 on fp32; fp32 inp
 interpreter and on a GPU (`_precision`). Tiles per dtype: `GPU_TILES`, checked by
 benchmarks/kernel_compile.py for sm_80 and sm_90.
 It stays one file: the backward kernels recompute exactly what `_fwd` computes, through the same jit helpers
-(_dot, _span, _query_tile, _cols, _state, _la_scores), and the autograd Function that launches them sits beside
-them, so the forward and the backward are read and changed together.
+(_dot, _span, _packed, _query_tile, _gammas, _cols, _state, _la_scores), and the autograd Function that launches
+them sits beside them, so the forward and the backward are read and changed together.
 """
 
 from __future__ import annotations
@@ -123,17 +124,38 @@ def _online(m_i, num, den, a, v, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _packed(i, b, hk, start, end, T, H, G, BLOCK: tl.constexpr):
+    """Packed tile i of the (position, query head) pairs of KV head hk's G query heads, position-major (the G heads
+    of a position are adjacent rows; GQA: every key, value, phi_k and state tile is read once for the whole group):
+    each row's query head, position, real-token index, whether it is a real token, and row number in [B * H * T];
+    the tile's first and last position."""
+    p = i * BLOCK + tl.arange(0, BLOCK)
+    pos = p // G
+    head = hk * G + p % G
+    q_row = (b * H + head).to(tl.int64) * T + pos
+    return head, pos, pos - start, (pos >= start) & (pos < end), q_row, i * BLOCK // G, ((i + 1) * BLOCK - 1) // G
+
+
+@triton.jit
 def _query_tile(START, END, T, H, G, BLOCK: tl.constexpr):
-    """This program's query tile (grid axis 0) of (batch x query head) axis 1: its head, the first row of its KV
-    head's keys, the batch row's real span, the tile's first row, its rows, their real-token index and which are
-    real, and their row numbers in [B * H * T]."""
-    pid_bh = tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    kv_base = (b * (H // G) + h // G).to(tl.int64) * T
+    """This program's packed query tile (grid axis 0, `_packed`) of batch x KV head (axis 1): each row's head, the
+    first row of the KV head's keys, the batch row's real span, the tile's first and last position, each row's
+    position, real-token index, whether it is real, and row number in [B * H * T]."""
+    pid_bkv = tl.program_id(1)
+    b, hk = pid_bkv // (H // G), pid_bkv % (H // G)
     start, end = tl.load(START + b), tl.load(END + b)
-    m0 = tl.program_id(0) * BLOCK
-    rows, n, row_ok = _span(m0, start, end, BLOCK)
-    return h, kv_base, start, end, m0, rows, n, row_ok, pid_bh.to(tl.int64) * T + rows
+    head, rows, n, row_ok, q_row, m0, m1 = _packed(tl.program_id(0), b, hk, start, end, T, H, G, BLOCK)
+    return head, pid_bkv.to(tl.int64) * T, start, end, m0, m1, rows, n, row_ok, q_row
+
+
+@triton.jit
+def _gammas(GAMMA, head, HYBRID: tl.constexpr, BLOCK: tl.constexpr):
+    """Each row's gamma (its head's; 1 unless the hybrid)."""
+    if HYBRID:
+        g = tl.load(GAMMA + head).to(tl.float32)
+    else:
+        g = tl.full([BLOCK], 1.0, tl.float32)
+    return g
 
 
 @triton.jit
@@ -179,7 +201,7 @@ def _fwd(
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    h, kv_base, start, end, m0, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
+    head, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     q = _rows(Q, q_row, row_ok, D, BLOCK_D)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     num_e = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -192,7 +214,7 @@ def _fwd(
     else:
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
     if SOFT or LIN:
-        for kb in range(lo, tl.minimum(m0 + BLOCK, end), BLOCK):
+        for kb in range(lo, tl.minimum(m1 + 1, end), BLOCK):
             cols, j, k_ok = _span(kb, start, end, BLOCK)
             v = _rows(V, kv_base + cols, k_ok, D, BLOCK_D)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
@@ -204,7 +226,7 @@ def _fwd(
                         idx = tl.where(tl.max(a, 1) > m_i, kb + tl.argmax(a, 1).to(tl.int32), idx)
                     m_i, num_e, den_e = _online(m_i, num_e, den_e, a, v, DT, PREC)
             if LIN:
-                if kb <= m0 + BLOCK - 1 - lin_off:  # some key of the block has left some query's window
+                if kb <= m1 - lin_off:  # some key of the block has left some query's window
                     s = _la_scores(FQ, FK, q_row, row_ok, kv_base + cols, k_ok, F, BLOCK, BLOCK_FC, DT, PREC)
                     s = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)
                     num_l += _dot(s, v, DT, PREC)
@@ -222,13 +244,10 @@ def _fwd(
             fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
             num_l += tl.dot(fq, kv, input_precision=PREC)
             den_l += tl.sum(fq * ksum[None, :], 1)
-    if HYBRID:
-        g = tl.load(GAMMA + h).to(tl.float32)
-    else:
-        g = 1.0
+    g = _gammas(GAMMA, head, HYBRID, BLOCK)
     den = g * den_e + den_l + _EPS
     out = rows < T
-    _store_rows(Y, q_row, out, D, tl.where(row_ok[:, None], (g * num_e + num_l) / den[:, None], 0.0), BLOCK_D)
+    _store_rows(Y, q_row, out, D, tl.where(row_ok[:, None], (g[:, None] * num_e + num_l) / den[:, None], 0.0), BLOCK_D)
     tl.store(C + q_row, tl.where(m_i == float("-inf"), 0.0, m_i), mask=out)
     tl.store(Z + q_row, den, mask=out)
     tl.store(DEN_E + q_row, tl.where(row_ok, g * den_e, 0.0), mask=out)
@@ -257,24 +276,21 @@ def _bwd_dq(
     """dq of the softmax terms (window, SOFT, or sinks, SINKS) and the per-query sum of gamma's window terms, per
     query tile. With both, it is launched twice: the window, then the sinks with ACC (dq added to the first
     launch's, the gamma sums kept): fewer live tiles, no spills."""
-    h, kv_base, start, end, m0, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
+    head, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     q = _rows(Q, q_row, row_ok, D, BLOCK_D)
     dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
-    if HYBRID:
-        g = tl.load(GAMMA + h).to(tl.float32)
-    else:
-        g = 1.0
+    g = _gammas(GAMMA, head, HYBRID, BLOCK)
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     rsum = tl.zeros([BLOCK], tl.float32)
     if SOFT:
-        for kb in range(tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK, tl.minimum(m0 + BLOCK, end), BLOCK):
+        for kb in range(tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK, tl.minimum(m1 + 1, end), BLOCK):
             cols, j, k_ok = _span(kb, start, end, BLOCK)
             causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
             # dL/dw for every term w_nj of the shared normaliser: (dy_n . v_j - dy_n . y_n) / Z_n
             dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
             k = _rows(K, kv_base + cols, k_ok, D, BLOCK_D)
             a = _dot(q, tl.trans(k), DT, PREC) * scale
-            ds = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0) * dp
+            ds = tl.where(causal & (j[None, :] > n[:, None] - window), g[:, None] * tl.exp(a - c[:, None]), 0.0) * dp
             rsum += tl.sum(ds, 1)
             dq += _dot(ds, k, DT, PREC) * scale
     if SINKS:
@@ -305,13 +321,13 @@ def _bwd_dfq(
     """dphi_q of the LA terms, one feature chunk per program (query tile x head x chunk): the intra terms of the
     streamed keys, then the state of the keys before them."""
     f0 = tl.program_id(2) * BLOCK_FC
-    h, kv_base, start, end, m0, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
+    _, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     z = tl.load(Z + q_row, mask=row_ok, other=1.0)
     dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
     dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
     lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
     dfq = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
-    for kb in range(lo, tl.minimum(m0 + BLOCK - lin_off, end), BLOCK):  # blocks with some key past some window
+    for kb in range(lo, tl.minimum(m1 + 1 - lin_off, end), BLOCK):  # blocks with some key past some window
         cols, j, k_ok = _span(kb, start, end, BLOCK)
         lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
         dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
@@ -325,15 +341,16 @@ def _bwd_dfq(
 def _states_bwd(
     FQ, START, END, DY, Z, DELTA,  # inputs
     G_KV, G_K, D_INIT_KV, D_INIT_K,  # outputs [B, Hkv, NC, F, D], [B, Hkv, NC, F]; [B, Hkv, F, D], [B, Hkv, F]
-    T, H, G, D, F, NC, off,
+    T, H, G, D, F, NC, NQ, lin_off,
     HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     """The gradient of every key block's share of the LA state, per (feature chunk, batch x KV head), in reverse
-    time. Query block m reads the state of the keys before its streamed span, which starts at block lo(m); key block
-    c is in it when lo(m) >= c + 1, i.e. m >= c + 1 + off. So g_c = sum over m >= c + 1 + off of X_m, with X_m =
-    sum over the G query heads of phi_q(block m)^T dy/Z (and -phi_q dz for the key sums); the initial state is in
-    every block's state: its gradient is the sum of every X_m."""
+    time over the packed query tiles (`_packed`: all G heads at once). Query tile i reads the state of the key blocks
+    before its streamed span, st(i) = lo(i) / BLOCK of them (the forward's lo); so key block c's gradient is
+    g_c = sum over the tiles with st(i) >= c + 1 of X_i, X_i = phi_q(tile i)^T dy/Z (and -phi_q dz for the key
+    sums), complete once the first such tile is added; blocks no tile reads get zeros. The initial state is in
+    every tile's state: its gradient is the sum of every X_i."""
     f0 = tl.program_id(0) * BLOCK_FC
     pid_bhkv = tl.program_id(1)
     b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
@@ -343,20 +360,23 @@ def _states_bwd(
     both = (of < F)[:, None] & (od < D)[None, :]
     acc = tl.zeros([BLOCK_FC, BLOCK_D], tl.float32)
     acc_k = tl.zeros([BLOCK_FC], tl.float32)
-    for i in range(0, NC + 1 + off):
-        m = NC + off - i  # query blocks NC+off .. 0 (those past the end add nothing)
-        c = m - 1 - off  # the key block whose gradient is complete once block m is added
-        if m < NC:
-            for gi in range(0, G):
-                rows, _, row_ok = _span(m * BLOCK, start, end, BLOCK)
-                q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
-                z = tl.load(Z + q_row, mask=row_ok, other=1.0)
-                dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
-                dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
-                fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
-                acc += tl.dot(tl.trans(fq), dyz, input_precision=PREC)
-                acc_k -= tl.sum(fq * dz[:, None], 0)
-        if (c >= 0) & (c < NC):
+    st_last = tl.maximum((NQ - 1) * BLOCK // G - lin_off + 1, 0) // BLOCK
+    for c in range(st_last, NC):  # read by no query tile
+        st = pid_bhkv.to(tl.int64) * NC + c
+        tl.store(G_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
+        tl.store(G_K + st * F + of, acc_k, mask=of < F)
+    for r in range(0, NQ):
+        i = NQ - 1 - r
+        _, _, _, row_ok, q_row, m0, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
+        z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+        dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
+        dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+        fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
+        acc += tl.dot(tl.trans(fq), dyz, input_precision=PREC)
+        acc_k -= tl.sum(fq * dz[:, None], 0)
+        st_i = tl.maximum(m0 - lin_off + 1, 0) // BLOCK
+        st_prev = tl.maximum(tl.maximum(i - 1, 0) * BLOCK // G - lin_off + 1, 0) // BLOCK
+        for c in range(st_prev, st_i):  # the blocks whose first reader is tile i
             st = pid_bhkv.to(tl.int64) * NC + c
             tl.store(G_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
             tl.store(G_K + st * F + of, acc_k, mask=of < F)
@@ -364,6 +384,35 @@ def _states_bwd(
         st = pid_bhkv.to(tl.int64)
         tl.store(D_INIT_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
         tl.store(D_INIT_K + st * F + of, acc_k, mask=of < F)
+
+
+@triton.jit
+def _tiles_of_key(kb, end, reach, T, G, BLOCK: tl.constexpr, LIN: tl.constexpr, lin_off):
+    """The packed query tiles [first, last] whose rows reach key tile kb: LIN, those whose streamed span starts at
+    or before it (the forward's lo <= kb) with some query past the window of some key in it; else those with some
+    query within `reach` of it (the window)."""
+    if LIN:
+        first = (kb + lin_off) * G // BLOCK
+        last = ((kb + BLOCK + lin_off - 1) * G - 1) // BLOCK
+    else:
+        first = kb * G // BLOCK
+        last = ((kb + BLOCK + reach - 1) * G - 1) // BLOCK
+    return first, tl.minimum(last, (tl.minimum(end, T) * G - 1) // BLOCK)
+
+
+@triton.jit
+def _key_tile(V, START, END, T, H, G, D, NC, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's key tile (grid axis 0) of batch x KV head (axis 1): the batch row and KV head, the real span,
+    the tile's first key, its keys, their real-token index and which are real, their row numbers, its values, and
+    the number of its LA state."""
+    pid_bhkv = tl.program_id(1)
+    b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
+    start, end = tl.load(START + b), tl.load(END + b)
+    kb = tl.program_id(0) * BLOCK
+    cols, j, k_ok = _span(kb, start, end, BLOCK)
+    k_row = pid_bhkv.to(tl.int64) * T + cols
+    st = pid_bhkv.to(tl.int64) * NC + tl.program_id(0)
+    return b, hk, start, end, kb, cols, j, k_ok, k_row, _rows(V, k_row, k_ok, D, BLOCK_D), st
 
 
 @triton.jit
@@ -375,51 +424,32 @@ def _bwd_dkv(
     SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr, ACC: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dk and dv per key tile x KV head: the window terms (SOFT) or the LA terms (LIN) of the query tiles that stream
-    this key tile (every head of the GQA group) and then the LA state this tile is part of (dv only). The hybrid
-    launches it twice, SOFT then LIN with ACC (dv added to the first launch's): fewer live tiles, no spills."""
-    pid_k = tl.program_id(0)
-    pid_bhkv = tl.program_id(1)
-    b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
-    start, end = tl.load(START + b), tl.load(END + b)
-    kb = pid_k * BLOCK
-    cols, j, k_ok = _span(kb, start, end, BLOCK)
-    k_row = pid_bhkv.to(tl.int64) * T + cols
+    """dk and dv per key tile x KV head: the window terms (SOFT) or the LA terms (LIN) of the packed query tiles
+    (every head of the GQA group at once) that stream this key tile, and then the LA state this tile is part of (dv
+    only). The hybrid launches it twice, SOFT then LIN with ACC (dv added to the first launch's): fewer live tiles,
+    no spills."""
+    b, hk, start, end, kb, cols, j, k_ok, k_row, v, st = _key_tile(V, START, END, T, H, G, D, NC, BLOCK, BLOCK_D)
     k = _rows(K, k_row, k_ok, D, BLOCK_D)
-    v = _rows(V, k_row, k_ok, D, BLOCK_D)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    if LIN:
-        reach = lin_off  # the query blocks whose streamed span starts at or before this key block
-    else:
-        reach = window
-    for gi in range(0, G):
-        h = hk * G + gi
-        if HYBRID:
-            g = tl.load(GAMMA + h).to(tl.float32)
-        else:
-            g = 1.0
-        for m0 in range(kb, tl.minimum(kb + BLOCK + reach - 1, end), BLOCK):
-            rows, n, row_ok = _span(m0, start, end, BLOCK)
-            q_row = (b * H + h).to(tl.int64) * T + rows
-            dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
-            causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
-            if SOFT:
-                if m0 < kb + BLOCK - 1 + window:  # some key of this tile in some query's window
-                    dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
-                    q = _rows(Q, q_row, row_ok, D, BLOCK_D)
-                    a = _dot(q, tl.trans(k), DT, PREC) * scale
-                    p = tl.where(causal & (j[None, :] > n[:, None] - window), g * tl.exp(a - c[:, None]), 0.0)
-                    dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
-                    dv += _dot(tl.trans(p), dyz, DT, PREC)
-            if LIN:
-                if m0 + BLOCK - 1 - lin_off >= kb:  # some key of this tile past some query's window
-                    s = _la_scores(FQ, FK, q_row, row_ok, k_row, k_ok, F, BLOCK, BLOCK_FC, DT, PREC)
-                    dv += _dot(tl.trans(tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)), dyz, DT,
-                               PREC)  # fmt: skip
+    first, last = _tiles_of_key(kb, end, window, T, G, BLOCK, LIN, lin_off)
+    for i in range(first, last + 1):
+        head, _, n, row_ok, q_row, _, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
+        dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
+        causal = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None])
+        if SOFT:
+            g = _gammas(GAMMA, head, HYBRID, BLOCK)
+            dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
+            q = _rows(Q, q_row, row_ok, D, BLOCK_D)
+            a = _dot(q, tl.trans(k), DT, PREC) * scale
+            p = tl.where(causal & (j[None, :] > n[:, None] - window), g[:, None] * tl.exp(a - c[:, None]), 0.0)
+            dk += _dot(tl.trans(p * dp), q, DT, PREC) * scale
+            dv += _dot(tl.trans(p), dyz, DT, PREC)
+        if LIN:
+            s = _la_scores(FQ, FK, q_row, row_ok, k_row, k_ok, F, BLOCK, BLOCK_FC, DT, PREC)
+            dv += _dot(tl.trans(tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)), dyz, DT, PREC)
     out = cols < T
-    if LIN:  # the state this key block is part of: every later query block whose span starts after it
-        st = pid_bhkv.to(tl.int64) * NC + pid_k
+    if LIN:  # the state this key block is part of: every later query tile whose span starts after it
         for f0 in range(0, F, BLOCK_FC):
             of = f0 + tl.arange(0, BLOCK_FC)
             gkv = _rows(G_KV + st * F * D, of.to(tl.int64), of < F, D, BLOCK_D)
@@ -438,31 +468,20 @@ def _bwd_dfk(
     T, H, G, D, F, NC, lin_off,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dphi_k per key tile x KV head x feature chunk: the LA terms of the query tiles that stream this key tile,
-    then the state gradient of the tile."""
-    pid_k = tl.program_id(0)
-    pid_bhkv = tl.program_id(1)
+    """dphi_k per key tile x KV head x feature chunk: the LA terms of the packed query tiles that stream this key
+    tile, then the state gradient of the tile."""
     f0 = tl.program_id(2) * BLOCK_FC
-    b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
-    start, end = tl.load(START + b), tl.load(END + b)
-    kb = pid_k * BLOCK
-    cols, j, k_ok = _span(kb, start, end, BLOCK)
-    k_row = pid_bhkv.to(tl.int64) * T + cols
-    v = _rows(V, k_row, k_ok, D, BLOCK_D)
+    b, hk, start, end, kb, cols, j, k_ok, k_row, v, st = _key_tile(V, START, END, T, H, G, D, NC, BLOCK, BLOCK_D)
     dfk = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
-    # query tiles with some query past the window of some key here, whose span still streams this tile
-    first = (tl.maximum(kb + lin_off - BLOCK + 1, kb) + BLOCK - 1) // BLOCK * BLOCK
-    for gi in range(0, G):
-        for m0 in range(first, tl.minimum(kb + BLOCK + lin_off - 1, end), BLOCK):
-            rows, n, row_ok = _span(m0, start, end, BLOCK)
-            q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
-            z = tl.load(Z + q_row, mask=row_ok, other=1.0)
-            dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
-            dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
-            lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
-            dp = tl.where(lin, _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None], 0.0)
-            dfk += _dot(tl.trans(dp), _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC), DT, PREC)
-    st = pid_bhkv.to(tl.int64) * NC + pid_k
+    first, last = _tiles_of_key(kb, end, lin_off, T, G, BLOCK, True, lin_off)
+    for i in range(first, last + 1):
+        _, _, n, row_ok, q_row, _, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
+        z = tl.load(Z + q_row, mask=row_ok, other=1.0)
+        dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
+        dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
+        lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
+        dp = tl.where(lin, _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None], 0.0)
+        dfk += _dot(tl.trans(dp), _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC), DT, PREC)
     gkv, gk = _state(G_KV, G_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
     dfk += tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
     _store_cols(DFK, k_row, cols < T, F, f0, tl.where(k_ok[:, None], dfk, 0.0), BLOCK_FC)
@@ -570,8 +589,6 @@ def _settings(q, k, fq, window, mode, sinks, block):
         BLOCK=block, BLOCK_D=_pow2(D), SOFT=soft, LIN=lin, HYBRID=hybrid,
         sink_off=int(window) if mode == "swa_sinks" else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
         DT=_DT[q.dtype], PREC=_precision(q),
-        # query block m reads the state of key blocks < lo(m); key block c is in it when m >= c + 1 + off
-        off=-((1 - lin_off) // block),
     )  # fmt: skip
 
 
@@ -582,6 +599,7 @@ class _HybridAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         s = _settings(q, k, fq, window, mode, sinks, block)
         nm = triton.cdiv(T, block)
+        nq = triton.cdiv(T * s["G"], block)  # packed query tiles (GQA: all heads of a KV head at once)
         f32 = dict(dtype=torch.float32, device=q.device)
         y = torch.empty_like(q)
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
@@ -592,7 +610,7 @@ class _HybridAttention(torch.autograd.Function):
             state_kv = state_k = c  # unused
         g = gamma.detach().to(torch.float32).contiguous()
         fchunk = tiles.of("_fwd")[1]
-        _fwd[(nm, B * H)](
+        _fwd[(nq, B * k.shape[1])](
             q, k, v, fq, fk, g, state_kv, state_k, start, end, y, c, z, den_e, den_l, idx,
             s["T"], s["H"], s["G"], s["D"], s["F"], nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
             BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fchunk, BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"],
@@ -612,6 +630,7 @@ class _HybridAttention(torch.autograd.Function):
         Hkv = k.shape[1]
         s = _settings(q, k, fq, window, mode, sinks, block)
         nm, F, G = triton.cdiv(T, block), s["F"], s["G"]
+        nq = triton.cdiv(T * G, block)
         f32 = dict(dtype=torch.float32, device=q.device)
         dy = dy.contiguous()
         delta = (dy.float() * y.float()).sum(-1).contiguous()
@@ -627,7 +646,7 @@ class _HybridAttention(torch.autograd.Function):
         opts, _ = common("_bwd_dq")
         parts = [p for p in ("SOFT", "SINKS") if s[p]] or ["SOFT"]  # (la_only: one launch writes the zeros)
         for i, part in enumerate(parts):  # the window terms, then the sinks' added to dq
-            _bwd_dq[(nm, B * H)](
+            _bwd_dq[(nq, B * Hkv)](
                 q, k, v, g, start, end, dy, c, z, delta, dq, rsum,
                 T, H, G, D, s["window"], s["sink_off"], s["n_sinks"], scale, BLOCK_S=_pow2(max(sinks, 1)),
                 SOFT=part == "SOFT" and s["SOFT"], SINKS=part == "SINKS", HYBRID=s["HYBRID"], ACC=i > 0, **opts,
@@ -638,7 +657,7 @@ class _HybridAttention(torch.autograd.Function):
             state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles)
             dfq = torch.empty(B, H, T, F, **f32)
             opts, fc = common("_bwd_dfq")
-            _bwd_dfq[(nm, B * H, triton.cdiv(F, fc))](
+            _bwd_dfq[(nq, B * Hkv, triton.cdiv(F, fc))](
                 fq, fk, v, state_kv, state_k, start, end, dy, z, delta, dfq, T, H, G, D, F, nm, s["lin_off"],
                 BLOCK_FC=fc, **opts,
             )  # fmt: skip
@@ -648,7 +667,7 @@ class _HybridAttention(torch.autograd.Function):
             opts, fc = common("_states_bwd")
             _states_bwd[(triton.cdiv(F, fc), B * Hkv)](
                 fq, start, end, dy, z, delta, g_kv, g_k, *(d_init if has_init else (g_kv, g_k)),
-                T, H, G, D, F, nm, s["off"], HAS_INIT=has_init, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fc,
+                T, H, G, D, F, nm, nq, s["lin_off"], HAS_INIT=has_init, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fc,
                 PREC=s["PREC"], **tiles.launch("_states_bwd"),
             )  # fmt: skip
             dfk = torch.empty(B, Hkv, T, F, **f32)

@@ -91,6 +91,17 @@ def test_outputs_and_gradients_equal_the_naive_spec(mode, window):
         assert grads[n].abs().max() > 0, n
 
 
+def test_packed_gqa_tiles_at_a_group_of_five():
+    """A packed query tile holds block / G positions of each of the G query heads of a KV head: its first and last
+    position, the key tiles it streams, the LA state it reads, and the query tiles that reach each key tile in the
+    backward move with G. G = 5 (3 is the default above, 1 below) puts tile edges on and off the key-tile boundaries
+    at this window: it fails if a bound of `_tiles_of_key` or `_states_bwd` is one short. Both ends padded."""
+    x = make(53, H=10, Hkv=2, seed=5)
+    mask = left_padded(53, pad=4)
+    mask[0, -3:] = 0
+    check(x, mask, window=5, mode="hybrid", sinks=2)
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "swa_sinks", "la_only"])
 def test_padding_anywhere_is_packed_and_restored(mode):
     T = 45
