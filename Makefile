@@ -27,7 +27,7 @@ format: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# The inner loop (147 s on 2 cores; 3 minutes at most): tests/unit and the integration checks marked `fast` (tests/conftest.py).
+# The inner loop (162 s on 2 cores; 3 minutes at most): tests/unit and the integration checks marked `fast` (tests/conftest.py).
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 -m fast
 
