@@ -28,7 +28,7 @@ def run(args: list[str], env_extra: dict | None = None, timeout: int = 600, rank
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     if not cold and os.environ.get("HYBRID_SCALE_TEST_COLD") != "1":
         server = _warm_server()
-        if not warm.differs(env, server.env):
+        if not warm.differs(env, server.env):  # (env_extra's import-time variables: a fresh process)
             return server.run(args, env, timeout, ranks, script)
     target = [str(script)] if script else ["-m", "hybrid_scale.cli"]
     launcher = (
@@ -128,11 +128,15 @@ class _Warm:
         return result
 
 
-_server = None
+_servers: dict[frozenset, _Warm] = {}
 
 
 def _warm_server() -> _Warm:
-    global _server
-    if _server is None or _server.proc.poll() is not None:
-        _server = _Warm()
-    return _server
+    """The server for this process's environment as it is now: a test may leave a variable set that a library reads
+    at import, and a server started before it would then be bypassed by every later run."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    key = frozenset((k, v) for k, v in base.items() if not k.startswith(warm.RUNTIME_PREFIXES))
+    server = _servers.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _servers[key] = _Warm()
+    return server

@@ -61,3 +61,10 @@ def test_an_environment_a_library_reads_at_import_starts_fresh():
     assert warm.differs({**base, "PYTHONPATH": "/x"}, base) == ["PYTHONPATH"]
     assert warm.differs({**base, "TRITON_INTERPRET": "0"}, base) == ["TRITON_INTERPRET"]
     assert Path(warm.__file__).name == "warm.py"
+
+
+def test_a_variable_left_set_by_another_test_gets_its_own_server(monkeypatch):
+    """A test that leaves an import-time variable set (CI once had one) must not turn every later run cold."""
+    assert procs.run(["nonsense"]).args[0] == "warm:"  # a server for the environment as it was
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    assert procs.run(["nonsense"]).args[0] == "warm:"
