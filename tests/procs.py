@@ -1,6 +1,7 @@
 """Child processes for tests (torchrun, a CLI run): their own process group, killed whole on timeout."""
 
 import atexit
+import itertools
 import json
 import os
 import signal
@@ -77,10 +78,10 @@ def collective_calls(prefix: Path, world: int) -> list[dict]:
 class _Warm:
     """tests/warm.py started once per test process; stopped by its PID when the process exits."""
 
-    def __init__(self):
+    def __init__(self, env: dict):
         self.dir = tempfile.mkdtemp(prefix="hs-warm-")
         self.path = os.path.join(self.dir, "sock")
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.env = env
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).parent / "warm.py"), self.path],
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
@@ -92,7 +93,7 @@ class _Warm:
         else:
             raise RuntimeError(f"tests/warm.py did not start (exit {self.proc.wait()})")
         self.proc.stdout.close()
-        self.n = 0
+        self.count = itertools.count(1)  # (runs may come from several threads)
 
     def stop(self):
         if self.proc.poll() is None:
@@ -100,8 +101,8 @@ class _Warm:
             self.proc.wait()
 
     def run(self, args, env, timeout, ranks, script):
-        self.n += 1
-        out, err = (os.path.join(self.dir, f"{self.n}.{s}") for s in ("out", "err"))
+        n = next(self.count)
+        out, err = (os.path.join(self.dir, f"{n}.{s}") for s in ("out", "err"))
         script = str(script) if script else None
         cmd = ["warm:", *([f"torchrun --nproc-per-node={ranks}"] if ranks else []), script or "hybrid_scale.cli", *args]
         req = dict(args=args, script=script, ranks=ranks, port=free_port(), env=env, cwd=os.getcwd(), out=out, err=err)
@@ -138,5 +139,5 @@ def _warm_server() -> _Warm:
     key = frozenset((k, v) for k, v in base.items() if not k.startswith(warm.RUNTIME_PREFIXES))
     server = _servers.get(key)
     if server is None or server.proc.poll() is not None:
-        server = _servers[key] = _Warm()
+        server = _servers[key] = _Warm(base)
     return server

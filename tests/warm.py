@@ -54,6 +54,7 @@ def _child(req: dict, env: dict) -> None:
         os.setsid()
         fd_in = os.open(os.devnull, os.O_RDONLY)
         os.dup2(fd_in, 0)
+        os.close(fd_in)
         for fd, path in ((1, req["out"]), (2, req["err"])):
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(f, fd)
