@@ -2,8 +2,8 @@
 
 - Activation checkpointing: non-reentrant (works with PEFT), on the transformers model (it only wraps each layer's
   call, so its place in the order changes nothing).
-- `adapt` (PEFT's LoRA wrapping), which must see whole linears: the tensor-parallel plan then splits each wrapped
-  linear together with its LoRA factors.
+- `adapt` (PEFT's LoRA wrapping), which must see whole linears (tensor_parallel.whole_shapes, for a model that was
+  read split): the tensor-parallel plan then splits each wrapped linear's LoRA factors as it split the linear.
 - Tensor parallelism (launch.tensor_parallel > 1, torch DTensor, tensor_parallel.py): heads, MLP columns and the
   vocabulary split over the ranks of a node.
 - Data parallel: DeepSpeed ZeRO-3 at tensor_parallel = 1 (stage 2's engine with its optimizer, or partitioned
@@ -47,8 +47,9 @@ def parallelize(
     None."""
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    if adapt is not None:
-        model = adapt(model)
+    if adapt is not None:  # (a model read split: PEFT makes whole LoRA factors, which the plan then splits)
+        with tensor_parallel.whole_shapes(model):
+            model = adapt(model)
     if rt is not None and rt.tp > 1:
         tensor_parallel.apply(model, rt)
         if train and zero3 is not None:

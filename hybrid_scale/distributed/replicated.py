@@ -79,6 +79,33 @@ class ReplicatedEngine:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def check_replicas(self) -> None:
+        """Every rank holds the same replicated trainable tensors (and the same parts of the split ones on the ranks
+        of one data-parallel group): one all-reduce of a float64 checksum per tensor, max and -min together. A
+        mismatch raises ReplicaMismatch naming the first tensor that differs."""
+        rt = self.rt
+        if rt.world == 1:
+            return
+        sums = []
+        for _, p in self.named:
+            t = tensor_parallel.local(p.detach()).double().flatten()
+            w = torch.arange(1, t.numel() + 1, dtype=torch.float64, device=t.device).remainder_(977).add_(1)
+            sums.append((t * w).sum())
+        local = torch.stack(sums)
+        split = torch.tensor([d is not None for d in self.dims.values()], device=local.device)
+        both = torch.cat([local, -local])
+        runtime.all_reduce(rt, both, op="max")  # replicated: over every rank
+        parts = torch.cat([local, -local])
+        runtime.all_reduce(rt, parts, op="max", group=tensor_parallel.dp_group(rt), size=rt.dp)  # split: per part
+        n = len(sums)
+        for i, (name, _) in enumerate(self.named):
+            hi, lo = (parts[i], -parts[n + i]) if split[i] else (both[i], -both[n + i])
+            if hi != lo:
+                raise ReplicaMismatch(
+                    f"{name} differs across ranks (checksums {lo.item():.17g} .. {hi.item():.17g}): the replicated "
+                    "trainable state drifted apart; the run cannot continue correctly (please report it)"
+                )
+
     # --- whole tensors in and out (checkpoints are independent of the tensor-parallel size) -------------------
 
     def trainable_state(self) -> tuple[dict, dict]:
@@ -105,6 +132,10 @@ class ReplicatedEngine:
                     local = tensor_parallel.local_part(moments[f"{name}::{key}"], dim, self.rt).to(self.rt.device)
                     state[key] = _like(p, local.to(p.dtype))
                 self.optimizer.state[p] = state
+
+
+class ReplicaMismatch(RuntimeError):
+    """The copies of a replicated trainable tensor differ across ranks."""
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

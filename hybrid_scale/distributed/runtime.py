@@ -102,7 +102,7 @@ def all_reduce(rt: Runtime, t: torch.Tensor, op: str = "sum", group=None, size: 
     """In place over the ranks (sum / min / max), or over a subgroup (`group` of `size` ranks, e.g. the
     data-parallel ranks of tensor_parallel.groups); a no-op alone."""
     if (rt.world if size is None else size) > 1:
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         dist.all_reduce(_on_device(rt, t), op=ops.get(op, op), group=group)
     return t
 

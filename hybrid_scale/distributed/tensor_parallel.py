@@ -18,6 +18,7 @@ Checkpoints hold whole tensors (a run resumes at another tensor-parallel size): 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -29,7 +30,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ..attention.hybrid import HybridAttention
 from ..errors import ConfigError
-from . import runtime
 from .runtime import Runtime
 
 LAYER_PLAN = {  # a decoder layer of every supported architecture (stage 1 splits one layer at a time)
@@ -107,42 +107,70 @@ def plan_for(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 def apply(model: nn.Module, rt: Runtime) -> nn.Module:
     """Split `model` (a transformers causal LM, converted or not, optionally PEFT-wrapped) over this rank's
-    tensor-parallel group, in place, and put it on rt.device: hybrid layers narrowed to the local heads, then the
-    plan applied. A model on the host moves to the device one split weight at a time (the whole weight, then this
-    rank's part of it), so that the device never holds more than its part and one weight."""
+    tensor-parallel group, in place, and put it on rt.device. What is already split (a model that
+    streaming.split_model read in parts) stays as it is: only the rest is split, e.g. the LoRA factors that PEFT
+    added since. A whole model on the host moves to the device one split weight at a time (the whole weight, then
+    this rank's part of it)."""
     if rt.tp == 1:
         return model
+    split(model, rt)
+    return model.to(rt.device)  # what stays whole: norms, rotary tables, the narrowed phi/gamma
+
+
+def split(model: nn.Module, rt: Runtime) -> nn.Module:
+    """`apply` without the move to the device (also on the meta device): the hybrid layers not yet narrowed are
+    narrowed to the local heads, then the plan splits what is not split yet; tied embeddings share one local part."""
     config = _config(model)
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(config, name) % rt.tp:
-            raise ConfigError(
-                f"config key 'launch.tensor_parallel': {name} = {getattr(config, name)} is not divisible by "
-                f"{rt.tp}; choose a divisor of it"
-            )
+    check_divisible(config, rt.tp)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     architecture = type(inner).__name__
     if architecture not in PLANS:
         raise ConfigError(f"tensor parallelism has no plan for {architecture}; supported: {', '.join(sorted(PLANS))}")
     for m in model.modules():
-        if isinstance(m, HybridAttention):
+        if isinstance(m, HybridAttention) and m.head_range is None:
             narrow(m, rt)
     _split(model, plan_for(model, PLANS[architecture]), rt)
-    if getattr(config, "tie_word_embeddings", False):  # both split over the vocabulary: share the one local part
+    tie(model)
+    return model
+
+
+SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def check_divisible(config, tp: int) -> None:
+    """Every size the plan splits must divide by tp (equal parts on every rank); one ConfigError naming it."""
+    for name in SPLIT_SIZES:
+        if tp > 1 and getattr(config, name) % tp:
+            raise ConfigError(
+                f"config key 'launch.tensor_parallel': the model's {name} = {getattr(config, name)} is not divisible "
+                f"by {tp}; choose a divisor of it"
+            )
+
+
+@contextlib.contextmanager
+def whole_shapes(model: nn.Module):
+    """Inside the block every split linear shows its whole weight shape (a storage-free stand-in of the whole
+    weight's shape, dtype and device). PEFT (0.21) sizes the LoRA factors of a DTensor weight by its local part (its
+    own tensor-parallel scheme); this plan instead splits whole factors after PEFT made them (`split`), so that
+    their initial values and checkpoints are those of tensor_parallel 1. Wrap with PEFT inside it."""
+    saved = [(m, m.weight) for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, DTensor)]
+    for m, w in saved:
+        stand_in = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
+        m.weight = nn.Parameter(stand_in, requires_grad=w.requires_grad)
+    try:
+        yield model
+    finally:
+        for m, w in saved:
+            w.requires_grad_(m.weight.requires_grad)  # what PEFT froze stays frozen
+            m.weight = w
+
+
+def tie(model: nn.Module) -> None:
+    """A model with tied word embeddings: the LM head shares the input embedding's (local) weight."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(inner, "config", None)
+    if config is not None and getattr(_config(inner), "tie_word_embeddings", False) and hasattr(inner, "lm_head"):
         inner.lm_head.weight = inner.model.embed_tokens.weight
-    return model.to(rt.device)  # what stays whole: norms, rotary tables, the narrowed phi/gamma
-
-
-def in_turns(rt: Runtime, build):
-    """build() on the ranks of each tensor-parallel group one after another (a barrier between turns), for builds
-    that load a whole model on the host and keep a part: a node then holds one whole model per group at a time,
-    not one per rank. build() must make no collective call (the mesh is made here, before the turns)."""
-    mesh(rt)
-    out = None
-    for turn in range(rt.tp):
-        if rt.tp_rank == turn:
-            out = build()
-        runtime.barrier(rt)
-    return out
 
 
 def split_layer(layer: nn.Module, rt: Runtime) -> nn.Module:
@@ -161,7 +189,11 @@ def narrow(m: HybridAttention, rt: Runtime) -> HybridAttention:
 
 
 def _split(module: nn.Module, plan: dict[str, str], rt: Runtime) -> None:
-    styles = {name: _style(kind) for name, kind in plan.items()}
+    styles = {
+        name: _style(kind)
+        for name, kind in plan.items()
+        if not isinstance(getattr(module.get_submodule(name), "weight", None), DTensor)  # split already
+    }
     # every rank loaded the same weights: each keeps its own part (src_data_rank None: no scatter from rank 0)
     parallelize_module(module, mesh(rt)["tp"], styles, src_data_rank=None)
 

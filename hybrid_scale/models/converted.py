@@ -10,14 +10,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..attention.architectures import BY_EXPORT_TYPE
 from ..attention.hybrid import HybridAttention, hybrid_layers
+from ..distributed import tensor_parallel
 from ..distributed.deepspeed import _import_deepspeed, is_partitioned
+from ..distributed.runtime import Runtime
 from ..errors import ConvertedModelError
+from . import streaming
 from .convert import check_architecture, convert_model, set_modes
 
 CONFIG_NAME = "hybrid_config.json"
@@ -26,11 +31,14 @@ ADAPTER_DIR = "adapter"  # stage 2 adds a PEFT LoRA adapter here
 FORMAT_VERSION = 1
 
 
-def load_base_model(path: str | os.PathLike, dtype: torch.dtype) -> nn.Module:
+def load_base_model(path: str | os.PathLike, dtype: torch.dtype, rt: Runtime | None = None) -> nn.Module:
     """The plain softmax model of a model directory (an HF model, a converted model's base, or an export: its merged
     weights as the base architecture). An export's shards also hold the phi/gamma tensors; they are not the base
-    model's, so they are expected extras here rather than reported as unexpected keys."""
+    model's, so they are expected extras here rather than reported as unexpected keys. At rt.tp > 1 the model is
+    split over rt's tensor-parallel group on rt.device, each rank reading only its part (streaming.split_model)."""
     config = base_config(path)
+    if rt is not None and rt.tp > 1:
+        return streaming.split_model(config, streaming.ShardedCheckpoint(Path(path)), dtype, rt)
     hybrid_keys = [r"\.self_attn\.feature_map_[qk]\.", r"\.self_attn\.gamma_logit$"]
     with _also_ignored(type(config), hybrid_keys):
         return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
@@ -69,8 +77,12 @@ def base_config(path: Path):
 
 def hybrid_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """phi and gamma parameters of every hybrid layer, keyed by their name in the model."""
+    return {name: p.detach() for name, p in _hybrid_parameters(model).items()}
+
+
+def _hybrid_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {
-        f"{prefix}.{name}": p.detach()
+        f"{prefix}.{name}": p
         for prefix, module in model.named_modules()
         if isinstance(module, HybridAttention)
         for name, p in module.hybrid_parameters()
@@ -193,7 +205,7 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
 def merge_adapter(model: nn.Module, adapter: Path) -> None:
     """Merge a stage-2 LoRA adapter into the model's weights in place, with the export's arithmetic (tested equal to
     PEFT's merge_and_unload). Weights partitioned by ZeRO-3 are gathered one at a time, merged on rank 0 and
-    partitioned again."""
+    partitioned again; a weight split by tensor parallelism merges its own rows (B's rows) or columns (A's)."""
 
     deltas, scaling = lora_deltas(adapter)
     named = dict(model.named_parameters())
@@ -208,6 +220,14 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
                 f"{adapter} gives {name} a delta of shape {[b.shape[0], a.shape[1]]} but the model's weight is "
                 f"{shape}: the adapter was trained on another model"
             )
+        if isinstance(p, DTensor):
+            dim = tensor_parallel.placement(p, set())
+            rank, parts = p.device_mesh.get_local_rank(), p.device_mesh.size()
+            a, b = (a.chunk(parts, 1)[rank], b) if dim == 1 else (a, b.chunk(parts, 0)[rank] if dim == 0 else b)
+            with torch.no_grad():
+                t = p.to_local()
+                t.copy_(merge(t, a.to(t.device), b.to(t.device), scaling))
+            continue
         sharded = is_partitioned(p)
         whole = (
             _import_deepspeed().zero.GatheredParameters([p], modifier_rank=0) if sharded else contextlib.nullcontext()
@@ -222,9 +242,12 @@ def load_converted(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     backend: str | None = None,
+    rt: Runtime | None = None,
 ):
     """Load base model + hybrid parameters (+ a stage-2 LoRA adapter, merged). The dtype is always passed explicitly
-    to transformers. backend: the attention backend to run on (auto | torch | triton); None = as recorded."""
+    to transformers. backend: the attention backend to run on (auto | torch | triton); None = as recorded.
+    At rt.tp > 1 the model is split over rt's tensor-parallel group on rt.device (`device` is then ignored): each
+    rank reads only its part of every base weight, phi/gamma of its own heads, and merges the LoRA delta of its part."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     path = Path(path)
@@ -234,26 +257,41 @@ def load_converted(
         raise ConvertedModelError(
             f"base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit 'base_model'"
         )
-    model = load_base_model(base, dtype)
+    split = rt is not None and rt.tp > 1
+    model = load_base_model(base, dtype, rt)
     attention = dict(meta["attention"])
     layer_modes = attention.pop("layer_modes", None)
     if backend is not None:
         attention["backend"] = backend
     convert_model(model, attention)
+    if split:  # phi/gamma of the local heads only (the projections were split as they were read)
+        tensor_parallel.split(model, rt)
     params_file = path / PARAMS_NAME
     if not params_file.is_file():
         raise ConvertedModelError(f"{params_file} is missing")
-    params = load_file(params_file)
-    expected = set(hybrid_state_dict(model))
-    if set(params) != expected:
-        missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
-        raise ConvertedModelError(
-            f"{params_file} does not match {CONFIG_NAME}: missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    model.load_state_dict(params, strict=False)
+    expected = _hybrid_parameters(model)
+    with safe_open(params_file, "pt") as f:
+        names = set(f.keys())
+        if names != set(expected):
+            missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
+            raise ConvertedModelError(
+                f"{params_file} does not match {CONFIG_NAME}: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        heads = tensor_parallel.head_sharded(model)
+        with torch.no_grad():
+            for name, p in expected.items():
+                dim = tensor_parallel.placement(p, heads)
+                t = streaming.read_part(f, name, dim, rt.tp_rank, rt.tp) if split else f.get_tensor(name)
+                if t.shape != p.shape:
+                    part = " (this rank's part)" if split else ""
+                    raise ConvertedModelError(
+                        f"{params_file}: {name} has shape {list(f.get_slice(name).get_shape())}, not the model's "
+                        f"{list(p.shape)}{part}: the file belongs to another model"
+                    )
+                p.copy_(t)
     adapter = path / ADAPTER_DIR
     if adapter.is_dir():  # a stage-2 output: its LoRA adapter, merged for inference
         merge_adapter(model, adapter)
     if layer_modes:
         set_modes(model, {int(i): m for i, m in layer_modes.items()})
-    return model.to(device).eval()
+    return model.to(rt.device if split else device).eval()

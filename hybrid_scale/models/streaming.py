@@ -1,7 +1,12 @@
 """A Hugging Face safetensors checkpoint, one decoder layer at a time: the shard index (every shard's header read and
-checked), tensors read by name, a decoder layer built on the meta device and given only its own weights, the
-model's rotary embeddings, and the teacher loop over the layers. Stage 1 (attention transfer) and the export's
-gamma calibration are its two users; the export's LoRA merge reads its shard index."""
+checked), tensors read by name (or only a rank's part of each: `get_slice`), a decoder layer built on the meta device
+and given only its own weights, the model's rotary embeddings, and the teacher loop over the layers. Stage 1
+(attention transfer) and the export's gamma calibration are its users; the export's LoRA merge reads its shard index.
+
+At launch.tensor_parallel > 1 a layer (stage 1) or the whole model (stage 2, evaluation: `split_model`) is built on
+the meta device, split there by tensor_parallel's plan, and each rank reads only its own rows or columns of each
+weight from the shards, straight into its device tensors: no rank holds a whole model or a whole split weight, and
+no rank waits for another's read."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..attention.architectures import ARCHITECTURES
+from ..distributed import tensor_parallel
+from ..distributed.runtime import Runtime
 from ..errors import InputError, UnsupportedArchitectureError
 
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -87,6 +94,45 @@ class ShardedCheckpoint:
                     out[k] = f.get_tensor(k)
         return out
 
+    def load_into(self, targets: dict[str, tuple[torch.Tensor, int | None]], rank: int = 0, world: int = 1) -> int:
+        """Copy into each target tensor its named tensor's part: along `dim`, part `rank` of `world` equal parts (all
+        of it when dim is None). Only those bytes are read (get_slice), one tensor at a time. Returns the bytes read."""
+        missing = [n for n in targets if n not in self.where]
+        if missing:
+            raise InputError(f"{self.path} lacks {missing[:3]}: restore the checkpoint's files")
+        by_file: dict[str, list[str]] = {}
+        for n in targets:
+            by_file.setdefault(self.where[n], []).append(n)
+        read = 0
+        for file, keys in by_file.items():
+            with safe_open(self.path / file, "pt") as f:
+                for k in keys:
+                    target, dim = targets[k]
+                    part = read_part(f, k, dim, rank, world)
+                    if part.shape != target.shape:
+                        raise InputError(
+                            f"{self.path / file}: {k} has shape {list(f.get_slice(k).get_shape())}, which does not "
+                            f"give this model's {list(target.shape)} (part {rank} of {world} along dim {dim}): the "
+                            "checkpoint does not match its config.json"
+                        )
+                    with torch.no_grad():
+                        target.copy_(part)
+                    read += part.numel() * part.element_size()
+        return read
+
+
+def read_part(f, name: str, dim: int | None, rank: int, world: int) -> torch.Tensor:
+    """Part `rank` of `world` equal parts of tensor `name` along `dim` of an open safetensors file (all of it when dim
+    is None): only its bytes are read."""
+    s = f.get_slice(name)
+    if dim is None or world == 1:
+        return s[:]
+    shape = s.get_shape()
+    if shape[dim] % world:
+        raise InputError(f"{name}: dimension {dim} of {list(shape)} does not split into {world} equal parts")
+    n = shape[dim] // world
+    return s[tuple(slice(rank * n, (rank + 1) * n) if d == dim else slice(None) for d in range(len(shape)))]
+
 
 def model_class(config, suffix: str):
     """transformers' class of the architecture with `suffix` in place of ForCausalLM, e.g. LlamaDecoderLayer."""
@@ -99,17 +145,51 @@ def model_class(config, suffix: str):
     return getattr(module, arch.replace("ForCausalLM", suffix))
 
 
-def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype, device="cpu"):
-    """Decoder layer i with its weights on `device` in `dtype` (frozen, eval mode), and nothing else of the model."""
+def build_layer(config, ckpt: ShardedCheckpoint, i: int, dtype: torch.dtype, device="cpu", rt: Runtime | None = None):
+    """Decoder layer i with its weights on `device` in `dtype` (frozen, eval mode), and nothing else of the model; at
+    rt.tp > 1 split over the tensor-parallel group, each rank reading only its part of each weight."""
     cls = model_class(config, "DecoderLayer")
     with torch.device("meta"):
         layer = cls(config, i)
     prefix = f"model.layers.{i}."
-    tensors = ckpt.read([prefix + k for k in layer.state_dict()])  # only the decoder layer's own tensors
-    layer.load_state_dict({k[len(prefix) :]: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, assign=True)
+    if rt is not None and rt.tp > 1:
+        tensor_parallel.split_layer(layer.to(dtype), rt)  # (a decoder layer has no buffers for the cast to touch)
+        _fill(layer, ckpt, prefix, device, rt)
+    else:
+        tensors = ckpt.read([prefix + k for k in layer.state_dict()])  # only the decoder layer's own tensors
+        state = {k[len(prefix) :]: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+        layer.load_state_dict(state, assign=True)
     for p in layer.parameters():
         p.requires_grad_(False)
     return layer.eval()
+
+
+def split_model(config, ckpt: ShardedCheckpoint, dtype: torch.dtype, rt: Runtime):
+    """The causal LM of a checkpoint split over rt's tensor-parallel group (rt.tp > 1) on rt.device: built on the
+    meta device, split there (tensor_parallel.split), then each rank's part of each weight read from the shards."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensor_parallel.split(model, rt)
+    _fill(model, ckpt, "", rt.device, rt)
+    for m in model.modules():  # non-persistent buffers (the rotary frequencies) are computed, not read
+        if any(name in m._non_persistent_buffers_set for name, _ in m.named_buffers(recurse=False)):
+            model._init_weights(m)
+    return model.eval()
+
+
+def _fill(module, ckpt: ShardedCheckpoint, prefix: str, device, rt: Runtime) -> None:
+    """A module split on the meta device given real storage on `device`, then this rank's part of each parameter
+    read from the checkpoint (a tied weight once)."""
+    module.to_empty(device=device)
+    tensor_parallel.tie(module)
+    heads = tensor_parallel.head_sharded(module)
+    targets = {
+        prefix + name: (tensor_parallel.local(p), tensor_parallel.placement(p, heads))
+        for name, p in module.named_parameters()
+    }
+    ckpt.load_into(targets, rt.tp_rank, rt.tp)
 
 
 def rotary(config, seq_len: int, dtype: torch.dtype, device="cpu"):
@@ -125,12 +205,13 @@ def embedding(ckpt: ShardedCheckpoint, dtype: torch.dtype) -> torch.Tensor:
 
 
 def layers(
-    config, ckpt: ShardedCheckpoint, dtype: torch.dtype, first: int = 0, device="cpu"
+    config, ckpt: ShardedCheckpoint, dtype: torch.dtype, first: int = 0, device="cpu", rt: Runtime | None = None
 ) -> Iterator[tuple[int, object]]:
-    """The teacher/student loop's spine: (i, decoder layer i) for i = first ... L-1, one layer in memory at a time.
-    The caller trains or fits the student parts of layer i on its inputs, then runs `teacher` to make layer i+1's."""
+    """The teacher/student loop's spine: (i, decoder layer i) for i = first ... L-1, one layer in memory at a time
+    (split over rt's tensor-parallel group when rt.tp > 1). The caller trains or fits the student parts of layer i
+    on its inputs, then runs `teacher` to make layer i+1's."""
     for i in range(first, config.num_hidden_layers):
-        yield i, build_layer(config, ckpt, i, dtype, device)
+        yield i, build_layer(config, ckpt, i, dtype, device, rt)
 
 
 @torch.no_grad()

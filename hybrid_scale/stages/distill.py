@@ -58,8 +58,8 @@ def distill(cfg) -> Path:
         for warning in checked.warnings:  # e.g. ranks left idle by too few query blocks per step
             s.log(f"warning: {warning}")
         current = inputs_of_first_layer(s)
-        for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device):
-            tensor_parallel.split_layer(layer, s.rt)  # its heads and MLP columns over the tensor-parallel group
+        # each layer's heads and MLP columns split over the tensor-parallel group, each rank reading only its part
+        for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device, rt=s.rt):
             other = "b" if current == "a" else "a"
             if _writer(s.rt):
                 (s.buffer_dir / f"written_{other}.rank{_slot(s.rt)}").unlink(missing_ok=True)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from ..data import corpus
 from ..data.staging import Stager
-from ..distributed import runtime, tensor_parallel
+from ..distributed import runtime
 from ..distributed.checkpoint import atomic_write
 from ..errors import DistillError
 from ..models import streaming
@@ -113,8 +113,7 @@ def _rebuild_inputs(s: Stage1) -> str:
     if s.rt.tp > 1:
         runtime.barrier(s.rt)
     current = "a"
-    for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype, device=s.rt.device), s.first):
-        tensor_parallel.split_layer(layer, s.rt)
+    for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype, device=s.rt.device, rt=s.rt), s.first):
         s.log(f"replaying teacher layer {j} to rebuild layer {s.first}'s inputs")
         other = "b" if current == "a" else "a"
         run_teacher(s, layer, s.bufs[current], s.bufs[other])

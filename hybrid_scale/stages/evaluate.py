@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..data import assets, benchmarks, corpus
-from ..distributed import requeue, runtime, tensor_parallel
+from ..distributed import requeue, runtime
 from ..distributed.deepspeed import _import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
 from ..distributed.requeue import SignalFlag
@@ -63,7 +63,7 @@ class Models:
         self.untrained = not converted
         self._zero3 = None
         self.rt = rt
-        if rt.tp > 1:  # the heads split over the tensor-parallel ranks (loaded whole on each, then split)
+        if rt.tp > 1:  # the heads split over the tensor-parallel ranks (each reads only its part of each weight)
             runtime.join_group(rt)
         elif cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
             from transformers.integrations import HfDeepSpeedConfig
@@ -74,15 +74,7 @@ class Models:
 
     def _load_base(self):
         # an export's base architecture: "base" is its softmax model (merged weights)
-        return load_base_model(rundir.base_of(self.path, self.converted), self.dtype).to(self._load_on).eval()
-
-    @property
-    def _load_on(self):
-        """Split models load on the host and move their parts to the device (tensor_parallel.apply)."""
-        return "cpu" if self.rt.tp > 1 else self.device
-
-    def _in_turns(self, build):
-        return tensor_parallel.in_turns(self.rt, build) if self.rt.tp > 1 else build()
+        return load_base_model(rundir.base_of(self.path, self.converted), self.dtype, self.rt).to(self.device).eval()
 
     def _ready(self, model):
         if self.rt.tp > 1:
@@ -92,16 +84,16 @@ class Models:
     def get(self, mode: str):
         if mode == "base":
             if self._base is None:
-                self._base = self._in_turns(lambda: self._ready(self._load_base()))
+                self._base = self._ready(self._load_base())
             return self._base
         if self._hybrid is None:
-            self._hybrid = self._in_turns(self._load_hybrid)
+            self._hybrid = self._load_hybrid()
         set_modes(self._hybrid, mode)
         return self._hybrid
 
     def _load_hybrid(self):
         if self.converted:
-            model = load_converted(self.path, self.dtype, self._load_on, self.cfg.attention.backend)
+            model = load_converted(self.path, self.dtype, self.device, self.cfg.attention.backend, self.rt)
         else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
             model = convert_model(self._load_base(), self.cfg.attention)
         if self.cfg.eval.window is not None:

@@ -29,10 +29,11 @@ from tqdm import tqdm
 
 from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
-from ..distributed import requeue, runtime, tensor_parallel
+from ..distributed import requeue, runtime
 from ..distributed.checkpoint import fault, throttle
 from ..distributed.deepspeed import _import_deepspeed, clear_gradients, quiet, train_config
 from ..distributed.parallelize import parallelize
+from ..distributed.replicated import ReplicatedEngine
 from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, FinetuneError
 from ..models.convert import set_modes, set_window
@@ -226,18 +227,17 @@ def build_model(run: Run, ds_config: dict) -> None:
     ranks and the trainable state (fp32) replicated over the data-parallel ones."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    if run.rt.tp > 1:  # loaded whole on the host, each rank's part then moved to its device (tensor_parallel.py)
-        tensor_parallel.in_turns(run.rt, lambda: _build(run, ds_config, "cpu"))
-    else:
+    if run.rt.tp == 1:
         run.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
-        _build(run, ds_config, run.rt.device)
+    _build(run, ds_config)
 
 
-def _build(run: Run, ds_config: dict, load_on) -> None:
+def _build(run: Run, ds_config: dict) -> None:
     from peft import LoraConfig, get_peft_model
 
     f, cfg, split = run.cfg.finetune, run.cfg, run.rt.tp > 1
-    model = load_converted(run.source, getattr(torch, cfg.model.dtype), load_on, cfg.attention.backend)
+    # at tp > 1 each rank reads only its part of each weight (the LoRA factors PEFT adds are split by parallelize)
+    model = load_converted(run.source, getattr(torch, cfg.model.dtype), run.rt.device, cfg.attention.backend, run.rt)
     model.config.use_cache = False
     layers = hybrid_layers(model)
     for m in layers.values():
@@ -333,6 +333,8 @@ def _non_finite(run: Run, loss: float) -> None:
 def evaluate_heldout(run: Run) -> None:
     """Held-out losses in hybrid and la_only; with early stopping, best/ on a better hybrid loss and the verdict."""
     f, step = run.cfg.finetune, run.step
+    if isinstance(run.engine, ReplicatedEngine):  # its copies on every rank must not have drifted apart
+        run.engine.check_replicas()
     h = heldout_loss(run.engine, run.model, run.held_ids, "hybrid", f.micro_batch, run.rt)
     la = heldout_loss(run.engine, run.model, run.held_ids, "la_only", f.micro_batch, run.rt)
     run.curves["eval_steps"].append(step)
