@@ -1,51 +1,53 @@
-"""What each rank holds at launch.tensor_parallel = 1 and 2: parameter bytes of the frozen base, of the trainable
-state, and of the decode state, measured on a random Llama-shaped model converted and LoRA-wrapped as stage 2 does
-it, whole (tp 1) and split over 2 gloo ranks on CPU (tp 2), side by side in one run. Prints a table with the ratios
-and writes benchmarks/out/tensor_parallel_memory.json.
+"""What each rank reads and holds when a converted model is loaded at launch.tensor_parallel = 1, 2 and 4, measured
+side by side in one run: the peak resident host memory (ru_maxrss, after the load and one forward) of each rank, the
+part of it the load and the forward added, the
+allocator's peak on a GPU (max_memory_allocated), the parameter bytes held, the decode state after --tokens tokens,
+the load time, and the logits against tp 1.
 
-    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 benchmarks/tensor_parallel_memory.py \\
-        [--hidden 1024] [--layers 8] [--heads 16] [--kv-heads 8] [--vocab 32000]
+The model is the evaluation's: a random Llama written as a safetensors checkpoint (several shards), converted (every
+layer hybrid, phi/gamma in hybrid_params.safetensors) with a stage-2 LoRA adapter, loaded with load_converted as
+stage 2 and evaluation load it, then split by parallelize. At tp > 1 each rank reads only its rows or columns of
+each weight (streaming.split_model), so its host peak should fall with tp; at tp 1 the whole model is read.
+
+    .venv/bin/python benchmarks/tensor_parallel_memory.py [--hidden 2048] [--layers 8] [--tp 1 2 4] [--device cpu]
+
+Each tp runs as its own torchrun job (a process's peak RSS is for its lifetime). Prints a table with the ratios to
+tp 1 and writes benchmarks/out/tensor_parallel_memory.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
-
-import hybrid_scale as hs
-from hybrid_scale.attention.hybrid import HybridCache
-from hybrid_scale.distributed import runtime, tensor_parallel
 
 
-def held(model, cache=None) -> dict:
-    """Bytes this rank holds: frozen parameters, trainable ones (fp32: x4 with gradients and AdamW moments), and a
-    decode cache."""
-    frozen = sum(
-        tensor_parallel.local(p).numel() * tensor_parallel.local(p).element_size()
-        for p in {id(p): p for p in model.parameters()}.values()
-        if not p.requires_grad
-    )
-    trainable = sum(tensor_parallel.local(p).numel() * 4 * 4 for p in model.parameters() if p.requires_grad)
-    return {"frozen_base": frozen, "trainable_state": trainable, "decode_state": cache.nbytes if cache else 0}
+def rss() -> int:
+    """This process's resident set now, in bytes (Linux)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--tokens", type=int, default=256, help="prefill length of the decode-state measurement")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "tensor_parallel_memory.json"))
-    args = ap.parse_args()
-    rt = runtime.init("cpu", tp=2)
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def make_model(args, root: Path) -> Path:
+    """A random converted Llama (base checkpoint in two shards, phi/gamma, a LoRA adapter) under root; its path."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hybrid_scale as hs
+    from hybrid_scale.attention.hybrid import hybrid_layers
+    from hybrid_scale.models.converted import ADAPTER_DIR
+
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -55,32 +57,131 @@ def main() -> None:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
     )
-    model = hs.convert_model(LlamaForCausalLM(config).to(torch.bfloat16).eval(), {"window": 64})
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    model = get_peft_model(model, lora)  # what stage 2 trains: LoRA (fp32) on the frozen bf16 base
-    ids = torch.randint(0, args.vocab, (1, args.tokens))
-    results = {}
-    for tp in (1, 2):
-        m = copy.deepcopy(model)
-        if tp == 2:
-            tensor_parallel.apply(m, rt)
-        cache = HybridCache(m.get_base_model())
-        with torch.no_grad():
-            m(input_ids=ids, past_key_values=cache, use_cache=True)
-        results[tp] = held(m, cache)
-    per_rank = runtime.gather_objects(rt, results)
-    if rt.main:
-        lines = [
-            f"model: Llama {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
-            f"vocab {args.vocab}, bf16 base, LoRA r=8 on q/k/v/o (fp32), decode state after {args.tokens} tokens",
-            f"{'bytes per rank':<20}{'tp 1':>14}{'tp 2 rank 0':>14}{'tp 2 rank 1':>14}{'ratio':>8}",
-        ]
-        for key in ("frozen_base", "trainable_state", "decode_state"):
-            one, a, b = per_rank[0][1][key], per_rank[0][2][key], per_rank[1][2][key]
-            lines.append(f"{key:<20}{one:>14,}{a:>14,}{b:>14,}{max(a, b) / one:>8.3f}")
-        print("\n".join(lines))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "per_rank": per_rank}, indent=1))
+    base = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    base.save_pretrained(root / "base", max_shard_size=weights // 2 + 1)  # several shards
+    model = hs.convert_model(base, {"window": 16, "feature_map": "hedgehog"})
+    with torch.no_grad():  # phi/gamma away from their initial values, so that a wrong slice shows in the logits
+        for m in hybrid_layers(model).values():
+            for _, p in m.hybrid_parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    out = hs.save_converted(model, root / "converted", base_path=root / "base")
+    lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "o_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    lora.save_pretrained(root / "peft")
+    (out / ADAPTER_DIR).mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (root / "peft" / name).rename(out / ADAPTER_DIR / name)
+    return out
+
+
+def worker(args) -> None:
+    """One rank of one tp: load, split, run the logits and a decode state; its record to <results>/rank<R>.json."""
+    from transformers import AutoModelForCausalLM
+
+    from hybrid_scale.attention.hybrid import HybridCache
+    from hybrid_scale.distributed import runtime, tensor_parallel
+    from hybrid_scale.distributed.parallelize import parallelize
+    from hybrid_scale.models.converted import base_config, base_dir, load_converted
+
+    rt = runtime.init(args.device, tp=args.tp[0])
+    with torch.device("meta"):  # the modules the load imports, imported before the baseline
+        AutoModelForCausalLM.from_config(base_config(base_dir(args.path)))
+    runtime.barrier(rt)
+    before, start = rss(), time.perf_counter()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    model = load_converted(args.path, getattr(torch, args.dtype), rt.device, "torch", rt)
+    model = parallelize(model, rt=rt)[1]
+    seconds = time.perf_counter() - start
+    ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(1)).to(rt.device)
+    cache = HybridCache(model)
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -8:].float().cpu()
+    peak = peak_rss()  # after a forward: weights that the load left mapped from the shards are resident by now
+    record = {
+        "tp": args.tp[0],
+        "rank": rt.rank,
+        "peak_rss": peak,
+        "load_rss": peak - before,
+        "allocated": torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else None,
+        "parameters": tensor_parallel.parameter_bytes(model),
+        "decode_state": cache.nbytes,
+        "load_s": seconds,
+        "logits": logits.tolist() if rt.main else None,  # (every rank has the whole logits)
+    }
+    (Path(args.results) / f"rank{rt.rank}.json").write_text(json.dumps(record))
+
+
+def run_tp(args, path: Path, tp: int) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", "--standalone"]
+    cmd += [__file__, "--worker", "--path", str(path), "--tp", str(tp), "--dtype", args.dtype, "--device", args.device]
+    results = path.parent / f"tp{tp}"
+    results.mkdir()
+    cmd += ["--vocab", str(args.vocab), "--tokens", str(args.tokens), "--results", str(results)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise SystemExit(f"tp {tp} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return [json.loads((results / f"rank{r}.json").read_text()) for r in range(tp)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--tokens", type=int, default=64, help="prefill length of the logits and the decode state")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "tensor_parallel_memory.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--results", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    with tempfile.TemporaryDirectory(prefix="tp-memory-") as tmp:
+        path = make_model(args, Path(tmp))
+        shards = sorted((path.parent / "base").glob("*.safetensors"))
+        checkpoint = sum(f.stat().st_size for f in shards)
+        results = {tp: run_tp(args, path, tp) for tp in args.tp}
+    one = results[args.tp[0]][0]
+    ref = torch.tensor(one["logits"])
+    lines = [
+        f"model: Llama {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
+        f"vocab {args.vocab}, {args.dtype}, checkpoint {checkpoint / 2**20:,.0f} MiB in {len(shards)} shards; "
+        "converted "
+        f"(hedgehog), LoRA adapter merged; device {args.device}",
+        f"{'tp':>3}{'rank peak RSS MiB':>19}{'ratio':>7}{'load added MiB':>16}{'ratio':>7}"
+        f"{'params MiB':>12}{'ratio':>7}{'decode KiB':>12}{'load s':>8}{'max |dlogit|':>14}",
+    ]
+    for tp, ranks in results.items():
+        worst = max(ranks, key=lambda r: r["peak_rss"])
+        diff = (torch.tensor(ranks[0]["logits"]) - ref).abs().max().item()
+        lines.append(
+            f"{tp:>3}{worst['peak_rss'] / 2**20:>19,.0f}{worst['peak_rss'] / one['peak_rss']:>7.3f}"
+            f"{worst['load_rss'] / 2**20:>16,.0f}{worst['load_rss'] / one['load_rss']:>7.3f}"
+            f"{worst['parameters'] / 2**20:>12,.1f}{worst['parameters'] / one['parameters']:>7.3f}"
+            f"{worst['decode_state'] / 2**10:>12,.1f}{max(r['load_s'] for r in ranks):>8.1f}{diff:>14.2e}"
+        )
+        if worst["allocated"] is not None:
+            lines.append(f"    allocator peak {worst['allocated'] / 2**20:,.0f} MiB")
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    summary = {
+        str(tp): {
+            "max_dlogit": (torch.tensor(ranks[0]["logits"]) - ref).abs().max().item(),
+            "ranks": [{k: v for k, v in r.items() if k != "logits"} for r in ranks],
+        }
+        for tp, ranks in results.items()
+    }
+    Path(args.out).write_text(json.dumps({"args": vars(args), "per_tp": summary, "table": lines}, indent=1))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,21 @@ ARCHS = {
 }
 
 
+def assert_split(report: str, tp: int, kinds=("q_proj", "o_proj", "gate_proj", "down_proj")) -> None:
+    """A stage's tensor_parallel.split_report line says each rank holds about 1/tp of the parameter bytes and each
+    named weight's local part is 1/tp of it along exactly one dimension (fails when the split was skipped)."""
+    import re
+
+    fraction = float(re.search(r"each rank holds at most ([\d.]+) of the parameter bytes", report).group(1))
+    assert 1 / tp <= fraction < 1 / tp + 0.1, report
+    for kind in kinds:
+        m = re.search(rf"\b{re.escape(kind)} \[([\d, ]+)\] of \[([\d, ]+)\]", report)
+        assert m, (kind, report)
+        part, whole = ([int(x) for x in g.split(",")] for g in m.groups())
+        cut = [(p, w) for p, w in zip(part, whole, strict=True) if p != w]
+        assert len(cut) == 1 and cut[0][0] * tp == cut[0][1], (kind, part, whole)
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)

@@ -13,10 +13,13 @@ The trainable parameters are fp32 (their own masters); the frozen base computes 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..errors import FinetuneError
 from . import runtime, tensor_parallel
 from .runtime import Runtime
 
@@ -78,11 +81,14 @@ class ReplicatedEngine:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if rt.rank == 1 and os.environ.get("HYBRID_SCALE_FAULT") == "drift":  # fault injection: rank 1's copy moves
+            with torch.no_grad():
+                next(tensor_parallel.local(p) for n, p in self.named if self.dims[n] is None).add_(1e-3)
 
     def check_replicas(self) -> None:
         """Every rank holds the same replicated trainable tensors (and the same parts of the split ones on the ranks
         of one data-parallel group): one all-reduce of a float64 checksum per tensor, max and -min together. A
-        mismatch raises ReplicaMismatch naming the first tensor that differs."""
+        mismatch is one FinetuneError naming the first tensor that differs (on every rank)."""
         rt = self.rt
         if rt.world == 1:
             return
@@ -101,7 +107,7 @@ class ReplicatedEngine:
         for i, (name, _) in enumerate(self.named):
             hi, lo = (parts[i], -parts[n + i]) if split[i] else (both[i], -both[n + i])
             if hi != lo:
-                raise ReplicaMismatch(
+                raise FinetuneError(
                     f"{name} differs across ranks (checksums {lo.item():.17g} .. {hi.item():.17g}): the replicated "
                     "trainable state drifted apart; the run cannot continue correctly (please report it)"
                 )
@@ -132,10 +138,6 @@ class ReplicatedEngine:
                     local = tensor_parallel.local_part(moments[f"{name}::{key}"], dim, self.rt).to(self.rt.device)
                     state[key] = _like(p, local.to(p.dtype))
                 self.optimizer.state[p] = state
-
-
-class ReplicaMismatch(RuntimeError):
-    """The copies of a replicated trainable tensor differ across ranks."""
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

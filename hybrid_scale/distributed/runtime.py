@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ class Runtime:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     tp: int = 1  # launch.tensor_parallel: consecutive ranks form a tensor-parallel group (inside a node)
+    timeout_min: float = 60.0  # launch.timeout_min: how long a collective waits for the slowest rank
 
     @property
     def main(self) -> bool:
@@ -46,6 +48,10 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return self.world > 1
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(minutes=self.timeout_min)
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
@@ -71,10 +77,11 @@ def backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def init(device: str = "auto", tp: int = 1) -> Runtime:
+def init(device: str = "auto", tp: int = 1, timeout_min: float = 60.0) -> Runtime:
     """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK) or srun does (one task per rank),
     or run alone. The device is model.device (auto: the local rank's GPU when there is one); `tp` is
-    launch.tensor_parallel, which must divide the number of ranks started."""
+    launch.tensor_parallel, which must divide the number of ranks started; `timeout_min` (launch.timeout_min) is the
+    process group's timeout: how long any collective waits for the slowest rank (e.g. one still reading shards)."""
     for key, value in srun_environment().items():
         os.environ.setdefault(key, value)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -87,9 +94,10 @@ def init(device: str = "auto", tp: int = 1) -> Runtime:
     dev = resolve_device(device, local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    rt = Runtime(rank, world, local, dev, tp, timeout_min)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend(dev))
-    return Runtime(rank, world, local, dev, tp)
+        dist.init_process_group(backend(dev), timeout=rt.timeout)
+    return rt
 
 
 def _on_device(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
@@ -154,4 +162,4 @@ def join_group(rt: Runtime) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    dist.init_process_group(backend(rt.device))
+    dist.init_process_group(backend(rt.device), timeout=rt.timeout)

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ..attention.hybrid import HybridAttention
 from ..errors import ConfigError
+from . import runtime
 from .runtime import Runtime
 
 LAYER_PLAN = {  # a decoder layer of every supported architecture (stage 1 splits one layer at a time)
@@ -240,6 +241,32 @@ def local_part(full: torch.Tensor, dim: int | None, rt: Runtime) -> torch.Tensor
     if dim is None or rt.tp == 1:
         return full
     return full.chunk(rt.tp, dim)[rt.tp_rank]
+
+
+def split_report(model: nn.Module, rt: Runtime) -> str:
+    """One line on what this split left each rank: its parameter bytes against the whole model's, and the local
+    shape of one split weight of each kind (from every rank; collective). Logged by the stages at tp > 1."""
+    whole, shapes = 0, {}
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        whole += p.numel() * p.element_size()  # (a DTensor's numel is its whole tensor's)
+        parts = [x for x in name.split(".") if x not in ("weight", "base_layer", "default") and not x.isdigit()]
+        kind = ".".join(parts[-2:]) if parts[-1].startswith("lora_") else parts[-1]
+        if isinstance(p, DTensor) and kind not in shapes:
+            shapes[kind] = f"{kind} {list(local(p).shape)} of {list(p.shape)}"
+    heads = head_sharded(model)
+    narrowed = next((list(p.shape) for p in model.parameters() if id(p) in heads), None)
+    mine = f"{parameter_bytes(model):,} of {whole:,} parameter bytes"
+    ranks = runtime.gather_objects(rt, (rt.rank, parameter_bytes(model), mine))
+    fraction = max(r[1] for r in ranks) / whole
+    parts = "; ".join(shapes.values()) + (f"; phi/gamma of the local heads {narrowed}" if narrowed else "")
+    return (
+        f"tensor parallel {rt.tp}: each rank holds at most {fraction:.3f} of the parameter bytes "
+        f"({', '.join(f'rank {r}: {m}' for r, _, m in ranks)}); local parts: {parts}"
+    )
 
 
 def parameter_bytes(model: nn.Module) -> int:

@@ -96,28 +96,27 @@ class ShardedCheckpoint:
 
     def load_into(self, targets: dict[str, tuple[torch.Tensor, int | None]], rank: int = 0, world: int = 1) -> int:
         """Copy into each target tensor its named tensor's part: along `dim`, part `rank` of `world` equal parts (all
-        of it when dim is None). Only those bytes are read (get_slice), one tensor at a time. Returns the bytes read."""
+        of it when dim is None). Only those bytes are read (get_slice), one tensor at a time, its shard mapped only
+        while it is read (a mapped page a read touched counts in the process's resident memory until the unmap).
+        Returns the bytes read."""
         missing = [n for n in targets if n not in self.where]
         if missing:
             raise InputError(f"{self.path} lacks {missing[:3]}: restore the checkpoint's files")
-        by_file: dict[str, list[str]] = {}
-        for n in targets:
-            by_file.setdefault(self.where[n], []).append(n)
         read = 0
-        for file, keys in by_file.items():
-            with safe_open(self.path / file, "pt") as f:
-                for k in keys:
-                    target, dim = targets[k]
-                    part = read_part(f, k, dim, rank, world)
-                    if part.shape != target.shape:
-                        raise InputError(
-                            f"{self.path / file}: {k} has shape {list(f.get_slice(k).get_shape())}, which does not "
-                            f"give this model's {list(target.shape)} (part {rank} of {world} along dim {dim}): the "
-                            "checkpoint does not match its config.json"
-                        )
-                    with torch.no_grad():
-                        target.copy_(part)
-                    read += part.numel() * part.element_size()
+        for name, (target, dim) in targets.items():
+            file = self.path / self.where[name]
+            with safe_open(file, "pt") as f:
+                part = read_part(f, name, dim, rank, world)
+                if part.shape != target.shape:
+                    raise InputError(
+                        f"{file}: {name} has shape {list(f.get_slice(name).get_shape())}, which does not give this "
+                        f"model's {list(target.shape)} (part {rank} of {world} along dim {dim}): the checkpoint does "
+                        "not match its config.json"
+                    )
+            with torch.no_grad():
+                target.copy_(part)
+            read += part.numel() * part.element_size()
+            del part
         return read
 
 

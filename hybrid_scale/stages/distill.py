@@ -60,6 +60,8 @@ def distill(cfg) -> Path:
         current = inputs_of_first_layer(s)
         # each layer's heads and MLP columns split over the tensor-parallel group, each rank reading only its part
         for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device, rt=s.rt):
+            if i == s.first and s.rt.tp > 1:
+                s.log(f"layer {i}: {tensor_parallel.split_report(layer, s.rt)}")
             other = "b" if current == "a" else "a"
             if _writer(s.rt):
                 (s.buffer_dir / f"written_{other}.rank{_slot(s.rt)}").unlink(missing_ok=True)
@@ -83,7 +85,7 @@ def distill(cfg) -> Path:
 def start(cfg) -> Stage1:
     """The teacher's config and checkpoint, the run's identity (a rerun with other settings is refused before any
     write), the first uncommitted layer."""
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel)
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
     if rt.main:
         requeue.clear_request(cfg.run_dir)
     model_path = Path(cfg.model.path) if cfg.model.path else assets.require().model

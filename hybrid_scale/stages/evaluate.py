@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..data import assets, benchmarks, corpus
-from ..distributed import requeue, runtime
+from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.deepspeed import _import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
 from ..distributed.requeue import SignalFlag
@@ -63,6 +63,7 @@ class Models:
         self.untrained = not converted
         self._zero3 = None
         self.rt = rt
+        self.split = {}  # what the tensor-parallel split left each rank, per model loaded (results.json)
         if rt.tp > 1:  # the heads split over the tensor-parallel ranks (each reads only its part of each weight)
             runtime.join_group(rt)
         elif cfg.eval.shard_weights:  # load partitioned: no rank ever holds the whole model (ZeRO-3 init while alive)
@@ -76,15 +77,17 @@ class Models:
         # an export's base architecture: "base" is its softmax model (merged weights)
         return load_base_model(rundir.base_of(self.path, self.converted), self.dtype, self.rt).to(self.device).eval()
 
-    def _ready(self, model):
+    def _ready(self, model, name: str):
         if self.rt.tp > 1:
-            return parallelize(model, rt=self.rt)[1]
+            model = parallelize(model, rt=self.rt)[1]
+            self.split[name] = tensor_parallel.split_report(model, self.rt)
+            return model
         return parallelize(model, zero3=zero3_config(self.dtype))[1] if self.cfg.eval.shard_weights else model
 
     def get(self, mode: str):
         if mode == "base":
             if self._base is None:
-                self._base = self._ready(self._load_base())
+                self._base = self._ready(self._load_base(), "base")
             return self._base
         if self._hybrid is None:
             self._hybrid = self._load_hybrid()
@@ -98,7 +101,7 @@ class Models:
             model = convert_model(self._load_base(), self.cfg.attention)
         if self.cfg.eval.window is not None:
             set_window(model, self.cfg.eval.window)
-        return self._ready(model)
+        return self._ready(model, "hybrid")
 
     def window(self) -> int:
         if self.cfg.eval.window is not None:
@@ -137,7 +140,7 @@ def evaluate(cfg) -> dict:
     perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
     raises Requeue after a signal."""
     preflight(cfg, "evaluate")  # the input model, its architecture, memory per rank
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel)
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
     if rt.main:
         requeue.clear_request(cfg.run_dir)
     with SignalFlag() as flag:  # a signal from here on stops the ranks at their next check (rounds, cell boundaries)
@@ -189,6 +192,8 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
         results["modes"][mode] = per_task
         results["timings_s"][mode] = time.perf_counter() - t0
     _deltas(results, e.tasks, cfg)
+    if models.split:
+        results["tensor_parallel_split"] = dict(models.split)
     t0 = time.perf_counter()
     if e.ppl_sequences:
         _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)

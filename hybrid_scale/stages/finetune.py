@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
-from ..distributed import requeue, runtime
+from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import fault, throttle
 from ..distributed.deepspeed import _import_deepspeed, clear_gradients, quiet, train_config
 from ..distributed.parallelize import parallelize
@@ -160,7 +160,7 @@ def start(cfg) -> Run:
     f = cfg.finetune
     recipe = RECIPES[f.recipe or cfg.distill.recipe]
     early = early_stopping(cfg)
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel)
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
     runtime.join_group(rt)
     _import_deepspeed().init_distributed(dist_backend=runtime.backend(rt.device))  # joined above: no new group
     stage2, source = rundir.stage2_dir(cfg), rundir.finetune_source(cfg)
@@ -199,6 +199,8 @@ def start(cfg) -> Run:
             "restore those keys, or delete the stage2 directory"
         )
     build_model(run, ds_config)
+    if rt.tp > 1:
+        run.log(tensor_parallel.split_report(run.peft_model, rt))
     if recipe.ssd:
         run.ssd = SSD(list(f.ssd_schedule), f.ssd_granularity, sorted(run.layers), cfg.seed, f.ssd_windows)
     if resume:

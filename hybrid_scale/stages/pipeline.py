@@ -84,7 +84,7 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     todo = [stage for stage in stages if not done(cfg, stage)]
     if todo:
         preflight_ahead(cfg, todo)  # each stage runs its own preflight again when it starts
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel)
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
     if rt.main:
         record_config(cfg, cfg.allow_config_change)
     runtime.barrier(rt)

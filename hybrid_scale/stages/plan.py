@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from ..attention.architectures import BY_MODEL_TYPE, base_model_type
 from ..config import STAGES
 from ..data import assets
+from ..distributed import tensor_parallel
 from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
 from ..models import streaming
@@ -186,6 +187,7 @@ def plan(cfg, stage: str | None = None) -> Plan:
         step1 = flops1 / rate / (c["L"] * d_steps(cfg))
         step2 = flops2 / rate / max(1, cfg.finetune.max_steps)
         _requeue(p, cfg, {"distill": (step1, 0.0), "finetune": (step2, ckpt / SAVE_BYTES_PER_S)})
+    _load(p, cfg, sh, base)
     eval_mem = _evaluation(p, cfg, sh)
     _device_fit(p, cfg, s1_mem, s2_mem, eval_mem)
     _disk(p, cfg, sh, s1_disk, ckpt)
@@ -195,11 +197,12 @@ def plan(cfg, stage: str | None = None) -> Plan:
 
 def _check_shape_and_path(p: Plan, cfg, sh: Shape) -> None:
     tp = cfg.launch.tensor_parallel
-    for name, n in (("num_key_value_heads", sh.c["K"]), ("num_attention_heads", sh.c["H"])):
-        if n % tp:
+    for name in tensor_parallel.SPLIT_SIZES:  # what the plan splits: heads, MLP columns, the vocabulary
+        n = sh.a.get(name, sh.c["H"] if name == "num_key_value_heads" else None)
+        if n is not None and n % tp:
             p.block(
-                f"{name} = {n} is not divisible by launch.tensor_parallel = {tp}: heads are split over the "
-                f"tensor-parallel ranks; choose a divisor of {n}",
+                f"{name} = {n} is not divisible by launch.tensor_parallel = {tp}: it is split into equal parts over "
+                f"the tensor-parallel ranks; choose a divisor of {n}",
                 "distill",
                 "finetune",
                 "evaluate",
@@ -337,21 +340,37 @@ def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
             else f"~{_gb(s2_mem)} (weights/{tp} split by tensor parallelism, replicated fp32 states, activations)",
         ),
         ("stage 2", "checkpoint size", f"{_gb(ckpt)} per step dir (fp32 weights + AdamW moments; no base)"),
-        *(
-            [
-                (
-                    "stage 2",
-                    "host memory while loading",
-                    f"~{_gb(c['total'] * wbytes * cfg.launch.procs_per_node // tp)} per node (each tensor-parallel "
-                    "group loads the whole model on the host, its ranks in turns, and keeps its parts)",
-                )
-            ]
-            if tp > 1
-            else []
-        ),
         ("stage 2", "CPU offload", "on (weights and optimizer state in host memory)" if f.offload else "off"),
     ]
     return s2_mem, ckpt, 6 * c["total"] * tokens2, tokens2
+
+
+def _load(p: Plan, cfg, sh: Shape, base: Path | None) -> None:
+    """What stage 2 and evaluation read at start-up, per rank and per node, and how long that takes at
+    launch.read_gbps per node: at tensor_parallel > 1 each rank reads only its part (all ranks at once); at 1 every
+    rank reads the whole checkpoint (transformers' from_pretrained, then ZeRO-3 keeps its partition)."""
+    lc = cfg.launch
+    stored = _stored_bytes(base)[0] if base is not None else 0
+    if not stored and cfg.model.path:
+        stored = _stored_bytes(Path(cfg.model.path))[0]
+    whole = stored or sh.c["total"] * sh.wbytes
+    rank = whole / sh.tp
+    node = rank * lc.procs_per_node
+    seconds = node / (lc.read_gbps * GB)
+    how = f"its 1/{sh.tp} of each weight" if sh.tp > 1 else "the whole checkpoint"
+    p.rows.append(
+        (
+            "load",
+            "read per rank (stage 2, evaluate)",
+            f"{_gb(rank)}: {how}; {_gb(node)} per node, ~{seconds:,.0f} s at launch.read_gbps = {lc.read_gbps:g} "
+            f"(launch.timeout_min = {lc.timeout_min:g} min)",
+        )
+    )
+    if seconds > lc.timeout_min * 60 / 2:
+        p.warnings.append(
+            f"the start-up read (~{seconds / 60:,.0f} min per node at {lc.read_gbps:g} GB/s) is over half of "
+            f"launch.timeout_min = {lc.timeout_min:g}; raise launch.timeout_min"
+        )
 
 
 def _evaluation(p: Plan, cfg, sh: Shape) -> float:

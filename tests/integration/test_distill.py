@@ -9,7 +9,7 @@ from pathlib import Path
 import procs
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import assert_split, tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
@@ -401,7 +401,9 @@ def test_tensor_parallel_2_trains_the_maps_of_tensor_parallel_1(sharded_model, t
     proc = procs.run(["distill", *split], procs.checked(prefix), ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     procs.collective_calls(prefix, 2)
-    assert "(data 1 x tensor 2)" in (tmp_path / "tp" / "stage1" / "log.txt").read_text()
+    log = (tmp_path / "tp" / "stage1" / "log.txt").read_text()
+    assert "(data 1 x tensor 2)" in log
+    assert_split(next(line for line in log.splitlines() if "layer 0: tensor parallel 2" in line), 2)
     buffers = sorted(p.name for p in (tmp_path / "tp" / "stage1" / "buffers").glob("hidden_*"))
     assert buffers == ["hidden_a.rank0.bin", "hidden_b.rank0.bin"]  # the group's ranks share one copy
     got, ref = params(tmp_path / "tp"), params(one)

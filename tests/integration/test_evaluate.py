@@ -8,7 +8,7 @@ from pathlib import Path
 import procs
 import pytest
 import torch
-from conftest import save_stage2_like
+from conftest import assert_split, save_stage2_like
 from transformers import AutoModelForCausalLM
 
 from hybrid_scale.cli import main
@@ -215,6 +215,9 @@ def _close(a, b, tol: float, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
+KINDS = ("q_proj", "o_proj", "gate_proj", "down_proj")
+
+
 def test_tensor_parallel_2_evaluates_as_one_process(tiny_smollm_vocab, tiny_one_rank, tmp_path):
     """launch.tensor_parallel=2 on 2 ranks: each holds half of every attention/MLP weight and of the vocabulary and
     scores the same batches; every log-likelihood within 1e-4 of one process's, the same correct answers, the
@@ -227,6 +230,10 @@ def test_tensor_parallel_2_evaluates_as_one_process(tiny_smollm_vocab, tiny_one_
     assert not [c for c in calls if c["op"] == "scatter"]  # each rank keeps its part of the weights it loaded
     split = json.loads((tmp_path / "tp" / "results.json").read_text())
     assert split["world_size"] == 2 and split["tensor_parallel"] == 2
+    reports = split["tensor_parallel_split"]  # the base (SmolLM-like) and the hybrid model, each split in half
+    assert len(reports) == 2 and all(
+        assert_split(r, 2, kinds=(*KINDS, "embed_tokens")) is None for r in reports.values()
+    )
     for mode, tasks in one["modes"].items():
         for task, r in tasks.items():
             if not isinstance(r, dict):  # the averages: checked through the per-item numbers

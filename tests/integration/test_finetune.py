@@ -10,7 +10,7 @@ from pathlib import Path
 import procs
 import pytest
 import torch
-from conftest import perturb_hybrid, tiny_model
+from conftest import assert_split, perturb_hybrid, tiny_model
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -432,10 +432,13 @@ def test_tensor_parallel_2_trains_as_tensor_parallel_1(setup, tp1, tmp_path):
     prefix = tmp_path / "collectives"
     proc = finetune(tp_args(setup, tmp_path, 2, 2), env=procs.checked(prefix))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(data 1 x tensor 2)" in (tmp_path / "stage2" / "log.txt").read_text()
+    log = (tmp_path / "stage2" / "log.txt").read_text()
+    assert "(data 1 x tensor 2)" in log
+    report = next(line for line in log.splitlines() if "tensor parallel 2: each rank holds" in line)
+    assert_split(report, 2, kinds=("q_proj", "o_proj", "q_proj.lora_B", "o_proj.lora_A"))  # LoRA split with its linear
     same_run(tp1, tmp_path, 1e-5)
     calls = procs.collective_calls(prefix, 2)  # every rank the same calls, each on its device
-    ours = [c for c in calls if c["where"].startswith(("runtime.py", "replicated.py"))]
+    ours = [c for c in calls if c["where"].startswith(("runtime.py", "replicated.py")) and c["dtype"]]  # (not objects)
     assert ours and all(c["dtype"][0] in ("torch.float32", "torch.float64", "torch.int32") for c in ours)
 
 
@@ -476,3 +479,27 @@ def test_a_run_stopped_at_tensor_parallel_2_resumes_at_tensor_parallel_1(setup, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step_00000003" in (stage2 / "log.txt").read_text()
     same_run(tp1, tmp_path, 1e-5)
+
+
+def test_a_run_stopped_at_tensor_parallel_1_resumes_at_tensor_parallel_2(setup, tp1, tmp_path):
+    """The other way: killed after saving step 3 under ZeRO-3 (tensor_parallel 1, 2 ranks); resumed on 2 ranks at
+    tensor_parallel 2, each cutting its parts from the whole saved tensors: the uninterrupted run's curve and adapter."""
+    proc = finetune(tp_args(setup, tmp_path, 2, 1), env={"HYBRID_SCALE_FAULT": "saved:3"})
+    assert proc.returncode != 0
+    stage2 = tmp_path / "stage2"
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000003"]
+    proc = finetune(tp_args(setup, tmp_path, 2, 2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step_00000003 (step 3, saved by 2 ranks, now 2)" in (stage2 / "log.txt").read_text()
+    same_run(tp1, tmp_path, 1e-5)
+
+
+def test_replicated_state_that_drifts_apart_across_ranks_stops_the_run_naming_the_tensor(setup, tmp_path):
+    """At tensor_parallel 2 the trainable state not split is replicated: a checksum all-reduce at each held-out
+    evaluation finds a copy that moved on one rank (fault injection: rank 1 adds 1e-3 after each step) and stops the
+    run with one line naming the tensor, before a wrong checkpoint is written."""
+    proc = finetune(tp_args(setup, tmp_path, 2, 2), env={"HYBRID_SCALE_FAULT": "drift"})
+    assert proc.returncode == 1, proc.stderr[-3000:]  # (each rank exits 2; torchrun reports 1)
+    line = next(x for x in proc.stderr.splitlines() if "differs across ranks" in x)
+    assert line.startswith("hybrid-scale finetune: error: base_model.model.") and "lora_A" in line, line
+    assert not committed_steps(tmp_path / "stage2") or committed_steps(tmp_path / "stage2")[-1].name < "step_00000005"

@@ -312,8 +312,34 @@ def test_plan_divides_the_weights_by_tensor_parallel(tmp_path):
     expected = gb(one[("stage 2", "per-rank memory")]) - weights / 32 - 32.8e6 * 14 / 32 / 1e9 - layers
     assert gb(eight[("stage 2", "per-rank memory")]) == pytest.approx(expected + weights / 8 + lora, abs=0.02)
     assert eight[("evaluate", "per-rank memory")].startswith("~38.89 GB (2 model(s) / 8 (tensor parallel)")
-    assert eight[("stage 2", "host memory while loading")].startswith("~141.11 GB per node")  # one group per node
+    assert eight[("load", "read per rank (stage 2, evaluate)")].startswith("17.64 GB: its 1/8 of each weight")
     assert "over 4 data-parallel groups: 16 per group, 8 of 64 heads per rank" in eight[("stage 1", "work per step")]
     assert gb(eight[("stage 1", "per-rank memory")]) < gb(one[("stage 1", "per-rank memory")])
     assert eight[("stage 1", "hidden-state buffers per tensor-parallel group")].startswith("17.18 GB (2 x 512 seq")
     assert one[("stage 1", "hidden-state buffers per rank")].startswith("2.15 GB (2 x 64 seq")
+
+
+def test_plan_refuses_every_size_tensor_parallel_does_not_divide_and_times_the_start_up_read(tmp_path, big_disk):
+    """Heads, MLP columns and the vocabulary are split into equal parts: each size tp does not divide blocks the
+    stages that split it. The start-up read per rank is the checkpoint / tp, timed at launch.read_gbps per node; a
+    read over half of launch.timeout_min is a warning."""
+    split = ["finetune.offload=false", "eval.shard_weights=false", f"run_dir={tmp_path}"]
+    for key, value in (("vocab_size", 128257), ("intermediate_size", 28676)):
+        bad = plan(
+            load_config("models/llama3-70b.yaml", [*split, "launch.tensor_parallel=8", f"model.arch.{key}={value}"])
+        )
+        assert any(
+            m.startswith(f"{key} = {value} is not divisible by launch.tensor_parallel = 8") for m in bad.problems
+        )
+        assert bad.blocking("finetune") and bad.blocking("evaluate") and not bad.blocking("export")
+    rows = {}
+    for tp in (1, 8):
+        p = plan(load_config("models/llama3-70b.yaml", [*split, f"launch.tensor_parallel={tp}"]))
+        assert not p.blocking("finetune"), p.problems
+        rows[tp] = next(v for s, k, v in p.rows if s == "load")
+    assert rows[1].startswith("141.11 GB: the whole checkpoint; 1,128.86 GB per node, ~564 s at launch.read_gbps = 2")
+    assert rows[8].startswith("17.64 GB: its 1/8 of each weight; 141.11 GB per node, ~71 s at launch.read_gbps = 2")
+    slow = plan(load_config("models/llama3-70b.yaml", [*split, "launch.read_gbps=0.2", "launch.timeout_min=30"]))
+    assert any("raise launch.timeout_min" in w for w in slow.warnings), slow.warnings
+    with pytest.raises(ConfigError, match="launch.timeout_min"):
+        load_config("models/llama3-70b.yaml", ["launch.timeout_min=0"])

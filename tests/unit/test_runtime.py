@@ -1,6 +1,7 @@
 """The runtime's collectives: the only place the stages call torch.distributed's collectives, on device tensors."""
 
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,14 @@ def test_device_resolution():
             runtime.resolve_device("cuda")
     assert runtime.backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert runtime.backend(torch.device("cpu")) == "gloo"
+
+
+def test_launch_timeout_min_is_the_process_groups_timeout(monkeypatch):
+    """launch.timeout_min reaches init_process_group: how long a collective waits for a rank still reading."""
+    seen = {}
+    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    rt = runtime.init("cpu", tp=2, timeout_min=90)
+    assert seen == {"backend": "gloo", "timeout": timedelta(minutes=90)} and rt.timeout_min == 90
