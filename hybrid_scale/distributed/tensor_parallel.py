@@ -8,12 +8,14 @@ The plan is one dict per architecture, module-name pattern -> style:
   embed_tokens: row-wise over the vocabulary (each rank looks up its rows, all-reduced); lm_head: column-wise over
   the vocabulary, the logits gathered.
 A linear that PEFT wrapped with LoRA is split with its factors: column-wise -> base and lora_B column-wise, lora_A
-replicated; row-wise -> base and lora_A row-wise, lora_B replicated. So LoRA must wrap the whole model first.
+replicated; row-wise -> base and lora_A row-wise, lora_B replicated. PEFT makes whole factors (`whole_shapes` when the
+model was read split), which `apply` then splits.
 Each hybrid layer is narrowed to its rank's heads (HybridAttention.narrow_heads: phi_q, phi_k and gamma as plain
 tensors of the local heads); the LA state and the decode cache follow from the local k/v.
 
-Checkpoints hold whole tensors (a run resumes at another tensor-parallel size): `whole` gathers a rank's part,
-`local_part` cuts a whole tensor to it.
+Models are read split (models/streaming.split_model: built on the meta device, split there by `split`, each rank's
+part of each weight read from the shards). Checkpoints hold whole tensors (a run resumes at another tensor-parallel
+size): `whole` gathers a rank's part, `local_part` cuts a whole tensor to it.
 """
 
 from __future__ import annotations
