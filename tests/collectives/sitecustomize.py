@@ -1,6 +1,8 @@
 """The collective checker: a Python process started with this folder on PYTHONPATH and HYBRID_SCALE_COLLECTIVES=<prefix>
 in its environment wraps torch.distributed's collectives. Each call is appended to <prefix>.rank<RANK> as one JSON
-line (op, dtype, shape, device, the calling line in hybrid_scale or deepspeed), and a call whose tensor is not on
+line (op, dtype, shape, device, the calling line in hybrid_scale or deepspeed; DTensor's functional collectives,
+which tensor parallelism issues from inside the split layers and their backward, as "funcol.<op>"), and a call whose
+tensor is not on
 the rank's compute device fails at once (HYBRID_SCALE_COLLECTIVES_DEVICE: cpu, or cuda = cuda:<LOCAL_RANK>), as
 NCCL would fail it (HYBRID_SCALE_COLLECTIVES_REFUSE=0: only recorded, for a check that reports it instead). The
 tests compare the ranks' files: the same ops with the same dtypes and shapes, in order.
@@ -105,3 +107,25 @@ if os.environ.get("HYBRID_SCALE_COLLECTIVES"):
             setattr(c10d, _op, _w)
             if getattr(dist, _op, None) is _fn:
                 setattr(dist, _op, _w)
+
+    import torch.distributed._functional_collectives as funcol  # DTensor calls these through the module
+
+    FUNCTIONAL = (
+        "broadcast",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather_single",
+        "all_gather_single_autograd",
+        "all_gather_tensor",
+        "all_gather_tensor_autograd",
+        "reduce_scatter_single",
+        "reduce_scatter_single_autograd",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_autograd",
+        "all_to_all_single",
+        "all_to_all_single_autograd",
+    )
+    for _op in FUNCTIONAL:
+        _fn = getattr(funcol, _op, None)
+        if _fn is not None:
+            setattr(funcol, _op, _wrap(f"funcol.{_op}", _fn))

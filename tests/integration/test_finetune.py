@@ -483,7 +483,8 @@ def test_a_run_stopped_at_tensor_parallel_2_resumes_at_tensor_parallel_1(setup, 
 
 def test_a_run_stopped_at_tensor_parallel_1_resumes_at_tensor_parallel_2(setup, tp1, tmp_path):
     """The other way: killed after saving step 3 under ZeRO-3 (tensor_parallel 1, 2 ranks); resumed on 2 ranks at
-    tensor_parallel 2, each cutting its parts from the whole saved tensors: the uninterrupted run's curve and adapter."""
+    tensor_parallel 2, each cutting its parts from the whole saved tensors: the uninterrupted run's curve and
+    adapter."""
     proc = finetune(tp_args(setup, tmp_path, 2, 1), env={"HYBRID_SCALE_FAULT": "saved:3"})
     assert proc.returncode != 0
     stage2 = tmp_path / "stage2"
