@@ -116,19 +116,44 @@ def worker(args) -> None:
     (Path(args.results) / f"rank{rt.rank}.json").write_text(json.dumps(record))
 
 
-def run_tp(args, path: Path, tp: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", "--standalone"]
-    cmd += [__file__, "--worker", "--path", str(path), "--tp", str(tp), "--dtype", args.dtype, "--device", args.device]
+def worker_args(args, path: Path, tp: int) -> list[str]:
+    """The arguments of this script's worker for one tp (its results go to <path>/../tp<tp>/, made here)."""
     results = path.parent / f"tp{tp}"
-    results.mkdir()
-    cmd += ["--vocab", str(args.vocab), "--tokens", str(args.tokens), "--results", str(results)]
+    results.mkdir(exist_ok=True)
+    return [
+        *("--worker", "--path", str(path), "--tp", str(tp), "--dtype", args.dtype, "--device", args.device),
+        *("--vocab", str(args.vocab), "--tokens", str(args.tokens), "--results", str(results)),
+    ]
+
+
+def read_results(path: Path, tp: int) -> list[dict]:
+    return [json.loads((path.parent / f"tp{tp}" / f"rank{r}.json").read_text()) for r in range(tp)]
+
+
+def run_tp(args, path: Path, tp: int) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", "--standalone", __file__]
+    cmd += worker_args(args, path, tp)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         raise SystemExit(f"tp {tp} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [json.loads((results / f"rank{r}.json").read_text()) for r in range(tp)]
+    return read_results(path, tp)
 
 
 def main() -> None:
+    args = parser().parse_args()
+    if args.worker:
+        return worker(args)
+    with tempfile.TemporaryDirectory(prefix="tp-memory-") as tmp:
+        path = make_model(args, Path(tmp))
+        shards = sorted((path.parent / "base").glob("*.safetensors"))
+        results = {tp: run_tp(args, path, tp) for tp in args.tp}
+        lines, summary = report(args, results, shards)
+    print("\n".join(lines))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "per_tp": summary, "table": lines}, indent=1))
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
@@ -143,21 +168,18 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        return worker(args)
-    with tempfile.TemporaryDirectory(prefix="tp-memory-") as tmp:
-        path = make_model(args, Path(tmp))
-        shards = sorted((path.parent / "base").glob("*.safetensors"))
-        checkpoint = sum(f.stat().st_size for f in shards)
-        results = {tp: run_tp(args, path, tp) for tp in args.tp}
+    return ap
+
+
+def report(args, results: dict[int, list[dict]], shards: list[Path]) -> tuple[list[str], dict]:
+    """The table (ratios to the first tp) and the JSON summary of every tp's ranks."""
+    checkpoint = sum(f.stat().st_size for f in shards)
     one = results[args.tp[0]][0]
     ref = torch.tensor(one["logits"])
     lines = [
         f"model: Llama {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
         f"vocab {args.vocab}, {args.dtype}, checkpoint {checkpoint / 2**20:,.0f} MiB in {len(shards)} shards; "
-        "converted "
-        f"(hedgehog), LoRA adapter merged; device {args.device}",
+        f"converted (hedgehog), LoRA adapter merged; device {args.device}",
         f"{'tp':>3}{'rank peak RSS MiB':>19}{'ratio':>7}{'load added MiB':>16}{'ratio':>7}"
         f"{'params MiB':>12}{'ratio':>7}{'decode KiB':>12}{'load s':>8}{'max |dlogit|':>14}",
     ]
@@ -172,8 +194,6 @@ def main() -> None:
         )
         if worst["allocated"] is not None:
             lines.append(f"    allocator peak {worst['allocated'] / 2**20:,.0f} MiB")
-    print("\n".join(lines))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     summary = {
         str(tp): {
             "max_dlogit": (torch.tensor(ranks[0]["logits"]) - ref).abs().max().item(),
@@ -181,7 +201,7 @@ def main() -> None:
         }
         for tp, ranks in results.items()
     }
-    Path(args.out).write_text(json.dumps({"args": vars(args), "per_tp": summary, "table": lines}, indent=1))
+    return lines, summary
 
 
 if __name__ == "__main__":

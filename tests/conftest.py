@@ -208,6 +208,7 @@ LONGEST_FIRST = [
     "tests/slurm/test_slurm.py",
     "tests/unit/test_triton_kernels.py",
     "tests/integration/test_distill.py",
+    "tests/distributed/test_tensor_parallel.py",
     "tests/integration/test_pipeline.py",
     "tests/integration/test_launch.py",
     "tests/integration/test_gpu_check.py",
