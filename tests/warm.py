@@ -11,8 +11,10 @@ torchrun does, the run fails (status 1) when a rank fails, and the other ranks g
 What is not torchrun's: its own failure report on stderr (tests that read it pass `cold=True` to procs.run).
 
 A run whose environment differs from the server's in a variable that a pre-imported library may read when it loads
-(anything but HYBRID_SCALE_*, SLURM_* and PYTEST_*; PYTHONPATH for the collective checker, for one) is not sent
-here: tests/procs.py starts it fresh. HYBRID_SCALE_TEST_COLD=1 starts every run fresh.
+(anything but HYBRID_SCALE_*, SLURM_* and PYTEST_*) is not sent here: tests/procs.py starts it fresh.
+HYBRID_SCALE_TEST_COLD=1 starts every run fresh. The collective checker (tests/collectives, put first on PYTHONPATH
+by procs.checked) is the exception: a child whose PYTHONPATH adds it runs its sitecustomize.py itself, as a fresh
+interpreter would at start-up, before anything of the run is imported.
 
 Protocol (one JSON line each way per connection): {"args", "script", "ranks", "port", "env", "cwd", "out", "err"}
 -> {"pids"}, then {"status"} when the run ends.
@@ -29,12 +31,19 @@ import threading
 import time
 
 RUNTIME_PREFIXES = ("HYBRID_SCALE_", "SLURM_", "PYTEST_")  # read when the code runs, not when a library loads
+CHECKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collectives")  # its sitecustomize.py
 
 
 def differs(env: dict, base: dict) -> list[str]:
     """The variables, other than those read at run time, in which env and base differ."""
     keys = set(env) ^ set(base) | {k for k in set(env) & set(base) if env[k] != base[k]}
+    if _paths(env) == _paths(base):  # PYTHONPATH differs only by the collective checker, which a child runs itself
+        keys.discard("PYTHONPATH")
     return sorted(k for k in keys if not k.startswith(RUNTIME_PREFIXES))
+
+
+def _paths(env: dict) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != CHECKER]
 
 
 def _worker_env(env: dict, rank: int, ranks: int, port: int) -> dict:
@@ -65,6 +74,10 @@ def _child(req: dict, env: dict) -> None:
         os.environ.update(env)
         os.chdir(req["cwd"])
         import runpy
+
+        if CHECKER in map(os.path.abspath, env.get("PYTHONPATH", "").split(os.pathsep)):
+            sys.path.insert(1, CHECKER)  # where PYTHONPATH would put it (after the script's directory)
+            runpy.run_path(os.path.join(CHECKER, "sitecustomize.py"), run_name="sitecustomize")
 
         try:
             if req["script"]:
