@@ -195,7 +195,6 @@ class LaunchConfig:
     master_port: int = 29500  # rendezvous port base (+ SLURM_JOB_ID mod 1000 under Slurm)
     gpu_memory_gb: float = 80.0  # per device, for `plan`
     gpu_tflops: float = 300.0  # sustained bf16 per device, for `plan`'s rough times
-    read_gbps: float = 2.0  # checkpoint read bandwidth per node in GB/s, for `plan`'s start-up read time
 
 
 @dataclass
@@ -295,8 +294,6 @@ def validate(cfg: DictConfig) -> DictConfig:
     _choice("launch.launcher", lc.launcher, LAUNCHERS)
     for key in ("nodes", "procs_per_node", "tensor_parallel"):
         _positive(f"launch.{key}", lc[key])
-    if not lc.read_gbps > 0:
-        raise ConfigError(f"config key 'launch.read_gbps': must be > 0 GB/s, got {lc.read_gbps}")
     if not lc.timeout_min > 0:
         raise ConfigError(f"config key 'launch.timeout_min': must be > 0 minutes, got {lc.timeout_min}")
     if lc.tensor_parallel > 1 and cfg.model.dtype == "float16":

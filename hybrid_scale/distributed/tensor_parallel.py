@@ -261,8 +261,8 @@ def split_report(model: nn.Module, rt: Runtime) -> str:
             shapes[kind] = f"{kind} {list(local(p).shape)} of {list(p.shape)}"
     heads = head_sharded(model)
     narrowed = next((list(p.shape) for p in model.parameters() if id(p) in heads), None)
-    mine = f"{parameter_bytes(model):,} of {whole:,} parameter bytes"
-    ranks = runtime.gather_objects(rt, (rt.rank, parameter_bytes(model), mine))
+    held = parameter_bytes(model)
+    ranks = runtime.gather_objects(rt, (rt.rank, held, f"{held:,} of {whole:,} parameter bytes"))
     fraction = max(r[1] for r in ranks) / whole
     parts = "; ".join(shapes.values()) + (f"; phi/gamma of the local heads {narrowed}" if narrowed else "")
     return (

@@ -94,15 +94,13 @@ class ShardedCheckpoint:
                     out[k] = f.get_tensor(k)
         return out
 
-    def load_into(self, targets: dict[str, tuple[torch.Tensor, int | None]], rank: int = 0, world: int = 1) -> int:
+    def load_into(self, targets: dict[str, tuple[torch.Tensor, int | None]], rank: int = 0, world: int = 1) -> None:
         """Copy into each target tensor its named tensor's part: along `dim`, part `rank` of `world` equal parts (all
         of it when dim is None). Only those bytes are read (get_slice), one tensor at a time, its shard mapped only
-        while it is read (a mapped page a read touched counts in the process's resident memory until the unmap).
-        Returns the bytes read."""
+        while it is read (a mapped page a read touched counts in the process's resident memory until the unmap)."""
         missing = [n for n in targets if n not in self.where]
         if missing:
             raise InputError(f"{self.path} lacks {missing[:3]}: restore the checkpoint's files")
-        read = 0
         for name, (target, dim) in targets.items():
             file = self.path / self.where[name]
             with safe_open(file, "pt") as f:
@@ -115,9 +113,7 @@ class ShardedCheckpoint:
                     )
             with torch.no_grad():
                 target.copy_(part)
-            read += part.numel() * part.element_size()
             del part
-        return read
 
 
 def read_part(f, name: str, dim: int | None, rank: int, world: int) -> torch.Tensor:
