@@ -4,10 +4,13 @@ ZeRO-3 does not compose with DTensor-split weights, and what trains is small (Lo
 trainable state is *replicated* over the data-parallel ranks instead of sharded. `ReplicatedEngine` does what
 DeepSpeed's engine does for stage 2, from the same generated DeepSpeed config, so that a run gives the same numbers at
 any tensor-parallel size:
-  - backward scales the loss by 1 / gradient_accumulation_steps;
-  - at the accumulation boundary the gradients are averaged over the data-parallel ranks (one fp32 all-reduce), the
-    global norm is clipped to gradient_clipping (a split tensor counted once: its squares summed over the
-    tensor-parallel group), then torch's AdamW steps and DeepSpeed's own WarmupDecayLR advances.
+  - the forward and backward compute the cross-entropy on each rank's vocabulary columns of the logits
+    (tensor_parallel.vocab_parallel_loss); backward scales the loss by 1 / gradient_accumulation_steps;
+  - at the accumulation boundary the gradients are averaged over the data-parallel ranks (one fp32 all-reduce; the
+    replicated LoRA factors' gradients, partial sums over the tensor-parallel ranks, in a second one over all ranks,
+    which adds them up and averages them at once), the global norm is clipped to gradient_clipping (a split tensor
+    counted once: its squares summed over the tensor-parallel group), then torch's AdamW steps and DeepSpeed's own
+    WarmupDecayLR advances.
 The trainable parameters are fp32 (their own masters); the frozen base computes in model.dtype.
 """
 
@@ -47,10 +50,15 @@ class ReplicatedEngine:
         self.micro_steps = 0
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        with tensor_parallel.vocab_parallel_loss(self.module):
+            out = self.module(*args, **kwargs)
+        if isinstance(out.get("loss"), DTensor):  # (replicated: every rank's local value is the loss)
+            out["loss"] = out["loss"].to_local()
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.accumulation).backward()
+        with tensor_parallel.vocab_parallel_loss(self.module):
+            (loss / self.accumulation).backward()
 
     def step(self) -> None:
         """Counts a micro-batch; at the accumulation boundary: average, clip, AdamW, the schedule."""
@@ -58,20 +66,28 @@ class ReplicatedEngine:
         if self.micro_steps % self.accumulation:
             return
         rt = self.rt
-        grads = []
+        grads, partial = [], []
         for _, p in self.named:
             if p.grad is None:  # e.g. gamma of a layer SSD runs in la_only: a zero gradient, as under ZeRO-3
                 p.grad = torch.zeros_like(p)
+            partial.append(isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements))
+            if partial[-1]:  # a replicated factor's gradient: this rank's partial sum, laid out as the parameter
+                p.grad = DTensor.from_local(p.grad.to_local(), p.device_mesh, p.placements, run_check=False)
             grads.append(tensor_parallel.local(p.grad))
-        flat = torch.cat([g.float().flatten() for g in grads])
-        runtime.all_reduce(rt, flat, group=tensor_parallel.dp_group(rt), size=rt.dp)
-        flat /= rt.dp
-        offset, squares = 0, torch.zeros(2, dtype=torch.float32, device=rt.device)  # [split, whole] sums of squares
+        squares = torch.zeros(2, dtype=torch.float32, device=rt.device)  # [split, whole] sums of squares
+        for summed, group, size in ((False, tensor_parallel.dp_group(rt), rt.dp), (True, None, rt.world)):
+            members = [g for g, s in zip(grads, partial, strict=True) if s == summed]
+            if not members:
+                continue
+            flat = torch.cat([g.float().flatten() for g in members])
+            runtime.all_reduce(rt, flat, group=group, size=size)  # (partial sums: over every rank, tp and dp at once)
+            flat /= rt.dp
+            offset = 0
+            for g in members:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         for (name, _), g in zip(self.named, grads, strict=True):
-            part = flat[offset : offset + g.numel()]
-            g.copy_(part.view_as(g))
-            squares[0 if self.dims[name] is not None else 1] += part.pow(2).sum()
-            offset += g.numel()
+            squares[0 if self.dims[name] is not None else 1] += g.float().pow(2).sum()
         split = squares[:1].clone()
         runtime.all_reduce(rt, split, group=tensor_parallel.tp_group(rt), size=rt.tp)
         norm = float((split[0] + squares[1]).sqrt())

@@ -2,14 +2,24 @@
 split over the `launch.tensor_parallel` consecutive ranks of a group (inside a node); the model code never learns of
 it (gpt-fast's tp.py beside model.py, torchtitan's plain-dict plans).
 
-The plan is one dict per architecture, module-name pattern -> style:
+The plan is one dict per architecture, module-name pattern -> style, laid out as Megatron's: per decoder block one
+all-reduce in the forward and one in the backward for the attention and again for the MLP.
+  self_attn, mlp: the block's input becomes one replicated DTensor that q/k/v (gate/up) all read, so that their
+  input gradients add up as partial sums and are all-reduced once, where the block's input is made; the output
+  (partial sums of o_proj, down_proj) is all-reduced once, where the block ends;
   q/k/v, gate/up: column-wise (a rank computes its own heads / inner columns);
-  o, down: row-wise (partial sums, all-reduced);
+  o, down: row-wise, their partial sums left to the block's end;
   embed_tokens: row-wise over the vocabulary (each rank looks up its rows, all-reduced); lm_head: column-wise over
-  the vocabulary, the logits gathered.
-A linear that PEFT wrapped with LoRA is split with its factors: column-wise -> base and lora_B column-wise, lora_A
-replicated; row-wise -> base and lora_A row-wise, lora_B replicated. PEFT makes whole factors (`whole_shapes` when the
-model was read split), which `apply` then splits.
+  the vocabulary, the logits gathered, except in training (`vocab_parallel_loss`): there each rank keeps its own
+  columns of the logits and the cross-entropy is computed on them (torch's loss_parallel), so no rank holds them all.
+A linear that PEFT wrapped with LoRA is split with its factors and adds no collective of its own: column-wise ->
+base and lora_B column-wise, lora_A a replicated DTensor (it reads the block's replicated input; the input gradient
+it gives is a partial sum added to the base's); row-wise -> base and lora_A row-wise, lora_B a replicated DTensor
+applied to lora_A's partial sums (linear), all reduced together at the block's end. The replicated factors'
+gradients are partial sums: the engine adds them up once per optimizer step (replicated.ReplicatedEngine). PEFT makes
+whole factors (`whole_shapes` when the model was read split), which `apply` then splits.
+Stage 1 splits one decoder layer at a time (LAYER_PLAN: o and down all-reduce their own outputs; nothing flows back
+through the projections there).
 Each hybrid layer is narrowed to its rank's heads (HybridAttention.narrow_heads: phi_q, phi_k and gamma as plain
 tensors of the local heads); the LA state and the decode cache follow from the local k/v.
 
@@ -27,8 +37,15 @@ import re
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from ..attention.hybrid import HybridAttention
 from ..errors import ConfigError
@@ -41,9 +58,17 @@ LAYER_PLAN = {  # a decoder layer of every supported architecture (stage 1 split
     r"mlp\.(gate|up)_proj": "colwise",
     r"mlp\.down_proj": "rowwise",
 }
+BLOCK_PLAN = {  # a decoder layer inside the whole model: Megatron's one reduction per attention and per MLP, each way
+    r"self_attn": "attention",
+    r"self_attn\.[qkv]_proj": "colwise",
+    r"self_attn\.o_proj": "rowwise_partial",
+    r"mlp": "mlp",
+    r"mlp\.(gate|up)_proj": "colwise",
+    r"mlp\.down_proj": "rowwise_partial",
+}
 _LLAMA_LIKE = {
     r"model\.embed_tokens": "vocab_rows",
-    **{rf"model\.layers\.\d+\.{pattern}": kind for pattern, kind in LAYER_PLAN.items()},
+    **{rf"model\.layers\.\d+\.{pattern}": kind for pattern, kind in BLOCK_PLAN.items()},
     r"lm_head": "vocab_columns",
 }
 PLANS: dict[str, dict[str, str]] = {
@@ -54,12 +79,53 @@ PLANS: dict[str, dict[str, str]] = {
 _PEFT_PREFIX = "base_model.model."  # where PEFT puts the wrapped model in parameter and module names
 
 
+class _Replicated(ParallelStyle):
+    """Every parameter of the module a replicated DTensor of the rank's own values (no broadcast: every rank holds the
+    same ones); inputs and outputs pass as they are (LoRA's factors that read a DTensor)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name, m, mesh):
+            for key, p in list(m.named_parameters(recurse=False)):
+                local_p = DTensor.from_local(p.data, mesh, [Replicate()], run_check=False)
+                m.register_parameter(key, nn.Parameter(local_p, requires_grad=p.requires_grad))
+
+        return distribute_module(module, device_mesh, replicate)
+
+
+class _VocabColumns(ColwiseParallel):
+    """The LM head column-wise over the vocabulary. Its logits are gathered, unless the module's `keep_vocab_shards`
+    is set (`vocab_parallel_loss`): then each rank's columns stay a DTensor for loss_parallel's cross-entropy."""
+
+    def __init__(self):
+        super().__init__(output_layouts=Shard(-1), use_local_output=False)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.keep_vocab_shards = False
+        module.register_forward_hook(lambda m, _, out: out if m.keep_vocab_shards else out.full_tensor())
+        return module
+
+
 def _style(kind: str):
     return {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(),
+        "rowwise_partial": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+        "replicated": _Replicated(),
+        "attention": PrepareModuleInputOutput(  # called as self_attn(hidden_states=..., ...); returns (out, weights)
+            input_kwarg_layouts={"hidden_states": Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            output_layouts=(Partial(), None),
+            desired_output_layouts=(Replicate(), None),
+        ),
+        "mlp": PrepareModuleInputOutput(
+            input_layouts=(Replicate(),),
+            desired_input_layouts=(Replicate(),),
+            output_layouts=(Partial(),),
+            desired_output_layouts=(Replicate(),),
+        ),
         "vocab_rows": RowwiseParallel(input_layouts=Replicate()),
-        "vocab_columns": ColwiseParallel(output_layouts=Replicate()),
+        "vocab_columns": _VocabColumns(),
     }[kind]
 
 
@@ -94,15 +160,16 @@ def plan_for(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         if kind is None:
             continue
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
-            if kind not in ("colwise", "rowwise"):
+            if kind not in ("colwise", "rowwise_partial"):
                 raise ConfigError(
                     f"config key 'finetune.lora_targets': LoRA on {name} cannot be split over tensor-parallel ranks; "
                     "leave it out"
                 )
             plan[f"{name}.base_layer"] = kind
-            factor = "lora_B" if kind == "colwise" else "lora_A"
-            for adapter in getattr(module, factor):
-                plan[f"{name}.{factor}.{adapter}"] = kind
+            split, whole = ("lora_B", "lora_A") if kind == "colwise" else ("lora_A", "lora_B")
+            for adapter in getattr(module, split):
+                plan[f"{name}.{split}.{adapter}"] = kind
+                plan[f"{name}.{whole}.{adapter}"] = "replicated"
         else:
             plan[name] = kind
     return plan
@@ -192,13 +259,35 @@ def narrow(m: HybridAttention, rt: Runtime) -> HybridAttention:
 
 
 def _split(module: nn.Module, plan: dict[str, str], rt: Runtime) -> None:
-    styles = {
-        name: _style(kind)
-        for name, kind in plan.items()
-        if not isinstance(getattr(module.get_submodule(name), "weight", None), DTensor)  # split already
-    }
+    styles = {name: _style(kind) for name, kind in plan.items() if not _is_split(module.get_submodule(name))}
     # every rank loaded the same weights: each keeps its own part (src_data_rank None: no scatter from rank 0)
     parallelize_module(module, mesh(rt)["tp"], styles, src_data_rank=None)
+    for name in styles:
+        module.get_submodule(name).tensor_parallel_style = plan[name]
+
+
+def _is_split(m: nn.Module) -> bool:
+    """Split already (its hooks are in place): a second style would add its collectives twice."""
+    return hasattr(m, "tensor_parallel_style") or isinstance(getattr(m, "weight", None), DTensor)
+
+
+@contextlib.contextmanager
+def vocab_parallel_loss(model: nn.Module):
+    """Inside the block (forward and backward) the LM head keeps each rank's vocabulary columns of the logits and the
+    cross-entropy that transformers computes from them runs on those columns (torch's loss_parallel: two small
+    all-reduces of [tokens] instead of gathering [tokens, vocab]). The loss is a replicated DTensor: `.to_local()`.
+    A model without tensor parallelism is left as it is."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = getattr(inner, "lm_head", None)
+    if getattr(head, "tensor_parallel_style", None) != "vocab_columns":
+        yield model
+        return
+    head.keep_vocab_shards = True
+    try:
+        with loss_parallel():
+            yield model
+    finally:
+        head.keep_vocab_shards = False
 
 
 def _config(model: nn.Module):
@@ -231,8 +320,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def whole(t: torch.Tensor, dim: int | None, rt: Runtime) -> torch.Tensor:
     """The whole tensor of which `t` is this rank's part along `dim` (collective over the tensor-parallel group when
-    dim is not None), detached."""
-    t = local(t.detach())
+    dim is not None), detached. A DTensor says itself what it is: its shards gathered, its partial sums (the gradient
+    of a replicated LoRA factor) added up, a replicated one as it is."""
+    if isinstance(t, DTensor):
+        return t.detach().full_tensor()
+    t = t.detach()
     if dim is None or rt.tp == 1:
         return t
     return DTensor.from_local(t.contiguous(), mesh(rt)["tp"], [Shard(dim)], run_check=False).full_tensor()

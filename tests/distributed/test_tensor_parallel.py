@@ -27,7 +27,8 @@ def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_model
     assert max(out["logits"].values()) <= 1e-5, out["logits"]  # every component mode
     assert out["partial"] <= 1e-5  # a softmax layer left unconverted is split the same way
     assert out["decode_equal"] and out["decode_tokens"] == 20  # prefill (left-padded) + 20 greedy tokens
-    assert out["loss"] <= 1e-6
+    assert out["loss"] <= 1e-6  # the loss-parallel cross-entropy of training against the whole model's
+    assert out["train_logits"] == ["DTensor", [2, 16, 64]]  # no rank holds the whole logits
     assert out["trainable"] == 34 and out["grads"] <= 1e-6  # LoRA's every factor, phi and gamma, whole vs split
     assert 0.49 < out["bytes_ratio"] < 0.51  # the parameters held per rank halve (norms stay whole)
 
@@ -73,28 +74,27 @@ def _per_phase(prefix: Path, world: int) -> dict:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_recorder_sees_the_split_layers_collectives_per_block(tp, tmp_path):
-    """The collective checker records DTensor's functional collectives too (funcol.*), from the split layers'
-    forward and backward. Per decoder block (3 layers minus 2, one training step, every rank the same calls): the
-    forward makes Megatron's 2 all-reduces of one activation each (o_proj, down_proj: [1, 16, 64] fp32, 4 KiB); the
-    backward makes 5 (the input gradients of q, k, v, gate and up, each reduced on its own) against Megatron's 2 --
-    issue 26 item 2, not done yet: this test then changes to 2. LoRA on q/k/v/o (at tp 2; its counts per block do not
-    depend on tp) adds rank-sized ones ([1, 16, 4]): 1 forward (o's lora_A partial sums), 3 backward (the input
-    gradients of q/k/v's lora_A)."""
+    """The collective checker records DTensor's functional collectives too (funcol.*), from one training step through
+    stage 2's engine at tp > 1 (tp_collectives.py). Per decoder block (3 layers minus 2, every rank the same calls):
+    Megatron's 2 all-reduces of one activation each ([1, 16, 64] fp32, 4 KiB) in the forward (the attention's and the
+    MLP's outputs) and 2 in the backward (their inputs' gradients: q/k/v and gate/up share one each). LoRA on q/k/v/o
+    (at tp 2; its counts do not depend on tp) adds none per block: its replicated factors' gradients are partial sums,
+    added up in one all-reduce per optimizer step. Around the blocks: the embedding's one all-reduce, and the
+    loss-parallel cross-entropy's 3 of [16] fp32 (no rank gathers the [1, 16, 128] logits: no all_gather at all)."""
     prefix = tmp_path / "collectives"
     args = ["--lora"] if tp == 2 else []
     proc = procs.run(args, procs.checked(prefix), ranks=tp, script=HERE / "tp_collectives.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     phases = _per_phase(prefix, tp)
-    act, low = ("funcol.all_reduce", 1 * 16 * 64 * 4), ("funcol.all_reduce", 1 * 16 * 4 * 4)
-    expected = {
-        ("forward", "False"): {act: 2},
-        ("backward", "False"): {act: 5},
-        ("forward", "True"): {act: 2, low: 1},
-        ("backward", "True"): {act: 5, low: 3},
-    }
-    for (phase, lora), block in expected.items():
-        if lora == "True" and tp != 2:
-            continue
-        got = phases[(phase, "3", lora)] - phases[(phase, "2", lora)]
-        assert dict(got) == block, (phase, lora, dict(got))
-        assert phases[(phase, "2", lora)]  # (both layer counts make some)
+    act, loss = ("funcol.all_reduce", 1 * 16 * 64 * 4), ("funcol.all_reduce", 16 * 4)
+    norm = ("all_reduce", 4)  # the clipping norm's sum of squares over the tensor-parallel ranks
+    for lora in ("False", "True") if tp == 2 else ("False",):
+        for phase, block in (("forward", {act: 2}), ("backward", {act: 2})):
+            got = phases[(phase, "3", lora)] - phases[(phase, "2", lora)]
+            assert dict(got) == block, (phase, lora, dict(got))
+        assert dict(phases[("forward", "2", lora)]) == {act: 2 * 2 + 1, loss: 3}, dict(phases[("forward", "2", lora)])
+        assert dict(phases[("backward", "2", lora)]) == {act: 2 * 2}, dict(phases[("backward", "2", lora)])
+        factors = 4 * 256 * 4  # per layer: q/k/v's lora_A [4, 64] and o's lora_B [64, 4], fp32
+        for layers in (2, 3):
+            step = {norm: 1, **({("all_reduce", layers * factors): 1} if lora == "True" else {})}
+            assert dict(phases[("step", str(layers), lora)]) == step, dict(phases[("step", str(layers), lora)])

@@ -1,7 +1,9 @@
 """Run under torchrun with the collective checker (tests/distributed/test_tensor_parallel.py): one training step
-(forward, backward) of a tiny converted Llama split over all the ranks (tp = world), at 2 and at 3 decoder layers,
-without LoRA and (--lora) with it; a marker line between the phases in each rank's record, so that the test can
-count the collectives per phase and, from the difference between 3 and 2 layers, per block."""
+(forward, backward, optimizer step) of a tiny converted Llama split over all the ranks (tp = world), through stage
+2's engine at tensor_parallel > 1 (replicated.ReplicatedEngine: the loss-parallel cross-entropy, the gradient
+reductions), at 2 and at 3 decoder layers, without LoRA and (--lora) with it; a marker line between the phases in
+each rank's record, so that the test can count the collectives per phase and, from the difference between 3 and 2
+layers, per block."""
 
 import json
 import os
@@ -16,6 +18,13 @@ from conftest import tiny_model  # noqa: E402
 import hybrid_scale as hs  # noqa: E402
 from hybrid_scale.distributed import runtime  # noqa: E402
 from hybrid_scale.distributed.parallelize import parallelize  # noqa: E402
+
+ENGINE = {  # the part of stage 2's DeepSpeed config that the replicated engine reads
+    "optimizer": {"params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+    "scheduler": {"params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1, "total_num_steps": 4}},
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+}
 
 
 def mark(rt, what: str) -> None:
@@ -35,12 +44,14 @@ def step(rt, layers: int, lora: bool) -> None:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     adapt = (lambda m: get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=targets))) if lora else None
     torch.manual_seed(0)
-    _, model = parallelize(model, adapt=adapt, rt=rt, train=True)
+    engine, model = parallelize(model, adapt=adapt, rt=rt, train=True, zero3=ENGINE)
     ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     mark(rt, f"forward layers={layers} lora={lora}")
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = engine(input_ids=ids, labels=ids).loss
     mark(rt, f"backward layers={layers} lora={lora}")
-    loss.backward()
+    engine.backward(loss)
+    mark(rt, f"step layers={layers} lora={lora}")
+    engine.step()
     mark(rt, "end")
 
 

@@ -67,10 +67,12 @@ def main(arch: str, rt) -> dict:
     tensor_parallel.apply(tp_model, rt)
     heads = tensor_parallel.head_sharded(tp_model)
     loss_ref = ref_model(input_ids=ids, labels=ids).loss
-    loss_tp = tp_model(input_ids=ids, labels=ids).loss
     loss_ref.backward()
-    loss_tp.backward()
-    out["loss"] = abs(loss_ref.item() - loss_tp.item())
+    with tensor_parallel.vocab_parallel_loss(tp_model):  # as in training: the cross-entropy on each rank's columns
+        result = tp_model(input_ids=ids, labels=ids)
+        result.loss.backward()
+    out["train_logits"] = [type(result.logits).__name__, list(tensor_parallel.local(result.logits).shape)]
+    out["loss"] = abs(loss_ref.item() - tensor_parallel.whole(result.loss, None, rt).item())
     grads, n = 0.0, 0
     ref_named = dict(ref_model.named_parameters())
     for name, p in tp_model.named_parameters():
