@@ -99,12 +99,20 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """Preflight: per-rank memory, buffer disk, checkpoint sizes, rough times, and blocking problems (exit 1)."""
+    """Preflight: per-rank memory, buffer disk, checkpoint sizes, rough times, and blocking problems (exit 1);
+    --dry-run checks stage 2's figures against the real model set up on the meta device."""
     from .stages.plan import plan
 
-    result = plan(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    result = plan(cfg)
     print(result.table())
-    return 0 if result.ok else 1
+    if not args.dry_run:
+        return 0 if result.ok else 1
+    from .stages.dry_run import dry_run, table
+
+    checked = dry_run(cfg)
+    print("\n" + table(checked), flush=True)
+    return 0 if all(row["ok"] for stage in checked.values() for row in stage["rows"]) else 1
 
 
 def cmd_pipeline(args) -> int:
@@ -200,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("config", nargs="?", help="YAML config file (optional)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. attention.window=32")
+        if name == "plan":
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="also set up stage 2 at the model's real size as rank 0 of the configured mesh, on the meta "
+                "device under torch's fake process group, step it once, and compare its per-rank bytes, collectives "
+                "and checkpoint bytes with the plan's (exit 1 when they differ by over 10%%)",
+            )
         p.set_defaults(fn=fn)
     p = sub.add_parser("launch", help=cmd_launch.__doc__, description=cmd_launch.__doc__)
     p.add_argument("stage", choices=JOBS)

@@ -90,10 +90,11 @@ class ReplicatedEngine:
             squares[0 if self.dims[name] is not None else 1] += g.float().pow(2).sum()
         split = squares[:1].clone()
         runtime.all_reduce(rt, split, group=tensor_parallel.tp_group(rt), size=rt.tp)
-        norm = float((split[0] + squares[1]).sqrt())
-        if self.clip and norm > self.clip:
+        norm = (split[0] + squares[1]).sqrt()
+        if self.clip:  # DeepSpeed's rule, without a host sync: scale by clip / (norm + 1e-6) when that is below 1
+            scale = (self.clip / (norm + 1e-6)).clamp(max=1.0)
             for g in grads:
-                g.mul_(self.clip / (norm + 1e-6))
+                g.mul_(scale.to(g.dtype))
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -135,8 +135,9 @@ def _mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
 
 
 def mesh(rt: Runtime) -> DeviceMesh:
-    """The 2-D mesh (data x tensor) of this job: ranks r*tp .. r*tp+tp-1 form tensor-parallel group r."""
-    return _mesh(rt.device.type, rt.dp, rt.tp)
+    """The 2-D mesh (data x tensor) of this job: ranks r*tp .. r*tp+tp-1 form tensor-parallel group r. (A dry run's
+    meta device gets a cpu mesh: its fake process group moves nothing.)"""
+    return _mesh("cpu" if rt.device.type == "meta" else rt.device.type, rt.dp, rt.tp)
 
 
 def dp_group(rt: Runtime):
@@ -368,8 +369,9 @@ def parameter_bytes(model: nn.Module) -> int:
     seen, total = set(), 0
     for p in model.parameters():
         t = local(p)
-        if t.data_ptr() in seen:
+        key = id(p) if t.is_meta else t.data_ptr()  # (meta tensors have no storage: a dry run counts each once)
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(key)
         total += t.numel() * t.element_size()
     return total

@@ -235,11 +235,21 @@ def build_model(run: Run, ds_config: dict) -> None:
 
 
 def _build(run: Run, ds_config: dict) -> None:
-    from peft import LoraConfig, get_peft_model
-
-    f, cfg, split = run.cfg.finetune, run.cfg, run.rt.tp > 1
+    cfg = run.cfg
     # at tp > 1 each rank reads only its part of each weight (the LoRA factors PEFT adds are split by parallelize)
     model = load_converted(run.source, getattr(torch, cfg.model.dtype), run.rt.device, cfg.attention.backend, run.rt)
+    run.engine, run.peft_model, run.layers = prepare(model, cfg, run.rt, ds_config)
+    run.model = model
+    run.named = [(n, p) for n, p in run.peft_model.named_parameters() if p.requires_grad]
+
+
+def prepare(model, cfg, rt, ds_config: dict):
+    """A converted model made ready to train as stage 2 configures it: phi/gamma trainable as asked, then
+    (parallelize) activation checkpointing, LoRA, and ZeRO-3 or the tensor-parallel split. Returns (engine, the
+    PEFT model, the hybrid layers). The dry run (stages/dry_run.py) calls it with a model on the meta device."""
+    from peft import LoraConfig, get_peft_model
+
+    f, split = cfg.finetune, rt.tp > 1
     model.config.use_cache = False
     layers = hybrid_layers(model)
     for m in layers.values():
@@ -275,10 +285,9 @@ def _build(run: Run, ds_config: dict) -> None:
         adapt=add_lora,
         zero3=ds_config,
         train=True,
-        rt=run.rt,
+        rt=rt,
     )
-    run.model, run.peft_model, run.engine, run.layers = model, peft_model, engine, layers
-    run.named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    return engine, peft_model, layers
 
 
 def train_step(run: Run, signalled: bool) -> bool:

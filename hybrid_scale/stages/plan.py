@@ -38,6 +38,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)  # blocking
     warnings: list[str] = field(default_factory=list)  # the run works, but wastes something
     scope: dict[str, tuple[str, ...]] = field(default_factory=dict)  # problem -> the stages it blocks
+    figures: dict[str, dict] = field(default_factory=dict)  # stage -> {figure: value}, what the dry run checks
 
     def block(self, message: str, *stages: str) -> None:
         self.problems.append(message)
@@ -304,28 +305,53 @@ def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     gradients, AdamW moments) is replicated. (memory, checkpoint size, flops, tokens)"""
     a, c, f, ranks, wbytes, tp = sh.a, sh.c, cfg.finetune, sh.ranks, sh.wbytes, sh.tp
     T2 = f.seq_len or cfg.data.seq_len
-    per_target = {
-        "q_proj": c["D"] + c["H"] * c["hd"],
-        "k_proj": c["D"] + c["K"] * c["hd"],
-        "v_proj": c["D"] + c["K"] * c["hd"],
-        "o_proj": c["H"] * c["hd"] + c["D"],
+    D, qo, kv, inter = c["D"], c["H"] * c["hd"], c["K"] * c["hd"], a["intermediate_size"]
+    shapes = {  # (in, out, split): a column-wise linear splits its out (LoRA's B), a row-wise one its in (LoRA's A)
+        "q_proj": (D, qo, "out"),
+        "k_proj": (D, kv, "out"),
+        "v_proj": (D, kv, "out"),
+        "o_proj": (qo, D, "in"),
+        "gate_proj": (D, inter, "out"),
+        "up_proj": (D, inter, "out"),
+        "down_proj": (inter, D, "in"),
     }
-    lora = c["L"] * f.lora_r * sum(per_target.get(t, 2 * c["D"]) for t in f.lora_targets)
+    lora = lora_rank = 0
+    for t in f.lora_targets:
+        n_in, n_out, split = shapes.get(t, (D, D, "out"))
+        lora += c["L"] * f.lora_r * (n_in + n_out)
+        lora_rank += c["L"] * f.lora_r * ((n_in + n_out // tp) if split == "out" else (n_in // tp + n_out))
     phi = c["L"] * (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2 if cfg.attention.feature_map == "hedgehog" else 0)
-    trainable = lora + (phi if f.train_feature_maps else 0) + (c["L"] * c["H"] if f.train_gamma else 0)
+    hybrid = (phi if f.train_feature_maps else 0) + (c["L"] * c["H"] if f.train_gamma else 0)
+    trainable = lora + hybrid
     if tp > 1:  # (finetune.offload is refused with tensor parallelism)
-        weights, states = c["total"] * wbytes / tp, trainable * (4 + 4 + 8)
+        per_rank = lora_rank + hybrid // tp  # LoRA's whole factors replicated, the split ones and phi/gamma in parts
+        weights, states = c["total"] * wbytes / tp, per_rank * (4 + 4 + 8)
+        figures = {"weights_bytes": weights, "trainable_params": per_rank, "trainable_bytes": per_rank * 4}
+        figures |= {"gradient_bytes": per_rank * 4, "optimizer_bytes": per_rank * 8}
+        accumulation = f.global_batch // (f.micro_batch * sh.ranks // tp)
+        # per micro-batch: forward 2 all-reduces per block, the embedding's, the loss-parallel cross-entropy's 3;
+        # backward 2 per block, and with activation checkpointing the recomputed attention output's (the recompute
+        # stops before the MLP's) and one more (as the dry run counts them); per optimizer step: the data-parallel
+        # gradients' (dp > 1), LoRA's replicated factors', the clipping norm's
+        backward = 3 * c["L"] + 1 if f.gradient_checkpointing else 2 * c["L"]
+        per_micro = 2 * c["L"] + 1 + 3 + backward
+        figures["collectives_per_step"] = accumulation * per_micro + (sh.ranks > tp) + (lora > 0) + 1
     else:
         weights = 0 if f.offload else c["total"] * wbytes / ranks
         states = 0 if f.offload else trainable * (4 + 8 + wbytes) / ranks
+        part = trainable / ranks
+        figures = {"weights_bytes": c["total"] * wbytes / ranks, "trainable_params": part}
+        figures |= {"trainable_bytes": part * (4 + wbytes), "gradient_bytes": part * wbytes}
+        figures["optimizer_bytes"] = part * 8
     act_layers = c["L"] if f.gradient_checkpointing else c["L"] * 12
     s2_acts = (
         f.micro_batch * T2 * c["D"] * wbytes * act_layers
-        + f.micro_batch * T2 * (c["D"] * 10 + a["intermediate_size"] * 4 + c["V"]) * 4
+        + f.micro_batch * T2 * (c["D"] * 10 + (a["intermediate_size"] * 4 + c["V"]) / tp) * 4  # (MLP, logits split)
     )
     gathered = 2 * c["layer"] * wbytes if tp == 1 else 0  # ZeRO-3 gathers a layer (and prefetches the next)
     s2_mem = weights + states + s2_acts + gathered
     ckpt = trainable * (4 + 8)
+    p.figures["stage 2"] = figures | {"checkpoint_bytes": ckpt}
     tokens2 = f.max_steps * f.global_batch * T2
     p.rows += [
         (
@@ -338,7 +364,7 @@ def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
             "per-rank memory",
             f"~{_gb(s2_mem)} (weights/{ranks}, states, activations, 2 gathered layers)"
             if tp == 1
-            else f"~{_gb(s2_mem)} (weights/{tp} split by tensor parallelism, replicated fp32 states, activations)",
+            else f"~{_gb(s2_mem)} (weights/{tp} split by tensor parallelism, fp32 trainable state, activations)",
         ),
         ("stage 2", "checkpoint size", f"{_gb(ckpt)} per step dir (fp32 weights + AdamW moments; no base)"),
         ("stage 2", "CPU offload", "on (weights and optimizer state in host memory)" if f.offload else "off"),
@@ -384,6 +410,9 @@ def _evaluation(p: Plan, cfg, sh: Shape) -> float:
     eval_weights = copies * c["total"] * sh.wbytes / parts
     eval_acts = e.ppl_seq_len * (c["D"] * 12 + a["intermediate_size"] * 3 + c["V"] * 2) * 4
     eval_mem = eval_weights + eval_acts + (2 * c["layer"] * sh.wbytes if e.shard_weights else 0)
+    p.figures["evaluate"] = {"weights_bytes": c["total"] * sh.wbytes / parts}  # one model
+    if sh.tp > 1:  # 2 all-reduces per block, the embedding's, the logits' gather
+        p.figures["evaluate"]["collectives_per_forward"] = 2 * c["L"] + 2
     how = f"{copies} model(s)" + (f" / {ranks} ranks" if e.shard_weights else "")
     how += f" / {sh.tp} (tensor parallel)" if sh.tp > 1 else ""
     p.rows.append(("evaluate", "per-rank memory", f"~{_gb(eval_mem)} ({how}, a {e.ppl_seq_len}-token forward)"))

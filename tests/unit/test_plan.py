@@ -291,8 +291,9 @@ def test_plan_warns_when_stage_1_would_idle_ranks_and_when_the_signal_lead_is_to
 
 def test_plan_divides_the_weights_by_tensor_parallel(tmp_path):
     """launch.tensor_parallel=8 on the 70B preset (4 nodes x 8): stage 2 holds 141 GB / 8 of bf16 weights per rank
-    plus replicated fp32 LoRA state, evaluation 2 models / 8, stage 1 a layer / 8 and 8 of 64 heads; its query blocks
-    go to 4 data-parallel groups; a group of 8 shares one copy of its stage-1 buffers."""
+    plus its fp32 LoRA state (whole factors replicated, split ones in parts), evaluation 2 models / 8, stage 1 a
+    layer / 8 and 8 of 64 heads; its query blocks go to 4 data-parallel groups; a group of 8 shares one copy of its
+    stage-1 buffers."""
     split = ["launch.tensor_parallel=8", "finetune.offload=false", "eval.shard_weights=false", f"run_dir={tmp_path}"]
     one, eight = (
         {(s, q): v for s, q, v in plan(load_config("models/llama3-70b.yaml", [*extra, f"run_dir={tmp_path}"])).rows}
@@ -304,12 +305,15 @@ def test_plan_divides_the_weights_by_tensor_parallel(tmp_path):
 
     c = counts(load_config("models/llama3-70b.yaml").model.arch)
     weights = c["total"] * 2 / 1e9
-    assert eight[("stage 2", "per-rank memory")].endswith("(weights/8 split by tensor parallelism, replicated fp32 "
-                                                          "states, activations)")  # fmt: skip
-    # the same activations at tp 1 and 8: the difference is weights/32 + ZeRO's 2 gathered layers vs weights/8 + states
-    lora = 32.8e6 * 16 / 1e9
+    assert eight[("stage 2", "per-rank memory")].endswith("(weights/8 split by tensor parallelism, fp32 trainable "
+                                                          "state, activations)")  # fmt: skip
+    # tp 1 -> 8: weights/32 + ZeRO's 2 gathered layers become weights/8 + this rank's trainable state, and the MLP's
+    # and the logits' activations (fp32, 1 x 1024 tokens) are split by 8
+    per_rank = 80 * 8 * (2 * (8192 + 1024) + 2 * (8192 + 128))  # LoRA r=8: q/k/v whole A + B/8 rows, o A/8 + whole B
+    lora = per_rank * 16 / 1e9  # fp32 weights, gradients, 2 moments
     layers = 2 * c["layer"] * 2 / 1e9
-    expected = gb(one[("stage 2", "per-rank memory")]) - weights / 32 - 32.8e6 * 14 / 32 / 1e9 - layers
+    split_acts = 1024 * (28672 * 4 + 128256) * 4 * (1 - 1 / 8) / 1e9
+    expected = gb(one[("stage 2", "per-rank memory")]) - weights / 32 - 32.8e6 * 14 / 32 / 1e9 - layers - split_acts
     assert gb(eight[("stage 2", "per-rank memory")]) == pytest.approx(expected + weights / 8 + lora, abs=0.02)
     assert eight[("evaluate", "per-rank memory")].startswith("~38.89 GB (2 model(s) / 8 (tensor parallel)")
     assert eight[("load", "read per rank (stage 2, evaluate)")].startswith("17.64 GB: its 1/8 of each weight")
