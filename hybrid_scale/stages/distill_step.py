@@ -42,7 +42,7 @@ def train_gamma(cfg, weights) -> bool:
     return bool(cfg.distill.train_gamma)
 
 
-def _trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
+def trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
     params = []
     if cfg.distill.train_feature_maps:
         params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
@@ -179,7 +179,7 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     place in whole-layer buffers, so that they are summed over the data-parallel ranks only). On a signal the ranks
     save a step checkpoint at the next step boundary and raise Requeue."""
     d, rt = s.cfg.distill, s.rt
-    trained = {id(p) for p in _trainable(m, s.cfg, s.weights)}
+    trained = {id(p) for p in trainable(m, s.cfg, s.weights)}
     named = [(n, p) for n, p in m.hybrid_parameters() if id(p) in trained]
     params = [p for _, p in named]
     for p in m.parameters():
@@ -205,20 +205,8 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     with SignalFlag() as signal:
         for step, (batch, rows, x) in enumerate(zip(steps[done:], mine, staged, strict=True), start=done):
             opt.zero_grad(set_to_none=False)
-            units = objectives.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.dp)[rt.dp_rank]
-            hidden = _gather_batch(s, x, batch, rows)
-            loss = _step_loss(s, m, layer, hidden, units) / len(batch)
-            if units:
-                loss.backward()
-            flag = torch.tensor([float(signal.raised)], device=rt.device)
-            flat = torch.cat([_spread(p.grad, rt) for p in params] + [loss.detach().reshape(1), flag])
-            runtime.all_reduce(rt, flat)
-            value, stop = flat[-2].item(), flat[-1].item() > 0
-            offset = 0
-            for p in params:
-                whole = flat[offset : offset + p.numel() * rt.tp].view(p.shape[0] * rt.tp, *p.shape[1:])
-                p.grad.copy_(whole[rt.tp_rank * p.shape[0] : (rt.tp_rank + 1) * p.shape[0]])
-                offset += p.numel() * rt.tp
+            summed = gradients(s, m, layer, params, x, batch, rows, signal.raised)
+            value, stop = summed[0].item(), summed[1].item() > 0
             if not math.isfinite(value):  # summed over the ranks: every rank sees it and stops here
                 bar.close()
                 msg = _nonfinite_loss(value, s.cfg, i, step // per_epoch, step + 1, len(steps))
@@ -245,6 +233,28 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     bar.close()
     s.log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
     return losses
+
+
+def gradients(s: Stage1, m, layer, params: list, staged, batch: list[int], rows: list[int], signalled: bool):
+    """One step's gradients on this rank: the batch gathered (`_gather_batch`), the loss of this rank's units of
+    query blocks for its heads, its backward, then the gradients, the loss and the signal flag summed over the ranks
+    in one fp32 all-reduce, each rank keeping its heads' part. Returns [global loss, signal count] (a tensor: no host
+    sync here; the dry run calls it on the meta device)."""
+    d, rt = s.cfg.distill, s.rt
+    units = objectives.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.dp)[rt.dp_rank]
+    hidden = _gather_batch(s, staged, batch, rows)
+    loss = _step_loss(s, m, layer, hidden, units) / len(batch)
+    if units:
+        loss.backward()
+    flag = torch.tensor([float(signalled)], device=rt.device)
+    flat = torch.cat([_spread(p.grad, rt) for p in params] + [loss.detach().reshape(1), flag])
+    runtime.all_reduce(rt, flat)
+    offset = 0
+    for p in params:
+        whole = flat[offset : offset + p.numel() * rt.tp].view(p.shape[0] * rt.tp, *p.shape[1:])
+        p.grad.copy_(whole[rt.tp_rank * p.shape[0] : (rt.tp_rank + 1) * p.shape[0]])
+        offset += p.numel() * rt.tp
+    return flat[-2:]
 
 
 def _spread(grad: torch.Tensor, rt) -> torch.Tensor:

@@ -1,20 +1,25 @@
-"""`hybrid-scale plan --dry-run`: stage 2 set up and stepped at the model's real size, as rank 0 of the configured
-mesh (launch.nodes x launch.procs_per_node ranks, launch.tensor_parallel), on the meta device under torch's fake
-process group (torchtitan's dry run): no weights, no data, no GPU, and each collective is recorded but moves nothing.
+"""`hybrid-scale plan --dry-run`: stage 1, stage 2 and evaluation set up and stepped at the model's real size, as
+rank 0 of the configured mesh (launch.nodes x launch.procs_per_node ranks, launch.tensor_parallel), on the meta device
+under torch's fake process group (torchtitan's dry run): no weights, no data, no GPU, and each collective is counted
+but moves nothing.
 
-It goes through what a stage-2 rank does: the model built from its architecture, converted as `attention`
-configures it, then finetune.prepare (phi/gamma trainable as asked, activation checkpointing, LoRA, the
-tensor-parallel split and the replicated engine), then one micro-batch forward and backward of
-finetune.micro_batch x seq_len tokens through the engine, and one optimizer step. It measures what this rank holds:
-weights, trainable state, gradients, AdamW moments; the collectives of a micro-batch and of the step; the checkpoint
-bytes (whole trainable tensors, fp32, with the moments). `plan` states the same figures from its formulas; the dry
-run prints both and their ratio.
+It goes through what a rank does, with the stages' own code:
+  stage 1: one decoder layer built and split as stage 1 streams it, its hybrid layer narrowed to the rank's heads,
+  one step of distill_step.gradients (the batch gathered from the data-parallel groups, this rank's query blocks,
+  the backward, the summed gradients) and AdamW;
+  stage 2: the model built from its architecture, converted as `attention` configures it, finetune.prepare (phi/gamma
+  trainable as asked, activation checkpointing, LoRA, the tensor-parallel split and the replicated engine), one
+  micro-batch of finetune.micro_batch x seq_len tokens forward and backward through the engine, one optimizer step;
+  evaluation: the converted model split as evaluation splits it, one perplexity forward.
+It measures what this rank holds (weights, trainable state, gradients, AdamW moments), the collectives of a step, and
+the checkpoint bytes (whole trainable tensors, fp32, with the moments). `plan` states the same figures from its
+formulas; the dry run prints both and their ratio.
 
-At launch.tensor_parallel = 1 stage 2 runs under DeepSpeed ZeRO-3, whose engine is not started here: it
-materialises its partitions (the 70B preset's would be 4.4 GB on this host) and its collectives need real tensors.
-The dry run builds the same model with LoRA and runs the forward and backward (every shape at its real size), and
-accounts the bytes by ZeRO-3's partitioning rule (each tensor cut into `ranks` equal parts, padded); its collectives
-are not recorded.
+At launch.tensor_parallel = 1 stage 2 (and evaluation with eval.shard_weights) run under DeepSpeed ZeRO-3, whose
+engine is not started here: it materialises its partitions (the 70B preset's would be 4.4 GB on this host) and its
+collectives need real tensors. The dry run builds the same model with LoRA and runs its forward and backward (every
+shape at its real size), and accounts the bytes by ZeRO-3's partitioning rule (each tensor cut into `ranks` equal
+parts); those collectives are not counted.
 """
 
 from __future__ import annotations
@@ -22,16 +27,22 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from ..attention.architectures import BY_MODEL_TYPE
+from ..attention.hybrid import HybridAttention
+from ..config import attention_settings
 from ..distributed import tensor_parallel
 from ..distributed.deepspeed import train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.runtime import Runtime
 from ..errors import ConfigError
+from ..models import streaming
 from ..models.convert import convert_model
+from . import distill_step
 from . import plan as plan_module
 from .finetune import prepare
 
@@ -54,6 +65,7 @@ def dry_run(cfg) -> dict:
         raise ConfigError("config key 'model.path': the dry run needs the model's config.json or model.arch")
     dtype = getattr(torch, cfg.model.dtype)
     config = AutoConfig.for_model(arch["model_type"], **{k: v for k, v in arch.items() if k != "model_type"})
+    config.architectures = config.architectures or [BY_MODEL_TYPE[config.model_type].hf_class]
     tensor_parallel.check_divisible(config, tp)
     rt = Runtime(0, world, 0, torch.device("meta"), tp, lc.timeout_min)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
@@ -67,7 +79,11 @@ def dry_run(cfg) -> dict:
         return convert_model(model, cfg.attention)
 
     try:
-        measured = {"stage 2": _stage2(cfg, converted(), rt, dtype), "evaluate": _evaluate(cfg, converted(), rt)}
+        measured = {
+            "stage 1": _stage1(cfg, config, rt, dtype),
+            "stage 2": _stage2(cfg, converted(), rt, dtype),
+            "evaluate": _evaluate(cfg, converted(), rt),
+        }
     finally:
         masking.find_packed_sequence_indices = find_packed
         dist.destroy_process_group()
@@ -76,6 +92,46 @@ def dry_run(cfg) -> dict:
     return {
         stage: {"measured": m, "plan": planned.get(stage, {}), "rows": compare(m, planned.get(stage, {}))}
         for stage, m in measured.items()
+    }
+
+
+def _stage1(cfg, config, rt: Runtime, dtype: torch.dtype) -> dict:
+    """One decoder layer as stage 1 builds it (split over the tensor-parallel ranks), its hybrid layer narrowed to
+    this rank's heads with what stage 1 trains, and one step of distill_step.gradients (the batch gathered from the
+    data-parallel groups, this rank's query blocks, the backward, the summed gradients) and AdamW."""
+    d, T = cfg.distill, cfg.data.seq_len
+    with torch.device("meta"):
+        layer = streaming.model_class(config, "DecoderLayer")(config, 0).to(dtype)
+    tensor_parallel.split_layer(layer, rt)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    m = HybridAttention.from_softmax(layer.self_attn, config, 0, attention_settings(cfg.attention), torch.float32)
+    tensor_parallel.narrow(m, rt)
+    weights = distill_step.objective_weights(cfg)
+    params = distill_step.trainable(m, cfg, weights)
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=d.lr)
+    buf_dtype = getattr(torch, d.buffer_dtype)
+    s = SimpleNamespace(cfg=cfg, rt=rt, config=config, dtype=dtype, buf_dtype=buf_dtype, weights=weights)
+    s.rope = streaming.rotary(config, T, dtype, rt.device)
+    batch = list(range(min(d.batch_size, cfg.data.num_sequences)))
+    rows = [g for g in batch if rt.dp == 1 or g % rt.dp == rt.dp_rank]  # the sequences this rank's group holds
+    staged = torch.zeros(len(rows), T, config.hidden_size, dtype=buf_dtype, device=rt.device)
+    calls = {}
+    with recorded() as calls["step"]:
+        distill_step.gradients(s, m, layer, params, staged, batch, rows, False)
+        opt.step()
+    trainable = sum(p.numel() for p in params)
+    return {
+        "layer_weights_bytes": tensor_parallel.parameter_bytes(layer),
+        "trainable_params": trainable,
+        "optimizer_bytes": sum(_local_bytes(v) for st in opt.state.values() for k, v in st.items() if k != "step"),
+        "collectives_per_step": sum(calls["step"].values()),
+        "calls": calls,
+        "where": f"one layer split over {rt.tp} tensor-parallel ranks" if rt.tp > 1 else "one whole layer",
+        "note": f"a step of {len(batch)} x {T} tokens over {rt.dp} data-parallel group(s)",
     }
 
 
@@ -220,6 +276,7 @@ def _zero3_state(model, named, world: int, dtype: torch.dtype) -> dict:
 
 
 FIGURES = (  # (key, label, unit)
+    ("layer_weights_bytes", "layer weights per rank", "GB"),
     ("weights_bytes", "weights per rank", "GB"),
     ("trainable_params", "trainable parameters per rank", "M"),
     ("trainable_bytes", "trainable weights per rank", "GB"),

@@ -22,7 +22,7 @@ from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
 from ..models import streaming
 from ..models.converted import base_dir
-from . import inputs, objectives, rundir
+from . import distill_step, inputs, objectives, rundir
 
 SUPPORTED_TYPES = tuple(BY_MODEL_TYPE)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -238,6 +238,15 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     block = per_rank * c["H"] / tp * min(d.query_block, T) * T * 4 * 6  # score blocks kept for the backward, fp32
     s1_mem = c["layer"] * sh.wbytes / tp + c["V"] * c["D"] * sh.wbytes + batch + acts + block
     s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]
+    weights = distill_step.objective_weights(cfg)
+    maps = (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2) if cfg.attention.feature_map == "hedgehog" else 0
+    trained = (maps if d.train_feature_maps else 0) + (c["H"] if distill_step.train_gamma(cfg, weights) else 0)
+    p.figures["stage 1"] = {  # per rank, one layer
+        "layer_weights_bytes": c["layer"] * sh.wbytes / tp,
+        "trainable_params": trained / tp,
+        "optimizer_bytes": trained / tp * 8,
+        "collectives_per_step": (B if dp > 1 else 0) + 1,  # the batch's broadcasts between groups, the gradients'
+    }
     tokens1 = N * T * d.epochs
     # per layer: feature maps, the T^2 score rows of the objective (forward + backward), the teacher layer's forward
     scores = 3 * 2 * N * T * T * c["H"] * (c["hd"] + sh.fdim) * d.epochs
