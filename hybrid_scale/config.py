@@ -151,8 +151,8 @@ class EvalConfig:
     # scored by answer log-likelihood and greedy exact match at each distance (tokens from the key to the answer)
     passkey_distances: list[int] = field(default_factory=lambda: [32, 128, 512, 1024, 2048])  # [] = no probe
     passkey_trials: int = 20  # prompts per distance (seeded keys and filler)
-    # the modes the passkey probe scores
-    passkey_modes: list[str] = field(default_factory=lambda: ["base", "hybrid", "swa_only", "swa_sinks", "la_only"])
+    # the modes the passkey probe scores; null = the evaluated modes (eval.modes)
+    passkey_modes: list[str] | None = None
     # ZeRO-3: weights partitioned over the ranks (a model too large for one device); with launch.tensor_parallel > 1
     # the tensor-parallel split does this instead, and setting both is refused
     shard_weights: bool = False
@@ -267,7 +267,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _positive("eval.ppl_sequences", e.ppl_sequences, 0)
     _positive("eval.la_share_seq_len", e.la_share_seq_len, 0)
     _positive("eval.passkey_trials", e.passkey_trials, 0)
-    for mode in e.passkey_modes:
+    for mode in e.passkey_modes or []:
         _choice("eval.passkey_modes", mode, EVAL_MODES)
     for d in e.passkey_distances:
         _positive("eval.passkey_distances", d)

@@ -46,7 +46,7 @@ from ..models.converted import (
     load_tokenizer,
     read_hybrid_config,
 )
-from . import balance, loglik, report, retrieval, rundir
+from . import balance, loglik, plan, report, retrieval, rundir
 from .evaluate_cells import Cells, count_cells, digest, model_key
 from .plan import preflight
 
@@ -177,6 +177,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = model_key(cfg, path, converted, window, rt.device)
     cells = Cells(cfg, rt, flag, total=count_cells(e))
+    cells.log(_first_line(cfg, base_config(rundir.base_of(path, converted)), models))
     for mode in e.modes:
         t0 = time.perf_counter()
         per_task = {}
@@ -198,7 +199,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     if e.ppl_sequences:
         _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)
     results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
-    if e.passkey_distances and e.passkey_trials and e.passkey_modes:
+    if retrieval.probe_modes(e):
         t0 = time.perf_counter()
         _passkey(results, cells, common, models, tokenizer, cfg, rt, held_text)
         results["timings_s"]["passkey"] = time.perf_counter() - t0
@@ -301,6 +302,17 @@ def _deltas(results: dict, tasks: list[str], cfg) -> None:
         results["verdict_tasks"] = balance.verdict(results["delta_la"]["avg"], e.margin)
 
 
+def _first_line(cfg, config, models) -> str:
+    """What this evaluation will compute: its cells, and the passkey probe's modes and estimated time."""
+    e = cfg.eval
+    what = f"{count_cells(e)} cells: {len(e.modes)} mode(s) x {len(e.tasks)} task(s)"
+    if e.ppl_sequences:
+        what += f", perplexity in {len(e.modes)} mode(s)" + (", the LA share" if e.la_share_seq_len else "")
+    sinks = read_hybrid_config(models.path)["attention"]["sinks"] if models.converted else cfg.attention.sinks
+    probe = plan.passkey_estimate(cfg, plan.counts(config.to_dict())["total"], max(retrieval.LEAD, sinks))
+    return what + (f"; passkey probe: {probe}" if probe else "; no passkey probe")
+
+
 def _verdict(results: dict) -> None:
     """The verdict: beyond the window (hybrid vs the strongest mode without LA on held-out text) when measured, else
     the tasks' (la_only - none); `verdict_basis` says which."""
@@ -359,7 +371,7 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
     key = {**common, "text": digest(text), "distances": list(e.passkey_distances), "trials": e.passkey_trials}
     key |= {"seed": cfg.seed, "lead": lead, "prompts": digest([p.ids for p in items])}
     by_mode = {}
-    for mode in e.passkey_modes:
+    for mode in retrieval.probe_modes(e):
         run = partial(_passkey_mode, models, mode, items, rt, e.progress)
         by_mode[mode] = cells.run(f"passkey.{mode}", {**key, "mode": mode}, run, here)
     if here:

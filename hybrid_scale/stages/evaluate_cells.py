@@ -21,7 +21,7 @@ from .. import __version__
 from ..distributed import requeue, runtime
 from ..distributed.checkpoint import atomic_write, fault
 from ..distributed.requeue import SignalFlag
-from . import rundir
+from . import retrieval, rundir
 
 CELLS_DIR = "cells"  # in eval's out_dir: the committed cells of the evaluation
 
@@ -29,8 +29,7 @@ CELLS_DIR = "cells"  # in eval's out_dir: the committed cells of the evaluation
 def count_cells(e) -> int:
     """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share."""
     held_out = (len(e.modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
-    passkey = len(e.passkey_modes) if e.passkey_distances and e.passkey_trials else 0
-    return len(e.modes) * len(e.tasks) + held_out + passkey
+    return len(e.modes) * len(e.tasks) + held_out + len(retrieval.probe_modes(e))
 
 
 def digest(obj) -> str:

@@ -16,7 +16,7 @@ from ..distributed.checkpoint import check_destination
 from ..errors import ConfigError, InputError
 from ..models import streaming
 from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME, base_dir
-from . import rundir
+from . import retrieval, rundir
 from .retrieval import LEAD, probes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -177,7 +177,7 @@ def eval_inputs(cfg) -> None:
             )
     elif not assets.paths().datasets.is_dir():
         assets.require()  # one clear error saying how to make them
-    if e.passkey_distances and e.passkey_trials and e.passkey_modes:
+    if retrieval.probe_modes(e):
         passkey_prompts(cfg)
     out = rundir.eval_dir(cfg)
     if out.exists() and not out.is_dir():

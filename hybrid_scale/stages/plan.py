@@ -22,7 +22,7 @@ from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
 from ..models import streaming
 from ..models.converted import base_dir
-from . import distill_step, inputs, objectives, rundir
+from . import distill_step, inputs, objectives, retrieval, rundir
 
 SUPPORTED_TYPES = tuple(BY_MODEL_TYPE)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -30,6 +30,7 @@ GB = 1e9
 MFU = 0.35  # assumed model-flops utilisation for the rough times
 SAVE_BYTES_PER_S = 0.5e9  # assumed write speed of a checkpoint (gather + shared file system)
 READ_BYTES_PER_S = 2e9  # assumed checkpoint read rate per node at start-up (shared file system)
+CPU_FLOPS = 1e11  # assumed forward rate on CPU (SmolLM2-135M's passkey probe: ~3.3 min per mode on 2 cores)
 
 
 @dataclass
@@ -410,6 +411,25 @@ def _load(p: Plan, cfg, sh: Shape, base: Path | None) -> None:
         )
 
 
+def passkey_estimate(cfg, params: int, lead: int = retrieval.LEAD) -> str:
+    """The passkey probe's modes, prompts, tokens and rough time (a forward of 2 x params FLOPs per token, at
+    launch.gpu_tflops x MFU per rank on a GPU, else an assumed CPU_FLOPS); "" when it does not run."""
+    e = cfg.eval
+    modes = retrieval.probe_modes(e)
+    if not modes:
+        return ""
+    tokens = retrieval.probe_tokens(list(e.passkey_distances), e.passkey_trials, lead) * len(modes)
+    gpu = cfg.model.device != "cpu" and cfg.launch.gpu_tflops
+    rate = cfg.launch.gpu_tflops * 1e12 * MFU if gpu else CPU_FLOPS
+    minutes = 2 * params * tokens / rate / 60
+    why = " (eval.passkey_modes unset: the evaluated modes)" if e.passkey_modes is None else ""
+    prompts = len(e.passkey_distances) * e.passkey_trials
+    return (
+        f"{prompts} prompts x {len(modes)} mode(s){why}: {', '.join(modes)}; {tokens / 1e3:,.0f} k tokens, "
+        f"~{minutes:.1f} min at {'launch.gpu_tflops x ' + str(MFU) if gpu else f'an assumed {CPU_FLOPS:.0e} FLOP/s'}"
+    )
+
+
 def _evaluation(p: Plan, cfg, sh: Shape) -> float:
     """The whole model on every rank (or partitioned with eval.shard_weights; loaded partitioned too), the base and
     the converted model both (when `base` is among the modes), one perplexity forward."""
@@ -425,6 +445,8 @@ def _evaluation(p: Plan, cfg, sh: Shape) -> float:
     how = f"{copies} model(s)" + (f" / {ranks} ranks" if e.shard_weights else "")
     how += f" / {sh.tp} (tensor parallel)" if sh.tp > 1 else ""
     p.rows.append(("evaluate", "per-rank memory", f"~{_gb(eval_mem)} ({how}, a {e.ppl_seq_len}-token forward)"))
+    if probe := passkey_estimate(cfg, c["total"], max(retrieval.LEAD, cfg.attention.sinks)):
+        p.rows.append(("evaluate", "passkey probe", probe))
     return eval_mem
 
 

@@ -32,6 +32,20 @@ QUESTION = " The pass key is"
 DIGITS = 5
 LEAD = 32  # filler tokens before the needle (evaluate uses at least the sink count: no sink may hold the key)
 CHANCE_LOGLIK = DIGITS * math.log(0.1)  # guessing each digit uniformly
+PROMPT_EXTRA = 25  # a prompt's tokens besides its lead filler and its distance: the needle and the answer (about)
+
+
+def probe_modes(e) -> list[str]:
+    """The modes the probe scores (config `eval`): eval.passkey_modes, or the evaluated modes when it is unset; none
+    without distances or trials."""
+    if not (e.passkey_distances and e.passkey_trials):
+        return []
+    return list(e.modes if e.passkey_modes is None else e.passkey_modes)
+
+
+def probe_tokens(distances: list[int], trials: int, lead: int = LEAD) -> int:
+    """The tokens one mode's probe reads (every prompt once), about."""
+    return trials * sum(d + lead + PROMPT_EXTRA for d in distances)
 
 
 @dataclass

@@ -70,3 +70,27 @@ def test_sanity_flags_a_window_mode_that_retrieves_beyond_the_window():
     assert retrieval.sanity({"swa_sinks": {"64": hit}}, 32) == [
         "swa_sinks retrieved 50% of keys at distance 64 >= window 32"
     ]
+
+
+def test_the_probe_scores_the_evaluated_modes_unless_told_otherwise():
+    """eval.passkey_modes unset: the probe runs in the evaluated modes only (`evaluate eval.modes=[base]` no longer
+    also runs it in hybrid, swa_only, swa_sinks and la_only); set, it is what was asked; no distances or trials: no
+    probe. The evaluation's cells count it the same way, and plan states it with its estimated time."""
+    from hybrid_scale.config import load_config
+    from hybrid_scale.stages.evaluate_cells import count_cells
+    from hybrid_scale.stages.plan import plan
+
+    base = load_config(overrides=["eval.modes=[base]", "eval.tasks=[arc_challenge]"])
+    assert retrieval.probe_modes(base.eval) == ["base"]
+    assert count_cells(base.eval) == 1 + 1 + 1 + 1  # the task, perplexity, the LA share, the probe in base
+    asked = load_config(overrides=["eval.modes=[base]", "eval.passkey_modes=[hybrid,swa_sinks]"])
+    assert retrieval.probe_modes(asked.eval) == ["hybrid", "swa_sinks"]
+    assert retrieval.probe_modes(load_config(overrides=["eval.passkey_trials=0"]).eval) == []
+    rows = {q: v for s, q, v in plan(base).rows if s == "evaluate"}
+    # 5 distances x 20 prompts; (32 + 128 + 512 + 1024 + 2048) + 5 x (32 lead + 25) tokens each = 80,580
+    assert rows["passkey probe"].startswith(
+        "100 prompts x 1 mode(s) (eval.passkey_modes unset: the evaluated modes): base; 81 k tokens, ~"
+    ), rows["passkey probe"]
+    assert "no passkey" not in rows["passkey probe"] and "passkey probe" not in dict.fromkeys(
+        q for s, q, _ in plan(load_config(overrides=["eval.passkey_distances=[]"])).rows
+    )
