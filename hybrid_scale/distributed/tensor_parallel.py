@@ -268,8 +268,9 @@ def _split(module: nn.Module, plan: dict[str, str], rt: Runtime) -> None:
 
 
 def _is_split(m: nn.Module) -> bool:
-    """Split already (its hooks are in place): a second style would add its collectives twice."""
-    return hasattr(m, "tensor_parallel_style") or isinstance(getattr(m, "weight", None), DTensor)
+    """Split already (its hooks are in place; `_split` marks what it styles): a second style would add its
+    collectives twice."""
+    return hasattr(m, "tensor_parallel_style")
 
 
 @contextlib.contextmanager

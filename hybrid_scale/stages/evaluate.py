@@ -157,7 +157,8 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     tokenizer = load_tokenizer(rundir.base_of(path, converted))
     models = Models(cfg, path, converted, rt)
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
-    max_len = getattr(base_config(rundir.base_of(path, converted)), "max_position_embeddings", 8192)
+    config = base_config(rundir.base_of(path, converted))
+    max_len = getattr(config, "max_position_embeddings", 8192)
     requests = {task: Requests(task, benchmarks.build(task, data_dir, e.limit), tokenizer, max_len) for task in e.tasks}
     held_text = corpus.report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
     window = models.window()
@@ -177,7 +178,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = model_key(cfg, path, converted, window, rt.device)
     cells = Cells(cfg, rt, flag, total=count_cells(e))
-    cells.log(_first_line(cfg, base_config(rundir.base_of(path, converted)), models))
+    cells.log(_first_line(cfg, config, models))
     for mode in e.modes:
         t0 = time.perf_counter()
         per_task = {}
@@ -308,8 +309,7 @@ def _first_line(cfg, config, models) -> str:
     what = f"{count_cells(e)} cells: {len(e.modes)} mode(s) x {len(e.tasks)} task(s)"
     if e.ppl_sequences:
         what += f", perplexity in {len(e.modes)} mode(s)" + (", the LA share" if e.la_share_seq_len else "")
-    sinks = read_hybrid_config(models.path)["attention"]["sinks"] if models.converted else cfg.attention.sinks
-    probe = plan.passkey_estimate(cfg, plan.counts(config.to_dict())["total"], max(retrieval.LEAD, sinks))
+    probe = plan.passkey_estimate(cfg, plan.counts(config.to_dict())["total"], _probe_lead(cfg, models))
     return what + (f"; passkey probe: {probe}" if probe else "; no passkey probe")
 
 
@@ -361,8 +361,7 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
     e = cfg.eval
     here = rt.main or e.shard_weights or rt.tp > 1
     text = (held_text or corpus.report_text(cfg))[0]
-    sinks = read_hybrid_config(models.path)["attention"]["sinks"] if models.converted else cfg.attention.sinks
-    lead = max(retrieval.LEAD, sinks)
+    lead = _probe_lead(cfg, models)
     try:
         filler = tokenizer.encode(text)
         items = retrieval.probes(tokenizer, filler, e.passkey_distances, e.passkey_trials, cfg.seed, lead)
@@ -383,6 +382,12 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
             "by_mode": by_mode,
             "sanity": retrieval.sanity(by_mode, results["window"]),
         }
+
+
+def _probe_lead(cfg, models) -> int:
+    """Filler tokens before the passkey's needle: at least the model's sink count (no sink may hold the key)."""
+    sinks = read_hybrid_config(models.path)["attention"]["sinks"] if models.converted else cfg.attention.sinks
+    return max(retrieval.LEAD, sinks)
 
 
 def _passkey_mode(models: Models, mode: str, items: list, rt, progress: bool) -> dict:

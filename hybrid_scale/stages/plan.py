@@ -2,7 +2,12 @@
 architecture alone (no weights are read): per-rank memory of each stage, stage-1 buffer disk, checkpoint sizes,
 rough times; and the checks that would doom it (paths, tokenizer, architecture, tensor-parallel divisibility, free
 disk). Estimates are deliberately simple formulas, stated in the table; they are for catching impossible shapes,
-not for tuning.
+not for tuning. The per-stage figures (`Plan.figures`) are what `plan --dry-run` (dry_run.py) checks against the real
+model.
+
+It stays one file: every row is a formula over the same Shape and parameter counts, and a reader checks them side by
+side (the stages' memory feeds the device fit, the checkpoint size the disk and requeue rows); the run-time side of
+the checks lives in inputs.py, the measured side in dry_run.py.
 """
 
 from __future__ import annotations
