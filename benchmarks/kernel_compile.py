@@ -43,7 +43,9 @@ from hybrid_scale.config import PRESETS, load_config
 # fp32 (IEEE dots on FMAs, no tensor cores) 128, for the window launch of _bwd_dkv at head dim 128, which spills
 # 44-72 bytes with every tile setting tried since the packed GQA tiles (benchmarks/kernel_compile.py --tune fp32,128,16)
 SPILL_BUDGET = {"bf16": 0, "fp16": 0, "fp32": 128}
-MODES = tuple(MODE_PARTS)  # every mode the kernels compute ("none" launches nothing)
+# every mode the kernels compute ("none" launches nothing), and the hybrid with its sinks (attention.hybrid_sinks)
+HYBRID_SINKS = "hybrid+sinks"
+MODES = (*MODE_PARTS, HYBRID_SINKS)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -86,6 +88,8 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
     q, k, v, fq, fk = meta(b, h, t, d), meta(b, hkv, t, d), meta(b, hkv, t, d), meta(b, h, t, f), meta(b, hkv, t, f)
     gamma = torch.empty(h, device="meta", requires_grad=True)
     options = dict(window=shape.window, mode=mode, sinks=shape.sinks)
+    if mode == HYBRID_SINKS:
+        options |= dict(mode="hybrid", hybrid_sinks=True)
     with compile_check.record_launches() as recorded:
         y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options)
         y.backward(torch.empty_like(y))

@@ -44,8 +44,14 @@ class AttentionConfig:
     window: int = 64  # sliding-window size in real tokens
     feature_map: str = "hedgehog"  # phi of the linear attention: hedgehog | exp | relu | elu1 | t2r
     feature_dim: int | None = None  # None = head_dim (hedgehog then outputs 2 * head_dim)
-    gamma_init: float = 0.1  # initial window weight gamma of every head (sigmoid of a learnable logit)
+    gamma_init: float = 0.1  # initial window weight gamma of every head
+    # gamma = f(a learnable logit) per head: sigmoid (LoLCATs: gamma in (0, 1), the window never outweighs the LA's
+    # per-key weight) | exp (gamma in (0, inf): the window can outweigh a weak LA)
+    gamma_param: str = "sigmoid"
     sinks: int = 8  # S, the first real tokens that swa_sinks and sinks_only attend to besides the window
+    # the hybrid's softmax also covers those S sinks and its LA leaves them out (false: LoLCATs' hybrid, window only);
+    # its no-LA ablation swa_only is then the window plus the same S sinks
+    hybrid_sinks: bool = False
     # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)
@@ -248,8 +254,10 @@ def validate(cfg: DictConfig) -> DictConfig:
     _choice("attention.feature_map", a.feature_map, sorted(FEATURE_MAPS))
     _choice("attention.mode", a.mode, MODES)
     _choice("attention.backend", a.backend, BACKEND_CHOICES)
-    if not 0.0 < a.gamma_init < 1.0:
-        raise ConfigError(f"config key 'attention.gamma_init': must be in (0, 1), got {a.gamma_init}")
+    _choice("attention.gamma_param", a.gamma_param, ("sigmoid", "exp"))
+    if not (0.0 < a.gamma_init < 1.0 if a.gamma_param == "sigmoid" else a.gamma_init > 0.0):
+        bound = "in (0, 1) with attention.gamma_param=sigmoid" if a.gamma_param == "sigmoid" else "> 0"
+        raise ConfigError(f"config key 'attention.gamma_init': must be {bound}, got {a.gamma_init}")
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
     _choice("model.dtype", cfg.model.dtype, DTYPES)

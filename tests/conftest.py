@@ -87,15 +87,15 @@ def perturb_hybrid(model, scale: float = 0.3, seed: int = 1):
     return model
 
 
-def save_stage2_like(model, out, base_path):
-    """Convert `model` (window 8), move its phi/gamma and save it at `out` with a random LoRA adapter on q, v, o,
-    as stage 2 leaves a model."""
+def save_stage2_like(model, out, base_path, **attention):
+    """Convert `model` (window 8, and any other attention settings given), move its phi/gamma and save it at `out`
+    with a random LoRA adapter on q, v, o, as stage 2 leaves a model."""
     from peft import LoraConfig, get_peft_model
 
     import hybrid_scale as hs
     from hybrid_scale.models.converted import ADAPTER_DIR
 
-    perturb_hybrid(hs.convert_model(model, {"window": 8}))
+    perturb_hybrid(hs.convert_model(model, {"window": 8, **attention}))
     hs.save_converted(model, out, base_path=base_path)
     torch.manual_seed(0)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
@@ -105,6 +105,14 @@ def save_stage2_like(model, out, base_path):
                 p.normal_(0, 0.05)
     peft_model.save_pretrained(out / ADAPTER_DIR)
     return out
+
+
+HYBRID_SINKS = "hybrid+sinks"  # the hybrid with its own sinks (attention.hybrid_sinks), tested as one more mode
+
+
+def variant(name: str) -> dict:
+    """The attention keywords of a mode name, or of HYBRID_SINKS: mode="hybrid" with hybrid_sinks=True."""
+    return dict(mode="hybrid", hybrid_sinks=True) if name == HYBRID_SINKS else dict(mode=name)
 
 
 def attention_inputs(B=2, H=4, Hkv=2, T=12, D=4, F=3, dtype=torch.float64, seed=0, requires_grad=False):

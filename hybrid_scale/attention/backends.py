@@ -17,16 +17,17 @@ for by name on CUDA runs the same check first and raises its failure there, so i
 
 A backend is called with the tensors positionally and everything else by keyword:
 
-    fn(q, k, v, fq, fk, gamma, *, window, mode, sinks, scale, attention_mask, chunk_size, initial_state,
-       return_denominators)
+    fn(q, k, v, fq, fk, gamma, *, window, mode, sinks, hybrid_sinks, scale, attention_mask, chunk_size,
+       initial_state, return_denominators)
 
-q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F], fk [B,Hkv,T,F], gamma [H] in (0,1), window >= 1, mode one of
-naive.MODES, sinks S, scale (None = 1/sqrt(D)), attention_mask [B,T] or None (1 = token, 0 = padding), chunk_size (a
-hint; a backend without chunks ignores it), initial_state None or (kv [B,Hkv,F,D], k [B,Hkv,F]): the LA sums of keys
-that precede the sequence by more than the window (stage 1 attends a block of rows with the keys before it folded
-in; gradients flow into it). It returns y [B,H,T,D] in q's dtype, or with return_denominators
-(y, sum of E [B,H,T], sum of L [B,H,T]), and must equal the naive backend in outputs and gradients (DESIGN.md
-section 7); what it cannot do it refuses with a ValueError.
+q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F], fk [B,Hkv,T,F], gamma [H] > 0, window >= 1, mode one of
+naive.MODES, sinks S, hybrid_sinks (hybrid mode: its softmax also covers the first S real tokens and its LA leaves
+them out; naive.py; passed only when true, so a backend written before it still runs everything else), scale
+(None = 1/sqrt(D)), attention_mask [B,T] or None (1 = token, 0 = padding), chunk_size (a hint; a backend without
+chunks ignores it), initial_state None or (kv [B,Hkv,F,D], k [B,Hkv,F]): the LA sums of keys that precede the sequence
+by more than the window (stage 1 attends a block of rows with the keys before it folded in; gradients flow into it).
+It returns y [B,H,T,D] in q's dtype, or with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), and must
+equal the naive backend in outputs and gradients (DESIGN.md section 7); what it cannot do it refuses with a ValueError.
 
 This file imports only torch, importlib.metadata and its siblings (the export copies it next to a modeling file).
 """
@@ -68,15 +69,18 @@ class Shape:
     window: int = 16
     sinks: int = 4
     dtype: torch.dtype = torch.bfloat16
+    hybrid_sinks: bool = False  # the hybrid keeps its sinks (then the self-check runs it with them)
 
     @classmethod
-    def of(cls, q, k, v, fq, window: int, sinks: int) -> Shape:
-        return cls(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], fq.shape[-1], int(window), int(sinks), q.dtype)
+    def of(cls, q, k, v, fq, window: int, sinks: int, hybrid_sinks: bool = False) -> Shape:
+        dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], fq.shape[-1])
+        return cls(*dims, int(window), int(sinks), q.dtype, bool(hybrid_sinks))
 
     def __str__(self) -> str:
+        own = " (the hybrid's own)" if self.hybrid_sinks else ""
         return (
             f"{self.heads} heads / {self.kv_heads} KV heads, head dim {self.head_dim}, feature dim {self.features}, "
-            f"window {self.window}, {self.sinks} sinks, {str(self.dtype).removeprefix('torch.')}"
+            f"window {self.window}, {self.sinks} sinks{own}, {str(self.dtype).removeprefix('torch.')}"
         )
 
 
@@ -173,7 +177,8 @@ def _passes(name: str, device: torch.device, shape: Shape) -> bool:
 
 def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Shape | None = None) -> str | None:
     """Backend `name` on `device` at `shape` (default: a small one in `dtype`) against the chunked torch path: a
-    forward whose 2 rows (one left-padded) cross several tiles, in hybrid mode, the output and the gradients of q, k,
+    forward whose 2 rows (one left-padded) cross several tiles, in hybrid mode (with its sinks if the shape's hybrid
+    keeps them), the output and the gradients of q, k,
     v, phi_q, phi_k and gamma; and (if it has a fused decode step) 20 decode steps past the window against
     recurrent.extend. None when it agrees, else what differed, failed, or the shape the backend cannot take."""
     shape = shape or Shape(dtype=dtype)
@@ -204,7 +209,8 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
             x += [make(B, Hkv, T, F, positive=True), torch.full((H,), 0.3, device=device)]
             mask = torch.ones(B, T, dtype=torch.long, device=device)
             mask[1, :7] = 0
-            opts = dict(window=w, mode="hybrid", sinks=S, scale=None, attention_mask=mask, chunk_size=16)
+            opts = dict(window=w, mode="hybrid", sinks=S, hybrid_sinks=shape.hybrid_sinks, scale=None)
+            opts |= dict(attention_mask=mask, chunk_size=16)
             results = []
             for fn in (get_backend(name), chunk_hybrid_attention):
                 inputs = [t.detach().requires_grad_() for t in x]
@@ -219,12 +225,13 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
             with torch.no_grad():
                 fused = DecodeState.empty(B, Hkv, D, Dv, F, w, S, w, dtype, device)
                 t0 = T - 20
-                extend(fused, *(t[:, :, :t0] for t in x[:5]), x[5], window=w, sinks=S, attention_mask=mask[:, :t0])
+                own = dict(window=w, sinks=S, hybrid_sinks=shape.hybrid_sinks)
+                extend(fused, *(t[:, :, :t0] for t in x[:5]), x[5], **own, attention_mask=mask[:, :t0])
                 ref = copy.deepcopy(fused)
                 for t in range(t0, T):
                     token = [u[:, :, t : t + 1] for u in x[:5]]
-                    got = step(fused, *token, x[5], window=w, mode="hybrid", sinks=S, attention_mask=None, scale=None)
-                    want = extend(ref, *token, x[5], window=w, sinks=S)
+                    got = step(fused, *token, x[5], **own, mode="hybrid", attention_mask=None, scale=None)
+                    want = extend(ref, *token, x[5], **own)
                     if got is None or (why := differs(f"decode step {t}", got, want)) is not None:
                         return why or "the decode step declined a plain one-token step"
     except Exception as e:  # noqa: BLE001  (a kernel that does not compile or launch here: reported, not raised)

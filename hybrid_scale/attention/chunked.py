@@ -54,14 +54,16 @@ GROUP_TOKENS = 4096  # queries processed together: bounds the working set so tim
 
 def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0):
     """hybrid / swa_only / swa_sinks / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F],
-    k/v/fk [B,Hkv,T,*]. swa_sinks adds the first `sinks` keys that have left a query's window to its softmax."""
+    k/v/fk [B,Hkv,T,*]. With sinks > 0 (swa_sinks, or the hybrid with its sinks) the first `sinks` keys that have
+    left a query's window join its softmax (gamma weights them as it weights the window); the hybrid's LA then leaves
+    them out (the caller zeroes their phi_k, and an initial state holds no sink)."""
     T = q.shape[-2]
     w = min(window, T)  # a window >= T makes P(n) empty: identical to w = T
     nb = -(-T // chunk)
     Tp = nb * chunk
     span = w + chunk - 1
     softmax, linear = mode in ("hybrid", "swa_only", "swa_sinks"), mode in ("hybrid", "la_only")
-    S = min(sinks, T) if mode == "swa_sinks" else 0
+    S = min(sinks, T) if mode in ("swa_sinks", "hybrid") else 0
 
     def blocks(x):  # [..., T, d] -> [..., nb, C, d]
         x = F.pad(x, (0, 0, 0, Tp - T))
@@ -113,7 +115,9 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
             num = num + torch.einsum("bhgncs,bhnsd->bhgncd", e, vg)
             den = den + e.sum(-1, keepdim=True)
             if S:
-                e_sink = torch.exp(torch.where(sink_ok[sl], a_sink - c, float("-inf")))
+                e_sink = gamma.view(*gamma.shape, 1, 1, 1) * torch.exp(
+                    torch.where(sink_ok[sl], a_sink - c, float("-inf"))
+                )
                 num = num + torch.einsum("bhgncs,bhsd->bhgncd", e_sink, v_sink)
                 den = den + e_sink.sum(-1, keepdim=True)
             den_soft = den
@@ -148,6 +152,7 @@ def chunk_hybrid_attention(
     window,
     mode="hybrid",
     sinks=8,
+    hybrid_sinks=False,
     attention_mask=None,
     scale=None,
     chunk_size=64,
@@ -155,7 +160,8 @@ def chunk_hybrid_attention(
     return_denominators=False,
 ):
     """Same contract as naive.naive_hybrid_attention, plus chunk_size and an optional initial LA state
-    (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension).
+    (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension; with
+    hybrid_sinks it must hold no sink, and the sequence must start at real token 0).
     With return_denominators (hybrid / swa_only / la_only / none, no padding): (y, sum of E [B,H,T], sum of L
     [B,H,T]), the two parts of the shared normaliser, for the LA-share diagnostic."""
     check_mode(mode)
@@ -188,9 +194,13 @@ def chunk_hybrid_attention(
         g = gamma.to(q.dtype).view(Hkv, H // Hkv)
         if mode == "swa_sinks":  # no L: plain softmax, gamma does not enter (as in naive)
             g = torch.ones_like(g)
+        own = mode == "swa_sinks" or (mode == "hybrid" and hybrid_sinks)  # the modes whose softmax keeps sinks
+        if mode == "hybrid" and hybrid_sinks:  # the sinks are E terms, never L terms (real tokens come first here)
+            fk = torch.cat([torch.zeros_like(fk[:, :, :sinks]), fk[:, :, sinks:]], 2)
         y = _windowed(
-            q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators, sinks=sinks
-        )
+            q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators,
+            sinks=sinks if own else 0,
+        )  # fmt: skip
         if return_denominators:
             y, den_soft, den_lin = y
             return (y.reshape(B, H, T, -1).to(out_dtype), den_soft.reshape(B, H, T), den_lin.reshape(B, H, T))

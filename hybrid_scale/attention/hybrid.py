@@ -9,8 +9,9 @@ stage 1, gamma calibration and the LA-share diagnostic call it.
 
 `HybridAttention` takes the place of a Llama/Mistral/Qwen2 attention module and adopts its q/k/v/o projections (same
 names, so PEFT targets them as before), its scaling and the model's rotary embeddings; it adds phi_q (per query head),
-phi_k (per KV head) and gamma = sigmoid(theta) per query head. Its `mode` is one of naive.MODES and can be switched
-at any time; the decode state is kept in every mode.
+phi_k (per KV head) and gamma per query head from a learnable theta: sigmoid(theta) in (0, 1) as LoLCATs, or
+exp(theta) in (0, inf), which can weight the window above a weak LA (`gamma_param`). Its `mode` is one of naive.MODES
+and can be switched at any time; the decode state is kept in every mode.
 
 `HybridCache` is a transformers `Cache` whose converted layers hold a `recurrent.DecodeState` (memory independent of
 the generated length) and whose other layers keep the usual `DynamicLayer`. `prepare_inputs` (a forward pre-hook on
@@ -32,8 +33,23 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from .backends import Shape, get_backend, get_decode, resolve
 from .feature_maps import make_feature_map
-from .naive import check_mode
+from .naive import check_mode, own_mode
 from .recurrent import DecodeState, extend
+
+# gamma_param -> (theta -> gamma, gamma -> theta): LoLCATs' sigmoid caps the window's weight at 1, exp does not
+GAMMA_PARAMS = {
+    "sigmoid": (torch.sigmoid, lambda g: math.log(g / (1.0 - g))),
+    "exp": (torch.exp, math.log),
+}
+
+
+def check_gamma(gamma: float, param: str, what: str = "gamma_init") -> None:
+    """gamma must be reachable by its parametrisation: (0, 1) for sigmoid, > 0 for exp."""
+    if param not in GAMMA_PARAMS:
+        raise ValueError(f"unknown gamma_param '{param}'; available: {', '.join(GAMMA_PARAMS)}")
+    if not (0.0 < gamma < 1.0 if param == "sigmoid" else gamma > 0.0):
+        bound = "in (0, 1) with gamma_param sigmoid" if param == "sigmoid" else "> 0"
+        raise ValueError(f"{what} must be {bound}, got {gamma}")
 
 
 def _rotate_half(x):
@@ -57,6 +73,7 @@ def attend(
     window,
     mode="hybrid",
     sinks=8,
+    hybrid_sinks=False,
     scale=None,
     attention_mask=None,
     chunk_size=64,
@@ -67,13 +84,15 @@ def attend(
     """Hybrid attention (DESIGN.md section 2) computed by the backend `backend` resolves to for q's device (see
     backends.py: auto, torch, triton, or a registered name).
 
-    q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F] = phi_q(q), fk [B,Hkv,T,F] = phi_k(k), gamma [H] in (0,1);
-    mode one of naive.MODES; scale None = 1/sqrt(D); attention_mask [B,T] (1 = token, 0 = padding) or None;
+    q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F] = phi_q(q), fk [B,Hkv,T,F] = phi_k(k), gamma [H] > 0;
+    mode one of naive.MODES; sinks S; hybrid_sinks: the hybrid's softmax also covers the first S real tokens and its LA
+    leaves them out (naive.py; swa_only is then passed as swa_sinks, naive.own_mode); scale None = 1/sqrt(D);
+    attention_mask [B,T] (1 = token, 0 = padding) or None;
     initial_state None or the LA sums (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys before the sequence (see backends.py).
     Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
     of the shared normaliser (unpadded input; the LA-share diagnostic)."""
-    check_mode(mode)
-    return get_backend(resolve(backend, q.device, Shape.of(q, k, v, fq, window, sinks)))(
+    mode, hybrid_sinks = own_mode(mode, hybrid_sinks)
+    return get_backend(resolve(backend, q.device, Shape.of(q, k, v, fq, window, sinks, hybrid_sinks)))(
         q,
         k,
         v,
@@ -88,6 +107,7 @@ def attend(
         chunk_size=chunk_size,
         initial_state=initial_state,
         return_denominators=return_denominators,
+        **({"hybrid_sinks": True} if hybrid_sinks else {}),  # (a backend written before the option still runs)
     )
 
 
@@ -105,7 +125,9 @@ class HybridAttention(nn.Module):
         feature_map: str = "hedgehog",
         feature_dim: int | None = None,
         gamma_init: float = 0.1,
+        gamma_param: str = "sigmoid",
         sinks: int = 8,
+        hybrid_sinks: bool = False,
         mode: str = "hybrid",
         chunk_size: int = 64,
         backend: str = "auto",
@@ -113,8 +135,7 @@ class HybridAttention(nn.Module):
     ):
         super().__init__()
         check_mode(mode)
-        if not 0.0 < gamma_init < 1.0:
-            raise ValueError(f"gamma_init must be in (0, 1), got {gamma_init}")
+        check_gamma(gamma_init, gamma_param)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = base.q_proj, base.k_proj, base.v_proj, base.o_proj
@@ -126,6 +147,7 @@ class HybridAttention(nn.Module):
         self.scaling = scaling
         self.is_causal = True
         self.window, self.sinks, self.mode, self.chunk_size = int(window), int(sinks), mode, int(chunk_size)
+        self.hybrid_sinks = bool(hybrid_sinks)  # the hybrid's softmax keeps the first `sinks` real tokens too
         self.backend = backend  # what `attend` runs on: auto | torch | triton or a backends.py name (per call)
         ref = self.q_proj.weight
         dtype = param_dtype or ref.dtype  # fp32 masters for training in half precision; else the projections'
@@ -133,11 +155,19 @@ class HybridAttention(nn.Module):
         self.feature_map_k = make_feature_map(feature_map, num_kv_heads, head_dim, feature_dim)
         self.feature_map_q.to(device=ref.device, dtype=dtype)
         self.feature_map_k.to(device=ref.device, dtype=dtype)
-        logit = math.log(gamma_init / (1.0 - gamma_init))
+        self.gamma_param = gamma_param  # theta -> gamma: sigmoid (LoLCATs, gamma < 1) or exp (unbounded)
+        logit = GAMMA_PARAMS[gamma_param][1](gamma_init)
         self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=dtype))
 
-    SETTINGS = ("window", "feature_map", "feature_dim", "gamma_init", "sinks", "mode", "chunk_size", "backend")
-    DEFAULTS = {"backend": "auto"}  # settings that older hybrid_config.json files do not have
+    SETTINGS = (
+        "window", "feature_map", "feature_dim", "gamma_init", "gamma_param", "sinks", "hybrid_sinks", "mode",
+        "chunk_size", "backend",
+    )  # fmt: skip
+    DEFAULTS = {
+        "backend": "auto",
+        "hybrid_sinks": False,
+        "gamma_param": "sigmoid",
+    }  # settings that older hybrid_config.json files do not have
 
     @classmethod
     def from_softmax(cls, base: nn.Module, config, layer_idx: int, settings, param_dtype=None) -> HybridAttention:
@@ -180,11 +210,12 @@ class HybridAttention(nn.Module):
 
     @property
     def gamma(self) -> torch.Tensor:
-        return torch.sigmoid(self.gamma_logit)
+        return GAMMA_PARAMS[self.gamma_param][0](self.gamma_logit)
 
     def extra_repr(self) -> str:
         heads = f", heads={self.head_range[0]}..{self.head_range[1] - 1}" if self.head_range else ""
-        return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}, mode={self.mode}{heads}"
+        own = ", hybrid_sinks=True" if self.hybrid_sinks else ""
+        return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}{own}, mode={self.mode}{heads}"
 
     def attend(
         self,
@@ -205,7 +236,8 @@ class HybridAttention(nn.Module):
         initial_state=None,
         return_denominators=False,
     ):
-        """`attend` with this layer's mode, gamma, window, sinks, scaling, chunk_size and backend; a keyword given
+        """`attend` with this layer's mode, gamma, window, sinks (and its hybrid's own), scaling, chunk_size and
+        backend; a keyword given
         (not None) replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
         return attend(
             q,
@@ -217,6 +249,7 @@ class HybridAttention(nn.Module):
             window=self.window if window is None else window,
             mode=self.mode if mode is None else mode,
             sinks=self.sinks if sinks is None else sinks,
+            hybrid_sinks=self.hybrid_sinks,
             scale=self.scaling if scale is None else scale,
             attention_mask=attention_mask,
             chunk_size=self.chunk_size if chunk_size is None else chunk_size,
@@ -272,7 +305,9 @@ class HybridCacheLayer(CacheLayerMixin):
         self.state: DecodeState | None = None
 
     def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
-        backend = resolve(module.backend, q.device, Shape.of(q, k, v, fq, module.window, module.sinks))
+        mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
+        shape = Shape.of(q, k, v, fq, module.window, module.sinks, hybrid_sinks)
+        backend = resolve(module.backend, q.device, shape)
         if self.state is None:
             if module.window != self.window or module.sinks != self.sinks:
                 raise ValueError(
@@ -284,7 +319,8 @@ class HybridCacheLayer(CacheLayerMixin):
                 B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
             )
             self.is_initialized = True
-        options = dict(window=module.window, mode=module.mode, sinks=module.sinks, attention_mask=mask)
+        options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
+        options |= {"hybrid_sinks": True} if hybrid_sinks else {}
         step = get_decode(backend) if q.shape[2] == 1 else None
         if step is not None:
             y = step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)

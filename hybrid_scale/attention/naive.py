@@ -5,6 +5,9 @@ For query n and key j (positions counted in real tokens only), window w, scale s
     E_nj = gamma_h * exp(s q_n.k_j - c_n) on W(n), c_n = max over W(n) of s q_n.k_j (not detached)
     L_nj = phi_q(q_n) . phi_k(k_j) on P(n)
     hybrid: y_n = (sum E v + sum L v) / (sum E + sum L + EPS)
+Hybrid with sinks (hybrid_sinks=True, S = sinks): E also covers S(n) = {j <= n : j < S}, the first S real tokens, and
+L covers P(n) minus S(n): one shared normaliser, gamma on every E term, c_n the max over W(n) and S(n). With
+hybrid_sinks=False (S = 0 for the hybrid) it is LoLCATs' hybrid above, exactly.
 Other modes: swa_only (E on W only), swa_sinks (softmax over W(n) and the first S real tokens, no L: the
 sliding-window + attention-sinks baseline), la_only (L on all j <= n), sinks_only (causal softmax over the first S
 real tokens), none (zeros). Padded query rows give exactly 0. All arithmetic is fp32; the output has q's dtype.
@@ -32,6 +35,15 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
 
 
+def own_mode(mode: str, hybrid_sinks: bool) -> tuple[str, bool]:
+    """What a layer in `mode` computes when its hybrid has its own sinks or not: (backend mode, hybrid_sinks). The
+    no-LA ablation of a hybrid with S sinks (swa_only) is its window plus the same S sinks, i.e. swa_sinks."""
+    check_mode(mode)
+    if hybrid_sinks and mode == "swa_only":
+        return "swa_sinks", False
+    return mode, bool(hybrid_sinks) and mode == "hybrid"
+
+
 def real_positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
     """Index of each token among its row's real tokens, -1 for padding. Shape [B, T]."""
     if attention_mask is None:
@@ -43,15 +55,31 @@ def real_positions(attention_mask: torch.Tensor | None, batch: int, length: int,
 
 
 def masked_attention(
-    q, k, v, fq, fk, gamma, pos_q, pos_k, *, window, mode, sinks, scale=None, state=None, return_denominators=False
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    gamma,
+    pos_q,
+    pos_k,
+    *,
+    window,
+    mode,
+    sinks,
+    hybrid_sinks=False,
+    scale=None,
+    state=None,
+    return_denominators=False,
 ):
     """Dense hybrid attention between queries and keys that carry explicit real-token positions.
 
     q [B,H,Tq,D], k/v [B,Hkv,Tk,D], fq [B,H,Tq,F], fk [B,Hkv,Tk,F], gamma [H];
     pos_q [B,Tq], pos_k [B,Tk]: real-token index of each query / key, -1 where there is none;
     state: optional (kv [B,Hkv,F,D], k [B,Hkv,F]) = sums of phi_k(k) v^T and phi_k(k) over keys already folded away
-    (every one of them lies in P(n) of every query). Returns [B,H,Tq,D] in q's dtype; with return_denominators
-    (y, sum of E [B,H,Tq], sum of L [B,H,Tq]), the two parts of the shared normaliser (fp32 or fp64).
+    (every one of them lies in P(n) of every query, and with hybrid_sinks none is a sink). Returns [B,H,Tq,D] in q's
+    dtype; with return_denominators (y, sum of E [B,H,Tq], sum of L [B,H,Tq]), the two parts of the shared
+    normaliser (fp32 or fp64).
     """
     check_mode(mode)
     B, H, Tq, D = q.shape
@@ -73,12 +101,15 @@ def masked_attention(
     causal = (pq >= 0) & (pk >= 0) & (pk <= pq)
     in_window = causal & (pk > pq - window)
     in_past = causal & (pk <= pq - window)
-    if mode == "swa_only" or mode == "hybrid":
+    sink = causal & (pk < sinks)
+    if mode == "hybrid" and hybrid_sinks:
+        soft, in_past = in_window | sink, in_past & ~sink
+    elif mode == "swa_only" or mode == "hybrid":
         soft = in_window
     elif mode == "sinks_only":
-        soft = causal & (pk < sinks)
+        soft = sink
     elif mode == "swa_sinks":
-        soft = in_window | (causal & (pk < sinks))
+        soft = in_window | sink
     else:
         soft = None
     linear = {"hybrid": in_past, "la_only": causal}.get(mode)
@@ -121,12 +152,14 @@ def naive_hybrid_attention(
     window,
     mode="hybrid",
     sinks=8,
+    hybrid_sinks=False,
     attention_mask=None,
     scale=None,
     return_denominators=False,
 ):
-    """The spec. q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq/fk feature-mapped, gamma [H] in (0,1),
-    attention_mask [B,T] (1 = token, 0 = padding), scale None = 1/sqrt(D). Returns [B,H,T,D]; with
+    """The spec. q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq/fk feature-mapped, gamma [H] > 0,
+    sinks S (swa_sinks, sinks_only; and the hybrid's own when hybrid_sinks), attention_mask [B,T] (1 = token,
+    0 = padding), scale None = 1/sqrt(D). Returns [B,H,T,D]; with
     return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts of the shared normaliser."""
     B, _, T, _ = q.shape
     pos = real_positions(attention_mask, B, T, q.device)
@@ -142,6 +175,7 @@ def naive_hybrid_attention(
         window=window,
         mode=mode,
         sinks=sinks,
+        hybrid_sinks=hybrid_sinks,
         scale=scale,
         return_denominators=return_denominators,
     )

@@ -4,9 +4,10 @@ Per layer and KV head the state holds
   * a ring buffer of the last R real keys/values (and their phi_k), real token r in slot r mod R; R grows (doubling)
     with the tokens seen up to its capacity min(window, max_length) and then stays: short inputs pay for what they
     use, long ones hold exactly the window;
-  * the linear-attention state sum phi_k(k) v^T and sum phi_k(k) of every key that has left the ring (fp32), kept in
-    every mode so the mode can change between calls;
-  * the first S real keys/values (sinks_only, swa_sinks);
+  * the linear-attention state sum phi_k(k) v^T and sum phi_k(k) of every key that has left the ring but the first S
+    (fp32), kept in every mode so the mode can change between calls;
+  * the first S real keys, values and phi_k (sinks_only, swa_sinks and the hybrid with its sinks take them as softmax
+    terms; la_only and the hybrid without sinks add the LA terms of those that have left the ring to the state's);
   * per row, the number of real tokens seen (padding is not counted) and, for transformers, the positions seen.
 When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
 the whole sequence: short extensions attend densely over ring + new keys, long ones run the chunked path over the
@@ -32,6 +33,7 @@ class DecodeState:
     fk: torch.Tensor  # [B, Hkv, R, F] phi_k of the ring keys (fp32)
     sink_k: torch.Tensor  # [B, Hkv, S, D]
     sink_v: torch.Tensor  # [B, Hkv, S, Dv]
+    sink_fk: torch.Tensor  # [B, Hkv, S, F] fp32
     kv: torch.Tensor  # [B, Hkv, F, Dv] fp32
     ksum: torch.Tensor  # [B, Hkv, F] fp32
     count: torch.Tensor  # [B] real tokens seen
@@ -52,6 +54,7 @@ class DecodeState:
             fk=z(batch, kv_heads, ring, feature_dim, dt=acc),  # ring starts empty unless asked and grows
             sink_k=z(batch, kv_heads, sinks, head_dim),
             sink_v=z(batch, kv_heads, sinks, value_dim),
+            sink_fk=z(batch, kv_heads, sinks, feature_dim, dt=acc),
             kv=z(batch, kv_heads, feature_dim, value_dim, dt=acc),
             ksum=z(batch, kv_heads, feature_dim, dt=acc),
             count=torch.zeros(batch, dtype=torch.long, device=device),
@@ -116,6 +119,7 @@ def extend(
     window,
     mode="hybrid",
     sinks=8,
+    hybrid_sinks=False,
     attention_mask=None,
     scale=None,
     chunk_size=64,
@@ -154,11 +158,18 @@ def extend(
     pos_new = torch.where(real, state.count[:, None] + real.long().cumsum(-1) - 1, -1)
     pos_ring = state.ring_positions()
     acc = compute_dtype(q)
+    hybrid_sinks = bool(hybrid_sinks) and mode == "hybrid"
+    sink_slots = torch.arange(S, device=q.device)
+    folded_sinks = sink_slots[None] < (state.count - R)[:, None]  # sinks that have left the ring (not in the state)
+    lin_state = (state.kv, state.ksum)
+    if not hybrid_sinks:  # an LA that covers the sinks: those that have left the ring join the state's sums
+        fold = state.sink_fk * folded_sinks[:, None, :, None].to(acc)
+        lin_state = (state.kv + fold.transpose(-1, -2) @ state.sink_v.to(acc), state.ksum + fold.sum(2))
+    own_sinks = mode == "swa_sinks" or hybrid_sinks  # the modes whose softmax keeps the sinks besides the window
 
     if mode == "sinks_only":
         n = min(S, T)
-        slots = torch.arange(S, device=q.device)
-        pos_sink = torch.where(slots[None] < state.count[:, None], slots[None], -1)
+        pos_sink = torch.where(sink_slots[None] < state.count[:, None], sink_slots[None], -1)
         # the new tokens that are sinks (real index < S), moved to the front; at most S of them
         pick = torch.argsort((~(real & (pos_new < S))).to(torch.int8), dim=-1, stable=True)[:, :n]
         keys = torch.cat([state.sink_k, gather_time(k, pick).to(state.sink_k.dtype)], 2)
@@ -183,17 +194,17 @@ def extend(
             attention_mask=attention_mask,
             chunk_size=chunk_size,
             return_denominators=False,
+            **({"hybrid_sinks": True} if hybrid_sinks else {}),
         )
-    elif T <= chunk_size or mode == "none" or (mode == "swa_sinks" and bool(state.count.any())):
+    elif T <= chunk_size or mode == "none" or (own_sinks and bool(state.count.any())):
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
         vals = torch.cat([state.v, v.to(state.v.dtype)], 2)
         fks = torch.cat([state.fk, fk.to(acc)], 2)
         pos_keys = torch.cat([pos_ring, pos_new], 1)
-        if mode == "swa_sinks":  # the sinks that have left the ring (the ring holds real tokens count-R .. count-1)
-            slots = torch.arange(S, device=q.device)
-            pos_sink = torch.where(slots[None] < (state.count - R)[:, None], slots[None], -1)
+        if own_sinks:  # the sinks that have left the ring (the ring holds real tokens count-R .. count-1)
+            pos_sink = torch.where(folded_sinks, sink_slots[None], -1)
             keys, vals = torch.cat([state.sink_k, keys], 2), torch.cat([state.sink_v, vals], 2)
-            fks = torch.cat([fks.new_zeros(*fks.shape[:2], S, fks.shape[-1]), fks], 2)
+            fks = torch.cat([state.sink_fk, fks], 2)  # (never L terms: the hybrid's LA leaves its sinks out)
             pos_keys = torch.cat([pos_sink, pos_keys], 1)
         y = masked_attention(
             q,
@@ -207,8 +218,9 @@ def extend(
             window=window,
             mode=mode,
             sinks=sinks,
+            hybrid_sinks=hybrid_sinks,
             scale=scale,
-            state=(state.kv, state.ksum),
+            state=lin_state,
         )
     else:
         order = torch.argsort(pos_ring, dim=-1)  # empty slots (-1) first, then oldest to newest
@@ -226,19 +238,21 @@ def extend(
             window=window,
             mode=mode,
             sinks=sinks,
+            hybrid_sinks=hybrid_sinks,  # (here nothing has been seen yet when own_sinks: the rows start at token 0)
             attention_mask=torch.cat([ring_real, real], 1),
             scale=scale,
             chunk_size=chunk_size,
-            initial_state=(state.kv, state.ksum),
+            initial_state=lin_state,
         )[:, :, R:]
 
     # sinks: new real tokens with index < S
     state.sink_k = _scatter_slots(state.sink_k, torch.where(real & (pos_new < S), pos_new, S), k)
     state.sink_v = _scatter_slots(state.sink_v, torch.where(real & (pos_new < S), pos_new, S), v)
-    # fold every key that leaves the ring into the linear state
+    state.sink_fk = _scatter_slots(state.sink_fk, torch.where(real & (pos_new < S), pos_new, S), fk)
+    # fold every key that leaves the ring into the linear state, but the sinks (the sink buffer keeps them)
     limit = (new_count - 1 - R)[:, None]
-    fold_ring = ((pos_ring >= 0) & (pos_ring <= limit)).to(acc)[:, None, :, None]
-    fold_new = (real & (pos_new <= limit)).to(acc)[:, None, :, None]
+    fold_ring = ((pos_ring >= S) & (pos_ring <= limit)).to(acc)[:, None, :, None]
+    fold_new = (real & (pos_new >= S) & (pos_new <= limit)).to(acc)[:, None, :, None]
     fk_new, v_new = fk.to(acc), v.to(acc)
     state.kv = state.kv + (state.fk * fold_ring).transpose(-1, -2) @ state.v.to(acc)
     state.kv = state.kv + (fk_new * fold_new).transpose(-1, -2) @ v_new

@@ -99,6 +99,8 @@ def describe(model: nn.Module) -> dict:
     settings.update(
         window=first.window,
         sinks=first.sinks,
+        hybrid_sinks=first.hybrid_sinks,
+        gamma_param=first.gamma_param,
         mode=first.mode,
         chunk_size=first.chunk_size,
         backend=first.backend,
@@ -109,7 +111,7 @@ def describe(model: nn.Module) -> dict:
     modes = {i: m.mode for i, m in layers.items()}
     if len(set(modes.values())) > 1:
         settings["layer_modes"] = {str(i): mode for i, mode in sorted(modes.items())}
-    for name in ("window", "sinks"):
+    for name in ("window", "sinks", "hybrid_sinks"):
         if len({getattr(m, name) for m in layers.values()}) > 1:
             raise ConvertedModelError(f"hybrid layers disagree on {name}; the on-disk format records one value")
     return settings

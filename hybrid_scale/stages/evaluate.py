@@ -103,6 +103,11 @@ class Models:
             set_window(model, self.cfg.eval.window)
         return self._ready(model, "hybrid")
 
+    def sinks(self) -> tuple[int, bool]:
+        """(S, whether the hybrid keeps them): the model's own when converted, else the config's."""
+        a = read_hybrid_config(self.path)["attention"] if self.converted else self.cfg.attention
+        return int(a["sinks"]), bool(a.get("hybrid_sinks", False))
+
     def window(self) -> int:
         if self.cfg.eval.window is not None:
             return self.cfg.eval.window
@@ -167,6 +172,8 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
         "converted": converted,
         "untrained_feature_maps": not converted,
         "window": window,
+        "sinks": models.sinks()[0],
+        "hybrid_sinks": models.sinks()[1],  # the hybrid's softmax keeps the S sinks: swa_only is then window + sinks
         "world_size": rt.world,
         "tensor_parallel": rt.tp,
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -386,8 +393,7 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
 
 def _probe_lead(cfg, models) -> int:
     """Filler tokens before the passkey's needle: at least the model's sink count (no sink may hold the key)."""
-    sinks = read_hybrid_config(models.path)["attention"]["sinks"] if models.converted else cfg.attention.sinks
-    return max(retrieval.LEAD, sinks)
+    return max(retrieval.LEAD, models.sinks()[0])
 
 
 def _passkey_mode(models: Models, mode: str, items: list, rt, progress: bool) -> dict:

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..attention.architectures import ARCHITECTURES
-from ..attention.hybrid import HybridAttention
+from ..attention.hybrid import GAMMA_PARAMS, HybridAttention
 from ..attention.naive import EPS
 from ..data import corpus
 from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, start_partial
@@ -184,8 +184,10 @@ def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[
     parts = gamma_parts(m, q, k, v, fq, fk)
     target = target.float()
 
+    to_gamma = GAMMA_PARAMS[m.gamma_param][0]
+
     def mse():
-        return (hybrid_at(torch.sigmoid(logit), parts) - target).pow(2).mean()
+        return (hybrid_at(to_gamma(logit), parts) - target).pow(2).mean()
 
     with torch.no_grad():
         before = mse().item()
@@ -228,7 +230,8 @@ def calibrate_gamma(
             key = prefix + "gamma_logit"
             new[key] = logit.detach().to(hybrid[key].dtype)
             errors[str(i)] = [before, after]
-            g0, g1 = torch.sigmoid(hybrid[key].float()).mean(), torch.sigmoid(logit).mean()
+            to_gamma = GAMMA_PARAMS[m.gamma_param][0]
+            g0, g1 = to_gamma(hybrid[key].float()).mean(), to_gamma(logit).mean()
             log(f"layer {i}: mean gamma {g0:.3f} -> {g1:.3f}, output mse {before:.3g} -> {after:.3g}")
         h = streaming.teacher(layer, h, rope)
     return new, errors
@@ -289,7 +292,7 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
         *([f"Exported from {origin}.", ""] if origin else []),
         f"Base architecture {config['architectures'][0]}; {len(h['layers'])} of {config['num_hidden_layers']} layers "
         f"converted: sliding window {h['window']}, feature map {h['feature_map']} (dim {h['feature_dim']}), mode "
-        f"`{h['mode']}`, sinks {h['sinks']}.",
+        f"`{h['mode']}`, sinks {h['sinks']}{' (the hybrid keeps them too)' if h.get('hybrid_sinks') else ''}.",
         "",
         "## Load",
         "",
@@ -360,7 +363,7 @@ def export(cfg) -> Path:
         log(f"merged {len(deltas)} LoRA deltas (scaling {scaling:g}) from {adapter if deltas else 'no adapter'}")
         write_code_and_tokenizer(tmp, base, config)
         if x.gamma is not None:
-            logit = float(torch.logit(torch.tensor(x.gamma)))
+            logit = GAMMA_PARAMS[settings.get("gamma_param", "sigmoid")][1](x.gamma)
             hybrid = {k: (torch.full_like(v, logit) if k.endswith("gamma_logit") else v) for k, v in hybrid.items()}
         write_hybrid(tmp, config, settings, hybrid, weight_map)
         report = None

@@ -96,8 +96,9 @@ def unit_loss(m, q, k, v, fq, fk, a: int, b: int, seq_len: int, weights: dict[st
 def unit_attention(m, q, k, v, fq, fk, a: int, b: int, mode: str) -> torch.Tensor:
     """Rows a..b-1 of the layer's attention in `mode` (fp32), through its backend (attention.backend): the backend
     attends rows a0..b-1 with a0 = a - w + 1 (every window key of row a on), and the keys before a0 -- all of them
-    in P(n) of every row -- enter as the initial LA state (fp32, differentiable)."""
-    a0 = max(0, a - m.window + 1)
+    in P(n) of every row -- enter as the initial LA state (fp32, differentiable). A hybrid with its own sinks attends
+    rows 0..b-1 instead: its rows need the first S keys in their softmax, and no sink in the state."""
+    a0 = 0 if (mode == "hybrid" and m.hybrid_sinks) else max(0, a - m.window + 1)
     state = None
     if a0 > 0:
         acc = compute_dtype(q)

@@ -32,6 +32,8 @@ def table(r: dict) -> str:
         lines.append("| " + " | ".join([mode, *cells, f"{100 * m['avg']:.1f}", rec]) + " |")
     n = {t: r["tasks"][t]["n"] for t in tasks}
     lines += ["", f"Items per task: {n}; window {r['window']}; {r['world_size']} rank(s)."]
+    if "sinks" in r:
+        lines += ["", modes_line(r)]
     lines += ["", "Share of scored (continuation) tokens at positions >= window -- on the rest a hybrid *is* its SWA:"]
     for t in tasks:
         shares = ", ".join(f"w={w}: {100 * s:.1f}%" for w, s in r["tasks"][t]["beyond_window"].items())
@@ -58,7 +60,7 @@ def table(r: dict) -> str:
         for mode, v in p["by_mode"].items():
             lines.append(f"| {mode} | " + " | ".join(f"{v[b]:.1f}" for b in labels) + " |")
     if r.get("beyond_window"):
-        lines += ["", *beyond_window_lines(r["beyond_window"])]
+        lines += ["", *beyond_window_lines(r["beyond_window"], r)]
     if r.get("passkey"):
         lines += ["", *passkey_lines(r["passkey"], r["window"])]
     if "verdict" in r:
@@ -77,8 +79,24 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def beyond_window_lines(b: dict) -> list[str]:
-    """The beyond-window comparisons the verdict rests on (balance.beyond_window)."""
+def modes_line(r: dict) -> str:
+    """Which keys each mode's softmax sees: the sinks of every mode, and what `swa_only` (the hybrid without its LA)
+    is for this model."""
+    w, s = r["window"], r["sinks"]
+    if r.get("hybrid_sinks"):
+        hybrid = f"window {w} + the first {s} tokens (gamma-weighted), LA over the rest"
+        ablation = f"window {w} + the same {s} sinks (= swa_sinks)"
+    else:
+        hybrid, ablation = f"window {w} (gamma-weighted), LA beyond it, no sinks", f"window {w} alone"
+    return (
+        f"Softmax keys per mode: hybrid: {hybrid}; swa_only (the hybrid without its LA): {ablation}; swa_sinks: "
+        f"window {w} + the first {s} tokens; sinks_only: the first {s} tokens; la_only: LA over every key."
+    )
+
+
+def beyond_window_lines(b: dict, r: dict | None = None) -> list[str]:
+    """The beyond-window comparisons the verdict rests on (balance.beyond_window); r: the evaluation's results (its
+    sinks name what swa_only is)."""
     lines = [
         f"Beyond the window ({b['tokens']} held-out tokens at positions >= {b['window']}), perplexity: "
         + ", ".join(f"{m} {v:.1f}" for m, v in b["perplexity"].items())
@@ -86,7 +104,8 @@ def beyond_window_lines(b: dict) -> list[str]:
         + f"±{b['margin']}):",
         "",
     ]
-    rows = [("swa_only", "its own window alone: is the LA used?", b.get("swa_only"))]
+    own = f"its own window + {r['sinks']} sinks" if r and r.get("hybrid_sinks") else "its own window alone"
+    rows = [("swa_only", f"{own}: is the LA used?", b.get("swa_only"))]
     if b["against"] != "swa_only":
         rows.append((b["against"], "the strongest mode without LA: is the LA worth it?", b))
     for mode, what, c in rows:

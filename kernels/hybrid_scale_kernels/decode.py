@@ -5,9 +5,13 @@ so far (the new token's real index) and R ring slots, slot r holds real token p-
   * every ring key in the window (index > p - w) and the new key are softmax terms (online max over ring blocks);
   * a ring key that is no longer in the window (the one in slot p mod R once p >= R = w) and the fp32 state are
     LA terms (hybrid), or every key is (la_only);
-  * the sink buffer gives swa_sinks / sinks_only their sink terms;
-then, after a barrier, the key in slot p mod R (if any) is folded into the state, the new key/value/phi_k take its
-slot, and a new key with p < S is written to the sinks. Rows whose new token is padding are left untouched (output 0).
+  * the sink buffer (the first S keys, values and phi_k) gives swa_sinks / sinks_only their sink terms, and the
+    hybrid with its sinks its gamma-weighted sink terms (its LA leaves the sinks out, so a ring key that is a sink is
+    no LA term); the state never holds the first S keys, so la_only and the hybrid without sinks take the LA terms of
+    those that have left the ring (index <= p-1-R) from the sink buffer (an addition: no cancellation);
+then, after a barrier, the key in slot p mod R (if any, and not a sink) is folded into the state, the new
+key/value/phi_k take its slot, and a new key with p < S is written to the sinks (key, value and phi_k). Rows whose new
+token is padding are left untouched (output 0).
 The state is the same object `hybrid_scale.attention.recurrent.DecodeState` keeps (duck-typed here: this package
 does not import the attention package); the result equals `recurrent.extend` on one token.
 """
@@ -20,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .hybrid_attention import _EPS, MODE_PARTS, MODES
+from .hybrid_attention import _EPS, MODES, mode_parts
 
 
 @triton.jit
 def _decode(
-    Q, K, V, FQ, FK, GAMMA, RING_K, RING_V, RING_FK, SINK_K, SINK_V, KV, KSUM, COUNT, REAL,  # inputs (state in place)
+    Q, K, V, FQ, FK, GAMMA, RING_K, RING_V, RING_FK, SINK_K, SINK_V, SINK_FK, KV, KSUM, COUNT, REAL,  # (state in place)
     Y,
     H, G, D, F, R, S, window, lin_off, sink_off, n_sinks, scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -89,7 +93,7 @@ def _decode(
                     RING_FK + (ring + slot)[:, None] * F + of[None, :], mask=ok[:, None] & fm[None, :], other=0.0
                 )
                 s = tl.sum(fq[:, None, :] * fr.to(tl.float32)[None, :, :], 2)
-                s = tl.where((ok & (pos <= p - lin_off))[None, :], s, 0.0)
+                s = tl.where((ok & (pos <= p - lin_off) & (pos >= n_sinks))[None, :], s, 0.0)
                 num_l += tl.sum(s[:, :, None] * vr[None, :, :], 1)
                 den_l += tl.sum(s, 1)
     if SINKS:
@@ -116,7 +120,22 @@ def _decode(
             alpha = tl.exp(m_i - m_safe)
             num_e = num_e * alpha[:, None] + tl.sum(e[:, :, None] * sv.to(tl.float32)[None, :, :], 1)
             den_e = den_e * alpha + tl.sum(e, 1)
-    evict = p >= R
+    if LIN and not SINKS:  # (la_only, the hybrid without sinks) the first S keys that have left the ring are LA terms
+        sj = tl.arange(0, BLOCK_S)
+        folded = (sj < S) & (sj <= p - 1 - R)  # (kept in the sink buffer, never folded into the state)
+        ofs = tl.arange(0, BLOCK_FS)
+        s_l = tl.zeros([BLOCK_G, BLOCK_S], tl.float32)
+        for f0 in range(0, F, BLOCK_FS):
+            ff = f0 + ofs
+            fqb = tl.load(FQ + heads[:, None] * F + ff[None, :], mask=gm[:, None] & (ff < F)[None, :], other=0.0)
+            fptr = (pid.to(tl.int64) * S + sj)[:, None] * F + ff[None, :]
+            fks = tl.load(SINK_FK + fptr, mask=folded[:, None] & (ff < F)[None, :], other=0.0)
+            s_l += tl.sum(fqb.to(tl.float32)[:, None, :] * fks.to(tl.float32)[None, :, :], 2)
+        sptr = (pid.to(tl.int64) * S + sj)[:, None] * D + od[None, :]
+        sv = tl.load(SINK_V + sptr, mask=folded[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        num_l += tl.sum(s_l[:, :, None] * sv[None, :, :], 1)
+        den_l += tl.sum(s_l, 1)
+    evict = (p >= R) & (p - R >= S)  # a key leaving the ring is folded into the state unless it is a sink
     e_slot = p % R
     if LIN:  # the state (before this step's fold: the evicted key was counted from the ring above)
         ofs = tl.arange(0, BLOCK_FS)
@@ -141,7 +160,7 @@ def _decode(
     tl.debug_barrier()  # every read of the old ring and state is done
     if real:
         e_ptr = ring + e_slot
-        if evict:  # fold the key leaving the ring into the LA state (every mode keeps the state)
+        if evict:  # fold the key leaving the ring into the LA state (every mode keeps the state; sinks stay out)
             ve = tl.load(RING_V + e_ptr * D + od, mask=dm, other=0.0).to(tl.float32)
             ofs = tl.arange(0, BLOCK_FS)
             for f0 in range(0, F, BLOCK_FS):
@@ -163,6 +182,7 @@ def _decode(
             s_ptr = pid.to(tl.int64) * S + p
             tl.store(SINK_K + s_ptr * D + od, k_new.to(SINK_K.dtype.element_ty), mask=dm)
             tl.store(SINK_V + s_ptr * D + od, v_new.to(SINK_V.dtype.element_ty), mask=dm)
+            tl.store(SINK_FK + s_ptr * F + of, fnew.to(SINK_FK.dtype.element_ty), mask=fm)
 
 
 PRODUCT = 4096  # elements of the [G, slots, D or F] products one loop step holds in registers (4 warps: 32 each)
@@ -175,8 +195,9 @@ def _slots(width: int) -> int:
 
 
 def triton_decode_step(
-    state, q, k, v, fq, fk, gamma, *, window, mode="hybrid", sinks=8, attention_mask=None, scale=None, block=None
-):
+    state, q, k, v, fq, fk, gamma, *, window, mode="hybrid", sinks=8, hybrid_sinks=False, attention_mask=None,
+    scale=None, block=None,
+):  # fmt: skip
     """One token per row (q [B,H,1,D], k/v [B,Hkv,1,D], fq, fk), the contract of recurrent.extend for T = 1: returns
     y [B,H,1,D] and advances `state` (a recurrent.DecodeState) in place. Returns None when the step is not one the
     kernel takes (then the caller runs recurrent.extend)."""
@@ -193,19 +214,19 @@ def triton_decode_step(
         return None  # past the cache's max_length: the caller's extend raises its error
     if needed > state.ring and state.ring < state.capacity:
         state.grow(min(state.capacity, max(needed, 2 * state.ring)))
-    soft, lin, sink, hybrid = MODE_PARTS[mode]
+    soft, lin, sink, hybrid = mode_parts(mode, hybrid_sinks)
     Hkv = k.shape[1]
     F = fk.shape[-1]
     y = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
     bg, bd, bf = max(1, triton.next_power_of_2(H // Hkv)), triton.next_power_of_2(D), triton.next_power_of_2(F)
-    for name in ("k", "v", "fk", "sink_k", "sink_v", "kv", "ksum"):
+    for name in ("k", "v", "fk", "sink_k", "sink_v", "sink_fk", "kv", "ksum"):
         setattr(state, name, getattr(state, name).contiguous())
     _decode[(B * Hkv,)](
         q.contiguous(), k.contiguous(), v.contiguous(), fq.contiguous(), fk.contiguous(),
-        gamma.detach().float().contiguous(), state.k, state.v, state.fk, state.sink_k, state.sink_v, state.kv,
-        state.ksum, state.count, real.to(torch.int8), y,
+        gamma.detach().float().contiguous(), state.k, state.v, state.fk, state.sink_k, state.sink_v, state.sink_fk,
+        state.kv, state.ksum, state.count, real.to(torch.int8), y,
         H, H // Hkv, D, F, state.ring, state.sink_k.shape[2], int(window), int(window) if mode == "hybrid" else 0,
-        int(window) if mode == "swa_sinks" else 0, int(sinks) if sink else 0,
+        int(window) if soft and sink else 0, int(sinks) if sink else 0,
         1.0 / math.sqrt(D) if scale is None else float(scale),
         BLOCK_G=bg, BLOCK_N=_slots(bg * max(bd, bf)), BLOCK_D=bd, BLOCK_F=bf, BLOCK_FS=_slots(bg * bd),
         BLOCK_S=max(2, triton.next_power_of_2(max(1, state.sink_k.shape[2]))),

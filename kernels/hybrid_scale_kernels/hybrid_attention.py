@@ -8,7 +8,8 @@ for the whole group, as in fla's and FlashAttention's packed GQA). For a query t
      window keys (the exact per-query max c_n over real keys: the running max ends as that max; its argmax is kept
      for the backward), and the masked intra-tile LA terms of keys j <= n - w; a tile with no window key (or no LA
      key) for any of its queries skips that part;
-  2. adds the sinks (swa_sinks: the first S real keys once they have left the window; sinks_only: all of them);
+  2. adds the sinks (swa_sinks, and the hybrid with its sinks: the first S real keys once they have left the window,
+     gamma-weighted in the hybrid, whose LA leaves them out: the wrapper zeroes their phi_k; sinks_only: all of them);
   3. adds the LA numerator and denominator of every key before lo from the fp32 prefix state of whole key tiles
      (one [F, D] matrix and one [F] vector per KV head and tile boundary, made by `_states_fwd`, one program per
      KV head and feature chunk walking the tiles in order);
@@ -236,6 +237,8 @@ def _fwd(
         s_ok = s_ok & (sj < n_sinks)
         a = _dot(q, tl.trans(_rows(K, kv_base + cols, s_ok, D, BLOCK_D)), DT, PREC) * scale
         a = tl.where(row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off), a, float("-inf"))
+        if HYBRID:  # the hybrid with its sinks: c_n is the max over the window and the sinks
+            idx = tl.where(tl.max(a, 1) > m_i, start + tl.argmax(a, 1).to(tl.int32), idx)
         m_i, num_e, den_e = _online(m_i, num_e, den_e, a, _rows(V, kv_base + cols, s_ok, D, BLOCK_D), DT, PREC)
     if LIN:  # keys before lo: the prefix state of whole blocks (exclusive), fp32, a feature chunk at a time
         st = kv_base // T * NC + lo // BLOCK
@@ -273,9 +276,9 @@ def _bwd_dq(
     SOFT: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, ACC: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dq of the softmax terms (window, SOFT, or sinks, SINKS) and the per-query sum of gamma's window terms, per
-    query tile. With both, it is launched twice: the window, then the sinks with ACC (dq added to the first
-    launch's, the gamma sums kept): fewer live tiles, no spills."""
+    """dq of the softmax terms (window, SOFT, or sinks, SINKS) and the per-query sum of gamma's terms (window and,
+    in the hybrid with its sinks, sinks), per query tile. With both, it is launched twice: the window, then the sinks
+    with ACC (dq and the gamma sums added to the first launch's): fewer live tiles, no spills."""
     head, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     q = _rows(Q, q_row, row_ok, D, BLOCK_D)
     dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
@@ -298,16 +301,17 @@ def _bwd_dq(
         s_ok = s_ok & (sj < n_sinks)
         ks = _rows(K, kv_base + cols, s_ok, D, BLOCK_D)
         a = _dot(q, tl.trans(ks), DT, PREC) * scale
-        p = tl.where(
-            row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off), tl.exp(a - c[:, None]), 0.0
-        )
+        ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
+        p = tl.where(ok, g[:, None] * tl.exp(a - c[:, None]), 0.0)  # (g = 1 unless the hybrid with its sinks)
         dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, s_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
+        if HYBRID:
+            rsum += tl.sum(p * dp, 1)
         dq += _dot(p * dp, ks, DT, PREC) * scale
     out = rows < T
     if ACC:
         dq += _rows(DQ, q_row, out, D, BLOCK_D)
-    else:
-        tl.store(RSUM + q_row, rsum, mask=out)
+        rsum += tl.load(RSUM + q_row, mask=out, other=0.0)
+    tl.store(RSUM + q_row, rsum, mask=out)
     _store_rows(DQ, q_row, out, D, dq, BLOCK_D)
 
 
@@ -489,14 +493,15 @@ def _bwd_dfk(
 
 @triton.jit
 def _bwd_sinks(
-    Q, K, V, START, END, DY, C, Z, DELTA,  # inputs
+    Q, K, V, GAMMA, START, END, DY, C, Z, DELTA,  # inputs
     OUT,  # output [NSPLIT, B, Hkv, BLOCK_S, D]: this split's share of dk (DK) or dv of the sinks
     T, H, G, D, sink_off, n_sinks, scale, TILES,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DK: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DK: tl.constexpr, HYBRID: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """The sinks' dk (DK) or dv, per (split of TILES query tiles, batch x KV head): the splits run in parallel and
-    are summed after; dk and dv are separate launches (fewer live tiles, no spills)."""
+    are summed after; dk and dv are separate launches (fewer live tiles, no spills). HYBRID: the hybrid's own sinks,
+    weighted by each query head's gamma."""
     pid_s = tl.program_id(0)
     pid_bhkv = tl.program_id(1)
     b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
@@ -509,6 +514,10 @@ def _bwd_sinks(
     acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     first = start // BLOCK * BLOCK + pid_s * TILES * BLOCK
     for gi in range(0, G):
+        if HYBRID:
+            g = tl.load(GAMMA + hk * G + gi).to(tl.float32)
+        else:
+            g = 1.0
         for m0 in range(first, tl.minimum(first + TILES * BLOCK, end), BLOCK):
             rows, n, row_ok = _span(m0, start, end, BLOCK)
             q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
@@ -516,7 +525,7 @@ def _bwd_sinks(
             dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
             a = _dot(q, tl.trans(ks), DT, PREC) * scale
             ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
-            p = tl.where(ok, tl.exp(a - c[:, None]), 0.0)
+            p = tl.where(ok, g * tl.exp(a - c[:, None]), 0.0)
             if DK:
                 dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
                 acc += _dot(tl.trans(p * dp), q, DT, PREC) * scale
@@ -531,6 +540,14 @@ SINK_TILES = 16  # query tiles per program of _bwd_sinks
 
 def _pow2(x: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(int(x)))
+
+
+def _real_index(attention_mask, batch, length, device):
+    """Each token's index among its row's real tokens [B, T] (padding: -1)."""
+    if attention_mask is None:
+        return torch.arange(length, device=device).expand(batch, length)
+    real = attention_mask.bool()
+    return torch.where(real, real.long().cumsum(-1) - 1, -1)
 
 
 def _spans(attention_mask, batch, length, device):
@@ -579,25 +596,32 @@ def _precision(x: torch.Tensor) -> str:
     return "tf32" if x.dtype in (torch.float16, torch.bfloat16) else "ieee"
 
 
-def _settings(q, k, fq, window, mode, sinks, block):
+def mode_parts(mode: str, hybrid_sinks: bool) -> tuple[bool, bool, bool, bool]:
+    """(window softmax, linear attention, sinks, gamma used) of a mode; the hybrid with its sinks adds them."""
     soft, lin, sink, hybrid = MODE_PARTS[mode]
+    return soft, lin, sink or (mode == "hybrid" and bool(hybrid_sinks)), hybrid
+
+
+def _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks=False):
+    soft, lin, sink, hybrid = mode_parts(mode, hybrid_sinks)
     B, H, T, D = q.shape
     F = fq.shape[-1]
     lin_off = int(window) if mode == "hybrid" else 0
     return dict(
         T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=lin_off,
         BLOCK=block, BLOCK_D=_pow2(D), SOFT=soft, LIN=lin, HYBRID=hybrid,
-        sink_off=int(window) if mode == "swa_sinks" else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
+        sink_off=int(window) if soft and sink else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
         DT=_DT[q.dtype], PREC=_precision(q),
     )  # fmt: skip
 
 
 class _HybridAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fq, fk, gamma, init_kv, init_k, start, end, window, mode, sinks, scale, tiles):
+    def forward(ctx, q, k, v, fq, fk, gamma, init_kv, init_k, start, end, window, mode, sinks, hybrid_sinks, scale,
+                tiles):  # fmt: skip
         block = tiles.block
         B, H, T, D = q.shape
-        s = _settings(q, k, fq, window, mode, sinks, block)
+        s = _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks)
         nm = triton.cdiv(T, block)
         nq = triton.cdiv(T * s["G"], block)  # packed query tiles (GQA: all heads of a KV head at once)
         f32 = dict(dtype=torch.float32, device=q.device)
@@ -617,18 +641,18 @@ class _HybridAttention(torch.autograd.Function):
             LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DT=s["DT"], PREC=s["PREC"], **tiles.launch("_fwd"),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx)
-        ctx.opts = (window, mode, sinks, scale, tiles)
+        ctx.opts = (window, mode, sinks, hybrid_sinks, scale, tiles)
         ctx.mark_non_differentiable(den_e, den_l)
         return y, den_e, den_l
 
     @staticmethod
     def backward(ctx, dy, _de, _dl):
         q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx = ctx.saved_tensors
-        window, mode, sinks, scale, tiles = ctx.opts
+        window, mode, sinks, hybrid_sinks, scale, tiles = ctx.opts
         block = tiles.block
         B, H, T, D = q.shape
         Hkv = k.shape[1]
-        s = _settings(q, k, fq, window, mode, sinks, block)
+        s = _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks)
         nm, F, G = triton.cdiv(T, block), s["F"], s["G"]
         nq = triton.cdiv(T * G, block)
         f32 = dict(dtype=torch.float32, device=q.device)
@@ -695,8 +719,8 @@ class _HybridAttention(torch.autograd.Function):
             dks, dvs = (torch.empty(nsplit, B, Hkv, bs, D, **f32) for _ in range(2))
             for out, is_dk in ((dks, True), (dvs, False)):
                 _bwd_sinks[(nsplit, B * Hkv)](
-                    q, k, v, start, end, dy, c, z, delta, out, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
-                    SINK_TILES, BLOCK_S=bs, DK=is_dk, **common("_bwd_sinks")[0],
+                    q, k, v, g, start, end, dy, c, z, delta, out, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
+                    SINK_TILES, BLOCK_S=bs, DK=is_dk, HYBRID=s["HYBRID"], **common("_bwd_sinks")[0],
                 )  # fmt: skip
             dks, dvs = dks.sum(0), dvs.sum(0)
             pos = (start.long()[:, None] + torch.arange(bs, device=q.device)).clamp(max=T - 1)
@@ -718,7 +742,7 @@ class _HybridAttention(torch.autograd.Function):
             dgamma = torch.zeros_like(gamma)
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, *d_init,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -779,6 +803,7 @@ def triton_hybrid_attention(
     window,
     mode="hybrid",
     sinks=8,
+    hybrid_sinks=False,
     scale=None,
     attention_mask=None,
     chunk_size=None,
@@ -798,7 +823,8 @@ def triton_hybrid_attention(
     tiles = default_tiles(q.device, q.shape[-1], fq.shape[-1], q.dtype)
     if block or num_warps or fchunk:  # asked for: every kernel gets them
         tiles = Tiles(block or tiles.block, num_warps or tiles.warps, fchunk or tiles.fchunk)
-    if sinks > 64 and mode in ("swa_sinks", "sinks_only"):
+    hybrid_sinks = bool(hybrid_sinks) and mode == "hybrid"
+    if sinks > 64 and (mode in ("swa_sinks", "sinks_only") or hybrid_sinks):
         raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {sinks}")
     B, H, T, D = q.shape
     if mode == "none" or T == 0:
@@ -810,6 +836,8 @@ def triton_hybrid_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dtype = q.dtype
     k, v, fq, fk = (t.to(dtype) for t in (k, v, fq, fk))
+    if hybrid_sinks:  # the hybrid's LA leaves its sinks out: their phi_k is 0 (and so is its gradient)
+        fk = fk * (_real_index(attention_mask, B, T, q.device) >= sinks)[:, None, :, None].to(dtype)
     spans = _spans(attention_mask, B, T, q.device)
     order = None
     if spans is None:  # padding not in one span per row: move real tokens to the front (stable), then back
@@ -819,7 +847,7 @@ def triton_hybrid_attention(
         count = real.sum(-1).to(torch.int32)
         spans = (torch.zeros_like(count), count)
     q, k, v, fq, fk = (t.contiguous() for t in (q, k, v, fq, fk))
-    options = (window, mode, sinks, scale, tiles)
+    options = (window, mode, sinks, hybrid_sinks, scale, tiles)
     if initial_state is None:
         init = (q.new_zeros(0), q.new_zeros(0))
     else:

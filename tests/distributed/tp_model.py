@@ -14,7 +14,7 @@ from conftest import perturb_hybrid, tiny_model  # noqa: E402
 import hybrid_scale as hs  # noqa: E402
 from hybrid_scale.attention.naive import MODES  # noqa: E402
 from hybrid_scale.distributed import runtime, tensor_parallel  # noqa: E402
-from hybrid_scale.models.convert import set_modes  # noqa: E402
+from hybrid_scale.models.convert import hybrid_layers, set_modes  # noqa: E402
 
 
 def lora(model):
@@ -46,6 +46,9 @@ def main(arch: str, rt) -> dict:
             out["logits"][mode] = (ref - got).abs().max().item()
         set_modes(whole, "hybrid")
         set_modes(split, "hybrid")
+        for m in (*hybrid_layers(whole).values(), *hybrid_layers(split).values()):
+            m.hybrid_sinks = True  # the hybrid with its own sinks: the split keeps them per rank's heads
+        out["logits"]["hybrid+sinks"] = (whole(ids).logits - split(ids).logits).abs().max().item()
         part = hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2, "layers": [1]})  # layer 0 stays softmax
         part_split = tensor_parallel.apply(copy.deepcopy(part), rt)
         out["partial"] = (part(ids).logits - part_split(ids).logits).abs().max().item()
@@ -55,6 +58,8 @@ def main(arch: str, rt) -> dict:
         a = whole.generate(ids, attention_mask=mask, **kw)
         b = split.generate(ids, attention_mask=mask, **kw)
         out["decode_equal"] = bool(torch.equal(a, b))
+        for m in (*hybrid_layers(whole).values(), *hybrid_layers(split).values()):
+            m.hybrid_sinks = False
         out["decode_tokens"] = int(a.shape[1] - ids.shape[1])
     # gradients of LoRA (every factor) and of phi/gamma, whole vs split, in hybrid mode
     base = perturb_hybrid(hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2}))

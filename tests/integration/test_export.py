@@ -63,7 +63,7 @@ def trained(smollm2, tmp_path_factory):
     model.save_pretrained(base, max_shard_size="2MB")
     AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(base)
     assert len(list(base.glob("model-*.safetensors"))) >= 2
-    save_stage2_like(model, root / "stage2_best", base)
+    save_stage2_like(model, root / "stage2_best", base, hybrid_sinks=True)  # the remote code runs the sinks too
     docs = smollm2.train_text.read_text().split("\n\n")[:300]
     (root / "text.txt").write_text("\n\n".join(docs))
     return root
@@ -106,6 +106,7 @@ def test_export_layout(exported):
         assert len(names) == 1 or (exported / f).stat().st_size <= 2_000_000
     config = json.loads((exported / "config.json").read_text())
     assert config["model_type"] == "hybrid_scale_llama" and config["hybrid"]["window"] == 8
+    assert config["hybrid"]["hybrid_sinks"] is True and config["hybrid"]["sinks"] == 8
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_hybrid_scale.HybridScaleLlamaForCausalLM"
     assert (exported / MARKER).is_file() and (exported / "tokenizer.json").is_file()
     assert "trust_remote_code=True" in (exported / "README.md").read_text()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import attention_inputs
+from conftest import HYBRID_SINKS, attention_inputs, variant
 
 from hybrid_scale.attention import chunked, naive
 from hybrid_scale.attention.naive import MODES
@@ -30,18 +30,17 @@ def run(fn, x, **kw):
 @pytest.mark.parametrize("T", [1, 63, 100])
 @pytest.mark.parametrize("window", [1, 5, 64, 150])
 @pytest.mark.parametrize("chunk", [16, 64])
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "none"])
+@pytest.mark.parametrize("mode", [*(m for m in MODES if m != "none"), HYBRID_SINKS])
 def test_chunked_equals_naive(T, window, chunk, mode):
     x = attention_inputs(B=2, H=4, Hkv=2, T=T, D=8, F=6, requires_grad=True, seed=T + window)
     mask = padding_mask(T)
-    y_ref, g_ref = run(naive.naive_hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask)
-    y, g = run(
-        chunked.chunk_hybrid_attention, x, window=window, mode=mode, sinks=4, attention_mask=mask, chunk_size=chunk
-    )
+    options = dict(window=window, **variant(mode), sinks=4, attention_mask=mask)
+    y_ref, g_ref = run(naive.naive_hybrid_attention, x, **options)
+    y, g = run(chunked.chunk_hybrid_attention, x, **options, chunk_size=chunk)
     torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-11)
     for n in NAMES:
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=f"grad of {n}")
-    if mode in ("hybrid", "la_only") and T > window:
+    if mode in ("hybrid", "la_only", HYBRID_SINKS) and T > window + 4:
         assert g["fk"].abs().max() > 0  # the linear part really is in the graph
 
 

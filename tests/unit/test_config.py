@@ -26,7 +26,11 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ("attention.window=0", "config key 'attention.window': must be >= 1, got 0"),
         ("attention.feature_map=cos", "'cos' is not allowed; choose one of: elu1, exp, hedgehog, relu, t2r"),
         ("attention.mode=both", "config key 'attention.mode': 'both' is not allowed; choose one of: hybrid, swa_only"),
-        ("attention.gamma_init=1.5", "config key 'attention.gamma_init': must be in (0, 1), got 1.5"),
+        (
+            "attention.gamma_init=1.5",
+            "config key 'attention.gamma_init': must be in (0, 1) with attention.gamma_param=s",
+        ),
+        ("attention.gamma_param=tanh", "config key 'attention.gamma_param': 'tanh' is not allowed; choose one of: sig"),
         ("model.dtype=int8", "config key 'model.dtype': 'int8' is not allowed; choose one of: float32, bfloat16"),
         ("distill.lrate=1", "config key 'distill.lrate' is not known; allowed here: recipe, objectives, train_feature"),
         ("slurm.partion=gpu", "config key 'slurm.partion' is not known; allowed here: partition, account, time"),

@@ -4,14 +4,15 @@ import math
 
 import pytest
 import torch
-from conftest import attention_inputs
+from conftest import HYBRID_SINKS, attention_inputs, variant
 
 from hybrid_scale.attention import naive
 from hybrid_scale.attention.naive import EPS, MODES
 
 
 def loop_query(q, k, v, fq, fk, gamma, window, mode, sinks, b, h, kh, n, real):
-    """y for query n (real index) of row b, head h, from scalar loops over the formula alone."""
+    """y for query n (real index) of row b, head h, from scalar loops over the formula alone (mode may be
+    HYBRID_SINKS: the hybrid whose softmax also covers the first S real tokens and whose LA leaves them out)."""
     D = q.shape[-1]
     s = 1 / math.sqrt(D)
     pn = real[n]
@@ -30,6 +31,11 @@ def loop_query(q, k, v, fq, fk, gamma, window, mode, sinks, b, h, kh, n, real):
         terms += [(float(gamma[h]) * math.exp(score(pj) - c), pj) for pj in win]
     if mode == "hybrid":
         terms += [(lin(pj), pj) for j, pj in keys if j <= n - window]
+    if mode == HYBRID_SINKS:  # gamma on every softmax term, one max over the window and the sinks
+        soft = [pj for j, pj in keys if n - window < j or j < sinks]
+        c = max(score(pj) for pj in soft)
+        terms += [(float(gamma[h]) * math.exp(score(pj) - c), pj) for pj in soft]
+        terms += [(lin(pj), pj) for j, pj in keys if sinks <= j <= n - window]
     if mode == "la_only":
         terms += [(lin(pj), pj) for _, pj in keys]
     if mode == "swa_sinks":  # the window and the first S real tokens, each key once; plain softmax (no gamma)
@@ -70,13 +76,13 @@ def masks(T):
     return {"none": None, "left": left, "right": right, "mixed": both}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, HYBRID_SINKS])
 @pytest.mark.parametrize("window", [1, 3, 20])
 @pytest.mark.parametrize("padding", ["none", "left", "right", "mixed"])
 def test_naive_matches_loops(mode, window, padding):
     x = attention_inputs(T=12)
     mask = masks(12)[padding]
-    got = naive.naive_hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
+    got = naive.naive_hybrid_attention(**x, window=window, **variant(mode), sinks=3, attention_mask=mask)
     ref = loop_reference(**x, window=window, mode=mode, sinks=3, mask=torch.ones(2, 12) if mask is None else mask)
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 

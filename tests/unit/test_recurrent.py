@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import attention_inputs
+from conftest import HYBRID_SINKS, attention_inputs, variant
 
 from hybrid_scale.attention import naive, recurrent
 from hybrid_scale.attention.naive import MODES
@@ -12,23 +12,41 @@ def slices(x, a, b):
     return {n: (t if n == "gamma" else t[:, :, a:b]) for n, t in x.items()}
 
 
-@pytest.mark.parametrize("mode", MODES)
+CUTS = {
+    "long prefill": [
+        0,
+        21,
+        24,
+        27,
+        28,
+        29,
+        30,
+        31,
+        45,
+        50,
+    ],  # long prefill (chunked), 3-token chunks, single tokens, 14
+    "short prefill": [0, 2, 5, 30, 31, 50],  # the sinks still in the ring, then leaving it in a long extension
+}
+
+
+@pytest.mark.parametrize("cuts", CUTS)
+@pytest.mark.parametrize("mode", [*MODES, HYBRID_SINKS])
 @pytest.mark.parametrize("window", [1, 4, 9, 64])
-def test_extensions_equal_full(mode, window):
+def test_extensions_equal_full(mode, window, cuts):
     T = 50
     x = attention_inputs(B=2, H=4, Hkv=2, T=T, D=8, F=6, seed=window)
     mask = torch.ones(2, T, dtype=torch.long)
     mask[0, :7] = 0  # left padding, longer than the sinks
     mask[1, 30] = 0
-    ref = naive.naive_hybrid_attention(**x, window=window, mode=mode, sinks=3, attention_mask=mask)
+    ref = naive.naive_hybrid_attention(**x, window=window, **variant(mode), sinks=3, attention_mask=mask)
     state = recurrent.DecodeState.empty(2, 2, 8, 8, 6, min(window, T), 3, window, torch.float64, "cpu")
-    cuts = [0, 21, 24, 27, 28, 29, 30, 31, 45, 50]  # long prefill (chunked), 3-token chunks, single tokens, 14
+    cuts = CUTS[cuts]
     outs = []
     for a, b in zip(cuts, cuts[1:], strict=False):
         x_ab = slices(x, a, b)
         outs.append(
             recurrent.extend(
-                state, **x_ab, window=window, mode=mode, sinks=3, attention_mask=mask[:, a:b], chunk_size=8
+                state, **x_ab, window=window, **variant(mode), sinks=3, attention_mask=mask[:, a:b], chunk_size=8
             )
         )
     torch.testing.assert_close(torch.cat(outs, 2), ref, rtol=1e-10, atol=1e-12)

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from conftest import HYBRID_SINKS, variant
 
 import hybrid_scale as hs
 from hybrid_scale.attention import backends, chunked, naive
@@ -78,13 +79,15 @@ def check(x, mask, atol=2e-5, block=16, fchunk=None, **options):
     return y_ref, grads_ref
 
 
-@pytest.mark.parametrize("window", [1, 16, 64, 100])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("mode", "window"), [(m, w) for m in MODES for w in (1, 16, 64, 100)] + [(HYBRID_SINKS, w) for w in (1, 16, 64)]
+)  # (the hybrid with its sinks at 3 windows: 14 s more of the interpreter at 100, which adds no other case)
 def test_outputs_and_gradients_equal_the_naive_spec(mode, window):
     T = window + 21  # not a multiple of the tile; the LA reaches past the window over several tiles
     block = 16 if window <= 16 else 32  # the interpreter's time goes by the number of tiles: 4x faster at 32
-    _, grads = check(make(T, seed=window), left_padded(T), window=window, mode=mode, sinks=3, block=block)
-    used = {"hybrid": NAMES, "swa_only": NAMES[:3], "swa_sinks": NAMES[:3], "la_only": NAMES[2:5]}.get(mode, NAMES[:3])
+    _, grads = check(make(T, seed=window), left_padded(T), window=window, **variant(mode), sinks=3, block=block)
+    used = {"hybrid": NAMES, HYBRID_SINKS: NAMES, "swa_only": NAMES[:3], "swa_sinks": NAMES[:3], "la_only": NAMES[2:5]}
+    used = used.get(mode, NAMES[:3])
     if window == 1 and mode in ("hybrid", "swa_only"):  # one window key: exp(a - c) = 1 whatever q and k are
         used = tuple(n for n in used if n not in ("q", "k"))
     for n in used:  # the test sees every input the mode uses
@@ -102,14 +105,14 @@ def test_packed_gqa_tiles_at_a_group_of_five():
     check(x, mask, window=5, mode="hybrid", sinks=2)
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "swa_sinks", "la_only"])
+@pytest.mark.parametrize("mode", ["hybrid", "swa_sinks", "la_only", HYBRID_SINKS])
 def test_padding_anywhere_is_packed_and_restored(mode):
     T = 45
     mask = torch.ones(2, T, dtype=torch.long)
     mask[0, -5:] = 0  # right padding: one span, handled in place
     mask[1, :3] = 0
     mask[1, 20:24] = 0  # a hole: packed, computed, put back
-    y, _ = check(make(T, seed=3), mask, window=16, mode=mode, sinks=3)
+    y, _ = check(make(T, seed=3), mask, window=16, **variant(mode), sinks=3)
     assert torch.equal(y[1, :, 20:24], torch.zeros_like(y[1, :, 20:24]))
 
 
@@ -141,10 +144,14 @@ def test_an_initial_state_counts_as_keys_before_the_sequence(mode):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"grad of {n}")
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])  # 24 s interpreted
-def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_sequence(backend):
+@pytest.mark.parametrize(
+    ("backend", "own_sinks"),
+    [("torch", False), ("torch", True), pytest.param("triton", False, marks=pytest.mark.slow)],  # 24 s interpreted
+)
+def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_sequence(backend, own_sinks):
     """Stage 1's output objectives per unit of rows (objectives.unit_loss, as split over ranks) through the layer's
-    backend: their sum equals the whole-sequence objective computed with the spec, and so do the gradients."""
+    backend: their sum equals the whole-sequence objective computed with the spec, and so do the gradients; also
+    for a hybrid with its own sinks (whose units attend from row 0: their rows need the sinks)."""
     from types import SimpleNamespace
 
     from hybrid_scale.attention.hybrid import attend
@@ -156,13 +163,14 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
 
     def layer_attend(q, k, v, fq, fk, mode, initial_state=None):
         return attend(q, k, v, fq, fk, gamma=x["gamma"], window=w, mode=mode, scale=scale, chunk_size=8,
-                      backend=backend, initial_state=initial_state)  # fmt: skip
+                      backend=backend, initial_state=initial_state, sinks=3, hybrid_sinks=own_sinks)  # fmt: skip
 
-    m = SimpleNamespace(scaling=scale, all_heads=H, gamma=x["gamma"], window=w, sinks=3, attend=layer_attend)
+    m = SimpleNamespace(scaling=scale, all_heads=H, gamma=x["gamma"], window=w, sinks=3, attend=layer_attend,
+                        hybrid_sinks=own_sinks)  # fmt: skip
     weights = {"output_mse": 0.5, "hybrid_output_mse": 1.0}
     target = teacher_rows(x["q"].detach(), x["k"].detach(), x["v"].detach(), 0, scale)
     spec = {
-        mode: naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=w, mode=mode)
+        mode: naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=w, mode=mode, sinks=3, hybrid_sinks=own_sinks)
         for mode in ("la_only", "hybrid")
     }
     expect = (0.5 * (spec["la_only"] - target).pow(2).sum() + (spec["hybrid"] - target).pow(2).sum()) / (H * T * D)
@@ -186,11 +194,15 @@ def test_denominators_and_none_mode():
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
-@pytest.mark.parametrize(("mode", "window"), [(m, 16) for m in MODES] + [("hybrid", 1), ("swa_sinks", 4)])
+DECODED = [(m, 16) for m in (*MODES, HYBRID_SINKS)] + [("hybrid", 1), ("swa_sinks", 4), (HYBRID_SINKS, 4)]
+
+
+@pytest.mark.parametrize(("mode", "window"), DECODED)
 def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window):
     x = {n: t.detach() for n, t in make(40, seed=7).items()}
     mask = left_padded(40, pad=5)
-    full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=window, mode=mode, sinks=3, attention_mask=mask)
+    options = dict(window=window, **variant(mode), sinks=3)
+    full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), **options, attention_mask=mask)
     B, Hkv, _, D = x["k"].shape
     fused = DecodeState.empty(B, Hkv, D, D, x["fk"].shape[-1], window, 3, window, torch.float32, "cpu")
     ref = copy.deepcopy(fused)
@@ -199,7 +211,6 @@ def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window):
         return dict(q=x["q"][:, :, a:b], k=x["k"][:, :, a:b], v=x["v"][:, :, a:b], fq=x["fq"][:, :, a:b],
                     fk=x["fk"][:, :, a:b], gamma=x["gamma"])  # fmt: skip
 
-    options = dict(window=window, mode=mode, sinks=3)
     P = 9  # a prompt, then one token at a time: the ring grows, fills, evicts into the state
     for state in (fused, ref):
         extend(state, *step(0, P).values(), attention_mask=mask[:, :P], **options)
@@ -330,15 +341,15 @@ def test_the_attention_package_never_imports_the_kernels():
 
 @GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, HYBRID_SINKS])
 @pytest.mark.parametrize("window", [1, 64, 100])
 def test_bf16_on_gpu_against_the_spec(mode, window):
     T = 700
     x = make(T, B=2, H=6, Hkv=2, D=64, F=128, dtype=torch.bfloat16, device="cuda", seed=window)
     mask = left_padded(T, pad=37).cuda()
-    y, grads = run(kernels.triton_hybrid_attention, x, mask, window=window, mode=mode, sinks=4)
+    y, grads = run(kernels.triton_hybrid_attention, x, mask, window=window, **variant(mode), sinks=4)
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, window=window, mode=mode, sinks=4)
+    y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, window=window, **variant(mode), sinks=4)
     torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=3e-2)
     for n in NAMES:
         torch.testing.assert_close(grads[n].double(), grads_ref[n], rtol=5e-2, atol=5e-2, msg=f"grad of {n}")
@@ -346,14 +357,14 @@ def test_bf16_on_gpu_against_the_spec(mode, window):
 
 @GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, HYBRID_SINKS])
 def test_bf16_decode_on_gpu(mode):
     x = {n: t.detach() for n, t in make(300, H=6, Hkv=2, D=64, F=128, dtype=torch.bfloat16, device="cuda").items()}
-    full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=64, mode=mode, sinks=4)
+    full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=64, **variant(mode), sinks=4)
     state = DecodeState.empty(2, 2, 64, 64, 128, 64, 4, 64, torch.bfloat16, "cuda")
     for t in range(300):
         y = kernels.triton_decode_step(
-            state, *(x[n][:, :, t : t + 1] for n in NAMES[:5]), x["gamma"], window=64, mode=mode, sinks=4
+            state, *(x[n][:, :, t : t + 1] for n in NAMES[:5]), x["gamma"], window=64, **variant(mode), sinks=4
         )
         torch.testing.assert_close(y.float(), full[:, :, t : t + 1].float(), rtol=0, atol=3e-2)
 
@@ -374,9 +385,9 @@ def test_la_only_equals_flash_linear_attention_naive_reference():
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6, msg=fn.__name__)
 
 
-@pytest.mark.parametrize("mode", ["swa_sinks", "sinks_only"])
+@pytest.mark.parametrize("mode", ["swa_sinks", "sinks_only", HYBRID_SINKS])
 def test_the_sinks_gradient_summed_over_parallel_splits(mode, monkeypatch):
     """The sinks' dk and dv are computed by splits of the query tiles in parallel and summed: 2 tiles per split
     here, so 45 rows in tiles of 16 make 2 splits, one of them partial; a left-padded row and GQA 3:1."""
     monkeypatch.setattr(kernels.hybrid_attention, "SINK_TILES", 2)
-    check(make(45, seed=4), left_padded(45), window=4, mode=mode, sinks=3)
+    check(make(45, seed=4), left_padded(45), window=4, **variant(mode), sinks=3)

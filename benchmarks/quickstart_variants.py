@@ -1,0 +1,114 @@
+"""The quickstart's conversion, varied: which recipe settings give a hybrid that beats the window + sinks (swa_sinks)
+past the window on the embedded default (issue 27; the table in docs/results/quickstart.md).
+
+Each variant is configs/quickstart.yaml plus its overrides, run through the real stages (`hybrid-scale distill`,
+`finetune`, `evaluate`) in its own run directory, evaluated on the held-out text only (no tasks, no passkey): the
+perplexity of hybrid, swa_only (the hybrid without its LA) and swa_sinks per position bucket, the beyond-window
+verdict with its paired CI, and the stage times. Runs are kept and a finished variant is not run again.
+
+    .venv/bin/python benchmarks/quickstart_variants.py --out runs/variants [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name -> (what it changes, overrides of configs/quickstart.yaml)
+SINKS = ["attention.hybrid_sinks=true"]
+EXP = ["attention.gamma_param=exp", "attention.gamma_init=1.0"]
+VARIANTS = {
+    "lolcats": ("today's quickstart: window 16, no sinks, sigmoid gamma", []),
+    "sinks": ("+ the hybrid keeps the 8 sinks (trained with them)", SINKS),
+    "sinks_exp": ("+ sinks, gamma = exp(theta) (unbounded), init 1", SINKS + EXP),
+    "sinks_exp_g2": ("+ sinks, exp gamma, and stage 2 trains gamma", [*SINKS, *EXP, "finetune.train_gamma=true"]),
+    "sinks_exp_512": (
+        "+ sinks, exp gamma, gamma trained in stage 2, stage 2 at 512 tokens (the evaluated length)",
+        [*SINKS, *EXP, "finetune.train_gamma=true", "finetune.seq_len=512"],
+    ),
+}
+EVAL = [
+    "eval.tasks=[]",
+    "eval.passkey_distances=[]",
+    "eval.modes=[hybrid,swa_only,swa_sinks]",
+    "eval.la_share_seq_len=512",
+]
+
+
+def run_variant(name: str, overrides: list[str], out: Path) -> dict:
+    run = out / name
+    done = run / "variant.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    common = ["quickstart.yaml", f"run_dir={run}", *overrides]
+    times = {}
+    for stage, extra in (("distill", []), ("finetune", []), ("evaluate", EVAL)):
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "hybrid_scale", stage, *common, *extra], text=True,
+                              capture_output=True)  # fmt: skip
+        if proc.returncode != 0:
+            raise SystemExit(f"{name}: {stage} failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        times[stage] = time.perf_counter() - t0
+    r = json.loads((run / "eval" / "results.json").read_text())
+    b = r["beyond_window"]
+    result = {
+        "name": name,
+        "buckets": r["perplexity"]["by_mode"],
+        "beyond": b["perplexity"],
+        "verdict": r.get("verdict"),
+        "vs_swa_only": {k: b["swa_only"][k] for k in ("delta", "lo", "hi", "ratio")} if "swa_only" in b else None,
+        "vs_against": {k: b[k] for k in ("delta", "lo", "hi", "ratio")} | {"against": b["against"]},
+        "la_share": r.get("la_share", {}).get("share"),
+        "times_s": times,
+    }
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _mean_share(share: dict | None) -> dict:
+    if not share:
+        return {}
+    labels = list(next(iter(share.values())))
+    return {b: sum(sum(h) / len(h) for h in (layer[b] for layer in share.values())) / len(share) for b in labels}
+
+
+def table(results: list[dict]) -> str:
+    labels = [b for b in next(iter(results[0]["buckets"].values())) if not b.startswith("0-")]
+    head = ["variant", "what", *(f"hybrid {b}" for b in labels), "hybrid", "swa_only", "swa_sinks",
+            "hybrid / swa_sinks, NLL gain [95% CI]", "verdict", "stage 1 / 2 / eval (min)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        a = r["vs_against"]
+        vs = f"{a['ratio']:.2f}x, {a['delta']:+.3f} [{a['lo']:+.3f}, {a['hi']:+.3f}]"
+        if a["against"] != "swa_sinks":
+            vs += f" (vs {a['against']})"
+        t = r["times_s"]
+        cells = [r["name"], VARIANTS[r["name"]][0], *(f"{r['buckets']['hybrid'][b]:.1f}" for b in labels),
+                 *(f"{r['beyond'].get(m, float('nan')):.1f}" for m in ("hybrid", "swa_only", "swa_sinks")), vs,
+                 str(r["verdict"]),
+                 f"{t['distill'] / 60:.1f} / {t['finetune'] / 60:.1f} / {t['evaluate'] / 60:.1f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/variants", help="where each variant's run directory goes")
+    p.add_argument("--only", nargs="*", choices=list(VARIANTS), help="run only these variants")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in a.only or VARIANTS:
+        results.append(run_variant(name, VARIANTS[name][1], out))
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
