@@ -11,6 +11,12 @@ after it is the paper's inference-time hybridisation proper: the la_only run exp
 export.calibrate_gamma=true` (gamma fitted per layer and head so the hybrid matches softmax attention) and the
 export evaluated (`--no-calibrated-row` skips it).
 
+Every recipe also runs with the hybrid's own sinks (`--variants plain sinks`, the default: a "+sinks" row per recipe,
+its own stage 1, `attention.hybrid_sinks=true` plus `--sinks-overrides`, by default the exploration's winner in
+docs/results/quickstart.md). For each row the table says whether the hybrid beats its own no-LA mode (swa_only: for a
+hybrid with sinks that is its window plus the same sinks) and swa_sinks beyond the window: "yes" when the 95% CI of
+the NLL gain lies above 0, "no" when below, "~" when it includes 0.
+
 Writes {run_root}/table1.json and {run_root}/table1.md (copy the latter to docs/results/ with the command).
 """
 
@@ -29,6 +35,8 @@ RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
 MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "none")
 ACCURACY_MODES = ("hybrid", "swa_only", "la_only", "none")  # the table's accuracy columns
 CALIBRATED = "la_only + SWA, gamma calibrated (export)"
+SINKS = "+sinks"  # a recipe's row with the hybrid's own sinks
+SINKS_OVERRIDES = ["attention.hybrid_sinks=true", "attention.gamma_param=exp", "attention.gamma_init=1.0"]
 
 
 def hybrid_scale(*args: str) -> float:
@@ -71,23 +79,31 @@ def main():
     ap.add_argument("--passkey-distances", nargs="+", type=int, default=[32, 128, 512])
     ap.add_argument("--passkey-trials", type=int, default=10)
     ap.add_argument("--no-calibrated-row", action="store_true", help="skip la_only + calibrated gamma (export)")
+    ap.add_argument("--variants", nargs="+", default=["plain", "sinks"], choices=["plain", "sinks"],
+                    help="each recipe as it is (plain) and with the hybrid's own sinks (sinks)")  # fmt: skip
+    ap.add_argument("--sinks-overrides", nargs="*", default=SINKS_OVERRIDES, help="config overrides of the +sinks rows")
     args = ap.parse_args()
     root = Path(args.run_root)
     common = [f"attention.window={args.window}", "seed=0"]
+    variants = {"plain": ("", []), "sinks": (SINKS, list(args.sinks_overrides))}
+    variants = {v: variants[v] for v in args.variants}
     stage1 = {}
-    for objective in sorted({RECIPE_TABLE[r].objective for r in args.recipes}):
+    for (suffix, extra), objective in ((variants[v], o) for v in variants
+                                       for o in sorted({RECIPE_TABLE[r].objective for r in args.recipes})):  # fmt: skip
         recipe = next(r for r in args.recipes if RECIPE_TABLE[r].objective == objective)
-        run = root / f"stage1_{objective}"
+        run = root / f"stage1_{objective}{suffix.replace('+', '_')}"
         overrides = [
             *common,
+            *extra,
             f"run_dir={run}",
             f"distill.recipe={recipe}",
             f"data.num_sequences={args.stage1_sequences}",
             f"data.seq_len={args.stage1_seq_len}",
             f"distill.epochs={args.stage1_epochs}",
         ]
-        stage1[objective] = {"dir": run / "stage1" / "converted"}
-        stage1[objective]["wall_s"] = timed(run, "stage1", lambda o=overrides: hybrid_scale("distill", *o))
+        key = objective + suffix
+        stage1[key] = {"dir": run / "stage1" / "converted"}
+        stage1[key]["wall_s"] = timed(run, "stage1", lambda o=overrides: hybrid_scale("distill", *o))
 
     evaluation = [
         f"eval.tasks=[{','.join(args.tasks)}]",
@@ -116,11 +132,12 @@ def main():
     )
     rows = {"base": json.loads((base_run / "eval" / "results.json").read_text())}
     walls = {}
-    for recipe in args.recipes:
-        run = root / recipe
-        objective = RECIPE_TABLE[recipe].objective
+    for recipe, (suffix, extra) in ((r, variants[v]) for r in args.recipes for v in variants):
+        run = root / (recipe + suffix.replace("+", "_"))
+        objective = RECIPE_TABLE[recipe].objective + suffix
         finetune = [
             *common,
+            *extra,
             f"run_dir={run}",
             f"finetune.model={stage1[objective]['dir']}",
             f"finetune.recipe={recipe}",
@@ -138,14 +155,16 @@ def main():
         we = timed(
             run,
             "eval",
-            lambda r=run, m=model: hybrid_scale(
-                "evaluate", *common, *evaluation, f"eval.model={m}", *modes, f"run_dir={r}"
+            lambda r=run, m=model, x=extra: hybrid_scale(
+                "evaluate", *common, *x, *evaluation, f"eval.model={m}", *modes, f"run_dir={r}"
             ),
         )
-        rows[recipe] = json.loads((run / "eval" / "results.json").read_text())
+        rows[recipe + suffix] = json.loads((run / "eval" / "results.json").read_text())
         curves = json.loads((run / "stage2" / "curves.json").read_text())
-        walls[recipe] = {"stage1": stage1[objective]["wall_s"], "stage2": w2, "eval": we, "curves": curves}
-    if "la_only" in args.recipes and not args.no_calibrated_row:  # inference-time hybridisation, gamma calibrated
+        walls[recipe + suffix] = {"stage1": stage1[objective]["wall_s"], "stage2": w2, "eval": we, "curves": curves}
+    if (
+        "la_only" in args.recipes and "plain" in variants and not args.no_calibrated_row
+    ):  # inference-time hybridisation, gamma calibrated
         run = root / "la_only"
         exported = run / "export_hybrid_calibrated"
         wx = timed(
@@ -192,6 +211,22 @@ def _nats(d: dict) -> str:
     return f"{d['delta']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
 
 
+def _beats(d: dict | None) -> str:
+    """yes / no / ~ : the 95% CI of the NLL gain above 0, below 0, or around it."""
+    if not d:
+        return ""
+    return "yes" if d["lo"] > 0 else ("no" if d["hi"] < 0 else "~")
+
+
+def _against_sinks(r: dict) -> dict | None:
+    """The hybrid against swa_sinks beyond the window: the verdict's `against` when that is swa_sinks; for a hybrid
+    with its own sinks, its swa_only (the same keys: window + the same sinks)."""
+    b = r["beyond_window"]
+    if b["against"] == "swa_sinks":
+        return b
+    return b.get("swa_only") if r.get("hybrid_sinks") else None
+
+
 def _far(r: dict, mode: str, window: int) -> str:
     """Passkey exact match (%) over the distances beyond the window."""
     p = r.get("passkey")
@@ -217,14 +252,14 @@ def table(out: dict) -> str:
         f"held-out tokens at positions >= {w}; NLL gains in nats/token with 95% CIs (positive: the hybrid is better).",
         "",
         "| recipe | hybrid | swa_only | la_only | none | dLA [95% CI] | ppl beyond window: hybrid / swa_only / "
-        "swa_sinks / la_only | hybrid vs swa_only | hybrid vs swa_sinks | passkey beyond window: hybrid / swa_sinks "
-        "(%) | verdict | stage 1 / 2 / eval (min) |",
-        "|---|" + "---:|" * 11,
+        "swa_sinks / la_only | hybrid vs swa_only | hybrid vs swa_sinks | beats its no-LA mode / swa_sinks | "
+        "passkey beyond window: hybrid / swa_sinks (%) | verdict | stage 1 / 2 / eval (min) |",
+        "|---|" + "---:|" * 12,
     ]
     base_ppl = rows["base"]["perplexity"]["by_mode"]["base"]
     lines.append(
         f"| base (softmax) | {100 * base['avg']:.1f} | | | | | {base_ppl[list(base_ppl)[-1]]:.1f} (last bucket) | | "
-        f"| {_far(rows['base'], 'base', w)} (base) | | |"
+        f"| | {_far(rows['base'], 'base', w)} (base) | | |"
     )
     for recipe, r in rows.items():
         if recipe == "base":
@@ -234,11 +269,13 @@ def table(out: dict) -> str:
             f"{b['perplexity'][x]:.1f}" if x in b["perplexity"] else "-"
             for x in ("hybrid", "swa_only", "swa_sinks", "la_only")
         )
-        vs_sinks = _nats(b) if b["against"] == "swa_sinks" else ""
+        sinks = _against_sinks(r)
+        vs_sinks = _nats(sinks) if sinks else ""
         acc = " | ".join(f"{100 * m[x]['avg']:.1f}" if x in m else "-" for x in ACCURACY_MODES)
         vs_swa = _nats(b["swa_only"]) if "swa_only" in b else ""
         lines.append(
             f"| {recipe} | {acc} | {_ci(r['delta_la']['avg'])} | {ppl} | {vs_swa} | {vs_sinks} | "
+            + f"{_beats(b.get('swa_only'))} / {_beats(sinks)} | "
             + f"{_far(r, 'hybrid', w)} / {_far(r, 'swa_sinks', w)} | {r['verdict']} | "
             + f"{wall['stage1'] / 60:.0f} / {wall['stage2'] / 60:.0f} / "
             + f"{(wall['eval'] + wall.get('export', 0)) / 60:.0f} |"

@@ -431,11 +431,18 @@ def test_reproduce_table_renders_an_evaluation(tiny_one_rank):
     args |= {"ppl_sequences": 1, "ppl_seq_len": 96, "passkey_trials": 3, "passkey_distances": [12, 40]}
     curves = {"eval_steps": [2], "hybrid": [3.0], "la_only": [4.0], "output": "final", "stopping": {"reason": None}}
     walls = {"lolcats": {"stage1": 60, "stage2": 120, "eval": 180, "curves": curves}}
-    text = mod.table({"args": args, "results": {"base": one, "lolcats": one}, "walls": walls})
+    own = json.loads(json.dumps(one)) | {"hybrid_sinks": True}  # a +sinks row: its swa_only is window + sinks
+    own["beyond_window"] |= {"against": "swa_only", "swa_only": {"delta": 0.2, "lo": 0.1, "hi": 0.3, "ratio": 0.8}}
+    walls["lolcats+sinks"] = walls["lolcats"]
+    text = mod.table({"args": args, "results": {"base": one, "lolcats": one, "lolcats+sinks": own}, "walls": walls})
     row = next(line for line in text.splitlines() if line.startswith("| lolcats |"))
     b = one["beyond_window"]
     assert f"{b['perplexity']['hybrid']:.1f} / - / {b['perplexity']['swa_sinks']:.1f}" in row
     assert f"| {one['verdict']} | 1 / 2 / 3 |" in row
+    sinks = b if b["against"] == "swa_sinks" else None
+    assert f"| {mod._beats(b.get('swa_only'))} / {mod._beats(sinks)} |" in row
+    row = next(line for line in text.splitlines() if line.startswith("| lolcats+sinks |"))
+    assert "| +0.20 [+0.10, +0.30] | +0.20 [+0.10, +0.30] | yes / yes |" in row  # vs swa_only = vs swa_sinks
     assert "- lolcats: 2: 3.000/4.000; output = final; stop: max_steps" in text
 
 

@@ -322,6 +322,10 @@ def test_the_self_check_runs_at_the_model_shape_and_refuses_what_the_kernels_can
     assert why == "it cannot take this shape: head dim 256 is over 128, the largest the kernels are compile-checked at"
     assert kernels.supports(128, 128, 256, 8, torch.bfloat16) is None
     assert "value dim 64 differs" in kernels.supports(128, 64, 256, 8, torch.bfloat16)
+    own = backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], 4, 2, hybrid_sinks=True)
+    assert own.hybrid_sinks and "2 sinks (the hybrid's own)" in str(own)
+    # the real check of a hybrid with its sinks (forward, backward, 20 decode steps), here in the interpreter
+    assert real("triton", "cpu", shape=backends.Shape(2, 1, 16, 16, 16, 4, 2, torch.float32, True)) is None
 
 
 def test_the_attention_package_never_imports_the_kernels():
