@@ -186,7 +186,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     common = model_key(cfg, path, converted, window, rt.device)
     cells = Cells(cfg, rt, flag, total=count_cells(e))
     cells.log(_first_line(cfg, config, models))
-    for mode in e.modes:
+    for mode in e.modes if e.tasks else ():  # (eval.tasks=[]: the held-out text and the probe only)
         t0 = time.perf_counter()
         per_task = {}
         for task in e.tasks:

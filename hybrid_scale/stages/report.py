@@ -24,14 +24,15 @@ def table(r: dict) -> str:
     lines = [f"# Component ablation: {r['model']}", ""]
     if r.get("untrained_feature_maps"):
         lines += ["**Feature maps untrained** (a plain model converted on the fly): LA numbers are a baseline.", ""]
-    head = ["mode"] + [f"{NAMES[t]} ({r['tasks'][t]['metric']})" for t in tasks] + ["AVG", "Rec.%"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for mode, m in r["modes"].items():
-        cells = [f"{100 * m[t]['metric']:.1f} ± {100 * m[t]['stderr']:.1f}" for t in tasks]
-        rec = f"{m['rec']:.1f}" if "rec" in m else "-"
-        lines.append("| " + " | ".join([mode, *cells, f"{100 * m['avg']:.1f}", rec]) + " |")
+    if tasks:
+        head = ["mode"] + [f"{NAMES[t]} ({r['tasks'][t]['metric']})" for t in tasks] + ["AVG", "Rec.%"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for mode, m in r["modes"].items():
+            cells = [f"{100 * m[t]['metric']:.1f} ± {100 * m[t]['stderr']:.1f}" for t in tasks]
+            rec = f"{m['rec']:.1f}" if "rec" in m else "-"
+            lines.append("| " + " | ".join([mode, *cells, f"{100 * m['avg']:.1f}", rec]) + " |")
     n = {t: r["tasks"][t]["n"] for t in tasks}
-    lines += ["", f"Items per task: {n}; window {r['window']}; {r['world_size']} rank(s)."]
+    lines += ["", f"Items per task: {n or 'no tasks'}; window {r['window']}; {r['world_size']} rank(s)."]
     if "sinks" in r:
         lines += ["", modes_line(r)]
     lines += ["", "Share of scored (continuation) tokens at positions >= window -- on the rest a hybrid *is* its SWA:"]
@@ -152,19 +153,20 @@ def plots(r: dict, out_dir: Path) -> None:
 
     tasks = list(r["tasks"])
     modes = list(r["modes"])
-    fig, ax = plt.subplots(figsize=(1.6 * (len(tasks) + 1) + 2, 4))
-    width = 0.8 / len(modes)
-    x = np.arange(len(tasks) + 1)
-    for i, mode in enumerate(modes):
-        vals = [100 * r["modes"][mode][t]["metric"] for t in tasks] + [100 * r["modes"][mode]["avg"]]
-        ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=mode)
-    ax.set_xticks(x, [NAMES[t] for t in tasks] + ["AVG"])
-    ax.set_ylabel("score (%)")
-    ax.set_title(f"Component ablation (window {r['window']})")
-    ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "ablation.png", dpi=120)
-    plt.close(fig)
+    if modes:  # (no task scored: no ablation chart)
+        fig, ax = plt.subplots(figsize=(1.6 * (len(tasks) + 1) + 2, 4))
+        width = 0.8 / len(modes)
+        x = np.arange(len(tasks) + 1)
+        for i, mode in enumerate(modes):
+            vals = [100 * r["modes"][mode][t]["metric"] for t in tasks] + [100 * r["modes"][mode]["avg"]]
+            ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=mode)
+        ax.set_xticks(x, [NAMES[t] for t in tasks] + ["AVG"])
+        ax.set_ylabel("score (%)")
+        ax.set_title(f"Component ablation (window {r['window']})")
+        ax.legend(fontsize=8, ncol=3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "ablation.png", dpi=120)
+        plt.close(fig)
     if "la_share" in r:
         share = r["la_share"]["share"]
         layers = sorted(share, key=int)

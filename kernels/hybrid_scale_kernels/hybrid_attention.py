@@ -493,15 +493,15 @@ def _bwd_dfk(
 
 @triton.jit
 def _bwd_sinks(
-    Q, K, V, GAMMA, START, END, DY, C, Z, DELTA,  # inputs
+    Q, K, V, START, END, DY, C, Z, DELTA,  # inputs
     OUT,  # output [NSPLIT, B, Hkv, BLOCK_S, D]: this split's share of dk (DK) or dv of the sinks
     T, H, G, D, sink_off, n_sinks, scale, TILES,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DK: tl.constexpr, HYBRID: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DK: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """The sinks' dk (DK) or dv, per (split of TILES query tiles, batch x KV head): the splits run in parallel and
-    are summed after; dk and dv are separate launches (fewer live tiles, no spills). HYBRID: the hybrid's own sinks,
-    weighted by each query head's gamma."""
+    are summed after; dk and dv are separate launches (fewer live tiles, no spills). The hybrid's own sinks are
+    weighted by their head's gamma: the caller passes Z / gamma for Z (dk and dv are linear in dy / Z)."""
     pid_s = tl.program_id(0)
     pid_bhkv = tl.program_id(1)
     b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
@@ -514,10 +514,6 @@ def _bwd_sinks(
     acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     first = start // BLOCK * BLOCK + pid_s * TILES * BLOCK
     for gi in range(0, G):
-        if HYBRID:
-            g = tl.load(GAMMA + hk * G + gi).to(tl.float32)
-        else:
-            g = 1.0
         for m0 in range(first, tl.minimum(first + TILES * BLOCK, end), BLOCK):
             rows, n, row_ok = _span(m0, start, end, BLOCK)
             q_row = (b * H + hk * G + gi).to(tl.int64) * T + rows
@@ -525,7 +521,7 @@ def _bwd_sinks(
             dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
             a = _dot(q, tl.trans(ks), DT, PREC) * scale
             ok = row_ok[:, None] & s_ok[None, :] & (sj[None, :] <= n[:, None] - sink_off)
-            p = tl.where(ok, g * tl.exp(a - c[:, None]), 0.0)
+            p = tl.where(ok, tl.exp(a - c[:, None]), 0.0)
             if DK:
                 dp = _dot(dyz, tl.trans(vs), DT, PREC) - dz[:, None]
                 acc += _dot(tl.trans(p * dp), q, DT, PREC) * scale
@@ -717,10 +713,11 @@ class _HybridAttention(torch.autograd.Function):
             bs = _pow2(max(sinks, 1))
             nsplit = triton.cdiv(nm, SINK_TILES)
             dks, dvs = (torch.empty(nsplit, B, Hkv, bs, D, **f32) for _ in range(2))
+            z_sinks = (z / g.view(1, H, 1)).contiguous() if s["HYBRID"] else z  # the hybrid's sinks: gamma-weighted
             for out, is_dk in ((dks, True), (dvs, False)):
                 _bwd_sinks[(nsplit, B * Hkv)](
-                    q, k, v, g, start, end, dy, c, z, delta, out, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
-                    SINK_TILES, BLOCK_S=bs, DK=is_dk, HYBRID=s["HYBRID"], **common("_bwd_sinks")[0],
+                    q, k, v, start, end, dy, c, z_sinks, delta, out, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
+                    SINK_TILES, BLOCK_S=bs, DK=is_dk, **common("_bwd_sinks")[0],
                 )  # fmt: skip
             dks, dvs = dks.sum(0), dvs.sum(0)
             pos = (start.long()[:, None] + torch.arange(bs, device=q.device)).clamp(max=T - 1)

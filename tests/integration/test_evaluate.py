@@ -416,6 +416,23 @@ def test_clear_errors(smollm2, tmp_path, capsys):
     assert f"config key 'eval.data_dir': {tmp_path} has no piqa dataset(s) (one save_to_disk directory per task)" in err
 
 
+def test_perplexity_only_with_the_hybrids_own_sinks(tiny_smollm_vocab, tmp_path):
+    """eval.tasks=[] scores the held-out text only (it used to divide by zero); a hybrid with its own sinks: swa_only
+    (the hybrid without its LA) is its window plus the same sinks, so it equals swa_sinks, and the report says so."""
+    out = tmp_path / "eval"
+    r = _evaluate([f"eval.model={tiny_smollm_vocab}", "eval.tasks=[]", "eval.modes=[hybrid,swa_only,swa_sinks]",
+                   "attention.window=8", "attention.sinks=4", "attention.hybrid_sinks=true", "eval.ppl_sequences=1",
+                   "eval.ppl_seq_len=96", "eval.la_share_seq_len=0", "eval.passkey_distances=[]", f"eval.out_dir={out}",
+                   "eval.progress=false"])  # fmt: skip
+    assert r["modes"] == {} and r["hybrid_sinks"] and r["sinks"] == 4
+    p = r["perplexity"]["by_mode"]
+    assert p["swa_only"] == p["swa_sinks"] and p["hybrid"] != p["swa_only"]
+    table = (out / "table.md").read_text()
+    assert "Items per task: no tasks; window 8" in table
+    assert "hybrid: window 8 + the first 4 tokens (gamma-weighted), LA over the rest" in table
+    assert "`swa_only`, its own window + 4 sinks: is the LA used?" in table
+
+
 def test_reproduce_table_renders_an_evaluation(tiny_one_rank):
     """benchmarks/reproduce_table1.py's table from real results.json files (here the tiny evaluation as both the base
     run and a recipe's): the beyond-window columns and the verdict come through."""

@@ -72,7 +72,9 @@ def test_gamma_exp_is_unbounded_and_sigmoid_is_lolcats():
     m = hybrid_layers(model)[0]
     torch.testing.assert_close(m.gamma, torch.full_like(m.gamma, 2.0))  # a window weight above 1 from the start
     torch.testing.assert_close(m.gamma, torch.exp(m.gamma_logit))
-    with pytest.raises(ValueError, match=r"gamma_init': must be in \(0, 1\) with attention.gamma_param=sigmoid, got 2.0"):
+    with pytest.raises(
+        ValueError, match=r"gamma_init': must be in \(0, 1\) with attention.gamma_param=sigmoid, got 2.0"
+    ):
         hs.convert_model(tiny_model("llama"), {"window": W, "gamma_init": 2.0})
     lolcats = hybrid_layers(hs.convert_model(tiny_model("llama"), {"window": W, "gamma_init": 0.3}))[0]
     torch.testing.assert_close(lolcats.gamma, torch.sigmoid(lolcats.gamma_logit))
