@@ -53,11 +53,20 @@ def summary(r: dict) -> str:
     b = r.get("beyond_window")
     if b:
         ppl = b["perplexity"]
-        vs = [m for m in ("swa_only", b["against"]) if m in ppl and m != "hybrid"]
+        vs = [m for m in ("swa_only", b["against"], "swa_sinks") if m in ppl and m != "hybrid"]
         lines.append(
             f"  beyond the window ({b['tokens']} held-out tokens at positions >= {b['window']}): perplexity hybrid "
             f"{ppl['hybrid']:.1f}, " + ", ".join(f"{m} {ppl[m]:.1f}" for m in dict.fromkeys(vs))
         )
+        if r.get("hybrid_sinks"):
+            lines.append(f"  (the hybrid keeps the first {r['sinks']} tokens: its swa_only is swa_sinks)")
+        rows = [("swa_only", b["swa_only"])] if b.get("swa_only") else []
+        rows += [(b["against"], b)] if b["against"] != "swa_only" else []
+        for name, c in rows:
+            lines.append(
+                f"  hybrid vs {name}: {c['ratio']:.2f}x its perplexity, NLL gain {c['delta']:+.3f} nats/token "
+                f"[{c['lo']:+.3f}, {c['hi']:+.3f}] (95% CI)"
+            )
     elif "verdict_tasks" in r:
         lines.append("  on the tasks (la_only - none); no held-out perplexity was measured")
     p = r.get("passkey")

@@ -103,6 +103,16 @@ class Models:
             set_window(model, self.cfg.eval.window)
         return self._ready(model, "hybrid")
 
+    def twin(self, mode: str, done) -> str | None:
+        """A mode among `done` (evaluated before, on every rank) that computes the same function as `mode` on this
+        model: for a hybrid with its own sinks, swa_only (the hybrid without its LA) is swa_sinks. Its results are
+        reused, not computed twice."""
+        other = {"swa_only": "swa_sinks", "swa_sinks": "swa_only"}.get(mode)
+        return other if other in done and self.sinks()[1] else None
+
+    def twin_reason(self, mode: str, twin: str) -> str:
+        return f"the same keys as {twin} on this model (its hybrid keeps {self.sinks()[0]} sinks)"
+
     def sinks(self) -> tuple[int, bool]:
         """(S, whether the hybrid keeps them): the model's own when converted, else the config's."""
         a = read_hybrid_config(self.path)["attention"] if self.converted else self.cfg.attention
@@ -187,6 +197,10 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     cells = Cells(cfg, rt, flag, total=count_cells(e))
     cells.log(_first_line(cfg, config, models))
     for mode in e.modes if e.tasks else ():  # (eval.tasks=[]: the held-out text and the probe only)
+        if twin := models.twin(mode, results["modes"]):
+            results["modes"][mode] = results["modes"][twin]
+            cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its task scores are {twin}'s")
+            continue
         t0 = time.perf_counter()
         per_task = {}
         for task in e.tasks:
@@ -340,6 +354,11 @@ def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, 
     window = results["window"]
     by_mode, blocks = {}, {}
     for mode in e.modes:
+        if twin := models.twin(mode, e.modes[: e.modes.index(mode)]):
+            if here:
+                by_mode[mode], blocks[mode] = by_mode[twin], blocks[twin]
+            cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its perplexity is {twin}'s")
+            continue
         key = {**common, **text, "mode": mode, "ppl_sequences": e.ppl_sequences, "format": 2}
         cell = cells.run(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets, window), here)
         if here:
@@ -376,8 +395,12 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
     key = {**common, "text": digest(text), "distances": list(e.passkey_distances), "trials": e.passkey_trials}
     key |= {"seed": cfg.seed, "lead": lead, "prompts": digest([p.ids for p in items])}
-    by_mode = {}
-    for mode in retrieval.probe_modes(e):
+    by_mode, modes = {}, retrieval.probe_modes(e)
+    for mode in modes:
+        if twin := models.twin(mode, modes[: modes.index(mode)]):
+            by_mode[mode] = by_mode[twin]
+            cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its passkey retrieval is {twin}'s")
+            continue
         run = partial(_passkey_mode, models, mode, items, rt, e.progress)
         by_mode[mode] = cells.run(f"passkey.{mode}", {**key, "mode": mode}, run, here)
     if here:
