@@ -125,6 +125,15 @@ def cmd_pipeline(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    """What a run directory holds: the stages done, what is committed (layers, steps, eval cells), who holds its
+    lock (and whether that process still runs), the last log lines. Reads only."""
+    from .stages.status import status
+
+    print(status(args.run_dir))
+    return 0
+
+
 def cmd_launch(args) -> int:
     """Start a stage on this node with launch.launcher (torchrun / deepspeed), rendezvous from the Slurm environment
     (first host of the node list, port, node rank). Used by the generated sbatch scripts, one task per node."""
@@ -234,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="distill,finetune,evaluate,export", help="comma-separated, chained afterok")
     p.add_argument("--pipeline", action="store_true", help="one job running the whole pipeline")
     p.set_defaults(fn=cmd_submit)
+    p = sub.add_parser("status", help=cmd_status.__doc__, description=cmd_status.__doc__)
+    p.add_argument("run_dir", help="the run directory (run_dir of the config)")
+    p.set_defaults(fn=cmd_status)
     p = sub.add_parser("assets", help=cmd_assets.__doc__, description=cmd_assets.__doc__)
     p.add_argument("--force", action="store_true", help="redo the conversion and copies")
     p.set_defaults(fn=cmd_assets)

@@ -49,7 +49,12 @@ class ExportError(RuntimeError):
     """The export cannot be written from its inputs."""
 
 
+class RunDirBusyError(RuntimeError):
+    """Another live run holds the run directory's lock (stages/lock.py)."""
+
+
 USER_ERRORS = (
+    RunDirBusyError,
     ConfigError,
     InputError,
     DestinationError,

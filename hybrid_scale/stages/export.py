@@ -45,6 +45,7 @@ from ..models.converted import (
     read_hybrid_config,
     write_converted,
 )
+from . import lock
 from .balance import perplexity_by_bucket
 from .plan import preflight
 from .rundir import describe_origin, eval_dir, export_dir, export_source, is_export
@@ -330,9 +331,15 @@ def model_card(out_name: str, config: dict, report: dict | None, balance: str | 
 def export(cfg) -> Path:
     """The export, built in {out}.partial and moved into place after its COMMITTED marker: merged shards, config and
     attention code, tokenizer, phi/gamma (gamma fixed or calibrated on request), the model card."""
-    x = cfg.export
     t0 = time.perf_counter()
     preflight(cfg, "export")  # the input model (adapter, base), the destination, architecture, free disk
+    with lock.for_stage(cfg, "export"):  # one writer per run dir (stages/lock.py), when it writes or reads in it
+        return _export(cfg, t0)
+
+
+def _export(cfg, t0: float) -> Path:
+    """export's work, under the run dir's lock when it needs one."""
+    x = cfg.export
     source = export_source(cfg)
     base = base_dir(source)
     out = export_dir(cfg)

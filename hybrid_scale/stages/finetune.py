@@ -41,7 +41,7 @@ from ..models.converted import base_dir, load_converted, load_tokenizer, read_hy
 from ..recipes import RECIPES
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
-from . import rundir
+from . import lock, rundir
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
 from .plan import preflight
 from .report import curves_png
@@ -116,6 +116,14 @@ def finetune(cfg) -> Path:
     if early_stopping(cfg) and not f.eval_every:
         raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
     preflight(cfg, "finetune")  # inputs, architecture, tensor-parallel shape, memory, disk: before any work
+    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
+    with lock.for_stage(cfg, "finetune", rt):  # one writer per run dir (stages/lock.py): taken before any write
+        return _train(cfg)
+
+
+def _train(cfg) -> Path:
+    """finetune's work, under the run dir's lock: start or resume, the steps, the checkpoints, the output."""
+    f = cfg.finetune
     run = start(cfg)
     bar = tqdm(
         total=f.max_steps,

@@ -431,7 +431,8 @@ def test_perplexity_only_with_the_hybrids_own_sinks(tiny_smollm_vocab, tmp_path)
     assert "Items per task: no tasks; window 8" in table
     assert "hybrid: window 8 + the first 4 tokens (gamma-weighted), LA over the rest" in table
     assert "`swa_only`, its own window + 4 sinks: is the LA used?" in table
-    reused = "swa_sinks: the same keys as swa_only on this model (its hybrid keeps 4 sinks): its perplexity is swa_only's"
+    reused = "swa_sinks: the same keys as swa_only on this model (its hybrid keeps 4 sinks): its perplexity is "
+    reused += "swa_only's"
     assert reused in (out / "log.txt").read_text()  # computed once
 
 

@@ -5,8 +5,14 @@ pytest worker under --dist loadfile; a second file would build them again on the
 
 import json
 import math
+import os
 import re
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import procs
@@ -244,6 +250,39 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(set
     assert "resumed from step_00000003" in (stage2 / "log.txt").read_text()
     assert [p.name for p in committed_steps(stage2)] == ["step_00000006", "step_00000007"]
     assert not (stage2 / "step_00000006.partial").exists() and len(curves(tmp_path)["train"]) == 7
+
+
+def test_a_second_writer_and_a_reader_are_refused_while_stage_2_runs(setup, tmp_path):
+    """One writer per run dir (stages/lock.py): while stage 2 runs (paused by SIGSTOP mid-run), a second stage 2 on
+    the same run_dir and an evaluation of the run's model are each refused with one line naming the holder, exit 2,
+    and leave the run dir byte for byte as it was; the first run then finishes and releases the lock."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRID_SCALE_STEP_SLEEP": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "hybrid_scale.cli", "finetune", *overrides(setup, run)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while not list((run / "stage2").glob("step_*")) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.5)  # until it has written a checkpoint
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        first.send_signal(signal.SIGSTOP)
+        before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+        second = finetune(overrides(setup, run), ranks=0)
+        reader = procs.run(["evaluate", f"run_dir={run}", "eval.tasks=[piqa]", "eval.limit=2", "eval.progress=false"])
+        after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    finally:
+        first.send_signal(signal.SIGCONT)
+    holder = f"is in use by finetune (pid {first.pid} on {socket.gethostname()}"
+    for proc, cmd in ((second, "finetune"), (reader, "evaluate")):
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"hybrid-scale {cmd}: error: {run.resolve()} {holder}") and line.endswith(
+            "wait for it to finish, or choose another run_dir"
+        ), line
+    assert after == before  # neither wrote a byte
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert not (run / ".lock").exists() and (run / "stage2" / "output").is_symlink()
 
 
 def test_saved_adapter_is_whole_and_reloads_to_the_trained_logits(setup, reference):

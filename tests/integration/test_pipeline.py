@@ -44,9 +44,11 @@ def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_pat
     )
     killed = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], {"HYBRID_SCALE_FAULT": "step:3"}, timeout=900)
     assert killed.returncode == -signal.SIGKILL  # and SIGKILL in stage 2, after stage 1 resumed at layer 1
+    assert json.loads((tmp_path / "cut" / ".lock").read_text())["stage"] == "pipeline"  # the dead holder's lock...
     again = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut")], timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming at layer 1 from buffer" in (tmp_path / "cut" / "stage1" / "log.txt").read_text()
+    assert not (tmp_path / "cut" / ".lock").exists()  # ...did not block the rerun, which released its own
     a, b = outputs(tmp_path / "full"), outputs(tmp_path / "cut")
     assert a[0].keys() == b[0].keys() and all(torch.allclose(a[0][k], b[0][k], atol=1e-6) for k in a[0])
     assert torch.allclose(torch.tensor(a[1]), torch.tensor(b[1]), atol=1e-6)

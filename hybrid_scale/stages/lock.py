@@ -1,0 +1,220 @@
+"""One writer per run directory: the lock every stage that writes into a run dir takes first.
+
+The lock is the file {run_dir}/.lock, created with O_CREAT | O_EXCL (atomic on a local disk and on NFSv3+ and Lustre,
+where fcntl/flock locks depend on the mount options and a lock daemon) and holding who took it: host, pid, the
+process's start time, the Slurm job and step if any, the command, the stage and when. Rank 0 takes it for the job
+(the ranks agree on the outcome, so none is left waiting in a collective); a stage run inside the pipeline finds it
+held by its own process and goes on. It is removed when the stage ends, normally or by an error.
+
+A lock whose holder is gone never blocks the next run:
+  * on the same host: the pid is not running, or is another process (its start time differs);
+  * a Slurm job that was requeued (the same job id as this process's): the holder was this job's earlier run;
+  * on another host with a Slurm job: `squeue` says the job is no longer running;
+otherwise (another host, no Slurm answer) the holder may be alive, and the refusal names the command that breaks the
+lock. A refused writer writes nothing: it reads the lock and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..distributed import runtime
+from ..errors import RunDirBusyError
+
+LOCK_NAME = ".lock"
+ALIVE_STATES = ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING")
+_HELD: dict[Path, int] = {}  # run dirs this process holds -> nesting depth (the pipeline holds across its stages)
+
+
+def lock_path(run_dir) -> Path:
+    return Path(run_dir) / LOCK_NAME
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when unknown."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def me(stage: str) -> dict:
+    """This process as a lock holder."""
+    env = os.environ
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start": _start_time(os.getpid()),
+        "slurm_job": env.get("SLURM_JOB_ID"),
+        "slurm_step": env.get("SLURM_STEP_ID"),
+        "stage": stage,
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def read(run_dir) -> dict | None:
+    """The holder recorded in the run dir's lock, None when there is no lock ({} while it is being written)."""
+    try:
+        text = lock_path(run_dir).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {}
+
+
+def _squeue(job: str) -> str | None:
+    """The Slurm job's state ("" when Slurm no longer knows it), None when squeue does not answer."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return "" if "Invalid job id" in out.stderr else None
+    return out.stdout.strip()
+
+
+def alive(holder: dict) -> bool | None:
+    """Whether the holder still runs: True, False, or None when it cannot be told from here."""
+    job = holder.get("slurm_job")
+    if job and job == os.environ.get("SLURM_JOB_ID"):
+        return False  # this job's earlier run (a requeue keeps the job id): it has ended, or this would not run
+    if holder.get("host") == socket.gethostname():
+        pid = int(holder.get("pid", -1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # another user's process: it exists
+        fields = _stat(pid)
+        if fields is not None and fields[0] in "ZX":
+            return False  # killed, not yet reaped by its parent
+        return holder.get("start") is None or fields is None or fields[19] == holder.get("start")
+    if job:
+        state = _squeue(job)
+        if state is not None:
+            return state in ALIVE_STATES
+    return None
+
+
+def describe(holder: dict) -> str:
+    job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+    step = f" step {holder['slurm_step']}" if job and holder.get("slurm_step") else ""
+    return (
+        f"{holder.get('stage', '?')} (pid {holder.get('pid')} on {holder.get('host')}{job}{step}, since "
+        f"{holder.get('since')}: {holder.get('command')})"
+    )
+
+
+def _acquire(run_dir: Path, stage: str) -> None:
+    path = lock_path(run_dir)
+    for _ in range(50):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read(run_dir)
+            if holder is None:
+                continue  # released meanwhile: try again
+            if holder == {}:
+                time.sleep(0.1)  # being written by its taker
+                continue
+            state = alive(holder)
+            if state is False:
+                stale = path.with_name(f"{LOCK_NAME}.stale.{os.getpid()}")
+                try:
+                    os.replace(path, stale)  # (a concurrent breaker may have done it: then try again)
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            fix = "wait for it to finish, or choose another run_dir"
+            if state is None:
+                fix += f"; if it is no longer running (it cannot be checked from {socket.gethostname()}): rm {path}"
+            raise RunDirBusyError(f"{run_dir} is in use by {describe(holder)}; {fix}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me(stage)))
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    raise RunDirBusyError(f"{run_dir}: could not take its lock {path} (it changes hands constantly); try again")
+
+
+def _release(run_dir: Path) -> None:
+    holder = read(run_dir)
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        lock_path(run_dir).unlink(missing_ok=True)
+
+
+@contextmanager
+def holding(run_dir, stage: str, rt: runtime.Runtime | None = None):
+    """Hold the run dir's lock for the block: rank 0 takes it for the job (the ranks agree: a refusal raises on
+    every rank); a process that already holds it (the pipeline, around its stages) goes on."""
+    run_dir = Path(run_dir).resolve()
+    main = rt is None or rt.main
+    if run_dir in _HELD:
+        _HELD[run_dir] += 1
+        try:
+            yield
+        finally:
+            _HELD[run_dir] -= 1
+        return
+    error = None
+    if main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _acquire(run_dir, stage)
+        except RunDirBusyError as e:
+            error = e
+    if not (runtime.all_ranks(rt, error is None) if rt is not None else error is None):
+        raise error or RunDirBusyError(f"{run_dir} is in use by another run (rank 0 says why); choose another run_dir")
+    _HELD[run_dir] = 1
+    try:
+        yield
+    finally:
+        del _HELD[run_dir]
+        if main:
+            _release(run_dir)
+
+
+def _inside(path: Path, run_dir: Path) -> bool:
+    return path.resolve().is_relative_to(run_dir.resolve())
+
+
+def needed(cfg, stage: str) -> bool:
+    """Whether `stage` writes into (or reads the model of) the run dir: stage 1, stage 2 and the pipeline always;
+    the evaluation and the export when they read the run's model or write inside the run dir."""
+    from . import rundir  # (rundir imports the model code: not at import time)
+
+    run_dir = Path(cfg.run_dir)
+    if stage == "evaluate":
+        return cfg.eval.model is None or _inside(rundir.eval_dir(cfg), run_dir)
+    if stage == "export":
+        return cfg.export.model is None or _inside(rundir.export_dir(cfg), run_dir)
+    return True
+
+
+@contextmanager
+def for_stage(cfg, stage: str, rt: runtime.Runtime | None = None):
+    """The run dir's lock around a stage that needs it (`needed`); the block runs unlocked otherwise."""
+    if not needed(cfg, stage):
+        yield
+        return
+    with holding(cfg.run_dir, stage, rt):
+        yield
