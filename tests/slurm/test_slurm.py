@@ -185,8 +185,13 @@ def test_stage2_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, 
     while not (stage2 / "step_00000002" / "COMMITTED").is_file():
         assert time.time() - t0 < 300, "stage 2 did not reach step 2"
         time.sleep(0.5)
+    holder = json.loads((run / ".lock").read_text())  # the run dir's lock, taken for the job (stages/lock.py)
+    assert holder["slurm_job"] == job and holder["stage"] == "finetune"
+    # as if the node had died: the lock stays behind, naming another host; the requeued job (same id) takes it over
+    (run / ".lock").write_text(json.dumps(holder | {"host": "node-lost", "pid": 1}))
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
     wait_for(slurm, [job])
+    assert not (run / ".lock").exists()  # the requeued run took the lock over and released it
     log = (stage2 / "log.txt").read_text()
     out = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
     assert "signal: saved step_0000000" in log, out[-3000:]
