@@ -61,7 +61,12 @@ def test_a_dead_holder_a_reused_pid_or_an_unreaped_one_never_blocks(tmp_path, ot
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; not reaped until wait()
     while lock._stat(zombie.pid)[0] != "Z":
         pass
-    for holder in ({"pid": gone.pid}, {"pid": other_process.pid, "start": "1"}, {"pid": zombie.pid}):
+    zombie_start = lock._start_time(zombie.pid)  # its own: only its state says it is dead
+    for holder in (
+        {"pid": gone.pid},
+        {"pid": other_process.pid, "start": "1"},
+        {"pid": zombie.pid, "start": zombie_start},
+    ):
         run = tmp_path / str(holder)
         write_lock(run, **holder)
         with lock.holding(run, "distill"):
