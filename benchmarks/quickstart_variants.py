@@ -30,6 +30,25 @@ VARIANTS = {
         "+ sinks, exp gamma, gamma trained in stage 2, stage 2 at 512 tokens (the evaluated length)",
         [*SINKS, *EXP, "finetune.train_gamma=true", "finetune.seq_len=512"],
     ),
+    "sinks_exp_all_512": (
+        "+ sinks, exp gamma trained in stage 2, stage 1 and 2 at 512 tokens (16 x 512 in stage 1: the same tokens)",
+        [
+            *SINKS,
+            *EXP,
+            "finetune.train_gamma=true",
+            "finetune.seq_len=512",
+            "data.seq_len=512",
+            "data.num_sequences=16",
+        ],
+    ),
+    "sinks_exp10": (
+        "+ sinks, gamma = exp(theta) initialised at 10 (the window first; training lowers it)",
+        [*SINKS, "attention.gamma_param=exp", "attention.gamma_init=10.0"],
+    ),
+    "sinks_exp30": (
+        "+ sinks, gamma = exp(theta) initialised at 30",
+        [*SINKS, "attention.gamma_param=exp", "attention.gamma_init=30.0"],
+    ),
 }
 EVAL = [
     "eval.tasks=[]",

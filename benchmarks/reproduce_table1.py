@@ -36,7 +36,7 @@ MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "none")
 ACCURACY_MODES = ("hybrid", "swa_only", "la_only", "none")  # the table's accuracy columns
 CALIBRATED = "la_only + SWA, gamma calibrated (export)"
 SINKS = "+sinks"  # a recipe's row with the hybrid's own sinks
-SINKS_OVERRIDES = ["attention.hybrid_sinks=true", "attention.gamma_param=exp", "attention.gamma_init=1.0"]
+SINKS_OVERRIDES = ["attention.hybrid_sinks=true", "attention.gamma_param=exp", "attention.gamma_init=30.0"]
 
 
 def hybrid_scale(*args: str) -> float:
