@@ -1,7 +1,7 @@
 """`make quickstart` -> `hybrid-scale quickstart`: the whole pipeline on the embedded default (SmolLM2-135M-Instruct)
 on CPU: assets -> stage 1 (LoLCATs' hybrid-output transfer, window 16) -> stage 2 (LoRA) -> evaluation (base and
 five modes: perplexity by position on held-out text, passkey retrieval, PIQA and ARC-Easy items; the verdict on the
-tokens beyond the window) -> export. Budgets come from configs/quickstart.yaml (about 13 minutes from a fresh clone on
+tokens beyond the window) -> export. Budgets come from configs/quickstart.yaml (about 10 minutes from a fresh clone on
 2 cores, docs/results/quickstart.md); `make reproduce` compares the recipes at a larger budget.
 """
 
