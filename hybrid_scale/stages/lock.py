@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..distributed import runtime
 from ..errors import RunDirBusyError
+from . import rundir
 
 LOCK_NAME = ".lock"
 ALIVE_STATES = ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING")
@@ -200,8 +201,6 @@ def _inside(path: Path, run_dir: Path) -> bool:
 def needed(cfg, stage: str) -> bool:
     """Whether `stage` writes into (or reads the model of) the run dir: stage 1, stage 2 and the pipeline always;
     the evaluation and the export when they read the run's model or write inside the run dir."""
-    from . import rundir  # (rundir imports the model code: not at import time)
-
     run_dir = Path(cfg.run_dir)
     if stage == "evaluate":
         return cfg.eval.model is None or _inside(rundir.eval_dir(cfg), run_dir)

@@ -114,7 +114,7 @@ def test_generate_without_cache_and_beam_search():
 
 def cache_formula(batch, layers, kv_heads, head_dim, feature_out, window, sinks, elem=4):
     ring = kv_heads * window * (2 * head_dim * elem + feature_out * 4)  # k, v in model dtype, phi_k in fp32
-    sink = kv_heads * sinks * 2 * head_dim * elem
+    sink = kv_heads * sinks * (2 * head_dim * elem + feature_out * 4)  # k, v and (fp32) phi_k of the first S keys
     state = kv_heads * (feature_out * head_dim + feature_out) * 4  # fp32 LA state
     return layers * batch * (ring + sink + state + 8)  # + one int64 count per row
 

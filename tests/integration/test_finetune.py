@@ -427,7 +427,8 @@ def test_bf16_on_two_ranks_under_zero3_stays_near_fp32_with_checked_collectives(
     assert proc.returncode == 0, proc.stderr[-3000:]
     calls = procs.collective_calls(prefix, 2)
     ours = [c for c in calls if c["where"].startswith("runtime.py")]
-    assert {c["op"] for c in ours} == {"all_reduce"} and all(c["dtype"] == ["torch.float64"] for c in ours)
+    assert {c["op"] for c in ours} == {"all_reduce"}  # float64 sums, and the int32 agreement on the run dir's lock
+    assert all(c["dtype"] in (["torch.float64"], ["torch.int32"]) for c in ours)
     assert len(ours) >= 5 + 2  # one per step, one per held-out loss
     assert any(c["where"].startswith(("partition", "stage3", "comm", "torch.py")) for c in calls)  # ZeRO-3's own
     got, ref = curves(tmp_path), curves(reference)
