@@ -88,13 +88,6 @@ def run_variant(name: str, overrides: list[str], out: Path) -> dict:
     return result
 
 
-def _mean_share(share: dict | None) -> dict:
-    if not share:
-        return {}
-    labels = list(next(iter(share.values())))
-    return {b: sum(sum(h) / len(h) for h in (layer[b] for layer in share.values())) / len(share) for b in labels}
-
-
 def table(results: list[dict]) -> str:
     labels = [b for b in next(iter(results[0]["buckets"].values())) if not b.startswith("0-")]
     head = ["variant", "what", *(f"hybrid {b}" for b in labels), "hybrid", "swa_only", "swa_sinks",

@@ -62,6 +62,7 @@ class Models:
         self._base = self._hybrid = None
         self.untrained = not converted
         self._zero3 = None
+        self._sinks: tuple[int, bool] | None = None
         self.rt = rt
         self.split = {}  # what the tensor-parallel split left each rank, per model loaded (results.json)
         if rt.tp > 1:  # the heads split over the tensor-parallel ranks (each reads only its part of each weight)
@@ -114,9 +115,11 @@ class Models:
         return f"the same keys as {twin} on this model (its hybrid keeps {self.sinks()[0]} sinks)"
 
     def sinks(self) -> tuple[int, bool]:
-        """(S, whether the hybrid keeps them): the model's own when converted, else the config's."""
-        a = read_hybrid_config(self.path)["attention"] if self.converted else self.cfg.attention
-        return int(a["sinks"]), bool(a.get("hybrid_sinks", False))
+        """(S, whether the hybrid keeps them): the model's own when converted, else the config's (read once)."""
+        if self._sinks is None:
+            a = read_hybrid_config(self.path)["attention"] if self.converted else self.cfg.attention
+            self._sinks = int(a["sinks"]), bool(a.get("hybrid_sinks", False))
+        return self._sinks
 
     def window(self) -> int:
         if self.cfg.eval.window is not None:

@@ -46,8 +46,9 @@ def _evaluate(run: Path) -> str:
     if (out / "results.json").is_file():
         verdict = json.loads((out / "results.json").read_text()).get("verdict", "n/a")
         return f"evaluate: done, verdict: {verdict}"
-    cells = sorted(p.stem for p in (out / "cells").glob("*.json")) if out.is_dir() else []
-    return f"evaluate: {len(cells)} cell(s) committed" if out.is_dir() else "evaluate: not started"
+    if not out.is_dir():
+        return "evaluate: not started"
+    return f"evaluate: {len(list((out / 'cells').glob('*.json')))} cell(s) committed"
 
 
 def _lock(run: Path) -> str:
