@@ -1,23 +1,37 @@
-"""hybrid_scale: convert Llama-family LLMs into hybrid sliding-window softmax + linear attention models."""
+"""hybrid_scale: convert Llama-family LLMs into hybrid sliding-window softmax + linear attention models.
 
-from .attention.hybrid import HybridAttention, HybridCache
+The names below load on first use (PEP 562): `import hybrid_scale` and the command line's parsing import no torch,
+so `hybrid-scale --help`, `launch`, `submit` and `config` start in a fraction of a second."""
+
+from importlib import import_module
+
 from .config import ConfigError, load_config
-from .models.convert import UnsupportedArchitectureError, components, convert_model, get_modes, set_modes, set_window
-from .models.converted import load_converted, save_converted
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "HybridAttention",
-    "HybridCache",
-    "UnsupportedArchitectureError",
-    "components",
-    "convert_model",
-    "get_modes",
-    "load_config",
-    "load_converted",
-    "save_converted",
-    "set_modes",
-    "set_window",
-]
+_LAZY = {  # name -> the module that defines it
+    "HybridAttention": ".attention.hybrid",
+    "HybridCache": ".attention.hybrid",
+    "UnsupportedArchitectureError": ".models.convert",
+    "components": ".models.convert",
+    "convert_model": ".models.convert",
+    "get_modes": ".models.convert",
+    "set_modes": ".models.convert",
+    "set_window": ".models.convert",
+    "load_converted": ".models.converted",
+    "save_converted": ".models.converted",
+}
+
+__all__ = ["ConfigError", "load_config", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hybrid_scale' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -19,9 +19,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .attention.backends import CHOICES as BACKEND_CHOICES
-from .attention.feature_maps import FEATURE_MAPS
-from .attention.naive import MODES
+from .attention.choices import BACKENDS as BACKEND_CHOICES
+from .attention.choices import FEATURE_MAPS, MODES
 from .errors import ConfigError
 from .recipes import RECIPES
 from .resources import data_dir

@@ -42,12 +42,13 @@ from importlib.metadata import entry_points
 
 import torch
 
+from .choices import BACKENDS
 from .chunked import chunk_hybrid_attention
 from .naive import masked_attention, naive_hybrid_attention, real_positions
 from .recurrent import DecodeState, extend
 
 BUILTIN = ("naive", "chunk")
-CHOICES = ("auto", "torch", "triton")  # the values of attention.backend
+CHOICES = BACKENDS  # the values of attention.backend
 PLUGIN_GROUP = "hybrid_scale.attention_backends"
 _BACKENDS: dict[str, Callable] = {}
 _DECODERS: dict[str, Callable] = {}

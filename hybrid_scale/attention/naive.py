@@ -12,7 +12,7 @@ Other modes: swa_only (E on W only), swa_sinks (softmax over W(n) and the first 
 sliding-window + attention-sinks baseline), la_only (L on all j <= n), sinks_only (causal softmax over the first S
 real tokens), none (zeros). Padded query rows give exactly 0. All arithmetic is fp32; the output has q's dtype.
 
-This file imports only torch (the export copies it next to a modeling file).
+This file imports only torch and choices.py (the export copies both next to a modeling file).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import math
 
 import torch
 
-MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
+from .choices import MODES
+
 EPS = 1e-12  # the one denominator eps shared by every path (only guards 0/0: all-zero feature rows)
 
 

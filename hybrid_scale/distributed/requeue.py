@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .checkpoint import atomic_write
-from .runtime import Runtime, barrier
+
+if TYPE_CHECKING:  # (torch: the CLI imports this module before it knows whether its command needs torch)
+    from .runtime import Runtime
 
 EXIT_REQUEUE = 75  # "saved, please requeue" (EX_TEMPFAIL); the Slurm scripts requeue on it
 REQUEUE_MARKER = "requeue_requested"  # in run_dir: a stage saved on a signal and asks to be started again
@@ -66,5 +69,7 @@ def request(run_dir: Path, step, checkpoint: Path, rt: Runtime, what: str | None
     if rt.main:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         atomic_write(Path(run_dir) / REQUEUE_MARKER, f"{step}\n")
+    from .runtime import barrier
+
     barrier(rt)
     return Requeue(step, checkpoint, what)

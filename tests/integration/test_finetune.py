@@ -113,7 +113,7 @@ from hybrid_scale.cli import main
 try:
     code = main(sys.argv[1:])
 finally:
-    Path(os.environ["FED_DIR"], f"fed.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(fed))
+    Path(os.environ["HYBRID_SCALE_TEST_FED_DIR"], f"fed.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(fed))
 sys.exit(code)
 """
 
@@ -142,7 +142,11 @@ def test_each_step_consumes_the_same_sequences_on_one_and_two_ranks(setup, smoll
             "finetune.save_every=5",
         )
         proc = procs.run(
-            ["finetune", *args], {"FED_DIR": str(run)}, 600, ranks=world if world > 1 else 0, script=script
+            ["finetune", *args],
+            {"HYBRID_SCALE_TEST_FED_DIR": str(run)},
+            600,
+            ranks=world if world > 1 else 0,
+            script=script,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         fed[world] = [[tuple(s) for s in json.loads((run / f"fed.rank{r}.json").read_text())] for r in range(world)]

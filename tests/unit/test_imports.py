@@ -3,6 +3,7 @@ function, where a cycle would otherwise hide) forms a graph without cycles; inte
 files; the attention package imports nothing else of hybrid_scale (exports copy it into a model directory)."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,8 @@ def test_a_cycle_is_found_when_there_is_one():
 
 # The CLI imports each stage inside its subcommand: a process then loads only its own stage (seconds per process
 # start: a rank of finetune never imports the evaluation, `--help` no stage). Its edges still count for the cycles.
-LAZY = {"hybrid_scale.cli"}
+# requeue.py imports runtime (torch) inside request() only: the CLI imports it for its exit code and Requeue.
+LAZY = {"hybrid_scale.cli", "hybrid_scale.distributed.requeue"}
 
 
 def test_internal_imports_sit_at_the_top_of_files():
@@ -98,6 +100,43 @@ def test_the_cli_loads_no_stage_until_a_subcommand_runs():
     code = "import sys, hybrid_scale.cli; print(sorted(m for m in sys.modules if m.startswith('hybrid_scale.stages')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+NO_TORCH = """
+import atexit, sys
+HEAVY = ("torch", "transformers", "deepspeed")
+atexit.register(lambda: print("imported:", sorted(m for m in HEAVY if m in sys.modules)))
+from hybrid_scale.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["config", "run_dir=RUN", "attention.window=32"],
+        ["submit", "--help"],
+        ["launch", "export", "run_dir=RUN", "launch.nodes=2"],  # on node 1 (SLURM_NODEID): nothing to do
+    ],
+    ids=["help", "config", "submit-help", "launch"],
+)
+def test_commands_that_only_parse_a_config_import_no_torch(args, tmp_path):
+    """`hybrid-scale launch` (every batch job and launcher wrapper starts with it, before torchrun imports torch
+    again), `submit`, `config` and `--help` start in a fraction of a second: hybrid_scale's top-level names load on
+    first use and the config's choices come from attention/choices.py."""
+    env = {**os.environ, "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "localhost"}
+    args = [a.replace("RUN", str(tmp_path)) for a in args]
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "imported: []", out.stdout[-2000:]
+
+
+def test_the_torch_free_choices_are_the_implemented_ones():
+    from hybrid_scale.attention import backends, choices, feature_maps, naive
+
+    assert sorted(choices.FEATURE_MAPS) == sorted(feature_maps.FEATURE_MAPS)
+    assert naive.MODES is choices.MODES and backends.CHOICES is choices.BACKENDS
 
 
 @pytest.mark.parametrize("module", sorted(m for m in internal_imports() if m.startswith("hybrid_scale.attention")))
