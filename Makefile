@@ -22,10 +22,13 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# One pytest worker per core (pytest-xdist), whole files per worker (their module fixtures are built once), handed
-# out longest first (tests/conftest.py LONGEST_FIRST; xdist would otherwise order files by their number of tests).
+# pytest-xdist workers, whole files per worker (their module fixtures are built once), handed out longest first
+# (tests/conftest.py LONGEST_FIRST; xdist would otherwise order files by their number of tests). Three on CI's two
+# cores: with two, the cores idled while tests wait (Slurm's requeue delay, paused runs, signals); with three they
+# do not (docs/results/test_time.md). On a bigger machine: make test TEST_WORKERS=8.
+TEST_WORKERS ?= 3
 test: lint
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop (162 s on 2 cores; 3 minutes at most): tests/unit and the integration checks marked `fast` (tests/conftest.py).
 test-fast: $(STAMP)

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter on CPU (read when triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: each worker, and what it starts,
-    torch.set_num_threads(1)  # uses one thread (tiny models gain nothing from more; two workers would oversubscribe)
+    torch.set_num_threads(1)  # uses one thread (tiny models gain nothing from more; the workers would oversubscribe)
     os.environ["OMP_NUM_THREADS"] = "1"
 from transformers import (
     LlamaConfig,
@@ -207,21 +207,22 @@ def tiny_run_overrides(model, run_dir, *extra) -> list[str]:
     ]
 
 
-# The files that take longest (docs/results/test_time.md), longest first. `make test` hands whole files to its two
+# The files that take longest (docs/results/test_time.md), longest first. `make test` hands whole files to its
 # workers in collection order (--dist loadfile --no-loadscope-reorder), so these go first and the many short files
 # fill in at the end: otherwise one worker can start a four-minute file when the other has nothing left.
-LONGEST_FIRST = [
+LONGEST_FIRST = [  # by their time in docs/results/test_time.md (a file's tests run on one worker, in order)
     "tests/integration/test_finetune.py",
     "tests/integration/test_evaluate.py",
     "tests/slurm/test_slurm.py",
     "tests/unit/test_triton_kernels.py",
-    "tests/integration/test_distill.py",
-    "tests/distributed/test_tensor_parallel.py",
-    "tests/integration/test_pipeline.py",
-    "tests/integration/test_launch.py",
     "tests/integration/test_gpu_check.py",
+    "tests/integration/test_launch.py",
+    "tests/integration/test_distill.py",
     "tests/integration/test_export.py",
+    "tests/integration/test_pipeline.py",
     "tests/integration/test_bad_inputs.py",
+    "tests/distributed/test_dry_run.py",
+    "tests/distributed/test_tensor_parallel.py",
 ]
 
 

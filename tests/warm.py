@@ -1,6 +1,7 @@
 """A warm start for the tests' CLI and script runs: a server that has imported torch, transformers, peft and
 DeepSpeed once and forks each run's processes (`python -m hybrid_scale.cli ARGS` or `python SCRIPT ARGS`, one
-process or the ranks of a `torchrun --nproc-per-node=N`), each without the ~7 s of imports a fresh process pays.
+process or the ranks of a `torchrun --nproc-per-node=N`), each without the ~7 s of imports a fresh process pays
+(nor the few seconds of what the stages import later: DeepSpeed's Muon check, matplotlib, datasets; see main).
 
 Each child is a real process of its own: its own pid and session (a signal or a kill of its group reaches it
 alone), its exit status, its environment and working directory as the test gave them. It imports hybrid_scale
@@ -22,6 +23,7 @@ Protocol (one JSON line each way per connection): {"args", "script", "ranks", "p
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -167,6 +169,15 @@ def main(path: str) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
+    # what every stage imports later, here once: DeepSpeed's ZeRO optimizer check imports its Muon optimizer and with
+    # it torch._dynamo and inductor (3-4 s per process: every rank of every stage-2 run); the plots matplotlib, the
+    # evaluation's task data datasets (about 1 s each)
+    for lazy in ("deepspeed.runtime.zero.muon.muon_optimizer", "matplotlib.pyplot", "datasets"):
+        try:
+            importlib.import_module(lazy)
+        except ImportError:  # another DeepSpeed release: the child imports what it needs itself
+            pass
 
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)

@@ -113,7 +113,8 @@ from hybrid_scale.cli import main
 try:
     code = main(sys.argv[1:])
 finally:
-    Path(os.environ["HYBRID_SCALE_TEST_FED_DIR"], f"fed.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(fed))
+    out = Path(os.environ["HYBRID_SCALE_TEST_FED_DIR"])  # (HYBRID_SCALE_*: read at run time, the run forks warm)
+    (out / f"fed.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(fed))
 sys.exit(code)
 """
 
