@@ -1,5 +1,6 @@
 """The README and docs/ are tested: every command in them either runs here (cheap ones, in-process) or is parsed by the
-real tool it calls, so the documentation cannot drift from the code.
+real tool it calls, so the documentation cannot drift from the code. It stays one file: the command extractor and
+the per-program checks below serve README and every docs/ page alike, and each check is one parametrized case.
 
 Commands are the lines of its ```bash blocks (line continuations joined, `# comments` stripped, `...` placeholders
 removed) and the inline `code spans` of its prose that start with a known program. Per program:
