@@ -181,7 +181,10 @@ def test_evaluate_and_export_run_the_preflight_on_their_own_inputs(tmp_path, mon
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    assert main(["evaluate", *common, f"eval.model={gpt2}"]) == 2
+    data = tmp_path / "tasks"  # the embedded default's data sets need not be prepared (a fresh cache): empty ones
+    for task in cfg.eval.tasks:
+        (data / task).mkdir(parents=True)
+    assert main(["evaluate", *common, f"eval.model={gpt2}", f"eval.data_dir={data}", "eval.passkey_distances=[]"]) == 2
     assert "preflight (evaluate): architecture 'gpt2' is not supported" in capsys.readouterr().err
     assert main(["export", *common, f"export.model={tmp_path / 'missing'}"]) == 2
     assert "config key 'export.model': " in capsys.readouterr().err
