@@ -349,6 +349,7 @@ def test_four_ranks_equal_one_rank_with_fewer_sequences_than_ranks(sharded_model
     assert moved < 1e-3
 
 
+@pytest.mark.fast  # the requeue protocol end to end, in make test-fast
 def test_a_signal_mid_layer_saves_a_step_checkpoint_exits_75_and_resumes_bitwise(
     sharded_model, uninterrupted, tmp_path
 ):

@@ -32,6 +32,7 @@ def script(tmp_path, monkeypatch):
     return path
 
 
+@pytest.mark.slow  # ~12 s: a cold CLI process / a second server; `make test` runs it
 def test_a_warm_cli_run_equals_a_cold_one():
     """The same refused command line: the same status and the same error line."""
     a = procs.run(["nonsense"])
@@ -64,6 +65,7 @@ def test_only_variables_read_at_run_time_may_differ_from_the_servers():
     assert warm.differs({**base, "TRITON_INTERPRET": "0"}, base) == ["TRITON_INTERPRET"]
 
 
+@pytest.mark.slow  # ~12 s: a cold CLI process / a second server; `make test` runs it
 def test_a_variable_left_set_by_another_test_gets_its_own_server(monkeypatch):
     """A test that leaves an import-time variable set (CI once had one) must not turn every later run cold."""
     assert procs.run(["nonsense"]).args[0] == "warm:"  # a server for the environment as it was
