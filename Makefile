@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install assets test test-fast lint format docs quickstart bench kernel-speed kernel-compile reproduce clean
+.PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-compile reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ test: lint
 # worker its first ~90 tests at once, and LONGEST_FIRST puts every Triton-interpreter test in one worker's share.
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist worksteal -m fast
+
+# Line coverage of hybrid_scale/ over the whole suite, in every process the tests start (pyproject.toml's
+# [tool.coverage.run]); slower than `make test` (docs/results/test_time.md has the last figure)
+coverage: $(STAMP)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --cov=hybrid_scale --cov-report=term
 
 # docs/reference/config.md from the config dataclasses and their comments (a test fails when it is stale)
 docs: $(STAMP)
