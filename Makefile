@@ -27,8 +27,9 @@ format: $(STAMP)
 # cores: with two, the cores idled while tests wait (Slurm's requeue delay, paused runs, signals); with three they
 # do not (docs/results/test_time.md). On a bigger machine: make test TEST_WORKERS=8.
 TEST_WORKERS ?= 3
+SUITE := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/pytest $(SUITE)
 
 # The inner loop: tests/unit and the integration checks marked `fast` (tests/conftest.py), 3-minute target
 # (docs/results/test_time.md has the time measured). Work stealing, not xdist's default `load`: `load` hands each
@@ -39,7 +40,7 @@ test-fast: $(STAMP)
 # Line coverage of hybrid_scale/ over the whole suite, in every process the tests start (pyproject.toml's
 # [tool.coverage.run]); slower than `make test` (docs/results/test_time.md has the last figure)
 coverage: $(STAMP)
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --cov=hybrid_scale --cov-report=term
+	$(VENV)/bin/pytest $(SUITE) --cov=hybrid_scale --cov-report=term
 
 # docs/reference/config.md from the config dataclasses and their comments (a test fails when it is stale)
 docs: $(STAMP)

@@ -1,6 +1,5 @@
 """The README and docs/ are tested: every command in them either runs here (cheap ones, in-process) or is parsed by the
-real tool it calls, so the documentation cannot drift from the code. It stays one file: the command extractor and
-the per-program checks below serve README and every docs/ page alike, and each check is one parametrized case.
+real tool it calls, so the documentation cannot drift from the code.
 
 Commands are the lines of its ```bash blocks (line continuations joined, `# comments` stripped, `...` placeholders
 removed) and the inline `code spans` of its prose that start with a known program. Per program:
@@ -22,8 +21,9 @@ Besides commands: ```yaml blocks load through `load_config` (written under the n
 the commands of every document then use), ```python blocks compile and name only attributes hybrid_scale has, config
 keys in prose exist in the schema, repository paths, presets and relative links in prose exist, and the list of
 subcommands is the CLI's. The README itself: the two set-up commands first, and at most ~150 lines.
-It stays one file (~600 lines): the extraction, the per-program checkers and the tests over them form one checker,
-and the checkers call each other (srun wraps a launcher, a launcher wraps the CLI).
+It stays one file (~600 lines): the extraction, the per-program checkers and the tests over them form one checker
+that serves README and every docs/ page alike, and the checkers call each other (srun wraps a launcher, a launcher
+wraps the CLI).
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""Does `make test-fast` fail on a bug in a core rule? Plants each fault below alone (one exact source edit), runs the
+fast tier, records which tests failed, and restores the file (`git checkout`). A file with uncommitted changes is
+refused before anything is edited. Prints one line per fault; exit 1 when the tier passed with a fault planted.
+
+    python benchmarks/planted_faults.py                 # every fault (~3 minutes each on 2 cores)
+    python benchmarks/planted_faults.py --only verdict_on_hi
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: (file, the exact text, what it becomes): the rules docs/results/test_time.md lists
+FAULTS = {
+    "window_off_by_one": (
+        "hybrid_scale/attention/naive.py",
+        "in_past = causal & (pk <= pq - window)",
+        "in_past = causal & (pk < pq - window)",
+    ),
+    "hedgehog_sign": (
+        "hybrid_scale/attention/feature_maps.py",
+        "torch.softmax(-u, dim=-1)], dim=-1)",
+        "torch.softmax(u, dim=-1)], dim=-1)",
+    ),
+    "marker_hash_unchecked": (
+        "hybrid_scale/distributed/checkpoint.py",
+        "return all((directory / name).is_file() and sha256(directory / name) == h for name, h in files.items())",
+        "return True",
+    ),
+    "layer_marker_trusted": (
+        "hybrid_scale/stages/distill_identity.py",
+        'return json.loads(marker.read_text())["sha256"] == sha256(params)',
+        "return True",
+    ),
+    "stage2_resumes_uncommitted": (
+        "hybrid_scale/stages/checkpoints.py",
+        "return [p for p in steps if is_committed(p)]",
+        "return steps",
+    ),
+    "requeue_no_marker": (
+        "hybrid_scale/distributed/requeue.py",
+        '        atomic_write(Path(run_dir) / REQUEUE_MARKER, f"{step}\\n")',
+        "        pass",
+    ),
+    "requeue_exit_code": ("hybrid_scale/distributed/requeue.py", "EXIT_REQUEUE = 75", "EXIT_REQUEUE = 1"),
+    "ssd_schedule_boundary": ("hybrid_scale/recipes/ssd.py", "if progress >= fraction:", "if progress > fraction:"),
+    "ssd_drop_direction": ("hybrid_scale/recipes/ssd.py", "out = {i: bool(d < p)", "out = {i: bool(d > p)"),
+    "verdict_on_hi": ("hybrid_scale/stages/balance.py", "    if lo > margin:", "    if hi > margin:"),
+}
+TIER = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "worksteal", "-m", "fast", "-p", "no:cacheprovider"]
+
+
+def plant(name: str) -> bool:
+    """True when the tier failed with the fault in place."""
+    path, old, new = FAULTS[name]
+    source = ROOT / path
+    text = source.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{name}: {path} no longer holds its text exactly once; update FAULTS")
+    source.write_text(text.replace(old, new))
+    try:
+        start = time.time()
+        r = subprocess.run([*TIER, "-x"], cwd=ROOT, capture_output=True, text=True)
+        failed = sorted(set(re.findall(r"^FAILED (\S+)", r.stdout, re.M)))
+        print(f"{name}: {'caught' if failed else 'MISSED'} in {time.time() - start:.0f} s: {', '.join(failed)}")
+        return bool(failed)
+    finally:
+        subprocess.run(["git", "checkout", "--", path], cwd=ROOT, check=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", choices=sorted(FAULTS), help="these faults only")
+    args = p.parse_args()
+    names = args.only or list(FAULTS)
+    dirty = [n for n in names if subprocess.run(["git", "diff", "--quiet", "--", FAULTS[n][0]], cwd=ROOT).returncode]
+    if dirty:
+        raise SystemExit(f"uncommitted changes in {', '.join(sorted({FAULTS[n][0] for n in dirty}))}: commit or stash")
+    return 0 if all([plant(n) for n in names]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
