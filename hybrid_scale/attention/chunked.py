@@ -6,8 +6,12 @@ Queries are processed in blocks of C. Block b (queries bC .. bC+C-1) needs
   * the linear-attention state of keys j <= bC - w, which lie in P(n) of every query in the block.
 Left-padding the key sequence with w-1 zeros aligns both: the dense span of block b is padded keys [bC, bC+w+C-1),
 and the state of block b is the sum of the padded keys' chunks before chunk b (an exclusive cumsum over chunks).
-The state is accumulated in fp32. Padding anywhere in a row is handled by moving each row's real tokens to the front
-(stable), computing, and moving the outputs back; padded query rows give exactly 0.
+The state is accumulated in fp32. With a decay (la_decay, rho per KV head) block b's state is kept as query bC sees it
+(key j weighted alpha^(bC - w - j)), carried from block to block as S_(b+1) = alpha^C S_b + the chunk's keys weighted
+alpha^(C - 1 - r); query bC + i takes it times alpha^i, and the dense span's L terms alpha^(n - w - j). The
+length-calibrated mass (la_power) scales each query's two LA sums by kappa(n).
+Padding anywhere in a row is handled by moving each row's real tokens to the front (stable), computing, and moving
+the outputs back; padded query rows give exactly 0.
 
 This file imports only torch and its siblings (the export copies it next to a modeling file).
 """
@@ -19,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .naive import EPS, check_mode, compute_dtype, real_positions
+from .naive import EPS, check_mode, compute_dtype, decay_weight, mass_scale, real_positions
 
 
 def _pack(attention_mask: torch.Tensor):
@@ -52,11 +56,32 @@ def _sinks(q, k, v, sinks, scale):
 GROUP_TOKENS = 4096  # queries processed together: bounds the working set so time stays linear in T
 
 
-def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0):
+def _decayed_states(fk_c, v_c, rho, chunk):
+    """Block states of a decayed LA: S_0 = 0, S_(b+1) = alpha^C S_b + sum_r alpha^(C-1-r) phi_k v^T over chunk b.
+    fk_c [B,Hkv,nb,C,F], v_c [B,Hkv,nb,C,D], rho [Hkv] -> (kv [B,Hkv,nb,F,D], ksum [B,Hkv,nb,F])."""
+    r = torch.arange(chunk, device=fk_c.device)
+    w_r = decay_weight(rho.view(-1, 1), chunk - 1 - r)  # [Hkv, C]
+    fk_w = fk_c * w_r[:, None, :, None]
+    contrib_kv = torch.einsum("bhncf,bhncd->bhnfd", fk_w, v_c)
+    contrib_k = fk_w.sum(3)
+    carry = decay_weight(rho, torch.tensor(chunk, device=fk_c.device))  # alpha^C [Hkv]
+    kv, ks = [torch.zeros_like(contrib_kv[:, :, 0])], [torch.zeros_like(contrib_k[:, :, 0])]
+    for b in range(fk_c.shape[2] - 1):
+        kv.append(carry.view(-1, 1, 1) * kv[-1] + contrib_kv[:, :, b])
+        ks.append(carry.view(-1, 1) * ks[-1] + contrib_k[:, :, b])
+    return torch.stack(kv, 2), torch.stack(ks, 2)
+
+
+def _windowed(
+    q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0, rho=None, power=None, start=None,
+    own_sinks=0,
+):  # fmt: skip
     """hybrid / swa_only / swa_sinks / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F],
     k/v/fk [B,Hkv,T,*]. With sinks > 0 (swa_sinks, or the hybrid with its sinks) the first `sinks` keys that have
     left a query's window join its softmax (gamma weights them as it weights the window); the hybrid's LA then leaves
-    them out (the caller zeroes their phi_k, and an initial state holds no sink)."""
+    them out (the caller zeroes their phi_k, and an initial state holds no sink). rho [Hkv]: the LA's decay; power
+    [Hkv, G]: its length-calibrated mass, with start [B] the real-token index of each row's first token and own_sinks
+    the hybrid's sinks (n_L counts them out). With a decay an initial state is as query w-1 sees it."""
     T = q.shape[-2]
     w = min(window, T)  # a window >= T makes P(n) empty: identical to w = T
     nb = -(-T // chunk)
@@ -89,9 +114,15 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
         # state of block b: padded keys [0, bC), i.e. real keys j <= bC - w; exclusive cumsum over chunks
         fk_c = F.pad(fk, (0, 0, w - 1, Tp))[:, :, :Tp].reshape(*fk.shape[:2], nb, chunk, -1)
         v_c = F.pad(v, (0, 0, w - 1, Tp))[:, :, :Tp].reshape(*v.shape[:2], nb, chunk, -1)
-        kv = _exclusive_cumsum(torch.einsum("bhncf,bhncd->bhnfd", fk_c, v_c))
-        ksum = _exclusive_cumsum(fk_c.sum(3))
-        if state is not None:
+        if rho is not None:
+            kv, ksum = _decayed_states(fk_c, v_c, rho, chunk)
+            rho6 = rho.view(1, -1, 1, 1, 1, 1)
+            lag_in = decay_weight(rho6, i.view(1, 1, 1, 1, chunk, 1))  # query bC + i sees block b's state
+            span_w = decay_weight(rho6, -d - 1)  # L term of key j = n + d - (w - 1): alpha^(n - w - j)
+        else:
+            kv = _exclusive_cumsum(torch.einsum("bhncf,bhncd->bhnfd", fk_c, v_c))
+            ksum = _exclusive_cumsum(fk_c.sum(3))
+        if state is not None and rho is None:
             kv = kv + state[0].to(kv.dtype)[:, :, None]
             ksum = ksum + state[1].to(ksum.dtype)[:, :, None]
 
@@ -123,10 +154,17 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
             den_soft = den
         if linear:
             lin = torch.where(exists[sl] & lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqg, fks[:, :, sl]), 0.0)
-            num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
-            den = den + lin.sum(-1, keepdim=True)
-            num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv[:, :, sl])
-            den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum[:, :, sl]).unsqueeze(-1)
+            if rho is None and power is None:  # (in this order: the formula without length terms, bit for bit)
+                num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
+                den = den + lin.sum(-1, keepdim=True)
+                num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv[:, :, sl])
+                den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum[:, :, sl]).unsqueeze(-1)
+            else:
+                l_num, l_den = _length_terms(
+                    lin, fqg, vg, kv[:, :, sl], ksum[:, :, sl], rho, power, state, sl, chunk, window, own_sinks,
+                    start, span_w if rho is not None else None, lag_in if rho is not None else None,
+                )  # fmt: skip
+                num, den = num + l_num, den + l_den
         outs.append(num / (den + EPS))
         if parts:
             soft_den.append(den_soft)
@@ -139,6 +177,33 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
     if parts:
         return unblock(outs), unblock(soft_den)[..., 0], unblock(lin_den)[..., 0]
     return unblock(outs)
+
+
+def _length_terms(lin, fqg, vg, kv, ksum, rho, power, state, sl, chunk, window, own_sinks, start, span_w, lag_in):
+    """The LA's numerator and denominator of one group of blocks with the length terms: the dense span's L terms and
+    the block states decayed (rho), the initial state decayed from query w-1 on, both sums times kappa (power)."""
+    if rho is not None:
+        lin = lin * span_w
+    l_num = torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
+    l_den = lin.sum(-1, keepdim=True)
+    s_num = torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv)
+    s_den = torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum).unsqueeze(-1)
+    if rho is not None:
+        s_num, s_den = s_num * lag_in, s_den * lag_in
+    n = (
+        torch.arange(sl.start, sl.start + fqg.shape[3], device=fqg.device)[:, None] * chunk
+        + torch.arange(chunk, device=fqg.device)[None, :]
+    )  # fmt: skip  (each query's index in the row)
+    if state is not None and rho is not None:
+        lag = decay_weight(rho.view(1, -1, 1, 1, 1, 1), (n - (window - 1)).view(1, 1, 1, *n.shape, 1))
+        s_num = s_num + torch.einsum("bhgncf,bhfd->bhgncd", fqg, state[0].to(fqg.dtype)) * lag
+        s_den = s_den + torch.einsum("bhgncf,bhf->bhgnc", fqg, state[1].to(fqg.dtype)).unsqueeze(-1) * lag
+    l_num, l_den = l_num + s_num, l_den + s_den
+    if power is not None:
+        n_abs = n.view(1, 1, 1, *n.shape, 1) + (0 if start is None else start.view(-1, 1, 1, 1, 1, 1))
+        kappa = mass_scale(power.view(1, *power.shape, 1, 1, 1).to(fqg.dtype), n_abs, window, own_sinks)
+        l_num, l_den = l_num * kappa, l_den * kappa
+    return l_num, l_den
 
 
 def chunk_hybrid_attention(
@@ -157,11 +222,16 @@ def chunk_hybrid_attention(
     scale=None,
     chunk_size=64,
     initial_state=None,
+    la_decay=None,
+    la_power=None,
+    start=None,
     return_denominators=False,
 ):
     """Same contract as naive.naive_hybrid_attention, plus chunk_size and an optional initial LA state
     (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension; with
-    hybrid_sinks it must hold no sink, and the sequence must start at real token 0).
+    hybrid_sinks it must hold no sink, and the sequence must start at real token 0; with la_decay it is as query w-1
+    of the sequence sees it), and start ([B] or int, default 0): the real-token index of each row's first token (the
+    length-calibrated mass counts n_L from it).
     With return_denominators (hybrid / swa_only / la_only / none, no padding): (y, sum of E [B,H,T], sum of L
     [B,H,T]), the two parts of the shared normaliser, for the LA-share diagnostic."""
     check_mode(mode)
@@ -197,9 +267,15 @@ def chunk_hybrid_attention(
         own = mode == "swa_sinks" or (mode == "hybrid" and hybrid_sinks)  # the modes whose softmax keeps sinks
         if mode == "hybrid" and hybrid_sinks:  # the sinks are E terms, never L terms (real tokens come first here)
             fk = torch.cat([torch.zeros_like(fk[:, :, :sinks]), fk[:, :, sinks:]], 2)
+        lin = mode in ("hybrid", "la_only")
+        rho = la_decay.to(q.dtype) if la_decay is not None and lin else None
+        power = la_power.to(q.dtype).view(Hkv, H // Hkv) if la_power is not None and mode == "hybrid" else None
+        if start is not None:
+            start = torch.as_tensor(start, device=q.device).expand(B)
         y = _windowed(
             q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators,
-            sinks=sinks if own else 0,
+            sinks=sinks if own else 0, rho=rho, power=power, start=start,
+            own_sinks=sinks if (mode == "hybrid" and hybrid_sinks) else 0,
         )  # fmt: skip
         if return_denominators:
             y, den_soft, den_lin = y

@@ -9,7 +9,9 @@ Per layer and KV head the state holds
   * the first S real keys, values and phi_k (sinks_only, swa_sinks and the hybrid with its sinks take them as softmax
     terms; la_only and the hybrid without sinks add the LA terms of those that have left the ring to the state's);
   * per row, the number of real tokens seen (padding is not counted) and, for transformers, the positions seen.
-When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
+With a decay of the LA (la_decay, rho per KV head) the sums are kept as the last token seen (real index count - 1)
+sees them, each key j weighted alpha^(count - 1 - w - j): every call multiplies them by alpha^(tokens it adds) (one
+multiply per KV head) before folding its own keys in. When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
 the whole sequence: short extensions attend densely over ring + new keys, long ones run the chunked path over the
 ring (in order) followed by the new tokens, starting from the state.
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .chunked import chunk_hybrid_attention, gather_time
-from .naive import check_mode, compute_dtype, masked_attention
+from .naive import check_mode, compute_dtype, decay_weight, masked_attention
 
 
 @dataclass
@@ -124,11 +126,14 @@ def extend(
     scale=None,
     chunk_size=64,
     prefill=None,
+    la_decay=None,
+    la_power=None,
 ) -> torch.Tensor:
     """Attend k new tokens (q [B,H,k,D], k/v [B,Hkv,k,D], fq, fk) to everything the state has seen, then fold
     them into the state. attention_mask [B,k] marks the new tokens' real ones. Returns [B,H,k,D].
     prefill: optional backend function (backends.py contract) that computes the first call's attention when the
     state is still empty and the call is long (a prompt), e.g. the Triton kernels; the state is built the same way.
+    la_decay rho [Hkv], la_power p [H]: the LA's length terms (naive.py), None = off.
 
     Longer than the rest on purpose: the ring buffer's bookkeeping (positions, real-token counts, what leaves the
     window and is folded into the LA state, the sink buffer) is one sequence of steps that reads top to bottom
@@ -162,8 +167,14 @@ def extend(
     sink_slots = torch.arange(S, device=q.device)
     folded_sinks = sink_slots[None] < (state.count - R)[:, None]  # sinks that have left the ring (not in the state)
     lin_state = (state.kv, state.ksum)
+    last = (state.count - 1)[:, None]  # the query the state's sums are kept for
+    rho = None if la_decay is None else la_decay.to(acc).view(1, -1, 1)  # [1, Hkv, 1] against [B, Hkv, keys]
+    length = {"la_decay": la_decay, "la_power": la_power}
+    length = {key: value for key, value in length.items() if value is not None}
     if not hybrid_sinks:  # an LA that covers the sinks: those that have left the ring join the state's sums
         fold = state.sink_fk * folded_sinks[:, None, :, None].to(acc)
+        if rho is not None:  # as the last token sees sink j: alpha^(count - 1 - w - j)
+            fold = fold * decay_weight(rho, (last - window - sink_slots[None])[:, None])[..., None]
         lin_state = (state.kv + fold.transpose(-1, -2) @ state.sink_v.to(acc), state.ksum + fold.sum(2))
     own_sinks = mode == "swa_sinks" or hybrid_sinks  # the modes whose softmax keeps the sinks besides the window
 
@@ -195,6 +206,7 @@ def extend(
             chunk_size=chunk_size,
             return_denominators=False,
             **({"hybrid_sinks": True} if hybrid_sinks else {}),
+            **length,
         )
     elif T <= chunk_size or mode == "none" or (own_sinks and bool(state.count.any())):
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
@@ -221,6 +233,8 @@ def extend(
             hybrid_sinks=hybrid_sinks,
             scale=scale,
             state=lin_state,
+            state_ref=state.count - 1,
+            **length,
         )
     else:
         order = torch.argsort(pos_ring, dim=-1)  # empty slots (-1) first, then oldest to newest
@@ -242,7 +256,9 @@ def extend(
             attention_mask=torch.cat([ring_real, real], 1),
             scale=scale,
             chunk_size=chunk_size,
-            initial_state=lin_state,
+            initial_state=lin_state,  # (as query count - 1 = the row's first + w - 1 sees it: the ring is full)
+            start=(state.count - ring_real.sum(-1)),
+            **length,
         )[:, :, R:]
 
     # sinks: new real tokens with index < S
@@ -254,6 +270,12 @@ def extend(
     fold_ring = ((pos_ring >= S) & (pos_ring <= limit)).to(acc)[:, None, :, None]
     fold_new = (real & (pos_new >= S) & (pos_new <= limit)).to(acc)[:, None, :, None]
     fk_new, v_new = fk.to(acc), v.to(acc)
+    if rho is not None:  # the sums move on to the new last token; each key folded now counts as that token sees it
+        now = (new_count - 1)[:, None]
+        carry = decay_weight(rho, (now - last)[:, None])  # [B, Hkv, 1]
+        state.kv, state.ksum = state.kv * carry[..., None], state.ksum * carry
+        fold_ring = fold_ring * decay_weight(rho, (now - window - pos_ring)[:, None])[..., None]
+        fold_new = fold_new * decay_weight(rho, (now - window - pos_new)[:, None])[..., None]
     state.kv = state.kv + (state.fk * fold_ring).transpose(-1, -2) @ state.v.to(acc)
     state.kv = state.kv + (fk_new * fold_new).transpose(-1, -2) @ v_new
     state.ksum = state.ksum + (state.fk * fold_ring).sum(2) + (fk_new * fold_new).sum(2)

@@ -55,6 +55,7 @@ RESULT_KEYS = (
     "lora_targets",
     "train_feature_maps",
     "train_gamma",
+    "train_length",
     "lr",
     "weight_decay",
     "warmup_steps",
@@ -262,7 +263,8 @@ def prepare(model, cfg, rt, ds_config: dict):
     layers = hybrid_layers(model)
     for m in layers.values():
         for name, p in m.hybrid_parameters():
-            p.requires_grad_(f.train_gamma if name == "gamma_logit" else f.train_feature_maps)
+            trained = {"gamma_logit": f.train_gamma, "la_decay_rho": f.train_length, "la_mass_power": f.train_length}
+            p.requires_grad_(trained.get(name, f.train_feature_maps))
             if split and p.requires_grad:
                 p.data = p.data.float()  # the replicated engine's masters are the parameters themselves
     trained_hybrid = {id(p) for m in layers.values() for _, p in m.hybrid_parameters() if p.requires_grad}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.naive import compute_dtype
+from ..attention.naive import compute_dtype, decay_weight
 
 Unit = tuple[int, int, int]  # (sequence within the step's batch, first query row, end row)
 
@@ -103,6 +103,10 @@ def unit_attention(m, q, k, v, fq, fk, a: int, b: int, mode: str) -> torch.Tenso
     if a0 > 0:
         acc = compute_dtype(q)
         fk0, v0 = fk[:, :, :a0].to(acc), v[:, :, :a0].to(acc)
+        rho = m.la_decay
+        if rho is not None:  # as row a = a0 + w - 1 sees key j: alpha^(a - w - j)
+            j = torch.arange(a0, device=q.device)
+            fk0 = fk0 * decay_weight(rho.to(acc).view(-1, 1), a - m.window - j)[None, :, :, None]
         state = (fk0.transpose(-1, -2) @ v0, fk0.sum(2))
     rows = slice(a0, b)
     y = m.attend(
@@ -113,5 +117,6 @@ def unit_attention(m, q, k, v, fq, fk, a: int, b: int, mode: str) -> torch.Tenso
         fk[:, :, rows],
         mode=mode,
         initial_state=state,
+        start=a0 if a0 > 0 else None,  # (the length-calibrated mass counts each row's LA keys from token 0)
     )  # fmt: skip (q in fp32: y comes back in fp32)
     return y[:, :, a - a0 :]
