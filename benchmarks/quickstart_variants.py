@@ -1,5 +1,6 @@
 """The quickstart's conversion, varied: which recipe settings give a hybrid that beats the window + sinks (swa_sinks)
-past the window on the embedded default (issue 27; the table in docs/results/quickstart.md).
+past the window on the embedded default (issue 27's table in docs/results/quickstart.md; issue 39's, the LA's length
+terms read out to 1024 tokens with `--long`, in docs/results/la_length.md).
 
 Each variant is configs/quickstart.yaml plus its overrides, run through the real stages (`hybrid-scale distill`,
 `finetune`, `evaluate`) in its own run directory, evaluated on the held-out text only (no tasks, no passkey): the
@@ -7,6 +8,11 @@ perplexity of hybrid, swa_only (the hybrid without its LA) and swa_sinks per pos
 verdict with its paired CI, and the stage times. Runs are kept and a finished variant is not run again.
 
     .venv/bin/python benchmarks/quickstart_variants.py --out runs/variants [--only NAME ...]
+    .venv/bin/python benchmarks/quickstart_variants.py --long --out runs/la_length --only today decay mass ...
+
+With --long each variant is also read on held-out sequences of 1024 tokens (buckets to 1024, the LA share to 1024,
+passkey at 64 / 256 / 768 for the hybrid and swa_sinks): the quickstart trains at 256 tokens, so the buckets past 256
+are lengths it never saw.
 """
 
 from __future__ import annotations
@@ -49,7 +55,27 @@ VARIANTS = {
         "+ sinks, gamma = exp(theta) initialised at 30",
         [*SINKS, "attention.gamma_param=exp", "attention.gamma_init=30.0"],
     ),
+    # issue 39: the LA's length terms, on today's quickstart (its settings: configs/quickstart.yaml)
+    "today": ("today's quickstart (8 sinks, exp gamma from 30, trained at 256)", []),
+    "decay": ("+ attention.la_decay (rho per KV head, from 0)", ["attention.la_decay=true"]),
+    "mass": ("+ attention.la_mass (p per head, from 0)", ["attention.la_mass=true"]),
+    "decay_512": (
+        "+ la_decay, stage 1 and 2 at 512 tokens (16 x 512 in stage 1: the same tokens)",
+        ["attention.la_decay=true", "data.seq_len=512", "data.num_sequences=16", "finetune.seq_len=512"],
+    ),
+    "mass_512": (
+        "+ la_mass, stage 1 and 2 at 512 tokens (16 x 512 in stage 1: the same tokens)",
+        ["attention.la_mass=true", "data.seq_len=512", "data.num_sequences=16", "finetune.seq_len=512"],
+    ),
 }
+LONG = [  # --long: read to 1024 tokens, 4x the training length
+    "eval.ppl_seq_len=1024",
+    "eval.buckets=[0,16,64,256,512,768]",
+    "eval.la_share_seq_len=1024",
+    "eval.passkey_distances=[64,256,768]",
+    "eval.passkey_modes=[hybrid,swa_sinks]",
+    "eval.modes=[base,hybrid,swa_only,swa_sinks]",
+]
 EVAL = [
     "eval.tasks=[]",
     "eval.passkey_distances=[]",
@@ -58,14 +84,14 @@ EVAL = [
 ]
 
 
-def run_variant(name: str, overrides: list[str], out: Path) -> dict:
+def run_variant(name: str, overrides: list[str], out: Path, long: bool = False) -> dict:
     run = out / name
     done = run / "variant.json"
     if done.is_file():
         return json.loads(done.read_text())
     common = ["quickstart.yaml", f"run_dir={run}", *overrides]
     times = {}
-    for stage, extra in (("distill", []), ("finetune", []), ("evaluate", EVAL)):
+    for stage, extra in (("distill", []), ("finetune", []), ("evaluate", EVAL + (LONG if long else []))):
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "hybrid_scale", stage, *common, *extra], text=True,
                               capture_output=True)  # fmt: skip
@@ -82,6 +108,9 @@ def run_variant(name: str, overrides: list[str], out: Path) -> dict:
         "vs_swa_only": {k: b["swa_only"][k] for k in ("delta", "lo", "hi", "ratio")} if "swa_only" in b else None,
         "vs_against": {k: b[k] for k in ("delta", "lo", "hi", "ratio")} | {"against": b["against"]},
         "la_share": r.get("la_share", {}).get("share"),
+        "passkey": {
+            m: {d: c["exact"] for d, c in by.items()} for m, by in r.get("passkey", {}).get("by_mode", {}).items()
+        },
         "times_s": times,
     }
     done.write_text(json.dumps(result, indent=1))
@@ -111,12 +140,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/variants", help="where each variant's run directory goes")
     p.add_argument("--only", nargs="*", choices=list(VARIANTS), help="run only these variants")
+    p.add_argument("--long", action="store_true", help="read each variant to 1024 tokens (and passkey to 768)")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in a.only or VARIANTS:
-        results.append(run_variant(name, VARIANTS[name][1], out))
+        results.append(run_variant(name, VARIANTS[name][1], out, a.long))
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(table(results))
     return 0

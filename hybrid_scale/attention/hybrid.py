@@ -287,10 +287,11 @@ class HybridAttention(nn.Module):
         backend=None,
         initial_state=None,
         start=None,
+        length=None,
         return_denominators=False,
     ):
-        """`attend` with this layer's mode, gamma, window, sinks (and its hybrid's own), LA length terms, scaling,
-        chunk_size and backend; a keyword given
+        """`attend` with this layer's mode, gamma, window, sinks (and its hybrid's own), LA length terms (`length`: a
+        dict of la_decay / la_power in their place), scaling, chunk_size and backend; a keyword given
         (not None) replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
         return attend(
             q,
@@ -310,7 +311,7 @@ class HybridAttention(nn.Module):
             initial_state=initial_state,
             start=start,
             return_denominators=return_denominators,
-            **self.length_terms,
+            **(self.length_terms if length is None else length),
         )
 
     def project(self, hidden_states, position_embeddings):

@@ -9,9 +9,10 @@ Per layer and KV head the state holds
   * the first S real keys, values and phi_k (sinks_only, swa_sinks and the hybrid with its sinks take them as softmax
     terms; la_only and the hybrid without sinks add the LA terms of those that have left the ring to the state's);
   * per row, the number of real tokens seen (padding is not counted) and, for transformers, the positions seen.
-With a decay of the LA (la_decay, rho per KV head) the sums are kept as the last token seen (real index count - 1)
-sees them, each key j weighted alpha^(count - 1 - w - j): every call multiplies them by alpha^(tokens it adds) (one
-multiply per KV head) before folding its own keys in. When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
+With a decay of the LA (la_decay, rho per KV head) the sums are kept as the last token seen (real index count - 1) sees
+them, each key j weighted alpha^(count - 1 - w - j): every call multiplies them by alpha^(tokens it adds) (one multiply
+per KV head) before folding its own keys in.
+When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
 the whole sequence: short extensions attend densely over ring + new keys, long ones run the chunked path over the
 ring (in order) followed by the new tokens, starting from the state.
 

@@ -160,8 +160,10 @@ def test_prefill_extend_and_decode_equal_the_spec(mode, own, terms, cuts):
     ref = naive.naive_hybrid_attention(**x, **kw, attention_mask=mask)
     state = recurrent.DecodeState.empty(2, 2, 4, 4, 3, W, S, W, torch.float64, "cpu")
     c = CUTS[cuts]
-    outs = [recurrent.extend(state, *(x[n][:, :, a:b] for n in ("q", "k", "v", "fq", "fk")), x["gamma"], **kw,
-                             attention_mask=mask[:, a:b], chunk_size=4) for a, b in zip(c, c[1:], strict=False)]  # fmt: skip
+    outs = []
+    for a, b in zip(c, c[1:], strict=False):
+        new = (x[n][:, :, a:b] for n in ("q", "k", "v", "fq", "fk"))
+        outs.append(recurrent.extend(state, *new, x["gamma"], **kw, attention_mask=mask[:, a:b], chunk_size=4))
     y = torch.where(mask[:, None, :, None].bool(), torch.cat(outs, 2), 0.0)
     torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
     assert state.kv.shape == (2, 2, 3, 4)  # one state per KV head whatever the length: the decay is one multiply
