@@ -67,6 +67,38 @@ VARIANTS = {
         "+ la_mass, stage 1 and 2 at 512 tokens (16 x 512 in stage 1: the same tokens)",
         ["attention.la_mass=true", "data.seq_len=512", "data.num_sequences=16", "finetune.seq_len=512"],
     ),
+    "decay_1024": (
+        "+ la_decay, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
+        [
+            "attention.la_decay=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+        ],
+    ),
+    "mass_1024": (
+        "+ la_mass, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
+        [
+            "attention.la_mass=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+        ],
+    ),
+    "today_1024": (
+        "today's settings, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
+        [
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+        ],
+    ),
 }
 LONG = [  # --long: read to 1024 tokens, 4x the training length
     "eval.ppl_seq_len=1024",
