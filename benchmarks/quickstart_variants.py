@@ -89,6 +89,56 @@ VARIANTS = {
             "finetune.global_batch=1",
         ],
     ),
+    "decay_1024b1": (
+        "+ la_decay, stage 1 on 8 x 1024 tokens one sequence per step (8 steps per layer), stage 2 on 1 x 1024",
+        [
+            "attention.la_decay=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "distill.batch_size=1",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+        ],
+    ),
+    "mass_1024b1": (
+        "+ la_mass, stage 1 on 8 x 1024 tokens one sequence per step (8 steps per layer), stage 2 on 1 x 1024",
+        [
+            "attention.la_mass=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "distill.batch_size=1",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+        ],
+    ),
+    "decay_1024b1e2": (
+        "+ la_decay, stage 1 on 8 x 1024 tokens, one per step, 2 epochs (16 steps a layer), stage 2 on 1 x 1024",
+        [
+            "attention.la_decay=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "distill.batch_size=1",
+            "distill.epochs=2",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+        ],
+    ),
+    "decay_512b1": (
+        "+ la_decay, stage 1 on 16 x 512 tokens one sequence per step (16 steps per layer), stage 2 on 1 x 512: read "
+        "to 2x its training length",
+        [
+            "attention.la_decay=true",
+            "data.seq_len=512",
+            "data.num_sequences=16",
+            "distill.query_block=512",
+            "distill.batch_size=1",
+            "finetune.seq_len=512",
+            "finetune.global_batch=1",
+        ],
+    ),
     "today_1024": (
         "today's settings, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
         [
@@ -168,6 +218,32 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def long_table(results: list[dict]) -> str:
+    """--long: per variant, the hybrid's and swa_sinks' perplexity by bucket to 1024, the LA share by bucket, the
+    hybrid against swa_sinks past the window, passkey exact match at 64 / 256 / 768, and the stage times."""
+    labels = [b for b in next(iter(results[0]["buckets"].values())) if not b.startswith("0-")]
+    head = ["variant", "mode", *labels, "past the window: x swa_sinks, NLL gain [95% CI]", "passkey 64/256/768 %",
+            "stage 1 / 2 / eval (min)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        a, t = r["vs_against"], r["times_s"]
+        vs = f"{a['ratio']:.2f}x, {a['delta']:+.3f} [{a['lo']:+.3f}, {a['hi']:+.3f}]"
+        share = r.get("la_share") or {}
+        mean = {b: sum(h for layer in share.values() for h in layer.get(b, [])) for b in labels}
+        count = {b: sum(len(layer.get(b, [])) for layer in share.values()) for b in labels}
+        times = f"{t['distill'] / 60:.1f} / {t['finetune'] / 60:.1f} / {t['evaluate'] / 60:.1f}"
+        for mode in ("hybrid", "swa_sinks"):
+            cells = [f"{r['buckets'][mode][b]:.1f}" for b in labels]
+            keys = r.get("passkey", {}).get(mode, {})
+            passkey = "/".join(f"{100 * keys[d]:.0f}" for d in ("64", "256", "768") if d in keys)
+            first = [r["name"], mode] if mode == "hybrid" else ["", mode]
+            lines.append("| " + " | ".join([*first, *cells, vs if mode == "hybrid" else "", passkey,
+                                            times if mode == "hybrid" else ""]) + " |")  # fmt: skip
+        shares = [f"{mean[b] / count[b]:.3f}" if count[b] else "" for b in labels]
+        lines.append("| | LA share | " + " | ".join(shares) + " | | | |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/variants", help="where each variant's run directory goes")
@@ -180,7 +256,7 @@ def main(argv=None) -> int:
     for name in a.only or VARIANTS:
         results.append(run_variant(name, VARIANTS[name][1], out, a.long))
         print(f"{name}: done", file=sys.stderr, flush=True)
-    print(table(results))
+    print(long_table(results) if a.long else table(results))
     return 0
 
 

@@ -56,20 +56,38 @@ def _sinks(q, k, v, sinks, scale):
 GROUP_TOKENS = 4096  # queries processed together: bounds the working set so time stays linear in T
 
 
+SCAN_GROUP = 16  # chunks per group of the decayed state scan: dense within a group, carried between groups
+
+
 def _decayed_states(fk_c, v_c, rho, chunk):
-    """Block states of a decayed LA: S_0 = 0, S_(b+1) = alpha^C S_b + sum_r alpha^(C-1-r) phi_k v^T over chunk b.
-    fk_c [B,Hkv,nb,C,F], v_c [B,Hkv,nb,C,D], rho [Hkv] -> (kv [B,Hkv,nb,F,D], ksum [B,Hkv,nb,F])."""
-    r = torch.arange(chunk, device=fk_c.device)
-    w_r = decay_weight(rho.view(-1, 1), chunk - 1 - r)  # [Hkv, C]
-    fk_w = fk_c * w_r[:, None, :, None]
-    contrib_kv = torch.einsum("bhncf,bhncd->bhnfd", fk_w, v_c)
-    contrib_k = fk_w.sum(3)
-    carry = decay_weight(rho, torch.tensor(chunk, device=fk_c.device))  # alpha^C [Hkv]
-    kv, ks = [torch.zeros_like(contrib_kv[:, :, 0])], [torch.zeros_like(contrib_k[:, :, 0])]
-    for b in range(fk_c.shape[2] - 1):
-        kv.append(carry.view(-1, 1, 1) * kv[-1] + contrib_kv[:, :, b])
-        ks.append(carry.view(-1, 1) * ks[-1] + contrib_k[:, :, b])
-    return torch.stack(kv, 2), torch.stack(ks, 2)
+    """Block states of a decayed LA: S_0 = 0, S_(b+1) = alpha^C S_b + sum_r alpha^(C-1-r) phi_k v^T over chunk b,
+    i.e. S_b = sum_(c<b) alpha^((b-1-c) C) X_c. fk_c [B,Hkv,nb,C,F], v_c [B,Hkv,nb,C,D], rho [Hkv] ->
+    (kv [B,Hkv,nb,F,D], ksum [B,Hkv,nb,F]). Within a group of SCAN_GROUP chunks the sum is one dense product with
+    the decay weights (exponents stay below SCAN_GROUP * C * rho: they underflow to 0, never overflow); the groups'
+    states are carried in a loop of nb / SCAN_GROUP steps."""
+    B, Hkv, nb, C, Fd = fk_c.shape
+    D = v_c.shape[-1]
+    dev = fk_c.device
+    r = torch.arange(chunk, device=dev)
+    fk_w = fk_c * decay_weight(rho.view(-1, 1), chunk - 1 - r)[:, None, :, None]  # alpha^(C-1-r)
+    x = torch.cat([torch.einsum("bhncf,bhncd->bhnfd", fk_w, v_c).flatten(-2), fk_w.sum(3)], -1)  # [B,Hkv,nb,E]
+    L = min(SCAN_GROUP, nb)
+    ng = -(-nb // L)
+    x = F.pad(x, (0, 0, 0, ng * L - nb)).view(B, Hkv, ng, L, -1)
+    i = torch.arange(L, device=dev)
+    lag = (i[:, None] - 1 - i[None, :]).clamp(min=0) * chunk  # (b - 1 - c) C within a group
+    w = torch.where(i[None, :] < i[:, None], decay_weight(rho.view(-1, 1, 1), lag), 0.0)  # [Hkv, L, L]
+    inner = torch.einsum("hbc,zhgce->zhgbe", w, x)  # the chunks before b in b's own group
+    tail = decay_weight(rho.view(-1, 1), (L - 1 - i) * chunk)  # a group's chunks as its end sees them
+    total = torch.einsum("hc,zhgce->zhge", tail, x)
+    carry = decay_weight(rho, torch.tensor(L * chunk, device=dev)).view(1, -1, 1)
+    starts = [torch.zeros_like(total[:, :, 0])]  # the state at each group's first chunk
+    for t in total.unbind(2)[:-1]:
+        starts.append(torch.addcmul(t, carry, starts[-1]))
+    into = decay_weight(rho.view(-1, 1), i * chunk)  # alpha^(i C): chunk i of a group sees the group's start state
+    states = inner + into[None, :, None, :, None] * torch.stack(starts, 2)[:, :, :, None]
+    states = states.reshape(B, Hkv, ng * L, -1)[:, :, :nb]
+    return states[..., : Fd * D].reshape(B, Hkv, nb, Fd, D), states[..., Fd * D :]
 
 
 def _windowed(

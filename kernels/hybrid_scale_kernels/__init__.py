@@ -31,15 +31,29 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
+NOT_YET = ("la_decay", "la_power", "start")  # the LA's length terms (attention.la_decay / la_mass): not in the kernels
+
+
+def _check_options(options: dict) -> None:
+    given = [name for name in NOT_YET if options.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"the fused Triton kernels do not implement the LA's length terms yet ({', '.join(given)}); "
+            "attention.backend=auto runs such a model on the chunked torch path, or set attention.backend=torch"
+        )
+
+
 def forward(q, k, v, fq, fk, gamma, **options):
     """The backend function registered as "triton" (the contract of hybrid_scale/attention/backends.py)."""
     _check_device(q)
+    _check_options(options)
     return triton_hybrid_attention(q, k, v, fq, fk, gamma, **options)
 
 
 def decode(state, q, k, v, fq, fk, gamma, **options):
     """The fused decode step registered with it (None = not a step it takes: the caller extends in torch)."""
     _check_device(q)
+    _check_options(options)
     return triton_decode_step(state, q, k, v, fq, fk, gamma, **options)
 
 

@@ -11,7 +11,7 @@ import torch
 from conftest import attention_inputs, perturb_hybrid, tiny_model
 
 import hybrid_scale as hs
-from hybrid_scale.attention import naive, recurrent
+from hybrid_scale.attention import chunked, naive, recurrent
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
 from hybrid_scale.attention.hybrid import hybrid_layers
 from hybrid_scale.models.convert import set_modes
@@ -102,10 +102,12 @@ def grads(fn, x, extra, **kw):
     return y, {n: t.grad for n, t in leaves.items()}
 
 
-@pytest.mark.parametrize("chunk", [4, 16])
+@pytest.mark.parametrize("chunk,group", [(4, 16), (4, 3), (16, 16)])
 @pytest.mark.parametrize("terms", TERMS)
 @pytest.mark.parametrize("mode,own", MODES)
-def test_chunked_equals_the_spec_in_outputs_and_gradients(mode, own, terms, chunk):
+def test_chunked_equals_the_spec_in_outputs_and_gradients(mode, own, terms, chunk, group, monkeypatch):
+    """(group: chunks per group of the decayed state scan; 3 makes 37 tokens in chunks of 4 carry across groups)"""
+    monkeypatch.setattr(chunked, "SCAN_GROUP", group)
     x, mask = inputs(T=37, seed=1)
     kw = dict(window=W, mode=mode, sinks=S, hybrid_sinks=own, attention_mask=mask)
     y0, g0 = grads(naive.naive_hybrid_attention, x, TERMS[terms], **kw)
@@ -224,3 +226,15 @@ def test_save_load_generate_and_split_heads(tmp_path):
     rho, power = m.la_decay_rho.detach().clone(), m.la_mass_power.detach().clone()
     m.narrow_heads(2, 4)  # the second KV head and its two query heads
     assert torch.equal(m.la_decay_rho, rho[1:]) and torch.equal(m.la_mass_power, power[2:])
+
+
+def test_the_fused_kernels_refuse_the_terms_by_name_and_auto_runs_torch():
+    """Until the Triton kernels implement them, a layer with length terms fails the kernels' self-check by name (so
+    attention.backend=auto takes the chunked path on CUDA, and =triton refuses at its first call)."""
+    pytest.importorskip("hybrid_scale_kernels")
+    from hybrid_scale.attention import backends
+
+    shape = backends.Shape(dtype=torch.float32, la_decay=True)
+    why = backends.self_check("triton", "cpu", shape=shape)  # (Triton's interpreter on CPU, as in the tests)
+    assert why is not None and "do not implement the LA's length terms yet (la_decay)" in why
+    assert "LA decay" in str(shape)
