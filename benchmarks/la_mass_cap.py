@@ -22,7 +22,7 @@ import torch
 
 from hybrid_scale.attention import backends
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
-from hybrid_scale.attention.naive import EPS, la_keys
+from hybrid_scale.attention.naive import EPS
 from hybrid_scale.config import load_config
 from hybrid_scale.models.convert import set_modes
 from hybrid_scale.models.converted import load_base_model, load_converted, load_tokenizer
@@ -30,6 +30,11 @@ from hybrid_scale.stages import balance, rundir
 from hybrid_scale.stages.evaluate import _heldout_sequences
 
 BUCKETS = [0, 16, 64, 256, 512, 768, 1024]
+
+
+def la_keys(n: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """n_L: how many LA keys query n (real-token index) of the hybrid has, |P(n) minus S(n)| (sinks: the hybrid's)."""
+    return (n - window + 1 - sinks).clamp(min=0)
 
 
 def capped_backend(n_train: int):

@@ -58,14 +58,9 @@ VARIANTS = {
     # issue 39: the LA's length terms, on today's quickstart (its settings: configs/quickstart.yaml)
     "today": ("today's quickstart (8 sinks, exp gamma from 30, trained at 256)", []),
     "decay": ("+ attention.la_decay (rho per KV head, from 0)", ["attention.la_decay=true"]),
-    "mass": ("+ attention.la_mass (p per head, from 0)", ["attention.la_mass=true"]),
     "decay_512": (
         "+ la_decay, stage 1 and 2 at 512 tokens (16 x 512 in stage 1: the same tokens)",
         ["attention.la_decay=true", "data.seq_len=512", "data.num_sequences=16", "finetune.seq_len=512"],
-    ),
-    "mass_512": (
-        "+ la_mass, stage 1 and 2 at 512 tokens (16 x 512 in stage 1: the same tokens)",
-        ["attention.la_mass=true", "data.seq_len=512", "data.num_sequences=16", "finetune.seq_len=512"],
     ),
     "decay_1024": (
         "+ la_decay, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
@@ -78,33 +73,10 @@ VARIANTS = {
             "finetune.global_batch=1",
         ],
     ),
-    "mass_1024": (
-        "+ la_mass, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
-        [
-            "attention.la_mass=true",
-            "data.seq_len=1024",
-            "data.num_sequences=8",
-            "distill.query_block=1024",
-            "finetune.seq_len=1024",
-            "finetune.global_batch=1",
-        ],
-    ),
     "decay_1024b1": (
         "+ la_decay, stage 1 on 8 x 1024 tokens one sequence per step (8 steps per layer), stage 2 on 1 x 1024",
         [
             "attention.la_decay=true",
-            "data.seq_len=1024",
-            "data.num_sequences=8",
-            "distill.query_block=1024",
-            "distill.batch_size=1",
-            "finetune.seq_len=1024",
-            "finetune.global_batch=1",
-        ],
-    ),
-    "mass_1024b1": (
-        "+ la_mass, stage 1 on 8 x 1024 tokens one sequence per step (8 steps per layer), stage 2 on 1 x 1024",
-        [
-            "attention.la_mass=true",
             "data.seq_len=1024",
             "data.num_sequences=8",
             "distill.query_block=1024",

@@ -54,9 +54,6 @@ class AttentionConfig:
     # the LA's keys decay past the window: a key that left it counts alpha_h^(its distance past the window), alpha_h =
     # exp(-rho_h) per KV head, rho_h >= 0 learnt from 0 (the formula without decay) in stage 1 and stage 2
     la_decay: bool = False
-    # the hybrid's LA sums are scaled by (1 + n_L / (window + sinks))^(-p_h), n_L its keys past the window, p_h in
-    # [0, 1.5] per head learnt from 0 in stage 1 and stage 2 (the LA's mass then need not grow with the length)
-    la_mass: bool = False
     # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)
@@ -108,7 +105,7 @@ class FinetuneConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # modules by name
     train_feature_maps: bool = False  # also train phi (saved with the stage's output)
     train_gamma: bool = False  # also train gamma
-    train_length: bool = True  # also train the LA's length terms when the model has them (attention.la_decay, la_mass)
+    train_decay: bool = True  # also train the LA's decay rho when the model has one (attention.la_decay)
     lr: float = 1e-4  # peak AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 10  # linear warmup, then linear decay to 0 at max_steps

@@ -18,7 +18,7 @@ for by name on CUDA runs the same check first and raises its failure there, so i
 A backend is called with the tensors positionally and everything else by keyword:
 
     fn(q, k, v, fq, fk, gamma, *, window, mode, sinks, hybrid_sinks, scale, attention_mask, chunk_size,
-       initial_state, return_denominators, la_decay, la_power, start)
+       initial_state, return_denominators, la_decay)
 
 q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F], fk [B,Hkv,T,F], gamma [H] > 0, window >= 1, mode one of
 naive.MODES, sinks S, hybrid_sinks (hybrid mode: its softmax also covers the first S real tokens and its LA leaves
@@ -26,10 +26,8 @@ them out; naive.py; passed only when true, so a backend written before it still 
 (None = 1/sqrt(D)), attention_mask [B,T] or None (1 = token, 0 = padding), chunk_size (a hint; a backend without
 chunks ignores it), initial_state None or (kv [B,Hkv,F,D], k [B,Hkv,F]): the LA sums of keys that precede the sequence
 by more than the window (stage 1 attends a block of rows with the keys before it folded in; gradients flow into it).
-la_decay (rho [Hkv] >= 0: the LA's decay per KV head), la_power (p [H]: its length-calibrated mass) and start
-([B] or int: the real-token index of each row's first token, for that mass) are the length terms of naive.py, passed
-only when set (a backend that does not know them fails on the keyword instead of ignoring them); with la_decay an
-initial state is as the row's query w-1 sees it.
+la_decay (rho [Hkv] >= 0: the LA's decay per KV head, naive.py) is passed only when set (a backend that does not
+know it fails on the keyword instead of ignoring it); with it an initial state is as the row's query w-1 sees it.
 It returns y [B,H,T,D] in q's dtype, or with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), and must
 equal the naive backend in outputs and gradients (DESIGN.md section 7); what it cannot do it refuses with a ValueError.
 
@@ -52,7 +50,6 @@ from .naive import masked_attention, naive_hybrid_attention, real_positions
 from .recurrent import DecodeState, extend
 
 BUILTIN = ("naive", "chunk")
-LENGTH_TERMS = ("la_decay", "la_power")  # the LA's length terms a backend may be passed (naive.py)
 CHOICES = BACKENDS  # the values of attention.backend
 PLUGIN_GROUP = "hybrid_scale.attention_backends"
 _BACKENDS: dict[str, Callable] = {}
@@ -77,30 +74,26 @@ class Shape:
     dtype: torch.dtype = torch.bfloat16
     hybrid_sinks: bool = False  # the hybrid keeps its sinks (then the self-check runs it with them)
     la_decay: bool = False  # the LA decays (the self-check runs it with a decay)
-    la_power: bool = False  # the LA has a length-calibrated mass (the self-check runs it with one)
 
     @classmethod
-    def of(cls, q, k, v, fq, window, sinks, hybrid_sinks=False, la_decay=False, la_power=False) -> Shape:
+    def of(cls, q, k, v, fq, window, sinks, hybrid_sinks=False, la_decay=False) -> Shape:
         dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], fq.shape[-1])
-        return cls(*dims, int(window), int(sinks), q.dtype, bool(hybrid_sinks), bool(la_decay), bool(la_power))
+        return cls(*dims, int(window), int(sinks), q.dtype, bool(hybrid_sinks), bool(la_decay))
 
     def __str__(self) -> str:
         own = " (the hybrid's own)" if self.hybrid_sinks else ""
         own += ", LA decay" if self.la_decay else ""
-        own += ", LA mass calibrated by length" if self.la_power else ""
         return (
             f"{self.heads} heads / {self.kv_heads} KV heads, head dim {self.head_dim}, feature dim {self.features}, "
             f"window {self.window}, {self.sinks} sinks{own}, {str(self.dtype).removeprefix('torch.')}"
         )
 
 
-def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, start=None, **options):
-    if initial_state is None and start is None:
+def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options):
+    if initial_state is None:
         return naive_hybrid_attention(q, k, v, fq, fk, gamma, **options)  # the spec has no chunks
     pos = real_positions(options.pop("attention_mask"), q.shape[0], q.shape[2], q.device)
-    first = torch.as_tensor(0 if start is None else start, device=q.device).reshape(-1, 1)
-    pos = torch.where(pos >= 0, pos + first, -1)
-    ref = first[:, 0] + options["window"] - 1  # an initial state is as the row's query w-1 sees it
+    ref = options["window"] - 1  # with a decay, an initial state is as the row's query w-1 sees it
     return masked_attention(q, k, v, fq, fk, gamma, pos, pos, state=initial_state, state_ref=ref, **options)
 
 
@@ -224,12 +217,8 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
             mask[1, :7] = 0
             opts = dict(window=w, mode="hybrid", sinks=S, hybrid_sinks=shape.hybrid_sinks, scale=None)
             opts |= dict(attention_mask=mask, chunk_size=16)
-            length = {}
-            if shape.la_decay:
-                length["la_decay"] = torch.linspace(0.01, 0.2, Hkv, device=device)
-            if shape.la_power:
-                length["la_power"] = torch.linspace(0.0, 1.5, H, device=device)
-            opts |= length
+            decay = {"la_decay": torch.linspace(0.01, 0.2, Hkv, device=device)} if shape.la_decay else {}
+            opts |= decay
             results = []
             for fn in (get_backend(name), chunk_hybrid_attention):
                 inputs = [t.detach().requires_grad_() for t in x]
@@ -244,7 +233,7 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
             with torch.no_grad():
                 fused = DecodeState.empty(B, Hkv, D, Dv, F, w, S, w, dtype, device)
                 t0 = T - 20
-                own = dict(window=w, sinks=S, hybrid_sinks=shape.hybrid_sinks, **length)
+                own = dict(window=w, sinks=S, hybrid_sinks=shape.hybrid_sinks, **decay)
                 extend(fused, *(t[:, :, :t0] for t in x[:5]), x[5], **own, attention_mask=mask[:, :t0])
                 ref = copy.deepcopy(fused)
                 for t in range(t0, T):

@@ -8,8 +8,7 @@ Left-padding the key sequence with w-1 zeros aligns both: the dense span of bloc
 and the state of block b is the sum of the padded keys' chunks before chunk b (an exclusive cumsum over chunks).
 The state is accumulated in fp32. With a decay (la_decay, rho per KV head) block b's state is kept as query bC sees it
 (key j weighted alpha^(bC - w - j)), carried from block to block as S_(b+1) = alpha^C S_b + the chunk's keys weighted
-alpha^(C - 1 - r); query bC + i takes it times alpha^i, and the dense span's L terms alpha^(n - w - j). The
-length-calibrated mass (la_power) scales each query's two LA sums by kappa(n).
+alpha^(C - 1 - r); query bC + i takes it times alpha^i, and the dense span's L terms alpha^(n - w - j).
 Padding anywhere in a row is handled by moving each row's real tokens to the front (stable), computing, and moving
 the outputs back; padded query rows give exactly 0.
 
@@ -23,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .naive import EPS, check_mode, compute_dtype, decay_weight, mass_scale, real_positions
+from .naive import EPS, check_mode, compute_dtype, decay_weight, real_positions
 
 
 def _pack(attention_mask: torch.Tensor):
@@ -90,16 +89,12 @@ def _decayed_states(fk_c, v_c, rho, chunk):
     return states[..., : Fd * D].reshape(B, Hkv, nb, Fd, D), states[..., Fd * D :]
 
 
-def _windowed(
-    q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0, rho=None, power=None, start=None,
-    own_sinks=0,
-):  # fmt: skip
+def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0, rho=None):
     """hybrid / swa_only / swa_sinks / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F],
     k/v/fk [B,Hkv,T,*]. With sinks > 0 (swa_sinks, or the hybrid with its sinks) the first `sinks` keys that have
     left a query's window join its softmax (gamma weights them as it weights the window); the hybrid's LA then leaves
-    them out (the caller zeroes their phi_k, and an initial state holds no sink). rho [Hkv]: the LA's decay; power
-    [Hkv, G]: its length-calibrated mass, with start [B] the real-token index of each row's first token and own_sinks
-    the hybrid's sinks (n_L counts them out). With a decay an initial state is as query w-1 sees it."""
+    them out (the caller zeroes their phi_k, and an initial state holds no sink). rho [Hkv]: the LA's decay (an initial
+    state is then as query w-1 sees it)."""
     T = q.shape[-2]
     w = min(window, T)  # a window >= T makes P(n) empty: identical to w = T
     nb = -(-T // chunk)
@@ -172,17 +167,16 @@ def _windowed(
             den_soft = den
         if linear:
             lin = torch.where(exists[sl] & lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqg, fks[:, :, sl]), 0.0)
-            if rho is None and power is None:  # (in this order: the formula without length terms, bit for bit)
+            if rho is None:
                 num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
                 den = den + lin.sum(-1, keepdim=True)
                 num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv[:, :, sl])
                 den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum[:, :, sl]).unsqueeze(-1)
             else:
-                l_num, l_den = _length_terms(
-                    lin, fqg, vg, kv[:, :, sl], ksum[:, :, sl], rho, power, state, sl, chunk, window, own_sinks,
-                    start, span_w if rho is not None else None, lag_in if rho is not None else None,
-                )  # fmt: skip
-                num, den = num + l_num, den + l_den
+                d_num, d_den = _decayed_terms(
+                    lin * span_w, fqg, vg, kv[:, :, sl], ksum[:, :, sl], lag_in, rho, state, sl, chunk, window
+                )
+                num, den = num + d_num, den + d_den
         outs.append(num / (den + EPS))
         if parts:
             soft_den.append(den_soft)
@@ -197,31 +191,20 @@ def _windowed(
     return unblock(outs)
 
 
-def _length_terms(lin, fqg, vg, kv, ksum, rho, power, state, sl, chunk, window, own_sinks, start, span_w, lag_in):
-    """The LA's numerator and denominator of one group of blocks with the length terms: the dense span's L terms and
-    the block states decayed (rho), the initial state decayed from query w-1 on, both sums times kappa (power)."""
-    if rho is not None:
-        lin = lin * span_w
-    l_num = torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
-    l_den = lin.sum(-1, keepdim=True)
-    s_num = torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv)
-    s_den = torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum).unsqueeze(-1)
-    if rho is not None:
-        s_num, s_den = s_num * lag_in, s_den * lag_in
-    n = (
-        torch.arange(sl.start, sl.start + fqg.shape[3], device=fqg.device)[:, None] * chunk
-        + torch.arange(chunk, device=fqg.device)[None, :]
-    )  # fmt: skip  (each query's index in the row)
-    if state is not None and rho is not None:
-        lag = decay_weight(rho.view(1, -1, 1, 1, 1, 1), (n - (window - 1)).view(1, 1, 1, *n.shape, 1))
-        s_num = s_num + torch.einsum("bhgncf,bhfd->bhgncd", fqg, state[0].to(fqg.dtype)) * lag
-        s_den = s_den + torch.einsum("bhgncf,bhf->bhgnc", fqg, state[1].to(fqg.dtype)).unsqueeze(-1) * lag
-    l_num, l_den = l_num + s_num, l_den + s_den
-    if power is not None:
-        n_abs = n.view(1, 1, 1, *n.shape, 1) + (0 if start is None else start.view(-1, 1, 1, 1, 1, 1))
-        kappa = mass_scale(power.view(1, *power.shape, 1, 1, 1).to(fqg.dtype), n_abs, window, own_sinks)
-        l_num, l_den = l_num * kappa, l_den * kappa
-    return l_num, l_den
+def _decayed_terms(lin, fqg, vg, kv, ksum, lag_in, rho, state, sl, chunk, window):
+    """The decayed LA's numerator and denominator for one group of blocks: the dense span's L terms (lin, already
+    weighted alpha^(n - w - j)), the block states (as each block's first query sees them) times alpha^i for query
+    bC + i, and an initial state (as query w-1 sees it) times alpha^(n - w + 1)."""
+    fq_in = fqg * lag_in
+    s_num = torch.einsum("bhgncf,bhnfd->bhgncd", fq_in, kv)
+    s_den = torch.einsum("bhgncf,bhnf->bhgnc", fq_in, ksum).unsqueeze(-1)
+    if state is not None:
+        n = torch.arange(sl.start * chunk, sl.start * chunk + fqg.shape[3] * chunk, device=fqg.device)
+        lag = decay_weight(rho.view(1, -1, 1, 1, 1, 1), (n - (window - 1)).view(1, 1, 1, -1, chunk, 1))
+        fq_lag = fqg * lag
+        s_num = s_num + torch.einsum("bhgncf,bhfd->bhgncd", fq_lag, state[0].to(fqg.dtype))
+        s_den = s_den + torch.einsum("bhgncf,bhf->bhgnc", fq_lag, state[1].to(fqg.dtype)).unsqueeze(-1)
+    return torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg) + s_num, lin.sum(-1, keepdim=True) + s_den
 
 
 def chunk_hybrid_attention(
@@ -241,15 +224,12 @@ def chunk_hybrid_attention(
     chunk_size=64,
     initial_state=None,
     la_decay=None,
-    la_power=None,
-    start=None,
     return_denominators=False,
 ):
     """Same contract as naive.naive_hybrid_attention, plus chunk_size and an optional initial LA state
     (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension; with
     hybrid_sinks it must hold no sink, and the sequence must start at real token 0; with la_decay it is as query w-1
-    of the sequence sees it), and start ([B] or int, default 0): the real-token index of each row's first token (the
-    length-calibrated mass counts n_L from it).
+    of the sequence sees it), and la_decay (rho [Hkv], the LA's decay).
     With return_denominators (hybrid / swa_only / la_only / none, no padding): (y, sum of E [B,H,T], sum of L
     [B,H,T]), the two parts of the shared normaliser, for the LA-share diagnostic."""
     check_mode(mode)
@@ -285,15 +265,10 @@ def chunk_hybrid_attention(
         own = mode == "swa_sinks" or (mode == "hybrid" and hybrid_sinks)  # the modes whose softmax keeps sinks
         if mode == "hybrid" and hybrid_sinks:  # the sinks are E terms, never L terms (real tokens come first here)
             fk = torch.cat([torch.zeros_like(fk[:, :, :sinks]), fk[:, :, sinks:]], 2)
-        lin = mode in ("hybrid", "la_only")
-        rho = la_decay.to(q.dtype) if la_decay is not None and lin else None
-        power = la_power.to(q.dtype).view(Hkv, H // Hkv) if la_power is not None and mode == "hybrid" else None
-        if start is not None:
-            start = torch.as_tensor(start, device=q.device).expand(B)
+        rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None
         y = _windowed(
             q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators,
-            sinks=sinks if own else 0, rho=rho, power=power, start=start,
-            own_sinks=sinks if (mode == "hybrid" and hybrid_sinks) else 0,
+            sinks=sinks if own else 0, rho=rho,
         )  # fmt: skip
         if return_denominators:
             y, den_soft, den_lin = y

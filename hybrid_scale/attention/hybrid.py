@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .backends import LENGTH_TERMS, Shape, get_backend, get_decode, resolve
+from .backends import Shape, get_backend, get_decode, resolve
 from .feature_maps import make_feature_map
 from .naive import check_mode, own_mode
 from .recurrent import DecodeState, extend
@@ -52,14 +52,10 @@ def check_gamma(gamma: float, param: str, what: str = "gamma_init") -> None:
         raise ValueError(f"{what} must be {bound}, got {gamma}")
 
 
-POWER_MAX = 1.5  # the length-calibrated mass's exponent p lies in [0, POWER_MAX]
-POWER_STEP = 10.0  # p = POWER_STEP * its parameter: an optimizer step of lr moves p by ~10 lr (rho moves by ~lr)
-
-
-def _clamped(theta: torch.Tensor, low: float, high: float | None = None) -> torch.Tensor:
-    """theta clamped to [low, high] in the forward, with the identity's gradient (straight through): a parameter
-    at its bound (rho = 0, p = 0: the formula without length terms) still learns in both directions."""
-    return theta + (theta.clamp(low, high) - theta).detach()
+def _nonnegative(theta: torch.Tensor) -> torch.Tensor:
+    """theta clamped at 0 in the forward, with the identity's gradient (straight through): a decay at its bound
+    (rho = 0, the formula without decay) still learns in both directions."""
+    return theta + (theta.clamp(min=0.0) - theta).detach()
 
 
 def _rotate_half(x):
@@ -90,8 +86,6 @@ def attend(
     backend="auto",
     initial_state=None,
     la_decay=None,
-    la_power=None,
-    start=None,
     return_denominators=False,
 ):
     """Hybrid attention (DESIGN.md section 2) computed by the backend `backend` resolves to for q's device (see
@@ -102,14 +96,11 @@ def attend(
     leaves them out (naive.py; swa_only is then passed as swa_sinks, naive.own_mode); scale None = 1/sqrt(D);
     attention_mask [B,T] (1 = token, 0 = padding) or None;
     initial_state None or the LA sums (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys before the sequence (see backends.py).
-    la_decay rho [Hkv], la_power p [H]: the LA's length terms (naive.py; None = off), start: each row's first real-token
-    index (for la_power; default 0).
+    la_decay rho [Hkv]: the LA's decay per KV head (naive.py; None = off).
     Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
     of the shared normaliser (unpadded input; the LA-share diagnostic)."""
     mode, hybrid_sinks = own_mode(mode, hybrid_sinks)
-    length = {"la_decay": la_decay, "la_power": la_power, "start": start}
-    length = {key: value for key, value in length.items() if value is not None}  # (passed only when set)
-    shape = Shape.of(q, k, v, fq, window, sinks, hybrid_sinks, la_decay is not None, la_power is not None)
+    shape = Shape.of(q, k, v, fq, window, sinks, hybrid_sinks, la_decay is not None)
     return get_backend(resolve(backend, q.device, shape))(
         q,
         k,
@@ -126,7 +117,7 @@ def attend(
         initial_state=initial_state,
         return_denominators=return_denominators,
         **({"hybrid_sinks": True} if hybrid_sinks else {}),  # (a backend written before the option still runs)
-        **length,
+        **({"la_decay": la_decay} if la_decay is not None else {}),  # (passed only when set, like the sinks)
     )
 
 
@@ -148,7 +139,6 @@ class HybridAttention(nn.Module):
         sinks: int = 8,
         hybrid_sinks: bool = False,
         la_decay: bool = False,
-        la_mass: bool = False,
         mode: str = "hybrid",
         chunk_size: int = 64,
         backend: str = "auto",
@@ -179,23 +169,18 @@ class HybridAttention(nn.Module):
         self.gamma_param = gamma_param  # theta -> gamma: sigmoid (LoLCATs, gamma < 1) or exp (unbounded)
         logit = GAMMA_PARAMS[gamma_param][1](gamma_init)
         self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=dtype))
-        # the LA's length terms (naive.py), each exact at its initial 0: a decay rho per KV head, a mass exponent p
-        # per query head (as parameters: rho itself, p / POWER_STEP; clamped to their ranges in the forward)
-        if la_decay:
+        if la_decay:  # the LA's decay rho per KV head (naive.py), from 0: exactly the hybrid without it
             self.la_decay_rho = nn.Parameter(torch.zeros(num_kv_heads, device=ref.device, dtype=dtype))
-        if la_mass:
-            self.la_mass_power = nn.Parameter(torch.zeros(num_heads, device=ref.device, dtype=dtype))
 
     SETTINGS = (
         "window", "feature_map", "feature_dim", "gamma_init", "gamma_param", "sinks", "hybrid_sinks", "la_decay",
-        "la_mass", "mode", "chunk_size", "backend",
+        "mode", "chunk_size", "backend",
     )  # fmt: skip
     DEFAULTS = {
         "backend": "auto",
         "hybrid_sinks": False,
         "gamma_param": "sigmoid",
         "la_decay": False,
-        "la_mass": False,
     }  # settings that older hybrid_config.json files do not have
 
     @classmethod
@@ -227,8 +212,7 @@ class HybridAttention(nn.Module):
             )
         self.feature_map_q.narrow(start, stop)
         self.feature_map_k.narrow(start // g, stop // g)
-        for name, lo, hi in (("gamma_logit", start, stop), ("la_mass_power", start, stop),
-                             ("la_decay_rho", start // g, stop // g)):  # fmt: skip
+        for name, lo, hi in (("gamma_logit", start, stop), ("la_decay_rho", start // g, stop // g)):
             theta = getattr(self, name, None)
             if theta is not None:
                 setattr(self, name, nn.Parameter(theta.detach()[lo:hi].clone(), requires_grad=theta.requires_grad))
@@ -248,25 +232,12 @@ class HybridAttention(nn.Module):
     def la_decay(self) -> torch.Tensor | None:
         """rho >= 0 per KV head (alpha = exp(-rho)), or None without a decay."""
         rho = getattr(self, "la_decay_rho", None)
-        return None if rho is None else _clamped(rho, 0.0)
-
-    @property
-    def la_power(self) -> torch.Tensor | None:
-        """p in [0, POWER_MAX] per query head, or None without the length-calibrated mass."""
-        theta = getattr(self, "la_mass_power", None)
-        return None if theta is None else _clamped(POWER_STEP * theta, 0.0, POWER_MAX)
-
-    @property
-    def length_terms(self) -> dict:
-        """The LA's length terms for `attend` (la_decay, la_power; only those the layer has)."""
-        terms = {"la_decay": self.la_decay, "la_power": self.la_power}
-        return {k: v for k, v in terms.items() if v is not None}
+        return None if rho is None else _nonnegative(rho)
 
     def extra_repr(self) -> str:
         heads = f", heads={self.head_range[0]}..{self.head_range[1] - 1}" if self.head_range else ""
         own = ", hybrid_sinks=True" if self.hybrid_sinks else ""
         own += ", la_decay=True" if hasattr(self, "la_decay_rho") else ""
-        own += ", la_mass=True" if hasattr(self, "la_mass_power") else ""
         return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}{own}, mode={self.mode}{heads}"
 
     def attend(
@@ -286,12 +257,11 @@ class HybridAttention(nn.Module):
         attention_mask=None,
         backend=None,
         initial_state=None,
-        start=None,
-        length=None,
+        la_decay=None,
         return_denominators=False,
     ):
-        """`attend` with this layer's mode, gamma, window, sinks (and its hybrid's own), LA length terms (`length`: a
-        dict of la_decay / la_power in their place), scaling, chunk_size and backend; a keyword given
+        """`attend` with this layer's mode, gamma, window, sinks (and its hybrid's own), LA decay, scaling, chunk_size
+        and backend; a keyword given
         (not None) replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
         return attend(
             q,
@@ -309,9 +279,8 @@ class HybridAttention(nn.Module):
             chunk_size=self.chunk_size if chunk_size is None else chunk_size,
             backend=self.backend if backend is None else backend,
             initial_state=initial_state,
-            start=start,
             return_denominators=return_denominators,
-            **(self.length_terms if length is None else length),
+            la_decay=self.la_decay if la_decay is None else la_decay,
         )
 
     def project(self, hidden_states, position_embeddings):
@@ -362,8 +331,8 @@ class HybridCacheLayer(CacheLayerMixin):
 
     def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
         mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
-        length = module.length_terms
-        shape = Shape.of(q, k, v, fq, module.window, module.sinks, hybrid_sinks, *(n in length for n in LENGTH_TERMS))
+        rho = module.la_decay
+        shape = Shape.of(q, k, v, fq, module.window, module.sinks, hybrid_sinks, rho is not None)
         backend = resolve(module.backend, q.device, shape)
         if self.state is None:
             if module.window != self.window or module.sinks != self.sinks:
@@ -378,7 +347,7 @@ class HybridCacheLayer(CacheLayerMixin):
             self.is_initialized = True
         options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
         options |= {"hybrid_sinks": True} if hybrid_sinks else {}
-        options |= length
+        options |= {"la_decay": rho} if rho is not None else {}
         step = get_decode(backend) if q.shape[2] == 1 else None
         if step is not None:
             y = step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)

@@ -8,11 +8,9 @@ For query n and key j (positions counted in real tokens only), window w, scale s
 Hybrid with sinks (hybrid_sinks=True, S = sinks): E also covers S(n) = {j <= n : j < S}, the first S real tokens, and
 L covers P(n) minus S(n): one shared normaliser, gamma on every E term, c_n the max over W(n) and S(n). With
 hybrid_sinks=False (S = 0 for the hybrid) it is LoLCATs' hybrid above, exactly.
-Length terms (both off by default; each exact at its initial value): with la_decay = rho [Hkv] (rho >= 0, alpha =
-exp(-rho) per KV head) every L term counts alpha^(n - w - j) for a key that has left the window (j in P(n)), and 1 for
-a key still inside it (la_only); with la_power = p [H] (the length-calibrated mass) both LA sums of the hybrid are
-multiplied by kappa(n) = (1 + n_L / N)^(-p), n_L = |P(n) minus S(n)| the number of LA keys of query n and N = w + S
-(S = 0 without the hybrid's sinks). Sinks are softmax terms: never decayed, never scaled. rho = 0 and p = 0 give the
+The LA's decay (la_decay = rho [Hkv], rho >= 0, alpha = exp(-rho) per KV head; None = off): every L term counts
+alpha^(n - w - j) for a key that has left the window (j in P(n)), and 1 for a key still inside it (la_only), so the
+LA's mass stays below 2 / (1 - alpha) whatever the length. Sinks are softmax terms: never decayed. rho = 0 gives the
 formula above bit for bit.
 Other modes: swa_only (E on W only), swa_sinks (softmax over W(n) and the first S real tokens, no L: the
 sliding-window + attention-sinks baseline), la_only (L on all j <= n), sinks_only (causal softmax over the first S
@@ -36,19 +34,6 @@ def decay_weight(rho: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """alpha^steps = exp(-rho * steps), steps clamped at 0 (a key inside the window counts 1). rho broadcast by the
     caller against steps; differentiable in rho."""
     return torch.exp(-rho * steps.clamp(min=0).to(rho.dtype))
-
-
-def la_keys(n: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """n_L: how many LA keys query n (real-token index) of the hybrid has, |P(n) minus S(n)|; sinks = the hybrid's own
-    (0 without them)."""
-    return (n - window + 1 - sinks).clamp(min=0)
-
-
-def mass_scale(power: torch.Tensor, n: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """kappa(n) = (1 + n_L / (w + S))^(-p): the hybrid's LA sums are multiplied by it. power broadcast by the caller
-    against n; differentiable in p."""
-    ratio = la_keys(n, window, sinks).to(power.dtype) / float(window + sinks)
-    return torch.exp(-power * torch.log1p(ratio))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -98,7 +83,6 @@ def masked_attention(
     state=None,
     state_ref=None,
     la_decay=None,
-    la_power=None,
     return_denominators=False,
 ):
     """Dense hybrid attention between queries and keys that carry explicit real-token positions.
@@ -108,7 +92,7 @@ def masked_attention(
     state: optional (kv [B,Hkv,F,D], k [B,Hkv,F]) = sums of phi_k(k) v^T and phi_k(k) over keys already folded away
     (every one of them lies in P(n) of every query, and with hybrid_sinks none is a sink), with la_decay as seen by
     query state_ref ([B] or int: each key j in it weighted alpha^(state_ref - w - j)); query n takes it times
-    alpha^(n - state_ref) (exponent clamped at 0). la_decay [Hkv], la_power [H]: the length terms above.
+    alpha^(n - state_ref) (exponent clamped at 0). la_decay [Hkv]: the LA's decay above.
     Returns [B,H,Tq,D] in q's dtype; with return_denominators (y, sum of E [B,H,Tq], sum of L [B,H,Tq]), the two
     parts of the shared normaliser (fp32 or fp64).
     """
@@ -146,11 +130,6 @@ def masked_attention(
     linear = {"hybrid": in_past, "la_only": causal}.get(mode)
     if la_decay is not None:
         rho = la_decay.to(acc).repeat_interleave(group).view(1, H, 1, 1)
-    if la_power is not None and mode == "hybrid":  # (la_only: kappa would scale every term and cancel)
-        n_abs = pos_q[:, None, :, None].clamp(min=0)
-        kappa = mass_scale(la_power.to(acc).view(1, H, 1, 1), n_abs, window, sinks if hybrid_sinks else 0)
-    else:
-        kappa = None
 
     num = q.new_zeros(B, H, Tq, v.shape[-1])
     den = q.new_zeros(B, H, Tq, 1)
@@ -168,7 +147,8 @@ def masked_attention(
         lin = torch.where(linear, fq @ fk.transpose(-1, -2), 0.0)
         if la_decay is not None:
             lin = lin * decay_weight(rho, pq - window - pk)
-        lin_num, lin_den = lin @ v, lin.sum(-1, keepdim=True)
+        num = num + lin @ v
+        den = den + lin.sum(-1, keepdim=True)
         if state is not None:
             kv, ksum = (s.to(acc).repeat_interleave(group, dim=1) for s in state)
             s_num, s_den = fq @ kv, fq @ ksum.unsqueeze(-1)
@@ -176,14 +156,7 @@ def masked_attention(
                 ref = torch.as_tensor(state_ref, device=pos_q.device).reshape(-1, 1, 1, 1)
                 lag = decay_weight(rho, pos_q[:, None, :, None] - ref)
                 s_num, s_den = s_num * lag, s_den * lag
-        if kappa is not None:  # both LA sums scaled together
-            if state is not None:
-                lin_num, lin_den = lin_num + s_num, lin_den + s_den
-            num, den = num + lin_num * kappa, den + lin_den * kappa
-        else:  # (summed in this order: the formula without length terms, bit for bit)
-            num, den = num + lin_num, den + lin_den
-            if state is not None:
-                num, den = num + s_num, den + s_den
+            num, den = num + s_num, den + s_den
     y = num / (den + EPS)
     y = torch.where(pos_q[:, None, :, None] >= 0, y, 0.0).to(out_dtype)
     if return_denominators:
@@ -206,12 +179,11 @@ def naive_hybrid_attention(
     attention_mask=None,
     scale=None,
     la_decay=None,
-    la_power=None,
     return_denominators=False,
 ):
     """The spec. q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq/fk feature-mapped, gamma [H] > 0,
     sinks S (swa_sinks, sinks_only; and the hybrid's own when hybrid_sinks), attention_mask [B,T] (1 = token,
-    0 = padding), scale None = 1/sqrt(D), la_decay rho [Hkv] / la_power p [H] the length terms (None = off).
+    0 = padding), scale None = 1/sqrt(D), la_decay rho [Hkv] the LA's decay (None = off).
     Returns [B,H,T,D]; with
     return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts of the shared normaliser."""
     B, _, T, _ = q.shape
@@ -231,6 +203,5 @@ def naive_hybrid_attention(
         hybrid_sinks=hybrid_sinks,
         scale=scale,
         la_decay=la_decay,
-        la_power=la_power,
         return_denominators=return_denominators,
     )

@@ -128,13 +128,12 @@ def extend(
     chunk_size=64,
     prefill=None,
     la_decay=None,
-    la_power=None,
 ) -> torch.Tensor:
     """Attend k new tokens (q [B,H,k,D], k/v [B,Hkv,k,D], fq, fk) to everything the state has seen, then fold
     them into the state. attention_mask [B,k] marks the new tokens' real ones. Returns [B,H,k,D].
     prefill: optional backend function (backends.py contract) that computes the first call's attention when the
     state is still empty and the call is long (a prompt), e.g. the Triton kernels; the state is built the same way.
-    la_decay rho [Hkv], la_power p [H]: the LA's length terms (naive.py), None = off.
+    la_decay rho [Hkv]: the LA's decay (naive.py), None = off.
 
     Longer than the rest on purpose: the ring buffer's bookkeeping (positions, real-token counts, what leaves the
     window and is folded into the LA state, the sink buffer) is one sequence of steps that reads top to bottom
@@ -170,8 +169,7 @@ def extend(
     lin_state = (state.kv, state.ksum)
     last = (state.count - 1)[:, None]  # the query the state's sums are kept for
     rho = None if la_decay is None else la_decay.to(acc).view(1, -1, 1)  # [1, Hkv, 1] against [B, Hkv, keys]
-    length = {"la_decay": la_decay, "la_power": la_power}
-    length = {key: value for key, value in length.items() if value is not None}
+    decay = {"la_decay": la_decay} if la_decay is not None else {}
     if not hybrid_sinks:  # an LA that covers the sinks: those that have left the ring join the state's sums
         fold = state.sink_fk * folded_sinks[:, None, :, None].to(acc)
         if rho is not None:  # as the last token sees sink j: alpha^(count - 1 - w - j)
@@ -207,7 +205,7 @@ def extend(
             chunk_size=chunk_size,
             return_denominators=False,
             **({"hybrid_sinks": True} if hybrid_sinks else {}),
-            **length,
+            **decay,
         )
     elif T <= chunk_size or mode == "none" or (own_sinks and bool(state.count.any())):
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
@@ -235,7 +233,7 @@ def extend(
             scale=scale,
             state=lin_state,
             state_ref=state.count - 1,
-            **length,
+            **decay,
         )
     else:
         order = torch.argsort(pos_ring, dim=-1)  # empty slots (-1) first, then oldest to newest
@@ -258,8 +256,7 @@ def extend(
             scale=scale,
             chunk_size=chunk_size,
             initial_state=lin_state,  # (as query count - 1 = the row's first + w - 1 sees it: the ring is full)
-            start=(state.count - ring_real.sum(-1)),
-            **length,
+            **decay,
         )[:, :, R:]
 
     # sinks: new real tokens with index < S

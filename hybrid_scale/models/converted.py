@@ -39,7 +39,7 @@ def load_base_model(path: str | os.PathLike, dtype: torch.dtype, rt: Runtime | N
     config = base_config(path)
     if rt is not None and rt.tp > 1:
         return streaming.split_model(config, streaming.ShardedCheckpoint(Path(path)), dtype, rt)
-    hybrid_keys = [r"\.self_attn\.feature_map_[qk]\.", r"\.self_attn\.(gamma_logit|la_decay_rho|la_mass_power)$"]
+    hybrid_keys = [r"\.self_attn\.feature_map_[qk]\.", r"\.self_attn\.(gamma_logit|la_decay_rho)$"]
     with _also_ignored(type(config), hybrid_keys):
         return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
 
@@ -101,7 +101,6 @@ def describe(model: nn.Module) -> dict:
         sinks=first.sinks,
         hybrid_sinks=first.hybrid_sinks,
         la_decay=hasattr(first, "la_decay_rho"),
-        la_mass=hasattr(first, "la_mass_power"),
         gamma_param=first.gamma_param,
         mode=first.mode,
         chunk_size=first.chunk_size,

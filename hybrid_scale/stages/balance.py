@@ -6,7 +6,7 @@
   verdict: the hybrid against the strongest mode without LA on the tokens beyond the window (beyond_window);
 * the LA share of the shared normaliser, sum_P L / (sum_W E + sum_P L), per layer, head and position bucket, in
   `hybrid` mode, next to the output effect ||y_hybrid - y_swa_only|| / ||y_hybrid||; and the LA's learned length
-  terms: the horizon 1/rho per layer and KV head (attention.la_decay), the mass exponent p per head (la_mass).
+  decay as its horizon 1/rho per layer and KV head (attention.la_decay).
 """
 
 from __future__ import annotations
@@ -159,19 +159,17 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
             h.remove()
     labels = bucket_labels(buckets)
     pos = torch.arange(ids.shape[1])
-    share, effect, horizon, power = {}, {}, {}, {}
+    share, effect, horizon = {}, {}, {}
     for i, m in sorted(layers.items()):
         hidden, rope = captured[i]
         q, k, v, fq, fk = m.project(hidden, rope)
         with gathered(m):  # gamma is the module's own parameter: whole only inside its forward under ZeRO-3
             gamma = m.gamma.detach().clone()
-            length = {name: t.detach().clone() for name, t in m.length_terms.items()}
-        if "la_decay" in length:  # 1/rho: tokens past the window over which a key's LA weight falls by e
-            horizon[i] = [1.0 / r if r > 0 else None for r in length["la_decay"].tolist()]  # None: no decay
-        if "la_power" in length:
-            power[i] = length["la_power"].tolist()
-        y, soft, lin = m.attend(q, k, v, fq, fk, gamma=gamma, mode="hybrid", return_denominators=True, length=length)
-        y_swa = m.attend(q, k, v, fq, fk, gamma=gamma, mode="swa_only", length=length)
+            rho = None if m.la_decay is None else m.la_decay.detach().clone()
+        if rho is not None:  # 1/rho: tokens past the window over which a key's LA weight falls by e (None: no decay)
+            horizon[i] = [1.0 / r if r > 0 else None for r in rho.tolist()]
+        y, soft, lin = m.attend(q, k, v, fq, fk, gamma=gamma, mode="hybrid", return_denominators=True, la_decay=rho)
+        y_swa = m.attend(q, k, v, fq, fk, gamma=gamma, mode="swa_only", la_decay=rho)
         ratio = (lin / (soft + lin)).float()  # [B, H, T]
         diff = (y - y_swa).float().pow(2).sum(-1)  # [B, H, T]
         norm = y.float().pow(2).sum(-1)
@@ -183,4 +181,4 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
             share[i][label] = ratio[..., sel].mean(dim=(0, 2)).tolist()
             effect[i][label] = (diff[..., sel].sum(dim=(0, 2)) / norm[..., sel].sum(dim=(0, 2))).sqrt().tolist()
     out = {"seq_len": ids.shape[1], "sequences": ids.shape[0], "share": share, "effect": effect}
-    return out | ({"horizon": horizon} if horizon else {}) | ({"power": power} if power else {})
+    return out | ({"horizon": horizon} if horizon else {})

@@ -35,9 +35,6 @@ def objective_weights(cfg) -> dict[str, float]:
     return {RECIPES[d.recipe].objective: 1.0}
 
 
-LENGTH_PARAMETERS = ("la_decay_rho", "la_mass_power")  # the LA's length terms (attention.la_decay / la_mass)
-
-
 def train_gamma(cfg, weights) -> bool:
     """distill.train_gamma as resolved: unset = only when a hybrid objective is used."""
     if cfg.distill.train_gamma is None:
@@ -51,8 +48,8 @@ def trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
         params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
     if train_gamma(cfg, weights):
         params.append(m.gamma_logit)
-    if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the objectives that run the LA's formula
-        params += [p for name, p in m.hybrid_parameters() if name in LENGTH_PARAMETERS]
+    if m.la_decay is not None and (weights.get("hybrid_output_mse") or weights.get("output_mse")):
+        params.append(m.la_decay_rho)  # (the objectives that run the LA through its decay; weights_xent does not)
     if not params:
         raise ConfigError("config: stage 1 has nothing to train (distill.train_feature_maps=false, no gamma)")
     return params

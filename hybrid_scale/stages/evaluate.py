@@ -121,11 +121,10 @@ class Models:
             self._sinks = int(a["sinks"]), bool(a.get("hybrid_sinks", False))
         return self._sinks
 
-    def length_terms(self) -> dict[str, bool]:
-        """Which length terms the hybrid's LA has (la_decay, la_mass): the model's own when converted, else the
-        config's."""
+    def la_decay(self) -> bool:
+        """Whether the hybrid's LA decays: the model's own setting when converted, else the config's."""
         a = read_hybrid_config(self.path)["attention"] if self.converted else self.cfg.attention
-        return {name: bool(a.get(name, False)) for name in ("la_decay", "la_mass")}
+        return bool(a.get("la_decay", False))
 
     def window(self) -> int:
         if self.cfg.eval.window is not None:
@@ -194,7 +193,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
         "window": window,
         "sinks": models.sinks()[0],
         "hybrid_sinks": models.sinks()[1],  # the hybrid's softmax keeps the S sinks: swa_only is then window + sinks
-        **models.length_terms(),  # la_decay / la_mass: the LA's length terms (hybrid and la_only; never the sinks)
+        "la_decay": models.la_decay(),  # the LA decays past the window (hybrid and la_only; never the sinks)
         "world_size": rt.world,
         "tensor_parallel": rt.tp,
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -445,7 +444,6 @@ def _la_share(models: Models, seqs: torch.Tensor, cfg, rt) -> dict:
             for i, by_bucket in result[kind].items():
                 for label in by_bucket:
                     by_bucket[label] = [h for part in parts for h in part[kind][i][label]]
-        for kind in ("horizon", "power"):  # per layer, one value per (KV) head
-            for i in result.get(kind, {}):
-                result[kind][i] = [h for part in parts for h in part[kind][i]]
+        for i in result.get("horizon", {}):  # per layer, one value per KV head
+            result["horizon"][i] = [h for part in parts for h in part["horizon"][i]]
     return result

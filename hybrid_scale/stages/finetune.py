@@ -55,7 +55,7 @@ RESULT_KEYS = (
     "lora_targets",
     "train_feature_maps",
     "train_gamma",
-    "train_length",
+    "train_decay",
     "lr",
     "weight_decay",
     "warmup_steps",
@@ -263,7 +263,7 @@ def prepare(model, cfg, rt, ds_config: dict):
     layers = hybrid_layers(model)
     for m in layers.values():
         for name, p in m.hybrid_parameters():
-            trained = {"gamma_logit": f.train_gamma, "la_decay_rho": f.train_length, "la_mass_power": f.train_length}
+            trained = {"gamma_logit": f.train_gamma, "la_decay_rho": f.train_decay}
             p.requires_grad_(trained.get(name, f.train_feature_maps))
             if split and p.requires_grad:
                 p.data = p.data.float()  # the replicated engine's masters are the parameters themselves

@@ -117,6 +117,5 @@ def unit_attention(m, q, k, v, fq, fk, a: int, b: int, mode: str) -> torch.Tenso
         fk[:, :, rows],
         mode=mode,
         initial_state=state,
-        start=a0 if a0 > 0 else None,  # (the length-calibrated mass counts each row's LA keys from token 0)
     )  # fmt: skip (q in fp32: y comes back in fp32)
     return y[:, :, a - a0 :]

@@ -67,9 +67,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def length_params(cfg, c: dict) -> int:
-    """One layer's LA length parameters: rho per KV head (attention.la_decay), p per head (attention.la_mass)."""
-    return (c["K"] if cfg.attention.la_decay else 0) + (c["H"] if cfg.attention.la_mass else 0)
+def decay_params(cfg, c: dict) -> int:
+    """One layer's LA decay parameters: rho per KV head (attention.la_decay)."""
+    return c["K"] if cfg.attention.la_decay else 0
 
 
 def stage_input(cfg, stage: str | None) -> Path | None:
@@ -252,8 +252,8 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     weights = distill_step.objective_weights(cfg)
     maps = (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2) if cfg.attention.feature_map == "hedgehog" else 0
     trained = (maps if d.train_feature_maps else 0) + (c["H"] if distill_step.train_gamma(cfg, weights) else 0)
-    if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's length terms (distill_step.trainable)
-        trained += length_params(cfg, c)
+    if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's decay (distill_step.trainable)
+        trained += decay_params(cfg, c)
     p.figures["stage 1"] = {  # per rank, one layer
         "layer_weights_bytes": c["layer"] * sh.wbytes / tp,
         "trainable_params": trained / tp,
@@ -344,7 +344,7 @@ def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
         lora_rank += c["L"] * f.lora_r * ((n_in + n_out // tp) if split == "out" else (n_in // tp + n_out))
     phi = c["L"] * (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2 if cfg.attention.feature_map == "hedgehog" else 0)
     hybrid = (phi if f.train_feature_maps else 0) + (c["L"] * c["H"] if f.train_gamma else 0)
-    hybrid += c["L"] * length_params(cfg, c) if f.train_length else 0
+    hybrid += c["L"] * decay_params(cfg, c) if f.train_decay else 0
     trainable = lora + hybrid
     if tp > 1:  # (finetune.offload is refused with tensor parallelism)
         per_rank = lora_rank + hybrid // tp  # LoRA's whole factors replicated, the split ones and phi/gamma in parts

@@ -75,26 +75,23 @@ def table(r: dict) -> str:
         for key, name in (("share", "LA share"), ("effect", "‖y_hybrid − y_swa_only‖ / ‖y_hybrid‖")):
             vals = [_mean_over(s[key], b) for b in labels]
             lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-        lines += length_lines(s)
+        lines += horizon_lines(s)
     t = r["timings_s"]
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()), ""]
     return "\n".join(lines)
 
 
-def length_lines(s: dict) -> list[str]:
-    """The LA's learned length terms per layer and head: the horizon 1/rho of its decay (tokens past the window over
-    which a key's LA weight falls by a factor e; inf = no decay) and the exponent p of its length-calibrated mass."""
-    lines = []
-    for key, what in (("horizon", "LA horizon 1/rho per KV head (tokens past the window; inf = no decay)"),
-                      ("power", "LA mass exponent p per head (both LA sums x (1 + n_L / (w + S))^-p)")):  # fmt: skip
-        by_layer = s.get(key)
-        if not by_layer:
-            continue
-        width = max(len(v) for v in by_layer.values())
-        lines += ["", f"{what}, by layer:", "", "| layer | " + " | ".join(f"head {h}" for h in range(width)) + " |"]
-        lines.append("|---|" + "---:|" * width)
-        for i, values in sorted(by_layer.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {i} | " + " | ".join("inf" if x is None else f"{x:.3g}" for x in values) + " |")
+def horizon_lines(s: dict) -> list[str]:
+    """The LA's learned decay per layer and KV head as its horizon 1/rho: the tokens past the window over which a
+    key's LA weight falls by a factor e (inf: no decay)."""
+    by_layer = s.get("horizon")
+    if not by_layer:
+        return []
+    width = max(len(v) for v in by_layer.values())
+    lines = ["", "LA horizon 1/rho per layer and KV head (tokens past the window; inf = no decay):", ""]
+    lines += ["| layer | " + " | ".join(f"KV head {h}" for h in range(width)) + " |", "|---|" + "---:|" * width]
+    for i, values in sorted(by_layer.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {i} | " + " | ".join("inf" if x is None else f"{x:.3g}" for x in values) + " |")
     return lines
 
 
@@ -114,9 +111,6 @@ def modes_line(r: dict) -> str:
     if r.get("la_decay"):
         line += (" The LA decays: in hybrid and la_only a key that has left the window counts alpha_h^(its distance "
                  "past it); keys inside the window (la_only) and the sinks are not decayed.")  # fmt: skip
-    if r.get("la_mass"):
-        line += (" The hybrid's LA sums are scaled by (1 + n_L / (w + S))^-p_h (n_L its keys past the window); la_only "
-                 "has no softmax term, so the scale cancels there.")  # fmt: skip
     return line
 
 

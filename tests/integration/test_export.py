@@ -63,8 +63,8 @@ def trained(smollm2, tmp_path_factory):
     model.save_pretrained(base, max_shard_size="2MB")
     AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(base)
     assert len(list(base.glob("model-*.safetensors"))) >= 2
-    # the remote code runs the sinks and the LA length terms too
-    save_stage2_like(model, root / "stage2_best", base, hybrid_sinks=True, la_decay=True, la_mass=True)
+    # the remote code runs the sinks and the LA's decay too
+    save_stage2_like(model, root / "stage2_best", base, hybrid_sinks=True, la_decay=True)
     docs = smollm2.train_text.read_text().split("\n\n")[:300]
     (root / "text.txt").write_text("\n\n".join(docs))
     return root

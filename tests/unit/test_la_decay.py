@@ -1,9 +1,10 @@
-"""The LA's length terms (naive.py): a decay per KV head (attention.la_decay) and a length-calibrated mass per head
-(attention.la_mass). The spec against scalar loops over the formula; at rho = 0 and p = 0 the spec is the formula
-without them bit for bit and every fast path equal within rounding; the chunked path and every decode split equal the
-spec in outputs and gradients (rho's and p's included) with padding and GQA; the sinks are never decayed or scaled;
-a converted model trains, saves, loads, splits its heads and decodes with them."""
+"""The LA's decay (naive.py, attention.la_decay): alpha_h^(distance past the window) per KV head. The spec against
+scalar loops over the formula; at rho = 0 the spec is the formula without it bit for bit and every fast path equal
+within rounding; the chunked path and every decode split equal the spec in outputs and gradients (rho's included)
+with padding and GQA; the sinks are never decayed; a converted model saves, loads, splits its heads and decodes with
+it; the fused kernels refuse it by name until they implement it."""
 
+import json
 import math
 
 import pytest
@@ -18,18 +19,16 @@ from hybrid_scale.models.convert import set_modes
 
 W, S = 5, 3
 RHO = torch.tensor([0.07, 0.3], dtype=torch.float64)  # per KV head
-POWER = torch.tensor([0.0, 0.4, 1.0, 1.5], dtype=torch.float64)  # per query head
-TERMS = {"decay": {"la_decay": RHO}, "mass": {"la_power": POWER}, "both": {"la_decay": RHO, "la_power": POWER}}
-MODES = [("hybrid", False), ("hybrid", True), ("la_only", False)]  # the modes whose LA the terms change
+MODES = [("hybrid", False), ("hybrid", True), ("la_only", False)]  # the modes whose LA the decay changes
 
 
-def loop_query(x, b, h, kh, n, real, mode, own_sinks, rho, power):
-    """y for query n (real index) of row b, head h: scalar loops over DESIGN.md's formula with the length terms."""
+def loop_query(x, b, h, kh, n, real, mode, own_sinks, rho):
+    """y for query n (real index) of row b, head h: scalar loops over DESIGN.md's formula with the decay."""
     q, k, v, fq, fk, gamma = (x[name] for name in ("q", "k", "v", "fq", "fk", "gamma"))
     D, pn = q.shape[-1], real[n]
     score = lambda pj: sum(float(q[b, h, pn, d]) * float(k[b, kh, pj, d]) for d in range(D)) / math.sqrt(D)  # noqa: E731
     lin = lambda pj: sum(float(fq[b, h, pn, f]) * float(fk[b, kh, pj, f]) for f in range(fq.shape[-1]))  # noqa: E731
-    alpha = math.exp(-float(rho[kh])) if rho is not None else 1.0
+    alpha = math.exp(-float(rho[kh]))
     keys = list(enumerate(real[: n + 1]))
     soft, linear = [], []
     if mode == "hybrid":
@@ -40,10 +39,8 @@ def loop_query(x, b, h, kh, n, real, mode, own_sinks, rho, power):
     terms = []
     if soft:
         c = max(score(pj) for pj in soft)
-        terms += [(float(gamma[h]) * math.exp(score(pj) - c), pj) for pj in soft]  # never decayed, never scaled
-    n_l = len(linear)
-    kappa = (1 + n_l / (W + (S if own_sinks else 0))) ** -float(power[h]) if power is not None and soft else 1.0
-    terms += [(kappa * alpha ** max(0, n - W - j) * lin(pj), pj) for j, pj in linear]
+        terms += [(float(gamma[h]) * math.exp(score(pj) - c), pj) for pj in soft]  # never decayed
+    terms += [(alpha ** max(0, n - W - j) * lin(pj), pj) for j, pj in linear]
     den = sum(t for t, _ in terms)
     return [sum(t * float(v[b, kh, pj, d]) for t, pj in terms) / (den + naive.EPS) for d in range(D)]
 
@@ -56,27 +53,25 @@ def inputs(T=23, seed=0):
     return x, mask
 
 
-@pytest.mark.parametrize("terms", TERMS)
 @pytest.mark.parametrize("mode,own", MODES)
-def test_the_spec_equals_loops_over_the_formula(mode, own, terms):
+def test_the_spec_equals_loops_over_the_formula(mode, own):
     x, mask = inputs()
     y = naive.naive_hybrid_attention(**x, window=W, mode=mode, sinks=S, hybrid_sinks=own, attention_mask=mask,
-                                     **TERMS[terms])  # fmt: skip
-    rho, power = TERMS[terms].get("la_decay"), TERMS[terms].get("la_power")
+                                     la_decay=RHO)  # fmt: skip
     for b in range(2):
         real = [t for t in range(mask.shape[1]) if mask[b, t]]
         for h in range(4):
             for n, pn in enumerate(real):
-                want = loop_query(x, b, h, h // 2, n, real, mode, own, rho, power)
+                want = loop_query(x, b, h, h // 2, n, real, mode, own, RHO)
                 torch.testing.assert_close(y[b, h, pn], torch.tensor(want, dtype=y.dtype), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode,own", [*MODES, ("swa_only", False), ("swa_sinks", False)])
 def test_zero_terms_are_the_formula_without_them(mode, own):
-    """rho = 0 and p = 0: the spec bit for bit, the chunked path and the decode within rounding."""
+    """rho = 0: the spec bit for bit, the chunked path and the decode within rounding."""
     x, mask = inputs(T=40)
     kw = dict(window=W, mode=mode, sinks=S, hybrid_sinks=own, attention_mask=mask)
-    zero = {"la_decay": torch.zeros(2, dtype=torch.float64), "la_power": torch.zeros(4, dtype=torch.float64)}
+    zero = {"la_decay": torch.zeros(2, dtype=torch.float64)}
     plain = naive.naive_hybrid_attention(**x, **kw)
     assert torch.equal(naive.naive_hybrid_attention(**x, **kw, **zero), plain)
     torch.testing.assert_close(chunk_hybrid_attention(**x, **kw, **zero, chunk_size=8), plain, rtol=1e-12, atol=1e-13)
@@ -86,13 +81,13 @@ def test_zero_terms_are_the_formula_without_them(mode, own):
     torch.testing.assert_close(torch.cat(step, 2), plain, rtol=1e-12, atol=1e-13)
 
 
-def test_the_terms_change_the_output_only_past_the_window():
+def test_the_decay_changes_the_output_only_past_the_window():
     x, _ = inputs(T=30)
     plain = naive.naive_hybrid_attention(**x, window=W, sinks=S)
-    for terms in TERMS.values():
-        y = naive.naive_hybrid_attention(**x, window=W, sinks=S, **terms)
-        assert torch.equal(y[:, :, :W], plain[:, :, :W])  # no key has left a window yet
-        assert (y[:, :, W + 2 :] - plain[:, :, W + 2 :]).abs().max() > 1e-3
+    y = naive.naive_hybrid_attention(**x, window=W, sinks=S, la_decay=RHO)
+    assert torch.equal(y[:, :, :W], plain[:, :, :W])  # no key has left a window yet
+    assert torch.equal(y[:, :, W], plain[:, :, W])  # the first key past the window counts alpha^0 = 1
+    assert (y[:, :, W + 2 :] - plain[:, :, W + 2 :]).abs().max() > 1e-3
 
 
 def grads(fn, x, extra, **kw):
@@ -103,50 +98,33 @@ def grads(fn, x, extra, **kw):
 
 
 @pytest.mark.parametrize("chunk,group", [(4, 16), (4, 3), (16, 16)])
-@pytest.mark.parametrize("terms", TERMS)
 @pytest.mark.parametrize("mode,own", MODES)
-def test_chunked_equals_the_spec_in_outputs_and_gradients(mode, own, terms, chunk, group, monkeypatch):
+def test_chunked_equals_the_spec_in_outputs_and_gradients(mode, own, chunk, group, monkeypatch):
     """(group: chunks per group of the decayed state scan; 3 makes 37 tokens in chunks of 4 carry across groups)"""
     monkeypatch.setattr(chunked, "SCAN_GROUP", group)
     x, mask = inputs(T=37, seed=1)
     kw = dict(window=W, mode=mode, sinks=S, hybrid_sinks=own, attention_mask=mask)
-    y0, g0 = grads(naive.naive_hybrid_attention, x, TERMS[terms], **kw)
-    y1, g1 = grads(chunk_hybrid_attention, x, TERMS[terms], **kw, chunk_size=chunk)
+    y0, g0 = grads(naive.naive_hybrid_attention, x, {"la_decay": RHO}, **kw)
+    y1, g1 = grads(chunk_hybrid_attention, x, {"la_decay": RHO}, **kw, chunk_size=chunk)
     torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
     for name in g0:
-        if g0[name] is None:  # la_power in la_only: kappa cancels, it is not used
-            assert g1[name] is None or not g1[name].any(), name
-            continue
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-9, atol=1e-11, msg=name)
-    if terms != "mass" and mode != "swa_only":
-        assert g0["la_decay"].abs().min() > 0  # rho learns in every KV head
+    assert g0["la_decay"].abs().min() > 0  # rho learns in every KV head
 
 
-@pytest.mark.parametrize("terms", TERMS)
-def test_an_initial_state_and_a_start_equal_the_whole_row(terms):
-    """Rows a0.. with the keys before them folded into an initial state (as query w-1 of the rows sees them) and
-    start = a0 (the mass counts LA keys from token 0): stage 1's units and the decode's long extensions."""
+def test_an_initial_state_equals_the_keys_it_holds():
+    """Rows a0.. with the keys before them folded into an initial state, each key weighted as query w-1 of the rows
+    sees it: stage 1's units (objectives.unit_attention) and the decode's long extensions."""
     x, _ = inputs(T=40, seed=2)
     a0 = 17
-    full = naive.naive_hybrid_attention(**x, window=W, sinks=S, **TERMS[terms])
-    rho = TERMS[terms].get("la_decay")
+    full = naive.naive_hybrid_attention(**x, window=W, sinks=S, la_decay=RHO)
     fk0, v0 = x["fk"][:, :, :a0], x["v"][:, :, :a0]
-    if rho is not None:
-        fk0 = fk0 * naive.decay_weight(rho.view(-1, 1), a0 + W - 1 - W - torch.arange(a0))[None, :, :, None]
+    fk0 = fk0 * naive.decay_weight(RHO.view(-1, 1), a0 + W - 1 - W - torch.arange(a0))[None, :, :, None]
     state = (fk0.transpose(-1, -2) @ v0, fk0.sum(2))
     rest = {n: (t if n == "gamma" else t[:, :, a0:]) for n, t in x.items()}
     for fn in (chunk_hybrid_attention, hs.attention.backends.get_backend("naive")):
-        y = fn(
-            **rest,
-            window=W,
-            mode="hybrid",
-            sinks=S,
-            initial_state=state,
-            start=a0,
-            chunk_size=8,
-            attention_mask=None,
-            **TERMS[terms],
-        )
+        y = fn(**rest, window=W, mode="hybrid", sinks=S, initial_state=state, chunk_size=8, attention_mask=None,
+               la_decay=RHO)  # fmt: skip
         torch.testing.assert_close(y[:, :, W - 1 :], full[:, :, a0 + W - 1 :], rtol=1e-10, atol=1e-12)
 
 
@@ -154,11 +132,10 @@ CUTS = [[0, 40], [0, 3, 30, 31, 32, 40], [0, 12, *range(13, 41)], [0, 9, 35, 40]
 
 
 @pytest.mark.parametrize("cuts", range(len(CUTS)))
-@pytest.mark.parametrize("terms", TERMS)
 @pytest.mark.parametrize("mode,own", MODES)
-def test_prefill_extend_and_decode_equal_the_spec(mode, own, terms, cuts):
+def test_prefill_extend_and_decode_equal_the_spec(mode, own, cuts):
     x, mask = inputs(T=40, seed=3)
-    kw = dict(window=W, mode=mode, sinks=S, hybrid_sinks=own, **TERMS[terms])
+    kw = dict(window=W, mode=mode, sinks=S, hybrid_sinks=own, la_decay=RHO)
     ref = naive.naive_hybrid_attention(**x, **kw, attention_mask=mask)
     state = recurrent.DecodeState.empty(2, 2, 4, 4, 3, W, S, W, torch.float64, "cpu")
     c = CUTS[cuts]
@@ -176,40 +153,46 @@ def converted(**attention):
     return perturb_hybrid(hs.convert_model(model, {"window": W, "sinks": S, "hybrid_sinks": True, **attention}))
 
 
-def test_a_converted_model_has_the_parameters_and_keeps_them_in_range():
-    model = converted(la_decay=True, la_mass=True)
+def test_a_converted_model_has_rho_per_kv_head_kept_non_negative():
+    model = converted(la_decay=True)
     m = hybrid_layers(model)[0]
-    assert m.la_decay_rho.shape == (2,) and m.la_mass_power.shape == (4,)
-    assert "la_decay=True" in repr(m) and "la_mass=True" in repr(m)
+    assert m.la_decay_rho.shape == (2,) and "la_decay=True" in repr(m)
     with torch.no_grad():
         m.la_decay_rho.copy_(torch.tensor([-1.0, 0.2]))
-        m.la_mass_power.copy_(torch.tensor([-1.0, 0.05, 0.2, 3.0]))
     assert m.la_decay.tolist() == pytest.approx([0.0, 0.2])
-    assert m.la_power.tolist() == pytest.approx([0.0, 0.5, 1.5, 1.5])
     rho = m.la_decay_rho  # straight through: a parameter past its bound still gets the gradient
     (m.la_decay * torch.tensor([1.0, 2.0])).sum().backward()
     assert rho.grad.tolist() == [1.0, 2.0]
     plain = hybrid_layers(converted())[0]
-    assert not hasattr(plain, "la_decay_rho") and plain.length_terms == {}
+    assert not hasattr(plain, "la_decay_rho") and plain.la_decay is None
 
 
 def test_at_initialisation_a_converted_model_is_todays_hybrid():
     x = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
     plain = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": True})
-    both = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True,
-                                                  "la_mass": True})  # fmt: skip
+    decay = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True})
     with torch.no_grad():
-        torch.testing.assert_close(both(x).logits, plain(x).logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(decay(x).logits, plain(x).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_save_load_generate_and_split_heads(tmp_path):
-    model = converted(la_decay=True, la_mass=True)
+    model = converted(la_decay=True)
     set_modes(model, "hybrid")
     x = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(x)
     mask[1, :3] = 0
     with torch.no_grad():
+        for m in hybrid_layers(model).values():
+            m.la_decay_rho.zero_()
+        undecayed = model(x, attention_mask=mask).logits
+        for m in hybrid_layers(model).values():
+            m.la_decay_rho.copy_(torch.tensor([0.1, 0.4]))
         full = model(x, attention_mask=mask).logits
+    assert torch.equal(full[0, : W + 1], undecayed[0, : W + 1])  # the decay acts only past the window
+    assert (full[0, W + 2 :] - undecayed[0, W + 2 :]).abs().max() > 1e-4
+    with torch.no_grad():  # without a cache (training, stage 1, the LA-share diagnostic): the same function
+        torch.testing.assert_close(model(x, attention_mask=mask, use_cache=False).logits, full, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
         out = model(x[:, :10], attention_mask=mask[:, :10], use_cache=True)
         steps = [out.logits]
         cache = out.past_key_values
@@ -219,22 +202,23 @@ def test_save_load_generate_and_split_heads(tmp_path):
     real = mask.bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], full[real], rtol=1e-4, atol=1e-4)
     hs.save_converted(model, tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "hybrid_config.json").read_text())["attention"]["la_decay"] is True
     loaded = hs.load_converted(tmp_path / "m")
     with torch.no_grad():
         torch.testing.assert_close(loaded(x, attention_mask=mask).logits, full, rtol=1e-5, atol=1e-5)
     m = hybrid_layers(model)[1]
-    rho, power = m.la_decay_rho.detach().clone(), m.la_mass_power.detach().clone()
+    rho = m.la_decay_rho.detach().clone()
     m.narrow_heads(2, 4)  # the second KV head and its two query heads
-    assert torch.equal(m.la_decay_rho, rho[1:]) and torch.equal(m.la_mass_power, power[2:])
+    assert torch.equal(m.la_decay_rho, rho[1:])
 
 
-def test_the_fused_kernels_refuse_the_terms_by_name_and_auto_runs_torch():
-    """Until the Triton kernels implement them, a layer with length terms fails the kernels' self-check by name (so
+def test_the_fused_kernels_refuse_the_decay_by_name_and_auto_runs_torch():
+    """Until the Triton kernels implement it, a layer with a decay fails the kernels' self-check by name (so
     attention.backend=auto takes the chunked path on CUDA, and =triton refuses at its first call)."""
     pytest.importorskip("hybrid_scale_kernels")
     from hybrid_scale.attention import backends
 
     shape = backends.Shape(dtype=torch.float32, la_decay=True)
     why = backends.self_check("triton", "cpu", shape=shape)  # (Triton's interpreter on CPU, as in the tests)
-    assert why is not None and "do not implement the LA's length terms yet (la_decay)" in why
+    assert why is not None and "do not implement the LA's decay (attention.la_decay) yet" in why
     assert "LA decay" in str(shape)

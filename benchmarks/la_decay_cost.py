@@ -1,9 +1,9 @@
-"""What the LA's length terms cost the chunked torch path (issue 39 item 7): forward + backward at 2k and 16k tokens,
-without them, with the decay (attention.la_decay) and with the length-calibrated mass (attention.la_mass), measured
-side by side in one run (the variants interleaved within each repeat, best of the repeats), and t(16k) / t(2k).
+"""What the LA's decay costs the chunked torch path (issue 39 item 7): forward + backward at 2k and 16k tokens without
+and with it (attention.la_decay), measured side by side in one run (the two interleaved within each repeat, best of
+the repeats), and t(16k) / t(2k).
 
 Shapes of SmolLM2-135M (9 heads, 3 KV heads, head_dim 64, hedgehog phi of size 128), window 64, 8 sinks kept by the
-hybrid, chunk 64, batch 1, fp32, CPU. Gradients flow to q, k, v, phi_q, phi_k, gamma and the length parameter.
+hybrid, chunk 64, batch 1, fp32, CPU. Gradients flow to q, k, v, phi_q, phi_k, gamma and rho.
 
     .venv/bin/python benchmarks/la_length_cost.py [--lengths 2048 16384] [--repeats 3] [--out FILE.json]
 """
@@ -22,7 +22,6 @@ H, HKV, D, FEAT, WINDOW, SINKS = 9, 3, 64, 128, 64, 8
 VARIANTS = {
     "none": {},
     "la_decay": {"la_decay": lambda: torch.full((HKV,), 0.01)},
-    "la_mass": {"la_power": lambda: torch.full((H,), 0.5)},
 }
 
 
