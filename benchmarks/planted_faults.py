@@ -53,6 +53,33 @@ FAULTS = {
     "ssd_schedule_boundary": ("hybrid_scale/recipes/ssd.py", "if progress >= fraction:", "if progress > fraction:"),
     "ssd_drop_direction": ("hybrid_scale/recipes/ssd.py", "out = {i: bool(d < p)", "out = {i: bool(d > p)"),
     "verdict_on_hi": ("hybrid_scale/stages/balance.py", "    if lo > margin:", "    if hi > margin:"),
+    # the LA's decay (attention.la_decay, tests/unit/test_la_decay.py)
+    "decay_ignored_chunked": (
+        "hybrid_scale/attention/chunked.py",
+        'rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
+        "rho = None",
+    ),
+    "decay_gradient_dropped": (
+        "hybrid_scale/attention/chunked.py",
+        'rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
+        'rho = la_decay.detach().to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
+    ),
+    "decay_on_the_sinks": (
+        "hybrid_scale/attention/naive.py",
+        "            e = gamma * e\n",
+        "            e = gamma * e\n        if la_decay is not None and hybrid_sinks:\n"
+        "            e = torch.where(sink & ~in_window, e * decay_weight(rho, pq - window - pk), e)\n",
+    ),
+    "decay_state_not_carried": (
+        "hybrid_scale/attention/recurrent.py",
+        "        state.kv, state.ksum = state.kv * carry[..., None], state.ksum * carry",
+        "        pass",
+    ),
+    "decay_ignored_by_the_layer": (
+        "hybrid_scale/attention/hybrid.py",
+        "            la_decay=self.la_decay if la_decay is None else la_decay,",
+        "            la_decay=None,",
+    ),
 }
 TIER = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "worksteal", "-m", "fast", "-p", "no:cacheprovider"]
 

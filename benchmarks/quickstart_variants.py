@@ -98,6 +98,19 @@ VARIANTS = {
             "finetune.global_batch=1",
         ],
     ),
+    "decay_1024b1e4": (
+        "+ la_decay, stage 1 on 8 x 1024 tokens, one per step, 4 epochs (32 steps a layer), stage 2 on 1 x 1024",
+        [
+            "attention.la_decay=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "distill.batch_size=1",
+            "distill.epochs=4",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+        ],
+    ),
     "decay_512b1": (
         "+ la_decay, stage 1 on 16 x 512 tokens one sequence per step (16 steps per layer), stage 2 on 1 x 512: read "
         "to 2x its training length",
