@@ -75,6 +75,11 @@ FAULTS = {
         "        state.kv, state.ksum = state.kv * carry[..., None], state.ksum * carry",
         "        pass",
     ),
+    "decay_not_in_stage1_state": (
+        "hybrid_scale/stages/objectives.py",
+        "        if rho is not None:  # as row a = a0 + w - 1 sees key j: alpha^(a - w - j)",
+        "        if False:",
+    ),
     "decay_ignored_by_the_layer": (
         "hybrid_scale/attention/hybrid.py",
         "            la_decay=self.la_decay if la_decay is None else la_decay,",

@@ -222,3 +222,24 @@ def test_the_fused_kernels_refuse_the_decay_by_name_and_auto_runs_torch():
     why = backends.self_check("triton", "cpu", shape=shape)  # (Triton's interpreter on CPU, as in the tests)
     assert why is not None and "do not implement the LA's decay (attention.la_decay) yet" in why
     assert "LA decay" in str(shape)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_stage_1_units_with_a_decay_equal_the_whole_rows(own):
+    """objectives.unit_attention: rows a..b-1 of a decayed layer, attended from a0 = a - w + 1 with the keys before
+    a0 folded into a decayed initial state (or, with the hybrid's sinks, from row 0), equal those rows of the whole
+    sequence; and rho's gradient through the units equals the whole's."""
+    from hybrid_scale.stages.objectives import unit_attention
+
+    model = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": own, "la_decay": True})
+    m = hybrid_layers(model)[0]
+    with torch.no_grad():
+        m.la_decay_rho.copy_(torch.tensor([0.05, 0.3]))
+    x = attention_inputs(B=2, H=4, Hkv=2, T=40, D=16, F=32, dtype=torch.float32, seed=4)
+    q, k, v, fq, fk = (x[n] for n in ("q", "k", "v", "fq", "fk"))
+    whole = m.attend(q, k, v, fq, fk, mode="hybrid")
+    (g_whole,) = torch.autograd.grad(whole[:, :, 17:33].square().sum(), m.la_decay_rho)
+    units = [unit_attention(m, q, k, v, fq, fk, a, b, "hybrid") for a, b in ((17, 25), (25, 33))]
+    torch.testing.assert_close(torch.cat(units, 2), whole[:, :, 17:33], rtol=1e-5, atol=1e-6)
+    (g_units,) = torch.autograd.grad(sum(u.square().sum() for u in units), m.la_decay_rho)
+    torch.testing.assert_close(g_units, g_whole, rtol=1e-4, atol=1e-6)
