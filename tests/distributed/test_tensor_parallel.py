@@ -23,13 +23,14 @@ def split_models():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_models, arch):
     out = split_models[arch]
-    assert set(out["logits"]) == {"hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none", "hybrid+sinks"}
+    modes = {"hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none", "hybrid+sinks", "hybrid+decay"}
+    assert set(out["logits"]) == modes
     assert max(out["logits"].values()) <= 1e-5, out["logits"]  # every component mode
     assert out["partial"] <= 1e-5  # a softmax layer left unconverted is split the same way
     assert out["decode_equal"] and out["decode_tokens"] == 20  # prefill (left-padded) + 20 greedy tokens (with sinks)
     assert out["loss"] <= 1e-6  # the loss-parallel cross-entropy of training against the whole model's
     assert out["train_logits"] == ["DTensor", [2, 16, 64]]  # no rank holds the whole logits
-    assert out["trainable"] == 34 and out["grads"] <= 1e-6  # LoRA's every factor, phi and gamma, whole vs split
+    assert out["trainable"] == 36 and out["grads"] <= 1e-6  # LoRA's every factor, phi, gamma and rho, whole vs split
     assert 0.49 < out["bytes_ratio"] < 0.51  # the parameters held per rank halve (norms stay whole)
 
 

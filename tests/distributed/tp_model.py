@@ -61,13 +61,21 @@ def main(arch: str, rt) -> dict:
         for m in (*hybrid_layers(whole).values(), *hybrid_layers(split).values()):
             m.hybrid_sinks = False
         out["decode_tokens"] = int(a.shape[1] - ids.shape[1])
-    # gradients of LoRA (every factor) and of phi/gamma, whole vs split, in hybrid mode
-    base = perturb_hybrid(hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2}))
+    # gradients of LoRA (every factor) and of phi/gamma/rho, whole vs split, in hybrid mode with the LA's decay (rho
+    # per KV head: each rank keeps its KV heads' rho, like gamma); and that model's logits and decode, whole vs split
+    base = perturb_hybrid(hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2, "la_decay": True}))
+    with torch.no_grad():
+        for m in hybrid_layers(base).values():
+            m.la_decay_rho.copy_(torch.tensor([0.1, 0.3]))
+        decay_split = tensor_parallel.apply(copy.deepcopy(base), rt)
+        out["logits"]["hybrid+decay"] = (base(ids).logits - decay_split(ids).logits).abs().max().item()
+        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+        out["decode_equal"] &= bool(torch.equal(base.generate(ids, **kw), decay_split.generate(ids, **kw)))
     ref_model = lora(copy.deepcopy(base))
     tp_model = lora(copy.deepcopy(base))
     for m in (ref_model, tp_model):
         for n, p in m.named_parameters():
-            if "feature_map" in n or "gamma_logit" in n:
+            if "feature_map" in n or "gamma_logit" in n or "la_decay_rho" in n:
                 p.requires_grad_(True)
     tensor_parallel.apply(tp_model, rt)
     heads = tensor_parallel.head_sharded(tp_model)
