@@ -27,6 +27,17 @@ from pathlib import Path
 # name -> (what it changes, overrides of configs/quickstart.yaml)
 SINKS = ["attention.hybrid_sinks=true"]
 EXP = ["attention.gamma_param=exp", "attention.gamma_init=1.0"]
+# configs/quickstart.yaml before issue 39 (commit 7d991b3): what the issue-39 variants change
+BEFORE_39 = [
+    "attention.la_decay=false",
+    "data.seq_len=256",
+    "data.num_sequences=32",
+    "distill.epochs=1",
+    "distill.batch_size=4",
+    "distill.query_block=128",
+    "finetune.seq_len=256",
+    "finetune.global_batch=2",
+]
 VARIANTS = {
     "lolcats": ("today's quickstart: window 16, no sinks, sigmoid gamma", []),
     "sinks": ("+ the hybrid keeps the 8 sinks (trained with them)", SINKS),
@@ -55,16 +66,17 @@ VARIANTS = {
         "+ sinks, gamma = exp(theta) initialised at 30",
         [*SINKS, "attention.gamma_param=exp", "attention.gamma_init=30.0"],
     ),
-    # issue 39: the LA's length terms, on today's quickstart (its settings: configs/quickstart.yaml)
-    "today": ("today's quickstart (8 sinks, exp gamma from 30, trained at 256)", []),
-    "decay": ("+ attention.la_decay (rho per KV head, from 0)", ["attention.la_decay=true"]),
+    # issue 39: the LA's decay, on the quickstart as it was before it (BEFORE_39); "quickstart": configs/quickstart.yaml
+    "today": ("the quickstart before issue 39 (8 sinks, exp gamma from 30, trained at 256)", [*BEFORE_39]),
+    "decay": ("+ attention.la_decay (rho per KV head, from 0)", [*BEFORE_39, "attention.la_decay=true"]),
     "decay_512": (
         "+ la_decay, stage 1 and 2 at 512 tokens (16 x 512 in stage 1: the same tokens)",
-        ["attention.la_decay=true", "data.seq_len=512", "data.num_sequences=16", "finetune.seq_len=512"],
+        [*BEFORE_39, "attention.la_decay=true", "data.seq_len=512", "data.num_sequences=16", "finetune.seq_len=512"],
     ),
     "decay_1024": (
         "+ la_decay, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
         [
+            *BEFORE_39,
             "attention.la_decay=true",
             "data.seq_len=1024",
             "data.num_sequences=8",
@@ -76,6 +88,7 @@ VARIANTS = {
     "decay_1024b1": (
         "+ la_decay, stage 1 on 8 x 1024 tokens one sequence per step (8 steps per layer), stage 2 on 1 x 1024",
         [
+            *BEFORE_39,
             "attention.la_decay=true",
             "data.seq_len=1024",
             "data.num_sequences=8",
@@ -88,6 +101,7 @@ VARIANTS = {
     "decay_1024b1e2": (
         "+ la_decay, stage 1 on 8 x 1024 tokens, one per step, 2 epochs (16 steps a layer), stage 2 on 1 x 1024",
         [
+            *BEFORE_39,
             "attention.la_decay=true",
             "data.seq_len=1024",
             "data.num_sequences=8",
@@ -101,6 +115,7 @@ VARIANTS = {
     "decay_1024b1e4": (
         "+ la_decay, stage 1 on 8 x 1024 tokens, one per step, 4 epochs (32 steps a layer), stage 2 on 1 x 1024",
         [
+            *BEFORE_39,
             "attention.la_decay=true",
             "data.seq_len=1024",
             "data.num_sequences=8",
@@ -115,6 +130,7 @@ VARIANTS = {
         "+ la_decay, stage 1 on 16 x 512 tokens one sequence per step (16 steps per layer), stage 2 on 1 x 512: read "
         "to 2x its training length",
         [
+            *BEFORE_39,
             "attention.la_decay=true",
             "data.seq_len=512",
             "data.num_sequences=16",
@@ -127,6 +143,7 @@ VARIANTS = {
     "today_1024": (
         "today's settings, stage 1 on 8 x 1024 tokens (one query block), stage 2 on 1 x 1024 per step",
         [
+            *BEFORE_39,
             "data.seq_len=1024",
             "data.num_sequences=8",
             "distill.query_block=1024",
@@ -134,6 +151,7 @@ VARIANTS = {
             "finetune.global_batch=1",
         ],
     ),
+    "quickstart": ("configs/quickstart.yaml as it is (the decay, stage 1 and 2 on 1024-token sequences)", []),
 }
 LONG = [  # --long: read to 1024 tokens, 4x the training length
     "eval.ppl_seq_len=1024",
