@@ -65,28 +65,29 @@ def _decayed_states(fk_c, v_c, rho, chunk):
     the decay weights (exponents stay below SCAN_GROUP * C * rho: they underflow to 0, never overflow); the groups'
     states are carried in a loop of nb / SCAN_GROUP steps."""
     B, Hkv, nb, C, Fd = fk_c.shape
-    D = v_c.shape[-1]
     dev = fk_c.device
     r = torch.arange(chunk, device=dev)
     fk_w = fk_c * decay_weight(rho.view(-1, 1), chunk - 1 - r)[:, None, :, None]  # alpha^(C-1-r)
-    x = torch.cat([torch.einsum("bhncf,bhncd->bhnfd", fk_w, v_c).flatten(-2), fk_w.sum(3)], -1)  # [B,Hkv,nb,E]
     L = min(SCAN_GROUP, nb)
     ng = -(-nb // L)
-    x = F.pad(x, (0, 0, 0, ng * L - nb)).view(B, Hkv, ng, L, -1)
     i = torch.arange(L, device=dev)
     lag = (i[:, None] - 1 - i[None, :]).clamp(min=0) * chunk  # (b - 1 - c) C within a group
     w = torch.where(i[None, :] < i[:, None], decay_weight(rho.view(-1, 1, 1), lag), 0.0)  # [Hkv, L, L]
-    inner = torch.einsum("hbc,zhgce->zhgbe", w, x)  # the chunks before b in b's own group
     tail = decay_weight(rho.view(-1, 1), (L - 1 - i) * chunk)  # a group's chunks as its end sees them
-    total = torch.einsum("hc,zhgce->zhge", tail, x)
     carry = decay_weight(rho, torch.tensor(L * chunk, device=dev)).view(1, -1, 1)
-    starts = [torch.zeros_like(total[:, :, 0])]  # the state at each group's first chunk
-    for t in total.unbind(2)[:-1]:
-        starts.append(torch.addcmul(t, carry, starts[-1]))
-    into = decay_weight(rho.view(-1, 1), i * chunk)  # alpha^(i C): chunk i of a group sees the group's start state
-    states = inner + into[None, :, None, :, None] * torch.stack(starts, 2)[:, :, :, None]
-    states = states.reshape(B, Hkv, ng * L, -1)[:, :, :nb]
-    return states[..., : Fd * D].reshape(B, Hkv, nb, Fd, D), states[..., Fd * D :]
+    into = decay_weight(rho.view(-1, 1), i * chunk)[None, :, None, :, None]  # chunk i sees its group's start state
+
+    def scan(x):  # [B, Hkv, nb, E] chunk sums -> [B, Hkv, nb, E] states
+        x = F.pad(x, (0, 0, 0, ng * L - nb)).view(B, Hkv, ng, L, -1)
+        inner = torch.einsum("hbc,zhgce->zhgbe", w, x)  # the chunks before b in b's own group
+        total = torch.einsum("hc,zhgce->zhge", tail, x)
+        starts = [torch.zeros_like(total[:, :, 0])]  # the state at each group's first chunk
+        for t in total.unbind(2)[:-1]:
+            starts.append(torch.addcmul(t, carry, starts[-1]))
+        return (inner + into * torch.stack(starts, 2)[:, :, :, None]).reshape(B, Hkv, ng * L, -1)[:, :, :nb]
+
+    kv = scan(torch.einsum("bhncf,bhncd->bhnfd", fk_w, v_c).reshape(B, Hkv, nb, -1))
+    return kv.reshape(B, Hkv, nb, Fd, -1), scan(fk_w.sum(3))
 
 
 def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0, rho=None):
@@ -166,15 +167,17 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
                 den = den + e_sink.sum(-1, keepdim=True)
             den_soft = den
         if linear:
-            lin = torch.where(exists[sl] & lin_ok, torch.einsum("bhgncf,bhnsf->bhgncs", fqg, fks[:, :, sl]), 0.0)
+            scores = torch.einsum("bhgncf,bhnsf->bhgncs", fqg, fks[:, :, sl])
             if rho is None:
+                lin = torch.where(exists[sl] & lin_ok, scores, 0.0)
                 num = num + torch.einsum("bhgncs,bhnsd->bhgncd", lin, vg)
                 den = den + lin.sum(-1, keepdim=True)
                 num = num + torch.einsum("bhgncf,bhnfd->bhgncd", fqg, kv[:, :, sl])
                 den = den + torch.einsum("bhgncf,bhnf->bhgnc", fqg, ksum[:, :, sl]).unsqueeze(-1)
             else:
+                lin = scores * torch.where(exists[sl] & lin_ok, span_w, 0.0)  # (one pass: the mask in the weights)
                 d_num, d_den = _decayed_terms(
-                    lin * span_w, fqg, vg, kv[:, :, sl], ksum[:, :, sl], lag_in, rho, state, sl, chunk, window
+                    lin, fqg, vg, kv[:, :, sl], ksum[:, :, sl], lag_in, rho, state, sl, chunk, window
                 )
                 num, den = num + d_num, den + d_den
         outs.append(num / (den + EPS))
