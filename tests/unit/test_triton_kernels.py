@@ -166,7 +166,7 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
                       backend=backend, initial_state=initial_state, sinks=3, hybrid_sinks=own_sinks)  # fmt: skip
 
     m = SimpleNamespace(scaling=scale, all_heads=H, gamma=x["gamma"], window=w, sinks=3, attend=layer_attend,
-                        hybrid_sinks=own_sinks)  # fmt: skip
+                        hybrid_sinks=own_sinks, la_decay=None)  # fmt: skip
     weights = {"output_mse": 0.5, "hybrid_output_mse": 1.0}
     target = teacher_rows(x["q"].detach(), x["k"].detach(), x["v"].detach(), 0, scale)
     spec = {
