@@ -243,3 +243,21 @@ def test_stage_1_units_with_a_decay_equal_the_whole_rows(own):
     torch.testing.assert_close(torch.cat(units, 2), whole[:, :, 17:33], rtol=1e-5, atol=1e-6)
     (g_units,) = torch.autograd.grad(sum(u.square().sum() for u in units), m.la_decay_rho)
     torch.testing.assert_close(g_units, g_whole, rtol=1e-4, atol=1e-6)
+
+
+def test_the_balance_report_shows_the_learned_horizon_per_layer_and_kv_head():
+    from hybrid_scale.stages import balance, report
+
+    model = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True})
+    with torch.no_grad():
+        hybrid_layers(model)[0].la_decay_rho.copy_(torch.tensor([0.0, 0.05]))
+        hybrid_layers(model)[1].la_decay_rho.copy_(torch.tensor([0.5, -0.2]))  # (clamped: no decay)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    share = balance.la_share(model, ids, [0, 8, 40])
+    assert share["horizon"] == {0: [None, pytest.approx(20.0)], 1: [pytest.approx(2.0), None]}
+    lines = report.horizon_lines(share)
+    assert "LA horizon 1/rho per layer and KV head (tokens past the window; inf = no decay):" in lines
+    assert "| 0 | inf | 20 |" in lines and "| 1 | 2 | inf |" in lines
+    r = {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True}
+    assert "The LA decays: in hybrid and la_only" in report.modes_line(r)
+    assert "decays" not in report.modes_line({**r, "la_decay": False})
