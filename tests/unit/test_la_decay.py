@@ -261,3 +261,15 @@ def test_the_balance_report_shows_the_learned_horizon_per_layer_and_kv_head():
     r = {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True}
     assert "The LA decays: in hybrid and la_only" in report.modes_line(r)
     assert "decays" not in report.modes_line({**r, "la_decay": False})
+
+
+def test_a_converted_model_saved_before_the_decay_loads_without_one(tmp_path):
+    """hybrid_config.json written before attention.la_decay existed (no such key) loads as a hybrid without decay."""
+    model = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S})
+    hs.save_converted(model, tmp_path / "old")
+    path = tmp_path / "old" / "hybrid_config.json"
+    config = json.loads(path.read_text())
+    del config["attention"]["la_decay"]
+    path.write_text(json.dumps(config))
+    loaded = hs.load_converted(tmp_path / "old")
+    assert all(m.la_decay is None for m in hybrid_layers(loaded).values())
