@@ -126,6 +126,38 @@ VARIANTS = {
             "finetune.global_batch=1",
         ],
     ),
+    "decay_1024b1e4_g2": (
+        "decay_1024b1e4, and stage 2 trains gamma too",
+        [
+            *BEFORE_39,
+            "attention.la_decay=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "distill.batch_size=1",
+            "distill.epochs=4",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+            "finetune.train_gamma=true",
+        ],
+    ),
+    "decay_1024b1e4_s8": (
+        "decay_1024b1e4 with 8 LoRA steps (twice the quickstart's)",
+        [
+            *BEFORE_39,
+            "attention.la_decay=true",
+            "data.seq_len=1024",
+            "data.num_sequences=8",
+            "distill.query_block=1024",
+            "distill.batch_size=1",
+            "distill.epochs=4",
+            "finetune.seq_len=1024",
+            "finetune.global_batch=1",
+            "finetune.max_steps=8",
+            "finetune.eval_every=8",
+            "finetune.save_every=8",
+        ],
+    ),
     "decay_512b1": (
         "+ la_decay, stage 1 on 16 x 512 tokens one sequence per step (16 steps per layer), stage 2 on 1 x 512: read "
         "to 2x its training length",
