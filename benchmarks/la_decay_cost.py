@@ -15,26 +15,15 @@ import json
 import time
 
 import torch
+from attention_scaling import FEAT, HKV, D, H, inputs  # the same SmolLM2-shaped inputs as the scaling benchmark
 
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
 
-H, HKV, D, FEAT, WINDOW, SINKS = 9, 3, 64, 128, 64, 8
+WINDOW, SINKS = 64, 8
 VARIANTS = {
     "none": {},
     "la_decay": {"la_decay": lambda: torch.full((HKV,), 0.01)},
 }
-
-
-def inputs(T: int, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        q=torch.randn(1, H, T, D, generator=g),
-        k=torch.randn(1, HKV, T, D, generator=g),
-        v=torch.randn(1, HKV, T, D, generator=g),
-        fq=torch.rand(1, H, T, FEAT, generator=g),
-        fk=torch.rand(1, HKV, T, FEAT, generator=g),
-        gamma=torch.full((H,), 0.5),
-    )
 
 
 def step(x: dict, variant: str) -> float:
@@ -57,6 +46,7 @@ def main(argv=None) -> int:
     best = {(T, v): float("inf") for T in a.lengths for v in VARIANTS}
     for T in a.lengths:
         x = inputs(T)
+        x["gamma"] = torch.full((H,), 0.5)
         for v in VARIANTS:  # warm-up
             step(x, v)
         for _ in range(a.repeats):

@@ -1,11 +1,11 @@
 """Issue 39 item 1: is the LA's growing mass what makes a hybrid trained at 256 tokens lose past them?
 
-Evaluation only, on a trained run (the quickstart's by default): perplexity by position bucket on held-out sequences
-of 1024 tokens for base, hybrid, the same hybrid with its LA mass capped at its trained maximum (both LA sums times
-min(1, n_train / n_L), n_L the query's LA keys and n_train the most any query had in training), and swa_sinks (the
-window plus the sinks, the same model without its LA). If the cap helps past the training length, the mechanism is
-the one DESIGN.md section 2 names. The cap is computed from the chunked path's two parts of the shared normaliser
-(hybrid with them, and the same with phi_k = 0 for the window part alone).
+Evaluation only, on a trained run (the quickstart's by default): perplexity by position bucket on held-out sequences of
+1024 tokens for base, hybrid, the same hybrid with its LA mass capped at its trained maximum (both LA sums times min(1,
+n_train / n_L), n_L the query's LA keys and n_train the most any query had in training), and swa_sinks (the window plus
+the sinks, the same model without its LA). If the cap helps past the training length, the mechanism is the one the
+formula implies (the LA sums grow with every key past the window). The cap is computed from the chunked path's two parts
+of the shared normaliser (hybrid with them, and the same with phi_k = 0 for the window part alone).
 
     .venv/bin/python benchmarks/la_mass_cap.py --run runs/quickstart [--out docs/results/la_mass_cap.md]
 """
