@@ -185,7 +185,7 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
     """Backend `name` on `device` at `shape` (default: a small one in `dtype`) against the chunked torch path: a
     forward whose 2 rows (one left-padded) cross several tiles, in hybrid mode (with its sinks if the shape's hybrid
     keeps them), the output and the gradients of q, k,
-    v, phi_q, phi_k and gamma; and (if it has a fused decode step) 20 decode steps past the window against
+    v, phi_q, phi_k and gamma (and of the LA's decay rho, if the shape has one); and (if it has a fused decode step) 20 decode steps past the window against
     recurrent.extend. None when it agrees, else what differed, failed, or the shape the backend cannot take."""
     shape = shape or Shape(dtype=dtype)
     dtype = shape.dtype
@@ -217,14 +217,15 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
             mask[1, :7] = 0
             opts = dict(window=w, mode="hybrid", sinks=S, hybrid_sinks=shape.hybrid_sinks, scale=None)
             opts |= dict(attention_mask=mask, chunk_size=16)
-            decay = {"la_decay": torch.linspace(0.01, 0.2, Hkv, device=device)} if shape.la_decay else {}
-            opts |= decay
+            rho = torch.linspace(0.01, 0.2, Hkv, device=device)
+            decay = {"la_decay": rho} if shape.la_decay else {}
             results = []
             for fn in (get_backend(name), chunk_hybrid_attention):
-                inputs = [t.detach().requires_grad_() for t in x]
-                y = fn(*inputs, **opts, initial_state=None, return_denominators=False)
+                inputs = [t.detach().requires_grad_() for t in (*x, *decay.values())]
+                extra = {"la_decay": inputs[-1]} if decay else {}
+                y = fn(*inputs[:6], **opts, **extra, initial_state=None, return_denominators=False)
                 results.append([y, *torch.autograd.grad(y.float().square().sum(), inputs)])
-            names = ("output", "dq", "dk", "dv", "dphi_q", "dphi_k", "dgamma")
+            names = ("output", "dq", "dk", "dv", "dphi_q", "dphi_k", "dgamma", "drho")
             for what, a, b in zip(names, *results, strict=True):
                 if (why := differs(what, a, b)) is not None:
                     return why

@@ -31,25 +31,15 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
-def _check_options(options: dict) -> None:
-    if options.get("la_decay") is not None:
-        raise ValueError(
-            "the fused Triton kernels do not implement the LA's decay (attention.la_decay) yet; attention.backend=auto "
-            "runs such a model on the chunked torch path, or set attention.backend=torch"
-        )
-
-
 def forward(q, k, v, fq, fk, gamma, **options):
     """The backend function registered as "triton" (the contract of hybrid_scale/attention/backends.py)."""
     _check_device(q)
-    _check_options(options)
     return triton_hybrid_attention(q, k, v, fq, fk, gamma, **options)
 
 
 def decode(state, q, k, v, fq, fk, gamma, **options):
     """The fused decode step registered with it (None = not a step it takes: the caller extends in torch)."""
     _check_device(q)
-    _check_options(options)
     return triton_decode_step(state, q, k, v, fq, fk, gamma, **options)
 
 

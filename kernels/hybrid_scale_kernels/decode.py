@@ -12,6 +12,9 @@ so far (the new token's real index) and R ring slots, slot r holds real token p-
 then, after a barrier, the key in slot p mod R (if any, and not a sink) is folded into the state, the new
 key/value/phi_k take its slot, and a new key with p < S is written to the sinks (key, value and phi_k). Rows whose new
 token is padding are left untouched (output 0).
+With a decay of the LA (rho per KV head, alpha = exp(-rho)) every L term of key j counts alpha^max(0, p - w - j), and
+the state keeps its sums as the last token seen (p - 1) sees them: the new token reads them times alpha, and the
+update multiplies them by alpha once (one multiply per KV head) before folding the evicted key in as p sees it.
 The state is the same object `hybrid_scale.attention.recurrent.DecodeState` keeps (duck-typed here: this package
 does not import the attention package); the result equals `recurrent.extend` on one token.
 """
@@ -29,12 +32,12 @@ from .hybrid_attention import _EPS, MODES, mode_parts
 
 @triton.jit
 def _decode(
-    Q, K, V, FQ, FK, GAMMA, RING_K, RING_V, RING_FK, SINK_K, SINK_V, SINK_FK, KV, KSUM, COUNT, REAL,  # (state in place)
+    Q, K, V, FQ, FK, GAMMA, RHO, RING_K, RING_V, RING_FK, SINK_K, SINK_V, SINK_FK, KV, KSUM, COUNT, REAL,  # (state in place)
     Y,
     H, G, D, F, R, S, window, lin_off, sink_off, n_sinks, scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_FS: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr,
-    HYBRID: tl.constexpr, LA_ONLY: tl.constexpr, SINKS_ONLY: tl.constexpr,
+    HYBRID: tl.constexpr, LA_ONLY: tl.constexpr, SINKS_ONLY: tl.constexpr, DECAY: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     Hkv = H // G
@@ -57,6 +60,8 @@ def _decode(
     den_e = tl.zeros([BLOCK_G], tl.float32)
     num_l = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     den_l = tl.zeros([BLOCK_G], tl.float32)
+    if DECAY:
+        rho = tl.load(RHO + hk).to(tl.float32)
     if LIN:
         fq = tl.load(FQ + heads[:, None] * F + of[None, :], mask=gm[:, None] & fm[None, :], other=0.0)
         fq = fq.to(tl.float32)
@@ -94,6 +99,8 @@ def _decode(
                 )
                 s = tl.sum(fq[:, None, :] * fr.to(tl.float32)[None, :, :], 2)
                 s = tl.where((ok & (pos <= p - lin_off) & (pos >= n_sinks))[None, :], s, 0.0)
+                if DECAY:
+                    s = s * tl.exp(-rho * tl.maximum(p - window - pos, 0).to(tl.float32))[None, :]
                 num_l += tl.sum(s[:, :, None] * vr[None, :, :], 1)
                 den_l += tl.sum(s, 1)
     if SINKS:
@@ -133,6 +140,8 @@ def _decode(
             s_l += tl.sum(fqb.to(tl.float32)[:, None, :] * fks.to(tl.float32)[None, :, :], 2)
         sptr = (pid.to(tl.int64) * S + sj)[:, None] * D + od[None, :]
         sv = tl.load(SINK_V + sptr, mask=folded[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        if DECAY:
+            s_l = s_l * tl.exp(-rho * tl.maximum(p - window - sj, 0).to(tl.float32))[None, :]
         num_l += tl.sum(s_l[:, :, None] * sv[None, :, :], 1)
         den_l += tl.sum(s_l, 1)
     evict = (p >= R) & (p - R >= S)  # a key leaving the ring is folded into the state unless it is a sink
@@ -144,6 +153,8 @@ def _decode(
             fok = ff < F
             fqb = tl.load(FQ + heads[:, None] * F + ff[None, :], mask=gm[:, None] & fok[None, :], other=0.0)
             fqb = fqb.to(tl.float32)
+            if DECAY:  # (the state as token p - 1 sees it)
+                fqb = fqb * tl.exp(-rho)
             st = pid.to(tl.int64) * F + ff
             kv = tl.load(KV + st[:, None] * D + od[None, :], mask=fok[:, None] & dm[None, :], other=0.0)
             ks = tl.load(KSUM + st, mask=fok, other=0.0)
@@ -160,7 +171,23 @@ def _decode(
     tl.debug_barrier()  # every read of the old ring and state is done
     if real:
         e_ptr = ring + e_slot
-        if evict:  # fold the key leaving the ring into the LA state (every mode keeps the state; sinks stay out)
+        if DECAY:  # the state moves on to token p (alpha once), and the key leaving the ring joins it as p sees it
+            ve = tl.load(RING_V + e_ptr * D + od, mask=dm, other=0.0).to(tl.float32)
+            ofs = tl.arange(0, BLOCK_FS)
+            carry = tl.exp(-rho)
+            fold = tl.exp(-rho * tl.maximum(R - window, 0).to(tl.float32))
+            for f0 in range(0, F, BLOCK_FS):
+                ff = f0 + ofs
+                fok = ff < F
+                fe = tl.load(RING_FK + e_ptr * F + ff, mask=fok, other=0.0).to(tl.float32)
+                fe = tl.where(evict, fe * fold, 0.0)  # (nothing leaves the ring yet: the state only moves on)
+                st = pid.to(tl.int64) * F + ff
+                kv = tl.load(KV + st[:, None] * D + od[None, :], mask=fok[:, None] & dm[None, :], other=0.0)
+                both = fok[:, None] & dm[None, :]
+                tl.store(KV + st[:, None] * D + od[None, :], kv * carry + fe[:, None] * ve[None, :], mask=both)
+                ks = tl.load(KSUM + st, mask=fok, other=0.0)
+                tl.store(KSUM + st, ks * carry + fe, mask=fok)
+        elif evict:  # fold the key leaving the ring into the LA state (every mode keeps the state; sinks stay out)
             ve = tl.load(RING_V + e_ptr * D + od, mask=dm, other=0.0).to(tl.float32)
             ofs = tl.arange(0, BLOCK_FS)
             for f0 in range(0, F, BLOCK_FS):
@@ -196,11 +223,11 @@ def _slots(width: int) -> int:
 
 def triton_decode_step(
     state, q, k, v, fq, fk, gamma, *, window, mode="hybrid", sinks=8, hybrid_sinks=False, attention_mask=None,
-    scale=None, block=None,
+    scale=None, block=None, la_decay=None,
 ):  # fmt: skip
     """One token per row (q [B,H,1,D], k/v [B,Hkv,1,D], fq, fk), the contract of recurrent.extend for T = 1: returns
-    y [B,H,1,D] and advances `state` (a recurrent.DecodeState) in place. Returns None when the step is not one the
-    kernel takes (then the caller runs recurrent.extend)."""
+    y [B,H,1,D] and advances `state` (a recurrent.DecodeState) in place. la_decay: rho [Hkv], the LA's decay (None =
+    off). Returns None when the step is not one the kernel takes (then the caller runs recurrent.extend)."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     B, H, T, D = q.shape
@@ -218,12 +245,16 @@ def triton_decode_step(
     Hkv = k.shape[1]
     F = fk.shape[-1]
     y = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
+    # the state keeps its sums as its last token sees them in every mode (the mode can change between calls), so a
+    # decayed state moves on with every token, whatever the mode (recurrent.extend does the same)
+    decay = la_decay is not None
+    rho = la_decay.detach().float().contiguous() if decay else gamma.detach().float()
     bg, bd, bf = max(1, triton.next_power_of_2(H // Hkv)), triton.next_power_of_2(D), triton.next_power_of_2(F)
     for name in ("k", "v", "fk", "sink_k", "sink_v", "sink_fk", "kv", "ksum"):
         setattr(state, name, getattr(state, name).contiguous())
     _decode[(B * Hkv,)](
         q.contiguous(), k.contiguous(), v.contiguous(), fq.contiguous(), fk.contiguous(),
-        gamma.detach().float().contiguous(), state.k, state.v, state.fk, state.sink_k, state.sink_v, state.sink_fk,
+        gamma.detach().float().contiguous(), rho, state.k, state.v, state.fk, state.sink_k, state.sink_v, state.sink_fk,
         state.kv, state.ksum, state.count, real.to(torch.int8), y,
         H, H // Hkv, D, F, state.ring, state.sink_k.shape[2], int(window), int(window) if mode == "hybrid" else 0,
         int(window) if soft and sink else 0, int(sinks) if sink else 0,
@@ -231,6 +262,7 @@ def triton_decode_step(
         BLOCK_G=bg, BLOCK_N=_slots(bg * max(bd, bf)), BLOCK_D=bd, BLOCK_F=bf, BLOCK_FS=_slots(bg * bd),
         BLOCK_S=max(2, triton.next_power_of_2(max(1, state.sink_k.shape[2]))),
         SOFT=soft, LIN=lin, SINKS=sink, HYBRID=hybrid, LA_ONLY=mode == "la_only", SINKS_ONLY=mode == "sinks_only",
+        DECAY=decay,
         num_warps=4, maxnreg=255,  # ptxas otherwise caps some modes at 80-96 registers and spills
     )  # fmt: skip
     state.count = state.count + real.long()

@@ -160,15 +160,48 @@ def _gammas(GAMMA, head, HYBRID: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rho(RHO, hk):
+    """The LA's decay rate rho >= 0 of KV head hk (alpha = exp(-rho))."""
+    return tl.load(RHO + hk).to(tl.float32)
+
+
+@triton.jit
+def _decayed(s, rho, n, j, window):
+    """L terms s [queries, keys] of queries n and keys j (real indices) times alpha^max(0, n - w - j): a key that has
+    left the query's window by d counts alpha^d, one inside it (la_only) 1. The exponent is clamped at 0 everywhere,
+    so masked entries (0) never meet an overflow."""
+    return s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
+
+
+@triton.jit
+def _ref(st, start, BLOCK: tl.constexpr):
+    """The token position the decayed LA state number st is kept for: its keys j count alpha^(ref - j). The state of
+    the keys before block st is kept as its last key sees it; one before the first real token (the initial state
+    only) as token start - 1 sees it, which is how an initial state is given (as query w - 1 of the sequence sees
+    it). Never below a real key of the state, so no weight exceeds 1."""
+    return tl.maximum(st * BLOCK, start) - 1
+
+
+@triton.jit
+def _lag(rho, rows, offset):
+    """alpha^max(0, rows - offset) per row: how a query (or a key) at token position `rows` sees a state kept for
+    position offset - w (the caller adds the window)."""
+    return tl.exp(-rho * tl.maximum(rows - offset, 0).to(tl.float32))
+
+
+@triton.jit
 def _states_fwd(
-    FK, V, START, END, INIT_KV, INIT_K,  # inputs
+    FK, V, START, END, INIT_KV, INIT_K, RHO,  # inputs
     STATE_KV, STATE_K,  # outputs [B, Hkv, NC, F, D], [B, Hkv, NC, F]
     T, Hkv, F, D, NC,
-    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_D: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_INIT: tl.constexpr, DECAY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_FC: tl.constexpr,
+    BLOCK_D: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """The exclusive prefix LA state at every key-block boundary, one program per (feature chunk, batch x KV head):
-    state c = the initial state + sum over the real keys of blocks 0..c-1 of phi_k(k) v^T, and of phi_k(k)."""
+    state c = the initial state + sum over the real keys of blocks 0..c-1 of phi_k(k) v^T, and of phi_k(k). With a
+    decay (DECAY) state c is kept as token _ref(c) sees it: each key j weighted alpha^(_ref(c) - j), the initial
+    state alpha^(_ref(c) - start + 1); block c's keys join it as _ref(c + 1) sees them, after the state has been
+    carried there (one multiply)."""
     f0 = tl.program_id(0) * BLOCK_FC
     pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
@@ -183,23 +216,33 @@ def _states_fwd(
     else:
         kv = tl.zeros([BLOCK_FC, BLOCK_D], tl.float32)
         ks = tl.zeros([BLOCK_FC], tl.float32)
+    if DECAY:
+        rho = _rho(RHO, pid_bh % Hkv)
     for c in range(0, NC):
         st = base * NC + c
         tl.store(STATE_KV + (st * F + of)[:, None] * D + od[None, :], kv, mask=both)
         tl.store(STATE_K + st * F + of, ks, mask=of < F)
         cols, _, k_ok = _span(c * BLOCK, start, end, BLOCK)
         fk = _cols(FK, base * T + cols, k_ok, F, f0, BLOCK_FC)
-        kv += _dot(tl.trans(fk), _rows(V, base * T + cols, k_ok, D, BLOCK_D), DT, PREC)
-        ks += tl.sum(fk.to(tl.float32), 0)
+        v = _rows(V, base * T + cols, k_ok, D, BLOCK_D)
+        if DECAY:  # carried to _ref(c + 1) (>= every key of block c), then block c's keys as that token sees them
+            ref = _ref(c + 1, start, BLOCK)
+            carry = tl.exp(-rho * (ref - _ref(c, start, BLOCK)).to(tl.float32))
+            fk = fk.to(tl.float32) * tl.exp(-rho * (ref - cols).to(tl.float32))[:, None]
+            kv = kv * carry + tl.dot(tl.trans(fk), v.to(tl.float32), input_precision=PREC)
+            ks = ks * carry + tl.sum(fk, 0)
+        else:
+            kv += _dot(tl.trans(fk), v, DT, PREC)
+            ks += tl.sum(fk.to(tl.float32), 0)
 
 
 @triton.jit
 def _fwd(
-    Q, K, V, FQ, FK, GAMMA, STATE_KV, STATE_K, START, END,  # inputs
+    Q, K, V, FQ, FK, GAMMA, RHO, STATE_KV, STATE_K, START, END,  # inputs
     Y, C, Z, DEN_E, DEN_L, IDX,  # outputs
-    T, H, G, D, F, NC, window, lin_off, sink_off, n_sinks, scale,
+    T, H, G, D, F, NC, window, lin_off, st_off, sink_off, n_sinks, scale,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
-    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     head, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
@@ -210,10 +253,12 @@ def _fwd(
     num_l = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     den_l = tl.zeros([BLOCK], tl.float32)
     idx = tl.zeros([BLOCK], tl.int32)
-    if LIN:
-        lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
+    if LIN:  # (st_off: the window with a decay, which must stream every key inside it; la_only without one: 0)
+        lo = tl.maximum(m0 - st_off + 1, 0) // BLOCK * BLOCK
     else:
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
+    if DECAY:
+        rho = _rho(RHO, tl.program_id(1) % (H // G))
     if SOFT or LIN:
         for kb in range(lo, tl.minimum(m1 + 1, end), BLOCK):
             cols, j, k_ok = _span(kb, start, end, BLOCK)
@@ -230,6 +275,8 @@ def _fwd(
                 if kb <= m1 - lin_off:  # some key of the block has left some query's window
                     s = _la_scores(FQ, FK, q_row, row_ok, kv_base + cols, k_ok, F, BLOCK, BLOCK_FC, DT, PREC)
                     s = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)
+                    if DECAY:
+                        s = _decayed(s, rho, n, j, window)
                     num_l += _dot(s, v, DT, PREC)
                     den_l += tl.sum(s, 1)
     if SINKS:
@@ -242,9 +289,13 @@ def _fwd(
         m_i, num_e, den_e = _online(m_i, num_e, den_e, a, _rows(V, kv_base + cols, s_ok, D, BLOCK_D), DT, PREC)
     if LIN:  # keys before lo: the prefix state of whole blocks (exclusive), fp32, a feature chunk at a time
         st = kv_base // T * NC + lo // BLOCK
+        if DECAY:  # each query sees the state kept for _ref(lo) <= its position - w
+            lag = _lag(rho, rows, window + _ref(lo // BLOCK, start, BLOCK))
         for f0 in range(0, F, BLOCK_FC):
             kv, ksum = _state(STATE_KV, STATE_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
             fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
+            if DECAY:
+                fq = fq * lag[:, None]
             num_l += tl.dot(fq, kv, input_precision=PREC)
             den_l += tl.sum(fq * ksum[None, :], 1)
     g = _gammas(GAMMA, head, HYBRID, BLOCK)
@@ -317,44 +368,66 @@ def _bwd_dq(
 
 @triton.jit
 def _bwd_dfq(
-    FQ, FK, V, STATE_KV, STATE_K, START, END, DY, Z, DELTA,  # inputs
-    DFQ,  # output
-    T, H, G, D, F, NC, lin_off,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    FQ, FK, V, RHO, STATE_KV, STATE_K, START, END, DY, Z, DELTA,  # inputs
+    DFQ, WIN_Q,  # outputs; WIN_Q [F chunks, B * H * T] (WIN)
+    T, H, G, D, F, NC, window, lin_off, st_off, n_rows,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, WIN: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dphi_q of the LA terms, one feature chunk per program (query tile x head x chunk): the intra terms of the
-    streamed keys, then the state of the keys before them."""
+    streamed keys, then the state of the keys before them. WIN (la_only with a decay): also this chunk's share of
+    phi_q . dphi_q from the keys inside the window (weight 1, no share in rho's gradient), per row."""
     f0 = tl.program_id(2) * BLOCK_FC
     _, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     z = tl.load(Z + q_row, mask=row_ok, other=1.0)
     dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
     dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
-    lo = tl.maximum(m0 - lin_off + 1, 0) // BLOCK * BLOCK
+    lo = tl.maximum(m0 - st_off + 1, 0) // BLOCK * BLOCK
     dfq = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
+    if DECAY:
+        rho = _rho(RHO, tl.program_id(1) % (H // G))
+    if WIN:
+        win = tl.zeros([BLOCK], tl.float32)
+        fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
     for kb in range(lo, tl.minimum(m1 + 1 - lin_off, end), BLOCK):  # blocks with some key past some window
         cols, j, k_ok = _span(kb, start, end, BLOCK)
         lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
         dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
-        dfq += _dot(tl.where(lin, dp, 0.0), _cols(FK, kv_base + cols, k_ok, F, f0, BLOCK_FC), DT, PREC)
+        fk = _cols(FK, kv_base + cols, k_ok, F, f0, BLOCK_FC)
+        dl = tl.where(lin, dp, 0.0)
+        if DECAY:
+            dl = _decayed(dl, rho, n, j, window)
+        dfq += _dot(dl, fk, DT, PREC)
+        if WIN:
+            dw = tl.where(lin & (j[None, :] > n[:, None] - window), dp, 0.0)
+            win += tl.sum(_dot(dw, fk, DT, PREC) * fq, 1)
     kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, f0, BLOCK_FC, BLOCK_D)
-    dfq += tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
+    ds = tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
+    if DECAY:
+        ds = ds * _lag(rho, rows, window + _ref(lo // BLOCK, start, BLOCK))[:, None]
+    dfq += ds
     _store_cols(DFQ, q_row, rows < T, F, f0, tl.where(row_ok[:, None], dfq, 0.0), BLOCK_FC)
+    if WIN:
+        tl.store(WIN_Q + tl.program_id(2).to(tl.int64) * n_rows + q_row, tl.where(row_ok, win, 0.0), mask=rows < T)
 
 
 @triton.jit
 def _states_bwd(
-    FQ, START, END, DY, Z, DELTA,  # inputs
+    FQ, START, END, DY, Z, DELTA, RHO,  # inputs
     G_KV, G_K, D_INIT_KV, D_INIT_K,  # outputs [B, Hkv, NC, F, D], [B, Hkv, NC, F]; [B, Hkv, F, D], [B, Hkv, F]
-    T, H, G, D, F, NC, NQ, lin_off,
-    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr,
-    PREC: tl.constexpr,
+    T, H, G, D, F, NC, NQ, window, st_off,
+    HAS_INIT: tl.constexpr, DECAY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_FC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """The gradient of every key block's share of the LA state, per (feature chunk, batch x KV head), in reverse
     time over the packed query tiles (`_packed`: all G heads at once). Query tile i reads the state of the key blocks
     before its streamed span, st(i) = lo(i) / BLOCK of them (the forward's lo); so key block c's gradient is
     g_c = sum over the tiles with st(i) >= c + 1 of X_i, X_i = phi_q(tile i)^T dy/Z (and -phi_q dz for the key
     sums), complete once the first such tile is added; blocks no tile reads get zeros. The initial state is in
-    every tile's state: its gradient is the sum of every X_i."""
+    every tile's state: its gradient is the sum of every X_i. With a decay (DECAY), g_c is the gradient of the
+    state as _ref(c + 1) (block c's last key) sees it: the sum runs as tile i's _ref sees it, each row weighted
+    alpha^(its position - w - _ref), carried down to the next tile's _ref and to each block's as it is stored; it
+    ends as the initial state's own (start - 1)."""
     f0 = tl.program_id(0) * BLOCK_FC
     pid_bhkv = tl.program_id(1)
     b, hk = pid_bhkv // (H // G), pid_bhkv % (H // G)
@@ -364,26 +437,41 @@ def _states_bwd(
     both = (of < F)[:, None] & (od < D)[None, :]
     acc = tl.zeros([BLOCK_FC, BLOCK_D], tl.float32)
     acc_k = tl.zeros([BLOCK_FC], tl.float32)
-    st_last = tl.maximum((NQ - 1) * BLOCK // G - lin_off + 1, 0) // BLOCK
+    st_last = tl.maximum((NQ - 1) * BLOCK // G - st_off + 1, 0) // BLOCK
     for c in range(st_last, NC):  # read by no query tile
         st = pid_bhkv.to(tl.int64) * NC + c
         tl.store(G_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
         tl.store(G_K + st * F + of, acc_k, mask=of < F)
+    if DECAY:
+        rho = _rho(RHO, hk)
+        ref_prev = _ref(st_last, start, BLOCK)  # (the last tile's: the sums start at 0 there)
     for r in range(0, NQ):
         i = NQ - 1 - r
-        _, _, _, row_ok, q_row, m0, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
+        _, rows, _, row_ok, q_row, m0, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
         z = tl.load(Z + q_row, mask=row_ok, other=1.0)
         dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
         dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
         fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
+        st_i = tl.maximum(m0 - st_off + 1, 0) // BLOCK
+        if DECAY:  # carried down to this tile's _ref (<= the last one's), then its rows as that token sees them
+            ref = _ref(st_i, start, BLOCK)
+            carry = tl.exp(-rho * (ref_prev - ref).to(tl.float32))
+            acc = acc * carry
+            acc_k = acc_k * carry
+            fq = fq * _lag(rho, rows, window + ref)[:, None]
+            ref_prev = ref
         acc += tl.dot(tl.trans(fq), dyz, input_precision=PREC)
         acc_k -= tl.sum(fq * dz[:, None], 0)
-        st_i = tl.maximum(m0 - lin_off + 1, 0) // BLOCK
-        st_prev = tl.maximum(tl.maximum(i - 1, 0) * BLOCK // G - lin_off + 1, 0) // BLOCK
+        st_prev = tl.maximum(tl.maximum(i - 1, 0) * BLOCK // G - st_off + 1, 0) // BLOCK
         for c in range(st_prev, st_i):  # the blocks whose first reader is tile i
             st = pid_bhkv.to(tl.int64) * NC + c
-            tl.store(G_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
-            tl.store(G_K + st * F + of, acc_k, mask=of < F)
+            if DECAY:  # as block c's last key sees it
+                down = tl.exp(-rho * (ref - _ref(c + 1, start, BLOCK)).to(tl.float32))
+                tl.store(G_KV + (st * F + of)[:, None] * D + od[None, :], acc * down, mask=both)
+                tl.store(G_K + st * F + of, acc_k * down, mask=of < F)
+            else:
+                tl.store(G_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
+                tl.store(G_K + st * F + of, acc_k, mask=of < F)
     if HAS_INIT:
         st = pid_bhkv.to(tl.int64)
         tl.store(D_INIT_KV + (st * F + of)[:, None] * D + od[None, :], acc, mask=both)
@@ -391,13 +479,13 @@ def _states_bwd(
 
 
 @triton.jit
-def _tiles_of_key(kb, end, reach, T, G, BLOCK: tl.constexpr, LIN: tl.constexpr, lin_off):
+def _tiles_of_key(kb, end, reach, T, G, BLOCK: tl.constexpr, LIN: tl.constexpr, lin_off, st_off):
     """The packed query tiles [first, last] whose rows reach key tile kb: LIN, those whose streamed span starts at
-    or before it (the forward's lo <= kb) with some query past the window of some key in it; else those with some
-    query within `reach` of it (the window)."""
+    or before it (the forward's lo <= kb, lo from st_off) with some query past the window of some key in it (from
+    lin_off); else those with some query within `reach` of it (the window)."""
     if LIN:
         first = (kb + lin_off) * G // BLOCK
-        last = ((kb + BLOCK + lin_off - 1) * G - 1) // BLOCK
+        last = ((kb + BLOCK + st_off - 1) * G - 1) // BLOCK
     else:
         first = kb * G // BLOCK
         last = ((kb + BLOCK + reach - 1) * G - 1) // BLOCK
@@ -421,11 +509,11 @@ def _key_tile(V, START, END, T, H, G, D, NC, BLOCK: tl.constexpr, BLOCK_D: tl.co
 
 @triton.jit
 def _bwd_dkv(
-    Q, K, V, FQ, FK, GAMMA, START, END, DY, C, Z, DELTA, G_KV,  # inputs
+    Q, K, V, FQ, FK, GAMMA, RHO, START, END, DY, C, Z, DELTA, G_KV,  # inputs
     DK, DV,  # outputs
-    T, H, G, D, F, NC, window, lin_off, scale,
+    T, H, G, D, F, NC, window, lin_off, st_off, scale,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr,
-    SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr, ACC: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, HYBRID: tl.constexpr, ACC: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dk and dv per key tile x KV head: the window terms (SOFT) or the LA terms (LIN) of the packed query tiles
@@ -436,7 +524,9 @@ def _bwd_dkv(
     k = _rows(K, k_row, k_ok, D, BLOCK_D)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    first, last = _tiles_of_key(kb, end, window, T, G, BLOCK, LIN, lin_off)
+    first, last = _tiles_of_key(kb, end, window, T, G, BLOCK, LIN, lin_off, st_off)
+    if DECAY:
+        rho = _rho(RHO, hk)
     for i in range(first, last + 1):
         head, _, n, row_ok, q_row, _, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
         dyz, dz, c = _grad_rows(DY, C, Z, DELTA, q_row, row_ok, D, BLOCK_D)
@@ -451,13 +541,21 @@ def _bwd_dkv(
             dv += _dot(tl.trans(p), dyz, DT, PREC)
         if LIN:
             s = _la_scores(FQ, FK, q_row, row_ok, k_row, k_ok, F, BLOCK, BLOCK_FC, DT, PREC)
-            dv += _dot(tl.trans(tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)), dyz, DT, PREC)
+            s = tl.where(causal & (j[None, :] <= n[:, None] - lin_off), s, 0.0)
+            if DECAY:
+                s = _decayed(s, rho, n, j, window)
+            dv += _dot(tl.trans(s), dyz, DT, PREC)
     out = cols < T
     if LIN:  # the state this key block is part of: every later query tile whose span starts after it
+        if DECAY:  # (its gradient is kept as the block's last key sees it)
+            wk = tl.exp(-rho * (_ref(kb // BLOCK + 1, start, BLOCK) - cols).to(tl.float32))
         for f0 in range(0, F, BLOCK_FC):
             of = f0 + tl.arange(0, BLOCK_FC)
             gkv = _rows(G_KV + st * F * D, of.to(tl.int64), of < F, D, BLOCK_D)
-            dv += tl.dot(_cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32), gkv, input_precision=PREC)
+            fk = _cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32)
+            if DECAY:
+                fk = fk * wk[:, None]
+            dv += tl.dot(fk, gkv, input_precision=PREC)
     if SOFT:
         _store_rows(DK, k_row, out, D, dk, BLOCK_D)
     if ACC:
@@ -467,28 +565,47 @@ def _bwd_dkv(
 
 @triton.jit
 def _bwd_dfk(
-    FQ, V, START, END, DY, Z, DELTA, G_KV, G_K,  # inputs
-    DFK,  # output
-    T, H, G, D, F, NC, lin_off,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    FQ, FK, V, RHO, START, END, DY, Z, DELTA, G_KV, G_K,  # inputs
+    DFK, WIN_K,  # outputs; WIN_K [F chunks, B * Hkv * T] (WIN)
+    T, H, G, D, F, NC, window, lin_off, st_off, n_rows,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, WIN: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dphi_k per key tile x KV head x feature chunk: the LA terms of the packed query tiles that stream this key
-    tile, then the state gradient of the tile."""
+    tile, then the state gradient of the tile. WIN (la_only with a decay): also this chunk's share of phi_k . dphi_k
+    from the queries that still have the key in their window (weight 1, no share in rho's gradient), per key."""
     f0 = tl.program_id(2) * BLOCK_FC
     b, hk, start, end, kb, cols, j, k_ok, k_row, v, st = _key_tile(V, START, END, T, H, G, D, NC, BLOCK, BLOCK_D)
     dfk = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
-    first, last = _tiles_of_key(kb, end, lin_off, T, G, BLOCK, True, lin_off)
+    first, last = _tiles_of_key(kb, end, lin_off, T, G, BLOCK, True, lin_off, st_off)
+    if DECAY:
+        rho = _rho(RHO, hk)
+    if WIN:
+        win = tl.zeros([BLOCK], tl.float32)
+        fk = _cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32)
     for i in range(first, last + 1):
         _, _, n, row_ok, q_row, _, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
         z = tl.load(Z + q_row, mask=row_ok, other=1.0)
         dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
         dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
         lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
-        dp = tl.where(lin, _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None], 0.0)
-        dfk += _dot(tl.trans(dp), _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC), DT, PREC)
+        dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
+        fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC)
+        dl = tl.where(lin, dp, 0.0)
+        if DECAY:
+            dl = _decayed(dl, rho, n, j, window)
+        dfk += _dot(tl.trans(dl), fq, DT, PREC)
+        if WIN:
+            dw = tl.where(lin & (j[None, :] > n[:, None] - window), dp, 0.0)
+            win += tl.sum(_dot(tl.trans(dw), fq, DT, PREC) * fk, 1)
     gkv, gk = _state(G_KV, G_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
-    dfk += tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
+    ds = tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
+    if DECAY:  # (the state's gradient is kept as the block's last key sees it)
+        ds = ds * tl.exp(-rho * (_ref(kb // BLOCK + 1, start, BLOCK) - cols).to(tl.float32))[:, None]
+    dfk += ds
     _store_cols(DFK, k_row, cols < T, F, f0, tl.where(k_ok[:, None], dfk, 0.0), BLOCK_FC)
+    if WIN:
+        tl.store(WIN_K + tl.program_id(2).to(tl.int64) * n_rows + k_row, tl.where(k_ok, win, 0.0), mask=cols < T)
 
 
 @triton.jit
@@ -561,10 +678,11 @@ def _spans(attention_mask, batch, length, device):
     return first.to(torch.int32), (first + count).to(torch.int32)
 
 
-def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, tiles=None):
+def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, tiles=None, rho=None):
     """Exclusive prefix LA state at each key-block boundary: kv [B,Hkv,NC,F,D], k [B,Hkv,NC,F] (fp32),
     state c = sum over real keys in blocks 0..c-1 of phi_k(k) v^T and phi_k(k), plus the initial state if given
-    (kv [B,Hkv,F,D], k [B,Hkv,F]: keys before the sequence). One Triton program per feature chunk and KV head."""
+    (kv [B,Hkv,F,D], k [B,Hkv,F]: keys before the sequence). rho [Hkv] (fp32): the LA's decay, state c kept as
+    token max(c * block, start) - 1 sees it (`_ref`). One Triton program per feature chunk and KV head."""
     B, Hkv, T, F = fk.shape
     D = v.shape[-1]
     nc = triton.cdiv(T, block)
@@ -574,9 +692,10 @@ def chunk_states(fk, v, start, end, block, init_kv=None, init_k=None, tiles=None
     ks = torch.empty(B, Hkv, nc, F, dtype=torch.float32, device=fk.device)
     has_init = init_kv is not None and init_kv.numel() > 0
     init_kv, init_k = (init_kv.float().contiguous(), init_k.float().contiguous()) if has_init else (kv, ks)
+    decay = rho is not None and rho.numel() > 0
     _states_fwd[(triton.cdiv(F, fchunk), B * Hkv)](
-        fk.contiguous(), v.contiguous(), start, end, init_kv, init_k, kv, ks, T, Hkv, F, D, nc,
-        HAS_INIT=has_init, BLOCK=block, BLOCK_FC=fchunk, BLOCK_D=_pow2(D), DT=_DT[fk.dtype],
+        fk.contiguous(), v.contiguous(), start, end, init_kv, init_k, rho if decay else ks, kv, ks, T, Hkv, F, D, nc,
+        HAS_INIT=has_init, DECAY=decay, BLOCK=block, BLOCK_FC=fchunk, BLOCK_D=_pow2(D), DT=_DT[fk.dtype],
         PREC=_precision(fk), **tiles.launch("_states_fwd"),
     )  # fmt: skip
     return kv, ks
@@ -598,13 +717,19 @@ def mode_parts(mode: str, hybrid_sinks: bool) -> tuple[bool, bool, bool, bool]:
     return soft, lin, sink or (mode == "hybrid" and bool(hybrid_sinks)), hybrid
 
 
-def _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks=False):
+def _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks=False, decay=False):
+    """The launch settings of a call. lin_off: an L term needs j <= n - lin_off (the hybrid: the window; la_only: 0).
+    st_off: a query tile streams its keys from the tile at or before its first query - st_off + 1 and takes the rest
+    from the state: the window in the hybrid, and in la_only with a decay, whose keys inside the window must count 1
+    (without a decay la_only streams only its own tile). DECAY: the LA decays (rho given, a mode with an LA)."""
     soft, lin, sink, hybrid = mode_parts(mode, hybrid_sinks)
     B, H, T, D = q.shape
     F = fq.shape[-1]
     lin_off = int(window) if mode == "hybrid" else 0
+    decay = bool(decay) and lin
     return dict(
         T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=lin_off,
+        st_off=int(window) if (mode == "hybrid" or decay) else 0, DECAY=decay, WIN=decay and mode == "la_only",
         BLOCK=block, BLOCK_D=_pow2(D), SOFT=soft, LIN=lin, HYBRID=hybrid,
         sink_off=int(window) if soft and sink else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
         DT=_DT[q.dtype], PREC=_precision(q),
@@ -613,11 +738,12 @@ def _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks=False):
 
 class _HybridAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fq, fk, gamma, init_kv, init_k, start, end, window, mode, sinks, hybrid_sinks, scale,
-                tiles):  # fmt: skip
+    def forward(ctx, q, k, v, fq, fk, gamma, rho, init_kv, init_k, start, end, window, mode, sinks, hybrid_sinks,
+                scale, tiles):  # fmt: skip
         block = tiles.block
         B, H, T, D = q.shape
-        s = _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks)
+        s = _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks, rho.numel() > 0)
+        r = rho.detach().float().contiguous() if s["DECAY"] else None
         nm = triton.cdiv(T, block)
         nq = triton.cdiv(T * s["G"], block)  # packed query tiles (GQA: all heads of a KV head at once)
         f32 = dict(dtype=torch.float32, device=q.device)
@@ -625,30 +751,33 @@ class _HybridAttention(torch.autograd.Function):
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles)
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles, r)
         else:
             state_kv = state_k = c  # unused
         g = gamma.detach().to(torch.float32).contiguous()
         fchunk = tiles.of("_fwd")[1]
         _fwd[(nq, B * k.shape[1])](
-            q, k, v, fq, fk, g, state_kv, state_k, start, end, y, c, z, den_e, den_l, idx,
-            s["T"], s["H"], s["G"], s["D"], s["F"], nm, s["window"], s["lin_off"], s["sink_off"], s["n_sinks"], scale,
-            BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fchunk, BLOCK_S=_pow2(max(sinks, 1)), SOFT=s["SOFT"],
-            LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DT=s["DT"], PREC=s["PREC"], **tiles.launch("_fwd"),
+            q, k, v, fq, fk, g, g if r is None else r, state_kv, state_k, start, end, y, c, z, den_e, den_l, idx,
+            s["T"], s["H"], s["G"], s["D"], s["F"], nm, s["window"], s["lin_off"], s["st_off"], s["sink_off"],
+            s["n_sinks"], scale, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fchunk, BLOCK_S=_pow2(max(sinks, 1)),
+            SOFT=s["SOFT"], LIN=s["LIN"], SINKS=s["SINKS"], HYBRID=s["HYBRID"], DECAY=s["DECAY"], DT=s["DT"],
+            PREC=s["PREC"], **tiles.launch("_fwd"),
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx)
+        ctx.save_for_backward(q, k, v, fq, fk, gamma, rho, init_kv, init_k, start, end, y, c, z, idx)
         ctx.opts = (window, mode, sinks, hybrid_sinks, scale, tiles)
         ctx.mark_non_differentiable(den_e, den_l)
         return y, den_e, den_l
 
     @staticmethod
     def backward(ctx, dy, _de, _dl):
-        q, k, v, fq, fk, gamma, init_kv, init_k, start, end, y, c, z, idx = ctx.saved_tensors
+        q, k, v, fq, fk, gamma, rho, init_kv, init_k, start, end, y, c, z, idx = ctx.saved_tensors
         window, mode, sinks, hybrid_sinks, scale, tiles = ctx.opts
         block = tiles.block
         B, H, T, D = q.shape
         Hkv = k.shape[1]
-        s = _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks)
+        s = _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks, rho.numel() > 0)
+        r = rho.detach().float().contiguous() if s["DECAY"] else None
+        decay = dict(window=s["window"], st_off=s["st_off"], DECAY=s["DECAY"])
         nm, F, G = triton.cdiv(T, block), s["F"], s["G"]
         nq = triton.cdiv(T * G, block)
         f32 = dict(dtype=torch.float32, device=q.device)
@@ -673,27 +802,31 @@ class _HybridAttention(torch.autograd.Function):
             )  # fmt: skip
         has_init = init_kv.numel() > 0
         d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if has_init else (None, None)
+        rp = g if r is None else r  # (a pointer the kernels do not read without a decay)
         if s["LIN"]:
-            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles)
+            state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles, r)
             dfq = torch.empty(B, H, T, F, **f32)
             opts, fc = common("_bwd_dfq")
+            win_q = torch.empty(triton.cdiv(F, fc), B * H * T, **f32) if s["WIN"] else dfq
             _bwd_dfq[(nq, B * Hkv, triton.cdiv(F, fc))](
-                fq, fk, v, state_kv, state_k, start, end, dy, z, delta, dfq, T, H, G, D, F, nm, s["lin_off"],
-                BLOCK_FC=fc, **opts,
+                fq, fk, v, rp, state_kv, state_k, start, end, dy, z, delta, dfq, win_q, T, H, G, D, F, nm,
+                s["window"], s["lin_off"], s["st_off"], B * H * T, BLOCK_FC=fc, DECAY=s["DECAY"], WIN=s["WIN"], **opts,
             )  # fmt: skip
             del state_kv, state_k
             g_kv = torch.empty(B, Hkv, nm, F, D, **f32)
             g_k = torch.empty(B, Hkv, nm, F, **f32)
             opts, fc = common("_states_bwd")
             _states_bwd[(triton.cdiv(F, fc), B * Hkv)](
-                fq, start, end, dy, z, delta, g_kv, g_k, *(d_init if has_init else (g_kv, g_k)),
-                T, H, G, D, F, nm, nq, s["lin_off"], HAS_INIT=has_init, BLOCK=block, BLOCK_D=s["BLOCK_D"], BLOCK_FC=fc,
-                PREC=s["PREC"], **tiles.launch("_states_bwd"),
+                fq, start, end, dy, z, delta, rp, g_kv, g_k, *(d_init if has_init else (g_kv, g_k)),
+                T, H, G, D, F, nm, nq, s["window"], s["st_off"], HAS_INIT=has_init, DECAY=s["DECAY"], BLOCK=block,
+                BLOCK_D=s["BLOCK_D"], BLOCK_FC=fc, PREC=s["PREC"], **tiles.launch("_states_bwd"),
             )  # fmt: skip
             dfk = torch.empty(B, Hkv, T, F, **f32)
             opts, fc = common("_bwd_dfk")
+            win_k = torch.empty(triton.cdiv(F, fc), B * Hkv * T, **f32) if s["WIN"] else dfk
             _bwd_dfk[(nm, B * Hkv, triton.cdiv(F, fc))](
-                fq, v, start, end, dy, z, delta, g_kv, g_k, dfk, T, H, G, D, F, nm, s["lin_off"], BLOCK_FC=fc, **opts,
+                fq, fk, v, rp, start, end, dy, z, delta, g_kv, g_k, dfk, win_k, T, H, G, D, F, nm, s["window"],
+                s["lin_off"], s["st_off"], B * Hkv * T, BLOCK_FC=fc, DECAY=s["DECAY"], WIN=s["WIN"], **opts,
             )  # fmt: skip
         else:
             dfq = torch.zeros(B, H, T, F, **f32)
@@ -705,9 +838,10 @@ class _HybridAttention(torch.autograd.Function):
             if s[part]:
                 opts, fc = common("_bwd_dkv")
                 _bwd_dkv[(nm, B * Hkv)](
-                    q, k, v, fq, fk, g, start, end, dy, c, z, delta, g_kv, dk, dv,
-                    T, H, G, D, F, nm, s["window"], s["lin_off"], scale, BLOCK_FC=fc, SOFT=part == "SOFT",
-                    LIN=part == "LIN", HYBRID=s["HYBRID"], ACC=part == "LIN" and s["SOFT"], **opts,
+                    q, k, v, fq, fk, g, rp, start, end, dy, c, z, delta, g_kv, dk, dv,
+                    T, H, G, D, F, nm, s["window"], s["lin_off"], s["st_off"], scale, BLOCK_FC=fc,
+                    SOFT=part == "SOFT", LIN=part == "LIN", HYBRID=s["HYBRID"], ACC=part == "LIN" and s["SOFT"],
+                    DECAY=s["DECAY"] and part == "LIN", **opts,
                 )  # fmt: skip
         if s["SINKS"]:
             bs = _pow2(max(sinks, 1))
@@ -737,10 +871,48 @@ class _HybridAttention(torch.autograd.Function):
                 dgamma = (rsum.sum((0, 2)) / gamma.detach().float()).to(gamma.dtype)
         elif gamma.requires_grad:
             dgamma = torch.zeros_like(gamma)
+        drho = None
+        if rho.requires_grad:
+            drho = torch.zeros_like(rho)
+            if s["DECAY"]:
+                wins = (win_q.sum(0).view(B, H, T), win_k.sum(0).view(B, Hkv, T)) if s["WIN"] else None
+                init = (init_kv, init_k) if has_init else None
+                drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, wins, init).to(rho.dtype)
         return (
-            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, *d_init,
-            None, None, None, None, None, None, None, None,
+            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, drho,
+            *d_init, None, None, None, None, None, None, None, None,
         )  # fmt: skip
+
+
+def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, wins, init):
+    """rho's gradient [Hkv] from the kernels' outputs. An L term of query n and key j weighted alpha^e, e = n - w - j,
+    has d/drho = -e times its share of the loss, and its share is in both phi_q . dphi_q (row n) and phi_k . dphi_k
+    (key j); so the sum of -e over every term is -sum_n n (phi_q . dphi_q)_n + sum_j (w + j)(phi_k . dphi_k)_j. Two
+    kinds of term are not of that form and are taken out: la_only's keys inside the window (weight 1: `wins`, their
+    shares per row and key) and the initial state's terms (exponent max(0, n - w + 1): their share per row is
+    recomputed here, from the state). Sums in fp64: the two position-weighted sums nearly cancel at long lengths."""
+    B, H, T, _ = fq.shape
+    Hkv = fk.shape[1]
+    f64 = torch.float64
+    pos = torch.arange(T, device=fq.device)[None] - start.long()[:, None]  # real index (padding: outside [0, n))
+    real = (pos >= 0) & (pos < (end - start).long()[:, None])
+    xq = (dfq.to(f64) * fq.to(f64)).sum(-1)  # [B, H, T]
+    xk = (dfk.to(f64) * fk.to(f64)).sum(-1)  # [B, Hkv, T]
+    if wins is not None:
+        xq, xk = xq - wins[0].to(f64), xk - wins[1].to(f64)
+    n = torch.where(real, pos, 0).to(f64)[:, None]
+    drho = (-(n * xq)).view(B, Hkv, H // Hkv, T).sum((0, 2, 3)) + ((window + n) * xk).sum((0, 2))
+    if init is not None:  # the initial state's share per row: alpha^e(n) phi_q . (kv dy / Z - k delta / Z)
+        group = H // Hkv
+        kv, ksum = (t.to(f64).repeat_interleave(group, dim=1) for t in init)
+        e = (pos - (window - 1)).clamp(min=0).to(f64)[:, None]
+        lag = torch.exp(-rho.to(f64).repeat_interleave(group).view(1, H, 1) * e)
+        zz = z.to(f64)
+        fq64 = fq.to(f64)
+        share = ((fq64 @ kv) * dy.to(f64)).sum(-1) / zz - (fq64 @ ksum[..., None])[..., 0] * delta.to(f64) / zz
+        share = torch.where(real[:, None], lag * share, 0.0)
+        drho = drho + ((n - e) * share).view(B, Hkv, group, T).sum((0, 2, 3))
+    return drho
 
 
 @dataclass(frozen=True)
@@ -806,13 +978,16 @@ def triton_hybrid_attention(
     chunk_size=None,
     initial_state=None,
     return_denominators=False,
+    la_decay=None,
     block=None,
     num_warps=None,
     fchunk=None,
 ):
     """The attention backend contract of hybrid_scale/attention/backends.py, computed by the fused kernels.
     chunk_size is ignored (the tile is `block`, the feature chunk `fchunk`: by default_tiles). initial_state: optional
-    (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable)."""
+    (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable;
+    with la_decay as query w - 1 of the sequence sees them). la_decay: rho [Hkv] >= 0, the LA's decay (naive.py's
+    spec; differentiable), None = off."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     if window < 1:
@@ -849,7 +1024,10 @@ def triton_hybrid_attention(
         init = (q.new_zeros(0), q.new_zeros(0))
     else:
         init = tuple(t.float().contiguous() for t in initial_state)
-    y, den_e, den_l = _HybridAttention.apply(q, k, v, fq, fk, gamma, *init, *spans, *options)
+    if la_decay is not None and tuple(la_decay.shape) != (k.shape[1],):
+        raise ValueError(f"la_decay must hold one rho per KV head ({k.shape[1]}), got shape {tuple(la_decay.shape)}")
+    rho = q.new_zeros(0, dtype=torch.float32) if la_decay is None else la_decay
+    y, den_e, den_l = _HybridAttention.apply(q, k, v, fq, fk, gamma, rho, *init, *spans, *options)
     if order is not None:
         inverse = torch.argsort(order, dim=-1)
         y, den_e, den_l = (

@@ -212,15 +212,15 @@ def test_save_load_generate_and_split_heads(tmp_path):
     assert torch.equal(m.la_decay_rho, rho[1:])
 
 
-def test_the_fused_kernels_refuse_the_decay_by_name_and_auto_runs_torch():
-    """Until the Triton kernels implement it, a layer with a decay fails the kernels' self-check by name (so
-    attention.backend=auto takes the chunked path on CUDA, and =triton refuses at its first call)."""
+def test_the_fused_kernels_pass_their_self_check_with_a_decay():
+    """The self-check runs the decayed shape (forward, backward incl. rho's gradient, 20 decode steps) against the
+    torch path: the kernels pass it (in Triton's interpreter on CPU, as in the tests), so attention.backend=auto
+    takes them on CUDA for a decayed model."""
     pytest.importorskip("hybrid_scale_kernels")
     from hybrid_scale.attention import backends
 
     shape = backends.Shape(dtype=torch.float32, la_decay=True)
-    why = backends.self_check("triton", "cpu", shape=shape)  # (Triton's interpreter on CPU, as in the tests)
-    assert why is not None and "do not implement the LA's decay (attention.la_decay) yet" in why
+    assert backends.self_check("triton", "cpu", dtype=torch.float32, shape=shape) is None
     assert "LA decay" in str(shape)
 
 
