@@ -369,14 +369,15 @@ def _bwd_dq(
 @triton.jit
 def _bwd_dfq(
     FQ, FK, V, RHO, STATE_KV, STATE_K, START, END, DY, Z, DELTA,  # inputs
-    DFQ, WIN_Q,  # outputs; WIN_Q [F chunks, B * H * T] (WIN)
+    DFQ, PAST_Q,  # outputs; PAST_Q [F chunks, B * H * T] (PAST)
     T, H, G, D, F, NC, window, lin_off, st_off, n_rows,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, WIN: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, PAST: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dphi_q of the LA terms, one feature chunk per program (query tile x head x chunk): the intra terms of the
-    streamed keys, then the state of the keys before them. WIN (la_only with a decay): also this chunk's share of
-    phi_q . dphi_q from the keys inside the window (weight 1, no share in rho's gradient), per row."""
+    streamed keys, then the state of the keys before them. PAST (la_only with a decay): also this chunk's share of
+    phi_q . dphi_q from the keys past the window, per row (rho's gradient takes only those: a key inside the window
+    counts 1; kept apart rather than subtracted, which would cancel)."""
     f0 = tl.program_id(2) * BLOCK_FC
     _, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     z = tl.load(Z + q_row, mask=row_ok, other=1.0)
@@ -386,29 +387,31 @@ def _bwd_dfq(
     dfq = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
     if DECAY:
         rho = _rho(RHO, tl.program_id(1) % (H // G))
-    if WIN:
-        win = tl.zeros([BLOCK], tl.float32)
-        fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32)
+    if PAST:
+        dfq_w = tl.zeros([BLOCK, BLOCK_FC], tl.float32)  # the keys inside the window
     for kb in range(lo, tl.minimum(m1 + 1 - lin_off, end), BLOCK):  # blocks with some key past some window
         cols, j, k_ok = _span(kb, start, end, BLOCK)
         lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
         dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
         fk = _cols(FK, kv_base + cols, k_ok, F, f0, BLOCK_FC)
+        if PAST:
+            past = j[None, :] <= n[:, None] - window
+            dfq_w += _dot(tl.where(lin & ~past, dp, 0.0), fk, DT, PREC)
+            lin = lin & past
         dl = tl.where(lin, dp, 0.0)
         if DECAY:
             dl = _decayed(dl, rho, n, j, window)
         dfq += _dot(dl, fk, DT, PREC)
-        if WIN:
-            dw = tl.where(lin & (j[None, :] > n[:, None] - window), dp, 0.0)
-            win += tl.sum(_dot(dw, fk, DT, PREC) * fq, 1)
     kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, f0, BLOCK_FC, BLOCK_D)
     ds = tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
     if DECAY:
         ds = ds * _lag(rho, rows, window + _ref(lo // BLOCK, start, BLOCK))[:, None]
     dfq += ds
+    if PAST:
+        share = tl.sum(dfq * _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32), 1)
+        tl.store(PAST_Q + tl.program_id(2).to(tl.int64) * n_rows + q_row, tl.where(row_ok, share, 0.0), mask=rows < T)
+        dfq += dfq_w
     _store_cols(DFQ, q_row, rows < T, F, f0, tl.where(row_ok[:, None], dfq, 0.0), BLOCK_FC)
-    if WIN:
-        tl.store(WIN_Q + tl.program_id(2).to(tl.int64) * n_rows + q_row, tl.where(row_ok, win, 0.0), mask=rows < T)
 
 
 @triton.jit
@@ -566,23 +569,22 @@ def _bwd_dkv(
 @triton.jit
 def _bwd_dfk(
     FQ, FK, V, RHO, START, END, DY, Z, DELTA, G_KV, G_K,  # inputs
-    DFK, WIN_K,  # outputs; WIN_K [F chunks, B * Hkv * T] (WIN)
+    DFK, PAST_K,  # outputs; PAST_K [F chunks, B * Hkv * T] (PAST)
     T, H, G, D, F, NC, window, lin_off, st_off, n_rows,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, WIN: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, PAST: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dphi_k per key tile x KV head x feature chunk: the LA terms of the packed query tiles that stream this key
-    tile, then the state gradient of the tile. WIN (la_only with a decay): also this chunk's share of phi_k . dphi_k
-    from the queries that still have the key in their window (weight 1, no share in rho's gradient), per key."""
+    tile, then the state gradient of the tile. PAST (la_only with a decay): also this chunk's share of phi_k . dphi_k
+    from the queries the key is past the window of, per key (as in _bwd_dfq)."""
     f0 = tl.program_id(2) * BLOCK_FC
     b, hk, start, end, kb, cols, j, k_ok, k_row, v, st = _key_tile(V, START, END, T, H, G, D, NC, BLOCK, BLOCK_D)
     dfk = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
     first, last = _tiles_of_key(kb, end, lin_off, T, G, BLOCK, True, lin_off, st_off)
     if DECAY:
         rho = _rho(RHO, hk)
-    if WIN:
-        win = tl.zeros([BLOCK], tl.float32)
-        fk = _cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32)
+    if PAST:
+        dfk_w = tl.zeros([BLOCK, BLOCK_FC], tl.float32)  # the queries that have the key inside their window
     for i in range(first, last + 1):
         _, _, n, row_ok, q_row, _, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
         z = tl.load(Z + q_row, mask=row_ok, other=1.0)
@@ -591,21 +593,24 @@ def _bwd_dfk(
         lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
         dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
         fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC)
+        if PAST:
+            past = j[None, :] <= n[:, None] - window
+            dfk_w += _dot(tl.trans(tl.where(lin & ~past, dp, 0.0)), fq, DT, PREC)
+            lin = lin & past
         dl = tl.where(lin, dp, 0.0)
         if DECAY:
             dl = _decayed(dl, rho, n, j, window)
         dfk += _dot(tl.trans(dl), fq, DT, PREC)
-        if WIN:
-            dw = tl.where(lin & (j[None, :] > n[:, None] - window), dp, 0.0)
-            win += tl.sum(_dot(tl.trans(dw), fq, DT, PREC) * fk, 1)
     gkv, gk = _state(G_KV, G_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
     ds = tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
     if DECAY:  # (the state's gradient is kept as the block's last key sees it)
         ds = ds * tl.exp(-rho * (_ref(kb // BLOCK + 1, start, BLOCK) - cols).to(tl.float32))[:, None]
     dfk += ds
+    if PAST:
+        share = tl.sum(dfk * _cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32), 1)
+        tl.store(PAST_K + tl.program_id(2).to(tl.int64) * n_rows + k_row, tl.where(k_ok, share, 0.0), mask=cols < T)
+        dfk += dfk_w
     _store_cols(DFK, k_row, cols < T, F, f0, tl.where(k_ok[:, None], dfk, 0.0), BLOCK_FC)
-    if WIN:
-        tl.store(WIN_K + tl.program_id(2).to(tl.int64) * n_rows + k_row, tl.where(k_ok, win, 0.0), mask=cols < T)
 
 
 @triton.jit
@@ -729,7 +734,7 @@ def _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks=False, decay=Fa
     decay = bool(decay) and lin
     return dict(
         T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=lin_off,
-        st_off=int(window) if (mode == "hybrid" or decay) else 0, DECAY=decay, WIN=decay and mode == "la_only",
+        st_off=int(window) if (mode == "hybrid" or decay) else 0, DECAY=decay, PAST=decay and mode == "la_only",
         BLOCK=block, BLOCK_D=_pow2(D), SOFT=soft, LIN=lin, HYBRID=hybrid,
         sink_off=int(window) if soft and sink else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
         DT=_DT[q.dtype], PREC=_precision(q),
@@ -807,10 +812,10 @@ class _HybridAttention(torch.autograd.Function):
             state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles, r)
             dfq = torch.empty(B, H, T, F, **f32)
             opts, fc = common("_bwd_dfq")
-            win_q = torch.empty(triton.cdiv(F, fc), B * H * T, **f32) if s["WIN"] else dfq
+            past_q = torch.empty(triton.cdiv(F, fc), B * H * T, **f32) if s["PAST"] else dfq
             _bwd_dfq[(nq, B * Hkv, triton.cdiv(F, fc))](
-                fq, fk, v, rp, state_kv, state_k, start, end, dy, z, delta, dfq, win_q, T, H, G, D, F, nm,
-                s["window"], s["lin_off"], s["st_off"], B * H * T, BLOCK_FC=fc, DECAY=s["DECAY"], WIN=s["WIN"], **opts,
+                fq, fk, v, rp, state_kv, state_k, start, end, dy, z, delta, dfq, past_q, T, H, G, D, F, nm,
+                s["window"], s["lin_off"], s["st_off"], B * H * T, BLOCK_FC=fc, DECAY=s["DECAY"], PAST=s["PAST"], **opts,
             )  # fmt: skip
             del state_kv, state_k
             g_kv = torch.empty(B, Hkv, nm, F, D, **f32)
@@ -823,10 +828,10 @@ class _HybridAttention(torch.autograd.Function):
             )  # fmt: skip
             dfk = torch.empty(B, Hkv, T, F, **f32)
             opts, fc = common("_bwd_dfk")
-            win_k = torch.empty(triton.cdiv(F, fc), B * Hkv * T, **f32) if s["WIN"] else dfk
+            past_k = torch.empty(triton.cdiv(F, fc), B * Hkv * T, **f32) if s["PAST"] else dfk
             _bwd_dfk[(nm, B * Hkv, triton.cdiv(F, fc))](
-                fq, fk, v, rp, start, end, dy, z, delta, g_kv, g_k, dfk, win_k, T, H, G, D, F, nm, s["window"],
-                s["lin_off"], s["st_off"], B * Hkv * T, BLOCK_FC=fc, DECAY=s["DECAY"], WIN=s["WIN"], **opts,
+                fq, fk, v, rp, start, end, dy, z, delta, g_kv, g_k, dfk, past_k, T, H, G, D, F, nm, s["window"],
+                s["lin_off"], s["st_off"], B * Hkv * T, BLOCK_FC=fc, DECAY=s["DECAY"], PAST=s["PAST"], **opts,
             )  # fmt: skip
         else:
             dfq = torch.zeros(B, H, T, F, **f32)
@@ -875,31 +880,33 @@ class _HybridAttention(torch.autograd.Function):
         if rho.requires_grad:
             drho = torch.zeros_like(rho)
             if s["DECAY"]:
-                wins = (win_q.sum(0).view(B, H, T), win_k.sum(0).view(B, Hkv, T)) if s["WIN"] else None
+                past = (past_q.double().sum(0).view(B, H, T), past_k.double().sum(0).view(B, Hkv, T)) if s["PAST"] else None
                 init = (init_kv, init_k) if has_init else None
-                drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, wins, init).to(rho.dtype)
+                drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, past, init).to(rho.dtype)
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, drho,
             *d_init, None, None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
-def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, wins, init):
+def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, past, init):
     """rho's gradient [Hkv] from the kernels' outputs. An L term of query n and key j weighted alpha^e, e = n - w - j,
     has d/drho = -e times its share of the loss, and its share is in both phi_q . dphi_q (row n) and phi_k . dphi_k
     (key j); so the sum of -e over every term is -sum_n n (phi_q . dphi_q)_n + sum_j (w + j)(phi_k . dphi_k)_j. Two
-    kinds of term are not of that form and are taken out: la_only's keys inside the window (weight 1: `wins`, their
-    shares per row and key) and the initial state's terms (exponent max(0, n - w + 1): their share per row is
-    recomputed here, from the state). Sums in fp64: the two position-weighted sums nearly cancel at long lengths."""
+    kinds of term are not of that form: la_only's keys inside the window (weight 1), left out by taking the kernels'
+    shares of the keys past the window per row and key (`past`) instead of the products, and the initial state's
+    terms (exponent max(0, n - w + 1)), whose share per row is recomputed here from the state and moved. Sums in
+    fp64: the two position-weighted sums nearly cancel at long lengths."""
     B, H, T, _ = fq.shape
     Hkv = fk.shape[1]
     f64 = torch.float64
     pos = torch.arange(T, device=fq.device)[None] - start.long()[:, None]  # real index (padding: outside [0, n))
     real = (pos >= 0) & (pos < (end - start).long()[:, None])
-    xq = (dfq.to(f64) * fq.to(f64)).sum(-1)  # [B, H, T]
-    xk = (dfk.to(f64) * fk.to(f64)).sum(-1)  # [B, Hkv, T]
-    if wins is not None:
-        xq, xk = xq - wins[0].to(f64), xk - wins[1].to(f64)
+    if past is not None:
+        xq, xk = past[0].to(f64), past[1].to(f64)
+    else:
+        xq = (dfq.to(f64) * fq.to(f64)).sum(-1)  # [B, H, T]
+        xk = (dfk.to(f64) * fk.to(f64)).sum(-1)  # [B, Hkv, T]
     n = torch.where(real, pos, 0).to(f64)[:, None]
     drho = (-(n * xq)).view(B, Hkv, H // Hkv, T).sum((0, 2, 3)) + ((window + n) * xk).sum((0, 2))
     if init is not None:  # the initial state's share per row: alpha^e(n) phi_q . (kv dy / Z - k delta / Z)

@@ -4,8 +4,9 @@ On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1 before
 of 16 (32 at windows 64 and 100), so tiny shapes cross several tiles: every mode, windows 1 / 16 / 64 / 100, lengths
 that are not a multiple of the tile, GQA 3:1, a left-padded row beside an unpadded one, padding with holes; outputs
 and the gradients of q, k, v, phi_q, phi_k and gamma; an initial LA state (stage 1's units); the fused decode step
-against the full forward and against recurrent.extend; a converted model on the "triton" backend (forward,
-gradients, generate()); the backend switch. The tests marked `gpu` run the kernels compiled, in bf16, with the
+against the full forward and against recurrent.extend; the LA's decay (attention.la_decay) in all of these, rho's
+gradient included; a converted model with a decay on the "triton" backend (forward, gradients, generate()); the
+backend switch. The tests marked `gpu` run the kernels compiled, in bf16, with the
 tolerances stated there (CUDA only).
 """
 
@@ -183,6 +184,78 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
         torch.testing.assert_close(g_got, g_ref, rtol=1e-4, atol=1e-6, msg=f"grad of {n}")
 
 
+DECAYED = [("hybrid", 16), ("la_only", 16), (HYBRID_SINKS, 16), ("hybrid", 1), ("la_only", 1), ("la_only", 64)]
+
+
+def with_decay(T, seed, Hkv=2, F=16):
+    """Inputs with 2 KV heads (GQA 3:1) and a decay rate per KV head, one slow and one fast: rho is an input."""
+    x = make(T, H=3 * Hkv, Hkv=Hkv, F=F, seed=seed)
+    x["rho"] = torch.linspace(0.03, 0.4, Hkv).requires_grad_()
+    return x
+
+
+def check_decay(fn, x, mask, ref_fn=naive.naive_hybrid_attention, atol=2e-5, initial_state=None, **options):
+    """fn against ref_fn (the spec unless given) with x's rho as la_decay: outputs and every gradient, rho's and
+    the initial state's included. The kernels' tile options (block, fchunk) go to fn, chunk_size to ref_fn."""
+    names = (*NAMES, "rho")
+    results = []
+    for f, dtype, drop in ((fn, None, ("chunk_size",)), (ref_fn, torch.float64, ("block", "fchunk"))):
+        xs = {n: t.detach().to(dtype or t.dtype).requires_grad_() for n, t in x.items()}
+        opts = {n: o for n, o in options.items() if n not in drop}
+        init = None
+        if initial_state is not None:
+            init = tuple(t.detach().to(dtype or t.dtype).requires_grad_() for t in initial_state)
+            opts["initial_state"] = init
+        y = f(*(xs[n] for n in NAMES), attention_mask=mask, la_decay=xs["rho"], **opts)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y)
+        inputs = [xs[n] for n in names] + list(init or ())
+        grads = torch.autograd.grad(y, inputs, dy, allow_unused=True)
+        results.append((y, [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads, strict=True)]))
+    (y, grads), (y_ref, grads_ref) = results
+    torch.testing.assert_close(y.double(), y_ref.double(), rtol=1e-5, atol=atol)
+    what = (*names, "initial kv", "initial k")
+    for n, a, b in zip(what, grads, grads_ref, strict=False):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=atol * 5, msg=f"grad of {n}")
+    return grads_ref
+
+
+@pytest.mark.parametrize(("mode", "window"), DECAYED)
+def test_a_decay_equals_the_spec(mode, window):
+    """The LA's decay: each key past the window weighted alpha^(distance past it) per KV head, la_only's keys inside
+    it 1, the sinks never. Outputs and gradients (rho's too) against the spec, across several tiles and states, a
+    left-padded row, GQA with a slow and a fast head."""
+    T = window + 21
+    grads = check_decay(kernels.triton_hybrid_attention, with_decay(T, seed=window), left_padded(T), window=window,
+                        **variant(mode), sinks=3, block=16 if window <= 16 else 32)  # fmt: skip
+    assert grads[-1].abs().min() > 0  # rho's gradient reaches both heads
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only"])
+def test_a_decay_with_holes_and_feature_chunks(mode):
+    """The decay with padding in holes (packed and put back) and phi's F = 40 in chunks of 16: rho's gradient sums
+    every chunk's share (la_only also takes its window keys' shares out per chunk)."""
+    T = 45
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, -5:] = 0
+    mask[1, :3] = 0
+    mask[1, 20:24] = 0
+    check_decay(kernels.triton_hybrid_attention, with_decay(T, seed=8, F=40), mask, window=16, mode=mode, sinks=3,
+                fchunk=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only", HYBRID_SINKS])
+def test_a_decayed_initial_state_equals_the_chunked_path(mode):
+    """Stage 1's units: an initial state (as query w - 1 of the sequence sees it) with a decay, a left-padded row
+    beside a full one: outputs and gradients (rho's and the state's) against the chunked path, which the decay
+    tests check against the spec."""
+    T, F = 50, 16
+    x = with_decay(T, seed=12, F=F)
+    g = torch.Generator().manual_seed(3)
+    state = (torch.rand(2, 2, F, 16, generator=g), torch.rand(2, 2, F, generator=g))
+    check_decay(kernels.triton_hybrid_attention, x, left_padded(T), ref_fn=chunked.chunk_hybrid_attention,
+                initial_state=state, window=16, **variant(mode), sinks=3, chunk_size=8)  # fmt: skip
+
+
 def test_denominators_and_none_mode():
     x = make(40)
     y, den_e, den_l = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=16, return_denominators=True)
@@ -194,14 +267,17 @@ def test_denominators_and_none_mode():
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
-DECODED = [(m, 16) for m in (*MODES, HYBRID_SINKS)] + [("hybrid", 1), ("swa_sinks", 4), (HYBRID_SINKS, 4)]
+DECODED = [(m, 16, False) for m in (*MODES, HYBRID_SINKS)] + [("hybrid", 1, False), ("swa_sinks", 4, False)]
+DECODED += [(HYBRID_SINKS, 4, False), ("hybrid", 16, True), ("la_only", 4, True), (HYBRID_SINKS, 4, True)]
+DECODED += [("swa_sinks", 16, True)]  # (a mode with no LA still carries a decayed state on)
 
 
-@pytest.mark.parametrize(("mode", "window"), DECODED)
-def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window):
-    x = {n: t.detach() for n, t in make(40, seed=7).items()}
+@pytest.mark.parametrize(("mode", "window", "decay"), DECODED)
+def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window, decay):
+    x = {n: t.detach() for n, t in (with_decay(40, seed=7) if decay else make(40, seed=7)).items()}
+    rho = x.pop("rho", None)
     mask = left_padded(40, pad=5)
-    options = dict(window=window, **variant(mode), sinks=3)
+    options = dict(window=window, **variant(mode), sinks=3, **({"la_decay": rho} if decay else {}))
     full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), **options, attention_mask=mask)
     B, Hkv, _, D = x["k"].shape
     fused = DecodeState.empty(B, Hkv, D, D, x["fk"].shape[-1], window, 3, window, torch.float32, "cpu")
@@ -219,8 +295,9 @@ def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window):
         y_ref = extend(ref, *step(t, t + 1).values(), attention_mask=mask[:, t : t + 1], **options)
         torch.testing.assert_close(y, full[:, :, t : t + 1], rtol=1e-5, atol=2e-6)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=2e-6)
+    tol = 1e-5 if decay else 1e-6  # (a decayed state is multiplied every step: rounding of a few ulps of its sums)
     for a, b in zip(fused.tensors(), ref.tensors(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     assert fused.ring == window and torch.equal(fused.count, ref.count) and fused.seen == ref.seen == 40
 
 
@@ -230,8 +307,12 @@ def test_a_converted_model_runs_on_the_triton_backend(tiny):
     models = {}
     for backend in ("torch", "triton"):
         model = hs.convert_model(tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96),
-                                 {"window": 16, "backend": backend})  # fmt: skip
-        assert {m.backend for m in hs.attention.hybrid.hybrid_layers(model).values()} == {backend}
+                                 {"window": 16, "backend": backend, "la_decay": True})  # fmt: skip
+        layers = hs.attention.hybrid.hybrid_layers(model).values()
+        assert {m.backend for m in layers} == {backend}
+        with torch.no_grad():  # a slow and a fast head, so the decay shows
+            for m in layers:
+                m.la_decay_rho.copy_(torch.tensor([0.05, 0.3]))
         models[backend] = model
     ids = torch.randint(3, 128, (2, 45))
     mask = left_padded(45, pad=6)
