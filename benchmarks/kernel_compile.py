@@ -43,9 +43,13 @@ from hybrid_scale.config import PRESETS, load_config
 # fp32 (IEEE dots on FMAs, no tensor cores) 128, for the window launch of _bwd_dkv at head dim 128, which spills
 # 44-72 bytes with every tile setting tried since the packed GQA tiles (benchmarks/kernel_compile.py --tune fp32,128,16)
 SPILL_BUDGET = {"bf16": 0, "fp16": 0, "fp32": 128}
-# every mode the kernels compute ("none" launches nothing), and the hybrid with its sinks (attention.hybrid_sinks)
+# every mode the kernels compute ("none" launches nothing), and the hybrid with its sinks (attention.hybrid_sinks);
+# each also with the LA's decay (attention.la_decay, "+decay"): the modes with an LA decay it, and the decode step
+# carries a decayed state on in every mode
 HYBRID_SINKS = "hybrid+sinks"
+DECAY = "+decay"
 MODES = (*MODE_PARTS, HYBRID_SINKS)
+MODES = (*MODES, *(m + DECAY for m in MODES))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -87,11 +91,14 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
 
     q, k, v, fq, fk = meta(b, h, t, d), meta(b, hkv, t, d), meta(b, hkv, t, d), meta(b, h, t, f), meta(b, hkv, t, f)
     gamma = torch.empty(h, device="meta", requires_grad=True)
+    decay = mode.endswith(DECAY)
+    mode = mode.removesuffix(DECAY)
     options = dict(window=shape.window, mode=mode, sinks=shape.sinks)
     if mode == HYBRID_SINKS:
         options |= dict(mode="hybrid", hybrid_sinks=True)
+    rho = torch.empty(hkv, device="meta", requires_grad=True)
     with compile_check.record_launches() as recorded:
-        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options)
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **({"la_decay": rho} if decay else {}))
         y.backward(torch.empty_like(y))
         state = DecodeState.empty(b, hkv, d, d, f, shape.window, shape.sinks, shape.window, dtype, "cpu")
         state.grow(shape.window)
@@ -100,7 +107,8 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
             return torch.zeros(*size, dtype=dtype)
 
         triton_decode_step(state, one(b, h, 1, d), one(b, hkv, 1, d), one(b, hkv, 1, d), one(b, h, 1, f),
-                           one(b, hkv, 1, f), torch.ones(h), **options)  # fmt: skip
+                           one(b, hkv, 1, f), torch.ones(h), **options,
+                           **({"la_decay": torch.zeros(hkv)} if decay else {}))  # fmt: skip
     return list(recorded)
 
 

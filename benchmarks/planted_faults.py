@@ -80,6 +80,35 @@ FAULTS = {
         "        if rho is not None:  # as row a = a0 + w - 1 sees key j: alpha^(a - w - j)",
         "        if False:",
     ),
+    # the decay in the fused Triton kernels (tests/unit/test_triton_kernels.py, the interpreter on CPU)
+    "kernel_decay_ignored": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "                    if DECAY:\n                        s = _decayed(s, rho, n, j, window)\n"
+        "                    num_l += _dot(s, v, DT, PREC)",
+        "                    num_l += _dot(s, v, DT, PREC)",
+    ),
+    "kernel_decay_gradient_dropped": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, init).to(rho.dtype)",
+        "drho = torch.zeros_like(rho)",
+    ),
+    "kernel_decay_on_the_sinks": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "        if HYBRID:  # the hybrid with its sinks: c_n is the max over the window and the sinks\n",
+        "        if DECAY:\n            a = a - rho * tl.maximum(n[:, None] - window - sj[None, :], 0).to(tl.float32)\n"
+        "        if HYBRID:  # the hybrid with its sinks: c_n is the max over the window and the sinks\n",
+    ),
+    "kernel_la_only_window_decayed": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        'st_off=int(window) if (mode == "hybrid" or decay) else 0',
+        'st_off=int(window) if mode == "hybrid" else 0',
+    ),
+    "kernel_state_gradient_not_carried": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "            acc = acc * carry\n            acc_k = acc_k * carry\n",
+        "",
+    ),
+    "kernel_decode_state_not_carried": ("kernels/hybrid_scale_kernels/decode.py", "carry = tl.exp(-rho)", "carry = 1.0"),
     "decay_ignored_by_the_layer": (
         "hybrid_scale/attention/hybrid.py",
         "            la_decay=self.la_decay if la_decay is None else la_decay,",

@@ -369,48 +369,45 @@ def _bwd_dq(
 @triton.jit
 def _bwd_dfq(
     FQ, FK, V, RHO, STATE_KV, STATE_K, START, END, DY, Z, DELTA,  # inputs
-    DFQ, PAST_Q,  # outputs; PAST_Q [F chunks, B * H * T] (PAST)
-    T, H, G, D, F, NC, window, lin_off, st_off, n_rows,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, PAST: tl.constexpr,
+    DFQ,  # output
+    T, H, G, D, F, NC, window, lin_off, st_off,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, WINDOW: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dphi_q of the LA terms, one feature chunk per program (query tile x head x chunk): the intra terms of the
-    streamed keys, then the state of the keys before them. PAST (la_only with a decay): also this chunk's share of
-    phi_q . dphi_q from the keys past the window, per row (rho's gradient takes only those: a key inside the window
-    counts 1; kept apart rather than subtracted, which would cancel)."""
+    streamed keys, then the state of the keys before them. WINDOW: only the L terms of the keys inside the window
+    (la_only with a decay, whose first launch takes the keys past it as the hybrid does: rho's gradient needs that
+    part apart, and one accumulator per launch keeps the registers within budget); weight 1, no state."""
     f0 = tl.program_id(2) * BLOCK_FC
     _, kv_base, start, end, m0, m1, rows, n, row_ok, q_row = _query_tile(START, END, T, H, G, BLOCK)
     z = tl.load(Z + q_row, mask=row_ok, other=1.0)
     dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
     dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
-    lo = tl.maximum(m0 - st_off + 1, 0) // BLOCK * BLOCK
-    dfq = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
+    if WINDOW:
+        lo = tl.maximum(m0 - window + 1, 0) // BLOCK * BLOCK
+        hi = tl.minimum(m1 + 1, end)
+    else:
+        lo = tl.maximum(m0 - st_off + 1, 0) // BLOCK * BLOCK
+        hi = tl.minimum(m1 + 1 - lin_off, end)  # blocks with some key past some window
     if DECAY:
         rho = _rho(RHO, tl.program_id(1) % (H // G))
-    if PAST:
-        dfq_w = tl.zeros([BLOCK, BLOCK_FC], tl.float32)  # the keys inside the window
-    for kb in range(lo, tl.minimum(m1 + 1 - lin_off, end), BLOCK):  # blocks with some key past some window
+    dfq = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
+    for kb in range(lo, hi, BLOCK):
         cols, j, k_ok = _span(kb, start, end, BLOCK)
         lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
+        if WINDOW:
+            lin = lin & (j[None, :] > n[:, None] - window)
         dp = _dot(dyz, tl.trans(_rows(V, kv_base + cols, k_ok, D, BLOCK_D)), DT, PREC) - dz[:, None]
-        fk = _cols(FK, kv_base + cols, k_ok, F, f0, BLOCK_FC)
-        if PAST:
-            past = j[None, :] <= n[:, None] - window
-            dfq_w += _dot(tl.where(lin & ~past, dp, 0.0), fk, DT, PREC)
-            lin = lin & past
         dl = tl.where(lin, dp, 0.0)
         if DECAY:
             dl = _decayed(dl, rho, n, j, window)
-        dfq += _dot(dl, fk, DT, PREC)
-    kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, f0, BLOCK_FC, BLOCK_D)
-    ds = tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
-    if DECAY:
-        ds = ds * _lag(rho, rows, window + _ref(lo // BLOCK, start, BLOCK))[:, None]
-    dfq += ds
-    if PAST:
-        share = tl.sum(dfq * _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC).to(tl.float32), 1)
-        tl.store(PAST_Q + tl.program_id(2).to(tl.int64) * n_rows + q_row, tl.where(row_ok, share, 0.0), mask=rows < T)
-        dfq += dfq_w
+        dfq += _dot(dl, _cols(FK, kv_base + cols, k_ok, F, f0, BLOCK_FC), DT, PREC)
+    if not WINDOW:
+        kv, ksum = _state(STATE_KV, STATE_K, kv_base // T * NC + lo // BLOCK, F, D, f0, BLOCK_FC, BLOCK_D)
+        ds = tl.dot(dyz, tl.trans(kv), input_precision=PREC) - dz[:, None] * ksum[None, :]
+        if DECAY:
+            ds = ds * _lag(rho, rows, window + _ref(lo // BLOCK, start, BLOCK))[:, None]
+        dfq += ds
     _store_cols(DFQ, q_row, rows < T, F, f0, tl.where(row_ok[:, None], dfq, 0.0), BLOCK_FC)
 
 
@@ -568,48 +565,42 @@ def _bwd_dkv(
 
 @triton.jit
 def _bwd_dfk(
-    FQ, FK, V, RHO, START, END, DY, Z, DELTA, G_KV, G_K,  # inputs
-    DFK, PAST_K,  # outputs; PAST_K [F chunks, B * Hkv * T] (PAST)
-    T, H, G, D, F, NC, window, lin_off, st_off, n_rows,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, PAST: tl.constexpr,
+    FQ, V, RHO, START, END, DY, Z, DELTA, G_KV, G_K,  # inputs
+    DFK,  # output
+    T, H, G, D, F, NC, window, lin_off, st_off,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, WINDOW: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dphi_k per key tile x KV head x feature chunk: the LA terms of the packed query tiles that stream this key
-    tile, then the state gradient of the tile. PAST (la_only with a decay): also this chunk's share of phi_k . dphi_k
-    from the queries the key is past the window of, per key (as in _bwd_dfq)."""
+    tile, then the state gradient of the tile. WINDOW: only the terms of the queries that have the key inside their
+    window (as in _bwd_dfq)."""
     f0 = tl.program_id(2) * BLOCK_FC
     b, hk, start, end, kb, cols, j, k_ok, k_row, v, st = _key_tile(V, START, END, T, H, G, D, NC, BLOCK, BLOCK_D)
     dfk = tl.zeros([BLOCK, BLOCK_FC], tl.float32)
-    first, last = _tiles_of_key(kb, end, lin_off, T, G, BLOCK, True, lin_off, st_off)
+    if WINDOW:
+        first, last = _tiles_of_key(kb, end, window, T, G, BLOCK, False, lin_off, st_off)
+    else:
+        first, last = _tiles_of_key(kb, end, lin_off, T, G, BLOCK, True, lin_off, st_off)
     if DECAY:
         rho = _rho(RHO, hk)
-    if PAST:
-        dfk_w = tl.zeros([BLOCK, BLOCK_FC], tl.float32)  # the queries that have the key inside their window
     for i in range(first, last + 1):
         _, _, n, row_ok, q_row, _, _ = _packed(i, b, hk, start, end, T, H, G, BLOCK)
         z = tl.load(Z + q_row, mask=row_ok, other=1.0)
         dyz = _rows(DY, q_row, row_ok, D, BLOCK_D).to(tl.float32) / z[:, None]
         dz = tl.load(DELTA + q_row, mask=row_ok, other=0.0) / z
         lin = row_ok[:, None] & k_ok[None, :] & (j[None, :] <= n[:, None] - lin_off)
-        dp = _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None]
-        fq = _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC)
-        if PAST:
-            past = j[None, :] <= n[:, None] - window
-            dfk_w += _dot(tl.trans(tl.where(lin & ~past, dp, 0.0)), fq, DT, PREC)
-            lin = lin & past
-        dl = tl.where(lin, dp, 0.0)
+        if WINDOW:
+            lin = lin & (j[None, :] > n[:, None] - window)
+        dl = tl.where(lin, _dot(dyz, tl.trans(v), DT, PREC) - dz[:, None], 0.0)
         if DECAY:
             dl = _decayed(dl, rho, n, j, window)
-        dfk += _dot(tl.trans(dl), fq, DT, PREC)
-    gkv, gk = _state(G_KV, G_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
-    ds = tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
-    if DECAY:  # (the state's gradient is kept as the block's last key sees it)
-        ds = ds * tl.exp(-rho * (_ref(kb // BLOCK + 1, start, BLOCK) - cols).to(tl.float32))[:, None]
-    dfk += ds
-    if PAST:
-        share = tl.sum(dfk * _cols(FK, k_row, k_ok, F, f0, BLOCK_FC).to(tl.float32), 1)
-        tl.store(PAST_K + tl.program_id(2).to(tl.int64) * n_rows + k_row, tl.where(k_ok, share, 0.0), mask=cols < T)
-        dfk += dfk_w
+        dfk += _dot(tl.trans(dl), _cols(FQ, q_row, row_ok, F, f0, BLOCK_FC), DT, PREC)
+    if not WINDOW:
+        gkv, gk = _state(G_KV, G_K, st, F, D, f0, BLOCK_FC, BLOCK_D)
+        ds = tl.dot(v.to(tl.float32), tl.trans(gkv), input_precision=PREC) + gk[None, :]
+        if DECAY:  # (the state's gradient is kept as the block's last key sees it)
+            ds = ds * tl.exp(-rho * (_ref(kb // BLOCK + 1, start, BLOCK) - cols).to(tl.float32))[:, None]
+        dfk += ds
     _store_cols(DFK, k_row, cols < T, F, f0, tl.where(k_ok[:, None], dfk, 0.0), BLOCK_FC)
 
 
@@ -734,7 +725,7 @@ def _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks=False, decay=Fa
     decay = bool(decay) and lin
     return dict(
         T=T, H=H, G=H // k.shape[1], D=D, F=F, window=int(window), lin_off=lin_off,
-        st_off=int(window) if (mode == "hybrid" or decay) else 0, DECAY=decay, PAST=decay and mode == "la_only",
+        st_off=int(window) if (mode == "hybrid" or decay) else 0, DECAY=decay, SPLIT=decay and mode == "la_only",
         BLOCK=block, BLOCK_D=_pow2(D), SOFT=soft, LIN=lin, HYBRID=hybrid,
         sink_off=int(window) if soft and sink else 0, n_sinks=int(sinks) if sink else 0, SINKS=sink,
         DT=_DT[q.dtype], PREC=_precision(q),
@@ -790,8 +781,9 @@ class _HybridAttention(torch.autograd.Function):
         delta = (dy.float() * y.float()).sum(-1).contiguous()
         g = gamma.detach().to(torch.float32).contiguous()
 
-        def common(kernel):
-            """The launch settings of one kernel, and its feature chunk."""
+        def common(kernel, decay=s["DECAY"]):
+            """The launch settings of one kernel, and its feature chunk (a decayed LA's own where Tiles has one)."""
+            kernel = tiles.name(kernel, decay)
             opts = dict(BLOCK=block, BLOCK_D=s["BLOCK_D"], DT=s["DT"], PREC=s["PREC"], **tiles.launch(kernel))
             return opts, tiles.of(kernel)[1]
 
@@ -809,14 +801,20 @@ class _HybridAttention(torch.autograd.Function):
         d_init = (torch.zeros_like(init_kv), torch.zeros_like(init_k)) if has_init else (None, None)
         rp = g if r is None else r  # (a pointer the kernels do not read without a decay)
         if s["LIN"]:
+            # la_only with a decay (SPLIT): its L terms past the window are the hybrid's (lin_off = w), and its
+            # window terms (weight 1) a second launch of the same kernel: rho's gradient takes the first part alone
+            lin_off = s["window"] if s["SPLIT"] else s["lin_off"]
             state_kv, state_k = chunk_states(fk, v, start, end, block, init_kv, init_k, tiles, r)
             dfq = torch.empty(B, H, T, F, **f32)
+            dfq_w = torch.empty(B, H, T, F, **f32) if s["SPLIT"] else None
             opts, fc = common("_bwd_dfq")
-            past_q = torch.empty(triton.cdiv(F, fc), B * H * T, **f32) if s["PAST"] else dfq
-            _bwd_dfq[(nq, B * Hkv, triton.cdiv(F, fc))](
-                fq, fk, v, rp, state_kv, state_k, start, end, dy, z, delta, dfq, past_q, T, H, G, D, F, nm,
-                s["window"], s["lin_off"], s["st_off"], B * H * T, BLOCK_FC=fc, DECAY=s["DECAY"], PAST=s["PAST"], **opts,
-            )  # fmt: skip
+            for out, window_part in ((dfq, False), (dfq_w, True)):
+                if out is not None:
+                    _bwd_dfq[(nq, B * Hkv, triton.cdiv(F, fc))](
+                        fq, fk, v, rp, state_kv, state_k, start, end, dy, z, delta, out, T, H, G, D, F, nm,
+                        s["window"], 0 if window_part else lin_off, s["st_off"], BLOCK_FC=fc, DECAY=s["DECAY"] and not window_part,
+                        WINDOW=window_part, **opts,
+                    )  # fmt: skip
             del state_kv, state_k
             g_kv = torch.empty(B, Hkv, nm, F, D, **f32)
             g_k = torch.empty(B, Hkv, nm, F, **f32)
@@ -827,12 +825,14 @@ class _HybridAttention(torch.autograd.Function):
                 BLOCK_D=s["BLOCK_D"], BLOCK_FC=fc, PREC=s["PREC"], **tiles.launch("_states_bwd"),
             )  # fmt: skip
             dfk = torch.empty(B, Hkv, T, F, **f32)
+            dfk_w = torch.empty(B, Hkv, T, F, **f32) if s["SPLIT"] else None
             opts, fc = common("_bwd_dfk")
-            past_k = torch.empty(triton.cdiv(F, fc), B * Hkv * T, **f32) if s["PAST"] else dfk
-            _bwd_dfk[(nm, B * Hkv, triton.cdiv(F, fc))](
-                fq, fk, v, rp, start, end, dy, z, delta, g_kv, g_k, dfk, past_k, T, H, G, D, F, nm, s["window"],
-                s["lin_off"], s["st_off"], B * Hkv * T, BLOCK_FC=fc, DECAY=s["DECAY"], PAST=s["PAST"], **opts,
-            )  # fmt: skip
+            for out, window_part in ((dfk, False), (dfk_w, True)):
+                if out is not None:
+                    _bwd_dfk[(nm, B * Hkv, triton.cdiv(F, fc))](
+                        fq, v, rp, start, end, dy, z, delta, g_kv, g_k, out, T, H, G, D, F, nm, s["window"],
+                        0 if window_part else lin_off, s["st_off"], BLOCK_FC=fc, DECAY=s["DECAY"] and not window_part, WINDOW=window_part, **opts,
+                    )  # fmt: skip
         else:
             dfq = torch.zeros(B, H, T, F, **f32)
             dfk = torch.zeros(B, Hkv, T, F, **f32)
@@ -841,7 +841,7 @@ class _HybridAttention(torch.autograd.Function):
         dv = torch.zeros_like(dk) if not (s["SOFT"] or s["LIN"]) else torch.empty_like(dk)
         for part in ("SOFT", "LIN"):  # the window terms, then the LA terms added to dv
             if s[part]:
-                opts, fc = common("_bwd_dkv")
+                opts, fc = common("_bwd_dkv", s["DECAY"] and part == "LIN")
                 _bwd_dkv[(nm, B * Hkv)](
                     q, k, v, fq, fk, g, rp, start, end, dy, c, z, delta, g_kv, dk, dv,
                     T, H, G, D, F, nm, s["window"], s["lin_off"], s["st_off"], scale, BLOCK_FC=fc,
@@ -880,21 +880,23 @@ class _HybridAttention(torch.autograd.Function):
         if rho.requires_grad:
             drho = torch.zeros_like(rho)
             if s["DECAY"]:
-                past = (past_q.double().sum(0).view(B, H, T), past_k.double().sum(0).view(B, Hkv, T)) if s["PAST"] else None
                 init = (init_kv, init_k) if has_init else None
-                drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, past, init).to(rho.dtype)
+                drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, init).to(rho.dtype)
+        if s["LIN"] and s["SPLIT"]:  # (after rho's gradient, which takes the terms past the window alone)
+            dfq += dfq_w
+            dfk += dfk_w
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, drho,
             *d_init, None, None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
-def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, past, init):
+def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, init):
     """rho's gradient [Hkv] from the kernels' outputs. An L term of query n and key j weighted alpha^e, e = n - w - j,
     has d/drho = -e times its share of the loss, and its share is in both phi_q . dphi_q (row n) and phi_k . dphi_k
     (key j); so the sum of -e over every term is -sum_n n (phi_q . dphi_q)_n + sum_j (w + j)(phi_k . dphi_k)_j. Two
-    kinds of term are not of that form: la_only's keys inside the window (weight 1), left out by taking the kernels'
-    shares of the keys past the window per row and key (`past`) instead of the products, and the initial state's
+    kinds of term are not of that form: la_only's keys inside the window (weight 1), which the caller leaves out of
+    dfq and dfk (a separate launch computes them: subtracting them after would cancel), and the initial state's
     terms (exponent max(0, n - w + 1)), whose share per row is recomputed here from the state and moved. Sums in
     fp64: the two position-weighted sums nearly cancel at long lengths."""
     B, H, T, _ = fq.shape
@@ -902,11 +904,8 @@ def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, past, ini
     f64 = torch.float64
     pos = torch.arange(T, device=fq.device)[None] - start.long()[:, None]  # real index (padding: outside [0, n))
     real = (pos >= 0) & (pos < (end - start).long()[:, None])
-    if past is not None:
-        xq, xk = past[0].to(f64), past[1].to(f64)
-    else:
-        xq = (dfq.to(f64) * fq.to(f64)).sum(-1)  # [B, H, T]
-        xk = (dfk.to(f64) * fk.to(f64)).sum(-1)  # [B, Hkv, T]
+    xq = (dfq.to(f64) * fq.to(f64)).sum(-1)  # [B, H, T]
+    xk = (dfk.to(f64) * fk.to(f64)).sum(-1)  # [B, Hkv, T]
     n = torch.where(real, pos, 0).to(f64)[:, None]
     drho = (-(n * xq)).view(B, Hkv, H // Hkv, T).sum((0, 2, 3)) + ((window + n) * xk).sum((0, 2))
     if init is not None:  # the initial state's share per row: alpha^e(n) phi_q . (kv dy / Z - k delta / Z)
@@ -933,6 +932,11 @@ class Tiles:
     fchunk: int = 32
     per_kernel: tuple = ()
 
+    def name(self, kernel: str, decay: bool) -> str:
+        """The entry a kernel's launch takes: "<kernel>+decay" for a decayed LA where per_kernel has one."""
+        own = kernel + "+decay"
+        return own if decay and any(entry[0] == own for entry in self.per_kernel) else kernel
+
     def of(self, kernel: str) -> tuple[int, int, int | None]:
         """(num_warps, feature chunk, maxnreg) of one kernel."""
         for name, warps, fchunk, maxnreg in self.per_kernel:
@@ -950,10 +954,14 @@ class Tiles:
 # without register spills (fp32: within its budget) and within shared memory on sm_80 and sm_90 at every preset's
 # head shapes (docs/results/kernel_compile.md; a test fails if that changes). 64-row tiles would turn the half dots
 # into wgmma on sm_90 but spill in the backward (docs/results/kernel_tiles.md): 32 rows until a GPU weighs the two.
+# A decayed LA's backward (attention.la_decay) holds the decay weights besides the same tiles: at head dim 128 in half
+# precision its _bwd_dfq, _bwd_dfk and LA launch of _bwd_dkv spill 16-80 bytes on sm_90 with 32-wide feature chunks
+# and none with 16 (benchmarks/kernel_compile.py); the undecayed launches keep theirs.
+_DECAYED_HALF_128 = tuple((name + "+decay", 8, 16, None) for name in ("_bwd_dfq", "_bwd_dfk", "_bwd_dkv"))
 # fmt: off
 GPU_TILES = {
     ("half", 64): Tiles(32, 8, 32, per_kernel=(("_bwd_sinks", 4, 32, None),)),
-    ("half", 128): Tiles(32, 8, 32, per_kernel=(("_bwd_sinks", 8, 32, 255),)),
+    ("half", 128): Tiles(32, 8, 32, per_kernel=(("_bwd_sinks", 8, 32, 255), *_DECAYED_HALF_128)),
     ("fp32", 64): Tiles(16, 8, 32),
     ("fp32", 128): Tiles(16, 8, 32, per_kernel=(("_bwd_dfk", 4, 32, None), ("_bwd_dfq", 8, 16, None))),
 }
