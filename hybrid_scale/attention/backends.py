@@ -29,7 +29,7 @@ by more than the window (stage 1 attends a block of rows with the keys before it
 la_decay (rho [Hkv] >= 0: the LA's decay per KV head, naive.py) is passed only when set (a backend that does not
 know it fails on the keyword instead of ignoring it); with it an initial state is as the row's query w-1 sees it.
 It returns y [B,H,T,D] in q's dtype, or with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), and must
-equal the naive backend in outputs and gradients (DESIGN.md section 7); what it cannot do it refuses with a ValueError.
+equal the naive backend in outputs and gradients (docs/design.md §7); what it cannot do it refuses with a ValueError.
 
 This file imports only torch, importlib.metadata and its siblings (the export copies it next to a modeling file).
 """

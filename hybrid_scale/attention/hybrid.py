@@ -88,7 +88,7 @@ def attend(
     la_decay=None,
     return_denominators=False,
 ):
-    """Hybrid attention (DESIGN.md section 2) computed by the backend `backend` resolves to for q's device (see
+    """Hybrid attention (docs/design.md §2) computed by the backend `backend` resolves to for q's device (see
     backends.py: auto, torch, triton, or a registered name).
 
     q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F] = phi_q(q), fk [B,Hkv,T,F] = phi_k(k), gamma [H] > 0;

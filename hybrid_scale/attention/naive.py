@@ -1,4 +1,4 @@
-"""The O(T^2) reference: the hybrid attention formula of DESIGN.md section 2, written out densely. This is the spec.
+"""The O(T^2) reference: the hybrid attention formula of docs/design.md §2, written out densely. This is the spec.
 
 For query n and key j (positions counted in real tokens only), window w, scale s:
     W(n) = {j : n - w < j <= n},  P(n) = {j : j <= n - w}

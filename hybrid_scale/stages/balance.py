@@ -1,4 +1,4 @@
-"""Balance diagnostics (DESIGN.md section 2): is the linear attention used?
+"""Balance diagnostics (docs/design.md §2-3): is the linear attention used?
 
 * paired bootstrap deltas over the same items, stratified by task: delta_SWA = hybrid - swa_only,
   delta_LA = la_only - none, and its verdict with a margin (the tasks' scored tokens mostly lie inside the window);

@@ -20,7 +20,7 @@ the softmax terms, gamma's per-query sum), `_bwd_dfq` (dphi_q per feature chunk)
 every key tile's share of the state, per KV head and feature chunk, in reverse time over the packed query tiles),
 `_bwd_dkv` (dk, dv of the window terms; then dv of the LA terms and the state; per key tile, over the packed query
 tiles that reach it), `_bwd_dfk` (dphi_k per feature chunk) and `_bwd_sinks`. The gradient through c_n (which is
-not detached, DESIGN.md section 2) reaches only the argmax key and is added outside the kernels. The feature dim is
+not detached, docs/design.md §2) reaches only the argmax key and is added outside the kernels. The feature dim is
 always walked in chunks (`fchunk`), so no [tile, F] or [F, D] tile stays in registers.
 
 Rows whose real tokens are one contiguous span [start, end) are handled in place (left padding, right padding, no

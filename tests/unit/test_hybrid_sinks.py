@@ -1,5 +1,5 @@
 """The hybrid's balance options on a converted model: gamma's parametrisation (attention.gamma_param: exp lets the
-window outweigh a weak LA) and the hybrid with its own sinks (attention.hybrid_sinks, DESIGN.md section 2): its no-LA
+window outweigh a weak LA) and the hybrid with its own sinks (attention.hybrid_sinks, docs/design.md §2): its no-LA
 ablation is its window plus the same sinks, it differs from LoLCATs' hybrid only past the window, cached generation
 equals the full forward, the setting survives save / load (an older hybrid_config.json without it loads as LoLCATs'),
 and the evaluation report says which sinks each mode has. The attention math of every path is tested against the

@@ -23,7 +23,7 @@ MODES = [("hybrid", False), ("hybrid", True), ("la_only", False)]  # the modes w
 
 
 def loop_query(x, b, h, kh, n, real, mode, own_sinks, rho):
-    """y for query n (real index) of row b, head h: scalar loops over DESIGN.md's formula with the decay."""
+    """y for query n (real index) of row b, head h: scalar loops over docs/design.md §2's formula with the decay."""
     q, k, v, fq, fk, gamma = (x[name] for name in ("q", "k", "v", "fq", "fk", "gamma"))
     D, pn = q.shape[-1], real[n]
     score = lambda pj: sum(float(q[b, h, pn, d]) * float(k[b, kh, pj, d]) for d in range(D)) / math.sqrt(D)  # noqa: E731

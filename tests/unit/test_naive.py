@@ -1,4 +1,4 @@
-"""The naive reference against an independent, loop-level computation of DESIGN.md section 2."""
+"""The naive reference against an independent, loop-level computation of docs/design.md §2."""
 
 import math
 

@@ -593,3 +593,22 @@ def test_make_targets_run_what_the_readme_says():
         assert (ROOT / what).exists(), what
         recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
         assert recipe and what in recipe.group(1), f"make {target} does not run {what}"
+
+
+def test_every_cited_design_section_exists():
+    """The code and the docs cite the math as `docs/design.md §N`: the page exists, every cited section is one of
+    its headings, and nothing cites the design file that lives outside the repository (upper-case name)."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^## (\d+)\. ", design, flags=re.M))
+    cited, stale = set(), []
+    files = [*ROOT.glob("*.md"), *(ROOT / "docs").rglob("*.md"), *(ROOT / "kernels").rglob("*.py"),
+             *(ROOT / "kernels").rglob("*.md"), *(ROOT / "hybrid_scale").rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
+             *(ROOT / "benchmarks").rglob("*.py")]  # fmt: skip
+    for path in files:
+        text = path.read_text()
+        cited |= {(path.name, n) for n in re.findall(r"docs/design\.md §(\d+)", text)}
+        if "DESIGN" + ".md" in text:
+            stale.append(path.relative_to(ROOT))
+    assert not stale, f"cite docs/design.md, not the design file outside the repository, in {stale}"
+    assert cited, "nothing cites docs/design.md"
+    assert {n for _, n in cited} <= sections, sorted((f, n) for f, n in cited if n not in sections)
