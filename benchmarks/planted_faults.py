@@ -108,7 +108,11 @@ FAULTS = {
         "            acc = acc * carry\n            acc_k = acc_k * carry\n",
         "",
     ),
-    "kernel_decode_state_not_carried": ("kernels/hybrid_scale_kernels/decode.py", "carry = tl.exp(-rho)", "carry = 1.0"),
+    "kernel_decode_state_not_carried": (
+        "kernels/hybrid_scale_kernels/decode.py",
+        "carry = tl.exp(-rho)",
+        "carry = 1.0",
+    ),
     "decay_ignored_by_the_layer": (
         "hybrid_scale/attention/hybrid.py",
         "            la_decay=self.la_decay if la_decay is None else la_decay,",

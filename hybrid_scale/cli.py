@@ -112,6 +112,9 @@ def cmd_plan(args) -> int:
 
     checked = dry_run(cfg)
     print("\n" + table(checked), flush=True)
+    if not result.ok:  # the dry run checks plan's figures; the run itself is still blocked (plan --dry-run && sbatch)
+        print(f"plan --dry-run: exit 1: {len(result.problems)} blocking problem(s) listed above", file=sys.stderr)
+        return 1
     return 0 if all(row["ok"] for stage in checked.values() for row in stage["rows"]) else 1
 
 
@@ -127,10 +130,15 @@ def cmd_pipeline(args) -> int:
 
 def cmd_status(args) -> int:
     """What a run directory holds: the stages done, what is committed (layers, steps, eval cells), who holds its
-    lock (and whether that process still runs), the last log lines. Reads only."""
-    from .stages.status import status
+    lock (and whether that process still runs), the last log lines. Reads only; exit 2 when RUN_DIR is not a
+    directory."""
+    from .run.status import NotARunDir, status
 
-    print(status(args.run_dir))
+    try:
+        print(status(args.run_dir))
+    except NotARunDir as e:
+        print(f"hybrid-scale status: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -50,7 +50,7 @@ class ExportError(RuntimeError):
 
 
 class RunDirBusyError(RuntimeError):
-    """Another live run holds the run directory's lock (stages/lock.py)."""
+    """Another live run holds the run directory's lock (run/lock.py)."""
 
 
 USER_ERRORS = (

@@ -184,9 +184,9 @@ def _passes(name: str, device: torch.device, shape: Shape) -> bool:
 def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Shape | None = None) -> str | None:
     """Backend `name` on `device` at `shape` (default: a small one in `dtype`) against the chunked torch path: a
     forward whose 2 rows (one left-padded) cross several tiles, in hybrid mode (with its sinks if the shape's hybrid
-    keeps them), the output and the gradients of q, k,
-    v, phi_q, phi_k and gamma (and of the LA's decay rho, if the shape has one); and (if it has a fused decode step) 20 decode steps past the window against
-    recurrent.extend. None when it agrees, else what differed, failed, or the shape the backend cannot take."""
+    keeps them), the output and the gradients of q, k, v, phi_q, phi_k and gamma (and of the LA's decay rho, if the
+    shape has one); and (if it has a fused decode step) 20 decode steps past the window against recurrent.extend.
+    None when it agrees, else what differed, failed, or the shape the backend cannot take."""
     shape = shape or Shape(dtype=dtype)
     dtype = shape.dtype
     supports = _SUPPORTS.get(name)

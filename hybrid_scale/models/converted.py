@@ -22,10 +22,10 @@ from ..distributed import tensor_parallel
 from ..distributed.deepspeed import _import_deepspeed, is_partitioned
 from ..distributed.runtime import Runtime
 from ..errors import ConvertedModelError
+from ..run.layout import CONFIG_NAME
 from . import streaming
 from .convert import check_architecture, convert_model, set_modes
 
-CONFIG_NAME = "hybrid_config.json"
 PARAMS_NAME = "hybrid_params.safetensors"
 ADAPTER_DIR = "adapter"  # stage 2 adds a PEFT LoRA adapter here
 FORMAT_VERSION = 1

@@ -41,7 +41,8 @@ from ..distributed.requeue import SignalFlag
 from ..errors import DistillError
 from ..models import streaming
 from ..models.converted import write_converted
-from . import lock, rundir
+from ..run import lock
+from . import rundir
 from .distill_buffers import _mark_written, _slot, _writer, inputs_of_first_layer, preflight_buffers, run_teacher
 from .distill_identity import committed, identity_changes, run_identity
 from .distill_state import Stage1
@@ -54,7 +55,7 @@ def distill(cfg) -> Path:
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
     checked = preflight(cfg, "distill")  # inputs, architecture, tensor-parallel shape, memory, disk: before any write
     rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    # one writer per run dir (stages/lock.py); USR1/TERM: a step checkpoint at the next step, or a stop after a commit
+    # one writer per run dir (run/lock.py); USR1/TERM: a step checkpoint at the next step, or a stop after a commit
     with lock.for_stage(cfg, "distill", rt), SignalFlag() as signal:
         s = start(cfg)
         for warning in checked.warnings:  # e.g. ranks left idle by too few query blocks per step

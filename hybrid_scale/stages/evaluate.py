@@ -46,7 +46,8 @@ from ..models.converted import (
     load_tokenizer,
     read_hybrid_config,
 )
-from . import balance, lock, loglik, plan, report, retrieval, rundir
+from ..run import lock
+from . import balance, loglik, plan, report, retrieval, rundir
 from .evaluate_cells import Cells, count_cells, digest, model_key
 from .plan import preflight
 
@@ -164,7 +165,7 @@ def evaluate(cfg) -> dict:
     raises Requeue after a signal."""
     preflight(cfg, "evaluate")  # the input model, its architecture, memory per rank
     rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    with lock.for_stage(cfg, "evaluate", rt):  # one writer per run dir (stages/lock.py): taken before any write
+    with lock.for_stage(cfg, "evaluate", rt):  # one writer per run dir (run/lock.py): taken before any write
         if rt.main:
             requeue.clear_request(cfg.run_dir)
         with SignalFlag() as flag:  # a signal from here on stops the ranks at their next check (rounds, cells)

@@ -45,7 +45,7 @@ from ..models.converted import (
     read_hybrid_config,
     write_converted,
 )
-from . import lock
+from ..run import lock
 from .balance import perplexity_by_bucket
 from .plan import preflight
 from .rundir import describe_origin, eval_dir, export_dir, export_source, is_export
@@ -333,7 +333,7 @@ def export(cfg) -> Path:
     attention code, tokenizer, phi/gamma (gamma fixed or calibrated on request), the model card."""
     t0 = time.perf_counter()
     preflight(cfg, "export")  # the input model (adapter, base), the destination, architecture, free disk
-    with lock.for_stage(cfg, "export"):  # one writer per run dir (stages/lock.py), when it writes or reads in it
+    with lock.for_stage(cfg, "export"):  # one writer per run dir (run/lock.py), when it writes or reads in it
         return _export(cfg, t0)
 
 

@@ -41,7 +41,8 @@ from ..models.converted import base_dir, load_converted, load_tokenizer, read_hy
 from ..recipes import RECIPES
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
-from . import lock, rundir
+from ..run import lock
+from . import rundir
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
 from .plan import preflight
 from .report import curves_png
@@ -118,7 +119,7 @@ def finetune(cfg) -> Path:
         raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
     preflight(cfg, "finetune")  # inputs, architecture, tensor-parallel shape, memory, disk: before any work
     rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    with lock.for_stage(cfg, "finetune", rt):  # one writer per run dir (stages/lock.py): taken before any write
+    with lock.for_stage(cfg, "finetune", rt):  # one writer per run dir (run/lock.py): taken before any write
         return _train(cfg)
 
 

@@ -18,7 +18,8 @@ from ..distributed import requeue, runtime
 from ..distributed.checkpoint import MARKER, atomic_write
 from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError
-from . import lock, rundir
+from ..run import lock
+from . import rundir
 from .distill import distill
 from .evaluate import evaluate
 from .export import export
@@ -85,7 +86,7 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     if todo:
         preflight_ahead(cfg, todo)  # each stage runs its own preflight again when it starts
     rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    with lock.for_stage(cfg, "pipeline", rt):  # held across the stages: one writer per run dir (stages/lock.py)
+    with lock.for_stage(cfg, "pipeline", rt):  # held across the stages: one writer per run dir (run/lock.py)
         return _run_stages(cfg, stages, log, rt)
 
 

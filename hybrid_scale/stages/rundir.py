@@ -1,13 +1,6 @@
-"""The run directory's rules, in one place: what each stage reads and writes under run_dir (or where its key points
-instead), which model is "the run's model" (evaluate and export read the same one), and how an export is
-recognised (the only kind of directory at export.out_dir that may be replaced).
-
-  {run_dir}/config.yaml            the resolved config (pipeline)
-  {run_dir}/stage1/                stage 1: per-layer parameters, manifest, buffers/ (distill.buffer_dir), converted/
-  {run_dir}/stage2/                stage 2: step_XXXXXXXX/, best/, final/, output -> best or final
-  {run_dir}/eval/                  evaluation (eval.out_dir)
-  {run_dir}/export/                export (export.out_dir)
-"""
+"""The run directory's rules that need the disk: which model is "the run's model" (evaluate and export read the
+same one), the model each stage reads, and how an export is recognised (the only kind of directory at export.out_dir
+that may be replaced). The paths themselves are `run/layout.py`'s (RunLayout)."""
 
 from __future__ import annotations
 
@@ -18,6 +11,7 @@ from ..data import assets
 from ..distributed.checkpoint import MARKER, PARTIAL_TAG
 from ..errors import ConfigError
 from ..models.converted import CONFIG_NAME, base_dir
+from ..run.layout import RunLayout
 
 RUN_MODEL_ORDER = ("stage2/output", "stage1/converted")  # stage2/output -> best (early stopping chose it) or final
 
@@ -59,19 +53,19 @@ def is_export(path: Path) -> bool:
 
 
 def stage1_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "stage1"
+    return RunLayout.of(cfg).stage1
 
 
 def buffer_dir(cfg) -> Path:
-    return Path(cfg.distill.buffer_dir) if cfg.distill.buffer_dir else stage1_dir(cfg) / "buffers"
+    return RunLayout.of(cfg).buffers
 
 
 def stage1_output(cfg) -> Path:
-    return stage1_dir(cfg) / "converted"
+    return RunLayout.of(cfg).stage1_output
 
 
 def stage2_dir(cfg) -> Path:
-    return Path(cfg.run_dir) / "stage2"
+    return RunLayout.of(cfg).stage2
 
 
 def finetune_source(cfg) -> Path:
@@ -86,11 +80,11 @@ def finetune_source(cfg) -> Path:
 
 
 def eval_dir(cfg) -> Path:
-    return Path(cfg.eval.out_dir) if cfg.eval.out_dir else Path(cfg.run_dir) / "eval"
+    return RunLayout.of(cfg).eval
 
 
 def export_dir(cfg) -> Path:
-    return Path(cfg.export.out_dir) if cfg.export.out_dir else Path(cfg.run_dir) / "export"
+    return RunLayout.of(cfg).export
 
 
 def export_source(cfg) -> Path:

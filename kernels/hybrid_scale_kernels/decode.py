@@ -32,7 +32,8 @@ from .hybrid_attention import _EPS, MODES, mode_parts
 
 @triton.jit
 def _decode(
-    Q, K, V, FQ, FK, GAMMA, RHO, RING_K, RING_V, RING_FK, SINK_K, SINK_V, SINK_FK, KV, KSUM, COUNT, REAL,  # (state in place)
+    Q, K, V, FQ, FK, GAMMA, RHO,
+    RING_K, RING_V, RING_FK, SINK_K, SINK_V, SINK_FK, KV, KSUM, COUNT, REAL,  # (the state, updated in place)
     Y,
     H, G, D, F, R, S, window, lin_off, sink_off, n_sinks, scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,

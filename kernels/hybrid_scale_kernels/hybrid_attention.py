@@ -773,7 +773,6 @@ class _HybridAttention(torch.autograd.Function):
         Hkv = k.shape[1]
         s = _settings(q, k, fq, window, mode, sinks, block, hybrid_sinks, rho.numel() > 0)
         r = rho.detach().float().contiguous() if s["DECAY"] else None
-        decay = dict(window=s["window"], st_off=s["st_off"], DECAY=s["DECAY"])
         nm, F, G = triton.cdiv(T, block), s["F"], s["G"]
         nq = triton.cdiv(T * G, block)
         f32 = dict(dtype=torch.float32, device=q.device)
@@ -812,8 +811,8 @@ class _HybridAttention(torch.autograd.Function):
                 if out is not None:
                     _bwd_dfq[(nq, B * Hkv, triton.cdiv(F, fc))](
                         fq, fk, v, rp, state_kv, state_k, start, end, dy, z, delta, out, T, H, G, D, F, nm,
-                        s["window"], 0 if window_part else lin_off, s["st_off"], BLOCK_FC=fc, DECAY=s["DECAY"] and not window_part,
-                        WINDOW=window_part, **opts,
+                        s["window"], 0 if window_part else lin_off, s["st_off"], BLOCK_FC=fc,
+                        DECAY=s["DECAY"] and not window_part, WINDOW=window_part, **opts,
                     )  # fmt: skip
             del state_kv, state_k
             g_kv = torch.empty(B, Hkv, nm, F, D, **f32)
@@ -831,7 +830,8 @@ class _HybridAttention(torch.autograd.Function):
                 if out is not None:
                     _bwd_dfk[(nm, B * Hkv, triton.cdiv(F, fc))](
                         fq, v, rp, start, end, dy, z, delta, g_kv, g_k, out, T, H, G, D, F, nm, s["window"],
-                        0 if window_part else lin_off, s["st_off"], BLOCK_FC=fc, DECAY=s["DECAY"] and not window_part, WINDOW=window_part, **opts,
+                        0 if window_part else lin_off, s["st_off"], BLOCK_FC=fc, DECAY=s["DECAY"] and not window_part,
+                        WINDOW=window_part, **opts,
                     )  # fmt: skip
         else:
             dfq = torch.zeros(B, H, T, F, **f32)

@@ -11,8 +11,13 @@ SPLIT_70B = ["launch.tensor_parallel=8", "finetune.offload=false", "eval.shard_w
 
 
 def _plan(args):
+    """The dry run's output. The presets' model.path is a placeholder, so plan blocks (only on that) and
+    `plan --dry-run` exits 1 after its dry run (a script's `plan --dry-run && sbatch` submits nothing)."""
     proc = procs.run(["plan", *args, "--dry-run"], timeout=600)
     assert "dry run of stage 1" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    blocked = [line for line in proc.stdout.splitlines() if line.startswith("BLOCKING")]
+    assert len(blocked) == 1 and "is not a Hugging Face model directory" in blocked[0], blocked
+    assert proc.returncode == 1 and "plan --dry-run: exit 1: 1 blocking problem(s) listed above" in proc.stderr
     return proc, proc.stdout[proc.stdout.index("dry run of stage 1") :]
 
 
@@ -30,7 +35,7 @@ def test_the_70b_preset_at_tensor_parallel_8_on_32_ranks_agrees_with_plan():
     optimizer step the data-parallel gradients', LoRA's replicated factors' and the clipping norm's; 16 micro-batches
     (64 sequences over 4 data-parallel groups). Evaluation: 161 all-reduces and the logits' one gather."""
     proc, out = _plan(["models/llama3-70b.yaml", *SPLIT_70B])
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert proc.returncode == 1, out + proc.stderr[-3000:]  # blocked by the placeholder model.path alone (_plan)
     assert "split over 8 tensor-parallel ranks; trainable state fp32, replicated over 4; 16 micro-batch(es)" in out
     one = _rows(out, "stage 1")
     assert one["layer weights per rank"] == ["GB", "0.214", "0.214", "1.000"]  # 1.7 GB / 8
@@ -51,7 +56,7 @@ def test_the_8b_preset_under_zero3_on_8_ranks_agrees_with_plan():
     """Llama-3-8B as its preset runs it (1 node x 8, tp 1, ZeRO-3): the model with LoRA goes through a forward and
     backward at its real shape; the bytes follow ZeRO-3's partitioning rule (its engine is not started)."""
     proc, out = _plan(["models/llama3-8b.yaml"])
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert proc.returncode == 1, out + proc.stderr[-3000:]  # blocked by the placeholder model.path alone (_plan)
     assert "ZeRO-3 partitions over 8 ranks (DeepSpeed's rule; its engine is not started)" in out
     assert _rows(out, "stage 2")["weights per rank"][:2] == ["GB", "2.013"]  # 16 GB of bf16 / 8
     assert _rows(out, "stage 1")["layer weights per rank"][:2] == ["GB", "0.436"]  # one whole layer per rank

@@ -258,7 +258,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(set
 
 
 def test_a_second_writer_and_a_reader_are_refused_while_stage_2_runs(setup, tmp_path):
-    """One writer per run dir (stages/lock.py): while stage 2 runs (paused by SIGSTOP mid-run), a second stage 2 on
+    """One writer per run dir (run/lock.py): while stage 2 runs (paused by SIGSTOP mid-run), a second stage 2 on
     the same run_dir and an evaluation of the run's model are each refused with one line naming the holder, exit 2,
     and leave the run dir byte for byte as it was; the first run then finishes and releases the lock."""
     run = tmp_path / "run"

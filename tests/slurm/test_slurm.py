@@ -185,7 +185,7 @@ def test_stage2_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, 
     while not (stage2 / "step_00000002" / "COMMITTED").is_file():
         assert time.time() - t0 < 300, "stage 2 did not reach step 2"
         time.sleep(0.5)
-    holder = json.loads((run / ".lock").read_text())  # the run dir's lock, taken for the job (stages/lock.py)
+    holder = json.loads((run / ".lock").read_text())  # the run dir's lock, taken for the job (run/lock.py)
     assert holder["slurm_job"] == job and holder["stage"] == "finetune"
     # as if the node had died: the lock stays behind, naming another host; the requeued job (same id) takes it over
     (run / ".lock").write_text(json.dumps(holder | {"host": "node-lost", "pid": 1}))

@@ -1,4 +1,4 @@
-"""The run directory's lock (hybrid_scale/stages/lock.py) and `hybrid-scale status`: a live holder refuses a second
+"""The run directory's lock (hybrid_scale/run/lock.py) and `hybrid-scale status`: a live holder refuses a second
 writer with one line naming it and the fix, writing nothing; a dead one (a pid gone or reused, a killed process not
 yet reaped, this Slurm job's earlier run, a job squeue no longer runs) never blocks; a holder that cannot be checked
 from here is refused with the exact command that breaks the lock; a process that holds it goes on (the pipeline
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from hybrid_scale.errors import RunDirBusyError
-from hybrid_scale.stages import lock, status
+from hybrid_scale.run import lock, status
 
 
 def write_lock(run, **holder):
@@ -134,3 +134,47 @@ def test_status_names_the_holder_and_what_is_committed(tmp_path, other_process):
     other_process.kill()
     other_process.wait()
     assert "gone (the next run breaks this lock)" in status.status(run)
+
+
+def test_status_exits_2_on_a_path_that_is_not_a_run_directory(tmp_path, capsys):
+    """A script can tell: a missing path and a file each get one line on stderr and exit 2."""
+    from hybrid_scale.cli import main
+
+    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == f"hybrid-scale status: {tmp_path / 'nowhere'}: no such run directory"
+    (tmp_path / "file").write_text("x")
+    assert main(["status", str(tmp_path / "file")]) == 2
+    assert "a file, not a run directory" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    assert main(["status", str(tmp_path / "run")]) == 0
+    assert "stage 1: not started" in capsys.readouterr().out
+
+
+def test_status_follows_the_recorded_out_dirs(tmp_path):
+    """The evaluation and the export written where the run's recorded config (config.yaml) put them."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (elsewhere / "eval" / "cells").mkdir(parents=True)
+    (elsewhere / "eval" / "cells" / "hybrid.json").write_text("{}")
+    run.mkdir()
+    (run / "config.yaml").write_text(f"eval: {{out_dir: {elsewhere / 'eval'}}}\nexport: {{out_dir: null}}\n")
+    text = status.status(run)
+    assert f"evaluate: 1 cell(s) committed ({elsewhere / 'eval'})" in text
+
+
+def test_status_imports_no_torch_and_answers_in_under_a_second(tmp_path):
+    """On a login node: `hybrid-scale status` in a fresh interpreter imports no torch, and answers in < 1 s."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "run" / "stage1").mkdir(parents=True)
+    code = (
+        "import sys, time; t = time.perf_counter(); from hybrid_scale.cli import main; "
+        "rc = main(['status', sys.argv[1]]); print('torch' in sys.modules, rc, time.perf_counter() - t)"
+    )
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    torch_loaded, rc, inside = proc.stdout.strip().splitlines()[-1].split()
+    assert (torch_loaded, rc) == ("False", "0"), proc.stdout + proc.stderr
+    assert float(inside) < 1.0 and wall < 3.0, (inside, wall)  # (the interpreter's own start-up outside the 1 s)

@@ -216,6 +216,25 @@ def test_plan_command_exit_codes(smollm2, tmp_path, capsys):
     )
 
 
+def test_plan_dry_run_exits_1_while_plan_lists_a_blocking_problem(smollm2, tmp_path, monkeypatch, capsys):
+    """`plan --dry-run && sbatch ...` must not submit a run that plan says cannot start: the dry run (stubbed here:
+    its own tests are in tests/distributed) agreeing with plan's figures does not unblock a missing model.path."""
+    from hybrid_scale.stages import dry_run
+
+    monkeypatch.setattr(dry_run, "dry_run", lambda cfg: {"stage 2": {"rows": [{"ok": True}]}})
+    monkeypatch.setattr(dry_run, "table", lambda checked: "dry run: plan agrees within 10%")
+    args = ["plan", "models/llama3-8b.yaml", f"run_dir={tmp_path}", "--dry-run"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "BLOCKING (distill" in captured.out and "model.path /path/to/Meta-Llama-3-8B" in captured.out
+    assert captured.out.rstrip().endswith("dry run: plan agrees within 10%")
+    assert "plan --dry-run: exit 1: 1 blocking problem(s) listed above" in captured.err
+    monkeypatch.setattr(dry_run, "dry_run", lambda cfg: {"stage 2": {"rows": [{"ok": False}]}})
+    assert main(["plan", "models/smollm2-135m.yaml", f"run_dir={tmp_path}", "--dry-run"]) == 1  # a figure differs
+    monkeypatch.setattr(dry_run, "dry_run", lambda cfg: {"stage 2": {"rows": [{"ok": True}]}})
+    assert main(["plan", "models/smollm2-135m.yaml", f"run_dir={tmp_path}", "--dry-run"]) == 0
+
+
 def test_sbatch_scripts_come_from_the_templates_in_slurm(tmp_path, monkeypatch):
     cfg = load_config(
         "models/llama3-8b.yaml",

@@ -25,10 +25,13 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..distributed import runtime
 from ..errors import RunDirBusyError
-from . import rundir
+from .layout import RunLayout
+
+if TYPE_CHECKING:
+    from ..distributed.runtime import Runtime
 
 LOCK_NAME = ".lock"
 ALIVE_STATES = ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING")
@@ -164,7 +167,7 @@ def _release(run_dir: Path) -> None:
 
 
 @contextmanager
-def holding(run_dir, stage: str, rt: runtime.Runtime | None = None):
+def holding(run_dir, stage: str, rt: Runtime | None = None):
     """Hold the run dir's lock for the block: rank 0 takes it for the job (the ranks agree: a refusal raises on
     every rank); a process that already holds it (the pipeline, around its stages) goes on."""
     run_dir = Path(run_dir).resolve()
@@ -183,7 +186,13 @@ def holding(run_dir, stage: str, rt: runtime.Runtime | None = None):
             _acquire(run_dir, stage)
         except RunDirBusyError as e:
             error = e
-    if not (runtime.all_ranks(rt, error is None) if rt is not None else error is None):
+    if rt is not None:
+        from ..distributed.runtime import all_ranks  # (torch: only a stage that runs ranks gets here)
+
+        agreed = all_ranks(rt, error is None)
+    else:
+        agreed = error is None
+    if not agreed:
         raise error or RunDirBusyError(f"{run_dir} is in use by another run (rank 0 says why); choose another run_dir")
     _HELD[run_dir] = 1
     try:
@@ -201,16 +210,16 @@ def _inside(path: Path, run_dir: Path) -> bool:
 def needed(cfg, stage: str) -> bool:
     """Whether `stage` writes into (or reads the model of) the run dir: stage 1, stage 2 and the pipeline always;
     the evaluation and the export when they read the run's model or write inside the run dir."""
-    run_dir = Path(cfg.run_dir)
+    layout = RunLayout.of(cfg)
     if stage == "evaluate":
-        return cfg.eval.model is None or _inside(rundir.eval_dir(cfg), run_dir)
+        return cfg.eval.model is None or _inside(layout.eval, layout.run_dir)
     if stage == "export":
-        return cfg.export.model is None or _inside(rundir.export_dir(cfg), run_dir)
+        return cfg.export.model is None or _inside(layout.export, layout.run_dir)
     return True
 
 
 @contextmanager
-def for_stage(cfg, stage: str, rt: runtime.Runtime | None = None):
+def for_stage(cfg, stage: str, rt: Runtime | None = None):
     """The run dir's lock around a stage that needs it (`needed`); the block runs unlocked otherwise."""
     if not needed(cfg, stage):
         yield

@@ -1,0 +1,126 @@
+"""`hybrid-scale status RUN_DIR`: what a user on a cluster checks before resubmitting. Which stages are done, what
+is committed (stage 1's layers, stage 2's steps, the evaluation's cells), who holds the run dir's lock (and whether
+it still runs), and the last lines of the newest log. Reads only, imports no torch, and hashes nothing: a layer or
+step counts as committed when its marker and the files it names are there (the stages verify the hashes when they
+resume). The layout comes from the run's recorded config when there is one, so eval.out_dir and export.out_dir
+overrides are followed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..distributed.checkpoint import MARKER, PARTIAL_TAG
+from ..distributed.requeue import REQUEUE_MARKER
+from . import lock
+from .layout import CONFIG_NAME, RUN_CONFIG, RunLayout
+
+
+class NotARunDir(ValueError):
+    """The path given to `status` is not a directory."""
+
+
+def _layout(run: Path) -> RunLayout:
+    """The run's layout from its recorded config (the pipeline writes it), else the defaults under run."""
+    from omegaconf import OmegaConf
+
+    from ..config import load_config
+
+    recorded = run / RUN_CONFIG
+    overrides = [f"run_dir={run}"]
+    if recorded.is_file():
+        try:
+            cfg = OmegaConf.load(recorded)
+            overrides += [f"eval.out_dir={cfg.eval.out_dir}"] if cfg.eval.get("out_dir") else []
+            overrides += [f"export.out_dir={cfg.export.out_dir}"] if cfg.export.get("out_dir") else []
+            overrides += [f"distill.buffer_dir={cfg.distill.buffer_dir}"] if cfg.distill.get("buffer_dir") else []
+        except Exception:  # noqa: BLE001  (a damaged record: the defaults, as before the pipeline wrote one)
+            pass
+    return RunLayout.of(load_config(overrides=overrides))
+
+
+def _marked(directory: Path) -> bool:
+    """A step directory whose marker is there and names files that are all there (hashes: checked on resume)."""
+    try:
+        files = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return all((directory / name).is_file() for name in files)
+
+
+def _stage1(layout: RunLayout) -> str:
+    stage1 = layout.stage1
+    if not stage1.is_dir():
+        return "stage 1: not started"
+    layers = sorted(int(p.stem[6:]) for p in stage1.glob("layer_*.done") if p.stem[6:].isdigit())
+    done = [i for i in layers if (stage1 / f"layer_{i:03d}.safetensors").is_file()]
+    if (layout.stage1_output / CONFIG_NAME).is_file():
+        return f"stage 1: done ({len(done)} layers committed, converted model in stage1/converted)"
+    last = ", ".join(map(str, done[-3:])) or "none"
+    return f"stage 1: {len(done)} layer(s) committed (the last: {last})"
+
+
+def _stage2(layout: RunLayout) -> str:
+    stage2 = layout.stage2
+    if not stage2.is_dir():
+        return "stage 2: not started"
+    steps = sorted(p for p in stage2.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and _marked(p))
+    saved = ", ".join(p.name for p in steps) or "no committed step"
+    output = layout.stage2_output
+    if output.is_symlink() and (output / CONFIG_NAME).is_file():
+        return f"stage 2: done, output -> {output.resolve().name} (checkpoints: {saved})"
+    return f"stage 2: running or stopped (checkpoints: {saved})"
+
+
+def _evaluate(layout: RunLayout) -> str:
+    out = layout.eval
+    if (out / "results.json").is_file():
+        verdict = json.loads((out / "results.json").read_text()).get("verdict", "n/a")
+        return f"evaluate: done, verdict: {verdict} ({out})"
+    if not out.is_dir():
+        return "evaluate: not started"
+    return f"evaluate: {len(list((out / 'cells').glob('*.json')))} cell(s) committed ({out})"
+
+
+def _export(layout: RunLayout) -> str:
+    out = layout.export
+    if (out / PARTIAL_TAG).is_file():
+        return f"export: being written ({out})"
+    try:
+        model_type = json.loads((out / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError):
+        model_type = ""
+    if (out / MARKER).is_file() and str(model_type).startswith("hybrid_scale_"):
+        return f"export: done ({out})"
+    return "export: not done"
+
+
+def _lock(run: Path) -> str:
+    holder = lock.read(run)
+    if holder is None:
+        return "lock: free"
+    if holder == {}:
+        return "lock: being taken"
+    state = {True: "running", False: "gone (the next run breaks this lock)", None: "cannot be checked from here"}
+    return f"lock: held by {lock.describe(holder)}: {state[lock.alive(holder)]}"
+
+
+def status(run_dir) -> str:
+    """The report; NotARunDir when run_dir is missing or a file."""
+    run = Path(run_dir)
+    if not run.exists():
+        raise NotARunDir(f"{run}: no such run directory")
+    if not run.is_dir():
+        raise NotARunDir(f"{run}: a file, not a run directory")
+    layout = _layout(run)
+    lines = [f"run directory {run.resolve()}", _lock(run), _stage1(layout), _stage2(layout), _evaluate(layout)]
+    lines.append(_export(layout))
+    if (run / REQUEUE_MARKER).is_file():
+        lines.append(f"requeue requested: {(run / REQUEUE_MARKER).read_text().strip()}")
+    logs = [p for p in layout.logs if p.is_file()]
+    if logs:
+        newest = max(logs, key=lambda p: p.stat().st_mtime)
+        tail = newest.read_text().splitlines()[-5:]
+        name = newest.relative_to(run) if newest.is_relative_to(run) else newest
+        lines += [f"last lines of {name}:", *(f"  {line}" for line in tail)]
+    return "\n".join(lines)
