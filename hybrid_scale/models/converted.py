@@ -205,6 +205,34 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
     return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
 
 
+ADAPTER_README = """# A LoRA adapter of a converted hybrid model
+
+This adapter was trained on the hybrid attention model in the directory above it ({model}), not on the
+softmax model it was converted from. Loaded onto that softmax base it would give a different model, so its
+`adapter_config.json` names the converted directory as its base, which transformers cannot load by itself:
+`AutoPeftModelForCausalLM.from_pretrained` on this directory fails instead of loading the wrong model.
+
+Load the model with the adapter merged:
+
+    import hybrid_scale
+    model = hybrid_scale.load_converted("{model}")
+
+or export it as a self-contained Hugging Face directory (`hybrid-scale export export.model={model}`), which loads
+with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
+"""
+
+
+def mark_adapter(adapter: Path, model_dir: Path) -> None:
+    """Make a stage-2 adapter say whose it is: its base_model_name_or_path names the converted model directory it
+    belongs to (so PEFT's Auto classes fail on it rather than load the LoRA onto the plain softmax base), and its
+    README says how to load it. `model_dir` is where the converted model will live."""
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = str(Path(model_dir).resolve())
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (adapter / "README.md").write_text(ADAPTER_README.format(model=Path(model_dir).resolve()))
+
+
 def merge_adapter(model: nn.Module, adapter: Path) -> None:
     """Merge a stage-2 LoRA adapter into the model's weights in place, with the export's arithmetic (tested equal to
     PEFT's merge_and_unload). Weights partitioned by ZeRO-3 are gathered one at a time, merged on rank 0 and

@@ -25,7 +25,7 @@ from ..distributed.checkpoint import (
 from ..distributed.deepspeed import gather_full, restore_trainable, trainable_state
 from ..distributed.replicated import ReplicatedEngine
 from ..models.convert import set_modes
-from ..models.converted import ADAPTER_DIR, describe, write_converted
+from ..models.converted import ADAPTER_DIR, describe, mark_adapter, write_converted
 
 
 def committed_steps(stage2: Path) -> list[Path]:
@@ -105,6 +105,7 @@ def write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt,
         origin = {"stage": "stage2", "checkpoint": dest.name, "step": step}
         write_converted(tmp, source_meta["architecture"], source_meta["base_model"], describe(model), hybrid, origin)
         peft_model.save_pretrained(tmp / ADAPTER_DIR, state_dict=lora)
+        mark_adapter(tmp / ADAPTER_DIR, dest)
         commit(tmp)
         replace_dir(tmp, dest, "run_dir")
     runtime.barrier(rt)

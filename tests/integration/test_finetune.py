@@ -298,6 +298,15 @@ def test_saved_adapter_is_whole_and_reloads_to_the_trained_logits(setup, referen
     assert len(adapter) == 2 * 4 * 2  # lora_A and lora_B of q/k/v/o in 2 layers
     assert all(t.numel() > 0 for t in adapter.values())
     assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained (B starts at zero)
+    # the adapter names the converted model it belongs to, so PEFT's Auto class fails on it instead of loading the
+    # LoRA onto the softmax base; its README says how to load it
+    config = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(final.resolve())
+    assert f'hybrid_scale.load_converted("{final.resolve()}")' in (final / "adapter" / "README.md").read_text()
+    from peft import AutoPeftModelForCausalLM
+
+    with pytest.raises((OSError, ValueError), match="config.json"):  # (transformers: no model_type / no file)
+        AutoPeftModelForCausalLM.from_pretrained(final / "adapter")
     merged = hs.load_converted(final, dtype=torch.float32)
 
     plain = AutoModelForCausalLM.from_pretrained(setup / "base", dtype=torch.float32)
