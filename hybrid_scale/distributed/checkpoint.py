@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -38,6 +39,21 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def save_tensors(tensors: dict, path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, its I/O errors raised as the OSError they are: a disk that fills while it writes
+    gives ENOSPC (one line from the CLI, like every other full-disk write), not a SafetensorError traceback."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
 
 
 def fault_enospc(point: str) -> None:

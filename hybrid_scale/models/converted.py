@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..attention.architectures import BY_EXPORT_TYPE
 from ..attention.hybrid import HybridAttention, hybrid_layers
 from ..distributed import tensor_parallel
+from ..distributed.checkpoint import save_tensors
 from ..distributed.deepspeed import _import_deepspeed, is_partitioned
 from ..distributed.runtime import Runtime
 from ..errors import ConvertedModelError
@@ -148,7 +149,7 @@ def write_converted(
     `origin` says which checkpoint it is (e.g. {"stage": "stage2", "checkpoint": "final", "step": 200})."""
     out.mkdir(parents=True, exist_ok=True)
     # "format": "pt" lets transformers read this file as a shard too (an export lists it in its index)
-    save_file({k: v.contiguous() for k, v in params.items()}, out / PARAMS_NAME, metadata={"format": "pt"})
+    save_tensors({k: v.contiguous() for k, v in params.items()}, out / PARAMS_NAME, metadata={"format": "pt"})
     meta = {"format_version": FORMAT_VERSION, "architecture": architecture, "base_model": base_ref}
     meta["attention"] = settings
     if origin:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..attention.hybrid import HybridAttention
 from ..distributed import runtime, tensor_parallel
@@ -19,6 +19,7 @@ from ..distributed.checkpoint import (
     is_committed,
     remove_dir,
     replace_dir,
+    save_tensors,
     sibling,
     start_partial,
 )
@@ -41,12 +42,12 @@ def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
     if rt.main:
         start_partial(dest, "run_dir")
         fault_enospc(f"save:{dest.name}")
-        save_file(weights, tmp / "trainable.safetensors")
-        save_file(moments, tmp / "optimizer.safetensors")
+        save_tensors(weights, tmp / "trainable.safetensors")
+        save_tensors(moments, tmp / "optimizer.safetensors")
         state = {**state, "scheduler": engine.lr_scheduler.state_dict(), "world": rt.world, "tensor_parallel": rt.tp}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
     runtime.barrier(rt)
-    save_file({"rng": torch.get_rng_state()}, tmp / f"rng_rank{rt.rank}.safetensors")
+    save_tensors({"rng": torch.get_rng_state()}, tmp / f"rng_rank{rt.rank}.safetensors")
     runtime.barrier(rt)  # every rank's files are on disk before the marker
     if rt.main:
         fault("save:before_commit")

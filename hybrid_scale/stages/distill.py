@@ -29,14 +29,14 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from ..attention.hybrid import HybridAttention
 from ..config import attention_settings
 from ..data import assets
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.checkpoint import atomic_write, fault, sha256
+from ..distributed.checkpoint import atomic_write, fault, save_tensors, sha256
 from ..distributed.requeue import SignalFlag
 from ..errors import DistillError
 from ..models import streaming
@@ -169,7 +169,7 @@ def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: st
     stage1 = s.stage1
     if s.rt.main:
         tmp = stage1 / f"layer_{i:03d}.safetensors.tmp"
-        save_file(params, tmp, metadata={"losses": json.dumps(losses if params else [])})
+        save_tensors(params, tmp, metadata={"losses": json.dumps(losses if params else [])})
         os.replace(tmp, stage1 / f"layer_{i:03d}.safetensors")
         fault(f"commit:{i}")
         manifest = {"identity": s.identity, "next_layer": i + 1, "inputs": other, "world": s.rt.world}

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..attention.hybrid import HybridAttention
 from ..data.staging import Stager
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.checkpoint import fault
+from ..distributed.checkpoint import fault, save_tensors
 from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, DistillError
 from ..recipes import RECIPES
@@ -82,7 +82,7 @@ def _save_step(s: Stage1, i: int, named: list, opt, done: int, losses: list[floa
     if s.rt.main:
         meta = {"identity": json.dumps(s.identity, sort_keys=True), "done": str(done), "losses": json.dumps(losses)}
         tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, tmp, metadata=meta)
+        save_tensors(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
     runtime.barrier(s.rt)
     return path

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..attention.architectures import ARCHITECTURES
 from ..attention.hybrid import GAMMA_PARAMS, HybridAttention
 from ..attention.naive import EPS
 from ..data import corpus
-from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, start_partial
+from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, save_tensors, start_partial
 from ..errors import ExportError
 from ..models import streaming
 from ..models.convert import components
@@ -121,7 +121,7 @@ def write_shards(base: Path, where, shards, deltas, scaling, dtype, out: Path, l
                 merged += 1
             tensors[name] = (t.to(dtype) if dtype and t.is_floating_point() else t).contiguous()
         fault_enospc("export")
-        save_file(tensors, out / file, metadata={"format": "pt"})
+        save_tensors(tensors, out / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
         log(f"wrote {file} ({len(names)} tensors)")
         del tensors

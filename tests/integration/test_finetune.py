@@ -257,6 +257,56 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(set
     assert not (stage2 / "step_00000006.partial").exists() and len(curves(tmp_path)["train"]) == 7
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of its own (root only: skipped where mount is refused), unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_disk_that_really_fills_during_a_save_is_one_line_and_resumes_bitwise(setup, tmp_path, small_disk):
+    """A real full disk, not an injected error: the run dir on a tmpfs, which another writer fills once step 3 is
+    committed, leaving half a step checkpoint free, so step 6's save runs out of space while it writes. One line,
+    exit 2, no traceback, step 3 kept; with room again the same command resumes from step 3 and ends bitwise as a
+    run that never stopped."""
+    args = ("finetune.max_steps=7", "finetune.eval_every=0")
+    reference = tmp_path / "reference"
+    assert procs.run(["finetune", *overrides(setup, reference, *args)], timeout=600).returncode == 0
+    run, filler = small_disk / "run", small_disk / "filler"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRID_SCALE_STEP_SLEEP": "1"}  # a second per step: time to fill
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid_scale.cli", "finetune", *overrides(setup, run, *args)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    step3 = run / "stage2" / "step_00000003"
+    deadline = time.time() + 300
+    while not (step3 / MARKER).is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    stat = os.statvfs(small_disk)
+    filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - _size(step3) // 2))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hybrid-scale finetune: error: no space left on the device (")
+    assert "the work committed before it is kept" in last and "Traceback" not in err
+    assert [p.name for p in committed_steps(run / "stage2")] == ["step_00000003"]
+    filler.unlink()
+    assert procs.run(["finetune", *overrides(setup, run, *args)], timeout=600).returncode == 0
+    assert "resumed from step_00000003" in (run / "stage2" / "log.txt").read_text()
+    assert curves(run)["train"] == curves(reference)["train"]
+    a = load_file(reference / "stage2" / "final" / "adapter" / "adapter_model.safetensors")
+    b = load_file(run / "stage2" / "final" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_second_writer_and_a_reader_are_refused_while_stage_2_runs(setup, tmp_path):
     """One writer per run dir (run/lock.py): while stage 2 runs (paused by SIGSTOP mid-run), a second stage 2 on
     the same run_dir and an evaluation of the run's model are each refused with one line naming the holder, exit 2,
