@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 CHILD = """
 import resource, sys
 from hybrid_scale.config import load_config
-from hybrid_scale.stages.distill import distill
+from hybrid_scale.distill.stage import distill
 distill(load_config(overrides=sys.argv[1:]))
 print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from hybrid_scale.config import load_config
-from hybrid_scale.stages.evaluate import evaluate
+from hybrid_scale.evaluate.stage import evaluate
 
 REFERENCE = {"piqa": 0.640, "arc_easy": 0.500}
 

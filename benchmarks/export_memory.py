@@ -24,7 +24,7 @@ from distill_memory import write_checkpoint  # noqa: E402
 CHILD = """
 import sys
 from hybrid_scale.config import load_config
-from hybrid_scale.stages.export import export
+from hybrid_scale.export.stage import export
 
 def status(key):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))

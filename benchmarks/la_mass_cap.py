@@ -20,14 +20,16 @@ from pathlib import Path
 
 import torch
 
+from hybrid_scale import measure
 from hybrid_scale.attention import backends
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
 from hybrid_scale.attention.naive import EPS
 from hybrid_scale.config import load_config
+from hybrid_scale.evaluate import balance
+from hybrid_scale.evaluate.stage import _heldout_sequences
 from hybrid_scale.models.convert import set_modes
 from hybrid_scale.models.converted import load_base_model, load_converted, load_tokenizer
-from hybrid_scale.stages import balance, rundir
-from hybrid_scale.stages.evaluate import _heldout_sequences
+from hybrid_scale.run import sources as rundir
 
 BUCKETS = [0, 16, 64, 256, 512, 768, 1024]
 
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     nll, times = {}, {}
     base = load_base_model(rundir.base_of(path, converted), torch.float32)
     t0 = time.perf_counter()
-    nll["base"] = balance.token_nll(base, seqs)
+    nll["base"] = measure.token_nll(base, seqs)
     times["base"] = time.perf_counter() - t0
     del base
     model = load_converted(path, torch.float32, "cpu", "torch")
@@ -91,11 +93,11 @@ def main(argv=None) -> int:
             if hasattr(m, "backend"):
                 m.backend = backend
         t0 = time.perf_counter()
-        nll[name] = balance.token_nll(model, seqs)
+        nll[name] = measure.token_nll(model, seqs)
         times[name] = time.perf_counter() - t0
         print(f"{name}: {times[name]:.0f} s", file=sys.stderr, flush=True)
-    labels = balance.bucket_labels(BUCKETS)[1:]
-    rows = {name: balance.by_bucket(x, BUCKETS) for name, x in nll.items()}
+    labels = measure.bucket_labels(BUCKETS)[1:]
+    rows = {name: measure.by_bucket(x, BUCKETS) for name, x in nll.items()}
     blocks = {name: balance.blocks_beyond(x, 256) for name, x in nll.items()}
     vs = {}
     for name in ("hybrid", "hybrid, LA mass capped"):

@@ -35,12 +35,12 @@ FAULTS = {
         "return True",
     ),
     "layer_marker_trusted": (
-        "hybrid_scale/stages/distill_identity.py",
+        "hybrid_scale/distill/identity.py",
         'return json.loads(marker.read_text())["sha256"] == sha256(params)',
         "return True",
     ),
     "stage2_resumes_uncommitted": (
-        "hybrid_scale/stages/checkpoints.py",
+        "hybrid_scale/finetune/checkpoints.py",
         "return [p for p in steps if is_committed(p)]",
         "return steps",
     ),
@@ -52,7 +52,7 @@ FAULTS = {
     "requeue_exit_code": ("hybrid_scale/distributed/requeue.py", "EXIT_REQUEUE = 75", "EXIT_REQUEUE = 1"),
     "ssd_schedule_boundary": ("hybrid_scale/recipes/ssd.py", "if progress >= fraction:", "if progress > fraction:"),
     "ssd_drop_direction": ("hybrid_scale/recipes/ssd.py", "out = {i: bool(d < p)", "out = {i: bool(d > p)"),
-    "verdict_on_hi": ("hybrid_scale/stages/balance.py", "    if lo > margin:", "    if hi > margin:"),
+    "verdict_on_hi": ("hybrid_scale/evaluate/balance.py", "    if lo > margin:", "    if hi > margin:"),
     # the LA's decay (attention.la_decay, tests/unit/test_la_decay.py)
     "decay_ignored_chunked": (
         "hybrid_scale/attention/chunked.py",
@@ -76,7 +76,7 @@ FAULTS = {
         "        pass",
     ),
     "decay_not_in_stage1_state": (
-        "hybrid_scale/stages/objectives.py",
+        "hybrid_scale/distill/objectives.py",
         "        if rho is not None:  # as row a = a0 + w - 1 sees key j: alpha^(a - w - j)",
         "        if False:",
     ),

@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hybrid_scale.attention.hybrid import hybrid_layers
 from hybrid_scale.config import load_config
 from hybrid_scale.data.assets import require
+from hybrid_scale.distill.stage import distill
+from hybrid_scale.evaluate.stage import _heldout_sequences
+from hybrid_scale.measure import perplexity_by_bucket
 from hybrid_scale.models.convert import components, convert_model
 from hybrid_scale.models.converted import load_converted
-from hybrid_scale.stages.balance import perplexity_by_bucket
-from hybrid_scale.stages.distill import distill
-from hybrid_scale.stages.evaluate import _heldout_sequences
 
 RECIPES = {"hedgecats": "weights_xent", "lolcats": "hybrid_output_mse"}
 

@@ -57,8 +57,8 @@ def cmd_assets(args) -> int:
 
 def cmd_evaluate(args) -> int:
     """Component-ablation evaluation (the `eval` section); writes results.json, table.md and PNGs."""
-    from .stages.evaluate import evaluate
-    from .stages.report import table
+    from .evaluate.report import table
+    from .evaluate.stage import evaluate
 
     cfg = load_config(args.config, args.overrides)
     results = evaluate(cfg)
@@ -69,7 +69,7 @@ def cmd_evaluate(args) -> int:
 
 def cmd_distill(args) -> int:
     """Stage 1: layer-by-layer attention transfer (the `data` and `distill` sections); resumes where it stopped."""
-    from .stages.distill import distill
+    from .distill.stage import distill
 
     out = distill(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -80,7 +80,7 @@ def cmd_distill(args) -> int:
 def cmd_finetune(args) -> int:
     """Stage 2: LoRA fine-tuning under DeepSpeed ZeRO-3 with SSD / early stopping (the `finetune` section); resumes
     from the newest committed checkpoint; exits 75 after a signal-triggered save (requeue me)."""
-    from .stages.finetune import finetune
+    from .finetune.stage import finetune
 
     out = finetune(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -91,7 +91,7 @@ def cmd_finetune(args) -> int:
 def cmd_export(args) -> int:
     """Export (the `export` section): merged, self-contained Hugging Face directory (trust_remote_code), with optional
     inference-time hybridisation (export.mode=hybrid, export.gamma or export.calibrate_gamma)."""
-    from .stages.export import export
+    from .export.stage import export
 
     out = export(load_config(args.config, args.overrides))
     print(f"export written to {out} (load with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True))")
@@ -101,14 +101,14 @@ def cmd_export(args) -> int:
 def cmd_plan(args) -> int:
     """Preflight: per-rank memory, buffer disk, checkpoint sizes, rough times, and blocking problems (exit 1);
     --dry-run checks stage 2's figures against the real model set up on the meta device."""
-    from .stages.plan import plan
+    from .preflight.plan import plan
 
     cfg = load_config(args.config, args.overrides)
     result = plan(cfg)
     print(result.table())
     if not args.dry_run:
         return 0 if result.ok else 1
-    from .stages.dry_run import dry_run, table
+    from .preflight.dry_run import dry_run, table
 
     checked = dry_run(cfg)
     print("\n" + table(checked), flush=True)
@@ -120,7 +120,7 @@ def cmd_plan(args) -> int:
 
 def cmd_pipeline(args) -> int:
     """Stage 1 -> stage 2 -> ablation evaluation -> export in one command; skips finished stages, resumes the rest."""
-    from .stages.pipeline import pipeline
+    from .pipeline import pipeline
 
     timings = pipeline(load_config(args.config, args.overrides))
     if int(os.environ.get("RANK", "0")) == 0:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .config import load_config
 from .data import assets
-from .stages import rundir
-from .stages.pipeline import pipeline
+from .pipeline import pipeline
+from .run import sources as rundir
 
 
 def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:

@@ -30,8 +30,8 @@ def part_big(s: dict, work: Path) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hybrid_scale.config import load_config
-    from hybrid_scale.stages import distill as stage1
-    from hybrid_scale.stages import finetune as stage2
+    from hybrid_scale.distill import stage as stage1
+    from hybrid_scale.finetune import stage as stage2
 
     b, device, dtype = s["big"], s["device"], s["dtype"]
     cuda = torch.device(device).type == "cuda"

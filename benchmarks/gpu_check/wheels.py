@@ -12,7 +12,7 @@ lacks some of what this package needs. Those are fetched here at the version ins
     on a GPU with torch's AdamW);
   * peft at the tested version (the image's version is not known in advance; pyproject needs >= 0.17);
   * transformers at the tested version: the image's 5.17 is inside pyproject's >=5,<6 but too old for this code
-    (stages/loglik.py reads `out.cache`, which 5.17's model outputs lack: evaluation fails there); 5.24 imports with
+    (evaluate/loglik.py reads `out.cache`, which 5.17's model outputs lack: evaluation fails there); 5.24 imports with
     the image's huggingface-hub 1.33, tokenizers 0.23 and safetensors 0.8;
   * this package itself (`pip wheel --no-deps` of the checkout's tracked and untracked-not-ignored files).
 

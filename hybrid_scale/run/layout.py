@@ -8,7 +8,7 @@
   {run_dir}/eval/                  evaluation (eval.out_dir): cells/, results.json, log.txt
   {run_dir}/export/                export (export.out_dir)
 
-`RunLayout.of(cfg)` is the one place these rules are written; `stages/rundir.py` adds the rules that need the disk
+`RunLayout.of(cfg)` is the one place these rules are written; `run/sources.py` adds the rules that need the disk
 (which model is the run's model, whether a directory is an export this toolkit wrote).
 """
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from ..config import load_config
 from ..distributed.checkpoint import MARKER, PARTIAL_TAG
 from ..distributed.requeue import REQUEUE_MARKER
 from . import lock
@@ -22,10 +25,6 @@ class NotARunDir(ValueError):
 
 def _layout(run: Path) -> RunLayout:
     """The run's layout from its recorded config (the pipeline writes it), else the defaults under run."""
-    from omegaconf import OmegaConf
-
-    from ..config import load_config
-
     recorded = run / RUN_CONFIG
     overrides = [f"run_dir={run}"]
     if recorded.is_file():

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 import hybrid_scale as hs
 from hybrid_scale.config import ConfigError, load_config
-from hybrid_scale.stages import distill as stage1
-from hybrid_scale.stages import distill_buffers
+from hybrid_scale.distill import buffers as distill_buffers
+from hybrid_scale.distill import stage as stage1
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from hybrid_scale.cli import main
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed.requeue import EXIT_REQUEUE, REQUEUE_MARKER, Requeue
-from hybrid_scale.stages.evaluate import evaluate
+from hybrid_scale.evaluate.stage import evaluate
 
 LIMIT = 10  # items per task: enough for base > none by 0.1 and none near chance (the first 10 of each)
 
@@ -366,7 +366,7 @@ from pathlib import Path
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed import runtime
 from hybrid_scale.models.converted import load_converted
-from hybrid_scale.stages.evaluate import Models
+from hybrid_scale.evaluate.stage import Models
 
 path = Path(sys.argv[1])
 rt = runtime.init("cpu")
@@ -474,8 +474,8 @@ def test_passkey_on_smollm2_base_retrieves_and_window_modes_are_at_chance_beyond
 
     import hybrid_scale as hs
     from hybrid_scale.data.corpus import report_text
+    from hybrid_scale.evaluate import retrieval
     from hybrid_scale.models.convert import set_modes
-    from hybrid_scale.stages import retrieval
 
     tok = AutoTokenizer.from_pretrained(smollm2.model)
     filler = tok.encode(report_text(load_config(overrides=[]))[0])

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
+from hybrid_scale.export.stage import export
 from hybrid_scale.models.converted import ADAPTER_DIR
-from hybrid_scale.stages.export import export
-from hybrid_scale.stages.inputs import InputError
+from hybrid_scale.preflight.inputs import InputError
 
 ISOLATED = r"""
 import json, sys
@@ -287,7 +287,7 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from hybrid_scale.stages.evaluate import evaluate
+    from hybrid_scale.evaluate.stage import evaluate
 
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")

@@ -27,7 +27,7 @@ import hybrid_scale as hs
 from hybrid_scale.data import corpus
 from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
 from hybrid_scale.distributed.requeue import EXIT_REQUEUE
-from hybrid_scale.stages.checkpoints import committed_steps
+from hybrid_scale.finetune.checkpoints import committed_steps
 
 pytestmark = pytest.mark.slow
 
@@ -279,7 +279,7 @@ def test_a_disk_that_really_fills_during_a_save_is_one_line_and_resumes_bitwise(
     exit 2, no traceback, step 3 kept; with room again the same command resumes from step 3 and ends bitwise as a
     run that never stopped."""
     args = ("finetune.max_steps=7", "finetune.eval_every=0")
-    reference = tmp_path / "reference"
+    reference = tmp_path / "reference"  # one process, as the run below (2 ranks would differ in rounding)
     assert procs.run(["finetune", *overrides(setup, reference, *args)], timeout=600).returncode == 0
     run, filler = small_disk / "run", small_disk / "filler"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRID_SCALE_STEP_SLEEP": "1"}  # a second per step: time to fill

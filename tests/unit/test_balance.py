@@ -5,7 +5,8 @@ import torch
 from conftest import perturb_hybrid, tiny_model
 
 import hybrid_scale as hs
-from hybrid_scale.stages import balance
+from hybrid_scale import measure
+from hybrid_scale.evaluate import balance
 
 
 def test_paired_bootstrap_and_verdicts():
@@ -32,7 +33,7 @@ def test_paired_bootstrap_and_verdicts():
 def test_perplexity_by_bucket_matches_a_direct_computation():
     model = tiny_model("llama")
     seqs = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    ppl = balance.perplexity_by_bucket(model, seqs, [0, 8, 40])
+    ppl = measure.perplexity_by_bucket(model, seqs, [0, 8, 40])
     with torch.no_grad():
         logits = model(seqs).logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), seqs[:, 1:].reshape(-1), reduction="none")
@@ -91,7 +92,7 @@ def test_blocks_beyond_the_window_cover_exactly_the_tokens_past_it():
     blocks = balance.blocks_beyond(nll, 8)
     assert [c for _, c in blocks] == [16, 16, 1, 16, 16, 1]  # positions 8..40 = columns 7..39, per sequence
     assert sum(s for s, _ in blocks) == nll[:, 7:].sum().item()
-    ppl = balance.by_bucket(nll, [0, 8, 40])  # [a, b) of predicted positions 1..40: position 40 is past the end
+    ppl = measure.by_bucket(nll, [0, 8, 40])  # [a, b) of predicted positions 1..40: position 40 is past the end
     assert ppl == {"0-8": math.exp(nll[:, :7].mean()), "8-40": math.exp(nll[:, 7:39].mean())}
 
 
@@ -99,7 +100,7 @@ def test_gamma_fit_from_one_attention_pass_equals_refitting_through_the_attentio
     """export.fit_gamma runs the attention once and then steps gamma in closed form: the hybrid output at any gamma
     equals the attention's, and 15 Adam steps land where 15 steps through the full attention land."""
     from hybrid_scale.attention.hybrid import hybrid_layers
-    from hybrid_scale.stages import export
+    from hybrid_scale.export import stage as export
 
     model = perturb_hybrid(hs.convert_model(tiny_model("llama"), {"window": 8}))
     m = hybrid_layers(model)[0]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hybrid_scale.distill.identity import committed
 from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG, commit, is_committed, sha256, start_partial
-from hybrid_scale.stages.checkpoints import committed_steps, rotate
-from hybrid_scale.stages.distill_identity import committed
+from hybrid_scale.finetune.checkpoints import committed_steps, rotate
 
 
 def _step(stage2, n, commit_it=True):

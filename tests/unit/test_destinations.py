@@ -17,7 +17,7 @@ from hybrid_scale.distributed.checkpoint import (
     replace_dir,
     start_partial,
 )
-from hybrid_scale.stages.rundir import is_export
+from hybrid_scale.run.sources import is_export
 
 
 def tree(root):

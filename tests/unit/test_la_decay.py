@@ -229,7 +229,7 @@ def test_stage_1_units_with_a_decay_equal_the_whole_rows(own):
     """objectives.unit_attention: rows a..b-1 of a decayed layer, attended from a0 = a - w + 1 with the keys before
     a0 folded into a decayed initial state (or, with the hybrid's sinks, from row 0), equal those rows of the whole
     sequence; and rho's gradient through the units equals the whole's."""
-    from hybrid_scale.stages.objectives import unit_attention
+    from hybrid_scale.distill.objectives import unit_attention
 
     model = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": own, "la_decay": True})
     m = hybrid_layers(model)[0]
@@ -246,7 +246,7 @@ def test_stage_1_units_with_a_decay_equal_the_whole_rows(own):
 
 
 def test_the_balance_report_shows_the_learned_horizon_per_layer_and_kv_head():
-    from hybrid_scale.stages import balance, report
+    from hybrid_scale.evaluate import balance, report
 
     model = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True})
     with torch.no_grad():

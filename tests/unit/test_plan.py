@@ -16,11 +16,11 @@ from hybrid_scale.distributed import slurm as slurm_module
 from hybrid_scale.distributed.deepspeed import train_config
 from hybrid_scale.distributed.environment import first_host
 from hybrid_scale.distributed.slurm import render
-from hybrid_scale.stages import plan as plan_module
-from hybrid_scale.stages.export import export
-from hybrid_scale.stages.inputs import InputError
-from hybrid_scale.stages.pipeline import pipeline
-from hybrid_scale.stages.plan import counts, plan, preflight
+from hybrid_scale.export.stage import export
+from hybrid_scale.pipeline import pipeline
+from hybrid_scale.preflight import plan as plan_module
+from hybrid_scale.preflight.inputs import InputError
+from hybrid_scale.preflight.plan import counts, plan, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["smollm2-135m", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"]
@@ -219,7 +219,7 @@ def test_plan_command_exit_codes(smollm2, tmp_path, capsys):
 def test_plan_dry_run_exits_1_while_plan_lists_a_blocking_problem(smollm2, tmp_path, monkeypatch, capsys):
     """`plan --dry-run && sbatch ...` must not submit a run that plan says cannot start: the dry run (stubbed here:
     its own tests are in tests/distributed) agreeing with plan's figures does not unblock a missing model.path."""
-    from hybrid_scale.stages import dry_run
+    from hybrid_scale.preflight import dry_run
 
     monkeypatch.setattr(dry_run, "dry_run", lambda cfg: {"stage 2": {"rows": [{"ok": True}]}})
     monkeypatch.setattr(dry_run, "table", lambda checked: "dry run: plan agrees within 10%")

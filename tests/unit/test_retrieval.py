@@ -4,7 +4,7 @@ import torch
 from conftest import tiny_model
 from transformers import AutoTokenizer
 
-from hybrid_scale.stages import retrieval
+from hybrid_scale.evaluate import retrieval
 
 
 def _tokenizer(smollm2):
@@ -77,8 +77,8 @@ def test_the_probe_scores_the_evaluated_modes_unless_told_otherwise():
     also runs it in hybrid, swa_only, swa_sinks and la_only); set, it is what was asked; no distances or trials: no
     probe. The evaluation's cells count it the same way, and plan states it with its estimated time."""
     from hybrid_scale.config import load_config
-    from hybrid_scale.stages.evaluate_cells import count_cells
-    from hybrid_scale.stages.plan import plan
+    from hybrid_scale.evaluate.cells import count_cells
+    from hybrid_scale.preflight.plan import plan
 
     base = load_config(overrides=["eval.modes=[base]", "eval.tasks=[arc_challenge]"])
     assert retrieval.probe_modes(base.eval) == ["base"]

@@ -31,6 +31,7 @@ from ..attention.naive import EPS
 from ..data import corpus
 from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, save_tensors, start_partial
 from ..errors import ExportError
+from ..measure import perplexity_by_bucket
 from ..models import streaming
 from ..models.convert import components
 from ..models.converted import (
@@ -45,10 +46,9 @@ from ..models.converted import (
     read_hybrid_config,
     write_converted,
 )
+from ..preflight.plan import preflight
 from ..run import lock
-from .balance import perplexity_by_bucket
-from .plan import preflight
-from .rundir import describe_origin, eval_dir, export_dir, export_source, is_export
+from ..run.sources import describe_origin, eval_dir, export_dir, export_source, is_export
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 

@@ -41,13 +41,14 @@ from ..distributed.requeue import SignalFlag
 from ..errors import DistillError
 from ..models import streaming
 from ..models.converted import write_converted
+from ..preflight.plan import preflight
+from ..recipes import objective_weights
 from ..run import lock
-from . import rundir
-from .distill_buffers import _mark_written, _slot, _writer, inputs_of_first_layer, preflight_buffers, run_teacher
-from .distill_identity import committed, identity_changes, run_identity
-from .distill_state import Stage1
-from .distill_step import StepCheckpoint, _head_dim, objective_weights, train_layer
-from .plan import preflight
+from ..run import sources as rundir
+from .buffers import _mark_written, _slot, _writer, inputs_of_first_layer, preflight_buffers, run_teacher
+from .identity import committed, identity_changes, run_identity
+from .state import Stage1
+from .step import StepCheckpoint, _head_dim, train_layer
 
 
 def distill(cfg) -> Path:

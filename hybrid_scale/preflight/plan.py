@@ -22,12 +22,16 @@ from omegaconf import OmegaConf
 from ..attention.architectures import BY_MODEL_TYPE, base_model_type
 from ..config import STAGES
 from ..data import assets
+from ..distill import objectives
 from ..distributed import tensor_parallel
 from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
+from ..evaluate import retrieval
 from ..models import streaming
 from ..models.converted import base_dir
-from . import distill_step, inputs, objectives, retrieval, rundir
+from ..recipes import objective_weights, train_gamma
+from ..run import sources as rundir
+from . import inputs
 
 SUPPORTED_TYPES = tuple(BY_MODEL_TYPE)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -249,9 +253,9 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     block = per_rank * c["H"] / tp * min(d.query_block, T) * T * 4 * 6  # score blocks kept for the backward, fp32
     s1_mem = c["layer"] * sh.wbytes / tp + c["V"] * c["D"] * sh.wbytes + batch + acts + block
     s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]
-    weights = distill_step.objective_weights(cfg)
+    weights = objective_weights(cfg)
     maps = (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2) if cfg.attention.feature_map == "hedgehog" else 0
-    trained = (maps if d.train_feature_maps else 0) + (c["H"] if distill_step.train_gamma(cfg, weights) else 0)
+    trained = (maps if d.train_feature_maps else 0) + (c["H"] if train_gamma(cfg, weights) else 0)
     if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's decay (distill_step.trainable)
         trained += decay_params(cfg, c)
     p.figures["stage 1"] = {  # per rank, one layer

@@ -17,6 +17,7 @@ import torch
 
 from ..attention.hybrid import hybrid_layers
 from ..distributed.deepspeed import gathered
+from ..measure import bucket_labels
 
 
 def paired_bootstrap(a: dict[str, list[float]], b: dict[str, list[float]], resamples: int, seed: int) -> dict:
@@ -55,37 +56,8 @@ def verdict(delta_la: dict, margin: float) -> str:
     return "inconclusive"
 
 
-def bucket_labels(buckets: list[int]) -> list[str]:
-    return [f"{a}-{b}" for a, b in zip(buckets[:-1], buckets[1:], strict=True)]
-
-
 BLOCK = 16  # tokens per block of the beyond-window bootstrap (neighbouring tokens are not independent)
 NO_LA = ("swa_only", "swa_sinks", "sinks_only", "none")  # the modes without linear attention
-
-
-@torch.no_grad()
-def token_nll(model, sequences: torch.Tensor) -> torch.Tensor:
-    """NLL of every predicted token, [N, T-1] fp64 (column t predicts the token at position t+1)."""
-    rows = []
-    for seq in sequences:
-        ids = seq[None].to(next(model.parameters()).device)
-        logits = model(ids, use_cache=False).logits[0, :-1].float()
-        rows.append(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none").double().cpu())
-    return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.float64)
-
-
-def by_bucket(nll: torch.Tensor, buckets: list[int]) -> dict[str, float]:
-    """exp(mean NLL) of the tokens at positions [a, b) of each bucket (position of the predicted token)."""
-    pos = torch.arange(1, nll.shape[-1] + 1)
-    out = {}
-    for label, a, b in zip(bucket_labels(buckets), buckets[:-1], buckets[1:], strict=True):
-        sel = nll[:, (pos >= a) & (pos < b)]
-        out[label] = math.exp(sel.mean().item()) if sel.numel() else float("nan")
-    return out
-
-
-def perplexity_by_bucket(model, sequences: torch.Tensor, buckets: list[int]) -> dict[str, float]:
-    return by_bucket(token_nll(model, sequences), buckets)
 
 
 def blocks_beyond(nll: torch.Tensor, window: int) -> list[list[float]]:

@@ -12,7 +12,7 @@ import torch
 
 from ..distributed import runtime
 from ..models import streaming
-from . import rundir
+from ..run import sources as rundir
 
 
 @dataclass

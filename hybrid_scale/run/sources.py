@@ -11,7 +11,7 @@ from ..data import assets
 from ..distributed.checkpoint import MARKER, PARTIAL_TAG
 from ..errors import ConfigError
 from ..models.converted import CONFIG_NAME, base_dir
-from ..run.layout import RunLayout
+from .layout import RunLayout
 
 RUN_MODEL_ORDER = ("stage2/output", "stage1/converted")  # stage2/output -> best (early stopping chose it) or final
 

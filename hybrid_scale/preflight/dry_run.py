@@ -35,16 +35,17 @@ import torch.distributed as dist
 from ..attention.architectures import BY_MODEL_TYPE
 from ..attention.hybrid import HybridAttention
 from ..config import attention_settings
+from ..distill import step as distill_step
 from ..distributed import tensor_parallel
 from ..distributed.deepspeed import train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.runtime import Runtime
 from ..errors import ConfigError
+from ..finetune.stage import prepare
 from ..models import streaming
 from ..models.convert import convert_model
-from . import distill_step
+from ..recipes import objective_weights
 from . import plan as plan_module
-from .finetune import prepare
 
 TOLERANCE = 0.10  # the dry run and plan agree within this, or the dry run says which figure does not
 
@@ -107,7 +108,7 @@ def _stage1(cfg, config, rt: Runtime, dtype: torch.dtype) -> dict:
         p.requires_grad_(False)
     m = HybridAttention.from_softmax(layer.self_attn, config, 0, attention_settings(cfg.attention), torch.float32)
     tensor_parallel.narrow(m, rt)
-    weights = distill_step.objective_weights(cfg)
+    weights = objective_weights(cfg)
     params = distill_step.trainable(m, cfg, weights)
     for p in params:
         p.requires_grad_(True)

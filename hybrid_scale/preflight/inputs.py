@@ -14,10 +14,11 @@ from safetensors import SafetensorError, safe_open
 from ..data import assets, corpus
 from ..distributed.checkpoint import check_destination
 from ..errors import ConfigError, InputError
+from ..evaluate import retrieval
+from ..evaluate.retrieval import LEAD, probes
 from ..models import streaming
 from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME, base_dir
-from . import retrieval, rundir
-from .retrieval import LEAD, probes
+from ..run import sources as rundir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

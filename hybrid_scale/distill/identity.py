@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..distributed.checkpoint import sha256
-from .distill_step import train_gamma
+from ..recipes import train_gamma
 
 # identities written before the keys were dotted config keys; their "world" is dropped (a resume may change it)
 _LEGACY_KEYS = {

@@ -1,4 +1,4 @@
-"""Stage 1's training step: what is trained and on which objectives (objective_weights, train_gamma, _trainable),
+"""Stage 1's training step: what is trained (trainable; the objectives and gamma as the recipe resolves them),
 every step's batch (_plan_steps), a step's loss over this rank's query blocks and the one fp32 all-reduce of
 gradients, loss and signal flag (train_layer), the refusal of a non-finite loss, and the step checkpoint a signal
 saves at a step boundary (StepCheckpoint: resumed bitwise when made with this run's identity)."""
@@ -23,23 +23,9 @@ from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import fault, save_tensors
 from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, DistillError
-from ..recipes import RECIPES
+from ..recipes import train_gamma
 from . import objectives
-from .distill_state import Stage1
-
-
-def objective_weights(cfg) -> dict[str, float]:
-    d = cfg.distill
-    if d.objectives:
-        return {k: float(v) for k, v in d.objectives.items() if v}
-    return {RECIPES[d.recipe].objective: 1.0}
-
-
-def train_gamma(cfg, weights) -> bool:
-    """distill.train_gamma as resolved: unset = only when a hybrid objective is used."""
-    if cfg.distill.train_gamma is None:
-        return bool(weights.get("hybrid_output_mse"))
-    return bool(cfg.distill.train_gamma)
+from .state import Stage1
 
 
 def trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:

@@ -32,6 +32,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from .. import measure
 from ..data import assets, benchmarks, corpus
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.deepspeed import _import_deepspeed, zero3_config
@@ -46,10 +47,12 @@ from ..models.converted import (
     load_tokenizer,
     read_hybrid_config,
 )
+from ..preflight import plan
+from ..preflight.plan import preflight
 from ..run import lock
-from . import balance, loglik, plan, report, retrieval, rundir
-from .evaluate_cells import Cells, count_cells, digest, model_key
-from .plan import preflight
+from ..run import sources as rundir
+from . import balance, loglik, report, retrieval
+from .cells import Cells, count_cells, digest, model_key
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
 
@@ -385,8 +388,8 @@ def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, 
 
 
 def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int], window: int) -> dict:
-    nll = balance.token_nll(models.get(mode), seqs)
-    return {"buckets": balance.by_bucket(nll, buckets), "blocks": balance.blocks_beyond(nll, window)}
+    nll = measure.token_nll(models.get(mode), seqs)
+    return {"buckets": measure.by_bucket(nll, buckets), "blocks": balance.blocks_beyond(nll, window)}
 
 
 PASSKEY_TOKENS = 8192  # tokens per forward of the passkey probe (prompts of one length batched up to this)

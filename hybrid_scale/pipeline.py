@@ -13,18 +13,18 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..config import STAGES
-from ..distributed import requeue, runtime
-from ..distributed.checkpoint import MARKER, atomic_write
-from ..distributed.requeue import SignalFlag
-from ..errors import ConfigError
-from ..run import lock
-from . import rundir
-from .distill import distill
-from .evaluate import evaluate
-from .export import export
-from .finetune import finetune
-from .plan import preflight_ahead
+from .config import STAGES
+from .distill.stage import distill
+from .distributed import requeue, runtime
+from .distributed.checkpoint import MARKER, atomic_write
+from .distributed.requeue import SignalFlag
+from .errors import ConfigError
+from .evaluate.stage import evaluate
+from .export.stage import export
+from .finetune.stage import finetune
+from .preflight.plan import preflight_ahead
+from .run import lock
+from .run import sources as rundir
 
 # what a stage's result depends on; eval/export/launch/slurm settings can change between reruns
 RESULT_KEYS = ("model.path", "model.dtype", "attention", "data", "distill", "finetune", "seed")

@@ -21,7 +21,8 @@ from .. import __version__
 from ..distributed import requeue, runtime
 from ..distributed.checkpoint import atomic_write, fault
 from ..distributed.requeue import SignalFlag
-from . import retrieval, rundir
+from ..run import sources as rundir
+from . import retrieval
 
 CELLS_DIR = "cells"  # in eval's out_dir: the committed cells of the evaluation
 

@@ -21,7 +21,7 @@ from ..distributed import runtime
 from ..distributed.checkpoint import atomic_write
 from ..errors import DistillError
 from ..models import streaming
-from .distill_state import Stage1
+from .state import Stage1
 
 
 def _buffer(path: Path, n: int, seq_len: int, hidden: int, dtype: torch.dtype, create: bool) -> torch.Tensor:

@@ -5,7 +5,7 @@ stage-1 feature maps and gamma are added, PEFT wraps q/k/v/o_proj with LoRA, and
 `finetune`) runs AdamW with warmup + linear decay, clipping and gradient accumulation (distributed.parallelize: AC,
 then LoRA, then ZeRO-3). One process, or N under torchrun / the deepspeed launcher (gloo on CPU, nccl on GPU).
 
-Run directory (stages/checkpoints.py writes it):
+Run directory (finetune/checkpoints.py writes it):
   stage2/step_XXXXXXXX/  trainable state only, whole tensors (resumes on any number of ranks); newest K kept
   stage2/best/           the model with the best held-out hybrid loss, when early stopping is on
   stage2/final/          the model at the end of training
@@ -38,14 +38,14 @@ from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, FinetuneError
 from ..models.convert import set_modes, set_window
 from ..models.converted import base_dir, load_converted, load_tokenizer, read_hybrid_config
+from ..plots import curves_png
+from ..preflight.plan import preflight
 from ..recipes import RECIPES
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
 from ..run import lock
-from . import rundir
+from ..run import sources as rundir
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
-from .plan import preflight
-from .report import curves_png
 
 # settings that change what a resumed run computes: a checkpoint made under others is not resumed
 RESULT_KEYS = (
@@ -256,7 +256,7 @@ def _build(run: Run, ds_config: dict) -> None:
 def prepare(model, cfg, rt, ds_config: dict):
     """A converted model made ready to train as stage 2 configures it: phi/gamma trainable as asked, then
     (parallelize) activation checkpointing, LoRA, and ZeRO-3 or the tensor-parallel split. Returns (engine, the
-    PEFT model, the hybrid layers). The dry run (stages/dry_run.py) calls it with a model on the meta device."""
+    PEFT model, the hybrid layers). The dry run (preflight/dry_run.py) calls it with a model on the meta device."""
     from peft import LoraConfig, get_peft_model
 
     f, split = cfg.finetune, rt.tp > 1

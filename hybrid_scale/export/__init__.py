@@ -1,0 +1,1 @@
+"""The merged export: `stage.export(cfg)` writes a self-contained Hugging Face directory."""

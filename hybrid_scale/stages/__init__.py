@@ -1,1 +1,0 @@
-"""Stages: plain functions over a config and a run directory."""
