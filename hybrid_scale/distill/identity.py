@@ -1,7 +1,7 @@
 """Stage 1's identity and resume rules: every setting that changes its result (run_identity, recorded in the
 manifest), the refusal's list of what a rerun changed (identity_changes; identities written by older versions are
 read through _LEGACY_KEYS), and the marker that says a layer is committed (committed: it holds the sha256 of the
-layer's parameter file). The step checkpoint a signal leaves mid-layer is the training step's (distill_step.py)."""
+layer's parameter file). The step checkpoint a signal leaves mid-layer is the training step's (step.py)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ Tensor parallelism (launch.tensor_parallel): each layer's heads and MLP columns 
 (the teacher forward too); the group holds one copy of its sequences' buffers (on its node) and trains its heads.
 Memory: one layer (/ tensor_parallel) and a batch; disk: 2 x (sequences of this group) x seq_len x hidden.
 This module is the loop (distill, start, transfer, advance, commit_layer, write_output); the run's identity and commit
-markers are in distill_identity.py, the buffers and the teacher pass in distill_buffers.py, the training step and its
-step checkpoints in distill_step.py, and the state all of them read (Stage1) in distill_state.py.
+markers are in identity.py, the buffers and the teacher pass in buffers.py, the training step and its
+step checkpoints in step.py, and the state all of them read (Stage1) in state.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Stage 1's state, Stage1: what its loop (distill.py), its buffers (distill_buffers.py) and its training step
-(distill_step.py) read -- the teacher checkpoint and config, this rank's sequences and buffers, the run's identity
+"""Stage 1's state, Stage1: what its loop (stage.py), its buffers (buffers.py) and its training step
+(step.py) read -- the teacher checkpoint and config, this rank's sequences and buffers, the run's identity
 and the layer to start at. In a module of its own so that each of them can import it without a cycle."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the key it was computed from (the model and its files, the window, dtype, device
 versions, the task's items and tokens or the held-out text, and the eval settings that change the numbers). A rerun
 loads every cell whose key matches and recomputes the others (logged), so that its results.json equals an
 uninterrupted run's apart from timings_s. The cells stay after the run (they are small); delete {out_dir}/cells to
-compute everything again. The cells and their keys are in evaluate_cells.py.
+compute everything again. The cells and their keys are in cells.py.
 
 Signals (distributed/requeue.py): USR1/TERM only set a flag; the ranks agree on it at every cell boundary and between
 rounds of batches inside a cell (whose work is then dropped); the stage writes the requeue marker and raises Requeue

@@ -256,7 +256,7 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     weights = objective_weights(cfg)
     maps = (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2) if cfg.attention.feature_map == "hedgehog" else 0
     trained = (maps if d.train_feature_maps else 0) + (c["H"] if train_gamma(cfg, weights) else 0)
-    if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's decay (distill_step.trainable)
+    if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's decay (distill.step.trainable)
         trained += decay_params(cfg, c)
     p.figures["stage 1"] = {  # per rank, one layer
         "layer_weights_bytes": c["layer"] * sh.wbytes / tp,
