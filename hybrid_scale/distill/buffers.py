@@ -52,26 +52,26 @@ def inputs_of_first_layer(s: Stage1) -> str:
     of it is complete and laid out for this number of ranks (every rank must agree), else rebuilt from the
     embeddings by replaying the committed teacher layers."""
     rt, manifest, T, D = s.rt, s.manifest, s.cfg.data.seq_len, s.config.hidden_size
-    paths = {k: s.buffer_dir / f"hidden_{k}.rank{_slot(rt)}.bin" for k in ("a", "b")}
+    paths = {k: s.buffer_dir / f"hidden_{k}.rank{buffer_slot(rt)}.bin" for k in ("a", "b")}
     size = len(s.owned) * T * D * torch.empty((), dtype=s.buf_dtype).element_size()
     layout = (rt.world, rt.tp)
     ready = (
         manifest is not None
         and manifest["next_layer"] == s.first
         and _layout(manifest) == layout
-        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{_slot(rt)}") == layout
+        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{buffer_slot(rt)}") == layout
         and paths[manifest["inputs"]].is_file()
         and paths[manifest["inputs"]].stat().st_size == size
     )
     ready = runtime.all_ranks(rt, ready)
     if not ready:  # what this rank's buffers hold is trusted no more: their markers go before a buffer is resized
         for name in paths:
-            if _writer(rt):
-                (s.buffer_dir / f"written_{name}.rank{_slot(rt)}").unlink(missing_ok=True)
+            if buffer_writer(rt):
+                (s.buffer_dir / f"written_{name}.rank{buffer_slot(rt)}").unlink(missing_ok=True)
         if rt.main and manifest is not None and manifest.get("world") != rt.world:
             _drop_absent_ranks(s.buffer_dir, rt.world)
         runtime.barrier(rt)
-    if _writer(rt):
+    if buffer_writer(rt):
         s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=True) for k, p in paths.items()}
     if rt.tp > 1:  # the other ranks of the group map the files their first rank made
         runtime.barrier(rt)
@@ -105,7 +105,7 @@ def _rebuild_inputs(s: Stage1) -> str:
         cfg.data.heldout_fraction if cfg.data.source else 0.0,
     )
     ids = corpus.pack(tokenizer, docs, cfg.data.seq_len, cfg.data.num_sequences, cfg.seed)[s.owned]
-    if _writer(s.rt):
+    if buffer_writer(s.rt):
         emb = streaming.embedding(s.ckpt, s.dtype)
         for a in range(0, len(s.owned), batch):
             s.bufs["a"][a : a + batch] = emb[ids[a : a + batch]].to(s.buf_dtype)
@@ -118,7 +118,7 @@ def _rebuild_inputs(s: Stage1) -> str:
         other = "b" if current == "a" else "a"
         run_teacher(s, layer, s.bufs[current], s.bufs[other])
         current = other
-    _mark_written(s.buffer_dir, current, s.rt)
+    mark_written(s.buffer_dir, current, s.rt)
     return current
 
 
@@ -133,20 +133,20 @@ def run_teacher(s: Stage1, layer, buf_in, buf_out) -> bool:
     for a, x in zip(starts, staged, strict=True):
         out = streaming.teacher(layer, x.to(s.dtype), s.rope).to(buf_out.dtype)
         finite &= torch.isfinite(out).all()
-        if _writer(s.rt):  # the ranks of a tensor-parallel group share one buffer (the same outputs)
+        if buffer_writer(s.rt):  # the ranks of a tensor-parallel group share one buffer (the same outputs)
             buf_out[a : a + batch] = out.cpu()
     if s.rt.tp > 1:  # the group's other ranks read buf_out next: not before it is whole
         runtime.barrier(s.rt)
     return bool(finite)
 
 
-def _slot(rt) -> int:
+def buffer_slot(rt) -> int:
     """The rank whose buffer files this rank uses: its own, or with tensor parallelism the first rank of its group
     (a group's ranks hold the same sequences and sit on one node: they share one copy, written by that rank)."""
     return rt.dp_rank * rt.tp
 
 
-def _writer(rt) -> bool:
+def buffer_writer(rt) -> bool:
     return rt.tp_rank == 0
 
 
@@ -159,15 +159,15 @@ def _drop_absent_ranks(buffer_dir: Path, world: int) -> None:
             p.unlink(missing_ok=True)
 
 
-def _mark_written(buffer_dir: Path, name: str, rt) -> None:
+def mark_written(buffer_dir: Path, name: str, rt) -> None:
     """This rank's buffer `name` now holds complete inputs, laid out for this number of ranks (checked on resume
     before the buffer is trusted); written by the rank that writes the buffer."""
-    if not _writer(rt):
+    if not buffer_writer(rt):
         return
-    with open(buffer_dir / f"hidden_{name}.rank{_slot(rt)}.bin", "rb+") as f:
+    with open(buffer_dir / f"hidden_{name}.rank{buffer_slot(rt)}.bin", "rb+") as f:
         os.fsync(f.fileno())
     layout = json.dumps({"world": rt.world, "tensor_parallel": rt.tp})
-    atomic_write(buffer_dir / f"written_{name}.rank{_slot(rt)}", layout)
+    atomic_write(buffer_dir / f"written_{name}.rank{buffer_slot(rt)}", layout)
 
 
 def _layout(record: dict) -> tuple[int, int]:

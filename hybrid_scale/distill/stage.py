@@ -45,10 +45,10 @@ from ..preflight.plan import preflight
 from ..recipes import objective_weights
 from ..run import lock
 from ..run import sources as rundir
-from .buffers import _mark_written, _slot, _writer, inputs_of_first_layer, preflight_buffers, run_teacher
+from .buffers import buffer_slot, buffer_writer, inputs_of_first_layer, mark_written, preflight_buffers, run_teacher
 from .identity import committed, identity_changes, run_identity
 from .state import Stage1
-from .step import StepCheckpoint, _head_dim, train_layer
+from .step import StepCheckpoint, layer_head_dim, train_layer
 
 
 def distill(cfg) -> Path:
@@ -67,8 +67,8 @@ def distill(cfg) -> Path:
             if i == s.first and s.rt.tp > 1:
                 s.log(f"layer {i}: {tensor_parallel.split_report(layer, s.rt)}")
             other = "b" if current == "a" else "a"
-            if _writer(s.rt):
-                (s.buffer_dir / f"written_{other}.rank{_slot(s.rt)}").unlink(missing_ok=True)
+            if buffer_writer(s.rt):
+                (s.buffer_dir / f"written_{other}.rank{buffer_slot(s.rt)}").unlink(missing_ok=True)
             params, losses = transfer(s, i, layer, current)
             if i + 1 < s.n_layers:
                 advance(s, i, layer, current, other)
@@ -140,7 +140,7 @@ def transfer(s: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]
     tensor_parallel.narrow(m, s.rt)  # this rank's heads (its q/k/v projections are split already)
     losses = train_layer(s, m, layer, s.bufs[current], i)
     params = {
-        f"model.layers.{i}.self_attn.{n}": tensor_parallel.whole(p, _head_dim(s), s.rt).clone()
+        f"model.layers.{i}.self_attn.{n}": tensor_parallel.whole(p, layer_head_dim(s), s.rt).clone()
         for n, p in m.hybrid_parameters()
     }
     if not all(bool(torch.isfinite(t).all()) for t in params.values()):  # the same on every rank
@@ -161,7 +161,7 @@ def advance(s: Stage1, i: int, layer, current: str, other: str) -> None:
             f"is committed: check layer {i}'s weights in model.path for nan/inf, or use a wider "
             "distill.buffer_dtype (float16 overflows where bfloat16 and float32 do not)"
         )
-    _mark_written(s.buffer_dir, other, s.rt)
+    mark_written(s.buffer_dir, other, s.rt)
 
 
 def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: str) -> None:

@@ -57,7 +57,7 @@ class StepCheckpoint:
 
 def _save_step(s: Stage1, i: int, named: list, opt, done: int, losses: list[float]) -> Path:
     path = StepCheckpoint.path(s.stage1, i)
-    tensors, dim = {}, _head_dim(s)  # whole tensors (gathered over the tensor-parallel group): any split resumes
+    tensors, dim = {}, layer_head_dim(s)  # whole tensors (gathered over the tensor-parallel group): any split resumes
     for name, p in named:
         st = opt.state.get(p, {})
         tensors[f"param.{name}"] = tensor_parallel.whole(p, dim, s.rt).cpu()
@@ -97,7 +97,7 @@ def _load_step(s: Stage1, i: int) -> StepCheckpoint | None:
 
 def _restore(s: Stage1, named: list, opt, ckpt: StepCheckpoint) -> None:
     """The whole saved tensors, cut to this rank's heads."""
-    dim = _head_dim(s)
+    dim = layer_head_dim(s)
 
     def mine(key: str) -> torch.Tensor:
         return tensor_parallel.local_part(ckpt.tensors[key], dim, s.rt)
@@ -110,7 +110,7 @@ def _restore(s: Stage1, named: list, opt, ckpt: StepCheckpoint) -> None:
                 opt.state[p]["step"] = ckpt.tensors[f"step.{name}"].cpu()  # AdamW keeps its step count on the host
 
 
-def _head_dim(s: Stage1) -> int | None:
+def layer_head_dim(s: Stage1) -> int | None:
     """The dimension of phi/gamma (and their AdamW moments) that tensor parallelism splits: their heads."""
     return 0 if s.rt.tp > 1 else None
 

@@ -23,7 +23,7 @@ from torch import nn
 SHM_OP = "deepspeed_shm_comm"  # the name of DeepSpeed's shared-memory all-reduce op (ShareMemCommBuilder.NAME)
 
 
-def _import_deepspeed():
+def import_deepspeed():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     try:
         import deepspeed
@@ -112,7 +112,7 @@ def gathered(module: nn.Module):
     params = [p for p in module.parameters(recurse=False) if is_partitioned(p)]
     if not params:
         return contextlib.nullcontext()
-    return _import_deepspeed().zero.GatheredParameters(params)
+    return import_deepspeed().zero.GatheredParameters(params)
 
 
 def quiet() -> None:
@@ -135,7 +135,7 @@ def _not_before_started(record: logging.LogRecord) -> bool:
 
 def gather_full(params: list[tuple[str, nn.Parameter]], group: int = 64) -> dict[str, torch.Tensor]:
     """{name: the whole tensor on CPU} of partitioned parameters, gathered `group` at a time."""
-    deepspeed = _import_deepspeed()
+    deepspeed = import_deepspeed()
     out = {}
     for a in range(0, len(params), group):
         chunk = params[a : a + group]
@@ -161,7 +161,7 @@ def restore_trainable(engine, named, weights: dict, moments: dict, step: int) ->
     """Put whole saved weights and moments back into the partitions of this world size (any number of ranks)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    deepspeed = _import_deepspeed()
+    deepspeed = import_deepspeed()
     opt = engine.optimizer
     for flat in opt.fp32_partitioned_groups_flat:  # AdamW state is created lazily by its first step
         opt.optimizer.state[flat] = {

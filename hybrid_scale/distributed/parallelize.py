@@ -18,7 +18,7 @@ from collections.abc import Callable
 from torch import nn
 
 from . import tensor_parallel
-from .deepspeed import _import_deepspeed
+from .deepspeed import import_deepspeed
 from .replicated import ReplicatedEngine
 from .runtime import Runtime
 
@@ -57,7 +57,7 @@ def parallelize(
         return None, model if train else model.eval()
     if zero3 is None:
         return None, model
-    deepspeed = _import_deepspeed()
+    deepspeed = import_deepspeed()
     if train:
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=zero3)

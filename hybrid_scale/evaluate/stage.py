@@ -35,7 +35,7 @@ from tqdm import tqdm
 from .. import measure
 from ..data import assets, benchmarks, corpus
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.deepspeed import _import_deepspeed, zero3_config
+from ..distributed.deepspeed import import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
 from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError
@@ -75,7 +75,7 @@ class Models:
             from transformers.integrations import HfDeepSpeedConfig
 
             runtime.join_group(rt)  # the group DeepSpeed then finds: gloo for CPU tensors too on GPUs
-            _import_deepspeed().init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
+            import_deepspeed().init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
             self._zero3 = HfDeepSpeedConfig(zero3_config(self.dtype))
 
     def _load_base(self):

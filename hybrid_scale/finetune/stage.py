@@ -31,7 +31,7 @@ from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import fault, throttle
-from ..distributed.deepspeed import _import_deepspeed, clear_gradients, quiet, train_config
+from ..distributed.deepspeed import clear_gradients, import_deepspeed, quiet, train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.replicated import ReplicatedEngine
 from ..distributed.requeue import SignalFlag
@@ -172,7 +172,7 @@ def start(cfg) -> Run:
     early = early_stopping(cfg)
     rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
     runtime.join_group(rt)
-    _import_deepspeed().init_distributed(dist_backend=runtime.backend(rt.device))  # joined above: no new group
+    import_deepspeed().init_distributed(dist_backend=runtime.backend(rt.device))  # joined above: no new group
     stage2, source = rundir.stage2_dir(cfg), rundir.finetune_source(cfg)
     T = f.seq_len or cfg.data.seq_len
     train_ids, held_ids = finetune_data(cfg, load_tokenizer(base_dir(source)), T)

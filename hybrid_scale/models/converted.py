@@ -20,7 +20,7 @@ from ..attention.architectures import BY_EXPORT_TYPE
 from ..attention.hybrid import HybridAttention, hybrid_layers
 from ..distributed import tensor_parallel
 from ..distributed.checkpoint import save_tensors
-from ..distributed.deepspeed import _import_deepspeed, is_partitioned
+from ..distributed.deepspeed import import_deepspeed, is_partitioned
 from ..distributed.runtime import Runtime
 from ..errors import ConvertedModelError
 from ..run.layout import CONFIG_NAME
@@ -262,7 +262,7 @@ def merge_adapter(model: nn.Module, adapter: Path) -> None:
             continue
         sharded = is_partitioned(p)
         whole = (
-            _import_deepspeed().zero.GatheredParameters([p], modifier_rank=0) if sharded else contextlib.nullcontext()
+            import_deepspeed().zero.GatheredParameters([p], modifier_rank=0) if sharded else contextlib.nullcontext()
         )
         with whole, torch.no_grad():
             if not sharded or dist.get_rank() == 0:

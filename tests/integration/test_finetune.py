@@ -90,9 +90,9 @@ RECORDER = """
 import json, os, sys
 from pathlib import Path
 
-from hybrid_scale.distributed.deepspeed import _import_deepspeed
+from hybrid_scale.distributed.deepspeed import import_deepspeed
 
-deepspeed = _import_deepspeed()
+deepspeed = import_deepspeed()
 real_initialize = deepspeed.initialize
 fed = []  # every row of input_ids this rank's engine receives in a training forward, in order
 

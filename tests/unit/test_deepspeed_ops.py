@@ -8,8 +8,8 @@ import procs
 SCRIPT = """
 import os
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-from hybrid_scale.distributed.deepspeed import _import_deepspeed
-_import_deepspeed().init_distributed(dist_backend="gloo")
+from hybrid_scale.distributed.deepspeed import import_deepspeed
+import_deepspeed().init_distributed(dist_backend="gloo")
 import deepspeed.comm
 print("shm op:", deepspeed.comm.comm.cdb.shm_comm_op)
 """

@@ -147,3 +147,14 @@ def test_the_torch_free_choices_are_the_implemented_ones():
 @pytest.mark.parametrize("module", sorted(m for m in internal_imports() if m.startswith("hybrid_scale.attention")))
 def test_attention_imports_nothing_else_of_the_package(module):
     assert [t for t in internal_imports()[module] if not t.startswith("hybrid_scale.attention")] == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name."""
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("hybrid_scale")):
+                private += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")
+                            and not a.name.startswith("__")]  # fmt: skip
+    assert private == []
