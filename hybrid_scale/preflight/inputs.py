@@ -23,7 +23,7 @@ from ..run import sources as rundir
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
-def run_dir(cfg) -> None:
+def check_run_dir(cfg) -> None:
     """run_dir must be a directory or not exist yet (nor any of its parents be a file)."""
     path = Path(cfg.run_dir)
     for p in (path, *path.parents):
@@ -34,7 +34,7 @@ def run_dir(cfg) -> None:
             )
 
 
-def base_model(path: Path, key: str) -> dict:
+def check_base_model(path: Path, key: str) -> dict:
     """A plain Hugging Face model directory (what stage 1 reads as its teacher): not an export, not a converted
     model; config, weights and tokenizer present. Returns its config.json."""
     if not path.exists():
@@ -64,7 +64,7 @@ def base_model(path: Path, key: str) -> dict:
     return config
 
 
-def layers(cfg, config: dict) -> None:
+def check_layers(cfg, config: dict) -> None:
     n = config.get("num_hidden_layers")
     chosen = cfg.attention.layers
     if chosen is None or n is None:
@@ -76,7 +76,7 @@ def layers(cfg, config: dict) -> None:
         )
 
 
-def converted(path: Path, key: str) -> None:
+def check_converted(path: Path, key: str) -> None:
     """A converted model (stage 1/2 output or an export): its files readable, its base present, its adapter whole."""
     if not (path / CONFIG_NAME).is_file():
         raise InputError(
@@ -106,10 +106,10 @@ def converted(path: Path, key: str) -> None:
                 lora = {k: f.get_slice(k).get_shape() for k in f.keys()}
         except (SafetensorError, OSError) as e:
             raise InputError(f"{adapter / 'adapter_model.safetensors'} is not readable ({e}); rerun stage 2") from None
-        adapter_fits(adapter, lora, base, key)
+        check_adapter_fits(adapter, lora, base, key)
 
 
-def adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, key: str) -> None:
+def check_adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, key: str) -> None:
     """Every LoRA pair adapts a weight the base has, with its shape (from the headers alone)."""
     where = streaming.shard_map(base, key)
     pairs: dict[str, dict[str, list[int]]] = {}
@@ -133,7 +133,7 @@ def adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, key: str
             )
 
 
-def training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
+def check_training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
     """data.source parses (every line of a JSONL, the text field), and yields what the stage asks of it."""
     from transformers import AutoTokenizer
 
@@ -160,7 +160,7 @@ def training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
             corpus.pack(tokenizer, train, T, f.global_batch, cfg.seed)  # at least one optimizer step's worth
 
 
-def eval_inputs(cfg) -> None:
+def check_eval_inputs(cfg) -> None:
     e = cfg.eval
     if e.ppl_text and not Path(e.ppl_text).is_file():
         raise ConfigError(
@@ -179,7 +179,7 @@ def eval_inputs(cfg) -> None:
     elif not assets.paths().datasets.is_dir():
         assets.require()  # one clear error saying how to make them
     if retrieval.probe_modes(e):
-        passkey_prompts(cfg)
+        check_passkey_prompts(cfg)
     out = rundir.eval_dir(cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'eval.out_dir': {out} is a file; set eval.out_dir to a directory")
@@ -190,7 +190,7 @@ def eval_inputs(cfg) -> None:
         )
 
 
-def passkey_prompts(cfg) -> None:
+def check_passkey_prompts(cfg) -> None:
     """The passkey probe's prompts can be built: every distance fits the tokenizer's question and the held-out text
     holds enough filler (checked before a pipeline's first stage, not after its training)."""
     from transformers import AutoTokenizer
@@ -211,7 +211,7 @@ def passkey_prompts(cfg) -> None:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
 
 
-def export_output(cfg, *protected: Path) -> Path:
+def check_export_output(cfg, *protected: Path) -> Path:
     """export.out_dir, refused before any work when writing there could lose data: the input model, its base, the
     run directory or a directory holding one of them, a file, or an existing directory that is not an export of
     ours (a previous export is replaced)."""
@@ -231,43 +231,43 @@ def export_output(cfg, *protected: Path) -> Path:
 
 def check(cfg, stage: str) -> None:
     """The inputs `stage` reads from the user, all checked before it writes anything."""
-    run_dir(cfg)
+    check_run_dir(cfg)
     if stage == "distill":
         path = Path(cfg.model.path) if cfg.model.path else assets.require().model
-        config = base_model(path, "model.path")
-        layers(cfg, config)
-        training_text(cfg, path, stage)
+        config = check_base_model(path, "model.path")
+        check_layers(cfg, config)
+        check_training_text(cfg, path, stage)
     elif stage == "finetune":
         source = Path(cfg.finetune.model) if cfg.finetune.model else rundir.stage1_output(cfg)
         tokenizer_dir = None
         if cfg.finetune.model or (source / CONFIG_NAME).is_file():
-            converted(source, "finetune.model")
+            check_converted(source, "finetune.model")
             if (source / ADAPTER_DIR).exists():
                 raise ConfigError(
                     f"config key 'finetune.model': {source} already carries a LoRA adapter; export it (merged) first "
                     "and fine-tune the export"
                 )
             tokenizer_dir = base_dir(source)
-        training_text(cfg, tokenizer_dir, stage)
+        check_training_text(cfg, tokenizer_dir, stage)
     elif stage == "evaluate":
         if cfg.eval.model and (Path(cfg.eval.model) / CONFIG_NAME).is_file():
-            converted(Path(cfg.eval.model), "eval.model")
-        eval_inputs(cfg)
+            check_converted(Path(cfg.eval.model), "eval.model")
+        check_eval_inputs(cfg)
     elif stage == "export":  # export.model, else the run's model: readable, base present, adapter fits
         source = rundir.export_source(cfg)
-        converted(source, "export.model")
-        export_output(cfg, source, base_dir(source))
+        check_converted(source, "export.model")
+        check_export_output(cfg, source, base_dir(source))
 
 
 def check_ahead(cfg, stages: list[str]) -> None:
     """Before a pipeline: the inputs of every stage still to run that exist already (the later stages' models do
     not yet), so that a doomed stage stops the run before anything is written."""
-    run_dir(cfg)
+    check_run_dir(cfg)
     if "distill" in stages:
         check(cfg, "distill")
     if "finetune" in stages:
-        training_text(cfg, None, "finetune")
+        check_training_text(cfg, None, "finetune")
     if "evaluate" in stages:
-        eval_inputs(cfg)
+        check_eval_inputs(cfg)
     if "export" in stages:
-        export_output(cfg, *([Path(cfg.export.model)] if cfg.export.model else []))
+        check_export_output(cfg, *([Path(cfg.export.model)] if cfg.export.model else []))
