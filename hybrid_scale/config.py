@@ -249,7 +249,21 @@ def _positive(key: str, value, minimum=1) -> None:
 
 
 def validate(cfg: DictConfig) -> DictConfig:
-    a = cfg.attention
+    """Every key's value on its own and the combinations that cannot run, section by section: one ConfigError
+    naming the key and the fix."""
+    _validate_attention(cfg.attention)
+    _validate_model(cfg.model)
+    _validate_eval(cfg.eval)
+    _validate_distill(cfg.distill)
+    _validate_data(cfg.data)
+    _validate_finetune(cfg.finetune)
+    _validate_launch(cfg)
+    _validate_slurm(cfg)
+    _validate_export(cfg.export)
+    return cfg
+
+
+def _validate_attention(a) -> None:
     _positive("attention.window", a.window)
     _positive("attention.sinks", a.sinks)
     _positive("attention.feature_dim", a.feature_dim)
@@ -263,9 +277,14 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"config key 'attention.gamma_init': must be {bound}, got {a.gamma_init}")
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
-    _choice("model.dtype", cfg.model.dtype, DTYPES)
-    _choice("model.device", cfg.model.device, DEVICES)
-    e = cfg.eval
+
+
+def _validate_model(m) -> None:
+    _choice("model.dtype", m.dtype, DTYPES)
+    _choice("model.device", m.device, DEVICES)
+
+
+def _validate_eval(e) -> None:
     for mode in e.modes:
         _choice("eval.modes", mode, EVAL_MODES)
     for task in e.tasks:
@@ -284,7 +303,11 @@ def validate(cfg: DictConfig) -> DictConfig:
         _positive("eval.passkey_distances", d)
     if e.ppl_margin < 0:
         raise ConfigError(f"config key 'eval.ppl_margin': must be >= 0, got {e.ppl_margin}")
-    d = cfg.distill
+    if list(e.buckets) != sorted(set(e.buckets)) or len(e.buckets) < 2 or e.buckets[0] != 0:
+        raise ConfigError(f"config key 'eval.buckets': must start at 0 and increase strictly, got {list(e.buckets)}")
+
+
+def _validate_distill(d) -> None:
     _choice("distill.recipe", d.recipe, list(RECIPES))
     for name, weight in (d.objectives or {}).items():
         _choice("distill.objectives", name, OBJECTIVES)
@@ -296,11 +319,17 @@ def validate(cfg: DictConfig) -> DictConfig:
     _positive("distill.epochs", d.epochs)
     _positive("distill.batch_size", d.batch_size)
     _positive("distill.query_block", d.query_block)
-    _positive("data.seq_len", cfg.data.seq_len, 2)
-    _positive("data.num_sequences", cfg.data.num_sequences)
-    if not 0 <= cfg.data.heldout_fraction < 1:
-        raise ConfigError(f"config key 'data.heldout_fraction': must be in [0, 1), got {cfg.data.heldout_fraction}")
-    _validate_finetune(cfg.finetune)
+
+
+def _validate_data(data) -> None:
+    _positive("data.seq_len", data.seq_len, 2)
+    _positive("data.num_sequences", data.num_sequences)
+    if not 0 <= data.heldout_fraction < 1:
+        raise ConfigError(f"config key 'data.heldout_fraction': must be in [0, 1), got {data.heldout_fraction}")
+
+
+def _validate_launch(cfg) -> None:
+    """launch's values, and what the tensor-parallel split cannot combine with (other sections' keys)."""
     lc = cfg.launch
     _choice("launch.launcher", lc.launcher, LAUNCHERS)
     for key in ("nodes", "procs_per_node", "tensor_parallel"):
@@ -329,8 +358,9 @@ def validate(cfg: DictConfig) -> DictConfig:
             f"config key 'launch.tensor_parallel': {lc.tensor_parallel} does not divide launch.procs_per_node = "
             f"{lc.procs_per_node}; a tensor-parallel group stays inside a node: choose a divisor of it"
         )
-    _validate_slurm(cfg)
-    x = cfg.export
+
+
+def _validate_export(x) -> None:
     if x.mode is not None:
         _choice("export.mode", x.mode, MODES)
     if x.dtype is not None:
@@ -346,9 +376,6 @@ def validate(cfg: DictConfig) -> DictConfig:
         raise ConfigError("config keys 'export.gamma' and 'export.calibrate_gamma': choose one (fixed or calibrated)")
     if x.max_shard_gb <= 0:
         raise ConfigError(f"config key 'export.max_shard_gb': must be > 0, got {x.max_shard_gb}")
-    if list(e.buckets) != sorted(set(e.buckets)) or len(e.buckets) < 2 or e.buckets[0] != 0:
-        raise ConfigError(f"config key 'eval.buckets': must start at 0 and increase strictly, got {list(e.buckets)}")
-    return cfg
 
 
 def _schedule(key: str, steps, lo, hi) -> None:
