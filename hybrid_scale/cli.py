@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
+import re
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .config import JOBS, load_config
+from .config import JOBS, Config, load_config
 from .distributed.requeue import EXIT_REQUEUE, Requeue
 from .errors import USER_ERRORS, ConfigError
 
@@ -177,12 +179,44 @@ def cmd_quickstart(args) -> int:
     return quickstart.main(args.run_dir, args.overrides)
 
 
+SECTIONS = ("model", "attention", "data", "distill", "finetune", "eval", "export", "launch", "slurm")
+# where each command's code lives; the sections it reads are found in that code (`cfg.<section>`), not kept by hand
+CODE = {
+    "distill": ("distill",),
+    "finetune": ("finetune",),
+    "evaluate": ("evaluate",),
+    "export": ("export",),
+    "pipeline": ("distill", "finetune", "evaluate", "export", "pipeline.py"),
+    "plan": ("preflight",),
+}
+OWN = {"config": SECTIONS, "convert": ("model", "attention"), "launch": ("launch",), "submit": ("launch", "slurm")}
+
+
+def sections_read(command: str) -> tuple[str, ...]:
+    """The config sections a command reads: those its code names as `cfg.<section>` (a stage's preflight also
+    reads `launch`), or the command's own (config: all; convert: the model and its attention; launch / submit)."""
+    if command not in CODE:
+        return OWN.get(command, ())
+    root = Path(__file__).parent
+    files = [
+        p for home in CODE[command] for p in ([root / home] if home.endswith(".py") else (root / home).glob("*.py"))
+    ]
+    text = "".join(p.read_text() for p in files)
+    found = set(re.findall(r"\bcfg\.(" + "|".join(SECTIONS) + r")\b", text)) | {"launch"}
+    return tuple(s for s in SECTIONS if s in found)
+
+
+@functools.cache
+def _schema():
+    return OmegaConf.structured(Config)  # ~0.1 s: built once, not once per subcommand
+
+
 def _keys_epilog(command: str) -> str:
-    """Where a command's config keys are described: every command takes the whole config (its stage reads its own
-    sections, and the preflight the rest), so the epilog points at the one reference rather than keep a list."""
+    schema = _schema()
+    parts = [f"  {section}: {', '.join(schema[section].keys())}" for section in sections_read(command)]
     return (
-        f"`{command}` takes a config file and key=value overrides of any key, besides run_dir and seed: "
-        "`hybrid-scale config` prints them all with their values, docs/reference/config.md says what each does"
+        "config keys it reads (YAML or key=value), besides run_dir and seed (`hybrid-scale config` prints their "
+        "values, docs/reference/config.md says what each does):\n" + "\n".join(parts)
     )
 
 
