@@ -158,3 +158,16 @@ def remove_dir(path: Path) -> None:
     """Remove a directory the toolkit made (its marker or tag); anything else stays (returns without a sound)."""
     if made_by_toolkit(path):
         shutil.rmtree(path)
+
+
+def is_export(path: Path) -> bool:
+    """An export this toolkit wrote (or is writing): its own marker and a hybrid_scale config.json."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    if (path / PARTIAL_TAG).is_file():
+        return True
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError):
+        return False
+    return (path / MARKER).is_file() and str(model_type).startswith("hybrid_scale_")

@@ -29,7 +29,15 @@ from ..attention.architectures import ARCHITECTURES
 from ..attention.hybrid import GAMMA_PARAMS, HybridAttention
 from ..attention.naive import EPS
 from ..data import corpus
-from ..distributed.checkpoint import commit, fault_enospc, remove_dir, replace_dir, save_tensors, start_partial
+from ..distributed.checkpoint import (
+    commit,
+    fault_enospc,
+    is_export,
+    remove_dir,
+    replace_dir,
+    save_tensors,
+    start_partial,
+)
 from ..errors import ExportError
 from ..measure import perplexity_by_bucket
 from ..models import streaming
@@ -48,7 +56,7 @@ from ..models.converted import (
 )
 from ..preflight.plan import preflight
 from ..run import lock
-from ..run.sources import describe_origin, eval_dir, export_dir, export_source, is_export
+from ..run.sources import describe_origin, eval_dir, export_dir, export_source
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..data import assets, corpus
-from ..distributed.checkpoint import check_destination
+from ..distributed.checkpoint import check_destination, is_export
 from ..errors import ConfigError, InputError
 from ..evaluate import retrieval
 from ..evaluate.retrieval import LEAD, probes
@@ -225,7 +225,7 @@ def check_export_output(cfg, *protected: Path) -> Path:
                 f"config key '{key}': {out} is or holds {path}, which the export reads or the run keeps; nothing was "
                 f"touched: choose a new directory, e.g. export.out_dir={Path(cfg.run_dir) / 'export'}"
             )
-    check_destination(out, key, owned=rundir.is_export, what="an export written by hybrid_scale")
+    check_destination(out, key, owned=is_export, what="an export written by hybrid_scale")
     return out
 
 

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 from ..data import assets
-from ..distributed.checkpoint import MARKER, PARTIAL_TAG
 from ..errors import ConfigError
 from ..models.converted import CONFIG_NAME, base_dir
 from .layout import RunLayout
@@ -37,19 +36,6 @@ def describe_origin(path: Path) -> str:
     if origin.get("step") is not None:
         return f"{name} (step {origin['step']})"
     return name
-
-
-def is_export(path: Path) -> bool:
-    """An export this toolkit wrote (or is writing): its own marker and a hybrid_scale config.json."""
-    if not path.is_dir() or path.is_symlink():
-        return False
-    if (path / PARTIAL_TAG).is_file():
-        return True
-    try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
-    except (OSError, ValueError):
-        return False
-    return (path / MARKER).is_file() and str(model_type).startswith("hybrid_scale_")
 
 
 def stage1_dir(cfg) -> Path:

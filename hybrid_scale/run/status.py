@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import load_config
-from ..distributed.checkpoint import MARKER, PARTIAL_TAG
+from ..distributed.checkpoint import MARKER, PARTIAL_TAG, is_export
 from ..distributed.requeue import REQUEUE_MARKER
 from . import lock
 from .layout import CONFIG_NAME, RUN_CONFIG, RunLayout
@@ -83,15 +83,9 @@ def _evaluate(layout: RunLayout) -> str:
 
 def _export(layout: RunLayout) -> str:
     out = layout.export
-    if (out / PARTIAL_TAG).is_file():
-        return f"export: being written ({out})"
-    try:
-        model_type = json.loads((out / "config.json").read_text()).get("model_type", "")
-    except (OSError, ValueError):
-        model_type = ""
-    if (out / MARKER).is_file() and str(model_type).startswith("hybrid_scale_"):
-        return f"export: done ({out})"
-    return "export: not done"
+    if not is_export(out):
+        return "export: not done"
+    return f"export: being written ({out})" if (out / PARTIAL_TAG).is_file() else f"export: done ({out})"
 
 
 def _lock(run: Path) -> str:

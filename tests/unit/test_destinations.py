@@ -12,12 +12,12 @@ from hybrid_scale.distributed.checkpoint import (
     DestinationError,
     check_destination,
     commit,
+    is_export,
     made_by_toolkit,
     remove_dir,
     replace_dir,
     start_partial,
 )
-from hybrid_scale.run.sources import is_export
 
 
 def tree(root):
