@@ -29,7 +29,7 @@ from hybrid_scale.evaluate import balance
 from hybrid_scale.evaluate.stage import _heldout_sequences
 from hybrid_scale.models.convert import set_modes
 from hybrid_scale.models.converted import load_base_model, load_converted, load_tokenizer
-from hybrid_scale.run import sources as rundir
+from hybrid_scale.run.entry import Resolved
 
 BUCKETS = [0, 16, 64, 256, 512, 768, 1024]
 
@@ -70,22 +70,24 @@ def main(argv=None) -> int:
     run = Path(a.run)
     cfg = load_config(str((run / "config.yaml").resolve()), [f"eval.ppl_sequences={a.sequences}",
                                                              f"eval.ppl_seq_len={a.length}"])  # fmt: skip
-    path, converted = rundir.eval_source(cfg)
+    r = Resolved.of(cfg, "evaluate")  # the model `evaluate` reads
+    source = r.model
+    path, converted = source.path, source.converted
     if not converted:
         raise SystemExit(f"{run}: no trained converted model to read (run the pipeline first)")
     window, sinks, own = cfg.attention.window, cfg.attention.sinks, cfg.attention.hybrid_sinks
-    train_len = cfg.finetune.seq_len or cfg.data.seq_len
+    train_len = r.derived.stage2_seq_len
     n_train = int(la_keys(torch.tensor(train_len - 1), window, sinks if own else 0))
-    tokenizer = load_tokenizer(rundir.base_of(path, converted))
+    tokenizer = load_tokenizer(source.base)
     seqs = _heldout_sequences(tokenizer, cfg)
     backends.register_backend("capped", capped_backend(n_train))
     nll, times = {}, {}
-    base = load_base_model(rundir.base_of(path, converted), torch.float32)
+    base = load_base_model(source.base, torch.float32)
     t0 = time.perf_counter()
     nll["base"] = measure.token_nll(base, seqs)
     times["base"] = time.perf_counter() - t0
     del base
-    model = load_converted(path, torch.float32, "cpu", "torch")
+    model = load_converted(path, torch.float32, "cpu", "torch", meta=source.hybrid_config)
     for name, mode, backend in (("hybrid", "hybrid", "torch"), ("hybrid, LA mass capped", "hybrid", "capped"),
                                 ("swa_sinks", "swa_sinks", "torch")):  # fmt: skip
         set_modes(model, mode)

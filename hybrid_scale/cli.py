@@ -39,10 +39,11 @@ def cmd_convert(args) -> int:
         raise ConfigError(f"config key 'model.path': {path} is not a Hugging Face model directory (no config.json)")
     from .models.convert import convert_model
     from .models.converted import save_converted
+    from .run.layout import RunLayout
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype), local_files_only=True)
     convert_model(model, cfg.attention)
-    out = save_converted(model, Path(cfg.run_dir) / "converted", base_path=path)
+    out = save_converted(model, RunLayout.of(cfg).converted, base_path=path)
     print(f"converted model written to {out} (base weights referenced from {path.resolve()})")
     return 0
 

@@ -2,9 +2,8 @@
 
 `load_config(path, overrides)` reads YAML, applies `key=value` overrides and validates. Any wrong key, type or value
 raises one `ConfigError` naming the key and what is allowed. Later stages add fields to their own section.
-It stays one file: config_reference.py generates docs/reference/config.md from the source of these dataclasses and
-the comments on their fields, and the validation below checks the same keys, so a key's type, default, description
-and rules are changed in one place.
+config_reference.py generates docs/reference/config.md from the source of these dataclasses and the comments on
+their fields; the validation below checks the same keys.
 """
 
 from __future__ import annotations

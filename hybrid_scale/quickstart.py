@@ -14,7 +14,7 @@ from pathlib import Path
 from .config import load_config
 from .data import assets
 from .pipeline import pipeline
-from .run import sources as rundir
+from .run.layout import RunLayout
 
 
 def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
@@ -28,15 +28,16 @@ def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ..
     if cfg.model.path is None:
         assets.prepare()  # converts and caches the embedded default once (about a minute)
     timings = pipeline(cfg)
-    run, eval_dir = Path(cfg.run_dir), rundir.eval_dir(cfg)
+    layout = RunLayout.of(cfg)
+    eval_dir = layout.eval
     results = json.loads((eval_dir / "results.json").read_text())
     print("\n" + (eval_dir / "table.md").read_text())
     print(summary(results))
     if (eval_dir / "long_context.png").is_file():
         print(f"Figure (retrieval and perplexity past the window): {(eval_dir / 'long_context.png').resolve()}")
     print("Stage times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
-    print(f"Total {(time.perf_counter() - t0) / 60:.1f} min. Run directory: {run.resolve()}")
-    print(f"Export (load with trust_remote_code=True): {rundir.export_dir(cfg).resolve()}")
+    print(f"Total {(time.perf_counter() - t0) / 60:.1f} min. Run directory: {layout.run_dir.resolve()}")
+    print(f"Export (load with trust_remote_code=True): {layout.export.resolve()}")
     print(CAVEAT.format(sequences=cfg.data.num_sequences, steps=cfg.finetune.max_steps))
     return 0
 

@@ -1,11 +1,14 @@
-"""Stage 2's data: the packed training sequences and the `selection` half of the held-out text, and which
-sequences each optimizer step consumes (the same on any number of ranks)."""
+"""How the stages batch their data: stage 2's packed training sequences and the `selection` half of the held-out
+text, which sequences each optimizer step consumes (the same on any number of ranks), and how a stage-1 step's query
+blocks split over the ranks."""
 
 from __future__ import annotations
 
 import torch
 
 from . import corpus
+
+Unit = tuple[int, int, int]  # (sequence within the step's batch, first query row, end row)
 
 
 def finetune_data(cfg, tokenizer, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,3 +41,16 @@ def rank_share(batch: list[int], rank: int, world: int) -> list[int]:
     """This rank's part of a global batch (contiguous, equal parts)."""
     per_rank = len(batch) // world
     return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def split_units(n_sequences: int, seq_len: int, block: int, world: int) -> list[list[Unit]]:
+    """The step's query blocks in sequence order, cut into `world` contiguous runs of (nearly) equal length: every
+    rank has work when there are at least `world` units (`plan` flags a configuration with fewer); a rank's units
+    span few sequences (each sequence a rank touches is projected once on it)."""
+    units = [(s, a, min(seq_len, a + block)) for s in range(n_sequences) for a in range(0, seq_len, block)]
+    n = len(units)
+    return [units[r * n // world : (r + 1) * n // world] for r in range(world)]
+
+
+def units_per_step(batch_size: int, seq_len: int, block: int) -> int:
+    return batch_size * -(-seq_len // block)

@@ -16,21 +16,6 @@ import torch.nn.functional as F
 
 from ..attention.naive import compute_dtype, decay_weight
 
-Unit = tuple[int, int, int]  # (sequence within the step's batch, first query row, end row)
-
-
-def split_units(n_sequences: int, seq_len: int, block: int, world: int) -> list[list[Unit]]:
-    """The step's query blocks in sequence order, cut into `world` contiguous runs of (nearly) equal length: every
-    rank has work when there are at least `world` units (`plan` flags a configuration with fewer); a rank's units
-    span few sequences (each sequence a rank touches is projected once on it)."""
-    units = [(s, a, min(seq_len, a + block)) for s in range(n_sequences) for a in range(0, seq_len, block)]
-    n = len(units)
-    return [units[r * n // world : (r + 1) * n // world] for r in range(world)]
-
-
-def units_per_step(batch_size: int, seq_len: int, block: int) -> int:
-    return batch_size * -(-seq_len // block)
-
 
 def _expand(x, group):
     return x.repeat_interleave(group, dim=1)

@@ -5,7 +5,7 @@ g mod world; with tensor parallelism, on data-parallel group g mod dp):
   1. read only layer l's tensors from the safetensors shards and build that one decoder layer on the device;
   2. train its feature maps (and gamma, fp32 masters) so that linear attention mimics the layer's softmax attention:
      each step's batch is staged to the device (the next one read from disk meanwhile) and broadcast from the ranks
-     holding it; its query blocks are split over the ranks (objectives.split_units: every rank works every step),
+     holding it; its query blocks are split over the ranks (batches.split_units: every rank works every step),
      and gradients, loss and the signal flag are summed in one fp32 all-reduce;
   3. run the *teacher* layer (exact softmax, SDPA) on the inputs and write layer l+1's inputs to the other buffer;
   4. commit: layer l's parameters (safetensors, written then renamed), then the manifest naming the buffer that holds
@@ -33,20 +33,15 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from ..attention.hybrid import HybridAttention
-from ..config import attention_settings
-from ..data import assets
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import atomic_write, fault, save_tensors, sha256
-from ..distributed.requeue import SignalFlag
 from ..errors import DistillError
 from ..models import streaming
 from ..models.converted import write_converted
-from ..preflight.plan import preflight
-from ..recipes import objective_weights
-from ..run import lock
-from ..run import sources as rundir
+from ..run.entry import Entry, stage_entry
+from ..run.settings import stage1_settings
 from .buffers import buffer_slot, buffer_writer, inputs_of_first_layer, mark_written, preflight_buffers, run_teacher
-from .identity import committed, identity_changes, run_identity
+from .identity import committed, identity_changes
 from .state import Stage1
 from .step import StepCheckpoint, layer_head_dim, train_layer
 
@@ -54,12 +49,11 @@ from .step import StepCheckpoint, layer_head_dim, train_layer
 def distill(cfg) -> Path:
     """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted. Per layer: train
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
-    checked = preflight(cfg, "distill")  # inputs, architecture, tensor-parallel shape, memory, disk: before any write
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    # one writer per run dir (run/lock.py); USR1/TERM: a step checkpoint at the next step, or a stop after a commit
-    with lock.for_stage(cfg, "distill", rt), SignalFlag() as signal:
-        s = start(cfg)
-        for warning in checked.warnings:  # e.g. ranks left idle by too few query blocks per step
+    # preflight, runtime, lock, signal flag (run/entry.py); USR1/TERM: a step checkpoint at the next step, or a stop
+    # after a commit
+    with stage_entry(cfg, "distill") as entry:
+        s = start(entry)
+        for warning in entry.plan.warnings:  # e.g. ranks left idle by too few query blocks per step
             s.log(f"warning: {warning}")
         current = inputs_of_first_layer(s)
         # each layer's heads and MLP columns split over the tensor-parallel group, each rank reading only its part
@@ -74,10 +68,10 @@ def distill(cfg) -> Path:
                 advance(s, i, layer, current, other)
             commit_layer(s, i, params, losses, other)
             current = other
-            if i + 1 < s.n_layers and runtime.any_rank(s.rt, signal.raised):
+            if i + 1 < s.n_layers and runtime.any_rank(s.rt, entry.signal.raised):
                 s.log(f"signal: layer {i} is committed, exiting for a requeue")
                 raise requeue.request(
-                    cfg.run_dir,
+                    s.layout.run_dir,
                     f"layer {i}",
                     s.stage1,
                     s.rt,
@@ -86,27 +80,25 @@ def distill(cfg) -> Path:
         return write_output(s)
 
 
-def start(cfg) -> Stage1:
+def start(entry: Entry) -> Stage1:
     """The teacher's config and checkpoint, the run's identity (a rerun with other settings is refused before any
     write), the first uncommitted layer."""
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    if rt.main:
-        requeue.clear_request(cfg.run_dir)
-    model_path = Path(cfg.model.path) if cfg.model.path else assets.require().model
+    cfg, rt, model_path = entry.cfg, entry.rt, entry.model.path
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     config._attn_implementation = "sdpa"
-    weights = objective_weights(cfg)
-    attention = attention_settings(cfg.attention)
     N = cfg.data.num_sequences
     s = Stage1(
         cfg,
         rt,
+        entry.layout,
+        entry.derived,
+        entry.log,
+        entry.signal,
         model_path,
         config,
         streaming.ShardedCheckpoint(model_path),
-        attention,
-        weights,
-        run_identity(cfg, model_path, attention, weights),
+        cfg.attention,
+        stage1_settings(cfg, entry.derived, model_path),
         None,
         getattr(torch, cfg.model.dtype),
         getattr(torch, cfg.distill.buffer_dtype),
@@ -186,7 +178,7 @@ def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: st
 
 def write_output(s: Stage1) -> Path:
     """The converted model: every trained layer's phi/gamma, the attention settings, the base referenced."""
-    out = rundir.stage1_output(s.cfg)
+    out = s.layout.stage1_output
     config = s.config
     trained = sorted(range(s.n_layers) if s.attention.layers is None else s.attention.layers)
     if s.rt.main:

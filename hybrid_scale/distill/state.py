@@ -4,15 +4,17 @@ and the layer to start at. In a module of its own so that each of them can impor
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..distributed import runtime
+from ..distributed.requeue import SignalFlag
 from ..models import streaming
-from ..run import sources as rundir
+from ..run.entry import StageLog
+from ..run.layout import RunLayout
+from ..run.settings import Derived
 
 
 @dataclass
@@ -22,11 +24,14 @@ class Stage1:
 
     cfg: object
     rt: runtime.Runtime
+    layout: RunLayout
+    derived: Derived  # the objectives and whether gamma trains, resolved (run/settings.py)
+    log: StageLog  # stage1/log.txt, rank 0
+    signal: SignalFlag  # USR1/TERM: set by the stage's entry
     model_path: Path
     config: object
     ckpt: streaming.ShardedCheckpoint
     attention: object
-    weights: dict
     identity: dict
     manifest: dict | None
     dtype: torch.dtype
@@ -38,17 +43,16 @@ class Stage1:
 
     @property
     def stage1(self) -> Path:
-        return rundir.stage1_dir(self.cfg)
+        return self.layout.stage1
 
     @property
     def buffer_dir(self) -> Path:
-        return rundir.buffer_dir(self.cfg)
+        return self.layout.buffers
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return self.derived.objectives
 
     @property
     def n_layers(self) -> int:
         return self.config.num_hidden_layers
-
-    def log(self, msg: str) -> None:
-        if self.rt.main:
-            with open(self.stage1 / "log.txt", "a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")

@@ -18,21 +18,23 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..attention.hybrid import HybridAttention
+from ..data import batches
 from ..data.staging import Stager
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import fault, save_tensors
-from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, DistillError
-from ..recipes import train_gamma
+from ..run.settings import Derived
 from . import objectives
 from .state import Stage1
 
 
-def trainable(m: HybridAttention, cfg, weights) -> list[torch.nn.Parameter]:
-    params = []
+def trainable(m: HybridAttention, cfg, derived: Derived) -> list[torch.nn.Parameter]:
+    """What stage 1 trains of a layer: its feature maps, gamma (as resolved), the LA decay under an objective that
+    runs the LA through it."""
+    params, weights = [], derived.objectives
     if cfg.distill.train_feature_maps:
         params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
-    if train_gamma(cfg, weights):
+    if derived.train_gamma:
         params.append(m.gamma_logit)
     if m.la_decay is not None and (weights.get("hybrid_output_mse") or weights.get("output_mse")):
         params.append(m.la_decay_rho)  # (the objectives that run the LA through its decay; weights_xent does not)
@@ -47,7 +49,7 @@ class StepCheckpoint:
     steps done and their losses. `layer_{i}.step.safetensors`, written by rank 0, removed when the layer commits."""
 
     tensors: dict
-    done: int
+    steps_done: int
     losses: list[float]
 
     @staticmethod
@@ -55,7 +57,7 @@ class StepCheckpoint:
         return stage1 / f"layer_{i:03d}.step.safetensors"
 
 
-def _save_step(s: Stage1, i: int, named: list, opt, done: int, losses: list[float]) -> Path:
+def _save_step(s: Stage1, i: int, named: list, opt, steps_done: int, losses: list[float]) -> Path:
     path = StepCheckpoint.path(s.stage1, i)
     tensors, dim = {}, layer_head_dim(s)  # whole tensors (gathered over the tensor-parallel group): any split resumes
     for name, p in named:
@@ -66,7 +68,8 @@ def _save_step(s: Stage1, i: int, named: list, opt, done: int, losses: list[floa
                 value = st[k] if k == "step" else tensor_parallel.whole(st[k], dim, s.rt)
                 tensors[f"{k}.{name}"] = value.detach().cpu().reshape(value.shape)
     if s.rt.main:
-        meta = {"identity": json.dumps(s.identity, sort_keys=True), "done": str(done), "losses": json.dumps(losses)}
+        meta = {"identity": json.dumps(s.identity, sort_keys=True), "losses": json.dumps(losses)}
+        meta["done"] = str(steps_done)  # (the file's key for the steps done)
         tmp = path.with_name(path.name + ".tmp")
         save_tensors(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
@@ -162,12 +165,12 @@ def _gather_batch(s: Stage1, staged: torch.Tensor | None, batch: list[int], mine
 def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     """Train layer i's feature maps (and gamma) on the teacher's inputs to it; returns the per-step global losses.
     Every step: the batch is staged to the device, this rank computes its share of the step's query blocks
-    (objectives.split_units, one share per data-parallel group) for its heads (tensor parallelism), and gradients,
+    (batches.split_units, one share per data-parallel group) for its heads (tensor parallelism), and gradients,
     loss and the signal flag are summed over the ranks in one fp32 all-reduce (each rank's gradients at its heads'
     place in whole-layer buffers, so that they are summed over the data-parallel ranks only). On a signal the ranks
     save a step checkpoint at the next step boundary and raise Requeue."""
     d, rt = s.cfg.distill, s.rt
-    trained = {id(p) for p in trainable(m, s.cfg, s.weights)}
+    trained = {id(p) for p in trainable(m, s.cfg, s.derived)}
     named = [(n, p) for n, p in m.hybrid_parameters() if id(p) in trained]
     params = [p for _, p in named]
     for p in m.parameters():
@@ -180,44 +183,47 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     steps = _plan_steps(s, i)
     per_epoch = len(steps) // d.epochs
     resumed = _load_step(s, i)
-    done, losses = (resumed.done, list(resumed.losses)) if resumed else (0, [])
+    steps_done, losses = (resumed.steps_done, list(resumed.losses)) if resumed else (0, [])
     if resumed:
         _restore(s, named, opt, resumed)
-        s.log(f"layer {i}: resuming at step {done + 1} of {len(steps)} from its step checkpoint")
+        s.log(f"layer {i}: resuming at step {steps_done + 1} of {len(steps)} from its step checkpoint")
     local_of = {g: j for j, g in enumerate(s.owned)}
-    mine = [[g for g in batch if g in local_of] for batch in steps[done:]]
+    mine = [[g for g in batch if g in local_of] for batch in steps[steps_done:]]
     bar = tqdm(
-        total=len(steps), initial=done, desc=f"layer {i:>3}", disable=not (d.progress and rt.main), dynamic_ncols=True
+        total=len(steps),
+        initial=steps_done,
+        desc=f"layer {i:>3}",
+        disable=not (d.progress and rt.main),
+        dynamic_ncols=True,
     )
     staged = Stager(buf_in, rt.device).steps([[local_of[g] for g in rows] for rows in mine])
-    with SignalFlag() as signal:
-        for step, (batch, rows, x) in enumerate(zip(steps[done:], mine, staged, strict=True), start=done):
-            opt.zero_grad(set_to_none=False)
-            summed = gradients(s, m, layer, params, x, batch, rows, signal.raised)
-            value, stop = summed[0].item(), summed[1].item() > 0
-            if not math.isfinite(value):  # summed over the ranks: every rank sees it and stops here
-                bar.close()
-                msg = _nonfinite_loss(value, s.cfg, i, step // per_epoch, step + 1, len(steps))
-                s.log(msg)
-                raise DistillError(msg)
-            opt.step()
-            losses.append(value)
-            bar.update()
-            bar.set_postfix(loss=f"{value:.4f}")
-            fault(f"train:{i}:{step}", rt.rank)
-            if stop and step + 1 < len(steps):
-                t0 = time.perf_counter()
-                path = _save_step(s, i, named, opt, step + 1, losses)
-                bar.close()
-                took = time.perf_counter() - t0
-                s.log(f"signal: saved layer {i}'s step {step + 1} in {took:.2f} s, exiting for a requeue")
-                raise requeue.request(
-                    s.cfg.run_dir,
-                    f"layer {i} step {step + 1}",
-                    path,
-                    rt,
-                    what=f"stage 1 stopped by a signal at layer {i}, step {step + 1} of {len(steps)}; saved {path}",
-                )
+    for step, (batch, rows, x) in enumerate(zip(steps[steps_done:], mine, staged, strict=True), start=steps_done):
+        opt.zero_grad(set_to_none=False)
+        summed = gradients(s, m, layer, params, x, batch, rows, s.signal.raised)
+        value, stop = summed[0].item(), summed[1].item() > 0
+        if not math.isfinite(value):  # summed over the ranks: every rank sees it and stops here
+            bar.close()
+            msg = _nonfinite_loss(value, s.cfg, i, step // per_epoch, step + 1, len(steps))
+            s.log(msg)
+            raise DistillError(msg)
+        opt.step()
+        losses.append(value)
+        bar.update()
+        bar.set_postfix(loss=f"{value:.4f}")
+        fault(f"train:{i}:{step}", rt.rank)
+        if stop and step + 1 < len(steps):
+            t0 = time.perf_counter()
+            path = _save_step(s, i, named, opt, step + 1, losses)
+            bar.close()
+            took = time.perf_counter() - t0
+            s.log(f"signal: saved layer {i}'s step {step + 1} in {took:.2f} s, exiting for a requeue")
+            raise requeue.request(
+                s.layout.run_dir,
+                f"layer {i} step {step + 1}",
+                path,
+                rt,
+                what=f"stage 1 stopped by a signal at layer {i}, step {step + 1} of {len(steps)}; saved {path}",
+            )
     bar.close()
     s.log(f"layer {i}: loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)")
     return losses
@@ -229,7 +235,7 @@ def gradients(s: Stage1, m, layer, params: list, staged, batch: list[int], rows:
     in one fp32 all-reduce, each rank keeping its heads' part. Returns [global loss, signal count] (a tensor: no host
     sync here; the dry run calls it on the meta device)."""
     d, rt = s.cfg.distill, s.rt
-    units = objectives.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.dp)[rt.dp_rank]
+    units = batches.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.dp)[rt.dp_rank]
     hidden = _gather_batch(s, staged, batch, rows)
     loss = _step_loss(s, m, layer, hidden, units) / len(batch)
     if units:

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..config import JOBS
 from ..errors import ConfigError
 from ..resources import data_dir
+from ..run.layout import RunLayout
 from .environment import first_host, job_port
 from .requeue import REQUEUE_MARKER
 
@@ -189,7 +190,7 @@ def render(cfg, stage: str, config_path: str | None, overrides: list[str], pytho
 
 def submit(cfg, config_path: str | None, overrides: list[str], stages: list[str], python: str = "python") -> list[str]:
     """Write one sbatch script per stage under {run_dir}/slurm and submit them chained with afterok."""
-    out = Path(cfg.run_dir) / "slurm"
+    out = RunLayout.of(cfg).slurm
     out.mkdir(parents=True, exist_ok=True)
     ids: list[str] = []
     for stage in stages:

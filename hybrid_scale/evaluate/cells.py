@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -18,19 +16,18 @@ import transformers
 from omegaconf import OmegaConf
 
 from .. import __version__
+from ..data import passkey
 from ..distributed import requeue, runtime
 from ..distributed.checkpoint import atomic_write, fault
-from ..distributed.requeue import SignalFlag
-from ..run import sources as rundir
-from . import retrieval
-
-CELLS_DIR = "cells"  # in eval's out_dir: the committed cells of the evaluation
+from ..run.entry import Entry
+from ..run.settings import differing
+from ..run.sources import ModelSource
 
 
 def count_cells(e) -> int:
     """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share."""
     held_out = (len(e.modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
-    return len(e.modes) * len(e.tasks) + held_out + len(retrieval.probe_modes(e))
+    return len(e.modes) * len(e.tasks) + held_out + len(passkey.probe_modes(e))
 
 
 def digest(obj) -> str:
@@ -38,12 +35,13 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
 
 
-def model_key(cfg, path: Path, converted: bool, window: int, device: torch.device) -> dict:
+def model_key(cfg, source: ModelSource, window: int, device: torch.device) -> dict:
     """The part of every cell's key that names the model: its path, the name, size and mtime of its files (and of its
     base's: stage 2 rewrites its output in place), the window, dtype, device type (and CPU threads: CPU kernels round
     differently with another number), the attention settings a plain model is converted with, and the versions of
     the code that computes the numbers."""
-    dirs = sorted({path.resolve(), rundir.base_of(path, converted).resolve()})
+    path, converted = source.path, source.converted
+    dirs = sorted({path.resolve(), source.base.resolve()})
     files = [
         (str(f), f.stat().st_size, f.stat().st_mtime_ns) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()
     ]
@@ -62,41 +60,35 @@ def model_key(cfg, path: Path, converted: bool, window: int, device: torch.devic
 
 class Cells:
     """The committed cells ({out_dir}/cells/<name>.json: the cell's `result` and the `key` it was computed from),
-    read once by rank 0 and given to every rank, so that every rank makes the same choice to load or compute; `done`
-    counts the cells committed (loaded or computed) in this run, `resumed` names the loaded ones. At every cell
-    boundary, and between rounds of batches (between_rounds), the ranks agree on the signal flag; on a signal `stop`
-    writes the requeue marker and raises Requeue."""
+    read once by rank 0 and given to every rank, so that every rank makes the same choice to load or compute;
+    `committed` counts the cells committed (loaded or computed) in this run, `resumed` names the loaded ones. At
+    every cell boundary, and between rounds of batches (between_rounds), the ranks agree on the signal flag; on a
+    signal `stop` writes the requeue marker and raises Requeue."""
 
-    def __init__(self, cfg, rt: runtime.Runtime, flag: SignalFlag, total: int):
-        self.cfg, self.rt, self.flag, self.total = cfg, rt, flag, total
-        self.dir = rundir.eval_dir(cfg) / CELLS_DIR
+    def __init__(self, entry: Entry, total: int):
+        self.rt, self.flag, self.log, self.total = entry.rt, entry.signal, entry.log, total
+        self.run_dir, self.dir = entry.layout.run_dir, entry.layout.cells
+        rt = self.rt
         if rt.main:
             self.dir.mkdir(parents=True, exist_ok=True)
         stored = {p.stem: json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))} if rt.main else None
         self.stored = runtime.gather_objects(rt, stored)[0]
-        self.done, self.resumed = 0, []
+        self.committed, self.resumed = 0, []
 
-    def log(self, msg: str) -> None:
-        """A line in {out_dir}/log.txt and on stderr (rank 0)."""
-        if self.rt.main:
-            with open(self.dir.parent / "log.txt", "a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
-            print(f"evaluate: {msg}", file=sys.stderr)
-
-    def run(self, name: str, key: dict, compute: Callable[[], dict | None], here: bool = True) -> dict | None:
+    def result(self, name: str, key: dict, compute: Callable[[], dict | None], here: bool = True) -> dict | None:
         """The cell's result (as its file holds it): the committed one when its key matches, else compute() committed
         by rank 0 -- a cell computed by rank 0 alone (`here` False on the others) is None there. Then the boundary:
         the ranks stop on a signal. compute() returns None when a signal stopped it: the cell is dropped."""
         key = json.loads(json.dumps(key))  # as the file holds it
         stored = self.stored.get(name)
         if stored is not None and stored["key"] == key:
-            self.done += 1
+            self.committed += 1
             self.resumed.append(name)
             return stored["result"] if here else None
         result = None
         if here:
             if stored is not None:
-                changed = sorted(k for k in key.keys() | stored["key"].keys() if key.get(k) != stored["key"].get(k))
+                changed = differing(stored["key"], key)
                 self.log(f"cell {name} was committed with another {', '.join(changed)}: recomputing it")
             result = compute()
             if result is None:
@@ -105,7 +97,7 @@ class Cells:
             if self.rt.main:
                 atomic_write(self.dir / f"{name}.json", json.dumps({"key": key, "result": result}, indent=1) + "\n")
             fault(f"eval:{name}", self.rt.rank)
-        self.done += 1
+        self.committed += 1
         if runtime.any_rank(self.rt, self.flag.raised):
             self.stop()
         return result
@@ -113,8 +105,8 @@ class Cells:
     def between_rounds(self, name: str) -> Callable[[int], bool]:
         """loglik.score's `stop` for cell `name`: whether the ranks agree to stop, after `done` rounds of batches."""
 
-        def stop(done: int) -> bool:
-            fault(f"eval_batch:{name}:{done}", self.rt.rank)
+        def stop(rounds: int) -> bool:
+            fault(f"eval_batch:{name}:{rounds}", self.rt.rank)
             return runtime.any_rank(self.rt, self.flag.raised)
 
         return stop
@@ -123,14 +115,13 @@ class Cells:
         """After a signal, on every rank: the requeue marker (rank 0), then Requeue. Every finished cell is already
         committed; `dropped` names the cell in progress, if any."""
         t0 = time.perf_counter()
-        what = (
-            f"evaluation stopped by a signal after {self.done} of {self.total} cells; committed cells are in {self.dir}"
-        )
-        exc = requeue.request(self.cfg.run_dir, self.done, self.dir, self.rt, what=what)
+        n, total = self.committed, self.total
+        what = f"evaluation stopped by a signal after {n} of {total} cells; committed cells are in {self.dir}"
+        exc = requeue.request(self.run_dir, self.committed, self.dir, self.rt, what=what)
         resumed = f" ({len(self.resumed)} resumed)" if self.resumed else ""
         dropped = f"; dropped the cell in progress, {dropped}" if dropped else ""
         self.log(
-            f"signal: {self.done} of {self.total} cells committed{resumed}{dropped}; requeue marker written in "
+            f"signal: {self.committed} of {self.total} cells committed{resumed}{dropped}; requeue marker written in "
             f"{time.perf_counter() - t0:.2f} s, exiting for a requeue"
         )
         raise exc

@@ -33,11 +33,10 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from .. import measure
-from ..data import assets, benchmarks, corpus
-from ..distributed import requeue, runtime, tensor_parallel
+from ..data import assets, benchmarks, corpus, passkey
+from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import import_deepspeed, zero3_config
 from ..distributed.parallelize import parallelize
-from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError
 from ..models.convert import convert_model, set_modes, set_window
 from ..models.converted import (
@@ -45,12 +44,10 @@ from ..models.converted import (
     load_base_model,
     load_converted,
     load_tokenizer,
-    read_hybrid_config,
 )
 from ..preflight import plan
-from ..preflight.plan import preflight
-from ..run import lock
-from ..run import sources as rundir
+from ..run.entry import Entry, stage_entry
+from ..run.sources import ModelSource
 from . import balance, loglik, report, retrieval
 from .cells import Cells, count_cells, digest, model_key
 
@@ -60,13 +57,15 @@ BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the wind
 class Models:
     """The base model and the converted model, each loaded once, on demand."""
 
-    def __init__(self, cfg, path: Path, converted: bool, rt: runtime.Runtime):
-        self.cfg, self.path, self.converted, self.device = cfg, path, converted, rt.device
+    def __init__(self, cfg, source: ModelSource, rt: runtime.Runtime):
+        self.cfg, self.source, self.device = cfg, source, rt.device
+        self.path, self.converted = source.path, source.converted
+        # its attention settings: the model's own (hybrid_config.json, read once by the stage's entry) when converted
+        self.attention = source.hybrid_config["attention"] if source.converted else cfg.attention
         self.dtype = getattr(torch, cfg.model.dtype)
         self._base = self._hybrid = None
-        self.untrained = not converted
+        self.untrained = not source.converted
         self._zero3 = None
-        self._sinks: tuple[int, bool] | None = None
         self.rt = rt
         self.split = {}  # what the tensor-parallel split left each rank, per model loaded (results.json)
         if rt.tp > 1:  # the heads split over the tensor-parallel ranks (each reads only its part of each weight)
@@ -80,7 +79,7 @@ class Models:
 
     def _load_base(self):
         # an export's base architecture: "base" is its softmax model (merged weights)
-        return load_base_model(rundir.base_of(self.path, self.converted), self.dtype, self.rt).to(self.device).eval()
+        return load_base_model(self.source.base, self.dtype, self.rt).to(self.device).eval()
 
     def _ready(self, model, name: str):
         if self.rt.tp > 1:
@@ -101,41 +100,36 @@ class Models:
 
     def _load_hybrid(self):
         if self.converted:
-            model = load_converted(self.path, self.dtype, self.device, self.cfg.attention.backend, self.rt)
+            backend, meta = self.cfg.attention.backend, self.source.hybrid_config
+            model = load_converted(self.path, self.dtype, self.device, backend, self.rt, meta)
         else:  # a plain model: converted with untrained (identity) feature maps, said so in the report
             model = convert_model(self._load_base(), self.cfg.attention)
         if self.cfg.eval.window is not None:
             set_window(model, self.cfg.eval.window)
         return self._ready(model, "hybrid")
 
-    def twin(self, mode: str, done) -> str | None:
-        """A mode among `done` (evaluated before, on every rank) that computes the same function as `mode` on this
+    def twin(self, mode: str, evaluated) -> str | None:
+        """A mode among `evaluated` (evaluated before, on every rank) that computes the same function as `mode` on this
         model: for a hybrid with its own sinks, swa_only (the hybrid without its LA) is swa_sinks. Its results are
         reused, not computed twice."""
         other = {"swa_only": "swa_sinks", "swa_sinks": "swa_only"}.get(mode)
-        return other if other in done and self.sinks()[1] else None
+        return other if other in evaluated and self.sinks()[1] else None
 
     def twin_reason(self, mode: str, twin: str) -> str:
         return f"the same keys as {twin} on this model (its hybrid keeps {self.sinks()[0]} sinks)"
 
     def sinks(self) -> tuple[int, bool]:
-        """(S, whether the hybrid keeps them): the model's own when converted, else the config's (read once)."""
-        if self._sinks is None:
-            a = read_hybrid_config(self.path)["attention"] if self.converted else self.cfg.attention
-            self._sinks = int(a["sinks"]), bool(a.get("hybrid_sinks", False))
-        return self._sinks
+        """(S, whether the hybrid keeps them): the model's own when converted, else the config's."""
+        return int(self.attention["sinks"]), bool(self.attention.get("hybrid_sinks", False))
 
     def la_decay(self) -> bool:
         """Whether the hybrid's LA decays: the model's own setting when converted, else the config's."""
-        a = read_hybrid_config(self.path)["attention"] if self.converted else self.cfg.attention
-        return bool(a.get("la_decay", False))
+        return bool(self.attention.get("la_decay", False))
 
     def window(self) -> int:
         if self.cfg.eval.window is not None:
             return self.cfg.eval.window
-        if self.converted:
-            return read_hybrid_config(self.path)["attention"]["window"]
-        return self.cfg.attention.window
+        return self.attention["window"]
 
 
 def _heldout_sequences(tokenizer, cfg, held_text: tuple[str, str] | None = None) -> torch.Tensor:
@@ -166,26 +160,23 @@ def evaluate(cfg) -> dict:
     """The component ablation: every task scored in every mode, the paired-bootstrap deltas and the verdict,
     perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
     raises Requeue after a signal."""
-    preflight(cfg, "evaluate")  # the input model, its architecture, memory per rank
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    with lock.for_stage(cfg, "evaluate", rt):  # one writer per run dir (run/lock.py): taken before any write
-        if rt.main:
-            requeue.clear_request(cfg.run_dir)
-        with SignalFlag() as flag:  # a signal from here on stops the ranks at their next check (rounds, cells)
-            results = _evaluate(cfg, rt, flag)
-    runtime.barrier(rt)
+    # preflight, runtime, lock, signal flag (run/entry.py): a signal stops the ranks at their next check (rounds, cells)
+    with stage_entry(cfg, "evaluate") as entry:
+        results = _evaluate(entry)
+    runtime.barrier(entry.rt)
     return results
 
 
-def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
+def _evaluate(entry: Entry) -> dict:
     """evaluate's work, under the signal flag: the cells in order (loaded or computed), then the report."""
+    cfg, rt, source = entry.cfg, entry.rt, entry.model
     e = cfg.eval
     benchmarks.check_tasks(e.tasks)
-    path, converted = rundir.eval_source(cfg)
-    tokenizer = load_tokenizer(rundir.base_of(path, converted))
-    models = Models(cfg, path, converted, rt)
+    path, converted = source.path, source.converted
+    tokenizer = load_tokenizer(source.base)
+    models = Models(cfg, source, rt)
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
-    config = base_config(rundir.base_of(path, converted))
+    config = base_config(source.base)
     max_len = getattr(config, "max_position_embeddings", 8192)
     requests = {task: Requests(task, benchmarks.build(task, data_dir, e.limit), tokenizer, max_len) for task in e.tasks}
     held_text = corpus.report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
@@ -207,8 +198,8 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
         "timings_s": {},
     }
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = model_key(cfg, path, converted, window, rt.device)
-    cells = Cells(cfg, rt, flag, total=count_cells(e))
+    common = model_key(cfg, source, window, rt.device)
+    cells = Cells(entry, total=count_cells(e))
     cells.log(_first_line(cfg, config, models))
     for mode in e.modes if e.tasks else ():  # (eval.tasks=[]: the held-out text and the probe only)
         if twin := models.twin(mode, results["modes"]):
@@ -222,7 +213,7 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
             key = {**common, "mode": mode, "task": task, "limit": e.limit, "data_dir": str(data_dir.resolve())}
             key |= {"batch_size": e.batch_size, "requests": requests[task].digest}
             stop = cells.between_rounds(name)
-            per_task[task] = cells.run(
+            per_task[task] = cells.result(
                 name, key, partial(_score_task, models, mode, requests[task], pad_id, cfg, rt, stop)
             )
         per_task["avg"] = sum(per_task[t]["metric"] for t in e.tasks) / len(e.tasks)
@@ -235,14 +226,14 @@ def _evaluate(cfg, rt: runtime.Runtime, flag: SignalFlag) -> dict:
     if e.ppl_sequences:
         _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)
     results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
-    if retrieval.probe_modes(e):
+    if passkey.probe_modes(e):
         t0 = time.perf_counter()
         _passkey(results, cells, common, models, tokenizer, cfg, rt, held_text)
         results["timings_s"]["passkey"] = time.perf_counter() - t0
     _verdict(results)
     cells.finish()
     if rt.main:
-        out_dir = rundir.eval_dir(cfg)
+        out_dir = entry.layout.eval
         (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         (out_dir / "table.md").write_text(report.table(results))
         report.plots(results, out_dir)
@@ -374,7 +365,7 @@ def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, 
             cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its perplexity is {twin}'s")
             continue
         key = {**common, **text, "mode": mode, "ppl_sequences": e.ppl_sequences, "format": 2}
-        cell = cells.run(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets, window), here)
+        cell = cells.result(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets, window), here)
         if here:
             by_mode[mode], blocks[mode] = cell["buckets"], cell["blocks"]
     if here:
@@ -382,7 +373,7 @@ def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, 
         results["beyond_window"] = balance.beyond_window(blocks, window, e.ppl_margin, e.bootstrap, cfg.seed)
     if e.la_share_seq_len:
         key = {**common, **text, "la_share_seq_len": e.la_share_seq_len}
-        share = cells.run("la_share", key, partial(_la_share, models, seqs, cfg, rt), here)
+        share = cells.result("la_share", key, partial(_la_share, models, seqs, cfg, rt), here)
         if here:
             results["la_share"] = share
 
@@ -404,25 +395,25 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
     lead = _probe_lead(cfg, models)
     try:
         filler = tokenizer.encode(text)
-        items = retrieval.probes(tokenizer, filler, e.passkey_distances, e.passkey_trials, cfg.seed, lead)
+        items = passkey.probes(tokenizer, filler, e.passkey_distances, e.passkey_trials, cfg.seed, lead)
     except ValueError as err:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
     key = {**common, "text": digest(text), "distances": list(e.passkey_distances), "trials": e.passkey_trials}
     key |= {"seed": cfg.seed, "lead": lead, "prompts": digest([p.ids for p in items])}
-    by_mode, modes = {}, retrieval.probe_modes(e)
+    by_mode, modes = {}, passkey.probe_modes(e)
     for mode in modes:
         if twin := models.twin(mode, modes[: modes.index(mode)]):
             by_mode[mode] = by_mode[twin]
             cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its passkey retrieval is {twin}'s")
             continue
-        run = partial(_passkey_mode, models, mode, items, rt, e.progress)
-        by_mode[mode] = cells.run(f"passkey.{mode}", {**key, "mode": mode}, run, here)
+        score = partial(_passkey_mode, models, mode, items, rt, e.progress)
+        by_mode[mode] = cells.result(f"passkey.{mode}", {**key, "mode": mode}, score, here)
     if here:
         results["passkey"] = {
             "distances": list(e.passkey_distances),
             "trials": e.passkey_trials,
-            "digits": retrieval.DIGITS,
-            "chance": {"exact": 10.0**-retrieval.DIGITS, "loglik": retrieval.CHANCE_LOGLIK},
+            "digits": passkey.DIGITS,
+            "chance": {"exact": 10.0**-passkey.DIGITS, "loglik": passkey.CHANCE_LOGLIK},
             "by_mode": by_mode,
             "sanity": retrieval.sanity(by_mode, results["window"]),
         }
@@ -430,12 +421,12 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
 
 def _probe_lead(cfg, models) -> int:
     """Filler tokens before the passkey's needle: at least the model's sink count (no sink may hold the key)."""
-    return max(retrieval.LEAD, models.sinks()[0])
+    return max(passkey.LEAD, models.sinks()[0])
 
 
 def _passkey_mode(models: Models, mode: str, items: list, rt, progress: bool) -> dict:
     with tqdm(total=len(items), desc=f"{mode:>10} passkey", disable=not (progress and rt.main), unit="prompt") as bar:
-        return retrieval.run(models.get(mode), items, rt.device, PASSKEY_TOKENS, bar)
+        return retrieval.score_probes(models.get(mode), items, rt.device, PASSKEY_TOKENS, bar)
 
 
 def _la_share(models: Models, seqs: torch.Tensor, cfg, rt) -> dict:

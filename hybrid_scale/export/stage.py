@@ -46,17 +46,13 @@ from ..models.converted import (
     ADAPTER_DIR,
     PARAMS_NAME,
     base_config,
-    base_dir,
     load_converted,
     load_tokenizer,
     lora_deltas,
     merge,
-    read_hybrid_config,
     write_converted,
 )
-from ..preflight.plan import preflight
-from ..run import lock
-from ..run.sources import describe_origin, eval_dir, export_dir, export_source
+from ..run.entry import Entry, StageLog, stage_entry
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 
@@ -268,10 +264,10 @@ def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dic
 # --- the stage -----------------------------------------------------------------------------------------------------
 
 
-def balance_report(cfg, source: Path, tmp: Path, log) -> str | None:
-    """The run's evaluation table, copied into the export only when it describes the exported checkpoint (its
-    results.json names the same model); a table of another checkpoint is left out, and the log says so."""
-    results = eval_dir(cfg)
+def balance_report(results: Path, source: Path, tmp: Path, log) -> str | None:
+    """The run's evaluation table (in `results`, eval's out_dir), copied into the export only when it describes the
+    exported checkpoint (its results.json names the same model); a table of another checkpoint is left out, and the
+    log says so."""
     if not (results / "table.md").is_file() or not (results / "results.json").is_file():
         return None
     try:
@@ -340,18 +336,17 @@ def export(cfg) -> Path:
     """The export, built in {out}.partial and moved into place after its COMMITTED marker: merged shards, config and
     attention code, tokenizer, phi/gamma (gamma fixed or calibrated on request), the model card."""
     t0 = time.perf_counter()
-    preflight(cfg, "export")  # the input model (adapter, base), the destination, architecture, free disk
-    with lock.for_stage(cfg, "export"):  # one writer per run dir (run/lock.py), when it writes or reads in it
-        return _export(cfg, t0)
+    # preflight (the input model, its adapter and base, the destination, architecture, free disk) and the run dir's
+    # lock when it writes or reads in it (run/entry.py); on rank 0 alone
+    with stage_entry(cfg, "export", ranks=False) as entry:
+        return _export(entry, t0)
 
 
-def _export(cfg, t0: float) -> Path:
+def _export(entry: Entry, t0: float) -> Path:
     """export's work, under the run dir's lock when it needs one."""
-    x = cfg.export
-    source = export_source(cfg)
-    base = base_dir(source)
-    out = export_dir(cfg)
-    settings = dict(read_hybrid_config(source)["attention"])
+    cfg, model = entry.cfg, entry.model
+    x, source, base, out = cfg.export, model.path, model.base, entry.layout.export
+    settings = dict(model.hybrid_config["attention"])
     if x.mode:
         settings["mode"] = x.mode
         settings.pop("layer_modes", None)
@@ -367,10 +362,7 @@ def _export(cfg, t0: float) -> Path:
     where = streaming.shard_map(base, "export.model")  # every shard present and readable before any write
     config = export_config(base, settings, x.dtype)
     tmp = start_partial(out, "export.out_dir")
-    log_lines: list[str] = []
-
-    def log(msg: str) -> None:
-        log_lines.append(f"{time.strftime('%H:%M:%S')} {msg}")
+    log = StageLog(tmp / "export_log.txt")  # moves into place with the export
 
     try:
         shards = plan_shards(base, where, int(x.max_shard_gb * 1e9), dtype)
@@ -384,10 +376,9 @@ def _export(cfg, t0: float) -> Path:
         report = None
         if x.calibrate_gamma or x.gamma is not None:
             report = gamma_change(tmp, base, source, settings, hybrid, weight_map, config, cfg, log)
-        balance = balance_report(cfg, source, tmp, log)
-        (tmp / "README.md").write_text(model_card(out.name, config, report, balance, describe_origin(source)))
+        balance = balance_report(entry.layout.eval, source, tmp, log)
+        (tmp / "README.md").write_text(model_card(out.name, config, report, balance, model.describe()))
         log(f"export written in {time.perf_counter() - t0:.0f} s")
-        (tmp / "export_log.txt").write_text("\n".join(log_lines) + "\n")
         commit(tmp)
         replace_dir(tmp, out, "export.out_dir", owned=is_export, what="an export written by hybrid_scale")
     except BaseException:

@@ -80,10 +80,10 @@ def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
 
 def rotate(stage2: Path, keep: int) -> None:
     """Keep the newest `keep` committed step checkpoints; drop tagged partial ones older than the newest."""
-    done = committed_steps(stage2)
-    for old in done[:-keep]:
+    steps = committed_steps(stage2)
+    for old in steps[:-keep]:
         remove_dir(old)
-    newest = done[-1].name if done else ""
+    newest = steps[-1].name if steps else ""
     for partial in stage2.glob("step_*.partial"):  # left by a run killed while saving (tagged as the toolkit's)
         if partial.name < newest:
             remove_dir(partial)

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..attention.hybrid import hybrid_layers
@@ -34,50 +33,27 @@ from ..distributed.checkpoint import fault, throttle
 from ..distributed.deepspeed import clear_gradients, import_deepspeed, quiet, train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.replicated import ReplicatedEngine
-from ..distributed.requeue import SignalFlag
 from ..errors import ConfigError, FinetuneError
 from ..models.convert import set_modes, set_window
-from ..models.converted import base_dir, load_converted, load_tokenizer, read_hybrid_config
+from ..models.converted import load_converted, load_tokenizer
 from ..plots import curves_png
-from ..preflight.plan import preflight
-from ..recipes import RECIPES
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
-from ..run import lock
-from ..run import sources as rundir
+from ..run.entry import Entry, StageLog, stage_entry
+from ..run.settings import differing, stage2_settings
+from ..run.sources import ModelSource
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
-
-# settings that change what a resumed run computes: a checkpoint made under others is not resumed
-RESULT_KEYS = (
-    "recipe",
-    "lora_r",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_targets",
-    "train_feature_maps",
-    "train_gamma",
-    "train_decay",
-    "lr",
-    "weight_decay",
-    "warmup_steps",
-    "max_steps",
-    "global_batch",
-    "seq_len",
-    "ssd_schedule",
-    "ssd_windows",
-    "ssd_granularity",
-)
 
 
 @dataclass
-class Run:
+class Stage2:
     """Everything the training loop reads and advances."""
 
     cfg: object
     rt: runtime.Runtime
+    log: StageLog  # stage2/log.txt, rank 0
     stage2: Path
-    source: Path
-    meta: dict
+    source: ModelSource  # the converted model it fine-tunes, its hybrid_config.json read once
     mode: str
     early: bool
     settings: dict
@@ -96,11 +72,6 @@ class Run:
     curves: dict = field(default_factory=lambda: dict(train=[], eval_steps=[], hybrid=[], la_only=[], window=[]))
     stopping: EarlyStopping = field(default_factory=EarlyStopping)
 
-    def log(self, msg: str) -> None:
-        if self.rt.main:
-            with open(self.stage2 / "log.txt", "a") as fh:
-                fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
-
     def state_dict(self) -> dict:
         return {
             "settings": self.settings,
@@ -114,143 +85,123 @@ class Run:
 
 def finetune(cfg) -> Path:
     """Run (or resume) stage 2; returns {run_dir}/stage2/output (a converted model with an adapter)."""
-    f = cfg.finetune
-    if early_stopping(cfg) and not f.eval_every:
-        raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
-    preflight(cfg, "finetune")  # inputs, architecture, tensor-parallel shape, memory, disk: before any work
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
-    with lock.for_stage(cfg, "finetune", rt):  # one writer per run dir (run/lock.py): taken before any write
-        return _train(cfg)
+    with stage_entry(cfg, "finetune") as entry:  # preflight, runtime, lock, signal flag (run/entry.py)
+        return _train(entry)
 
 
-def _train(cfg) -> Path:
+def _train(entry: Entry) -> Path:
     """finetune's work, under the run dir's lock: start or resume, the steps, the checkpoints, the output."""
-    f = cfg.finetune
-    run = start(cfg)
+    f = entry.cfg.finetune
+    s = start(entry)
     bar = tqdm(
         total=f.max_steps,
-        initial=run.step,
+        initial=s.step,
         desc="stage 2",
-        disable=not (f.progress and run.rt.main),
+        disable=not (f.progress and s.rt.main),
         dynamic_ncols=True,
     )
-    run.engine.module.train()
-    with SignalFlag() as signal, bar:
-        while run.step < f.max_steps and run.stopping.reason is None:
-            stop = train_step(run, signal.raised)
+    s.engine.module.train()
+    with bar:
+        while s.step < f.max_steps and s.stopping.reason is None:
+            stop = train_step(s, entry.signal.raised)
             bar.update()
-            dropped = {"la_only_layers": run.dropped} if run.ssd else {}
-            bar.set_postfix(loss=f"{run.curves['train'][-1]:.4f}", **dropped)
-            fault(f"step:{run.step}", run.rt.rank)
+            dropped = {"la_only_layers": s.dropped} if s.ssd else {}
+            bar.set_postfix(loss=f"{s.curves['train'][-1]:.4f}", **dropped)
+            fault(f"step:{s.step}", s.rt.rank)
             throttle()
-            if f.eval_every and run.step % f.eval_every == 0:
-                evaluate_heldout(run)
-            if stop or run.step % f.save_every == 0 or run.step == f.max_steps or run.stopping.reason:
+            if f.eval_every and s.step % f.eval_every == 0:
+                evaluate_heldout(s)
+            if stop or s.step % f.save_every == 0 or s.step == f.max_steps or s.stopping.reason:
                 t0 = time.perf_counter()
-                checkpoint = save(run)
+                checkpoint = save(s)
                 if stop:
-                    run.log(
-                        f"signal: saved {checkpoint.name} in {time.perf_counter() - t0:.1f} s, exiting for a requeue"
-                    )
-                    raise requeue.request(cfg.run_dir, run.step, checkpoint, run.rt)
-    return finish(run)
+                    s.log(f"signal: saved {checkpoint.name} in {time.perf_counter() - t0:.1f} s, exiting for a requeue")
+                    raise requeue.request(entry.layout.run_dir, s.step, checkpoint, s.rt)
+    return finish(s)
 
 
-def save(run: Run) -> Path:
+def save(s: Stage2) -> Path:
     """A committed step checkpoint, then the rotation (the newest finetune.keep stay)."""
-    checkpoint = save_step(run.stage2 / f"step_{run.step:08d}", run.engine, run.named, run.state_dict(), run.rt)
-    if run.rt.main:
-        rotate(run.stage2, run.cfg.finetune.keep)
-    fault(f"saved:{run.step}")
+    checkpoint = save_step(s.stage2 / f"step_{s.step:08d}", s.engine, s.named, s.state_dict(), s.rt)
+    if s.rt.main:
+        rotate(s.stage2, s.cfg.finetune.keep)
+    fault(f"saved:{s.step}")
     return checkpoint
 
 
-def start(cfg) -> Run:
+def start(entry: Entry) -> Stage2:
     """The process group, the data, the model with LoRA under ZeRO-3, and the newest committed checkpoint."""
-    f = cfg.finetune
-    recipe = RECIPES[f.recipe or cfg.distill.recipe]
-    early = early_stopping(cfg)
-    rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
+    cfg, rt, source = entry.cfg, entry.rt, entry.model
+    f, recipe, T = cfg.finetune, entry.derived.recipe, entry.derived.stage2_seq_len
     runtime.join_group(rt)
     import_deepspeed().init_distributed(dist_backend=runtime.backend(rt.device))  # joined above: no new group
-    stage2, source = rundir.stage2_dir(cfg), rundir.finetune_source(cfg)
-    T = f.seq_len or cfg.data.seq_len
-    train_ids, held_ids = finetune_data(cfg, load_tokenizer(base_dir(source)), T)
+    stage2 = entry.layout.stage2
+    train_ids, held_ids = finetune_data(cfg, load_tokenizer(source.base), T)
     try:
         ds_config = train_config(f, getattr(torch, cfg.model.dtype), rt.dp)
     except ValueError as e:
         raise ConfigError(f"config key 'finetune.global_batch': {e}") from None
-    settings = OmegaConf.to_container(f, resolve=True)
-    settings = {k: settings[k] for k in RESULT_KEYS} | {"recipe": recipe.name, "seq_len": T, "seed": cfg.seed}
-    settings["model"] = str(source.resolve())
-    run = Run(
+    settings = stage2_settings(cfg, entry.derived, source.path)
+    s = Stage2(
         cfg,
         rt,
+        entry.log,
         stage2,
         source,
-        read_hybrid_config(source),
         recipe.stage2_mode,
-        early,
+        entry.derived.early_stopping,
         settings,
         train_ids,
         held_ids,
         ds_config["gradient_accumulation_steps"],
     )
     stage2.mkdir(parents=True, exist_ok=True)
-    if rt.main:
-        requeue.clear_request(cfg.run_dir)
-    done = committed_steps(stage2)
-    resume = done[-1] if done else None
+    committed = committed_steps(stage2)
+    resume = committed[-1] if committed else None
     state = json.loads((resume / "state.json").read_text()) if resume else None
-    if state and state["settings"] != settings:
-        changed = sorted(k for k in settings if state["settings"].get(k) != settings[k])
+    if state and (changed := differing(state["settings"], settings)):
         raise ConfigError(
             f"{stage2} holds a stage 2 run made with other settings ({', '.join(changed)}); use another run_dir, "
             "restore those keys, or delete the stage2 directory"
         )
-    build_model(run, ds_config)
+    build_model(s, ds_config)
     if rt.tp > 1:
-        run.log(tensor_parallel.split_report(run.peft_model, rt))
+        s.log(tensor_parallel.split_report(s.peft_model, rt))
     if recipe.ssd:
-        run.ssd = SSD(list(f.ssd_schedule), f.ssd_granularity, sorted(run.layers), cfg.seed, f.ssd_windows)
+        s.ssd = SSD(list(f.ssd_schedule), f.ssd_granularity, sorted(s.layers), cfg.seed, f.ssd_windows)
     if resume:
-        state = load_step(resume, run.engine, run.named, rt, cfg.seed)
-        run.step, run.curves, run.stopping = state["step"], state["curves"], EarlyStopping(**state["stopping"])
-        if run.ssd:
-            run.ssd.load_state_dict(state["ssd"])
-        run.log(f"resumed from {resume.name} (step {run.step}, saved by {state['world']} ranks, now {rt.world})")
+        state = load_step(resume, s.engine, s.named, rt, cfg.seed)
+        s.step, s.curves, s.stopping = state["step"], state["curves"], EarlyStopping(**state["stopping"])
+        if s.ssd:
+            s.ssd.load_state_dict(state["ssd"])
+        s.log(f"resumed from {resume.name} (step {s.step}, saved by {state['world']} ranks, now {rt.world})")
     else:
-        run.log(
-            f"start: recipe {recipe.name} (trains in {run.mode}), {len(run.named)} trainable tensors, {rt.world} ranks "
+        s.log(
+            f"start: recipe {recipe.name} (trains in {s.mode}), {len(s.named)} trainable tensors, {rt.world} ranks "
             f"(data {rt.dp} x tensor {rt.tp})"
         )
-    return run
+    return s
 
 
-def early_stopping(cfg) -> bool:
-    """finetune.early_stopping, else the recipe's default (hedgecats)."""
-    f = cfg.finetune
-    return RECIPES[f.recipe or cfg.distill.recipe].early_stopping if f.early_stopping is None else f.early_stopping
-
-
-def build_model(run: Run, ds_config: dict) -> None:
+def build_model(s: Stage2, ds_config: dict) -> None:
     """The converted model loaded partitioned, phi/gamma trainable as asked, then (parallelize) activation
     checkpointing, LoRA, then ZeRO-3 -- or, at launch.tensor_parallel > 1, the heads split over the tensor-parallel
     ranks and the trainable state (fp32) replicated over the data-parallel ones."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    if run.rt.tp == 1:
-        run.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
-    _build(run, ds_config)
+    if s.rt.tp == 1:
+        s.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
+    _build(s, ds_config)
 
 
-def _build(run: Run, ds_config: dict) -> None:
-    cfg = run.cfg
+def _build(s: Stage2, ds_config: dict) -> None:
+    cfg = s.cfg
     # at tp > 1 each rank reads only its part of each weight (the LoRA factors PEFT adds are split by parallelize)
-    model = load_converted(run.source, getattr(torch, cfg.model.dtype), run.rt.device, cfg.attention.backend, run.rt)
-    run.engine, run.peft_model, run.layers = prepare(model, cfg, run.rt, ds_config)
-    run.model = model
-    run.named = [(n, p) for n, p in run.peft_model.named_parameters() if p.requires_grad]
+    dtype, source = getattr(torch, cfg.model.dtype), s.source
+    model = load_converted(source.path, dtype, s.rt.device, cfg.attention.backend, s.rt, source.hybrid_config)
+    s.engine, s.peft_model, s.layers = prepare(model, cfg, s.rt, ds_config)
+    s.model = model
+    s.named = [(n, p) for n, p in s.peft_model.named_parameters() if p.requires_grad]
 
 
 def prepare(model, cfg, rt, ds_config: dict):
@@ -301,90 +252,90 @@ def prepare(model, cfg, rt, ds_config: dict):
     return engine, peft_model, layers
 
 
-def train_step(run: Run, signalled: bool) -> bool:
+def train_step(s: Stage2, signalled: bool) -> bool:
     """One optimizer step over this rank's share of the global batch, in the modes SSD (or the recipe) sets; the
     loss and the signal flag are agreed over the ranks. Returns whether a signal asks the ranks to save and stop."""
-    f, rt = run.cfg.finetune, run.rt
-    modes = dict.fromkeys(run.layers, run.mode)
-    if run.ssd:
-        window = run.ssd.window(run.step, f.max_steps)
+    f, rt = s.cfg.finetune, s.rt
+    modes = dict.fromkeys(s.layers, s.mode)
+    if s.ssd:
+        window = s.ssd.window(s.step, f.max_steps)
         if window:
-            set_window(run.model, window)
-        modes.update({i: "la_only" for i, drop in run.ssd.drops(run.step, f.max_steps).items() if drop})
-    set_modes(run.model, modes)
-    run.dropped = sum(m == "la_only" for m in modes.values())
-    batch = global_batch(run.step, len(run.train_ids), f.global_batch, run.cfg.seed)
+            set_window(s.model, window)
+        modes.update({i: "la_only" for i, drop in s.ssd.drops(s.step, f.max_steps).items() if drop})
+    set_modes(s.model, modes)
+    s.dropped = sum(m == "la_only" for m in modes.values())
+    batch = global_batch(s.step, len(s.train_ids), f.global_batch, s.cfg.seed)
     mine = rank_share(batch, rt.dp_rank, rt.dp)  # the ranks of a tensor-parallel group share their micro-batches
     flag = torch.zeros(2, dtype=torch.float64, device=rt.device)  # [loss, signal], summed over the ranks
-    clear_gradients(run.engine)
-    for a in range(run.accumulation):
-        ids = run.train_ids[mine[a * f.micro_batch : (a + 1) * f.micro_batch]].to(rt.device)
-        loss = run.engine(input_ids=ids, labels=ids).loss
-        run.engine.backward(loss)
-        run.engine.step()
-        flag[0] += loss.detach().double() / run.accumulation
+    clear_gradients(s.engine)
+    for a in range(s.accumulation):
+        ids = s.train_ids[mine[a * f.micro_batch : (a + 1) * f.micro_batch]].to(rt.device)
+        loss = s.engine(input_ids=ids, labels=ids).loss
+        s.engine.backward(loss)
+        s.engine.step()
+        flag[0] += loss.detach().double() / s.accumulation
     flag[1] = float(signalled)
     loss, signals = runtime.all_reduce(rt, flag).tolist()  # each data-parallel share counted tp times: / world
     if not math.isfinite(loss):  # all-reduced: every rank sees it and stops at this step
-        _non_finite(run, loss / rt.world)
-    run.step += 1
-    run.curves["train"].append(loss / rt.world)
-    run.curves["window"].append(next(iter(run.layers.values())).window)
+        _non_finite(s, loss / rt.world)
+    s.step += 1
+    s.curves["train"].append(loss / rt.world)
+    s.curves["window"].append(next(iter(s.layers.values())).window)
     return signals > 0
 
 
-def _non_finite(run: Run, loss: float) -> None:
-    f = run.cfg.finetune
-    kept = committed_steps(run.stage2)
+def _non_finite(s: Stage2, loss: float) -> None:
+    f = s.cfg.finetune
+    kept = committed_steps(s.stage2)
     newest = f"stage2/{kept[-1].name}" if kept else "none yet"
-    check = f"check the weights of {run.source} (and of its base model) for nan/inf"
-    if run.step == 0:  # before any update: the model, not the learning rate
+    check = f"check the weights of {s.source.path} (and of its base model) for nan/inf"
+    if s.step == 0:  # before any update: the model, not the learning rate
         fix = f"it is not finite before any update: {check}"
     else:
         fix = f"lower finetune.lr (now {f.lr}) in another run_dir (a changed lr does not resume), or {check}"
-    if run.cfg.model.dtype == "float16":
+    if s.cfg.model.dtype == "float16":
         fix += ", or set model.dtype=bfloat16 (float16 overflows)"
     msg = (
-        f"stage 2: the training loss is {loss} at step {run.step + 1} of {f.max_steps}; nothing of that step is "
+        f"stage 2: the training loss is {loss} at step {s.step + 1} of {f.max_steps}; nothing of that step is "
         f"saved, the newest committed checkpoint is {newest} (kept); {fix}"
     )
-    run.log(msg)
+    s.log(msg)
     raise FinetuneError(msg)
 
 
-def evaluate_heldout(run: Run) -> None:
+def evaluate_heldout(s: Stage2) -> None:
     """Held-out losses in hybrid and la_only; with early stopping, best/ on a better hybrid loss and the verdict."""
-    f, step = run.cfg.finetune, run.step
-    if isinstance(run.engine, ReplicatedEngine):  # its copies on every rank must not have drifted apart
-        run.engine.check_replicas()
-    h = heldout_loss(run.engine, run.model, run.held_ids, "hybrid", f.micro_batch, run.rt)
-    la = heldout_loss(run.engine, run.model, run.held_ids, "la_only", f.micro_batch, run.rt)
-    run.curves["eval_steps"].append(step)
-    run.curves["hybrid"].append(h)
-    run.curves["la_only"].append(la)
-    run.log(f"step {step}: held-out loss hybrid {h:.4f}, la_only {la:.4f}")
-    improved = run.stopping.update(step, h, la)
-    if improved and run.early:  # best/ is early stopping's choice; without it the output is final/
-        write_model(run.stage2 / "best", run.peft_model, run.model, run.meta, run.mode, run.rt, step)
-    if run.early and run.stopping.reason is None:
-        run.stopping.reason = run.stopping.verdict(f.patience, f.la_margin)
-        if run.stopping.reason:
-            run.log(f"early stop at step {step}: {run.stopping.reason}")
+    f, step = s.cfg.finetune, s.step
+    if isinstance(s.engine, ReplicatedEngine):  # its copies on every rank must not have drifted apart
+        s.engine.check_replicas()
+    h = heldout_loss(s.engine, s.model, s.held_ids, "hybrid", f.micro_batch, s.rt)
+    la = heldout_loss(s.engine, s.model, s.held_ids, "la_only", f.micro_batch, s.rt)
+    s.curves["eval_steps"].append(step)
+    s.curves["hybrid"].append(h)
+    s.curves["la_only"].append(la)
+    s.log(f"step {step}: held-out loss hybrid {h:.4f}, la_only {la:.4f}")
+    improved = s.stopping.update(step, h, la)
+    if improved and s.early:  # best/ is early stopping's choice; without it the output is final/
+        write_model(s.stage2 / "best", s.peft_model, s.model, s.source.hybrid_config, s.mode, s.rt, step)
+    if s.early and s.stopping.reason is None:
+        s.stopping.reason = s.stopping.verdict(f.patience, f.la_margin)
+        if s.stopping.reason:
+            s.log(f"early stop at step {step}: {s.stopping.reason}")
 
 
-def finish(run: Run) -> Path:
+def finish(s: Stage2) -> Path:
     """final/, curves, and the `output` link to the run's model (best/ when early stopping chose it)."""
-    stage2, rt = run.stage2, run.rt
-    if run.ssd and rt.main:
-        run.log("ssd realised drop rate per phase: " + json.dumps(run.ssd.realised()))
-    write_model(stage2 / "final", run.peft_model, run.model, run.meta, run.mode, rt, run.step)
-    chosen = "best" if run.early and (stage2 / "best").is_dir() else "final"
+    stage2, rt = s.stage2, s.rt
+    if s.ssd and rt.main:
+        s.log("ssd realised drop rate per phase: " + json.dumps(s.ssd.realised()))
+    write_model(stage2 / "final", s.peft_model, s.model, s.source.hybrid_config, s.mode, rt, s.step)
+    chosen = "best" if s.early and (stage2 / "best").is_dir() else "final"
     if rt.main:
-        realised = run.ssd.realised() if run.ssd else None
+        realised = s.ssd.realised() if s.ssd else None
         (stage2 / "curves.json").write_text(
-            json.dumps({**run.curves, "stopping": asdict(run.stopping), "ssd": realised, "output": chosen})
+            json.dumps({**s.curves, "stopping": asdict(s.stopping), "ssd": realised, "output": chosen})
         )
-        curves_png(run.curves, stage2 / "curves.png")
+        curves_png(s.curves, stage2 / "curves.png")
         link = stage2 / "output"
         if link.exists() and not link.is_symlink():
             kind = "directory" if link.is_dir() else "file"
@@ -392,7 +343,7 @@ def finish(run: Run) -> Path:
         if link.is_symlink():
             link.unlink()
         link.symlink_to(chosen)
-        run.log(f"done at step {run.step}; output -> {chosen}")
+        s.log(f"done at step {s.step}; output -> {chosen}")
     runtime.barrier(rt)
     return stage2 / "output"
 

@@ -24,12 +24,12 @@ from ..distributed.deepspeed import import_deepspeed, is_partitioned
 from ..distributed.runtime import Runtime
 from ..errors import ConvertedModelError
 from ..run.layout import CONFIG_NAME
+from ..run.sources import FORMAT_VERSION, ModelSource, read_hybrid_config
 from . import streaming
 from .convert import check_architecture, convert_model, set_modes
 
 PARAMS_NAME = "hybrid_params.safetensors"
 ADAPTER_DIR = "adapter"  # stage 2 adds a PEFT LoRA adapter here
-FORMAT_VERSION = 1
 
 
 def load_base_model(path: str | os.PathLike, dtype: torch.dtype, rt: Runtime | None = None) -> nn.Module:
@@ -165,25 +165,11 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(path, config=base_config(path), local_files_only=True)
 
 
-def read_hybrid_config(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    cfg_file = path / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise ConvertedModelError(f"{path} is not a converted model: {CONFIG_NAME} is missing (see save_converted)")
-    meta = json.loads(cfg_file.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ConvertedModelError(
-            f"{cfg_file} has format_version {meta.get('format_version')}; this hybrid_scale reads {FORMAT_VERSION}"
-        )
-    return meta
-
-
-def base_dir(path: str | os.PathLike) -> Path:
+def base_dir(path: str | os.PathLike, meta: dict | None = None) -> Path:
     """The directory holding a converted model's base weights: itself (an export, a stage-2 copy) or the one named
-    in its hybrid_config.json."""
+    in its hybrid_config.json (`meta`, when the caller has read it already)."""
     path = Path(path)
-    ref = read_hybrid_config(path)["base_model"]
-    return path if ref == "." else Path(ref)
+    return ModelSource(path, "", meta or read_hybrid_config(path)).base
 
 
 def lora_deltas(adapter: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
@@ -275,16 +261,18 @@ def load_converted(
     device: str | torch.device = "cpu",
     backend: str | None = None,
     rt: Runtime | None = None,
+    meta: dict | None = None,
 ):
-    """Load base model + hybrid parameters (+ a stage-2 LoRA adapter, merged). The dtype is always passed explicitly
+    """Load base model + hybrid parameters (+ a stage-2 LoRA adapter, merged); `meta` is its hybrid_config.json when
+    the caller has read it (a stage's ModelSource), so that it is read once. The dtype is always passed explicitly
     to transformers. backend: the attention backend to run on (auto | torch | triton); None = as recorded.
     At rt.tp > 1 the model is split over rt's tensor-parallel group on rt.device (`device` is then ignored): each
     rank reads only its part of every base weight, phi/gamma of its own heads, and merges the LoRA delta of its part."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
     path = Path(path)
-    meta = read_hybrid_config(path)
-    base = base_dir(path)
+    meta = meta or read_hybrid_config(path)
+    base = base_dir(path, meta)
     if not (base / "config.json").is_file():
         raise ConvertedModelError(
             f"base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit 'base_model'"

@@ -44,7 +44,7 @@ from ..errors import ConfigError
 from ..finetune.stage import prepare
 from ..models import streaming
 from ..models.convert import convert_model
-from ..recipes import objective_weights
+from ..run.settings import derive
 from . import plan as plan_module
 
 TOLERANCE = 0.10  # the dry run and plan agree within this, or the dry run says which figure does not
@@ -108,14 +108,14 @@ def _stage1(cfg, config, rt: Runtime, dtype: torch.dtype) -> dict:
         p.requires_grad_(False)
     m = HybridAttention.from_softmax(layer.self_attn, config, 0, attention_settings(cfg.attention), torch.float32)
     tensor_parallel.narrow(m, rt)
-    weights = objective_weights(cfg)
-    params = distill_step.trainable(m, cfg, weights)
+    derived = derive(cfg)
+    params = distill_step.trainable(m, cfg, derived)
     for p in params:
         p.requires_grad_(True)
         p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW(params, lr=d.lr)
     buf_dtype = getattr(torch, d.buffer_dtype)
-    s = SimpleNamespace(cfg=cfg, rt=rt, config=config, dtype=dtype, buf_dtype=buf_dtype, weights=weights)
+    s = SimpleNamespace(cfg=cfg, rt=rt, config=config, dtype=dtype, buf_dtype=buf_dtype, weights=derived.objectives)
     s.rope = streaming.rotary(config, T, dtype, rt.device)
     batch = list(range(min(d.batch_size, cfg.data.num_sequences)))
     rows = [g for g in batch if rt.dp == 1 or g % rt.dp == rt.dp_rank]  # the sequences this rank's group holds
@@ -142,7 +142,7 @@ def _stage2(cfg, model, rt: Runtime, dtype: torch.dtype) -> dict:
     ds_config = train_config(f, dtype, rt.dp)
     engine, peft_model, _ = prepare(model, cfg, rt, ds_config if rt.tp > 1 else None)
     named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
-    ids = torch.zeros(f.micro_batch, f.seq_len or cfg.data.seq_len, dtype=torch.long, device="meta")
+    ids = torch.zeros(f.micro_batch, derive(cfg).stage2_seq_len, dtype=torch.long, device="meta")
     calls = {}
     with recorded() as calls["forward"]:
         loss = (engine or peft_model)(input_ids=ids, labels=ids).loss

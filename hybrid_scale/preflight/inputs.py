@@ -11,14 +11,13 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from ..data import assets, corpus
+from ..data import assets, corpus, passkey
 from ..distributed.checkpoint import check_destination, is_export
 from ..errors import ConfigError, InputError
-from ..evaluate import retrieval
-from ..evaluate.retrieval import LEAD, probes
 from ..models import streaming
-from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME, base_dir
-from ..run import sources as rundir
+from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME
+from ..run.resolved import Resolved
+from ..run.sources import ModelSource, check_stage_model, stage_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -76,15 +75,15 @@ def check_layers(cfg, config: dict) -> None:
         )
 
 
-def check_converted(path: Path, key: str) -> None:
+def check_converted(model: ModelSource) -> None:
     """A converted model (stage 1/2 output or an export): its files readable, its base present, its adapter whole."""
-    if not (path / CONFIG_NAME).is_file():
+    path, key = model.path, model.key
+    if not model.converted:
         raise InputError(
             f"config key '{key}': {path} is not a converted model (no {CONFIG_NAME}); point it at a stage-1/stage-2 "
             "output or an export (or leave it unset for the run's own model)"
         )
-    streaming.read_json(path / CONFIG_NAME, f"restore {path / CONFIG_NAME}")
-    base = base_dir(path)
+    base = model.base
     if not (base / "config.json").is_file():
         raise InputError(
             f"config key '{key}': the base model {base} named in {path / CONFIG_NAME} is missing; restore it or edit "
@@ -160,7 +159,8 @@ def check_training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
             corpus.pack(tokenizer, train, T, f.global_batch, cfg.seed)  # at least one optimizer step's worth
 
 
-def check_eval_inputs(cfg) -> None:
+def check_eval_inputs(cfg, r: Resolved, tokenizer_dir: Path) -> None:
+    """The evaluation's text, task data, passkey prompts (with the tokenizer in `tokenizer_dir`) and out_dir."""
     e = cfg.eval
     if e.ppl_text and not Path(e.ppl_text).is_file():
         raise ConfigError(
@@ -178,27 +178,26 @@ def check_eval_inputs(cfg) -> None:
             )
     elif not assets.paths().datasets.is_dir():
         assets.require()  # one clear error saying how to make them
-    if retrieval.probe_modes(e):
-        check_passkey_prompts(cfg)
-    out = rundir.eval_dir(cfg)
+    if passkey.probe_modes(e):
+        check_passkey_prompts(cfg, tokenizer_dir)
+    out = r.layout.eval
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'eval.out_dir': {out} is a file; set eval.out_dir to a directory")
-    if out.is_dir() and any(out.iterdir()) and not ((out / "results.json").is_file() or (out / "cells").is_dir()):
+    if out.is_dir() and any(out.iterdir()) and not ((out / "results.json").is_file() or r.layout.cells.is_dir()):
         raise ConfigError(
             f"config key 'eval.out_dir': {out} is a non-empty directory without an evaluation of ours "
             "(results.json or cells/); nothing was touched: choose a new or empty directory"
         )
 
 
-def check_passkey_prompts(cfg) -> None:
-    """The passkey probe's prompts can be built: every distance fits the tokenizer's question and the held-out text
-    holds enough filler (checked before a pipeline's first stage, not after its training)."""
+def check_passkey_prompts(cfg, tokenizer_dir: Path) -> None:
+    """The passkey probe's prompts can be built with the evaluated model's tokenizer (in `tokenizer_dir`): every
+    distance fits the tokenizer's question and the held-out text holds enough filler (checked before a pipeline's
+    first stage, not after its training)."""
     from transformers import AutoTokenizer
 
     e = cfg.eval
-    source = Path(e.model) if e.model else Path(cfg.model.path) if cfg.model.path else assets.require().model
     try:
-        tokenizer_dir = base_dir(source) if (source / CONFIG_NAME).is_file() else source
         if not (tokenizer_dir / "tokenizer_config.json").is_file():
             return  # a missing or broken model: the model checks name it (this check needs its tokenizer)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
@@ -206,16 +205,17 @@ def check_passkey_prompts(cfg) -> None:
         return
     try:
         filler = tokenizer.encode(corpus.report_text(cfg)[0])  # the text the probe cuts its filler from
-        probes(tokenizer, filler, list(e.passkey_distances), 1, cfg.seed, max(LEAD, cfg.attention.sinks))
+        passkey.probes(
+            tokenizer, filler, list(e.passkey_distances), 1, cfg.seed, max(passkey.LEAD, cfg.attention.sinks)
+        )
     except ValueError as err:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
 
 
-def check_export_output(cfg, *protected: Path) -> Path:
-    """export.out_dir, refused before any work when writing there could lose data: the input model, its base, the
-    run directory or a directory holding one of them, a file, or an existing directory that is not an export of
+def check_export_output(cfg, out: Path, *protected: Path) -> Path:
+    """export.out_dir (`out`), refused before any work when writing there could lose data: the input model, its base,
+    the run directory or a directory holding one of them, a file, or an existing directory that is not an export of
     ours (a previous export is replaced)."""
-    out = rundir.export_dir(cfg)
     key = "export.out_dir"
     resolved = out.resolve()
     for path in (Path(cfg.run_dir), *protected):
@@ -229,45 +229,54 @@ def check_export_output(cfg, *protected: Path) -> Path:
     return out
 
 
-def check(cfg, stage: str) -> None:
-    """The inputs `stage` reads from the user, all checked before it writes anything."""
+def check(cfg, stage: str, r: Resolved) -> None:
+    """The inputs `stage` reads from the user, all checked before it writes anything; r.model is the model it reads
+    (run/sources.stage_model)."""
     check_run_dir(cfg)
+    model = r.model
     if stage == "distill":
-        path = Path(cfg.model.path) if cfg.model.path else assets.require().model
-        config = check_base_model(path, "model.path")
+        config = check_base_model(model.path, "model.path")
         check_layers(cfg, config)
-        check_training_text(cfg, path, stage)
+        check_training_text(cfg, model.path, stage)
     elif stage == "finetune":
-        source = Path(cfg.finetune.model) if cfg.finetune.model else rundir.stage1_output(cfg)
+        check_early_stopping(cfg, r)
         tokenizer_dir = None
-        if cfg.finetune.model or (source / CONFIG_NAME).is_file():
-            check_converted(source, "finetune.model")
-            if (source / ADAPTER_DIR).exists():
+        if cfg.finetune.model or model.converted:
+            check_converted(model)
+            if (model.path / ADAPTER_DIR).exists():
                 raise ConfigError(
-                    f"config key 'finetune.model': {source} already carries a LoRA adapter; export it (merged) first "
-                    "and fine-tune the export"
+                    f"config key 'finetune.model': {model.path} already carries a LoRA adapter; export it (merged) "
+                    "first and fine-tune the export"
                 )
-            tokenizer_dir = base_dir(source)
+            tokenizer_dir = model.base
         check_training_text(cfg, tokenizer_dir, stage)
     elif stage == "evaluate":
-        if cfg.eval.model and (Path(cfg.eval.model) / CONFIG_NAME).is_file():
-            check_converted(Path(cfg.eval.model), "eval.model")
-        check_eval_inputs(cfg)
+        if cfg.eval.model and model.converted:
+            check_converted(model)
+        check_eval_inputs(cfg, r, model.base)
     elif stage == "export":  # export.model, else the run's model: readable, base present, adapter fits
-        source = rundir.export_source(cfg)
-        check_converted(source, "export.model")
-        check_export_output(cfg, source, base_dir(source))
+        check_stage_model(cfg, stage, model)  # first: nothing else can be checked without it
+        check_converted(model)
+        check_export_output(cfg, r.layout.export, model.path, model.base)
+    if stage in ("finetune", "evaluate"):
+        check_stage_model(cfg, stage, model)
 
 
-def check_ahead(cfg, stages: list[str]) -> None:
+def check_early_stopping(cfg, r: Resolved) -> None:
+    if r.derived.early_stopping and not cfg.finetune.eval_every:
+        raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
+
+
+def check_ahead(cfg, stages: list[str], r: Resolved) -> None:
     """Before a pipeline: the inputs of every stage still to run that exist already (the later stages' models do
     not yet), so that a doomed stage stops the run before anything is written."""
     check_run_dir(cfg)
     if "distill" in stages:
-        check(cfg, "distill")
+        check(cfg, "distill", Resolved(r.layout, r.derived, stage_model(cfg, "distill", r.layout)))
     if "finetune" in stages:
+        check_early_stopping(cfg, r)
         check_training_text(cfg, None, "finetune")
     if "evaluate" in stages:
-        check_eval_inputs(cfg)
+        check_eval_inputs(cfg, r, stage_model(cfg, "evaluate", r.layout).base)
     if "export" in stages:
-        check_export_output(cfg, *([Path(cfg.export.model)] if cfg.export.model else []))
+        check_export_output(cfg, r.layout.export, *([Path(cfg.export.model)] if cfg.export.model else []))

@@ -4,10 +4,6 @@ rough times; and the checks that would doom it (paths, tokenizer, architecture, 
 disk). Estimates are deliberately simple formulas, stated in the table; they are for catching impossible shapes,
 not for tuning. The per-stage figures (`Plan.figures`) are what `plan --dry-run` (dry_run.py) checks against the real
 model.
-
-It stays one file: every row is a formula over the same Shape and parameter counts, and a reader checks them side by
-side (the stages' memory feeds the device fit, the checkpoint size the disk and requeue rows); the run-time side of
-the checks lives in inputs.py, the measured side in dry_run.py.
 """
 
 from __future__ import annotations
@@ -21,16 +17,13 @@ from omegaconf import OmegaConf
 
 from ..attention.architectures import BY_MODEL_TYPE, base_model_type
 from ..config import STAGES
-from ..data import assets
-from ..distill import objectives
+from ..data import assets, passkey
+from ..data.batches import units_per_step
 from ..distributed import tensor_parallel
 from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
-from ..evaluate import retrieval
 from ..models import streaming
-from ..models.converted import base_dir
-from ..recipes import objective_weights, train_gamma
-from ..run import sources as rundir
+from ..run.resolved import Resolved
 from . import inputs
 
 SUPPORTED_TYPES = tuple(BY_MODEL_TYPE)
@@ -74,18 +67,6 @@ class Plan:
 def decay_params(cfg, c: dict) -> int:
     """One layer's LA decay parameters: rho per KV head (attention.la_decay)."""
     return c["K"] if cfg.attention.la_decay else 0
-
-
-def stage_input(cfg, stage: str | None) -> Path | None:
-    """The model directory finetune / evaluate / export will read (their own resolution; a missing input is one clear
-    error); None for stage 1 and for `plan` itself, which plan from model.path / model.arch."""
-    if stage == "finetune":
-        return base_dir(rundir.finetune_source(cfg))
-    if stage == "evaluate":
-        return rundir.base_of(*rundir.eval_source(cfg))
-    if stage == "export":
-        return base_dir(rundir.export_source(cfg))
-    return None
 
 
 def architecture(cfg, base: Path | None = None) -> tuple[dict, str]:
@@ -159,10 +140,12 @@ class Shape:
     tp: int = 1  # launch.tensor_parallel
 
 
-def plan(cfg, stage: str | None = None) -> Plan:
-    """The table and the blocking problems; `stage` (evaluate / export) plans from that stage's actual input."""
+def plan(cfg, stage: str | None = None, resolved: Resolved | None = None) -> Plan:
+    """The table and the blocking problems; `stage` (finetune / evaluate / export) plans from the base of the model
+    that stage reads (resolved.model, checked by then); stage 1 and `plan` itself plan from model.path / model.arch."""
     p = Plan()
-    base = stage_input(cfg, stage)
+    r = resolved or Resolved.of(cfg, stage)
+    base = r.model.base if stage in ("finetune", "evaluate", "export") else None
     a, source = architecture(cfg, base)
     lc = cfg.launch
     if not a:
@@ -189,8 +172,8 @@ def plan(cfg, stage: str | None = None) -> Plan:
             f"{lc.nodes} node(s) x {lc.procs_per_node} = {sh.ranks} (tensor parallel {lc.tensor_parallel})",
         ),
     ]
-    s1_mem, s1_disk, flops1, tokens1 = _stage1(p, cfg, sh)
-    s2_mem, ckpt, flops2, tokens2 = _stage2(p, cfg, sh)
+    s1_mem, s1_disk, flops1, tokens1 = _stage1(p, cfg, sh, r)
+    s2_mem, ckpt, flops2, tokens2 = _stage2(p, cfg, sh, r)
     if lc.gpu_tflops:
         rate = sh.ranks * lc.gpu_tflops * 1e12 * MFU
         p.rows += [
@@ -207,8 +190,8 @@ def plan(cfg, stage: str | None = None) -> Plan:
     _load(p, cfg, sh, base)
     eval_mem = _evaluation(p, cfg, sh)
     _device_fit(p, cfg, s1_mem, s2_mem, eval_mem)
-    _disk(p, cfg, sh, s1_disk, ckpt)
-    _export(p, cfg, sh, base)
+    _disk(p, cfg, sh, s1_disk, ckpt, r)
+    _export(p, cfg, sh, base, r)
     return p
 
 
@@ -234,7 +217,7 @@ def _check_shape_and_path(p: Plan, cfg, sh: Shape) -> None:
             p.block(f"model.path {path} has no safetensors weights (stage 1 streams safetensors shards)", "distill")
 
 
-def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
+def _stage1(p: Plan, cfg, sh: Shape, r: Resolved) -> tuple[float, float, float, float]:
     """Stage 1: one layer (its heads and MLP columns split over tensor_parallel ranks) + a batch; the embedding only
     while building layer 0's inputs. The query blocks of a step are split over the data-parallel groups, and the
     ranks of a group hold the same sequences. (memory, buffer disk, flops, tokens)"""
@@ -244,7 +227,7 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     n_local = -(-N // dp)
     B = d.batch_size
     blocks = -(-T // d.query_block)
-    units = objectives.units_per_step(B, T, d.query_block)
+    units = units_per_step(B, T, d.query_block)
     per_rank = -(-units // dp)
     touched = min(B, -(-per_rank // blocks) + 1)  # sequences a rank projects (its units are contiguous)
     batch = B * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]  # the step's whole batch, on every rank
@@ -253,9 +236,9 @@ def _stage1(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
     block = per_rank * c["H"] / tp * min(d.query_block, T) * T * 4 * 6  # score blocks kept for the backward, fp32
     s1_mem = c["layer"] * sh.wbytes / tp + c["V"] * c["D"] * sh.wbytes + batch + acts + block
     s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[d.buffer_dtype]
-    weights = objective_weights(cfg)
+    weights = r.derived.objectives
     maps = (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2) if cfg.attention.feature_map == "hedgehog" else 0
-    trained = (maps if d.train_feature_maps else 0) + (c["H"] if train_gamma(cfg, weights) else 0)
+    trained = (maps if d.train_feature_maps else 0) + (c["H"] if r.derived.train_gamma else 0)
     if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's decay (distill.step.trainable)
         trained += decay_params(cfg, c)
     p.figures["stage 1"] = {  # per rank, one layer
@@ -325,12 +308,12 @@ def _requeue(p: Plan, cfg, per_stage: dict[str, tuple[float, float]]) -> None:
             )
 
 
-def _stage2(p: Plan, cfg, sh: Shape) -> tuple[float, float, float, float]:
+def _stage2(p: Plan, cfg, sh: Shape, r: Resolved) -> tuple[float, float, float, float]:
     """Stage 2: ZeRO-3 partitions weights, gradients and optimizer state of the trainable part over the ranks; at
     tensor_parallel > 1 the weights are split over the tensor-parallel ranks and the trainable state (fp32 weights,
     gradients, AdamW moments) is replicated. (memory, checkpoint size, flops, tokens)"""
     a, c, f, ranks, wbytes, tp = sh.a, sh.c, cfg.finetune, sh.ranks, sh.wbytes, sh.tp
-    T2 = f.seq_len or cfg.data.seq_len
+    T2 = r.derived.stage2_seq_len
     D, qo, kv, inter = c["D"], c["H"] * c["hd"], c["K"] * c["hd"], a["intermediate_size"]
     shapes = {  # (in, out, split): a column-wise linear splits its out (LoRA's B), a row-wise one its in (LoRA's A)
         "q_proj": (D, qo, "out"),
@@ -428,14 +411,14 @@ def _load(p: Plan, cfg, sh: Shape, base: Path | None) -> None:
         )
 
 
-def passkey_estimate(cfg, params: int, lead: int = retrieval.LEAD) -> str:
+def passkey_estimate(cfg, params: int, lead: int = passkey.LEAD) -> str:
     """The passkey probe's modes, prompts, tokens and rough time (a forward of 2 x params FLOPs per token, at
     launch.gpu_tflops x MFU per rank on a GPU, else an assumed CPU_FLOPS); "" when it does not run."""
     e = cfg.eval
-    modes = retrieval.probe_modes(e)
+    modes = passkey.probe_modes(e)
     if not modes:
         return ""
-    tokens = retrieval.probe_tokens(list(e.passkey_distances), e.passkey_trials, lead) * len(modes)
+    tokens = passkey.probe_tokens(list(e.passkey_distances), e.passkey_trials, lead) * len(modes)
     gpu = cfg.model.device != "cpu" and cfg.launch.gpu_tflops
     rate = cfg.launch.gpu_tflops * 1e12 * MFU if gpu else CPU_FLOPS
     minutes = 2 * params * tokens / rate / 60
@@ -462,7 +445,7 @@ def _evaluation(p: Plan, cfg, sh: Shape) -> float:
     how = f"{copies} model(s)" + (f" / {ranks} ranks" if e.shard_weights else "")
     how += f" / {sh.tp} (tensor parallel)" if sh.tp > 1 else ""
     p.rows.append(("evaluate", "per-rank memory", f"~{_gb(eval_mem)} ({how}, a {e.ppl_seq_len}-token forward)"))
-    if probe := passkey_estimate(cfg, c["total"], max(retrieval.LEAD, cfg.attention.sinks)):
+    if probe := passkey_estimate(cfg, c["total"], max(passkey.LEAD, cfg.attention.sinks)):
         p.rows.append(("evaluate", "passkey probe", probe))
     return eval_mem
 
@@ -496,9 +479,9 @@ def _device_fit(p: Plan, cfg, s1_mem: float, s2_mem: float, eval_mem: float) -> 
             )
 
 
-def _disk(p: Plan, cfg, sh: Shape, s1_disk: float, ckpt: float) -> None:
+def _disk(p: Plan, cfg, sh: Shape, s1_disk: float, ckpt: float, r: Resolved) -> None:
     lc = cfg.launch
-    buffer_dir = rundir.buffer_dir(cfg)
+    buffer_dir = r.layout.buffers
     probe, free = _free_at(buffer_dir)
     have = sum(x.stat().st_size for x in buffer_dir.glob("*.bin")) if buffer_dir.is_dir() else 0  # reused in place
     groups = (sh.ranks if lc.nodes == 1 else lc.procs_per_node) // sh.tp  # a tensor-parallel group shares one copy
@@ -520,10 +503,10 @@ def _disk(p: Plan, cfg, sh: Shape, s1_disk: float, ckpt: float) -> None:
             )
 
 
-def _export(p: Plan, cfg, sh: Shape, base: Path | None) -> None:
+def _export(p: Plan, cfg, sh: Shape, base: Path | None, r: Resolved) -> None:
     """The merged model, shard by shard, in export.dtype (else the input checkpoint's dtype)."""
     c, x = sh.c, cfg.export
-    out = rundir.export_dir(cfg)
+    out = r.layout.export
     stored, per = _stored_bytes(base) if base is not None else (0, 0)
     if stored:
         size = stored * DTYPE_BYTES[x.dtype] / per if x.dtype else stored
@@ -557,19 +540,21 @@ def _refuse(label: str, problems: list[str]) -> None:
         )
 
 
-def preflight(cfg, stage: str) -> Plan:
-    """What every stage runs first, before it writes anything: its inputs checked (inputs.check), then the plan's
-    problems that block `stage` become one clear error."""
-    inputs.check(cfg, stage)
-    result = plan(cfg, stage)
+def preflight(cfg, stage: str, resolved: Resolved | None = None) -> Plan:
+    """What every stage runs first (run/entry.py), before it writes anything: its inputs checked (inputs.check), then
+    the plan's problems that block `stage` become one clear error."""
+    r = resolved or Resolved.of(cfg, stage)
+    inputs.check(cfg, stage, r)
+    result = plan(cfg, stage, r)
     _refuse(stage, result.blocking(stage))
     return result
 
 
-def preflight_ahead(cfg, stages: list[str]) -> Plan:
+def preflight_ahead(cfg, stages: list[str], resolved: Resolved | None = None) -> Plan:
     """Before a pipeline: the problems of every stage still to run, planned from model.path / model.arch (the later
     stages' inputs do not exist yet), so that a doomed evaluation or export stops the run before stage 1."""
-    inputs.check_ahead(cfg, stages)
-    result = plan(cfg)
+    r = resolved or Resolved.of(cfg)
+    inputs.check_ahead(cfg, stages, r)
+    result = plan(cfg, None, r)
     _refuse(", ".join(stages), [m for m in result.problems if set(stages) & set(result.scope[m])])
     return result

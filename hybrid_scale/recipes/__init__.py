@@ -30,19 +30,3 @@ RECIPES = {
         Recipe("la_only", "weights_xent", "la_only", early_stopping=False, ssd=False),
     )
 }
-
-
-def objective_weights(cfg) -> dict[str, float]:
-    """Stage 1's objectives and their weights: distill.objectives when set, else the recipe's one objective."""
-    d = cfg.distill
-    if d.objectives:
-        return {k: float(v) for k, v in d.objectives.items() if v}
-    return {RECIPES[d.recipe].objective: 1.0}
-
-
-def train_gamma(cfg, weights) -> bool:
-    """distill.train_gamma as resolved: unset = only when a hybrid objective is used (gamma has no effect on an
-    LA-only objective)."""
-    if cfg.distill.train_gamma is None:
-        return bool(weights.get("hybrid_output_mse"))
-    return bool(cfg.distill.train_gamma)

@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import RunDirBusyError
-from .layout import RunLayout
+from .layout import LOCK_NAME, RunLayout
 
 if TYPE_CHECKING:
     from ..distributed.runtime import Runtime
 
-LOCK_NAME = ".lock"
 ALIVE_STATES = ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING")
 _HELD: dict[Path, int] = {}  # run dirs this process holds -> nesting depth (the pipeline holds across its stages)
 
@@ -207,10 +206,9 @@ def _inside(path: Path, run_dir: Path) -> bool:
     return path.resolve().is_relative_to(run_dir.resolve())
 
 
-def needed(cfg, stage: str) -> bool:
+def needed(cfg, stage: str, layout: RunLayout) -> bool:
     """Whether `stage` writes into (or reads the model of) the run dir: stage 1, stage 2 and the pipeline always;
     the evaluation and the export when they read the run's model or write inside the run dir."""
-    layout = RunLayout.of(cfg)
     if stage == "evaluate":
         return cfg.eval.model is None or _inside(layout.eval, layout.run_dir)
     if stage == "export":
@@ -219,10 +217,10 @@ def needed(cfg, stage: str) -> bool:
 
 
 @contextmanager
-def for_stage(cfg, stage: str, rt: Runtime | None = None):
+def for_stage(cfg, stage: str, rt: Runtime | None, layout: RunLayout):
     """The run dir's lock around a stage that needs it (`needed`); the block runs unlocked otherwise."""
-    if not needed(cfg, stage):
+    if not needed(cfg, stage, layout):
         yield
         return
-    with holding(cfg.run_dir, stage, rt):
+    with holding(layout.run_dir, stage, rt):
         yield

@@ -23,10 +23,10 @@ class NotARunDir(ValueError):
     """The path given to `status` is not a directory."""
 
 
-def _layout(run: Path) -> RunLayout:
-    """The run's layout from its recorded config (the pipeline writes it), else the defaults under run."""
-    recorded = run / RUN_CONFIG
-    overrides = [f"run_dir={run}"]
+def _layout(run_dir: Path) -> RunLayout:
+    """The run's layout from its recorded config (the pipeline writes it), else the defaults under run_dir."""
+    recorded = run_dir / RUN_CONFIG
+    overrides = [f"run_dir={run_dir}"]
     if recorded.is_file():
         try:
             cfg = OmegaConf.load(recorded)
@@ -52,11 +52,11 @@ def _stage1(layout: RunLayout) -> str:
     if not stage1.is_dir():
         return "stage 1: not started"
     layers = sorted(int(p.stem[6:]) for p in stage1.glob("layer_*.done") if p.stem[6:].isdigit())
-    done = [i for i in layers if (stage1 / f"layer_{i:03d}.safetensors").is_file()]
+    committed = [i for i in layers if (stage1 / f"layer_{i:03d}.safetensors").is_file()]
     if (layout.stage1_output / CONFIG_NAME).is_file():
-        return f"stage 1: done ({len(done)} layers committed, converted model in stage1/converted)"
-    last = ", ".join(map(str, done[-3:])) or "none"
-    return f"stage 1: {len(done)} layer(s) committed (the last: {last})"
+        return f"stage 1: done ({len(committed)} layers committed, converted model in stage1/converted)"
+    last = ", ".join(map(str, committed[-3:])) or "none"
+    return f"stage 1: {len(committed)} layer(s) committed (the last: {last})"
 
 
 def _stage2(layout: RunLayout) -> str:
@@ -88,8 +88,8 @@ def _export(layout: RunLayout) -> str:
     return f"export: being written ({out})" if (out / PARTIAL_TAG).is_file() else f"export: done ({out})"
 
 
-def _lock(run: Path) -> str:
-    holder = lock.read(run)
+def _lock(run_dir: Path) -> str:
+    holder = lock.read(run_dir)
     if holder is None:
         return "lock: free"
     if holder == {}:
@@ -100,20 +100,20 @@ def _lock(run: Path) -> str:
 
 def status(run_dir) -> str:
     """The report; NotARunDir when run_dir is missing or a file."""
-    run = Path(run_dir)
-    if not run.exists():
-        raise NotARunDir(f"{run}: no such run directory")
-    if not run.is_dir():
-        raise NotARunDir(f"{run}: a file, not a run directory")
-    layout = _layout(run)
-    lines = [f"run directory {run.resolve()}", _lock(run), _stage1(layout), _stage2(layout), _evaluate(layout)]
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise NotARunDir(f"{run_dir}: no such run directory")
+    if not run_dir.is_dir():
+        raise NotARunDir(f"{run_dir}: a file, not a run directory")
+    layout = _layout(run_dir)
+    lines = [f"run directory {run_dir.resolve()}", _lock(run_dir), _stage1(layout), _stage2(layout), _evaluate(layout)]
     lines.append(_export(layout))
-    if (run / REQUEUE_MARKER).is_file():
-        lines.append(f"requeue requested: {(run / REQUEUE_MARKER).read_text().strip()}")
+    if (run_dir / REQUEUE_MARKER).is_file():
+        lines.append(f"requeue requested: {(run_dir / REQUEUE_MARKER).read_text().strip()}")
     logs = [p for p in layout.logs if p.is_file()]
     if logs:
         newest = max(logs, key=lambda p: p.stat().st_mtime)
         tail = newest.read_text().splitlines()[-5:]
-        name = newest.relative_to(run) if newest.is_relative_to(run) else newest
+        name = newest.relative_to(run_dir) if newest.is_relative_to(run_dir) else newest
         lines += [f"last lines of {name}:", *(f"  {line}" for line in tail)]
     return "\n".join(lines)

@@ -28,9 +28,9 @@ padding); other masks are packed first. Half inputs run q.k, p.v and the feature
 their dtype with fp32 accumulation, and the state dots in tf32 on fp32; fp32 inputs run IEEE fp32 under the
 interpreter and on a GPU (`_precision`). Tiles per dtype: `GPU_TILES`, checked by
 benchmarks/kernel_compile.py for sm_80 and sm_90.
-It stays one file: the backward kernels recompute exactly what `_fwd` computes, through the same jit helpers
-(_dot, _span, _packed, _query_tile, _gammas, _cols, _state, _la_scores), and the autograd Function that launches
-them sits beside them, so the forward and the backward are read and changed together.
+The backward kernels recompute exactly what `_fwd` computes, through the same jit helpers (_dot, _span,
+_packed, _query_tile, _gammas, _cols, _state, _la_scores); the autograd Function that launches the forward and
+the backward kernels, and saves what the backward reads, follows them.
 """
 
 from __future__ import annotations

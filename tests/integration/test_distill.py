@@ -336,7 +336,7 @@ def test_bf16_on_two_ranks_runs_and_stays_near_fp32(sharp_model, tmp_path):
 
 def test_four_ranks_equal_one_rank_with_fewer_sequences_than_ranks(sharded_model, tmp_path):
     """distill.batch_size=2 on 4 ranks: each step's 2 sequences are cut into query blocks and every rank computes
-    some (objectives.split_units); the result equals the 1-rank run's (fp32, the rounding bound above)."""
+    some (batches.split_units); the result equals the 1-rank run's (fp32, the rounding bound above)."""
     extra = ("distill.batch_size=2", "distill.query_block=16", "distill.epochs=1", "data.num_sequences=8")
     one = tmp_path / "one"
     stage1.distill(load_config(overrides=overrides(sharded_model, one, *extra)))

@@ -367,10 +367,11 @@ from hybrid_scale.config import load_config
 from hybrid_scale.distributed import runtime
 from hybrid_scale.models.converted import load_converted
 from hybrid_scale.evaluate.stage import Models
+from hybrid_scale.run.sources import probe
 
 path = Path(sys.argv[1])
 rt = runtime.init("cpu")
-models = Models(load_config(overrides=[f"eval.model={path}", "eval.shard_weights=true"]), path, True, rt)
+models = Models(load_config(overrides=[f"eval.model={path}", "eval.shard_weights=true"]), probe(path, "eval.model"), rt)
 held = {}  # per parameter: [elements this rank holds, elements of the whole tensor or None when not partitioned]
 for name, model in (("base", models._load_base()), ("converted", load_converted(path))):
     held[name] = {
@@ -473,21 +474,22 @@ def test_passkey_on_smollm2_base_retrieves_and_window_modes_are_at_chance_beyond
     from transformers import AutoTokenizer
 
     import hybrid_scale as hs
+    from hybrid_scale.data import passkey
     from hybrid_scale.data.corpus import report_text
     from hybrid_scale.evaluate import retrieval
     from hybrid_scale.models.convert import set_modes
 
     tok = AutoTokenizer.from_pretrained(smollm2.model)
     filler = tok.encode(report_text(load_config(overrides=[]))[0])
-    items = retrieval.probes(tok, filler, [8, 64], trials=4, seed=0)
+    items = passkey.probes(tok, filler, [8, 64], trials=4, seed=0)
     base = AutoModelForCausalLM.from_pretrained(smollm2.model, dtype=torch.float32).eval()
     with one_thread():
-        by_mode = {"base": retrieval.run(base, items, "cpu")}
+        by_mode = {"base": retrieval.score_probes(base, items, "cpu")}
         hybrid = hs.convert_model(base, {"window": 16})
         for mode in ("swa_only", "swa_sinks"):
             set_modes(hybrid, mode)
-            by_mode[mode] = retrieval.run(hybrid, items, "cpu")
-        again = retrieval.run(hybrid, retrieval.probes(tok, filler, [8, 64], trials=4, seed=0), "cpu")
+            by_mode[mode] = retrieval.score_probes(hybrid, items, "cpu")
+        again = retrieval.score_probes(hybrid, passkey.probes(tok, filler, [8, 64], trials=4, seed=0), "cpu")
     assert by_mode["base"]["64"]["exact"] >= 0.75 and by_mode["base"]["8"]["exact"] == 1.0
     assert by_mode["swa_only"]["64"]["exact"] == 0 and by_mode["swa_sinks"]["64"]["exact"] == 0
     # the whole key inside the window: swa_sinks finds it (swa_only, without the first token SmolLM2 attends to, is

@@ -1,7 +1,7 @@
 """Stage 2 under DeepSpeed ZeRO-3 on a tiny converted model: 2 ranks (gloo), SIGKILL / SIGUSR1 and resume (also on
 1 rank), the saved adapter, unused gamma in la_only, HedgeCATs early stopping, tensor parallelism.
-It stays one file: its module fixtures (the converted model, the reference run, the tp 1 run) are built once per
-pytest worker under --dist loadfile; a second file would build them again on the other worker (about a minute)."""
+Its module fixtures (the converted model, the reference run, the tp 1 run) are built once per pytest worker under
+--dist loadfile."""
 
 import json
 import math

@@ -81,3 +81,44 @@ def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, t
     card = (tmp_path / "qs" / "export" / "README.md").read_text()  # the model card carries the figure and the probe
     assert "![retrieval and perplexity past the window](balance/long_context.png)" in card and "Passkey" in card
     assert (tmp_path / "qs" / "export" / "balance" / "long_context.png").is_file()
+
+
+COUNT_READS = """
+import builtins, io, json, sys
+from pathlib import Path
+
+from hybrid_scale.config import load_config
+from hybrid_scale.pipeline import pipeline
+
+reads, current, real_open = {}, ["pipeline"], io.open
+
+
+def counting(file, mode="r", *args, **kwargs):  # every open for reading of a hybrid_config.json, by stage
+    if isinstance(file, (str, Path)) and Path(file).name == "hybrid_config.json" and not set(mode) & set("wax+"):
+        reads.setdefault(current[0], []).append(str(Path(file).resolve()))
+    return real_open(file, mode, *args, **kwargs)
+
+
+def log(msg):
+    if msg.endswith(": running"):
+        current[0] = msg.split()[1].rstrip(":")
+
+
+io.open = builtins.open = counting  # pathlib's read_text opens through io.open
+pipeline(load_config(overrides=sys.argv[2:]), log=log)
+Path(sys.argv[1]).write_text(json.dumps(reads))
+"""
+
+
+def test_each_stage_reads_its_models_hybrid_config_once(tiny, tmp_path):
+    """The one disk probe (run/sources.stage_model) is made when a stage starts: the model a stage reads has its
+    hybrid_config.json read once, by the stage's entry; the checks, the plan and the body take what it read."""
+    script = tmp_path / "count_reads.py"
+    script.write_text(COUNT_READS)
+    proc = procs.run([str(tmp_path / "reads.json"), *overrides(tiny, tmp_path / "run")], timeout=900, script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reads = json.loads((tmp_path / "reads.json").read_text())
+    stage1, stage2 = (
+        str((tmp_path / "run" / d / "hybrid_config.json").resolve()) for d in ("stage1/converted", "stage2/output")
+    )
+    assert reads == {"finetune": [stage1], "evaluate": [stage2], "export": [stage2]}

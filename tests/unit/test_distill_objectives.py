@@ -37,7 +37,8 @@ def test_stage_1_units_split_over_any_number_of_ranks_sum_to_the_dense_objective
     they equal the whole-sequence soft cross-entropy (summed over the batch), for any block size and world."""
     from types import SimpleNamespace
 
-    from hybrid_scale.distill.objectives import split_units, unit_loss
+    from hybrid_scale.data.batches import split_units
+    from hybrid_scale.distill.objectives import unit_loss
 
     x = attention_inputs(B=2, H=4, Hkv=2, T=20, D=8, F=6, dtype=torch.float64)
     scale = 8**-0.5

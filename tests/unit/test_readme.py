@@ -21,9 +21,8 @@ Besides commands: ```yaml blocks load through `load_config` (written under the n
 the commands of every document then use), ```python blocks compile and name only attributes hybrid_scale has, config
 keys in prose exist in the schema, repository paths, presets and relative links in prose exist, and the list of
 subcommands is the CLI's. The README itself: the two set-up commands first, and at most ~150 lines.
-It stays one file (~600 lines): the extraction, the per-program checkers and the tests over them form one checker
-that serves README and every docs/ page alike, and the checkers call each other (srun wraps a launcher, a launcher
-wraps the CLI).
+The extraction, the per-program checkers and the tests over them serve README and every docs/ page alike, and the
+checkers call each other (srun wraps a launcher, a launcher wraps the CLI).
 """
 
 from __future__ import annotations

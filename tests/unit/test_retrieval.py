@@ -4,6 +4,7 @@ import torch
 from conftest import tiny_model
 from transformers import AutoTokenizer
 
+from hybrid_scale.data import passkey
 from hybrid_scale.evaluate import retrieval
 
 
@@ -14,15 +15,15 @@ def _tokenizer(smollm2):
 def test_prompts_are_seeded_and_put_the_key_at_the_distance(smollm2):
     tok = _tokenizer(smollm2)
     filler = tok.encode("Plain filler words about nothing in particular. " * 120)
-    items = retrieval.probes(tok, filler, [8, 40], trials=3, seed=7, lead=20)
+    items = passkey.probes(tok, filler, [8, 40], trials=3, seed=7, lead=20)
     assert [p.distance for p in items] == [8] * 3 + [40] * 3
-    assert [p.key for p in items] == [p.key for p in retrieval.probes(tok, filler, [8, 40], 3, 7, 20)]
-    assert len({p.key for p in items}) == 6 and all(len(p.key) == retrieval.DIGITS for p in items)
-    question = tok.encode(retrieval.QUESTION, add_special_tokens=False)
+    assert [p.key for p in items] == [p.key for p in passkey.probes(tok, filler, [8, 40], 3, 7, 20)]
+    assert len({p.key for p in items}) == 6 and all(len(p.key) == passkey.DIGITS for p in items)
+    question = tok.encode(passkey.QUESTION, add_special_tokens=False)
     for p in items:
         text = tok.decode(p.ids)
-        assert text.endswith(f"{retrieval.QUESTION} {p.key}") and text.count(p.key) == 3
-        head = tok.encode(retrieval.NEEDLE.format(key=p.key), add_special_tokens=False)
+        assert text.endswith(f"{passkey.QUESTION} {p.key}") and text.count(p.key) == 3
+        head = tok.encode(passkey.NEEDLE.format(key=p.key), add_special_tokens=False)
         assert tok.decode(head[-5:]) == p.key  # the key's digits end the needle's head
         assert p.ids[20 : 20 + len(head) + 1] == head + tok.encode(".")  # after the lead filler
         first_answer = len(p.ids) - p.answer
@@ -33,12 +34,12 @@ def test_prompts_are_seeded_and_put_the_key_at_the_distance(smollm2):
 def test_too_short_a_distance_or_filler_is_a_clear_error(smollm2):
     tok = _tokenizer(smollm2)
     try:
-        retrieval.probes(tok, list(range(100)), [5], 1, 0)
+        passkey.probes(tok, list(range(100)), [5], 1, 0)
         raise AssertionError("no error")
     except ValueError as e:
         assert "passkey distances must be >= 6" in str(e)
     try:
-        retrieval.probes(tok, list(range(100)), [200], 1, 0)
+        passkey.probes(tok, list(range(100)), [200], 1, 0)
         raise AssertionError("no error")
     except ValueError as e:
         assert "needs 226 tokens of filler, the held-out text has 100" in str(e)
@@ -47,7 +48,7 @@ def test_too_short_a_distance_or_filler_is_a_clear_error(smollm2):
 def test_scores_are_the_teacher_forced_answer_and_greedy_generation_agrees():
     model = tiny_model("llama", vocab_size=128)
     g = torch.Generator().manual_seed(0)
-    items = [retrieval.Probe(8, "k", torch.randint(3, 128, (30,), generator=g).tolist(), 4) for _ in range(3)]
+    items = [passkey.Probe(8, "k", torch.randint(3, 128, (30,), generator=g).tolist(), 4) for _ in range(3)]
     with torch.no_grad():
         full = model(torch.tensor([p.ids for p in items])).logits
     logp = torch.log_softmax(full[:, -5:-1], -1)
@@ -60,7 +61,7 @@ def test_scores_are_the_teacher_forced_answer_and_greedy_generation_agrees():
     items[0].ids = items[0].ids[:-4] + greedy
     got = retrieval.score(model, items, "cpu")
     assert got[0][1] is True and not got[1][1]
-    summary = retrieval.run(model, items, "cpu", tokens_per_batch=60)  # 2 prompts per forward
+    summary = retrieval.score_probes(model, items, "cpu", tokens_per_batch=60)  # 2 prompts per forward
     assert summary["8"]["trials"] == 3 and summary["8"]["exact"] == 1 / 3
 
 
@@ -81,11 +82,11 @@ def test_the_probe_scores_the_evaluated_modes_unless_told_otherwise():
     from hybrid_scale.preflight.plan import plan
 
     base = load_config(overrides=["eval.modes=[base]", "eval.tasks=[arc_challenge]"])
-    assert retrieval.probe_modes(base.eval) == ["base"]
+    assert passkey.probe_modes(base.eval) == ["base"]
     assert count_cells(base.eval) == 1 + 1 + 1 + 1  # the task, perplexity, the LA share, the probe in base
     asked = load_config(overrides=["eval.modes=[base]", "eval.passkey_modes=[hybrid,swa_sinks]"])
-    assert retrieval.probe_modes(asked.eval) == ["hybrid", "swa_sinks"]
-    assert retrieval.probe_modes(load_config(overrides=["eval.passkey_trials=0"]).eval) == []
+    assert passkey.probe_modes(asked.eval) == ["hybrid", "swa_sinks"]
+    assert passkey.probe_modes(load_config(overrides=["eval.passkey_trials=0"]).eval) == []
     rows = {q: v for s, q, v in plan(base).rows if s == "evaluate"}
     # 5 distances x 20 prompts; (32 + 128 + 512 + 1024 + 2048) + 5 x (32 lead + 25) tokens each = 80,580
     assert rows["passkey probe"].startswith(

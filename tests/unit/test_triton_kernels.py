@@ -156,7 +156,8 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
     from types import SimpleNamespace
 
     from hybrid_scale.attention.hybrid import attend
-    from hybrid_scale.distill.objectives import split_units, teacher_rows, unit_loss
+    from hybrid_scale.data.batches import split_units
+    from hybrid_scale.distill.objectives import teacher_rows, unit_loss
 
     x = make(53, seed=4)
     T, H, D, w = 53, 3, 16, 8

@@ -1,0 +1,99 @@
+"""What every stage, and the pipeline around them, does on entry, once:
+
+  1. resolve: the run's paths (RunLayout), the derived settings (run/settings.derive) and the model the stage reads
+     (run/sources.stage_model: the one disk probe, which reads that model's hybrid_config.json once);
+  2. preflight: its inputs and its plan checked, before any byte is written (preflight/plan.py);
+  3. the runtime: the process group and the device (distributed/runtime.init), unless the stage runs on rank 0 alone;
+  4. the run dir's lock (run/lock.py), the signal flag (SIGUSR1/SIGTERM only set it) and the requeue marker of a
+     previous stop cleared;
+  5. the rank-0 log, a line per event in the stage's log file.
+
+`stage_entry` yields an Entry that holds all of it; the stage's body reads everything from there.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..distributed import requeue, runtime
+from ..distributed.requeue import SignalFlag
+from ..preflight.plan import Plan, preflight, preflight_ahead
+from . import lock
+from .layout import RunLayout
+from .resolved import Resolved
+from .settings import Derived
+from .sources import ModelSource
+
+
+@dataclass
+class StageLog:
+    """A stage's log: on rank 0, a timestamped line appended to `path` (and on stderr after `echo`: when set)."""
+
+    path: Path | None
+    main: bool = True
+    echo: str | None = None
+
+    def __call__(self, msg: str) -> None:
+        if not self.main:
+            return
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+        if self.echo:
+            print(f"{self.echo}: {msg}", file=sys.stderr)
+
+
+@dataclass
+class Entry:
+    stage: str
+    cfg: object
+    resolved: Resolved
+    plan: Plan
+    rt: runtime.Runtime | None  # None: the stage runs on rank 0 alone (the export)
+    signal: SignalFlag
+    log: StageLog
+
+    @property
+    def layout(self) -> RunLayout:
+        return self.resolved.layout
+
+    @property
+    def derived(self) -> Derived:
+        return self.resolved.derived
+
+    @property
+    def model(self) -> ModelSource | None:
+        return self.resolved.model
+
+    @property
+    def main(self) -> bool:
+        return self.rt is None or self.rt.main
+
+
+LOG_ECHO = {"evaluate": "evaluate"}  # the stages whose log lines also go to stderr
+
+
+@contextmanager
+def stage_entry(cfg, stage: str, ranks: bool = True, ahead: list[str] | tuple[str, ...] = ()) -> Iterator[Entry]:
+    """Enter `stage` (distill, finetune, evaluate, export, or pipeline with the stages still to run in `ahead`).
+    `ranks` False: the stage runs in this process alone (the export, on rank 0), without the process group."""
+    resolved = Resolved.of(cfg, None if stage == "pipeline" else stage)
+    if stage == "pipeline":
+        checked = preflight_ahead(cfg, list(ahead), resolved) if ahead else Plan()
+    else:
+        checked = preflight(cfg, stage, resolved)
+    rt = None
+    if ranks:
+        rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)
+    layout = resolved.layout
+    with lock.for_stage(cfg, stage, rt, layout), SignalFlag() as signal:
+        main = rt is None or rt.main
+        if main:
+            requeue.clear_request(layout.run_dir)
+        log = StageLog(layout.log(stage), main, LOG_ECHO.get(stage))
+        yield Entry(stage, cfg, resolved, checked, rt, signal, log)
