@@ -40,6 +40,7 @@ from ..plots import curves_png
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
 from ..run.entry import Entry, StageLog, stage_entry
+from ..run.layout import RunLayout
 from ..run.settings import differing, stage2_settings
 from ..run.sources import ModelSource
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
@@ -52,7 +53,7 @@ class Stage2:
     cfg: object
     rt: runtime.Runtime
     log: StageLog  # stage2/log.txt, rank 0
-    stage2: Path
+    layout: RunLayout
     source: ModelSource  # the converted model it fine-tunes, its hybrid_config.json read once
     mode: str
     early: bool
@@ -71,6 +72,10 @@ class Stage2:
     hf_ds: object = None  # transformers' HfDeepSpeedConfig: from_pretrained loads under ZeRO-3 init while it lives
     curves: dict = field(default_factory=lambda: dict(train=[], eval_steps=[], hybrid=[], la_only=[], window=[]))
     stopping: EarlyStopping = field(default_factory=EarlyStopping)
+
+    @property
+    def stage2(self) -> Path:
+        return self.layout.stage2
 
     def state_dict(self) -> dict:
         return {
@@ -146,7 +151,7 @@ def start(entry: Entry) -> Stage2:
         cfg,
         rt,
         entry.log,
-        stage2,
+        entry.layout,
         source,
         recipe.stage2_mode,
         entry.derived.early_stopping,
@@ -336,7 +341,7 @@ def finish(s: Stage2) -> Path:
             json.dumps({**s.curves, "stopping": asdict(s.stopping), "ssd": realised, "output": chosen})
         )
         curves_png(s.curves, stage2 / "curves.png")
-        link = stage2 / "output"
+        link = s.layout.stage2_output
         if link.exists() and not link.is_symlink():
             kind = "directory" if link.is_dir() else "file"
             raise FinetuneError(f"{link} is a {kind}, not the link stage 2 writes; move it away and run again")
@@ -345,7 +350,7 @@ def finish(s: Stage2) -> Path:
         link.symlink_to(chosen)
         s.log(f"done at step {s.step}; output -> {chosen}")
     runtime.barrier(rt)
-    return stage2 / "output"
+    return s.layout.stage2_output
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ from ..errors import ConfigError
 from ..finetune.stage import prepare
 from ..models import streaming
 from ..models.convert import convert_model
-from ..run.settings import derive
+from ..run.settings import Derived, derive
 from . import plan as plan_module
 
 TOLERANCE = 0.10  # the dry run and plan agree within this, or the dry run says which figure does not
@@ -79,10 +79,11 @@ def dry_run(cfg) -> dict:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return convert_model(model, cfg.attention)
 
+    derived = derive(cfg)
     try:
         measured = {
-            "stage 1": _stage1(cfg, config, rt, dtype),
-            "stage 2": _stage2(cfg, converted(), rt, dtype),
+            "stage 1": _stage1(cfg, derived, config, rt, dtype),
+            "stage 2": _stage2(cfg, derived, converted(), rt, dtype),
             "evaluate": _evaluate(cfg, converted(), rt),
         }
     finally:
@@ -96,7 +97,7 @@ def dry_run(cfg) -> dict:
     }
 
 
-def _stage1(cfg, config, rt: Runtime, dtype: torch.dtype) -> dict:
+def _stage1(cfg, derived: Derived, config, rt: Runtime, dtype: torch.dtype) -> dict:
     """One decoder layer as stage 1 builds it (split over the tensor-parallel ranks), its hybrid layer narrowed to
     this rank's heads with what stage 1 trains, and one step of distill_step.gradients (the batch gathered from the
     data-parallel groups, this rank's query blocks, the backward, the summed gradients) and AdamW."""
@@ -108,7 +109,6 @@ def _stage1(cfg, config, rt: Runtime, dtype: torch.dtype) -> dict:
         p.requires_grad_(False)
     m = HybridAttention.from_softmax(layer.self_attn, config, 0, attention_settings(cfg.attention), torch.float32)
     tensor_parallel.narrow(m, rt)
-    derived = derive(cfg)
     params = distill_step.trainable(m, cfg, derived)
     for p in params:
         p.requires_grad_(True)
@@ -136,13 +136,13 @@ def _stage1(cfg, config, rt: Runtime, dtype: torch.dtype) -> dict:
     }
 
 
-def _stage2(cfg, model, rt: Runtime, dtype: torch.dtype) -> dict:
+def _stage2(cfg, derived: Derived, model, rt: Runtime, dtype: torch.dtype) -> dict:
     """finetune.prepare on the meta model, one micro-batch through the engine, one optimizer step."""
     f = cfg.finetune
     ds_config = train_config(f, dtype, rt.dp)
     engine, peft_model, _ = prepare(model, cfg, rt, ds_config if rt.tp > 1 else None)
     named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
-    ids = torch.zeros(f.micro_batch, derive(cfg).stage2_seq_len, dtype=torch.long, device="meta")
+    ids = torch.zeros(f.micro_batch, derived.stage2_seq_len, dtype=torch.long, device="meta")
     calls = {}
     with recorded() as calls["forward"]:
         loss = (engine or peft_model)(input_ids=ids, labels=ids).loss

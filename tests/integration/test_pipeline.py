@@ -93,8 +93,9 @@ from hybrid_scale.pipeline import pipeline
 reads, current, real_open = {}, ["pipeline"], io.open
 
 
-def counting(file, mode="r", *args, **kwargs):  # every open for reading of a hybrid_config.json, by stage
-    if isinstance(file, (str, Path)) and Path(file).name == "hybrid_config.json" and not set(mode) & set("wax+"):
+def counting(file, mode="r", *args, **kwargs):  # every text read (a parse) of a hybrid_config.json, by stage
+    # (the commit markers hash the files a stage writes, in binary: not a read of its input's settings)
+    if isinstance(file, (str, Path)) and Path(file).name == "hybrid_config.json" and not set(mode) & set("waxb+"):
         reads.setdefault(current[0], []).append(str(Path(file).resolve()))
     return real_open(file, mode, *args, **kwargs)
 
