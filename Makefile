@@ -66,13 +66,12 @@ kernel-speed: $(STAMP)
 kernel-compile: $(STAMP)
 	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) benchmarks/kernel_compile.py --out docs/results/kernel_compile.md
 
-# Table 1 on SmolLM2: every recipe, as it is and with the hybrid's own sinks (a "+sinks" row each), through stage 1,
-# stage 2 (32 LoRA steps) and the ablation evaluation with the beyond-window verdict and the passkey probe; each row
-# says whether the hybrid beats its own no-LA mode and swa_sinks past the window (95% CIs). An estimated 6 to 7 hours
-# on 2 idle cores at the default budget (twice the 3 to 3.5 hours of the rows without sinks, scaled from the stage
-# times measured at the previous budget; resumable). Options: .venv/bin/python benchmarks/reproduce_table1.py --help
+# Table 1 on SmolLM2, one row at a time (docs/results/reproduce_table1.md): `make reproduce ROW=lolcats+sinks` runs
+# one row end to end (stage 1, stage 2, the evaluation; within an hour of 2 CPU cores; resumable) and writes
+# docs/results/reproduce/ROW.json; `make reproduce` runs the rows that are missing or stale, then writes the table.
+# ARGS go to the script (.venv/bin/python benchmarks/reproduce_table1.py --help).
 reproduce: $(STAMP)
-	$(PY) benchmarks/reproduce_table1.py
+	$(PY) benchmarks/reproduce_table1.py $(if $(ROW),--row $(ROW)) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

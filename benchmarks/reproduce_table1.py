@@ -1,28 +1,27 @@
-"""Reproduce the paper's Table 1 on SmolLM2 (the embedded default): every recipe through stage 1, stage 2 and the
-component-ablation evaluation, at a stated budget, into one combined table. Resumable: each stage resumes or is
-skipped when finished (`make reproduce` runs it with the defaults below).
+"""Reproduce the paper's Table 1 on SmolLM2 (the embedded default), one row at a time.
 
-    .venv/bin/python benchmarks/reproduce_table1.py [--steps 16 --eval-limit 25 ...]
+    make reproduce ROW=lolcats+sinks      # one row end to end: stage 1, stage 2, the evaluation (resumable)
+    make reproduce                        # every row that is missing or stale, then the table
+    .venv/bin/python benchmarks/reproduce_table1.py --table   # the table from the committed rows alone
 
-Stage 1 is shared by the recipes with the same objective (hedgecats, ssd and la_only all use weights_xent).
-Each stage runs as its own `hybrid-scale` process, as a user would run it. The la_only row's `hybrid` column is the
-LA-only-trained model with SWA added at inference and gamma at its initial value (attention.gamma_init); the row
-after it is the paper's inference-time hybridisation proper: the la_only run exported with `export.mode=hybrid
-export.calibrate_gamma=true` (gamma fitted per layer and head so the hybrid matches softmax attention) and the
-export evaluated (`--no-calibrated-row` skips it).
+A row is `base` (the softmax model evaluated), a recipe (lolcats, hedgecats, ssd, la_only) with a variant: plain,
+`+sinks` (the hybrid's own attention sinks, SINKS_OVERRIDES), `+decay` (the length-robust LA: attention.la_decay),
+or `la_only+calibrated` (the la_only row's model exported with export.mode=hybrid export.calibrate_gamma=true, the
+paper's inference-time hybridisation, and evaluated). Each stage runs as its own `hybrid-scale` process, as a user
+would run it; the rows of one objective and variant share their stage 1 (hedgecats, ssd and la_only all train
+weights_xent), and each row counts its stage 1's time as its own.
 
-Every recipe also runs with the hybrid's own sinks (`--variants plain sinks`, the default: a "+sinks" row per recipe,
-its own stage 1, `attention.hybrid_sinks=true` plus `--sinks-overrides`, by default the exploration's winner in
-docs/results/quickstart.md). For each row the table says whether the hybrid beats its own no-LA mode (swa_only: for a
-hybrid with sinks that is its window plus the same sinks) and swa_sinks beyond the window: "yes" when the 95% CI of
-the NLL gain lies above 0, "no" when below, "~" when it includes 0.
-
-Writes {run_root}/table1.json and {run_root}/table1.md (copy the latter to docs/results/ with the command).
+A row writes docs/results/reproduce/<row>.json: its budget and settings, every figure the table shows (the
+evaluation's results.json without its per-item and per-trial lists), the stage times, the commit it ran on and a
+hash of the code it measured (CODE: the attention and the recipes). A row is stale when that hash or the budget
+differs from the current ones; the table marks it and `make reproduce` runs it again. A row killed at any point
+resumes when rerun: every stage resumes or is skipped when finished (the run directories are under --run-root).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -31,176 +30,227 @@ from pathlib import Path
 
 from hybrid_scale.recipes import RECIPES as RECIPE_TABLE
 
+REPO = Path(__file__).resolve().parents[1]
+
 RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
+VARIANTS = {"": "plain", "+sinks": "the hybrid's own sinks", "+decay": "the length-robust LA (attention.la_decay)"}
+CALIBRATED = "la_only+calibrated"
+ROWS = ("base", *(r + v for v in VARIANTS for r in RECIPES), CALIBRATED)
 MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "none")
-ACCURACY_MODES = ("hybrid", "swa_only", "la_only", "none")  # the table's accuracy columns
-CALIBRATED = "la_only + SWA, gamma calibrated (export)"
-SINKS = "+sinks"  # a recipe's row with the hybrid's own sinks
+ACCURACY_MODES = ("hybrid", "swa_only", "la_only", "none")
 SINKS_OVERRIDES = ["attention.hybrid_sinks=true", "attention.gamma_param=exp", "attention.gamma_init=30.0"]
+OVERRIDES = {"": [], "+sinks": SINKS_OVERRIDES, "+decay": ["attention.la_decay=true"]}
+CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py")
+ROWS_DIR = REPO / "docs" / "results" / "reproduce"
+TABLE = REPO / "docs" / "results" / "reproduce_table1.md"
+
+# the budget of every row: one row, its own stage 1 included, within an hour of 2 CPU cores (the table's header
+# gives the times measured); perplexity out to 4x the training length (stage 1 and stage 2: 256 tokens)
+BUDGETS = {
+    "default": {
+        "window": 64,
+        "stage1_sequences": 128,
+        "stage1_seq_len": 256,
+        "stage1_epochs": 2,
+        "steps": 32,
+        "global_batch": 4,
+        "seq_len": 256,
+        "lr": 1e-3,
+        "eval_every": 4,
+        "heldout_sequences": 4,
+        "tasks": ["piqa", "arc_easy"],
+        "eval_limit": 25,
+        "ppl_seq_len": 1024,
+        "ppl_sequences": 4,
+        "buckets": [0, 64, 256, 512],
+        "passkey_distances": [32, 128, 512],
+        "passkey_trials": 10,
+    },
+    # the tests' (a tiny model: every stage in seconds)
+    "tiny": {
+        "window": 8,
+        "stage1_sequences": 8,
+        "stage1_seq_len": 32,
+        "stage1_epochs": 1,
+        "steps": 2,
+        "global_batch": 2,
+        "seq_len": 32,
+        "lr": 1e-3,
+        "eval_every": 1,
+        "heldout_sequences": 1,
+        "tasks": ["piqa"],
+        "eval_limit": 4,
+        "ppl_seq_len": 128,
+        "ppl_sequences": 1,
+        "buckets": [0, 8, 32, 64],
+        "passkey_distances": [12, 24],
+        "passkey_trials": 2,
+    },
+}
+# this machine's paths: not part of a row's settings
+LOCAL = ("run_dir=", "model.path=", "data.source=", "finetune.model=", "eval.model=", "eval.out_dir=", "export.model=",
+         "export.out_dir=")  # fmt: skip
+DROPPED = ("correct", "loglik", "per_trial", "config")  # results.json's per-item lists and the whole config
 
 
-def hybrid_scale(*args: str) -> float:
-    """Run one stage; returns its wall time (s)."""
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "hybrid_scale.cli", *args]
+def code_hash() -> str:
+    """sha256 over the path and bytes of every .py file of CODE: what a row measured."""
+    h = hashlib.sha256()
+    for root in CODE:
+        path = REPO / root
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def commit() -> str:
+    """The commit the row ran on (+ "-dirty" when CODE had uncommitted changes)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *CODE], cwd=REPO, capture_output=True, text=True)
+    return (head or "unknown") + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def split(row: str) -> tuple[str, str]:
+    """(recipe, variant) of a recipe row."""
+    recipe, _, variant = row.partition("+")
+    return recipe, f"+{variant}" if variant else ""
+
+
+def hybrid_scale(*args: str) -> None:
     print("$ hybrid-scale " + " ".join(args), flush=True)
-    subprocess.run(cmd, check=True)
-    return time.perf_counter() - t0
+    subprocess.run([sys.executable, "-m", "hybrid_scale.cli", *args], check=True, cwd=REPO)
 
 
 def timed(run_dir: Path, name: str, fn) -> float:
-    """Wall time of a stage, recorded once (a skipped or resumed stage keeps the first complete figure)."""
+    """Wall time of a stage, recorded when it finishes (a rerun of a finished stage keeps that figure; a stage
+    killed and resumed counts the run that finished it)."""
     path = run_dir / f"wall_{name}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    seconds = fn()
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(seconds))
     return seconds
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run-root", default="runs/reproduce")
-    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--stage1-sequences", type=int, default=160)
-    ap.add_argument("--stage1-seq-len", type=int, default=512)
-    ap.add_argument("--stage1-epochs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=32, help="stage-2 optimizer steps")
-    ap.add_argument("--global-batch", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256, help="stage-2 sequence length")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=int, default=4)
-    ap.add_argument("--tasks", nargs="+", default=["piqa", "arc_easy"])
-    ap.add_argument("--eval-limit", type=int, default=25)
-    ap.add_argument("--ppl-seq-len", type=int, default=512)
-    ap.add_argument("--ppl-sequences", type=int, default=4)
-    ap.add_argument("--passkey-distances", nargs="+", type=int, default=[32, 128, 512])
-    ap.add_argument("--passkey-trials", type=int, default=10)
-    ap.add_argument("--no-calibrated-row", action="store_true", help="skip la_only + calibrated gamma (export)")
-    ap.add_argument("--variants", nargs="+", default=["plain", "sinks"], choices=["plain", "sinks"],
-                    help="each recipe as it is (plain) and with the hybrid's own sinks (sinks)")  # fmt: skip
-    ap.add_argument("--sinks-overrides", nargs="*", default=SINKS_OVERRIDES, help="config overrides of the +sinks rows")
-    args = ap.parse_args()
-    root = Path(args.run_root)
-    common = [f"attention.window={args.window}", "seed=0"]
-    variants = {"plain": ("", []), "sinks": (SINKS, list(args.sinks_overrides))}
-    variants = {v: variants[v] for v in args.variants}
-    stage1 = {}
-    for (suffix, extra), objective in ((variants[v], o) for v in variants
-                                       for o in sorted({RECIPE_TABLE[r].objective for r in args.recipes})):  # fmt: skip
-        recipe = next(r for r in args.recipes if RECIPE_TABLE[r].objective == objective)
-        run = root / f"stage1_{objective}{suffix.replace('+', '_')}"
-        overrides = [
-            *common,
-            *extra,
-            f"run_dir={run}",
-            f"distill.recipe={recipe}",
-            f"data.num_sequences={args.stage1_sequences}",
-            f"data.seq_len={args.stage1_seq_len}",
-            f"distill.epochs={args.stage1_epochs}",
-        ]
-        key = objective + suffix
-        stage1[key] = {"dir": run / "stage1" / "converted"}
-        stage1[key]["wall_s"] = timed(run, "stage1", lambda o=overrides: hybrid_scale("distill", *o))
+def slim(obj):
+    """results.json without its per-item and per-trial lists (the row file keeps every figure the table shows)."""
+    if isinstance(obj, dict):
+        return {k: slim(v) for k, v in obj.items() if k not in DROPPED}
+    return obj
 
-    evaluation = [
-        f"eval.tasks=[{','.join(args.tasks)}]",
-        f"eval.limit={args.eval_limit}",
-        f"eval.ppl_seq_len={args.ppl_seq_len}",
-        f"eval.ppl_sequences={args.ppl_sequences}",
-        f"eval.buckets=[{','.join(str(b) for b in sorted({0, args.window, 64, 256}))}]",
-        f"eval.la_share_seq_len={args.ppl_seq_len}",
-        f"eval.passkey_distances=[{','.join(map(str, args.passkey_distances))}]",
-        f"eval.passkey_trials={args.passkey_trials}",
+
+def evaluation(b: dict) -> list[str]:
+    return [
+        f"eval.tasks=[{','.join(b['tasks'])}]",
+        f"eval.limit={b['eval_limit']}",
+        f"eval.ppl_seq_len={b['ppl_seq_len']}",
+        f"eval.ppl_sequences={b['ppl_sequences']}",
+        f"eval.buckets=[{','.join(map(str, b['buckets']))}]",
+        f"eval.la_share_seq_len={b['ppl_seq_len']}",
+        f"eval.passkey_distances=[{','.join(map(str, b['passkey_distances']))}]",
+        f"eval.passkey_trials={b['passkey_trials']}",
     ]
+
+
+def run_row(row: str, b: dict, root: Path, model: list[str]) -> dict:
+    """One row end to end (each stage resumed or skipped when finished); returns the row's record."""
+    common = [*model, f"attention.window={b['window']}", "seed=0"]
     modes = [f"eval.modes=[{','.join(MODES)}]", f"eval.passkey_modes=[{','.join(m for m in MODES if m != 'none')}]"]
-    base_run = root / "base"
-    timed(
-        base_run,
-        "eval",
-        lambda: hybrid_scale(
-            "evaluate",
-            *common,
-            *evaluation,
-            "eval.modes=[base]",
-            "eval.passkey_modes=[base]",
-            f"run_dir={base_run}",
-            "eval.la_share_seq_len=0",
-        ),
-    )
-    rows = {"base": json.loads((base_run / "eval" / "results.json").read_text())}
-    walls = {}
-    for recipe, (suffix, extra) in ((r, variants[v]) for r in args.recipes for v in variants):
-        run = root / (recipe + suffix.replace("+", "_"))
-        objective = RECIPE_TABLE[recipe].objective + suffix
-        finetune = [
-            *common,
-            *extra,
-            f"run_dir={run}",
-            f"finetune.model={stage1[objective]['dir']}",
-            f"finetune.recipe={recipe}",
-            f"finetune.max_steps={args.steps}",
-            f"finetune.global_batch={args.global_batch}",
-            f"finetune.seq_len={args.seq_len}",
-            f"finetune.lr={args.lr}",
-            f"finetune.warmup_steps={max(1, args.steps // 10)}",
-            f"finetune.eval_every={args.eval_every}",
-            f"finetune.save_every={args.eval_every}",
-            "finetune.heldout_sequences=4",
-        ]
-        w2 = timed(run, "stage2", lambda f=finetune: hybrid_scale("finetune", *f))
-        model = (run / "stage2" / "output").resolve()
-        we = timed(
-            run,
-            "eval",
-            lambda r=run, m=model, x=extra: hybrid_scale(
-                "evaluate", *common, *x, *evaluation, f"eval.model={m}", *modes, f"run_dir={r}"
-            ),
-        )
-        rows[recipe + suffix] = json.loads((run / "eval" / "results.json").read_text())
-        curves = json.loads((run / "stage2" / "curves.json").read_text())
-        walls[recipe + suffix] = {"stage1": stage1[objective]["wall_s"], "stage2": w2, "eval": we, "curves": curves}
-    if (
-        "la_only" in args.recipes and "plain" in variants and not args.no_calibrated_row
-    ):  # inference-time hybridisation, gamma calibrated
-        run = root / "la_only"
+    settings, times = {}, {}
+    if row == "base":
+        run = root / "base"
+        base = ["eval.modes=[base]", "eval.passkey_modes=[base]", "eval.la_share_seq_len=0", f"run_dir={run}"]
+        settings["evaluate"] = [*common, *evaluation(b), *base]
+        times["eval"] = timed(run, "eval", lambda: hybrid_scale("evaluate", *settings["evaluate"]))
+        return record(row, b, settings, times, run / "eval" / "results.json", None)
+    recipe, variant = split(CALIBRATED.split("+")[0] if row == CALIBRATED else row)
+    extra = OVERRIDES[variant]
+    objective = RECIPE_TABLE[recipe].objective
+    stage1_run = root / f"stage1_{objective}{variant.replace('+', '_')}"
+    settings["distill"] = [
+        *common,
+        *extra,
+        f"run_dir={stage1_run}",
+        f"distill.recipe={recipe}",
+        f"data.num_sequences={b['stage1_sequences']}",
+        f"data.seq_len={b['stage1_seq_len']}",
+        f"distill.epochs={b['stage1_epochs']}",
+        "distill.progress=false",
+    ]
+    times["stage1"] = timed(stage1_run, "stage1", lambda: hybrid_scale("distill", *settings["distill"]))
+    run = root / (recipe + variant.replace("+", "_"))
+    settings["finetune"] = [
+        *common,
+        *extra,
+        f"run_dir={run}",
+        f"finetune.model={stage1_run / 'stage1' / 'converted'}",
+        f"finetune.recipe={recipe}",
+        f"finetune.max_steps={b['steps']}",
+        f"finetune.global_batch={b['global_batch']}",
+        f"finetune.seq_len={b['seq_len']}",
+        f"finetune.lr={b['lr']}",
+        f"finetune.warmup_steps={max(1, b['steps'] // 10)}",
+        f"finetune.eval_every={b['eval_every']}",
+        f"finetune.save_every={b['eval_every']}",
+        f"finetune.heldout_sequences={b['heldout_sequences']}",
+        "finetune.progress=false",
+    ]
+    times["stage2"] = timed(run, "stage2", lambda: hybrid_scale("finetune", *settings["finetune"]))
+    model_dir = (run / "stage2" / "output").resolve()
+    curves = json.loads((run / "stage2" / "curves.json").read_text())
+    if row == CALIBRATED:  # the la_only model, SWA added at export with gamma calibrated, evaluated
         exported = run / "export_hybrid_calibrated"
-        wx = timed(
-            run,
-            "export_calibrated",
-            lambda: hybrid_scale(
-                "export",
-                *common,
-                f"run_dir={run}",
-                f"export.model={(run / 'stage2' / 'output').resolve()}",
-                f"export.out_dir={exported}",
-                "export.mode=hybrid",
-                "export.calibrate_gamma=true",
-                "export.report_sequences=0",  # the evaluation below measures the perplexity
-            ),
-        )
-        we = timed(
-            run,
-            "eval_calibrated",
-            lambda: hybrid_scale(
-                "evaluate",
-                *common,
-                *evaluation,
-                f"eval.model={exported}",
-                *modes,
-                f"eval.out_dir={run / 'eval_calibrated'}",
-                f"run_dir={run}",
-            ),
-        )
-        rows[CALIBRATED] = json.loads((run / "eval_calibrated" / "results.json").read_text())
-        walls[CALIBRATED] = {**walls["la_only"], "eval": we, "export": wx, "curves": None}
-    out = {"args": vars(args), "results": rows, "walls": walls}
-    (root / "table1.json").write_text(json.dumps(out, indent=1))
-    text = table(out)
-    (root / "table1.md").write_text(text)
-    print(text)
+        settings["export"] = [
+            *common,
+            f"run_dir={run}",
+            f"export.model={model_dir}",
+            f"export.out_dir={exported}",
+            "export.mode=hybrid",
+            "export.calibrate_gamma=true",
+            "export.report_sequences=0",  # the evaluation measures the perplexity
+        ]
+        times["export"] = timed(run, "export_calibrated", lambda: hybrid_scale("export", *settings["export"]))
+        model_dir, out, name = exported, run / "eval_calibrated", "eval_calibrated"
+    else:
+        out, name = run / "eval", "eval"
+    where = [f"eval.model={model_dir}", f"eval.out_dir={out}", f"run_dir={run}"]
+    settings["evaluate"] = [*common, *extra, *evaluation(b), *modes, *where]
+    times["eval"] = timed(run, name, lambda: hybrid_scale("evaluate", *settings["evaluate"]))
+    return record(row, b, settings, times, out / "results.json", curves)
+
+
+def record(row: str, b: dict, settings: dict, times: dict, results: Path, curves: dict | None) -> dict:
+    return {
+        "row": row,
+        "commit": commit(),
+        "code_hash": code_hash(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "budget": b,
+        "settings": {stage: [o for o in opts if not o.startswith(LOCAL)] for stage, opts in settings.items()},
+        "times_s": times,
+        "curves": curves,
+        "results": slim(json.loads(results.read_text())),
+    }
+
+
+def stale(r: dict, b: dict, code: str) -> list[str]:
+    """Why a committed row no longer describes the current code and budget (empty: current)."""
+    why = []
+    if r["code_hash"] != code:
+        why.append("the attention or recipe code changed since")
+    if r["budget"] != b:
+        why.append("another budget")
+    return why
+
+
+def load_rows(rows_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))}
+
+
+# --- the table -------------------------------------------------------------------------------------------------------
 
 
 def _ci(d: dict) -> str:
@@ -208,7 +258,7 @@ def _ci(d: dict) -> str:
 
 
 def _nats(d: dict) -> str:
-    return f"{d['delta']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+    return f"{d['delta']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
 
 
 def _beats(d: dict | None) -> str:
@@ -218,86 +268,144 @@ def _beats(d: dict | None) -> str:
     return "yes" if d["lo"] > 0 else ("no" if d["hi"] < 0 else "~")
 
 
-def _against_sinks(r: dict) -> dict | None:
+def against_sinks(r: dict) -> dict | None:
     """The hybrid against swa_sinks beyond the window: the verdict's `against` when that is swa_sinks; for a hybrid
     with its own sinks, its swa_only (the same keys: window + the same sinks)."""
-    b = r["beyond_window"]
-    if b["against"] == "swa_sinks":
+    b = r.get("beyond_window") or {}
+    if b.get("against") == "swa_sinks":
         return b
     return b.get("swa_only") if r.get("hybrid_sinks") else None
 
 
-def _far(r: dict, mode: str, window: int) -> str:
-    """Passkey exact match (%) over the distances beyond the window."""
-    p = r.get("passkey")
-    if not p or mode not in p["by_mode"]:
-        return ""
-    far = [str(d) for d in p["distances"] if d >= window]
-    return f"{100 * sum(p['by_mode'][mode][d]['exact'] for d in far) / max(len(far), 1):.0f}" if far else ""
-
-
-def table(out: dict) -> str:
-    a, rows = out["args"], out["results"]
-    tasks = a["tasks"]
-    base = rows["base"]["modes"]["base"]
-    w = a["window"]
-    lines = [
-        "# Table 1 on SmolLM2-135M-Instruct (reduced budget)",
-        "",
-        f"Budget: stage 1 {a['stage1_sequences']} x {a['stage1_seq_len']} tokens, {a['stage1_epochs']} epochs/layer; "
-        f"stage 2 {a['steps']} steps x {a['global_batch']} x {a['seq_len']} tokens, lr {a['lr']}; window "
-        f"{a['window']}; {a['eval_limit']} items per task ({', '.join(tasks)}); perplexity on {a['ppl_sequences']} "
-        f"held-out sequences of {a['ppl_seq_len']}; passkey {a['passkey_trials']} prompts per distance "
-        f"{a['passkey_distances']}. Accuracy in points (reported metric per task), AVG over tasks. Beyond the window: "
-        f"held-out tokens at positions >= {w}; NLL gains in nats/token with 95% CIs (positive: the hybrid is better).",
-        "",
-        "| recipe | hybrid | swa_only | la_only | none | dLA [95% CI] | ppl beyond window: hybrid / swa_only / "
-        "swa_sinks / la_only | hybrid vs swa_only | hybrid vs swa_sinks | beats its no-LA mode / swa_sinks | "
-        "passkey beyond window: hybrid / swa_sinks (%) | verdict | stage 1 / 2 / eval (min) |",
-        "|---|" + "---:|" * 12,
-    ]
-    base_ppl = rows["base"]["perplexity"]["by_mode"]["base"]
-    lines.append(
-        f"| base (softmax) | {100 * base['avg']:.1f} | | | | | {base_ppl[list(base_ppl)[-1]]:.1f} (last bucket) | | "
-        f"| | {_far(rows['base'], 'base', w)} (base) | | |"
+def _minutes(t: dict) -> str:
+    return " / ".join(f"{t[k] / 60:.0f}" if k in t else "-" for k in ("stage1", "stage2", "eval")) + (
+        f" (+{t['export'] / 60:.0f} export)" if "export" in t else ""
     )
-    for recipe, r in rows.items():
-        if recipe == "base":
+
+
+def table(rows: dict[str, dict], b: dict, code: str) -> str:
+    """docs/results/reproduce_table1.md from the row records: every row of ROWS, run or not, each with its commit
+    and, when it no longer matches the code or the budget, marked stale."""
+    w = b["window"]
+    lines = [
+        "# Table 1 on SmolLM2-135M-Instruct, row by row",
+        "",
+        "<!-- made by `make reproduce` (benchmarks/reproduce_table1.py) from docs/results/reproduce/<row>.json -->",
+        "",
+        f"Budget of every row: stage 1 {b['stage1_sequences']} x {b['stage1_seq_len']} tokens, {b['stage1_epochs']} "
+        f"epochs per layer; stage 2 {b['steps']} LoRA steps x {b['global_batch']} x {b['seq_len']} tokens, lr "
+        f"{b['lr']}; window {w}; {b['eval_limit']} items per task ({', '.join(b['tasks'])}); perplexity on "
+        f"{b['ppl_sequences']} held-out sequences of {b['ppl_seq_len']} tokens (4x the training length); passkey "
+        f"{b['passkey_trials']} prompts per distance {b['passkey_distances']}. Run one row with `make reproduce "
+        "ROW=<row>` (within an hour of 2 CPU cores, its stage 1 included: the last column); `make reproduce` runs "
+        "the rows that are missing or stale, then writes this table.",
+        "",
+        "Accuracy in points (the reported metric per task, AVG over tasks); dSWA = hybrid - la_only, dLA = la_only - "
+        "none (95% CIs, paired bootstrap). Beyond the window: held-out tokens at positions >= "
+        f"{w}; NLL gain in nats/token with its 95% CI (positive: the hybrid is better). A row is stale when the "
+        "attention or recipe code (or the budget) changed after it ran: it is shown, marked, and `make reproduce` "
+        "runs it again.",
+        "",
+        "| row | commit | hybrid | swa_only | la_only | none | dSWA [95% CI] | dLA [95% CI] | verdict | hybrid / "
+        "swa_sinks ppl beyond window | hybrid vs swa_sinks: gain [95% CI] | beats swa_sinks | stage 1 / 2 / eval "
+        "(min) |",
+        "|---|---|" + "---:|" * 11,
+    ]
+    for name in ROWS:
+        r = rows.get(name)
+        if r is None:
+            lines.append(f"| {name} | not run |" + " |" * 11)
             continue
-        m, b, wall = r["modes"], r["beyond_window"], out["walls"][recipe]
-        ppl = " / ".join(
-            f"{b['perplexity'][x]:.1f}" if x in b["perplexity"] else "-"
-            for x in ("hybrid", "swa_only", "swa_sinks", "la_only")
-        )
-        sinks = _against_sinks(r)
-        vs_sinks = _nats(sinks) if sinks else ""
+        why = stale(r, b, code)
+        mark = f"{r['commit'][:8]}" + (f" **stale** ({'; '.join(why)})" if why else "")
+        res = r["results"]
+        m = res["modes"]
+        if name == "base":
+            acc = f"{100 * m['base']['avg']:.1f} (base) | | | "
+            lines.append(f"| {name} | {mark} | {acc}| | | | | | | {_minutes(r['times_s'])} |")
+            continue
         acc = " | ".join(f"{100 * m[x]['avg']:.1f}" if x in m else "-" for x in ACCURACY_MODES)
-        vs_swa = _nats(b["swa_only"]) if "swa_only" in b else ""
+        d_swa = _ci(res["delta_swa"]["avg"]) if "delta_swa" in res else ""
+        d_la = _ci(res["delta_la"]["avg"]) if "delta_la" in res else ""
+        bw, sinks = res.get("beyond_window") or {}, against_sinks(res)
+        ppl = bw.get("perplexity", {})
+        ratio = f"{ppl['hybrid']:.1f} / {ppl['swa_sinks']:.1f}" if {"hybrid", "swa_sinks"} <= set(ppl) else ""
+        if sinks and "ratio" in sinks:
+            ratio += f" ({sinks['ratio']:.2f}x)"
         lines.append(
-            f"| {recipe} | {acc} | {_ci(r['delta_la']['avg'])} | {ppl} | {vs_swa} | {vs_sinks} | "
-            + f"{_beats(b.get('swa_only'))} / {_beats(sinks)} | "
-            + f"{_far(r, 'hybrid', w)} / {_far(r, 'swa_sinks', w)} | {r['verdict']} | "
-            + f"{wall['stage1'] / 60:.0f} / {wall['stage2'] / 60:.0f} / "
-            + f"{(wall['eval'] + wall.get('export', 0)) / 60:.0f} |"
+            f"| {name} | {mark} | {acc} | {d_swa} | {d_la} | {res['verdict']} | {ratio} | "
+            f"{_nats(sinks) if sinks else ''} | {_beats(sinks)} | {_minutes(r['times_s'])} |"
         )
-    lines += ["", "Stage 2 held-out losses (hybrid / la_only) at each evaluation, and why it stopped:", ""]
-    for recipe, w in out["walls"].items():
-        c = w["curves"]
-        if c is None:  # the calibrated export of the la_only run: no training of its own
+    lines += ["", "## Perplexity by position bucket (held-out text)", ""]
+    for name in ROWS:
+        r = rows.get(name)
+        if r is None or "perplexity" not in r["results"]:
             continue
-        pts = ", ".join(
-            f"{s}: {h:.3f}/{la:.3f}" for s, h, la in zip(c["eval_steps"], c["hybrid"], c["la_only"], strict=True)
-        )
-        lines.append(f"- {recipe}: {pts}; output = {c['output']}; stop: {c['stopping']['reason'] or 'max_steps'}")
+        by_mode = r["results"]["perplexity"]["by_mode"]
+        buckets = list(next(iter(by_mode.values())))
+        lines += [f"{name}:", "", "| mode | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
+        lines += [f"| {mode} | " + " | ".join(f"{v[x]:.1f}" for x in buckets) + " |" for mode, v in by_mode.items()]
+        share = r["results"].get("la_share")
+        if share:
+            lines.append("| LA share | " + " | ".join(_share(share, x) for x in buckets) + " |")
+        lines.append("")
+    lines += ["## Stage 2 held-out losses (hybrid / la_only) at each evaluation, and why it stopped", ""]
+    for name in ROWS:
+        c = (rows.get(name) or {}).get("curves")
+        if c and name != CALIBRATED:
+            pts = ", ".join(
+                f"{s}: {h:.3f}/{la:.3f}" for s, h, la in zip(c["eval_steps"], c["hybrid"], c["la_only"], strict=True)
+            )
+            lines.append(f"- {name}: {pts}; output = {c['output']}; stop: {c['stopping']['reason'] or 'max_steps'}")
     lines += [
         "",
-        "la_only row, `hybrid` column: SWA added at inference, gamma fixed at its init (0.1). The row after it is the "
-        "same model exported with export.mode=hybrid export.calibrate_gamma=true and evaluated: its stage-2 column "
-        "is the la_only run's, its eval column includes the export"
-        + (f" ({out['walls'][CALIBRATED]['export'] / 60:.0f} min)." if CALIBRATED in out["walls"] else "."),
+        "## Commands",
+        "",
+        "```bash",
+        "make reproduce ROW=lolcats   # one row (any of: " + ", ".join(ROWS) + ")",
+        "make reproduce               # the missing and stale rows, then this table",
+        ".venv/bin/python benchmarks/reproduce_table1.py --table   # this table from the committed rows alone",
+        "```",
     ]
     return "\n".join(lines) + "\n"
 
 
+def _share(share: dict, bucket: str) -> str:
+    """The LA's share of the hybrid's normaliser in a bucket, mean over layers and heads, in % ('' when the bucket was
+    not measured)."""
+    values = [h for by_bucket in share.get("share", {}).values() for h in by_bucket.get(bucket, [])]
+    return f"{100 * sum(values) / len(values):.1f}%" if values else ""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", choices=ROWS, help="run this row only (end to end, resumable) and write its file")
+    ap.add_argument("--table", action="store_true", help="only write the table from the committed rows")
+    ap.add_argument("--budget", default="default", choices=sorted(BUDGETS))
+    ap.add_argument("--model", default=None, help="model.path (default: the embedded SmolLM2)")
+    ap.add_argument("--data", default=None, help="data.source (default: the embedded default's text)")
+    ap.add_argument("--run-root", default="runs/reproduce")
+    ap.add_argument("--rows-dir", default=str(ROWS_DIR))
+    ap.add_argument("--out", default=str(TABLE), help="the table")
+    a = ap.parse_args(argv)
+    b, code, rows_dir = BUDGETS[a.budget], code_hash(), Path(a.rows_dir)
+    model = [*([f"model.path={a.model}"] if a.model else []), *([f"data.source={a.data}"] if a.data else [])]
+    rows = load_rows(rows_dir)
+    todo = [] if a.table else [a.row] if a.row else [r for r in ROWS if r not in rows or stale(rows[r], b, code)]
+    for name in todo:
+        print(f"reproduce: row {name}", flush=True)
+        r = run_row(name, b, Path(a.run_root), model)
+        rows_dir.mkdir(parents=True, exist_ok=True)
+        path = rows_dir / f"{name}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(r, indent=1) + "\n")
+        path.with_suffix(".tmp").replace(path)
+        rows[name] = r
+        print(f"reproduce: row {name} written to {path} ({sum(r['times_s'].values()) / 60:.1f} min)", flush=True)
+    if not a.row:
+        Path(a.out).write_text(table(rows, b, code))
+        print(f"reproduce: table written to {a.out}")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

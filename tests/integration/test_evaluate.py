@@ -438,8 +438,8 @@ def test_perplexity_only_with_the_hybrids_own_sinks(tiny_smollm_vocab, tmp_path)
 
 
 def test_reproduce_table_renders_an_evaluation(tiny_one_rank):
-    """benchmarks/reproduce_table1.py's table from real results.json files (here the tiny evaluation as both the base
-    run and a recipe's): the beyond-window columns and the verdict come through."""
+    """benchmarks/reproduce_table1.py's table from rows holding real results.json files (here the tiny evaluation as
+    both the base row and a recipe's): the beyond-window columns, the verdict and the stage times come through."""
     import importlib.util
 
     path = Path(__file__).parents[2] / "benchmarks" / "reproduce_table1.py"
@@ -447,23 +447,26 @@ def test_reproduce_table_renders_an_evaluation(tiny_one_rank):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     _, one = tiny_one_rank
-    args = {"tasks": ["piqa", "winogrande"], "window": 8, "stage1_sequences": 8, "stage1_seq_len": 64}
-    args |= {"stage1_epochs": 1, "steps": 2, "global_batch": 2, "seq_len": 64, "lr": 1e-3, "eval_limit": 10}
-    args |= {"ppl_sequences": 1, "ppl_seq_len": 96, "passkey_trials": 3, "passkey_distances": [12, 40]}
+    b, code = mod.BUDGETS["tiny"], mod.code_hash()
     curves = {"eval_steps": [2], "hybrid": [3.0], "la_only": [4.0], "output": "final", "stopping": {"reason": None}}
-    walls = {"lolcats": {"stage1": 60, "stage2": 120, "eval": 180, "curves": curves}}
+
+    def row(name, results):
+        times = {"stage1": 60, "stage2": 120, "eval": 180}
+        r = {"row": name, "commit": "abcdef0123", "code_hash": code, "budget": b, "times_s": times, "curves": curves}
+        return r | {"results": mod.slim(json.loads(json.dumps(results)))}
+
     own = json.loads(json.dumps(one)) | {"hybrid_sinks": True}  # a +sinks row: its swa_only is window + sinks
     own["beyond_window"] |= {"against": "swa_only", "swa_only": {"delta": 0.2, "lo": 0.1, "hi": 0.3, "ratio": 0.8}}
-    walls["lolcats+sinks"] = walls["lolcats"]
-    text = mod.table({"args": args, "results": {"base": one, "lolcats": one, "lolcats+sinks": own}, "walls": walls})
-    row = next(line for line in text.splitlines() if line.startswith("| lolcats |"))
-    b = one["beyond_window"]
-    assert f"{b['perplexity']['hybrid']:.1f} / - / {b['perplexity']['swa_sinks']:.1f}" in row
-    assert f"| {one['verdict']} | 1 / 2 / 3 |" in row
-    sinks = b if b["against"] == "swa_sinks" else None
-    assert f"| {mod._beats(b.get('swa_only'))} / {mod._beats(sinks)} |" in row
-    row = next(line for line in text.splitlines() if line.startswith("| lolcats+sinks |"))
-    assert "| +0.20 [+0.10, +0.30] | +0.20 [+0.10, +0.30] | yes / yes |" in row  # vs swa_only = vs swa_sinks
+    rows = {"base": row("base", one), "lolcats": row("lolcats", one), "lolcats+sinks": row("lolcats+sinks", own)}
+    text = mod.table(rows, b, code)
+    line = next(x for x in text.splitlines() if x.startswith("| lolcats |"))
+    bw = one["beyond_window"]
+    assert f"{bw['perplexity']['hybrid']:.1f} / {bw['perplexity']['swa_sinks']:.1f}" in line
+    assert f"| {one['verdict']} |" in line and line.endswith("| 1 / 2 / 3 |") and "| abcdef01 |" in line
+    sinks = bw if bw["against"] == "swa_sinks" else None
+    assert f"| {mod._beats(sinks)} | 1 / 2 / 3 |" in line
+    line = next(x for x in text.splitlines() if x.startswith("| lolcats+sinks |"))
+    assert "(0.80x) | +0.200 [+0.100, +0.300] | yes | 1 / 2 / 3 |" in line  # vs swa_only = vs swa_sinks
     assert "- lolcats: 2: 3.000/4.000; output = final; stop: max_steps" in text
 
 

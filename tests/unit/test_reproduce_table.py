@@ -1,0 +1,47 @@
+"""docs/results/reproduce_table1.md is what benchmarks/reproduce_table1.py renders from the committed row files
+(docs/results/reproduce/<row>.json) for the current code: a row whose code hash no longer matches shows as stale,
+and a table that mixes in stale rows silently does not pass. `make reproduce ROW=...` itself runs in
+tests/integration/test_reproduce.py at a tiny budget."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def reproduce():
+    spec = importlib.util.spec_from_file_location("reproduce_table1", ROOT / "benchmarks" / "reproduce_table1.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_committed_table_is_the_one_the_committed_rows_give_for_the_current_code():
+    mod = reproduce()
+    rows = mod.load_rows(mod.ROWS_DIR)
+    assert set(rows) <= set(mod.ROWS)
+    expected = mod.table(rows, mod.BUDGETS["default"], mod.code_hash())
+    assert mod.TABLE.read_text() == expected, (
+        "docs/results/reproduce_table1.md is not what the committed rows give for this code: run "
+        "`.venv/bin/python benchmarks/reproduce_table1.py --table` (a stale row is then marked as such)"
+    )
+    for name, r in rows.items():
+        line = next(x for x in expected.splitlines() if x.startswith(f"| {name} |"))
+        assert r["commit"][:8] in line and r["row"] == name
+
+
+def test_a_row_whose_code_hash_no_longer_matches_is_marked_stale(tmp_path):
+    mod = reproduce()
+    b = mod.BUDGETS["default"]
+    results = {"modes": {"base": {"avg": 0.5}}, "verdict": "n/a"}
+    row = {"row": "base", "commit": "0123456789ab", "code_hash": mod.code_hash(), "budget": b, "times_s": {"eval": 60}}
+    row |= {"results": results, "curves": None}
+    current = mod.table({"base": row}, b, mod.code_hash())
+    line = next(x for x in current.splitlines() if x.startswith("| base |"))
+    assert "| 01234567 |" in line and "stale" not in line
+    old = mod.table({"base": row | {"code_hash": "0" * 64}}, b, mod.code_hash())
+    line = next(x for x in old.splitlines() if x.startswith("| base |"))
+    assert "01234567 **stale** (the attention or recipe code changed since)" in line
+    other = mod.table({"base": row | {"budget": {**b, "steps": 1}}}, b, mod.code_hash())
+    assert "**stale** (another budget)" in other
+    assert "| lolcats | not run |" in current
