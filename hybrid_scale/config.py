@@ -184,6 +184,15 @@ class ExportConfig:
     dtype: str | None = None  # None = as the base checkpoint's tensors
 
 
+@dataclass
+class LogConfig:
+    # TensorBoard event files in each stage's directory (tensorboard/); null = on when the tensorboard package is
+    # installed, true = required (refused by the preflight without it)
+    tensorboard: bool | None = None
+    wandb: str | None = None  # a Weights & Biases project: one W&B run per stage (WANDB_MODE=offline: no network)
+    every_s: float = 60.0  # seconds between progress lines (tokens/s, memory, ETA) in a stage's log.txt and stderr
+
+
 STAGES = ("distill", "finetune", "evaluate", "export")  # the pipeline's stages, in order
 JOBS = (*STAGES, "pipeline")  # what `launch` starts and `submit` turns into Slurm jobs
 LAUNCHERS = ("torchrun", "deepspeed", "srun")
@@ -232,6 +241,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)  # the merged export
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # ranks, nodes, tensor parallelism
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # sbatch scripts
+    log: LogConfig = field(default_factory=LogConfig)  # metrics while a stage runs: metrics.jsonl, TensorBoard, W&B
     run_dir: str = "runs/default"  # where every stage writes (one directory per conversion)
     seed: int = 0  # seeds data selection, initialisation, SSD decisions, bootstrap and the passkey prompts
     allow_config_change: bool = False  # rerun a run_dir with settings that change results (named in the refusal)
@@ -259,6 +269,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _validate_launch(cfg)
     _validate_slurm(cfg)
     _validate_export(cfg.export)
+    _validate_log(cfg.log)
     return cfg
 
 
@@ -375,6 +386,16 @@ def _validate_export(x) -> None:
         raise ConfigError("config keys 'export.gamma' and 'export.calibrate_gamma': choose one (fixed or calibrated)")
     if x.max_shard_gb <= 0:
         raise ConfigError(f"config key 'export.max_shard_gb': must be > 0, got {x.max_shard_gb}")
+
+
+def _validate_log(g) -> None:
+    if g.wandb is not None and (not g.wandb.strip() or any(c in g.wandb for c in "/\\#?%:\n\r\0")):
+        raise ConfigError(
+            f"config key 'log.wandb': {g.wandb!r} is not a W&B project name (no / \\ # ? % : or line break); set a "
+            "plain name such as hybrid-scale, or leave it unset"
+        )
+    if g.every_s <= 0:
+        raise ConfigError(f"config key 'log.every_s': must be > 0, got {g.every_s}")
 
 
 def _schedule(key: str, steps, lo, hi) -> None:

@@ -1,5 +1,6 @@
 """What every stage measures a model with, outside any one stage: the NLL of every token, and perplexity by
-position bucket (the evaluation's cells, the export's model card and gamma calibration, stage 2's checks)."""
+position bucket (the evaluation's cells, the export's model card and gamma calibration, stage 2's checks); the FLOPs
+of training (plan, stage 2's MFU) and a process's peak memory (the stages' metrics)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,19 @@ def by_bucket(nll: torch.Tensor, buckets: list[int]) -> dict[str, float]:
 
 def perplexity_by_bucket(model, sequences: torch.Tensor, buckets: list[int]) -> dict[str, float]:
     return by_bucket(token_nll(model, sequences), buckets)
+
+
+def training_flops(params: int, tokens: int) -> float:
+    """The FLOPs of a forward and backward over `tokens` tokens of a model of `params` parameters (6 per parameter
+    and token): `plan`'s stage-2 time and stage 2's measured MFU."""
+    return 6.0 * params * tokens
+
+
+def peak_memory(device) -> dict[str, float]:
+    """Peak memory of this process so far, in GB: the host's resident set, and the device's allocations on CUDA."""
+    import resource
+
+    out = {"host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    if getattr(device, "type", "cpu") == "cuda":
+        out["device_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return out

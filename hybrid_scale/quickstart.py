@@ -15,6 +15,7 @@ from .config import load_config
 from .data import assets
 from .pipeline import pipeline
 from .run.layout import RunLayout
+from .run.metrics import tensorboard_on
 
 
 def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
@@ -27,8 +28,10 @@ def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ..
     cfg = load_config("quickstart.yaml", extra)
     if cfg.model.path is None:
         assets.prepare()  # converts and caches the embedded default once (about a minute)
-    timings = pipeline(cfg)
     layout = RunLayout.of(cfg)
+    if tensorboard_on(cfg):  # each stage writes its events under its directory: one logdir shows them all
+        print(f"TensorBoard (while it runs, from another shell): tensorboard --logdir {layout.run_dir.resolve()}")
+    timings = pipeline(cfg)
     eval_dir = layout.eval
     results = json.loads((eval_dir / "results.json").read_text())
     print("\n" + (eval_dir / "table.md").read_text())

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,14 +39,16 @@ from ..attention.hybrid import HybridAttention
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import atomic_write, fault, save_tensors, sha256
 from ..errors import DistillError
+from ..measure import peak_memory
 from ..models import streaming
 from ..models.converted import write_converted
 from ..run.entry import Entry, stage_entry
+from ..run.metrics import Metrics, duration
 from ..run.settings import stage1_settings
 from .buffers import buffer_slot, buffer_writer, inputs_of_first_layer, mark_written, preflight_buffers, run_teacher
 from .identity import committed, identity_changes
 from .state import Stage1
-from .step import StepCheckpoint, layer_head_dim, train_layer
+from .step import StepCheckpoint, layer_head_dim, saved_steps, train_layer
 
 
 def distill(cfg) -> Path:
@@ -51,11 +56,11 @@ def distill(cfg) -> Path:
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
     # preflight, runtime, lock, signal flag (run/entry.py); USR1/TERM: a step checkpoint at the next step, or a stop
     # after a commit
-    with stage_entry(cfg, "distill") as entry:
-        s = start(entry)
+    with stage_entry(cfg, "distill") as entry, start(entry) as s:
         for warning in entry.plan.warnings:  # e.g. ranks left idle by too few query blocks per step
             s.log(f"warning: {warning}")
         current = inputs_of_first_layer(s)
+        t0, times = time.perf_counter(), []
         # each layer's heads and MLP columns split over the tensor-parallel group, each rank reading only its part
         for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device, rt=s.rt):
             if i == s.first and s.rt.tp > 1:
@@ -68,6 +73,9 @@ def distill(cfg) -> Path:
                 advance(s, i, layer, current, other)
             commit_layer(s, i, params, losses, other)
             current = other
+            times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            layer_metrics(s, i, losses, times)
             if i + 1 < s.n_layers and runtime.any_rank(s.rt, entry.signal.raised):
                 s.log(f"signal: layer {i} is committed, exiting for a requeue")
                 raise requeue.request(
@@ -80,7 +88,24 @@ def distill(cfg) -> Path:
         return write_output(s)
 
 
-def start(entry: Entry) -> Stage1:
+def layer_metrics(s: Stage1, i: int, losses: list[float], times: list[float]) -> None:
+    """Layer i's record (its time, first and last loss, the ETA of the layers left) and a progress line."""
+    left = s.n_layers - i - 1
+    eta = sum(times) / len(times) * left
+    values = {"layer": i, "layer_s": times[-1], "eta_s": eta, "layers_left": left}
+    values |= {"first_loss": losses[0], "last_loss": losses[-1]} if losses else {}
+    values |= peak_memory(s.rt.device)
+    s.metrics.log((i + 1) * s.steps_per_layer, values, kind="layer")
+    tokens = s.steps_per_layer * s.cfg.distill.batch_size * s.cfg.data.seq_len / times[-1]
+    s.metrics.progress(
+        f"layer {i + 1}/{s.n_layers} in {duration(times[-1])} ({tokens:.0f} tokens/s), "
+        f"{values['host_peak_gb']:.1f} GB host peak, ETA {duration(eta)}",
+        force=left == 0,
+    )
+
+
+@contextmanager
+def start(entry: Entry) -> Iterator[Stage1]:
     """The teacher's config and checkpoint, the run's identity (a rerun with other settings is refused before any
     write), the first uncommitted layer."""
     cfg, rt, model_path = entry.cfg, entry.rt, entry.model.path
@@ -119,7 +144,10 @@ def start(entry: Entry) -> Stage1:
         f"start at layer {s.first} of {s.n_layers}: {rt.world} ranks (data {rt.dp} x tensor {rt.tp}), "
         f"{len(s.owned)} of {N} sequences on rank 0"
     )
-    return s
+    # the records up to the committed layers (and a matching step checkpoint's steps) stay
+    resumed = s.first * s.steps_per_layer + (saved_steps(s, s.first) if s.first < s.n_layers else 0)
+    with Metrics(cfg, "distill", s.stage1, rt.main, resumed=resumed, log=s.log) as s.metrics:
+        yield s
 
 
 def transfer(s: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]:

@@ -14,6 +14,7 @@ from ..distributed.requeue import SignalFlag
 from ..models import streaming
 from ..run.entry import StageLog
 from ..run.layout import RunLayout
+from ..run.metrics import Metrics
 from ..run.settings import Derived
 
 
@@ -40,6 +41,8 @@ class Stage1:
     first: int = 0
     bufs: dict = field(default_factory=dict)  # 'a' / 'b': this rank's memory-mapped hidden-state buffers
     rope: object = None
+    metrics: Metrics | None = None  # metrics.jsonl, TensorBoard, W&B (rank 0)
+    step_s: float | None = None  # a training step's wall time, averaged (exponentially) over this run's steps
 
     @property
     def stage1(self) -> Path:
@@ -56,3 +59,8 @@ class Stage1:
     @property
     def n_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def steps_per_layer(self) -> int:
+        d = self.cfg.distill
+        return d.epochs * -(-self.cfg.data.num_sequences // d.batch_size)

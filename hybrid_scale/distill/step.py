@@ -27,6 +27,9 @@ from ..run.settings import Derived
 from . import objectives
 from .state import Stage1
 
+# the objectives in the order objectives.unit_loss adds their terms (a step's terms are logged in this order)
+OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
+
 
 def trainable(m: HybridAttention, cfg, derived: Derived) -> list[torch.nn.Parameter]:
     """What stage 1 trains of a layer: its feature maps, gamma (as resolved), the LA decay under an objective that
@@ -98,6 +101,18 @@ def _load_step(s: Stage1, i: int) -> StepCheckpoint | None:
     return StepCheckpoint(tensors, int(meta["done"]), json.loads(meta["losses"]))
 
 
+def saved_steps(s: Stage1, i: int) -> int:
+    """The steps layer i's step checkpoint holds when it was made with this run's settings (0 otherwise): read from
+    its header alone, to keep those steps' metrics on a resume."""
+    path = StepCheckpoint.path(s.stage1, i)
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError):
+        return 0
+    return int(meta["done"]) if meta.get("identity") == json.dumps(s.identity, sort_keys=True) else 0
+
+
 def _restore(s: Stage1, named: list, opt, ckpt: StepCheckpoint) -> None:
     """The whole saved tensors, cut to this rank's heads."""
     dim = layer_head_dim(s)
@@ -130,11 +145,15 @@ def _plan_steps(s: Stage1, i: int) -> list[list[int]]:
     return out
 
 
-def _step_loss(s: Stage1, m, layer, hidden: torch.Tensor, units: list) -> torch.Tensor:
+def _step_loss(s: Stage1, m, layer, hidden: torch.Tensor, units: list) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's units of a step: each sequence it touches projected once (rows up to its last unit's end), the
-    units' terms summed (fp32). hidden [B, T, D] on the device, the whole step's batch."""
+    units' terms summed (fp32); and, with more than one objective, each objective's share of it (OBJECTIVES order;
+    their sum is the loss, term by term as unit_loss adds them). hidden [B, T, D] on the device, the whole step's
+    batch."""
     T = s.cfg.data.seq_len
+    names = [n for n in OBJECTIVES if s.weights.get(n)]
     loss = torch.zeros((), dtype=torch.float32, device=s.rt.device)
+    parts = torch.zeros(len(names), dtype=torch.float32, device=s.rt.device) if len(names) > 1 else None
     for seq in sorted({u[0] for u in units}):
         mine = [u for u in units if u[0] == seq]
         end = max(b for _, _, b in mine)
@@ -142,8 +161,13 @@ def _step_loss(s: Stage1, m, layer, hidden: torch.Tensor, units: list) -> torch.
         q, k, v, fq, fk = m.project(layer.input_layernorm(hidden[seq : seq + 1, :end].to(s.dtype)), rope)
         q, k, v = q.detach(), k.detach(), v.detach()
         for _, a, b in mine:
-            loss = loss + objectives.unit_loss(m, q, k, v, fq, fk, a, b, T, s.weights)
-    return loss
+            if parts is None:
+                loss = loss + objectives.unit_loss(m, q, k, v, fq, fk, a, b, T, s.weights)
+                continue
+            terms = [objectives.unit_loss(m, q, k, v, fq, fk, a, b, T, {n: s.weights[n]}) for n in names]
+            loss = loss + sum(terms[1:], terms[0])
+            parts = parts + torch.stack([t.detach() for t in terms])
+    return loss, parts
 
 
 def _gather_batch(s: Stage1, staged: torch.Tensor | None, batch: list[int], mine: list[int]) -> torch.Tensor:
@@ -197,10 +221,11 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
         dynamic_ncols=True,
     )
     staged = Stager(buf_in, rt.device).steps([[local_of[g] for g in rows] for rows in mine])
+    t0 = time.perf_counter()
     for step, (batch, rows, x) in enumerate(zip(steps[steps_done:], mine, staged, strict=True), start=steps_done):
         opt.zero_grad(set_to_none=False)
-        summed = gradients(s, m, layer, params, x, batch, rows, s.signal.raised)
-        value, stop = summed[0].item(), summed[1].item() > 0
+        summed = gradients(s, m, layer, params, x, batch, rows, s.signal.raised).tolist()
+        value, stop = summed[-2], summed[-1] > 0
         if not math.isfinite(value):  # summed over the ranks: every rank sees it and stops here
             bar.close()
             msg = _nonfinite_loss(value, s.cfg, i, step // per_epoch, step + 1, len(steps))
@@ -208,6 +233,9 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
             raise DistillError(msg)
         opt.step()
         losses.append(value)
+        t1 = time.perf_counter()
+        step_metrics(s, i, i * len(steps) + step + 1, value, summed[:-2], len(batch), t1 - t0)
+        t0 = t1
         bar.update()
         bar.set_postfix(loss=f"{value:.4f}")
         fault(f"train:{i}:{step}", rt.rank)
@@ -229,26 +257,41 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
     return losses
 
 
+def step_metrics(s: Stage1, i: int, step: int, loss: float, terms: list[float], sequences: int, step_s: float):
+    """Stage 1's record of one step (global step `step` over the layers): the loss, each objective's term (with
+    more than one), the layer, tokens/s and the step time; rank 0 writes (run/metrics.py)."""
+    total = s.n_layers * s.steps_per_layer
+    s.step_s = step_s if s.step_s is None else 0.9 * s.step_s + 0.1 * step_s
+    values = {"layer": i, "loss": loss, "step_s": step_s, "tokens_per_s": sequences * s.cfg.data.seq_len / step_s}
+    values |= {"steps_total": total, "eta_s": s.step_s * (total - step)}  # (training steps only: a rough ETA)
+    if terms:
+        values["objectives"] = dict(zip([n for n in OBJECTIVES if s.weights.get(n)], terms, strict=True))
+    s.metrics.log(step, values)
+
+
 def gradients(s: Stage1, m, layer, params: list, staged, batch: list[int], rows: list[int], signalled: bool):
     """One step's gradients on this rank: the batch gathered (`_gather_batch`), the loss of this rank's units of
-    query blocks for its heads, its backward, then the gradients, the loss and the signal flag summed over the ranks
-    in one fp32 all-reduce, each rank keeping its heads' part. Returns [global loss, signal count] (a tensor: no host
-    sync here; the dry run calls it on the meta device)."""
+    query blocks for its heads, its backward, then the gradients, the objectives' terms (with more than one), the
+    loss and the signal flag summed over the ranks in one fp32 all-reduce, each rank keeping its heads' part.
+    Returns [each objective's term (OBJECTIVES order, only with more than one)..., global loss, signal count] (a
+    tensor: no host sync here; the dry run calls it on the meta device)."""
     d, rt = s.cfg.distill, s.rt
     units = batches.split_units(len(batch), s.cfg.data.seq_len, d.query_block, rt.dp)[rt.dp_rank]
     hidden = _gather_batch(s, staged, batch, rows)
-    loss = _step_loss(s, m, layer, hidden, units) / len(batch)
+    loss, parts = _step_loss(s, m, layer, hidden, units)
+    loss = loss / len(batch)
     if units:
         loss.backward()
     flag = torch.tensor([float(signalled)], device=rt.device)
-    flat = torch.cat([_spread(p.grad, rt) for p in params] + [loss.detach().reshape(1), flag])
+    terms = [parts.detach() / len(batch)] if parts is not None else []
+    flat = torch.cat([_spread(p.grad, rt) for p in params] + terms + [loss.detach().reshape(1), flag])
     runtime.all_reduce(rt, flat)
     offset = 0
     for p in params:
         whole = flat[offset : offset + p.numel() * rt.tp].view(p.shape[0] * rt.tp, *p.shape[1:])
         p.grad.copy_(whole[rt.tp_rank * p.shape[0] : (rt.tp_rank + 1) * p.shape[0]])
         offset += p.numel() * rt.tp
-    return flat[-2:]
+    return flat[-2 - (len(parts) if parts is not None else 0) :]
 
 
 def _spread(grad: torch.Tensor, rt) -> torch.Tensor:

@@ -48,6 +48,7 @@ class ReplicatedEngine:
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.clip = ds_config["gradient_clipping"]
         self.micro_steps = 0
+        self.grad_norm: torch.Tensor | None = None  # of the last step, before clipping (DeepSpeed's figure too)
 
     def __call__(self, *args, **kwargs):
         with tensor_parallel.vocab_parallel_loss(self.module):
@@ -91,6 +92,7 @@ class ReplicatedEngine:
         split = squares[:1].clone()
         runtime.all_reduce(rt, split, group=tensor_parallel.tp_group(rt), size=rt.tp)
         norm = (split[0] + squares[1]).sqrt()
+        self.grad_norm = norm
         if self.clip:  # DeepSpeed's rule, without a host sync: scale by clip / (norm + 1e-6) when that is below 1
             scale = (self.clip / (norm + 1e-6)).clamp(max=1.0)
             for g in grads:
@@ -101,6 +103,14 @@ class ReplicatedEngine:
         if rt.rank == 1 and os.environ.get("HYBRID_SCALE_FAULT") == "drift":  # fault injection: rank 1's copy moves
             with torch.no_grad():
                 next(tensor_parallel.local(p) for n, p in self.named if self.dims[n] is None).add_(1e-3)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's gradient norm (DeepSpeed's engine has the same method)."""
+        return None if self.grad_norm is None else float(self.grad_norm)
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of the next step (as DeepSpeed's engine reports it)."""
+        return [g["lr"] for g in self.optimizer.param_groups]
 
     def check_replicas(self) -> None:
         """Every rank holds the same replicated trainable tensors (and the same parts of the split ones on the ranks

@@ -20,6 +20,7 @@ from ..data import passkey
 from ..distributed import requeue, runtime
 from ..distributed.checkpoint import atomic_write, fault
 from ..run.entry import Entry
+from ..run.metrics import Metrics, duration
 from ..run.settings import differing
 from ..run.sources import ModelSource
 
@@ -58,6 +59,18 @@ def model_key(cfg, source: ModelSource, window: int, device: torch.device) -> di
     }
 
 
+def figures(result: dict) -> dict:
+    """A cell's numbers for the metrics: its scalars, nested dicts of them kept, per-item lists left out."""
+    out = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            if inner := figures(value):
+                out[key] = inner
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+    return out
+
+
 class Cells:
     """The committed cells ({out_dir}/cells/<name>.json: the cell's `result` and the `key` it was computed from),
     read once by rank 0 and given to every rank, so that every rank makes the same choice to load or compute;
@@ -74,6 +87,9 @@ class Cells:
         stored = {p.stem: json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))} if rt.main else None
         self.stored = runtime.gather_objects(rt, stored)[0]
         self.committed, self.resumed = 0, []
+        # one record per cell at its place in the order (a resumed cell's record is there already)
+        self.metrics = Metrics(entry.cfg, "evaluate", entry.layout.eval, rt.main, log=entry.log)
+        self.computed_s: list[float] = []  # the cells computed in this run: their times, for the ETA
 
     def result(self, name: str, key: dict, compute: Callable[[], dict | None], here: bool = True) -> dict | None:
         """The cell's result (as its file holds it): the committed one when its key matches, else compute() committed
@@ -84,8 +100,9 @@ class Cells:
         if stored is not None and stored["key"] == key:
             self.committed += 1
             self.resumed.append(name)
+            self.record(name, stored["result"])
             return stored["result"] if here else None
-        result = None
+        result, t0 = None, time.perf_counter()
         if here:
             if stored is not None:
                 changed = differing(stored["key"], key)
@@ -98,9 +115,19 @@ class Cells:
                 atomic_write(self.dir / f"{name}.json", json.dumps({"key": key, "result": result}, indent=1) + "\n")
             fault(f"eval:{name}", self.rt.rank)
         self.committed += 1
+        self.computed_s.append(time.perf_counter() - t0)
+        self.record(name, result)
         if runtime.any_rank(self.rt, self.flag.raised):
             self.stop()
         return result
+
+    def record(self, name: str, result: dict | None) -> None:
+        """The cell's record (cells done of total, the ETA, its figures without per-item lists) and a progress line."""
+        left = self.total - self.committed
+        eta = sum(self.computed_s) / len(self.computed_s) * left if self.computed_s else None
+        values = {"cell": name, "cells_done": self.committed, "cells_total": self.total, "eta_s": eta}
+        self.metrics.log(self.committed, values | {"figures": figures(result or {})}, kind="cell")
+        self.metrics.progress(f"{self.committed}/{self.total} cells ({name} done), ETA {duration(eta)}", left == 0)
 
     def between_rounds(self, name: str) -> Callable[[int], bool]:
         """loglik.score's `stop` for cell `name`: whether the ranks agree to stop, after `done` rounds of batches."""
@@ -118,6 +145,7 @@ class Cells:
         n, total = self.committed, self.total
         what = f"evaluation stopped by a signal after {n} of {total} cells; committed cells are in {self.dir}"
         exc = requeue.request(self.run_dir, self.committed, self.dir, self.rt, what=what)
+        self.metrics.close()
         resumed = f" ({len(self.resumed)} resumed)" if self.resumed else ""
         dropped = f"; dropped the cell in progress, {dropped}" if dropped else ""
         self.log(
@@ -127,6 +155,7 @@ class Cells:
         raise exc
 
     def finish(self) -> None:
-        """Logs which cells were resumed (after a requeue)."""
+        """Logs which cells were resumed (after a requeue); the metrics' writers end."""
+        self.metrics.close()
         if self.resumed:
             self.log(f"resumed {len(self.resumed)} of {self.total} cells from {self.dir}: {', '.join(self.resumed)}")

@@ -17,6 +17,7 @@ the stage raises Requeue (the CLI exits with EXIT_REQUEUE).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -30,17 +31,20 @@ from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import fault, throttle
-from ..distributed.deepspeed import clear_gradients, import_deepspeed, quiet, train_config
+from ..distributed.deepspeed import clear_gradients, import_deepspeed, is_partitioned, quiet, train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.replicated import ReplicatedEngine
 from ..errors import ConfigError, FinetuneError
+from ..measure import peak_memory, training_flops
 from ..models.convert import set_modes, set_window
 from ..models.converted import load_converted, load_tokenizer
 from ..plots import curves_png
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
+from ..recipes.ssd import at as ssd_probability
 from ..run.entry import Entry, StageLog, stage_entry
 from ..run.layout import RunLayout
+from ..run.metrics import Metrics, duration
 from ..run.settings import differing, stage2_settings
 from ..run.sources import ModelSource
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
@@ -68,7 +72,12 @@ class Stage2:
     layers: dict = field(default_factory=dict)
     ssd: SSD | None = None
     step: int = 0
-    dropped: int = 0  # layers running la_only in the last step (SSD)
+    dropped: list[int] = field(default_factory=list)  # the layers SSD ran in la_only in the last step
+    ssd_p: float | None = None  # SSD's drop probability in the last step
+    lr: float | None = None  # the learning rate of the last step
+    metrics: Metrics | None = None  # metrics.jsonl, TensorBoard, W&B (rank 0)
+    flops_per_step: float = 0.0  # measure.training_flops of one optimizer step
+    step_s: float | None = None  # a step's wall time, averaged (exponentially) over the steps of this run
     hf_ds: object = None  # transformers' HfDeepSpeedConfig: from_pretrained loads under ZeRO-3 init while it lives
     curves: dict = field(default_factory=lambda: dict(train=[], eval_steps=[], hybrid=[], la_only=[], window=[]))
     stopping: EarlyStopping = field(default_factory=EarlyStopping)
@@ -106,11 +115,13 @@ def _train(entry: Entry) -> Path:
         dynamic_ncols=True,
     )
     s.engine.module.train()
-    with bar:
+    with bar, s.metrics:
         while s.step < f.max_steps and s.stopping.reason is None:
+            t0 = time.perf_counter()
             stop = train_step(s, entry.signal.raised)
+            step_metrics(s, time.perf_counter() - t0)
             bar.update()
-            dropped = {"la_only_layers": s.dropped} if s.ssd else {}
+            dropped = {"la_only_layers": len(s.dropped)} if s.ssd else {}
             bar.set_postfix(loss=f"{s.curves['train'][-1]:.4f}", **dropped)
             fault(f"step:{s.step}", s.rt.rank)
             throttle()
@@ -185,6 +196,10 @@ def start(entry: Entry) -> Stage2:
             f"start: recipe {recipe.name} (trains in {s.mode}), {len(s.named)} trainable tensors, {rt.world} ranks "
             f"(data {rt.dp} x tensor {rt.tp})"
         )
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in s.model.parameters())
+    s.flops_per_step = training_flops(params, f.global_batch * T)
+    # the records up to the step resumed (its checkpoint) stay; those after it went with the work they described
+    s.metrics = Metrics(cfg, "finetune", stage2, rt.main, resumed=s.step, log=s.log)
     return s
 
 
@@ -267,11 +282,13 @@ def train_step(s: Stage2, signalled: bool) -> bool:
         if window:
             set_window(s.model, window)
         modes.update({i: "la_only" for i, drop in s.ssd.drops(s.step, f.max_steps).items() if drop})
+        s.ssd_p = ssd_probability(s.ssd.schedule, s.step / f.max_steps)
     set_modes(s.model, modes)
-    s.dropped = sum(m == "la_only" for m in modes.values())
+    s.dropped = sorted(i for i, m in modes.items() if m == "la_only" and s.mode != "la_only")
     batch = global_batch(s.step, len(s.train_ids), f.global_batch, s.cfg.seed)
     mine = rank_share(batch, rt.dp_rank, rt.dp)  # the ranks of a tensor-parallel group share their micro-batches
     flag = torch.zeros(2, dtype=torch.float64, device=rt.device)  # [loss, signal], summed over the ranks
+    s.lr = float(s.engine.get_lr()[0])  # the rate this step's update uses (the schedule moves after it)
     clear_gradients(s.engine)
     for a in range(s.accumulation):
         ids = s.train_ids[mine[a * f.micro_batch : (a + 1) * f.micro_batch]].to(rt.device)
@@ -287,6 +304,57 @@ def train_step(s: Stage2, signalled: bool) -> bool:
     s.curves["train"].append(loss / rt.world)
     s.curves["window"].append(next(iter(s.layers.values())).window)
     return signals > 0
+
+
+def step_metrics(s: Stage2, step_s: float) -> None:
+    """The step's record (loss, lr, gradient norm, SSD, gamma and rho per layer, tokens/s, TFLOP/s and MFU, peak
+    memory, step time) and, every log.every_s seconds, a progress line with the ETA. Collective (gamma and rho are
+    gathered on every rank); rank 0 writes."""
+    f, rt = s.cfg.finetune, s.rt
+    tokens = f.global_batch * len(s.train_ids[0])
+    s.step_s = step_s if s.step_s is None else 0.9 * s.step_s + 0.1 * step_s
+    norm = s.engine.get_global_grad_norm()
+    values = {
+        "loss": s.curves["train"][-1],
+        "lr": s.lr,
+        "grad_norm": None if norm is None else float(norm),
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "tflops": s.flops_per_step / step_s / 1e12,
+        "steps_total": f.max_steps,
+        "eta_s": s.step_s * (f.max_steps - s.step),
+    }
+    if rt.device.type == "cuda" and s.cfg.launch.gpu_tflops:  # against launch.gpu_tflops per rank, as `plan` assumes
+        values["mfu"] = s.flops_per_step / step_s / (rt.world * s.cfg.launch.gpu_tflops * 1e12)
+    values |= peak_memory(rt.device)
+    if s.ssd:
+        values |= {"ssd_p": s.ssd_p, "ssd_dropped": s.dropped}
+    values |= hybrid_values(s)
+    s.metrics.log(s.step, values)
+    memory = f", {values['device_peak_gb']:.1f} GB device peak" if "device_peak_gb" in values else ""
+    s.metrics.progress(
+        f"step {s.step}/{f.max_steps}: loss {values['loss']:.4f}, {values['tokens_per_s']:.0f} tokens/s, "
+        f"{values['host_peak_gb']:.1f} GB host peak{memory}, ETA {duration(values['eta_s'])}",
+        force=s.step == f.max_steps,
+    )
+
+
+def hybrid_values(s: Stage2) -> dict[str, list[float]]:
+    """gamma (and rho, with a decaying LA) of every hybrid layer, averaged over its heads: gathered under ZeRO-3, the
+    tensor-parallel group's heads averaged. Collective."""
+    layers = [m for _, m in sorted(s.layers.items())]
+    own = [p for m in layers for n, p in m.hybrid_parameters() if n in ("gamma_logit", "la_decay_rho")]
+    partitioned = [p for p in own if is_partitioned(p)]
+    whole = import_deepspeed().zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext()
+    with whole, torch.no_grad():
+        gamma = [tensor_parallel.local(m.gamma).float().mean() for m in layers]
+        rho = [tensor_parallel.local(m.la_decay).float().mean() for m in layers if m.la_decay is not None]
+        values = torch.stack(gamma + rho).to(s.rt.device)
+    if s.rt.tp > 1:  # each rank holds as many heads: the mean of the ranks' means
+        runtime.all_reduce(s.rt, values, group=tensor_parallel.tp_group(s.rt), size=s.rt.tp)
+        values /= s.rt.tp
+    values = values.tolist()
+    return {"gamma": values[: len(gamma)], **({"rho": values[len(gamma) :]} if rho else {})}
 
 
 def _non_finite(s: Stage2, loss: float) -> None:
@@ -326,6 +394,8 @@ def evaluate_heldout(s: Stage2) -> None:
         s.stopping.reason = s.stopping.verdict(f.patience, f.la_margin)
         if s.stopping.reason:
             s.log(f"early stop at step {step}: {s.stopping.reason}")
+    stopping = {k: v for k, v in asdict(s.stopping).items() if v is not None}
+    s.metrics.log(step, {"hybrid": h, "la_only": la, "improved": improved, **stopping}, kind="heldout")
 
 
 def finish(s: Stage2) -> Path:

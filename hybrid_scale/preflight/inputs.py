@@ -16,6 +16,7 @@ from ..distributed.checkpoint import check_destination, is_export
 from ..errors import ConfigError, InputError
 from ..models import streaming
 from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME
+from ..run.metrics import check_packages
 from ..run.resolved import Resolved
 from ..run.sources import ModelSource, check_stage_model, stage_model
 
@@ -233,6 +234,7 @@ def check(cfg, stage: str, r: Resolved) -> None:
     """The inputs `stage` reads from the user, all checked before it writes anything; r.model is the model it reads
     (run/sources.stage_model)."""
     check_run_dir(cfg)
+    check_packages(cfg)
     model = r.model
     if stage == "distill":
         config = check_base_model(model.path, "model.path")
@@ -271,6 +273,7 @@ def check_ahead(cfg, stages: list[str], r: Resolved) -> None:
     """Before a pipeline: the inputs of every stage still to run that exist already (the later stages' models do
     not yet), so that a doomed stage stops the run before anything is written."""
     check_run_dir(cfg)
+    check_packages(cfg)
     if "distill" in stages:
         check(cfg, "distill", Resolved(r.layout, r.derived, stage_model(cfg, "distill", r.layout)))
     if "finetune" in stages:

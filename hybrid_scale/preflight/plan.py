@@ -22,6 +22,7 @@ from ..data.batches import units_per_step
 from ..distributed import tensor_parallel
 from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
+from ..measure import training_flops
 from ..models import streaming
 from ..run.resolved import Resolved
 from . import inputs
@@ -379,7 +380,7 @@ def _stage2(p: Plan, cfg, sh: Shape, r: Resolved) -> tuple[float, float, float, 
         ("stage 2", "checkpoint size", f"{_gb(ckpt)} per step dir (fp32 weights + AdamW moments; no base)"),
         ("stage 2", "CPU offload", "on (weights and optimizer state in host memory)" if f.offload else "off"),
     ]
-    return s2_mem, ckpt, 6 * c["total"] * tokens2, tokens2
+    return s2_mem, ckpt, training_flops(c["total"], tokens2), tokens2
 
 
 def _load(p: Plan, cfg, sh: Shape, base: Path | None) -> None:

@@ -8,6 +8,7 @@ overrides are followed."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -15,7 +16,7 @@ from omegaconf import OmegaConf
 from ..config import load_config
 from ..distributed.checkpoint import MARKER, PARTIAL_TAG, is_export
 from ..distributed.requeue import REQUEUE_MARKER
-from . import lock
+from . import lock, metrics
 from .layout import CONFIG_NAME, RUN_CONFIG, RunLayout
 
 
@@ -56,7 +57,7 @@ def _stage1(layout: RunLayout) -> str:
     if (layout.stage1_output / CONFIG_NAME).is_file():
         return f"stage 1: done ({len(committed)} layers committed, converted model in stage1/converted)"
     last = ", ".join(map(str, committed[-3:])) or "none"
-    return f"stage 1: {len(committed)} layer(s) committed (the last: {last})"
+    return f"stage 1: {len(committed)} layer(s) committed (the last: {last})" + _metrics(stage1)
 
 
 def _stage2(layout: RunLayout) -> str:
@@ -68,7 +69,7 @@ def _stage2(layout: RunLayout) -> str:
     output = layout.stage2_output
     if output.is_symlink() and (output / CONFIG_NAME).is_file():
         return f"stage 2: done, output -> {output.resolve().name} (checkpoints: {saved})"
-    return f"stage 2: running or stopped (checkpoints: {saved})"
+    return f"stage 2: running or stopped (checkpoints: {saved})" + _metrics(stage2)
 
 
 def _evaluate(layout: RunLayout) -> str:
@@ -78,7 +79,20 @@ def _evaluate(layout: RunLayout) -> str:
         return f"evaluate: done, verdict: {verdict} ({out})"
     if not out.is_dir():
         return "evaluate: not started"
-    return f"evaluate: {len(list((out / 'cells').glob('*.json')))} cell(s) committed ({out})"
+    return f"evaluate: {len(list((out / 'cells').glob('*.json')))} cell(s) committed ({out})" + _metrics(out, "cell")
+
+
+def _metrics(directory: Path, kind: str = "step") -> str:
+    """A running stage's last metrics (run/metrics.py): step of total, loss, tokens/s, ETA, and when it was logged."""
+    r = metrics.last(directory / metrics.FILE, kind)
+    if r is None:
+        return ""
+    if kind == "cell":
+        what = f"cell {r['cells_done']}/{r['cells_total']} ({r['cell']})"
+    else:
+        what = f"step {r['step']}/{r.get('steps_total', '?')}, loss {r['loss']:.4f}, {r['tokens_per_s']:.0f} tokens/s"
+    when = time.strftime("%H:%M:%S", time.localtime(r["time"]))
+    return f"\n  last metrics ({when}): {what}, ETA {metrics.duration(r.get('eta_s'))}"
 
 
 def _export(layout: RunLayout) -> str:

@@ -77,6 +77,10 @@ def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, t
     figure = tmp_path / "qs" / "eval" / "long_context.png"
     assert f"Figure (retrieval and perplexity past the window): {figure.resolve()}" in out and figure.is_file()
     assert f"Run directory: {(tmp_path / 'qs').resolve()}" in out
+    assert f"tensorboard --logdir {(tmp_path / 'qs').resolve()}" in out  # each stage's events are under it
+    assert (tmp_path / "qs" / "stage2" / "tensorboard").is_dir() and (
+        tmp_path / "qs" / "eval" / "metrics.jsonl"
+    ).is_file()
     assert (tmp_path / "qs" / "export" / "COMMITTED").is_file() and (tmp_path / "qs" / "config.yaml").is_file()
     card = (tmp_path / "qs" / "export" / "README.md").read_text()  # the model card carries the figure and the probe
     assert "![retrieval and perplexity past the window](balance/long_context.png)" in card and "Passkey" in card

@@ -75,6 +75,7 @@ LAUNCH_SCRIPTS = ("launch/torchrun.sh", "launch/deepspeed.sh")
 # test); a command they wrap is checked on its own.
 PARSED_ONLY = ("srun", "sbatch", "pip", "git", "bash", "pytest", ".venv/bin/pytest")
 KNOWN = (*HYBRID_SCALE, *PYTHONS, *LAUNCH_SCRIPTS, *PARSED_ONLY, "torchrun", "deepspeed", "make")
+KNOWN += ("tensorboard", "wandb")
 # Placeholders of the prose (`hybrid-scale plan CONFIG`): what the test puts in their place.
 CONFIG_EXAMPLE = "quickstart.yaml"  # "a YAML file (or a preset name ...)"
 SECTIONS = tuple(k for k, v in OmegaConf.structured(Config).items() if isinstance(v, DictConfig))  # model, ...
@@ -381,6 +382,26 @@ def check(words: list[str], cmd: Command, files: dict[str, str]) -> None:
         if shutil.which("make"):  # a dry run: prints the recipe, runs nothing
             r = subprocess.run(["make", "-n", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, f"{cmd}\nmake -n: {r.stderr}"
+    elif prog == "tensorboard":  # its own flag parser (absl): the flags exist and take these values
+        from tensorboard import program
+
+        try:
+            program.TensorBoard().configure(argv=["tensorboard", *args])
+        except (SystemExit, ValueError) as e:
+            pytest.fail(f"{cmd}\ntensorboard rejects {args}: {e}")
+    elif prog == "wandb":  # its own command line (click): the subcommand exists and takes these arguments
+        import click
+        from wandb.cli.cli import cli
+
+        try:
+            ctx = cli.make_context("wandb", list(args), resilient_parsing=False)
+            name, sub, rest = cli.resolve_command(ctx, [*ctx.protected_args, *ctx.args])
+            sub.make_context(name, rest, parent=ctx)
+        except click.BadParameter as e:  # a run's folder a test machine has not made: the rest parsed
+            if not ("does not exist" in e.format_message() and "runs/" in e.format_message()):
+                pytest.fail(f"{cmd}\nwandb rejects {args}: {e.format_message()}")
+        except click.ClickException as e:
+            pytest.fail(f"{cmd}\nwandb rejects {args}: {e.format_message()}")
     elif prog in LAUNCH_SCRIPTS:
         script = ROOT / prog
         assert script.is_file() and os.access(script, os.X_OK), f"{cmd}\n{script} is not an executable file"

@@ -5,6 +5,7 @@ written, then the runtime, the lock, the signal flag, the requeue marker cleared
 own tests (tests/integration) run every stage through it; test_pipeline counts the hybrid_config.json reads of a
 whole run."""
 
+import importlib.util
 import json
 import signal
 
@@ -14,7 +15,7 @@ from conftest import tiny_model
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed.requeue import REQUEUE_MARKER, SignalFlag
-from hybrid_scale.errors import InputError
+from hybrid_scale.errors import ConfigError, InputError
 from hybrid_scale.run import entry as entry_module
 from hybrid_scale.run import lock, sources
 from hybrid_scale.run.entry import stage_entry
@@ -127,3 +128,17 @@ def test_a_stage_entry_holds_the_lock_flag_and_log_and_clears_the_requeue_marker
         assert entry.rt.main and entry.derived == derive(cfg) and entry.model.path == entry.resolved.model.path
     assert not lock.lock_path(run).exists() and signal.getsignal(signal.SIGUSR1) != SignalFlag._on_signal
     assert (run / "stage1" / "log.txt").read_text().endswith(" a line\n")
+
+
+@pytest.mark.parametrize("key, package", [("log.wandb=project", "wandb"), ("log.tensorboard=true", "tensorboard")])
+def test_a_logger_without_its_package_is_refused_before_anything_is_written(
+    converted, tmp_path, monkeypatch, key, package
+):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[f"run_dir={run}", f"model.path={converted / 'base'}", key])
+    with pytest.raises(ConfigError, match=rf"config key '{key.split('=')[0]}': .*needs the {package} package"):
+        with stage_entry(cfg, "distill"):
+            raise AssertionError("the body ran")
+    assert not run.exists()
