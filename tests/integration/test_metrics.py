@@ -67,6 +67,9 @@ def test_stage_metrics_reach_every_sink_once_per_step_through_a_kill_and_resume(
     layers = records(run / "stage1" / "metrics.jsonl", "layer")
     assert [(r["step"], r["layers_left"]) for r in layers] == [(2, 1), (4, 0)] and layers[-1]["eta_s"] == 0
     assert [s for s, _ in tensorboard(run / "stage1" / "tensorboard", "distill/step/loss")] == [1, 2, 3, 4]
+    history1 = sorted((step, items["distill/step/loss"]) for _, step, items in wandb_history(run / "stage1")
+                      if "distill/step/loss" in items)  # fmt: skip
+    assert history1 == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in steps1]
 
     # stage 2 on 2 ranks, SIGKILLed after step 3 (checkpoints every 2 steps), then resumed from step 2
     killed = procs.run(["finetune", *args], {**WANDB, "HYBRID_SCALE_FAULT": "step:3"}, ranks=2)
@@ -94,3 +97,13 @@ def test_stage_metrics_reach_every_sink_once_per_step_through_a_kill_and_resume(
     logged = sorted((step, items["finetune/step/loss"]) for _, step, items in history if "finetune/step/loss" in items)
     assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in logged] == pytest.approx(curves["train"], rel=1e-6)
+
+    # the evaluation: one record per cell, cells done of total, the ETA; the same in TensorBoard
+    ev = procs.run(["evaluate", *args, "log.wandb=null"], WANDB)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    cells = records(run / "eval" / "metrics.jsonl", "cell")
+    total = cells[0]["cells_total"]
+    assert [r["cells_done"] for r in cells] == list(range(1, total + 1)) and cells[-1]["eta_s"] == 0
+    assert cells[0]["cell"] == "base.piqa" and "metric" in cells[0]["figures"]
+    cells_tb = tensorboard(run / "eval" / "tensorboard", "evaluate/cell/cells_done")
+    assert [int(v) for _, v in cells_tb] == list(range(1, total + 1))
