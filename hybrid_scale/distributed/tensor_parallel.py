@@ -134,6 +134,11 @@ def _mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
+def forget_meshes() -> None:
+    """Drop the meshes made so far: they belong to a process group that is ending (the dry run's fake one)."""
+    _mesh.cache_clear()
+
+
 def mesh(rt: Runtime) -> DeviceMesh:
     """The 2-D mesh (data x tensor) of this job: ranks r*tp .. r*tp+tp-1 form tensor-parallel group r. (A dry run's
     meta device gets a cpu mesh: its fake process group moves nothing.)"""

@@ -89,7 +89,7 @@ def dry_run(cfg) -> dict:
     finally:
         masking.find_packed_sequence_indices = find_packed
         dist.destroy_process_group()
-        tensor_parallel._mesh.cache_clear()
+        tensor_parallel.forget_meshes()
     planned = plan_module.plan(cfg).figures
     return {
         stage: {"measured": m, "plan": planned.get(stage, {}), "rows": compare(m, planned.get(stage, {}))}
