@@ -476,7 +476,10 @@ def test_nan_loss_stops_at_its_step_and_keeps_the_committed_checkpoints(setup, t
     assert f"hybrid-scale finetune: error: {msg}\n" in proc.stderr
     assert msg in (stage2 / "log.txt").read_text()
     assert [p.name for p in committed_steps(stage2)] == ["step_00000002", "step_00000003"]  # hashes still match
-    assert sorted(p.name for p in stage2.iterdir()) == ["log.txt", "step_00000002", "step_00000003"]
+    logs = ["log.txt", "metrics.jsonl", "tensorboard"]  # the logs (run/metrics.py: TensorBoard is installed here)
+    assert sorted(p.name for p in stage2.iterdir()) == sorted([*logs, "step_00000002", "step_00000003"])
+    logged = [json.loads(line) for line in (stage2 / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3]  # no record of the non-finite step
     state = json.loads((stage2 / "step_00000003" / "state.json").read_text())
     assert state["step"] == 3 and all(math.isfinite(x) for x in state["curves"]["train"])
 
