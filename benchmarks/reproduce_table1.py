@@ -300,7 +300,7 @@ def table(rows: dict[str, dict], b: dict, code: str) -> str:
         "ROW=<row>` (within an hour of 2 CPU cores, its stage 1 included: the last column); `make reproduce` runs "
         "the rows that are missing or stale, then writes this table.",
         "",
-        "Accuracy in points (the reported metric per task, AVG over tasks); dSWA = hybrid - la_only, dLA = la_only - "
+        "Accuracy in points (the reported metric per task, AVG over tasks); dSWA = hybrid - swa_only, dLA = la_only - "
         "none (95% CIs, paired bootstrap). Beyond the window: held-out tokens at positions >= "
         f"{w}; NLL gain in nats/token with its 95% CI (positive: the hybrid is better). A row is stale when the "
         "attention or recipe code (or the budget) changed after it ran: it is shown, marked, and `make reproduce` "
