@@ -1,4 +1,4 @@
-"""docs/reference/config.md, generated from the config dataclasses of `config.py` and the comments on their fields.
+"""docs/reference/config.md, generated from the dataclasses of `config/schema.py` and the comments on their fields.
 
 A field's description is its trailing comment plus any comment lines directly above it; every key must have one.
 `make docs` (= `python -m hybrid_scale.config_reference docs/reference/config.md`) rewrites the page, and
@@ -15,12 +15,12 @@ import sys
 import tokenize
 from pathlib import Path
 
-from . import config as config_module
 from .config import Config
+from .config import schema as config_module
 
 HEADER = """# Configuration reference
 
-Generated from `hybrid_scale/config.py` by `make docs`; do not edit by hand (a test fails when this page is stale).
+Generated from `hybrid_scale/config/schema.py` by `make docs`; do not edit by hand (a test fails when it is stale).
 A config is YAML (`defaults: [...]` pulls in presets first) plus `key=value` overrides on the command line, e.g.
 `hybrid-scale pipeline models/llama3-8b.yaml attention.window=32`. `hybrid-scale STAGE --help` lists the sections a
 stage reads; `hybrid-scale config CONFIG` prints the resolved config.
@@ -37,7 +37,7 @@ def _comments(source: str) -> dict[int, str]:
 
 
 def field_docs(source: str) -> dict[str, dict[str, tuple[str, str]]]:
-    """{class name: {field: (annotation, description)}} from the source of config.py."""
+    """{class name: {field: (annotation, description)}} from the source of config/schema.py."""
     comments = _comments(source)
     lines = source.splitlines()
     out: dict[str, dict[str, tuple[str, str]]] = {}

@@ -45,7 +45,7 @@ from ..models.converted import (
     load_converted,
     load_tokenizer,
 )
-from ..preflight import plan
+from ..preflight import costs, shape
 from ..run.entry import Entry, stage_entry
 from ..run.sources import ModelSource
 from . import balance, loglik, report, retrieval
@@ -335,7 +335,7 @@ def _first_line(cfg, config, models) -> str:
     what = f"{count_cells(e)} cells: {len(e.modes)} mode(s) x {len(e.tasks)} task(s)"
     if e.ppl_sequences:
         what += f", perplexity in {len(e.modes)} mode(s)" + (", the LA share" if e.la_share_seq_len else "")
-    probe = plan.passkey_estimate(cfg, plan.counts(config.to_dict())["total"], _probe_lead(cfg, models))
+    probe = costs.passkey_estimate(cfg, shape.counts(config.to_dict())["total"], _probe_lead(cfg, models))
     return what + (f"; passkey probe: {probe}" if probe else "; no passkey probe")
 
 

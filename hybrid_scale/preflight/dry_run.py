@@ -46,6 +46,7 @@ from ..models import streaming
 from ..models.convert import convert_model
 from ..run.settings import Derived, derive
 from . import plan as plan_module
+from . import shape
 
 TOLERANCE = 0.10  # the dry run and plan agree within this, or the dry run says which figure does not
 
@@ -61,7 +62,7 @@ def dry_run(cfg) -> dict:
         raise RuntimeError("the dry run starts its own (fake) process group; run it in a process without one")
     lc = cfg.launch
     world, tp = lc.nodes * lc.procs_per_node, lc.tensor_parallel
-    arch, _ = plan_module.architecture(cfg)
+    arch, _ = shape.architecture(cfg)
     if not arch:
         raise ConfigError("config key 'model.path': the dry run needs the model's config.json or model.arch")
     dtype = getattr(torch, cfg.model.dtype)

@@ -9,7 +9,7 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
 
 
 def test_every_config_key_has_a_comment():
-    assert config_reference.undocumented() == [], "add a comment to these fields in hybrid_scale/config.py"
+    assert config_reference.undocumented() == [], "add a comment to these fields in hybrid_scale/config/schema.py"
 
 
 def test_the_reference_page_is_current():

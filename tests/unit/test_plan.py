@@ -18,9 +18,10 @@ from hybrid_scale.distributed.environment import first_host
 from hybrid_scale.distributed.slurm import render
 from hybrid_scale.export.stage import export
 from hybrid_scale.pipeline import pipeline
-from hybrid_scale.preflight import plan as plan_module
+from hybrid_scale.preflight import shape as shape_module
 from hybrid_scale.preflight.inputs import InputError
-from hybrid_scale.preflight.plan import counts, plan, preflight
+from hybrid_scale.preflight.plan import plan, preflight
+from hybrid_scale.preflight.shape import counts
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["smollm2-135m", "llama3-8b", "llama3-70b", "mistral-7b", "qwen2.5-7b"]
@@ -53,7 +54,7 @@ def test_preset_builds_and_converts_on_the_meta_device(name):
 @pytest.fixture
 def big_disk(monkeypatch):
     """10 TB free wherever the plan looks (this machine's disk is smaller than a 70B export)."""
-    monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 10**13})())
+    monkeypatch.setattr(shape_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 10**13})())
 
 
 # Llama-3-70B as published (config.json of meta-llama/Meta-Llama-3-70B): the figures below are worked out from these
@@ -173,7 +174,7 @@ def test_evaluate_and_export_run_the_preflight_on_their_own_inputs(tmp_path, mon
     cfg = load_config(overrides=[*common, f"export.model={tmp_path / 'converted'}"])
     p = preflight(cfg, "export")  # the input's own architecture, although model.path is a placeholder
     assert dict(((s, q), v) for s, q, v in p.rows)[("model", "architecture")] == f"llama ({base / 'config.json'})"
-    monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
+    monkeypatch.setattr(shape_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     with pytest.raises(ConfigError, match=r"^preflight \(export\): .* has 0\.00 GB free but the export needs ~0\.0"):
         export(cfg)  # refused before anything is written
     assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / "export.partial").exists()
@@ -195,7 +196,7 @@ def test_pipeline_stops_before_stage_1_when_a_later_stage_is_doomed(tiny_run_mod
     small.mkdir()
     free = {True: 1000, False: 10**13}
     monkeypatch.setattr(
-        plan_module.shutil,
+        shape_module.shutil,
         "disk_usage",
         lambda path: type("U", (), {"free": free[str(path).startswith(str(small))]})(),
     )
