@@ -1,8 +1,9 @@
 """What a run shows while it runs (hybrid_scale/run/metrics.py) on the tiny model: stage 1 and stage 2 (2 ranks) write
 their per-step records to metrics.jsonl, TensorBoard (read back with tensorboard's EventAccumulator) and an offline
-W&B run (read back from its .wandb file with wandb's own protobuf records); rank 0 alone writes; a stage 2 killed
-after a step and resumed from its last checkpoint holds every step exactly once everywhere; `status` shows the
-stopped stage's last metrics. (A missing logger package: tests/unit/test_run_entry.py.)"""
+W&B run (read back from its .wandb file with wandb's own protobuf records); rank 0 alone writes; a stage 1 killed
+mid-layer and a stage 2 killed after a step, each resumed from its last commit, hold every step exactly once
+everywhere; an evaluation stopped after a cell and rerun holds every cell once; `status` shows the stopped stage's
+last metrics. (A missing logger package: tests/unit/test_run_entry.py.)"""
 
 import json
 import struct
@@ -59,8 +60,13 @@ def wandb_history(directory):
 def test_stage_metrics_reach_every_sink_once_per_step_through_a_kill_and_resume(tiny_run_model, tmp_path):
     run = tmp_path / "run"
     args = [*tiny_run_overrides(tiny_run_model, run), "log.tensorboard=true", "log.wandb=hybrid-scale-test"]
+    # stage 1, SIGKILLed after its step 3 (layer 1's first, logged but not committed), then resumed at layer 1
+    killed1 = procs.run(["distill", *args], {**WANDB, "HYBRID_SCALE_FAULT": "train:1:0"})
+    assert killed1.returncode != 0
+    assert [r["step"] for r in records(run / "stage1" / "metrics.jsonl")] == [1, 2, 3]
     s1 = procs.run(["distill", *args], WANDB)
     assert s1.returncode == 0, s1.stderr[-3000:]
+    assert "start at layer 1 of 2" in (run / "stage1" / "log.txt").read_text()
     steps1 = records(run / "stage1" / "metrics.jsonl")
     assert [r["step"] for r in steps1] == [1, 2, 3, 4]  # 2 layers x (8 sequences / batch 4) x 1 epoch
     assert [r["layer"] for r in steps1] == [0, 0, 1, 1] and all(r["tokens_per_s"] > 0 for r in steps1)
@@ -98,7 +104,11 @@ def test_stage_metrics_reach_every_sink_once_per_step_through_a_kill_and_resume(
     assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in logged] == pytest.approx(curves["train"], rel=1e-6)
 
-    # the evaluation: one record per cell, cells done of total, the ETA; the same in TensorBoard
+    # one record per cell, cells done of total, the ETA; the same in TensorBoard
+    # the evaluation, stopped by USR1 after its first cell (exit 75, the requeue), then rerun
+    stopped = procs.run(["evaluate", *args, "log.wandb=null"], {**WANDB, "HYBRID_SCALE_FAULT": "eval:base.piqa@USR1"})
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert [r["cells_done"] for r in records(run / "eval" / "metrics.jsonl", "cell")] == [1]
     ev = procs.run(["evaluate", *args, "log.wandb=null"], WANDB)
     assert ev.returncode == 0, ev.stderr[-3000:]
     cells = records(run / "eval" / "metrics.jsonl", "cell")
