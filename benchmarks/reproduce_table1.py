@@ -15,7 +15,9 @@ A row writes docs/results/reproduce/<row>.json: its budget and settings, every f
 evaluation's results.json without its per-item and per-trial lists), the stage times, the commit it ran on and a
 hash of the code it measured (CODE: the attention and the recipes). A row is stale when that hash or the budget
 differs from the current ones; the table marks it and `make reproduce` runs it again. A row killed at any point
-resumes when rerun: every stage resumes or is skipped when finished (the run directories are under --run-root).
+resumes when rerun: every stage resumes or is skipped when finished. The run directories are under
+--run-root/<budget>-<code hash>, so a stale row runs again from scratch rather than reusing stages measured on other
+code; a row whose code changes while it runs is refused (no row file).
 """
 
 from __future__ import annotations
@@ -155,8 +157,15 @@ def evaluation(b: dict) -> list[str]:
     ]
 
 
-def run_row(row: str, b: dict, root: Path, model: list[str]) -> dict:
-    """One row end to end (each stage resumed or skipped when finished); returns the row's record."""
+def measured_root(run_root: Path, budget: str, code: str) -> Path:
+    """Where a row's stages run: one directory per budget and code hash, so that a stage finished on other code or at
+    another budget (its wall time, its results) is never taken for this one: a stale row runs again from scratch."""
+    return run_root / f"{budget}-{code[:12]}"
+
+
+def run_row(row: str, b: dict, root: Path, model: list[str], code: str) -> dict:
+    """One row end to end (each stage resumed or skipped when finished) under `root` (measured_root); returns the
+    row's record, refused when the measured code changed while it ran."""
     common = [*model, f"attention.window={b['window']}", "seed=0"]
     modes = [f"eval.modes=[{','.join(MODES)}]", f"eval.passkey_modes=[{','.join(m for m in MODES if m != 'none')}]"]
     settings, times = {}, {}
@@ -165,7 +174,7 @@ def run_row(row: str, b: dict, root: Path, model: list[str]) -> dict:
         base = ["eval.modes=[base]", "eval.passkey_modes=[base]", "eval.la_share_seq_len=0", f"run_dir={run}"]
         settings["evaluate"] = [*common, *evaluation(b), *base]
         times["eval"] = timed(run, "eval", lambda: hybrid_scale("evaluate", *settings["evaluate"]))
-        return record(row, b, settings, times, run / "eval" / "results.json", None)
+        return record(row, b, settings, times, run / "eval" / "results.json", None, code)
     recipe, variant = split(CALIBRATED.split("+")[0] if row == CALIBRATED else row)
     extra = OVERRIDES[variant]
     objective = RECIPE_TABLE[recipe].objective
@@ -219,14 +228,19 @@ def run_row(row: str, b: dict, root: Path, model: list[str]) -> dict:
     where = [f"eval.model={model_dir}", f"eval.out_dir={out}", f"run_dir={run}"]
     settings["evaluate"] = [*common, *extra, *evaluation(b), *modes, *where]
     times["eval"] = timed(run, name, lambda: hybrid_scale("evaluate", *settings["evaluate"]))
-    return record(row, b, settings, times, out / "results.json", curves)
+    return record(row, b, settings, times, out / "results.json", curves, code)
 
 
-def record(row: str, b: dict, settings: dict, times: dict, results: Path, curves: dict | None) -> dict:
+def record(row: str, b: dict, settings: dict, times: dict, results: Path, curves: dict | None, code: str) -> dict:
+    if code_hash() != code:
+        raise SystemExit(
+            f"reproduce: the code the row {row} measures ({', '.join(CODE)}) changed while it ran; its row file is "
+            "not written. Commit or undo the change, then run the row again (it starts over on the new code)."
+        )
     return {
         "row": row,
         "commit": commit(),
-        "code_hash": code_hash(),
+        "code_hash": code,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "budget": b,
         "settings": {stage: [o for o in opts if not o.startswith(LOCAL)] for stage, opts in settings.items()},
@@ -394,7 +408,7 @@ def main(argv=None) -> int:
     todo = [] if a.table else [a.row] if a.row else [r for r in ROWS if r not in rows or stale(rows[r], b, code)]
     for name in todo:
         print(f"reproduce: row {name}", flush=True)
-        r = run_row(name, b, Path(a.run_root), model)
+        r = run_row(name, b, measured_root(Path(a.run_root), a.budget, code), model, code)
         rows_dir.mkdir(parents=True, exist_ok=True)
         path = rows_dir / f"{name}.json"
         path.with_suffix(".tmp").write_text(json.dumps(r, indent=1) + "\n")

@@ -29,13 +29,15 @@ def test_make_reproduce_runs_a_row_resumes_it_after_a_kill_and_tables_it(tiny_ru
     )
     killed = make("ROW=lolcats", f"ARGS={args}", env_extra={"HYBRID_SCALE_FAULT": "step:2"})  # SIGKILL in stage 2
     assert killed.returncode != 0 and not (rows / "lolcats.json").exists()
-    assert (tmp_path / "runs" / "stage1_hybrid_output_mse" / "wall_stage1.json").is_file()  # stage 1 finished
+    (measured,) = (tmp_path / "runs").iterdir()  # runs/<budget>-<code hash>
+    assert measured.name.startswith("tiny-") and (measured / "stage1_hybrid_output_mse" / "wall_stage1.json").is_file()
     again = make("ROW=lolcats", f"ARGS={args}")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step_00000001" in (tmp_path / "runs" / "lolcats" / "stage2" / "log.txt").read_text()
+    assert "resumed from step_00000001" in (measured / "lolcats" / "stage2" / "log.txt").read_text()
     row = json.loads((rows / "lolcats.json").read_text())
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert row["row"] == "lolcats" and row["commit"].startswith(head) and len(row["code_hash"]) == 64
+    assert measured.name == f"tiny-{row['code_hash'][:12]}"
     assert set(row["times_s"]) == {"stage1", "stage2", "eval"} and row["budget"]["steps"] == 2
     assert "finetune.recipe=lolcats" in row["settings"]["finetune"] and "run_dir" not in json.dumps(row["settings"])
     r = row["results"]

@@ -45,3 +45,23 @@ def test_a_row_whose_code_hash_no_longer_matches_is_marked_stale(tmp_path):
     other = mod.table({"base": row | {"budget": {**b, "steps": 1}}}, b, mod.code_hash())
     assert "**stale** (another budget)" in other
     assert "| lolcats | not run |" in current
+
+
+def test_a_stale_row_runs_again_from_scratch_and_a_row_whose_code_changes_while_it_runs_is_refused(tmp_path):
+    """The run directories are per budget and code hash: a finished stage of other code (its wall time and results,
+    which the row would otherwise reuse) is never taken for the current code."""
+    mod = reproduce()
+    code = mod.code_hash()
+    here = mod.measured_root(tmp_path, "default", code)
+    assert here != mod.measured_root(tmp_path, "default", "0" * 64) != mod.measured_root(tmp_path, "tiny", "0" * 64)
+    assert here.parent == tmp_path and here.name == f"default-{code[:12]}"
+    results = tmp_path / "results.json"
+    results.write_text('{"modes": {}, "verdict": "n/a"}')
+    row = mod.record("base", mod.BUDGETS["default"], {}, {"eval": 1.0}, results, None, code)
+    assert row["code_hash"] == code
+    try:
+        mod.record("base", mod.BUDGETS["default"], {}, {"eval": 1.0}, results, None, "0" * 64)
+    except SystemExit as e:
+        assert "changed while it ran; its row file is not written" in str(e)
+    else:
+        raise AssertionError("a row measured on other code was recorded")
