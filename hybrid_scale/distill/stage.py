@@ -71,11 +71,11 @@ def distill(cfg) -> Path:
             params, losses = transfer(s, i, layer, current)
             if i + 1 < s.n_layers:
                 advance(s, i, layer, current, other)
+            times.append(time.perf_counter() - t0)
+            layer_metrics(s, i, losses, times)  # before the commit: a kill between the two drops it with the layer
             commit_layer(s, i, params, losses, other)
             current = other
-            times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            layer_metrics(s, i, losses, times)
             if i + 1 < s.n_layers and runtime.any_rank(s.rt, entry.signal.raised):
                 s.log(f"signal: layer {i} is committed, exiting for a requeue")
                 raise requeue.request(

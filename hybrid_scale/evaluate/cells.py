@@ -87,8 +87,9 @@ class Cells:
         stored = {p.stem: json.loads(p.read_text()) for p in sorted(self.dir.glob("*.json"))} if rt.main else None
         self.stored = runtime.gather_objects(rt, stored)[0]
         self.committed, self.resumed = 0, []
-        # one record per cell at its place in the order (a resumed cell's record is there already)
-        self.metrics = Metrics(entry.cfg, "evaluate", entry.layout.eval, rt.main, log=entry.log)
+        # one record per cell at its place in this run's order, every run writing them all again (resumed=0: the
+        # earlier run's records and events go), so that a recomputed cell's record is its new result
+        self.metrics = Metrics(entry.cfg, "evaluate", entry.layout.eval, rt.main, resumed=0, log=entry.log)
         self.computed_s: list[float] = []  # the cells computed in this run: their times, for the ETA
 
     def result(self, name: str, key: dict, compute: Callable[[], dict | None], here: bool = True) -> dict | None:

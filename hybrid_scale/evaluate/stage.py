@@ -200,38 +200,41 @@ def _evaluate(entry: Entry) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = model_key(cfg, source, window, rt.device)
     cells = Cells(entry, total=count_cells(e))
-    cells.log(_first_line(cfg, config, models))
-    for mode in e.modes if e.tasks else ():  # (eval.tasks=[]: the held-out text and the probe only)
-        if twin := models.twin(mode, results["modes"]):
-            results["modes"][mode] = results["modes"][twin]
-            cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its task scores are {twin}'s")
-            continue
+    try:
+        cells.log(_first_line(cfg, config, models))
+        for mode in e.modes if e.tasks else ():  # (eval.tasks=[]: the held-out text and the probe only)
+            if twin := models.twin(mode, results["modes"]):
+                results["modes"][mode] = results["modes"][twin]
+                cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its task scores are {twin}'s")
+                continue
+            t0 = time.perf_counter()
+            per_task = {}
+            for task in e.tasks:
+                name = f"{mode}.{task}"
+                key = {**common, "mode": mode, "task": task, "limit": e.limit, "data_dir": str(data_dir.resolve())}
+                key |= {"batch_size": e.batch_size, "requests": requests[task].digest}
+                stop = cells.between_rounds(name)
+                per_task[task] = cells.result(
+                    name, key, partial(_score_task, models, mode, requests[task], pad_id, cfg, rt, stop)
+                )
+            per_task["avg"] = sum(per_task[t]["metric"] for t in e.tasks) / len(e.tasks)
+            results["modes"][mode] = per_task
+            results["timings_s"][mode] = time.perf_counter() - t0
+        _deltas(results, e.tasks, cfg)
+        if models.split:
+            results["tensor_parallel_split"] = dict(models.split)
         t0 = time.perf_counter()
-        per_task = {}
-        for task in e.tasks:
-            name = f"{mode}.{task}"
-            key = {**common, "mode": mode, "task": task, "limit": e.limit, "data_dir": str(data_dir.resolve())}
-            key |= {"batch_size": e.batch_size, "requests": requests[task].digest}
-            stop = cells.between_rounds(name)
-            per_task[task] = cells.result(
-                name, key, partial(_score_task, models, mode, requests[task], pad_id, cfg, rt, stop)
-            )
-        per_task["avg"] = sum(per_task[t]["metric"] for t in e.tasks) / len(e.tasks)
-        results["modes"][mode] = per_task
-        results["timings_s"][mode] = time.perf_counter() - t0
-    _deltas(results, e.tasks, cfg)
-    if models.split:
-        results["tensor_parallel_split"] = dict(models.split)
-    t0 = time.perf_counter()
-    if e.ppl_sequences:
-        _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)
-    results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
-    if passkey.probe_modes(e):
-        t0 = time.perf_counter()
-        _passkey(results, cells, common, models, tokenizer, cfg, rt, held_text)
-        results["timings_s"]["passkey"] = time.perf_counter() - t0
-    _verdict(results)
-    cells.finish()
+        if e.ppl_sequences:
+            _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)
+        results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
+        if passkey.probe_modes(e):
+            t0 = time.perf_counter()
+            _passkey(results, cells, common, models, tokenizer, cfg, rt, held_text)
+            results["timings_s"]["passkey"] = time.perf_counter() - t0
+        _verdict(results)
+        cells.finish()
+    finally:
+        cells.metrics.close()  # (idempotent) an error must not lose the events not yet flushed
     if rt.main:
         out_dir = entry.layout.eval
         (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -8,7 +8,10 @@ held by its own process and goes on. It is removed when the stage ends, normally
 
 A lock whose holder is gone never blocks the next run:
   * on the same host: the pid is not running, or is another process (its start time differs);
-  * a Slurm job that was requeued (the same job id as this process's): the holder was this job's earlier run;
+  * a Slurm job that was requeued (the same job id as this process's, another restart count): the holder was this
+    job's run before the requeue (another process of the same run of the job, e.g. a second srun step, is checked
+    by its pid on the same host, and cannot be told from another host);
+  * an empty lock older than UNWRITTEN_S: its taker died between creating and writing it;
   * on another host with a Slurm job: `squeue` says the job is no longer running;
 otherwise (another host, no Slurm answer) the holder may be alive, and the refusal names the command that breaks the
 lock. A refused writer writes nothing: it reads the lock and exits 2.
@@ -64,6 +67,7 @@ def me(stage: str) -> dict:
         "start": _start_time(os.getpid()),
         "slurm_job": env.get("SLURM_JOB_ID"),
         "slurm_step": env.get("SLURM_STEP_ID"),
+        "slurm_restart": env.get("SLURM_RESTART_COUNT", "0") if env.get("SLURM_JOB_ID") else None,
         "stage": stage,
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -96,8 +100,9 @@ def _squeue(job: str) -> str | None:
 def alive(holder: dict) -> bool | None:
     """Whether the holder still runs: True, False, or None when it cannot be told from here."""
     job = holder.get("slurm_job")
-    if job and job == os.environ.get("SLURM_JOB_ID"):
-        return False  # this job's earlier run (a requeue keeps the job id): it has ended, or this would not run
+    same_job = bool(job) and job == os.environ.get("SLURM_JOB_ID")
+    if same_job and holder.get("slurm_restart") != os.environ.get("SLURM_RESTART_COUNT", "0"):
+        return False  # this job's run before its requeue (a requeue keeps the job id, counts the restarts): it ended
     if holder.get("host") == socket.gethostname():
         pid = int(holder.get("pid", -1))
         try:
@@ -110,7 +115,7 @@ def alive(holder: dict) -> bool | None:
         if fields is not None and fields[0] in "ZX":
             return False  # killed, not yet reaped by its parent
         return holder.get("start") is None or fields is None or fields[19] == holder.get("start")
-    if job:
+    if job and not same_job:  # (this job runs: squeue cannot tell about another process of it on another node)
         state = _squeue(job)
         if state is not None:
             return state in ALIVE_STATES
@@ -135,10 +140,10 @@ def _acquire(run_dir: Path, stage: str) -> None:
             holder = read(run_dir)
             if holder is None:
                 continue  # released meanwhile: try again
-            if holder == {}:
+            if holder == {} and not _unwritten(path):
                 time.sleep(0.1)  # being written by its taker
                 continue
-            state = alive(holder)
+            state = False if holder == {} else alive(holder)  # (empty for long: its taker died while writing it)
             if state is False:
                 stale = path.with_name(f"{LOCK_NAME}.stale.{os.getpid()}")
                 try:
@@ -151,12 +156,29 @@ def _acquire(run_dir: Path, stage: str) -> None:
             if state is None:
                 fix += f"; if it is no longer running (it cannot be checked from {socket.gethostname()}): rm {path}"
             raise RunDirBusyError(f"{run_dir} is in use by {describe(holder)}; {fix}") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(me(stage)))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me(stage)))
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            path.unlink(missing_ok=True)  # (a full disk, a signal: no empty lock left behind)
+            raise
         return
-    raise RunDirBusyError(f"{run_dir}: could not take its lock {path} (it changes hands constantly); try again")
+    raise RunDirBusyError(
+        f"{run_dir}: could not take its lock {path} (it changes hands constantly); try again, or if no run uses "
+        f"{run_dir}: rm {path}"
+    )
+
+
+UNWRITTEN_S = 10.0  # an empty lock this old was left by a taker that died between creating and writing it
+
+
+def _unwritten(path: Path) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > UNWRITTEN_S
+    except FileNotFoundError:
+        return False
 
 
 def _release(run_dir: Path) -> None:
@@ -183,7 +205,7 @@ def holding(run_dir, stage: str, rt: Runtime | None = None):
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             _acquire(run_dir, stage)
-        except RunDirBusyError as e:
+        except (RunDirBusyError, OSError) as e:  # (an OSError too: the other ranks must not wait for rank 0)
             error = e
     if rt is not None:
         from ..distributed.runtime import all_ranks  # (torch: only a stage that runs ranks gets here)
@@ -208,11 +230,20 @@ def _inside(path: Path, run_dir: Path) -> bool:
 
 def needed(cfg, stage: str, layout: RunLayout) -> bool:
     """Whether `stage` writes into (or reads the model of) the run dir: stage 1, stage 2 and the pipeline always;
-    the evaluation and the export when they read the run's model or write inside the run dir."""
+    the evaluation and the export when they read the run's model (by default, or by a path inside the run dir) or
+    write inside the run dir."""
     if stage == "evaluate":
-        return cfg.eval.model is None or _inside(layout.eval, layout.run_dir)
+        return (
+            cfg.eval.model is None
+            or _inside(Path(cfg.eval.model), layout.run_dir)
+            or _inside(layout.eval, layout.run_dir)
+        )
     if stage == "export":
-        return cfg.export.model is None or _inside(layout.export, layout.run_dir)
+        return (
+            cfg.export.model is None
+            or _inside(Path(cfg.export.model), layout.run_dir)
+            or _inside(layout.export, layout.run_dir)
+        )
     return True
 
 

@@ -14,7 +14,9 @@ the events after it (purge_step), and the W&B run is resumed under the same id. 
 keeps what it has not flushed, and a SIGKILL loses it, so the records W&B is not known to hold are sent again from
 metrics.jsonl when the run resumes: known are the steps of a run that ended cleanly (wandb.json) and, online, the
 steps the server holds (the run's starting step; the server takes no step twice). So each step is recorded exactly
-once, up to the last committed step, then the resumed ones.
+once, up to the last committed step, then the resumed ones. One exception, W&B's: a stage that stopped on an error
+(not a kill) closed its W&B run holding the steps after its last checkpoint, which the resumed stage does again;
+W&B keeps their first values (it takes no step twice), metrics.jsonl and TensorBoard the values of the rerun.
 
 `progress(line)` puts a line with the rates and the ETA in the stage's log.txt and on stderr, at most every
 log.every_s seconds. `last(path)` reads a metrics.jsonl's last record without torch (`hybrid-scale status`).

@@ -87,6 +87,8 @@ def test_sigkill_anywhere_then_resume_equals_uninterrupted(sharded_model, uninte
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
     log = (tmp_path / "stage1" / "log.txt").read_text()
     assert f"resuming at layer {resume_at} from buffer" in log and "replaying" not in log
+    records = [json.loads(x) for x in (tmp_path / "stage1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["layer"] for r in records if r["kind"] == "layer"] == [0, 1, 2]  # each layer's record once, none lost
 
 
 def test_lost_buffer_and_corrupt_layer_file_are_rebuilt(sharded_model, uninterrupted, tmp_path):

@@ -338,6 +338,10 @@ def test_a_cell_committed_under_other_settings_is_recomputed(stopped_mid_cell, t
     assert json.loads((cells / "hybrid.piqa.json").read_text())["key"] == right_key
     assert again["modes"]["none"]["winogrande"]["metric"] == -2.0
     assert again["modes"]["none"]["winogrande"]["loglik"] == results["modes"]["none"]["winogrande"]["loglik"]
+    # the cells' records are this run's: each cell once, with what its file holds now
+    records = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["cells_done"] for r in records] == list(range(1, 20))
+    assert {r["cell"]: r["figures"].get("metric") for r in records}["none.winogrande"] == -2.0
 
 
 def test_signal_inside_a_cell_on_two_ranks_stops_both_and_one_rank_resumes(tiny_smollm_vocab, tiny_one_rank, tmp_path):

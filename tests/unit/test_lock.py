@@ -1,7 +1,8 @@
 """The run directory's lock (hybrid_scale/run/lock.py) and `hybrid-scale status`: a live holder refuses a second
 writer with one line naming it and the fix, writing nothing; a dead one (a pid gone or reused, a killed process not
-yet reaped, this Slurm job's earlier run, a job squeue no longer runs) never blocks; a holder that cannot be checked
-from here is refused with the exact command that breaks the lock; a process that holds it goes on (the pipeline
+yet reaped, this Slurm job's run before a requeue, an empty lock left by a taker that died writing it, a job
+squeue no longer runs) never blocks; a holder that cannot be checked from here (another process of this job on
+another node) is refused with the exact command that breaks the lock; a process that holds it goes on (the pipeline
 around its stages). The stages take it: tests/integration (test_finetune, test_pipeline) run two writers at once and
 kill a holder."""
 
@@ -82,9 +83,14 @@ def test_this_slurm_jobs_earlier_run_is_gone_and_squeue_decides_elsewhere(tmp_pa
     answer the refusal names the command that breaks it."""
     run = tmp_path / "run"
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    write_lock(run, host="node-7", pid=1, slurm_job="4242", slurm_step="0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    write_lock(run, host="node-7", pid=1, slurm_job="4242", slurm_step="0", slurm_restart="0")
     with lock.holding(run, "finetune"):
         assert lock.read(run)["slurm_job"] == "4242" and lock.read(run)["host"] == socket.gethostname()
+        assert lock.read(run)["slurm_restart"] == "1"
+    write_lock(run, host="node-7", pid=1, slurm_job="4242", slurm_step="0")  # (a lock written before the count)
+    with lock.holding(run, "finetune"):
+        pass
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     squeue = bin_dir / "squeue"
@@ -107,6 +113,67 @@ def test_this_slurm_jobs_earlier_run_is_gone_and_squeue_decides_elsewhere(tmp_pa
     assert str(e.value).endswith(
         f"if it is no longer running (it cannot be checked from {socket.gethostname()}): rm {lock.lock_path(run)}"
     )
+
+
+def test_another_process_of_the_same_run_of_a_slurm_job_is_not_taken_for_its_earlier_run(
+    tmp_path, monkeypatch, other_process
+):
+    """Two processes in one allocation (a second srun step, or two shells of one salloc) share the job id and its
+    restart count: the holder is checked by its pid on this host, and cannot be told from another host."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    live = dict(pid=other_process.pid, start=lock._start_time(other_process.pid), slurm_job="4242", slurm_restart="0")
+    write_lock(run, slurm_step="1", **live)
+    with pytest.raises(RunDirBusyError, match=r"Slurm job 4242 step 1.*wait for it to finish, or choose"):
+        with lock.holding(run, "finetune"):
+            pass
+    write_lock(run, host="node-7", pid=1, slurm_job="4242", slurm_restart="0")
+    with pytest.raises(RunDirBusyError, match=r"it cannot be checked from .*: rm "), lock.holding(run, "finetune"):
+        pass
+    write_lock(run, slurm_step="1", **(live | {"pid": 2**22 + 1}))  # that pid is gone: the lock is broken
+    with lock.holding(run, "finetune"):
+        pass
+
+
+def test_an_empty_lock_left_by_a_taker_that_died_while_writing_it_is_broken_once_old(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    path = lock.lock_path(run)
+    path.write_text("")
+    monkeypatch.setattr(lock.time, "sleep", lambda s: None)
+    with pytest.raises(RunDirBusyError, match=rf"changes hands constantly.*: rm {path}"), lock.holding(run, "x"):
+        pass  # (a young empty lock: its taker may still be writing it)
+    old = path.stat().st_mtime - lock.UNWRITTEN_S - 1
+    os.utime(path, (old, old))
+    with lock.holding(run, "finetune"):
+        assert lock.read(run)["pid"] == os.getpid()
+    assert not path.exists()
+
+
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lock.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"), lock.holding(run, "finetune"):
+        pass
+    assert not lock.lock_path(run).exists()
+
+
+def test_an_explicit_path_to_the_runs_model_takes_the_lock(tmp_path):
+    from hybrid_scale.config import load_config
+    from hybrid_scale.run.layout import RunLayout
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    for stage, key, out in (("evaluate", "eval.model", "eval.out_dir"), ("export", "export.model", "export.out_dir")):
+        inside = load_config(overrides=[f"run_dir={run}", f"{key}={run / 'stage2' / 'output'}", f"{out}={elsewhere}"])
+        outside = load_config(overrides=[f"run_dir={run}", f"{key}={tmp_path / 'model'}", f"{out}={elsewhere}"])
+        assert lock.needed(inside, stage, RunLayout.of(inside)) and not lock.needed(
+            outside, stage, RunLayout.of(outside)
+        )
 
 
 def test_the_holder_goes_on_and_releases_only_its_own_lock(tmp_path):
