@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from hybrid_scale_kernels import compile_check
 from hybrid_scale_kernels.decode import triton_decode_step
-from hybrid_scale_kernels.hybrid_attention import MODE_PARTS, triton_hybrid_attention
+from hybrid_scale_kernels.hybrid_attention import triton_hybrid_attention
+from hybrid_scale_kernels.jit_helpers import MODE_PARTS
 
 from hybrid_scale.attention.feature_maps import make_feature_map
 from hybrid_scale.attention.recurrent import DecodeState

@@ -13,7 +13,8 @@ import os
 import torch
 
 from .decode import triton_decode_step
-from .hybrid_attention import EPS, MODES, chunk_states, triton_hybrid_attention
+from .hybrid_attention import chunk_states, triton_hybrid_attention
+from .jit_helpers import EPS, MODES
 
 __all__ = ["EPS", "MODES", "chunk_states", "register", "supports", "triton_decode_step", "triton_hybrid_attention"]
 

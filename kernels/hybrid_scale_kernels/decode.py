@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hybrid_attention import _EPS, MODES, mode_parts
+from .jit_helpers import _EPS, MODES, mode_parts
 
 
 @triton.jit
