@@ -18,7 +18,8 @@ from pathlib import Path
 import procs
 import pytest
 import torch
-from conftest import assert_split, perturb_hybrid, tiny_model
+from conftest import perturb_hybrid, tiny_model
+from finetune_common import curves, finetune, make_setup, overrides
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -34,48 +35,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def setup(smollm2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("stage2")
-    base = root / "base"
-    model = tiny_model("llama", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)
-    model.save_pretrained(base)
-    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(base)
-    perturb_hybrid(hs.convert_model(model, {"window": 8}))
-    hs.save_converted(model, root / "converted", base_path=base)
-    docs = smollm2.train_text.read_text().split("\n\n")[:300]
-    (root / "text.txt").write_text("\n\n".join(docs))
-    return root
-
-
-def overrides(setup: Path, run_dir: Path, *extra) -> list[str]:
-    return [
-        f"finetune.model={setup / 'converted'}",
-        f"data.source={setup / 'text.txt'}",
-        f"run_dir={run_dir}",
-        "finetune.seq_len=64",
-        "finetune.max_steps=10",
-        "finetune.global_batch=4",
-        "finetune.micro_batch=1",
-        "finetune.eval_every=5",
-        "finetune.save_every=3",
-        "finetune.heldout_sequences=4",
-        "finetune.lr=0.002",
-        "finetune.warmup_steps=2",
-        "finetune.recipe=ssd",
-        "finetune.ssd_granularity=layer",
-        "finetune.ssd_windows=[[0,8],[0.5,16]]",
-        "finetune.train_gamma=true",
-        "finetune.train_feature_maps=true",
-        "finetune.progress=false",
-        *extra,
-    ]
-
-
-def finetune(args, ranks=2, env=None, cold=False):
-    return procs.run(["finetune", *args], env, timeout=600, ranks=ranks, cold=cold)
-
-
-def curves(run: Path) -> dict:
-    return json.loads((run / "stage2" / "curves.json").read_text())
+    return make_setup(smollm2, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -502,114 +462,3 @@ def test_bf16_on_two_ranks_under_zero3_stays_near_fp32_with_checked_collectives(
     for key in ("train", "hybrid", "la_only"):  # (the learning-rate decay ends at step 5 here, at 10 there)
         assert got[key] and all(math.isfinite(x) for x in got[key])
         assert max(abs(a - b) / b for a, b in zip(got[key], ref[key], strict=False)) < 0.02, (key, got[key], ref[key])
-
-
-# --- tensor parallelism (launch.tensor_parallel): the same run at any split --------------------------------------
-
-
-def tp_args(setup: Path, run: Path, ranks: int, tp: int, *extra) -> list[str]:
-    return overrides(
-        setup, run, "finetune.max_steps=5", f"launch.procs_per_node={ranks}", f"launch.tensor_parallel={tp}", *extra
-    )
-
-
-@pytest.fixture(scope="module")
-def tp1(setup, tmp_path_factory):
-    """5 steps on 2 ranks, tensor_parallel 1 (ZeRO-3 over 2 data-parallel ranks)."""
-    run = tmp_path_factory.mktemp("tp1")
-    proc = finetune(tp_args(setup, run, 2, 1))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
-
-
-def same_run(a: Path, b: Path, tol: float) -> None:
-    """Equal loss curves (training and held-out) and equal saved adapters and phi/gamma, within tol."""
-    ca, cb = curves(a), curves(b)
-    for key in ("train", "hybrid", "la_only"):
-        assert len(ca[key]) == len(cb[key]) > 0, key
-        assert max(abs(x - y) for x, y in zip(ca[key], cb[key], strict=True)) <= tol, (key, ca[key], cb[key])
-    for name in ("adapter/adapter_model.safetensors", "hybrid_params.safetensors"):
-        x, y = (load_file(run / "stage2" / "final" / name) for run in (a, b))
-        assert x.keys() == y.keys() and x
-        worst = max((x[k].float() - y[k].float()).abs().max().item() for k in x)
-        assert worst <= tol, (name, worst)
-
-
-def test_tensor_parallel_2_trains_as_tensor_parallel_1(setup, tp1, tmp_path):
-    """2 ranks splitting every layer's heads (data 1 x tensor 2) against ZeRO-3 on 2 data-parallel ranks: the same
-    5-step loss curve and held-out losses within 1e-5, the same adapter and phi/gamma (whole tensors on disk)."""
-    prefix = tmp_path / "collectives"
-    proc = finetune(tp_args(setup, tmp_path, 2, 2), env=procs.checked(prefix))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = (tmp_path / "stage2" / "log.txt").read_text()
-    assert "(data 1 x tensor 2)" in log
-    report = next(line for line in log.splitlines() if "tensor parallel 2: each rank holds" in line)
-    assert_split(report, 2, kinds=("q_proj", "o_proj", "q_proj.lora_B", "o_proj.lora_A"))  # LoRA split with its linear
-    same_run(tp1, tmp_path, 1e-5)
-    calls = procs.collective_calls(prefix, 2)  # every rank the same calls, each on its device
-    ours = [c for c in calls if c["where"].startswith(("runtime.py", "replicated.py")) and c["dtype"]]  # (not objects)
-    assert ours and all(c["dtype"][0] in ("torch.float32", "torch.float64", "torch.int32") for c in ours)
-
-
-def test_bf16_at_tensor_parallel_2_stays_near_fp32(setup, tp1, tmp_path):
-    """The presets' dtype on the split path: a bf16 frozen base split over 2 ranks, fp32 LoRA and phi/gamma in the
-    replicated engine; the 5 training and the held-out losses within 1% of the fp32 run's."""
-    proc = finetune(tp_args(setup, tmp_path, 2, 2, "model.dtype=bfloat16"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got, ref = curves(tmp_path), curves(tp1)
-    for key in ("train", "hybrid", "la_only"):
-        assert len(got[key]) == len(ref[key]) and all(math.isfinite(x) for x in got[key])
-        assert max(abs(a - b) / b for a, b in zip(got[key], ref[key], strict=True)) < 0.01, (key, got[key], ref[key])
-    adapter = load_file(tmp_path / "stage2" / "final" / "adapter" / "adapter_model.safetensors")
-    assert {t.dtype for t in adapter.values()} == {torch.float32}  # trained and saved as fp32 masters
-
-
-def test_data_2_x_tensor_2_trains_as_data_2(setup, tp1, tmp_path):
-    """4 ranks: a 2 x 2 mesh (the replicated engine over 2 data-parallel groups, each splitting every layer over 2
-    ranks) against ZeRO-3 over 2 data-parallel ranks (tp1), 5 steps: the same data split, the same curve and adapter."""
-    proc = finetune(tp_args(setup, tmp_path, 4, 2), ranks=4)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "(data 2 x tensor 2)" in (tmp_path / "stage2" / "log.txt").read_text()
-    same_run(tp1, tmp_path, 1e-5)
-
-
-def test_a_run_stopped_at_tensor_parallel_2_resumes_at_tensor_parallel_1(setup, tp1, tmp_path):
-    """Killed after saving step 3 at tensor_parallel 2; resumed on 2 ranks at tensor_parallel 1 (ZeRO-3), from the
-    whole tensors of the checkpoint: the curve and the adapter of the uninterrupted run."""
-    proc = finetune(tp_args(setup, tmp_path, 2, 2), env={"HYBRID_SCALE_FAULT": "saved:3"})
-    assert proc.returncode != 0
-    stage2 = tmp_path / "stage2"
-    assert [p.name for p in committed_steps(stage2)] == ["step_00000003"]
-    weights = load_file(stage2 / "step_00000003" / "trainable.safetensors")
-    reference = load_file(tp1 / "stage2" / "step_00000003" / "trainable.safetensors")
-    assert weights.keys() == reference.keys()
-    assert all(weights[k].shape == reference[k].shape for k in weights)  # whole tensors, not a rank's part
-    proc = finetune(tp_args(setup, tmp_path, 2, 1))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from step_00000003" in (stage2 / "log.txt").read_text()
-    same_run(tp1, tmp_path, 1e-5)
-
-
-def test_a_run_stopped_at_tensor_parallel_1_resumes_at_tensor_parallel_2(setup, tp1, tmp_path):
-    """The other way: killed after saving step 3 under ZeRO-3 (tensor_parallel 1, 2 ranks); resumed on 2 ranks at
-    tensor_parallel 2, each cutting its parts from the whole saved tensors: the uninterrupted run's curve and
-    adapter."""
-    proc = finetune(tp_args(setup, tmp_path, 2, 1), env={"HYBRID_SCALE_FAULT": "saved:3"})
-    assert proc.returncode != 0
-    stage2 = tmp_path / "stage2"
-    assert [p.name for p in committed_steps(stage2)] == ["step_00000003"]
-    proc = finetune(tp_args(setup, tmp_path, 2, 2))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from step_00000003 (step 3, saved by 2 ranks, now 2)" in (stage2 / "log.txt").read_text()
-    same_run(tp1, tmp_path, 1e-5)
-
-
-def test_replicated_state_that_drifts_apart_across_ranks_stops_the_run_naming_the_tensor(setup, tmp_path):
-    """At tensor_parallel 2 the trainable state not split is replicated: a checksum all-reduce at each held-out
-    evaluation finds a copy that moved on one rank (fault injection: rank 1 adds 1e-3 after each step) and stops the
-    run with one line naming the tensor, before a wrong checkpoint is written."""
-    proc = finetune(tp_args(setup, tmp_path, 2, 2), env={"HYBRID_SCALE_FAULT": "drift"})
-    assert proc.returncode == 1, proc.stderr[-3000:]  # (each rank exits 2; torchrun reports 1)
-    line = next(x for x in proc.stderr.splitlines() if "differs across ranks" in x)
-    assert line.startswith("hybrid-scale finetune: error: base_model.model.") and "lora_A" in line, line
-    assert not committed_steps(tmp_path / "stage2") or committed_steps(tmp_path / "stage2")[-1].name < "step_00000005"
