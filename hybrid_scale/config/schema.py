@@ -138,7 +138,9 @@ class EvalConfig:
     ppl_seq_len: int = 2048  # tokens per held-out sequence for perplexity by position
     ppl_sequences: int = 4  # held-out sequences for perplexity, the beyond-window verdict and LA share (0 = none)
     buckets: list[int] = field(default_factory=lambda: [0, 64, 256, 1024, 2048])  # position bucket edges
-    la_share_seq_len: int = 1024  # tokens per sequence for the LA share of the normaliser (0 = skip it)
+    # tokens of the first held-out perplexity sequence over which the LA share of the normaliser is measured (at
+    # most eval.ppl_seq_len, that sequence's length; results.json records the length used; 0 = skip it)
+    la_share_seq_len: int = 1024
     # passkey retrieval past the window: a key stated in one place, then filler (held-out text), then the question;
     # scored by answer log-likelihood and greedy exact match at each distance (tokens from the key to the answer)
     passkey_distances: list[int] = field(default_factory=lambda: [32, 128, 512, 1024, 2048])  # [] = no probe

@@ -436,6 +436,7 @@ def _la_share(models: Models, seqs: torch.Tensor, cfg, rt) -> dict:
     ids = seqs[:1, : cfg.eval.la_share_seq_len]
     buckets = [b for b in cfg.eval.buckets if b < ids.shape[1]] + [ids.shape[1]]
     result = balance.la_share(models.get("hybrid"), ids.to(rt.device), buckets)
+    result["seq_len"] = ids.shape[1]  # (eval.la_share_seq_len, at most the sequence's length: eval.ppl_seq_len)
     if rt.tp > 1:  # each rank measured its own heads: put the tensor-parallel group's heads together, in order
         parts = runtime.gather_objects(rt, result)[: rt.tp]
         for kind in ("share", "effect"):

@@ -104,16 +104,24 @@ def _attention(cfg) -> dict:
     return {f"attention.{k}": v for k, v in container.items() if f"attention.{k}" not in ROUNDING_ONLY}
 
 
+def _data(cfg) -> dict:
+    """The text both training stages read (and its held-out split), as it takes effect: the source resolved; the
+    embedded default ignores text_field and heldout_fraction."""
+    data = cfg.data
+    user_source = data.source is not None
+    return {
+        "data.source": str(Path(data.source).resolve()) if user_source else None,
+        "data.text_field": data.text_field if user_source else None,
+        "data.heldout_fraction": data.heldout_fraction if user_source else 0.0,
+    }
+
+
 def stage1_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
     """Stage 1's result settings as they take effect (JSON values): the teacher's resolved path (`model`; None
     leaves model.path as written), the data source resolved, the objectives and train_gamma resolved."""
-    data = cfg.data
-    user_source = data.source is not None  # the embedded default ignores text_field and heldout_fraction
     out = {key: _value(cfg, key) for key in STAGE1_KEYS if key != "attention"}
     out["model.path"] = str(Path(model).resolve()) if model is not None else cfg.model.path
-    out["data.source"] = str(Path(data.source).resolve()) if user_source else None
-    out["data.text_field"] = data.text_field if user_source else None
-    out["data.heldout_fraction"] = data.heldout_fraction if user_source else 0.0
+    out |= _data(cfg)
     out["distill.objectives"] = derived.objectives
     out["distill.train_gamma"] = derived.train_gamma
     out.update(_attention(cfg))
@@ -127,6 +135,7 @@ def stage2_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
     out["recipe"], out["seq_len"] = derived.recipe.name, derived.stage2_seq_len
     out["early_stopping"] = derived.early_stopping
     out["model"] = str(Path(model).resolve()) if model is not None else None
+    out |= _data(cfg)  # (the training text and the held-out losses' split)
     return json.loads(json.dumps(out))
 
 
@@ -135,7 +144,11 @@ def run_settings(cfg) -> dict:
     resolved: the later stages' inputs may not exist yet)."""
     derived = derive(cfg)
     out = stage1_settings(cfg, derived)
-    out |= {f"finetune.{k}": v for k, v in stage2_settings(cfg, derived).items() if k not in ("seed", "model")}
+    out |= {
+        f"finetune.{k}": v
+        for k, v in stage2_settings(cfg, derived).items()
+        if k not in ("seed", "model") and not k.startswith("data.")
+    }
     return out
 
 

@@ -50,6 +50,13 @@ def test_one_definition_names_what_changes_each_stages_result():
     assert s1["distill.objectives"] == {"hybrid_output_mse": 1.0} and s1["distill.train_gamma"] is True  # resolved
     s2 = stage2_settings(cfg, derive(cfg))
     assert s2["recipe"] == "lolcats" and s2["seq_len"] == cfg.data.seq_len and "clip" in s2 and "progress" not in s2
+    # stage 2 reads the training text and its held-out split too: another corpus is another result
+    text = load_config(overrides=["distill.recipe=lolcats", "data.source=/x/corpus.txt", "data.heldout_fraction=0.1"])
+    assert differing(s2, stage2_settings(text, derive(text))) == [
+        "data.heldout_fraction",
+        "data.source",
+        "data.text_field",
+    ]
     # the pipeline's record: both stages' settings; what moves only rounding or memory may change between reruns
     same = ["distill.query_block=32", "finetune.micro_batch=2", "attention.backend=torch", "eval.limit=3"]
     assert differing(run_settings(cfg), run_settings(load_config(overrides=["distill.recipe=lolcats", *same]))) == []
