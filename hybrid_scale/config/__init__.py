@@ -31,6 +31,7 @@ from .schema import (
     LogConfig,
     ModelConfig,
     SlurmConfig,
+    on_gpus,
 )
 from .validate import validate
 
@@ -60,4 +61,5 @@ __all__ = [
     "LogConfig",
     "ModelConfig",
     "SlurmConfig",
+    "on_gpus",
 ]

@@ -15,7 +15,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
     path: str | None = None  # local HF model directory (or a converted model); None = the embedded default
     dtype: str = "float32"  # always explicit: transformers 5 would otherwise load checkpoints in their own dtype
-    device: str = "cpu"  # where every stage but export computes: cpu | cuda (each rank its LOCAL_RANK's GPU) | auto
+    # where every stage but export computes: cpu | cuda (each rank its LOCAL_RANK's GPU) | auto (cuda when a GPU is
+    # visible; plan and submit treat it as a GPU run)
+    device: str = "cpu"
     # the architecture (HF config.json keys incl. model_type) for `plan` and meta-device checks before the weights
     # are on disk; a preset carries it, a real model.path overrides it
     arch: dict[str, Any] | None = None
@@ -56,6 +58,14 @@ class DataConfig:
 
 
 DEVICES = ("cpu", "cuda", "auto")  # auto: cuda when a GPU is visible
+
+
+def on_gpus(device: str) -> bool:
+    """Whether a run with this model.device is planned and submitted as a GPU run: cuda, and auto (which is cuda
+    wherever a GPU is visible; a Slurm job sees only the GPUs it asks for)."""
+    return device.startswith("cuda") or device == "auto"
+
+
 OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import JOBS
+from ..config import JOBS, on_gpus
 from ..errors import ConfigError
 from ..resources import data_dir
 from ..run.layout import RunLayout
@@ -145,7 +145,7 @@ def sbatch_header(cfg, stage: str) -> list[str]:
     ]
     if not single:  # export has no checkpoint to save: a requeued export starts over
         lines.append(f"--signal=B:USR1@{s.signal_lead_s}")
-    if cfg.model.device.startswith("cuda") and stage in GPU_JOBS:
+    if on_gpus(cfg.model.device) and stage in GPU_JOBS:
         lines.append(f"--gpus-per-node={lc.procs_per_node}")
     lines += [f"--{key}={q(s[key])}" for key in ("partition", "account") if s[key]]
     lines += [f"--mem={q(s.mem)}"] if s.mem not in (None, "") else []  # --mem=0: the whole node's memory

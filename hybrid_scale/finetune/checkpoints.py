@@ -47,7 +47,7 @@ def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
         state = {**state, "scheduler": engine.lr_scheduler.state_dict(), "world": rt.world, "tensor_parallel": rt.tp}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
     runtime.barrier(rt)
-    save_tensors({"rng": torch.get_rng_state()}, tmp / f"rng_rank{rt.rank}.safetensors")
+    save_tensors(rng_state(rt.device), tmp / f"rng_rank{rt.rank}.safetensors")
     runtime.barrier(rt)  # every rank's files are on disk before the marker
     if rt.main:
         fault("save:before_commit")
@@ -72,10 +72,24 @@ def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
     engine.lr_scheduler.step(state["scheduler"]["last_batch_iteration"])  # puts that lr into the optimizer
     rng = checkpoint / f"rng_rank{rt.rank}.safetensors"
     if (state["world"], state.get("tensor_parallel", 1)) == (rt.world, rt.tp) and rng.is_file():
-        torch.set_rng_state(load_file(rng)["rng"])  # tensors only: no pickle is ever loaded
+        set_rng_state(load_file(rng), rt.device)  # tensors only: no pickle is ever loaded
     else:
-        torch.manual_seed(seed * 1_000_003 + step * 101 + rt.dp_rank)
+        torch.manual_seed(seed * 1_000_003 + step * 101 + rt.dp_rank)  # (seeds the CPU and every GPU)
     return state
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's random state: the CPU generator's and, on a GPU, its device's (LoRA dropout draws there)."""
+    state = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["rng"])
+    if device.type == "cuda" and "cuda_rng" in state:  # (a checkpoint saved on CPU has none: the GPU's stays seeded)
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
 
 
 def rotate(stage2: Path, keep: int) -> None:

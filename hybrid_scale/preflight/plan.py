@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import on_gpus
 from ..distributed import tensor_parallel
 from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
@@ -112,7 +113,7 @@ def _requeue(p: Plan, cfg, per_stage: dict[str, tuple[float, float]]) -> None:
     for stage, (step, save) in per_stage.items():
         need = step + save
         p.rows.append(("requeue", f"{stage}: step + save", f"~{need:.2f} s (step ~{step:.2f} s, save ~{save:.2f} s)"))
-        if need > grace and cfg.model.device.startswith("cuda"):  # the Slurm presets; a laptop run has no limit
+        if need > grace and on_gpus(cfg.model.device):  # the Slurm presets; a laptop run has no limit
             p.warnings.append(
                 f"{stage} needs ~{need:.0f} s to finish its step and save after a signal but torchrun's grace is "
                 f"{grace} s (a job at its time limit would be killed mid-save and lose the step's work): raise "
@@ -123,7 +124,7 @@ def _requeue(p: Plan, cfg, per_stage: dict[str, tuple[float, float]]) -> None:
 def _device_fit(p: Plan, cfg, s1_mem: float, s2_mem: float, eval_mem: float) -> None:
     lc = cfg.launch
     device_gb = lc.gpu_memory_gb * GB if lc.gpu_memory_gb else None
-    if not (cfg.model.device.startswith("cuda") and device_gb):
+    if not (on_gpus(cfg.model.device) and device_gb):
         return
     for stage_name, mem, fix in (
         ("stage 1", s1_mem, "lower distill.batch_size or data.seq_len"),

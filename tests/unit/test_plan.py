@@ -138,6 +138,10 @@ def test_plan_on_the_70b_preset(tmp_path, big_disk):
         "stage 2 needs ~147.66 GB per rank but launch.gpu_memory_gb is 80.0: enable finetune.offload, lower "
         "finetune.micro_batch or finetune.seq_len, or add ranks"
     ) in no_offload.problems
+    auto = ["finetune.offload=false", "launch.nodes=1", "launch.procs_per_node=1", "model.device=auto"]
+    assert any(
+        m.startswith("stage 2 needs ~147.66 GB") for m in plan(load_config("models/llama3-70b.yaml", auto)).problems
+    )
 
 
 def test_preflight_blocks_only_the_stages_a_problem_concerns(tmp_path, big_disk):
@@ -261,6 +265,9 @@ def test_sbatch_scripts_come_from_the_templates_in_slurm(tmp_path, monkeypatch):
     assert "from " + str(ROOT / "slurm" / "stage.sbatch") in fine
     export = scripts["export"]
     assert "#SBATCH --time=02:00:00" in export and "--gpus-per-node" not in export and "--signal" not in export
+    for device, gpus in (("auto", True), ("cpu", False)):  # auto is a GPU run: a job sees only the GPUs it asks for
+        script = render(load_config("models/llama3-8b.yaml", [f"model.device={device}"]), "finetune", None, [])
+        assert ("#SBATCH --gpus-per-node=8" in script) == gpus, device
     assert "exec python -m hybrid_scale.cli export " in export
     assert "from " + str(ROOT / "slurm" / "export.sbatch") in export
     srun = render(load_config("models/llama3-8b.yaml", ["launch.launcher=srun"]), "distill", None, [])

@@ -59,3 +59,21 @@ def test_launch_timeout_min_is_the_process_groups_timeout(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     rt = runtime.init("cpu", tp=2, timeout_min=90)
     assert seen == {"backend": "gloo", "timeout": timedelta(minutes=90)} and rt.timeout_min == 90
+
+
+def test_a_step_checkpoint_keeps_the_gpus_random_state_too(monkeypatch):
+    """LoRA dropout draws on the GPU: a resume at the same world size restores its generator, not only the CPU's (a
+    checkpoint saved on CPU has no GPU state, and the GPU's stays seeded)."""
+    from hybrid_scale.finetune import checkpoints
+
+    gpu = {"state": torch.tensor([7, 7], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: gpu["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: gpu.update(state=state))
+    cuda = torch.device("cuda", 0)
+    saved = checkpoints.rng_state(cuda)
+    assert set(saved) == {"rng", "cuda_rng"} and set(checkpoints.rng_state(torch.device("cpu"))) == {"rng"}
+    gpu["state"] = torch.tensor([1, 2], dtype=torch.uint8)
+    checkpoints.set_rng_state(saved, cuda)
+    assert gpu["state"].tolist() == [7, 7]
+    checkpoints.set_rng_state({"rng": saved["rng"]}, cuda)  # saved on CPU: the GPU's generator is left as it is
+    assert gpu["state"].tolist() == [7, 7]
