@@ -1,8 +1,13 @@
 """The whole pipeline in one command: stage 1 -> stage 2 -> ablation evaluation -> export, resuming where it stopped.
 
-Each stage is skipped when its output is committed (stage 1 resumes at its first uncommitted layer, stage 2 from its
-newest committed checkpoint, by themselves). The resolved config is saved as {run_dir}/config.yaml; rerunning with a
-config that would change results is refused, naming the keys (`allow_config_change=true` proceeds anyway).
+Each stage is skipped when its output is committed and still describes what it would make now: stage 2 when its
+output and curves exist (stage 1 resumes at its first uncommitted layer, stage 2 from its newest committed
+checkpoint, by themselves); the evaluation and the export when the identity they recorded (the model's files, their
+settings, the text; evaluate/cells.identity, export/stage.export_identity) is the current one, else they run again
+(the evaluation reusing its cells whose keys still match). The resolved config is saved as {run_dir}/config.yaml;
+rerunning with training settings that would change results is refused, naming the keys. `allow_config_change=true`
+lets such a rerun go on for the training stages not started yet; a started or finished stage 1 or 2 whose settings
+changed is still refused (remove its directory, or use another run_dir), and config.yaml is not rewritten then.
 """
 
 from __future__ import annotations
@@ -18,45 +23,76 @@ from .distill.stage import distill
 from .distributed import requeue, runtime
 from .distributed.checkpoint import MARKER, atomic_write
 from .errors import ConfigError
+from .evaluate.cells import identity
 from .evaluate.stage import evaluate
-from .export.stage import export
+from .export.stage import IDENTITY_NAME, export, export_identity
 from .finetune.stage import finetune
 from .run.entry import Entry, stage_entry
 from .run.layout import RunLayout
+from .run.resolved import Resolved
 from .run.settings import differing, run_settings
+
+
+def _started(directory: Path) -> bool:
+    return directory.is_dir() and any(directory.iterdir())
 
 
 def record_config(cfg, layout: RunLayout, allow_change: bool = False) -> Path:
     """Save the resolved config in the run directory; refuse a rerun whose result settings (run/settings.py)
-    differ."""
+    differ, and with allow_change, one whose changed settings belong to a stage that has started."""
     path = layout.config
     if path.is_file():
         changed = differing(run_settings(OmegaConf.load(path)), run_settings(cfg))
         if changed and not allow_change:
             raise ConfigError(
                 f"{layout.run_dir} was run with another config: {', '.join(changed)} changed (see {path}); use another "
-                "run_dir, restore them, or pass allow_config_change=true"
+                "run_dir, restore them, or pass allow_config_change=true (for the training stages not started yet)"
             )
+        for name, directory, keys in (
+            ("stage 1", layout.stage1, [k for k in changed if not k.startswith("finetune.")]),
+            ("stage 2", layout.stage2, [k for k in changed if k.startswith("finetune.")]),
+        ):
+            if keys and _started(directory):
+                raise ConfigError(
+                    f"{layout.run_dir}: {', '.join(keys)} changed, but {name} has started with the recorded values "
+                    f"(see {path}); allow_config_change applies to the stages not started yet: remove {directory} to "
+                    "run it again with the new settings, or use another run_dir"
+                )
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(path, OmegaConf.to_yaml(cfg))
     return path
 
 
-def is_done(layout: RunLayout, stage: str) -> bool:
-    """Whether `stage`'s output is committed (stage 1 resumes by itself: a finished one only rewrites its small
-    output)."""
+def is_done(cfg, layout: RunLayout, stage: str) -> bool:
+    """Whether `stage`'s output is committed and describes what it would make now (stage 1 resumes by itself: a
+    finished one only rewrites its small output)."""
     if stage == "finetune":
         return (layout.stage2 / "curves.json").is_file() and layout.stage2_output.exists()
     if stage == "evaluate":
-        return (layout.eval / "results.json").is_file()
+        results = layout.eval / "results.json"
+        return results.is_file() and _same(lambda: json.loads(results.read_text()).get("identity"), cfg, stage)
     if stage == "export":
-        return (layout.export / MARKER).is_file()
+        recorded = layout.export / IDENTITY_NAME
+        return (layout.export / MARKER).is_file() and _same(lambda: json.loads(recorded.read_text()), cfg, stage)
     return False
+
+
+def _same(recorded, cfg, stage: str) -> bool:
+    """Whether the identity the stage recorded is the one it would record now (any error: no)."""
+    try:
+        model = Resolved.of(cfg, stage).model
+        if stage == "evaluate":
+            now = identity(cfg, model, runtime.resolve_device(cfg.model.device))
+        else:
+            now = export_identity(cfg, model, RunLayout.of(cfg).eval)
+        return recorded() == now
+    except Exception:  # (no model there, an unreadable record, ...: the stage runs and says what is wrong)
+        return False
 
 
 def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     layout = RunLayout.of(cfg)
-    todo = [stage for stage in stages if not is_done(layout, stage)]
+    todo = [stage for stage in stages if not is_done(cfg, layout, stage)]
     # the preflight of every stage still to run, then the runtime, the lock (held across the stages: one writer per
     # run dir) and one signal flag for the whole run (run/entry.py); each stage enters its own preflight again
     with stage_entry(cfg, "pipeline", ahead=todo) as entry:
@@ -71,7 +107,7 @@ def _run_stages(entry: Entry, stages, log) -> dict:
     runtime.barrier(rt)
     timings = json.loads(layout.timings.read_text()) if layout.timings.is_file() else {}
     for stage in stages:
-        if is_done(layout, stage):
+        if is_done(cfg, layout, stage):
             log(f"[pipeline] {stage}: done before, skipped")
             continue
         if runtime.any_rank(rt, entry.signal.raised):  # between stages: everything before is committed

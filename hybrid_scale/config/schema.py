@@ -240,4 +240,6 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)  # metrics while a stage runs: metrics.jsonl, TensorBoard, W&B
     run_dir: str = "runs/default"  # where every stage writes (one directory per conversion)
     seed: int = 0  # seeds data selection, initialisation, SSD decisions, bootstrap and the passkey prompts
-    allow_config_change: bool = False  # rerun a run_dir with settings that change results (named in the refusal)
+    # let the pipeline go on in a run_dir whose recorded training settings (named in the refusal) changed, for stage 1
+    # or 2 not started yet; a started one is still refused (remove its directory, or use another run_dir)
+    allow_config_change: bool = False

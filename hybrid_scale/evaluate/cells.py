@@ -21,7 +21,7 @@ from ..distributed import requeue, runtime
 from ..distributed.checkpoint import atomic_write, fault
 from ..run.entry import Entry
 from ..run.metrics import Metrics, duration
-from ..run.settings import differing
+from ..run.settings import data_settings, differing
 from ..run.sources import ModelSource
 
 
@@ -42,14 +42,10 @@ def model_key(cfg, source: ModelSource, window: int, device: torch.device) -> di
     differently with another number), the attention settings a plain model is converted with, and the versions of
     the code that computes the numbers."""
     path, converted = source.path, source.converted
-    dirs = sorted({path.resolve(), source.base.resolve()})
-    files = [
-        (str(f), f.stat().st_size, f.stat().st_mtime_ns) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()
-    ]
     return {
         "model": str(path.resolve()),
         "converted": converted,
-        "files": digest(files),
+        "files": digest(source.files()),
         "attention": None if converted else OmegaConf.to_container(cfg.attention, resolve=True),
         "window": window,
         "dtype": cfg.model.dtype,
@@ -57,6 +53,24 @@ def model_key(cfg, source: ModelSource, window: int, device: torch.device) -> di
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "versions": {"hybrid_scale": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
     }
+
+
+def evaluation_window(cfg, source: ModelSource) -> int:
+    """The window the evaluation measures: eval.window, else the model's own (converted), else attention.window."""
+    if cfg.eval.window is not None:
+        return cfg.eval.window
+    return (source.hybrid_config["attention"] if source.converted else cfg.attention)["window"]
+
+
+NOT_RESULTS = ("progress", "out_dir", "model")  # eval.* keys that change no figure (the model is in its key)
+
+
+def identity(cfg, source: ModelSource, device: torch.device) -> dict:
+    """What an evaluation's results.json describes (recorded in it): the model (model_key), every eval.* setting that
+    changes a figure, the text it reads and the seed. The pipeline reruns an evaluation whose identity changed."""
+    e = {k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items() if k not in NOT_RESULTS}
+    model = model_key(cfg, source, evaluation_window(cfg, source), device)
+    return json.loads(json.dumps({"model": model, "eval": e, "seed": cfg.seed, **data_settings(cfg)}))
 
 
 def figures(result: dict) -> dict:

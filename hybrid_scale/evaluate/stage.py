@@ -49,7 +49,7 @@ from ..preflight import costs, shape
 from ..run.entry import Entry, stage_entry
 from ..run.sources import ModelSource
 from . import balance, loglik, report, retrieval
-from .cells import Cells, count_cells, digest, model_key
+from .cells import Cells, count_cells, digest, evaluation_window, identity, model_key
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
 
@@ -127,9 +127,7 @@ class Models:
         return bool(self.attention.get("la_decay", False))
 
     def window(self) -> int:
-        if self.cfg.eval.window is not None:
-            return self.cfg.eval.window
-        return self.attention["window"]
+        return evaluation_window(self.cfg, self.source)
 
 
 def _heldout_sequences(tokenizer, cfg, held_text: tuple[str, str] | None = None) -> torch.Tensor:
@@ -192,6 +190,7 @@ def _evaluate(entry: Entry) -> dict:
         "world_size": rt.world,
         "tensor_parallel": rt.tp,
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "identity": identity(cfg, source, rt.device),  # what these results describe (the pipeline's "done")
         "heldout": heldout_record(cfg, held_text[1]) if held_text else None,
         "tasks": {task: r.beyond_window(window) for task, r in requests.items()},
         "modes": {},

@@ -16,12 +16,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
@@ -53,6 +55,8 @@ from ..models.converted import (
     write_converted,
 )
 from ..run.entry import Entry, StageLog, stage_entry
+from ..run.settings import data_settings
+from ..run.sources import ModelSource
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 
@@ -377,6 +381,8 @@ def _export(entry: Entry, t0: float) -> Path:
         if x.calibrate_gamma or x.gamma is not None:
             report = gamma_change(tmp, base, source, settings, hybrid, weight_map, config, cfg, log)
         balance = balance_report(entry.layout.eval, source, tmp, log)
+        identity = export_identity(cfg, model, entry.layout.eval)
+        (tmp / IDENTITY_NAME).write_text(json.dumps(identity, indent=1) + "\n")
         (tmp / "README.md").write_text(model_card(out.name, config, report, balance, model.describe()))
         log(f"export written in {time.perf_counter() - t0:.0f} s")
         commit(tmp)
@@ -385,6 +391,26 @@ def _export(entry: Entry, t0: float) -> Path:
         remove_dir(tmp)
         raise
     return out
+
+
+IDENTITY_NAME = "identity.json"  # in an export: what it was made from (export_identity)
+
+
+def export_identity(cfg, model: ModelSource, eval_dir: Path) -> dict:
+    """What an export was made from: the export.* settings, the input model's files (and its base's), whether it runs
+    on torch only, the text a calibration or report reads, the seed, and the evaluation its card may carry. The
+    pipeline exports again when this changed."""
+    x = {k: v for k, v in OmegaConf.to_container(cfg.export, resolve=True).items() if k not in ("out_dir", "model")}
+    results = eval_dir / "results.json"
+    identity = {
+        "export": x,
+        "torch_only": cfg.attention.backend == "torch",
+        "model": hashlib.sha256(json.dumps(model.files()).encode()).hexdigest(),
+        "evaluation": hashlib.sha256(results.read_bytes()).hexdigest() if results.is_file() else None,
+        "seed": cfg.seed,
+        **data_settings(cfg),
+    }
+    return json.loads(json.dumps(identity))
 
 
 def write_code_and_tokenizer(tmp: Path, base: Path, config: dict) -> None:

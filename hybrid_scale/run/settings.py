@@ -104,7 +104,7 @@ def _attention(cfg) -> dict:
     return {f"attention.{k}": v for k, v in container.items() if f"attention.{k}" not in ROUNDING_ONLY}
 
 
-def _data(cfg) -> dict:
+def data_settings(cfg) -> dict:
     """The text both training stages read (and its held-out split), as it takes effect: the source resolved; the
     embedded default ignores text_field and heldout_fraction."""
     data = cfg.data
@@ -121,7 +121,7 @@ def stage1_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
     leaves model.path as written), the data source resolved, the objectives and train_gamma resolved."""
     out = {key: _value(cfg, key) for key in STAGE1_KEYS if key != "attention"}
     out["model.path"] = str(Path(model).resolve()) if model is not None else cfg.model.path
-    out |= _data(cfg)
+    out |= data_settings(cfg)
     out["distill.objectives"] = derived.objectives
     out["distill.train_gamma"] = derived.train_gamma
     out.update(_attention(cfg))
@@ -135,7 +135,7 @@ def stage2_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
     out["recipe"], out["seq_len"] = derived.recipe.name, derived.stage2_seq_len
     out["early_stopping"] = derived.early_stopping
     out["model"] = str(Path(model).resolve()) if model is not None else None
-    out |= _data(cfg)  # (the training text and the held-out losses' split)
+    out |= data_settings(cfg)  # (the training text and the held-out losses' split)
     return json.loads(json.dumps(out))
 
 

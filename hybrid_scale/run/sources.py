@@ -41,6 +41,14 @@ class ModelSource:
     def exists(self) -> bool:
         return self.path.exists()
 
+    def files(self) -> list[tuple[str, int, int]]:
+        """(path, size, mtime) of every file of the model and of its base (stage 2 rewrites its output in place): what
+        says, without reading a weight, that a result made from it still describes it."""
+        dirs = sorted({self.path.resolve(), self.base.resolve()})
+        return [
+            (str(f), f.stat().st_size, f.stat().st_mtime_ns) for d in dirs for f in sorted(d.rglob("*")) if f.is_file()
+        ]
+
     def describe(self) -> str:
         """Where it came from, for reports and model cards: 'stage2/final (step 200)' or its last two names."""
         path = self.path.resolve()

@@ -2,12 +2,14 @@
 changes refused by name."""
 
 import json
+import re
 import signal
 
 import procs
 import pytest
 import torch
 from conftest import tiny_run_overrides
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -61,6 +63,22 @@ def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_pat
     changed = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut", "finetune.lr=0.01", "seed=3")], timeout=600)
     assert changed.returncode == 2
     assert "finetune.lr, seed changed" in changed.stderr and "allow_config_change=true" in changed.stderr
+    allowed = procs.run(
+        ["pipeline", *overrides(tiny, tmp_path / "cut", "finetune.lr=0.01", "allow_config_change=true")]
+    )
+    assert allowed.returncode == 2 and "finetune.lr changed, but stage 2 has started" in allowed.stderr
+    recorded = OmegaConf.load(tmp_path / "cut" / "config.yaml")
+    assert recorded.finetune.lr != 0.01 and not recorded.allow_config_change  # the record still says what ran
+    # an evaluation setting changed: the evaluation runs again (every cell reused) and so does the export, whose card
+    # carries it; stage 2 stays done
+    evaluated = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut", "eval.bootstrap=20")], timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert evaluated.stdout.count("skipped") == 1 and "[pipeline] export: running" in evaluated.stdout
+    assert re.search(r"resumed (\d+) of \1 cells", (tmp_path / "cut" / "eval" / "log.txt").read_text())
+    results = json.loads((tmp_path / "cut" / "eval" / "results.json").read_text())
+    assert results["identity"]["eval"]["bootstrap"] == 20
+    again = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut", "eval.bootstrap=20")], timeout=600)
+    assert again.returncode == 0 and again.stdout.count("skipped") == 3
 
 
 def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, tmp_path):

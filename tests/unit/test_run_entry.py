@@ -149,3 +149,25 @@ def test_a_logger_without_its_package_is_refused_before_anything_is_written(
         with stage_entry(cfg, "distill"):
             raise AssertionError("the body ran")
     assert not run.exists()
+
+
+def test_allow_config_change_goes_on_only_for_a_training_stage_not_started_yet(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hybrid_scale.pipeline import record_config
+
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[f"run_dir={run}"])
+    layout = RunLayout.of(cfg)
+    record_config(cfg, layout)
+    layout.stage1.mkdir(parents=True)
+    (layout.stage1 / "layer_000.safetensors").write_bytes(b"")  # stage 1 has started, stage 2 has not
+    lr = load_config(overrides=[f"run_dir={run}", "finetune.lr=0.5"])
+    with pytest.raises(ConfigError, match=r"finetune.lr changed .*allow_config_change=true"):
+        record_config(lr, layout)
+    record_config(lr, layout, allow_change=True)  # stage 2 will run with the new rate, and the record says so
+    assert OmegaConf.load(layout.config).finetune.lr == 0.5
+    both = load_config(overrides=[f"run_dir={run}", "finetune.lr=0.5", "distill.lr=0.5"])
+    with pytest.raises(ConfigError, match=rf"distill.lr changed, but stage 1 has started .*remove {layout.stage1} "):
+        record_config(both, layout, allow_change=True)
+    assert OmegaConf.load(layout.config).distill.lr != 0.5
