@@ -49,12 +49,17 @@ class ExportError(RuntimeError):
     """The export cannot be written from its inputs."""
 
 
+class PipelineError(RuntimeError):
+    """What the other ranks of a pipeline say when rank 0's own work (the config record, the export) failed."""
+
+
 class RunDirBusyError(RuntimeError):
     """Another live run holds the run directory's lock (run/lock.py)."""
 
 
 USER_ERRORS = (
     RunDirBusyError,
+    PipelineError,
     ConfigError,
     InputError,
     DestinationError,

@@ -22,7 +22,7 @@ from .config import STAGES
 from .distill.stage import distill
 from .distributed import requeue, runtime
 from .distributed.checkpoint import MARKER, atomic_write
-from .errors import ConfigError
+from .errors import ConfigError, PipelineError
 from .evaluate.cells import identity
 from .evaluate.stage import evaluate
 from .export.stage import IDENTITY_NAME, export, export_identity
@@ -99,12 +99,23 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
         return _run_stages(entry, stages, log)
 
 
+def on_rank0(rt, what: str, work) -> None:
+    """`work` on rank 0 alone, then the ranks agree on its outcome: an error stops every rank at once (rank 0 raises
+    it, the others say rank 0 failed) instead of leaving them waiting in a barrier until launch.timeout_min."""
+    error = None
+    if rt.main:
+        try:
+            work()
+        except Exception as e:  # (raised below, after the others know)
+            error = e
+    if not runtime.all_ranks(rt, error is None):
+        raise error or PipelineError(f"{what} failed on rank 0 (its error is in rank 0's output)")
+
+
 def _run_stages(entry: Entry, stages, log) -> dict:
     """pipeline's work, under the run dir's lock: the config recorded, then each stage not done yet."""
     cfg, rt, layout = entry.cfg, entry.rt, entry.layout
-    if rt.main:
-        record_config(cfg, layout, cfg.allow_config_change)
-    runtime.barrier(rt)
+    on_rank0(rt, "recording the config", lambda: record_config(cfg, layout, cfg.allow_config_change))
     timings = json.loads(layout.timings.read_text()) if layout.timings.is_file() else {}
     for stage in stages:
         if is_done(cfg, layout, stage):
@@ -122,9 +133,7 @@ def _run_stages(entry: Entry, stages, log) -> dict:
         elif stage == "evaluate":  # eval.model unset: the run's own model (run/sources.stage_model)
             evaluate(cfg)
         elif stage == "export":
-            if rt.main:
-                export(cfg)
-            runtime.barrier(rt)
+            on_rank0(rt, "the export", lambda: export(cfg))
         timings[stage] = time.perf_counter() - t0
         if rt.main:
             atomic_write(layout.timings, json.dumps(timings, indent=1))
