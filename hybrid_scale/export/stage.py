@@ -40,7 +40,7 @@ from ..distributed.checkpoint import (
     save_tensors,
     start_partial,
 )
-from ..errors import ExportError
+from ..errors import CorpusError, ExportError
 from ..measure import perplexity_by_bucket
 from ..models import streaming
 from ..models.convert import components
@@ -210,17 +210,36 @@ def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[
     return logit.detach(), before, after
 
 
+def export_texts(cfg, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The token ids a gamma calibration (training text) and its perplexity report (held-out text) read, packed
+    before any shard is written: too little text is one clear error before the export writes a byte."""
+    x = cfg.export
+    if not (x.calibrate_gamma or x.gamma is not None):
+        return None, None
+    tokenizer = load_tokenizer(tokenizer_dir)
+    data, calibration, report = cfg.data, None, None
+    try:
+        what = "export.calibration_sequences x export.calibration_seq_len (training text)"
+        if x.calibrate_gamma:
+            docs, _ = corpus.train_and_heldout(data.source, data.text_field, data.heldout_fraction)
+            calibration = corpus.pack(tokenizer, docs, x.calibration_seq_len, x.calibration_sequences, cfg.seed)
+        what = "export.report_sequences x export.report_seq_len (held-out text; export.report_sequences=0 skips it)"
+        if x.report_sequences:
+            held = corpus.heldout_documents(data.source, data.text_field, data.heldout_fraction, "report")
+            report = corpus.pack(tokenizer, held, x.report_seq_len, x.report_sequences, cfg.seed)
+    except CorpusError as e:
+        raise ExportError(f"the export's text for {what} falls short: {e}") from None
+    return calibration, report
+
+
 def calibrate_gamma(
-    out: Path, tokenizer_dir: Path, settings: dict, hybrid: dict, cfg, log
+    out: Path, ids: torch.Tensor, settings: dict, hybrid: dict, cfg, log
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Per layer (streamed, as stage 1): fit gamma per head so that the hybrid output matches full causal softmax
-    over the same (merged) q, k, v on a few training sequences; the teacher layer produces the next inputs."""
+    over the same (merged) q, k, v on a few training sequences (`ids`); the teacher layer produces the next inputs."""
     x = cfg.export
     config = base_config(out)
     config._attn_implementation = "sdpa"
-    tokenizer = load_tokenizer(tokenizer_dir)
-    docs, _ = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
-    ids = corpus.pack(tokenizer, docs, x.calibration_seq_len, x.calibration_sequences, cfg.seed)
     ckpt = streaming.ShardedCheckpoint(out, "export.out_dir")
     rope = streaming.rotary(config, x.calibration_seq_len, torch.float32)
     h = streaming.embedding(ckpt, torch.float32)[ids]
@@ -246,12 +265,9 @@ def calibrate_gamma(
     return new, errors
 
 
-def perplexity_report(out: Path, tokenizer_dir: Path, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
-    """Held-out perplexity by position bucket in hybrid for each gamma setting (plus swa_only and la_only)."""
+def perplexity_report(out: Path, seqs: torch.Tensor, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Held-out perplexity by position bucket (`seqs`) in hybrid for each gamma setting (plus swa_only and la_only)."""
     x = cfg.export
-    tokenizer = load_tokenizer(tokenizer_dir)
-    held = corpus.heldout_documents(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction, "report")
-    seqs = corpus.pack(tokenizer, held, x.report_seq_len, x.report_sequences, cfg.seed)
     buckets = sorted({b for b in cfg.eval.buckets if b < x.report_seq_len} | {0, x.report_seq_len})
     model = load_converted(out, dtype=torch.float32)
     report = {"seq_len": x.report_seq_len, "sequences": len(seqs), "perplexity": {}}
@@ -365,6 +381,7 @@ def _export(entry: Entry, t0: float) -> Path:
     deltas, scaling = lora_deltas(adapter) if adapter.is_dir() else ({}, 1.0)
     where = streaming.shard_map(base, "export.model")  # every shard present and readable before any write
     config = export_config(base, settings, x.dtype)
+    texts = export_texts(cfg, base)  # (the calibration's and the report's, packed before anything is written)
     tmp = start_partial(out, "export.out_dir")
     log = StageLog(tmp / "export_log.txt")  # moves into place with the export
 
@@ -379,7 +396,7 @@ def _export(entry: Entry, t0: float) -> Path:
         write_hybrid(tmp, config, settings, hybrid, weight_map)
         report = None
         if x.calibrate_gamma or x.gamma is not None:
-            report = gamma_change(tmp, base, source, settings, hybrid, weight_map, config, cfg, log)
+            report = gamma_change(tmp, texts, source, settings, hybrid, weight_map, config, cfg, log)
         balance = balance_report(entry.layout.eval, source, tmp, log)
         identity = export_identity(cfg, model, entry.layout.eval)
         (tmp / IDENTITY_NAME).write_text(json.dumps(identity, indent=1) + "\n")
@@ -433,14 +450,14 @@ def write_hybrid(tmp: Path, config: dict, settings: dict, params: dict, weight_m
     )
 
 
-def gamma_change(tmp, base, source, settings, hybrid, weight_map, config, cfg, log) -> dict:
+def gamma_change(tmp, texts, source, settings, hybrid, weight_map, config, cfg, log) -> dict:
     """Inference-time hybridisation: gamma fixed (already written) or calibrated per layer and head (rewritten),
     and the held-out perplexity by position bucket before / after, into gamma_report.json."""
     x = cfg.export
     gammas = {"as trained": load_file(source / PARAMS_NAME)}
     errors = None
     if x.calibrate_gamma:
-        hybrid, errors = calibrate_gamma(tmp, base, settings, hybrid, cfg, log)
+        hybrid, errors = calibrate_gamma(tmp, texts[0], settings, hybrid, cfg, log)
         write_hybrid(tmp, config, settings, hybrid, weight_map)
         gammas["calibrated"] = hybrid
         note = (
@@ -452,6 +469,6 @@ def gamma_change(tmp, base, source, settings, hybrid, weight_map, config, cfg, l
         note = f"gamma fixed at {x.gamma} for every head."
     report = {"note": note, "calibration_mse": errors}
     if x.report_sequences:
-        report.update(perplexity_report(tmp, base, cfg, gammas))
+        report.update(perplexity_report(tmp, texts[1], cfg, gammas))
     (tmp / "gamma_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
+from hybrid_scale.errors import ExportError
+from hybrid_scale.export import stage as export_stage
 from hybrid_scale.export.stage import export
 from hybrid_scale.models.converted import ADAPTER_DIR
 from hybrid_scale.preflight.inputs import InputError
@@ -261,6 +263,24 @@ def test_inference_time_hybridisation_fixed_and_calibrated(trained, tmp_path):
     assert "Inference-time gamma" in (calibrated / "README.md").read_text()
     model = hs.load_converted(calibrated, dtype=torch.float32)
     assert {m.mode for m in model.modules() if isinstance(m, hs.HybridAttention)} == {"hybrid"}
+
+
+@pytest.mark.parametrize(
+    "extra, short",
+    [
+        (["export.calibrate_gamma=true", "export.calibration_sequences=100000"], "export.calibration_sequences x"),
+        (["export.gamma=0.3", "export.report_sequences=100000"], "export.report_sequences x"),
+        (["export.gamma=0.3", "data.heldout_fraction=0"], "export.report_sequences x"),
+    ],
+)
+def test_too_little_text_for_a_calibration_or_its_report_is_refused_before_anything_is_written(
+    trained, tmp_path, monkeypatch, extra, short
+):
+    out = tmp_path / "export"
+    monkeypatch.setattr(export_stage, "write_shards", lambda *a, **k: pytest.fail("a shard was written first"))
+    with pytest.raises(ExportError, match=rf"the export's text for {short}.* falls short: "):
+        export(cfg(trained, out, "export.mode=hybrid", *extra))
+    assert list(tmp_path.iterdir()) == []  # no shard, no partial directory
 
 
 PIQA_YAML = """task: piqa_local
