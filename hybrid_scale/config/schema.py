@@ -169,7 +169,9 @@ class ExportConfig:
     out_dir: str | None = None  # None = {run_dir}/export
     mode: str | None = None  # mode the export runs in; None = as trained (la_only + mode=hybrid: inference-time SWA)
     window: int | None = None  # None = as trained
-    gamma: float | None = None  # fix gamma of every head (inference-time hybridisation)
+    # fix gamma of every head (inference-time hybridisation; the exported model must run hybrid): > 0, and < 1 when
+    # the model's attention.gamma_param is sigmoid
+    gamma: float | None = None
     calibrate_gamma: bool = False  # fit gamma per layer and head so hybrid matches full softmax on a few batches
     calibration_sequences: int = 8  # training sequences the gamma calibration fits on
     calibration_seq_len: int = 512  # their length in tokens

@@ -148,8 +148,8 @@ def _validate_export(x) -> None:
         _positive(f"export.{key}", x[key])
     _positive("export.report_sequences", x.report_sequences, 0)
     _positive("export.report_seq_len", x.report_seq_len, 2)
-    if x.gamma is not None and not 0.0 < x.gamma < 1.0:
-        raise ConfigError(f"config key 'export.gamma': must be in (0, 1), got {x.gamma}")
+    if x.gamma is not None and x.gamma <= 0.0:  # (the upper bound is the model's: export checks it, check_gamma)
+        raise ConfigError(f"config key 'export.gamma': must be > 0 (and < 1 with gamma_param sigmoid), got {x.gamma}")
     if x.gamma is not None and x.calibrate_gamma:
         raise ConfigError("config keys 'export.gamma' and 'export.calibrate_gamma': choose one (fixed or calibrated)")
     if x.max_shard_gb <= 0:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..attention.architectures import ARCHITECTURES
-from ..attention.hybrid import GAMMA_PARAMS, HybridAttention
+from ..attention.hybrid import GAMMA_PARAMS, HybridAttention, check_gamma
 from ..attention.naive import EPS
 from ..data import corpus
 from ..distributed.checkpoint import (
@@ -210,6 +210,22 @@ def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[
     return logit.detach(), before, after
 
 
+def check_gamma_export(x, settings: dict) -> None:
+    """export.gamma / calibrate_gamma need a model that runs hybrid (somewhere), and a fixed gamma its own
+    parametrisation can reach; refused before anything is written."""
+    modes = {settings.get("mode"), *(settings.get("layer_modes") or {}).values()}
+    if "hybrid" not in modes:
+        raise ExportError(
+            f"export.{'gamma' if x.gamma is not None else 'calibrate_gamma'} is set but the exported model runs "
+            f"{', '.join(sorted(m for m in modes if m))}, where gamma has no effect: set export.mode=hybrid"
+        )
+    if x.gamma is not None:
+        try:
+            check_gamma(x.gamma, settings.get("gamma_param", "sigmoid"), "config key 'export.gamma'")
+        except ValueError as e:
+            raise ExportError(f"{e} (the model's attention.gamma_param)") from None
+
+
 def export_texts(cfg, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The token ids a gamma calibration (training text) and its perplexity report (held-out text) read, packed
     before any shard is written: too little text is one clear error before the export writes a byte."""
@@ -372,6 +388,8 @@ def _export(entry: Entry, t0: float) -> Path:
         settings.pop("layer_modes", None)
     if x.window:
         settings["window"] = x.window
+    if x.gamma is not None or x.calibrate_gamma:
+        check_gamma_export(x, settings)
     # the exported model runs the Triton kernels where they are installed (CUDA) and torch elsewhere, unless the run
     # asked for torch; it never demands the kernels
     settings["backend"] = "torch" if cfg.attention.backend == "torch" else "auto"

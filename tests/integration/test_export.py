@@ -283,6 +283,28 @@ def test_too_little_text_for_a_calibration_or_its_report_is_refused_before_anyth
     assert list(tmp_path.iterdir()) == []  # no shard, no partial directory
 
 
+def test_a_gamma_is_refused_where_it_cannot_act_and_taken_where_the_models_parametrisation_reaches_it(
+    trained, tmp_path
+):
+    meta = json.loads((trained / "stage2_best" / "hybrid_config.json").read_text())
+    la = shutil.copytree(trained, tmp_path / "la")
+    (la / "stage2_best" / "hybrid_config.json").write_text(
+        json.dumps(meta | {"attention": meta["attention"] | {"mode": "la_only"}})
+    )
+    with pytest.raises(ExportError, match="runs la_only, where gamma has no effect: set export.mode=hybrid"):
+        export(cfg(la, tmp_path / "out", "export.calibrate_gamma=true"))
+    with pytest.raises(ExportError, match=r"export.gamma' must be in \(0, 1\) with gamma_param sigmoid, got 1.5"):
+        export(cfg(trained, tmp_path / "out", "export.gamma=1.5", "export.report_sequences=0"))
+    assert not (tmp_path / "out").exists()
+    exp = shutil.copytree(trained, tmp_path / "exp")  # gamma = exp(logit): any gamma > 0
+    (exp / "stage2_best" / "hybrid_config.json").write_text(
+        json.dumps(meta | {"attention": meta["attention"] | {"gamma_param": "exp"}})
+    )
+    out = export(cfg(exp, tmp_path / "out", "export.gamma=1.5", "export.report_sequences=0"))
+    gammas = [v for k, v in load_file(out / "hybrid_params.safetensors").items() if k.endswith("gamma_logit")]
+    assert gammas and all(torch.allclose(g.exp(), torch.full_like(g, 1.5)) for g in gammas)
+
+
 PIQA_YAML = """task: piqa_local
 dataset_path: arrow
 dataset_kwargs:
