@@ -278,7 +278,10 @@ def check_ahead(cfg, stages: list[str], r: Resolved) -> None:
         check(cfg, "distill", Resolved(r.layout, r.derived, stage_model(cfg, "distill", r.layout)))
     if "finetune" in stages:
         check_early_stopping(cfg, r)
-        check_training_text(cfg, None, "finetune")
+        # stage 2's tokenizer: finetune.model's (when it is there), else the teacher's, which stage 1's output keeps
+        given = stage_model(cfg, "finetune", r.layout) if cfg.finetune.model else None
+        teacher = stage_model(cfg, "distill", r.layout).path
+        check_training_text(cfg, given.base if given is not None and given.exists else teacher, "finetune")
     if "evaluate" in stages:
         check_eval_inputs(cfg, r, stage_model(cfg, "evaluate", r.layout).base)
     if "export" in stages:

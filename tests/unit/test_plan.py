@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hybrid_scale as hs
 from hybrid_scale.cli import main
 from hybrid_scale.config import JOBS, ConfigError, load_config
+from hybrid_scale.data import corpus
 from hybrid_scale.distributed import slurm as slurm_module
 from hybrid_scale.distributed.deepspeed import train_config
 from hybrid_scale.distributed.environment import first_host
@@ -206,6 +207,16 @@ def test_pipeline_stops_before_stage_1_when_a_later_stage_is_doomed(tiny_run_mod
     )
     cfg = load_config(overrides=tiny_run_overrides(tiny_run_model, tmp_path / "run", f"export.out_dir={small / 'x'}"))
     with pytest.raises(ConfigError, match=r"^preflight \(distill, finetune, evaluate, export\): .* the export needs"):
+        pipeline(cfg)
+    assert not (tmp_path / "run" / "stage1").exists()
+
+
+def test_pipeline_stops_before_stage_1_when_stage_2s_held_out_text_falls_short(tiny_run_model, tmp_path):
+    """Stage 2's text is checked with the teacher's tokenizer (stage 1's output keeps it) before stage 1 starts."""
+    cfg = load_config(
+        overrides=tiny_run_overrides(tiny_run_model, tmp_path / "run", "finetune.heldout_sequences=100000")
+    )
+    with pytest.raises(corpus.CorpusError, match=r"finetune.heldout_sequences asks for 100000"):
         pipeline(cfg)
     assert not (tmp_path / "run" / "stage1").exists()
 
