@@ -24,11 +24,22 @@ from ..run.metrics import Metrics, duration
 from ..run.settings import data_settings, differing
 from ..run.sources import ModelSource
 
+TWINS = {"swa_only": "swa_sinks", "swa_sinks": "swa_only"}  # the same keys on a hybrid that keeps its own sinks
 
-def count_cells(e) -> int:
-    """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share."""
-    held_out = (len(e.modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
-    return len(e.modes) * len(e.tasks) + held_out + len(passkey.probe_modes(e))
+
+def own_modes(modes, keeps_sinks: bool) -> list[str]:
+    """The modes that get cells of their own: on a hybrid with its own sinks, a mode whose twin (TWINS) comes
+    before it reuses the twin's results."""
+    modes = list(modes)
+    return [m for i, m in enumerate(modes) if not (keeps_sinks and TWINS.get(m) in modes[:i])]
+
+
+def count_cells(e, keeps_sinks: bool = False) -> int:
+    """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share, then the passkey
+    probe per mode (a twin mode has none: `own_modes`)."""
+    modes = own_modes(e.modes, keeps_sinks)
+    held_out = (len(modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
+    return len(modes) * len(e.tasks) + held_out + len(own_modes(passkey.probe_modes(e), keeps_sinks))
 
 
 def digest(obj) -> str:

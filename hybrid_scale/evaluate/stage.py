@@ -49,7 +49,7 @@ from ..preflight import costs, shape
 from ..run.entry import Entry, stage_entry
 from ..run.sources import ModelSource
 from . import balance, loglik, report, retrieval
-from .cells import Cells, count_cells, digest, evaluation_window, identity, model_key
+from .cells import TWINS, Cells, count_cells, digest, evaluation_window, identity, model_key
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
 
@@ -112,7 +112,7 @@ class Models:
         """A mode among `evaluated` (evaluated before, on every rank) that computes the same function as `mode` on this
         model: for a hybrid with its own sinks, swa_only (the hybrid without its LA) is swa_sinks. Its results are
         reused, not computed twice."""
-        other = {"swa_only": "swa_sinks", "swa_sinks": "swa_only"}.get(mode)
+        other = TWINS.get(mode)
         return other if other in evaluated and self.sinks()[1] else None
 
     def twin_reason(self, mode: str, twin: str) -> str:
@@ -198,7 +198,7 @@ def _evaluate(entry: Entry) -> dict:
     }
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = model_key(cfg, source, window, rt.device)
-    cells = Cells(entry, total=count_cells(e))
+    cells = Cells(entry, total=count_cells(e, models.sinks()[1]))
     try:
         cells.log(_first_line(cfg, config, models))
         for mode in e.modes if e.tasks else ():  # (eval.tasks=[]: the held-out text and the probe only)
@@ -334,7 +334,7 @@ def _deltas(results: dict, tasks: list[str], cfg) -> None:
 def _first_line(cfg, config, models) -> str:
     """What this evaluation will compute: its cells, and the passkey probe's modes and estimated time."""
     e = cfg.eval
-    what = f"{count_cells(e)} cells: {len(e.modes)} mode(s) x {len(e.tasks)} task(s)"
+    what = f"{count_cells(e, models.sinks()[1])} cells: {len(e.modes)} mode(s) x {len(e.tasks)} task(s)"
     if e.ppl_sequences:
         what += f", perplexity in {len(e.modes)} mode(s)" + (", the LA share" if e.la_share_seq_len else "")
     probe = costs.passkey_estimate(cfg, shape.counts(config.to_dict())["total"], _probe_lead(cfg, models))

@@ -439,6 +439,8 @@ def test_perplexity_only_with_the_hybrids_own_sinks(tiny_smollm_vocab, tmp_path)
     reused = "swa_sinks: the same keys as swa_only on this model (its hybrid keeps 4 sinks): its perplexity is "
     reused += "swa_only's"
     assert reused in (out / "log.txt").read_text()  # computed once
+    cells = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["cells_done"], r["cells_total"]) for r in cells] == [(1, 2), (2, 2)]  # the twin has no cell to wait for
 
 
 def test_reproduce_table_renders_an_evaluation(tiny_one_rank):

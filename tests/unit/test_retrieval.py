@@ -84,6 +84,9 @@ def test_the_probe_scores_the_evaluated_modes_unless_told_otherwise():
     base = load_config(overrides=["eval.modes=[base]", "eval.tasks=[arc_challenge]"])
     assert passkey.probe_modes(base.eval) == ["base"]
     assert count_cells(base.eval) == 1 + 1 + 1 + 1  # the task, perplexity, the LA share, the probe in base
+    twins = load_config(overrides=["eval.modes=[hybrid,swa_only,swa_sinks]", "eval.tasks=[piqa,arc_easy]"]).eval
+    assert count_cells(twins) == 3 * 2 + 3 + 1 + 3
+    assert count_cells(twins, keeps_sinks=True) == 2 * 2 + 2 + 1 + 2  # swa_sinks is swa_only: no cells of its own
     asked = load_config(overrides=["eval.modes=[base]", "eval.passkey_modes=[hybrid,swa_sinks]"])
     assert passkey.probe_modes(asked.eval) == ["hybrid", "swa_sinks"]
     assert passkey.probe_modes(load_config(overrides=["eval.passkey_trials=0"]).eval) == []
