@@ -65,7 +65,10 @@ def record_config(cfg, layout: RunLayout, allow_change: bool = False) -> Path:
 
 def is_done(cfg, layout: RunLayout, stage: str) -> bool:
     """Whether `stage`'s output is committed and describes what it would make now (stage 1 resumes by itself: a
-    finished one only rewrites its small output)."""
+    finished one only rewrites its small output), or is not needed: stage 1 when finetune.model names the converted
+    model stage 2 starts from."""
+    if stage == "distill":
+        return cfg.finetune.model is not None
     if stage == "finetune":
         return (layout.stage2 / "curves.json").is_file() and layout.stage2_output.exists()
     if stage == "evaluate":
@@ -119,7 +122,8 @@ def _run_stages(entry: Entry, stages, log) -> dict:
     timings = json.loads(layout.timings.read_text()) if layout.timings.is_file() else {}
     for stage in stages:
         if is_done(cfg, layout, stage):
-            log(f"[pipeline] {stage}: done before, skipped")
+            why = "finetune.model is given" if stage == "distill" else "done before"
+            log(f"[pipeline] {stage}: {why}, skipped")
             continue
         if runtime.any_rank(rt, entry.signal.raised):  # between stages: everything before is committed
             what = f"pipeline stopped by a signal before {stage}"

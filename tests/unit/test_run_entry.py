@@ -171,3 +171,12 @@ def test_allow_config_change_goes_on_only_for_a_training_stage_not_started_yet(t
     with pytest.raises(ConfigError, match=rf"distill.lr changed, but stage 1 has started .*remove {layout.stage1} "):
         record_config(both, layout, allow_change=True)
     assert OmegaConf.load(layout.config).distill.lr != 0.5
+
+
+def test_the_pipeline_trains_no_stage_1_when_stage_2_starts_from_a_given_model(tmp_path):
+    from hybrid_scale.pipeline import is_done
+
+    given = load_config(overrides=[f"run_dir={tmp_path / 'run'}", f"finetune.model={tmp_path / 'converted'}"])
+    assert is_done(given, RunLayout.of(given), "distill")  # (its result would go unused)
+    plain = load_config(overrides=[f"run_dir={tmp_path / 'run'}"])
+    assert not is_done(plain, RunLayout.of(plain), "distill")
