@@ -151,27 +151,37 @@ def _device_fit(p: Plan, cfg, s1_mem: float, s2_mem: float, eval_mem: float) -> 
 
 
 def _disk(p: Plan, cfg, sh: Shape, s1_disk: float, ckpt: float, r: Resolved) -> None:
+    """Stage 1's buffers where distill.buffer_dir is (by default under run_dir, which on a cluster is one disk every
+    node writes to: the buffers of all ranks; set to a node's own disk: that node's), and stage 2's checkpoints
+    where run_dir is, after the buffers (which stay) when both are on one file system."""
     lc = cfg.launch
-    buffer_dir = r.layout.buffers
-    probe, free = free_at(buffer_dir)
+    buffer_dir, stage2 = r.layout.buffers, r.layout.stage2
+    shared = cfg.distill.buffer_dir is None or lc.nodes == 1
+    groups = (sh.ranks if shared else lc.procs_per_node) // sh.tp  # a tensor-parallel group shares one copy
     have = sum(x.stat().st_size for x in buffer_dir.glob("*.bin")) if buffer_dir.is_dir() else 0  # reused in place
-    groups = (sh.ranks if lc.nodes == 1 else lc.procs_per_node) // sh.tp  # a tensor-parallel group shares one copy
     buffers = max(0, s1_disk * groups - have)
     checkpoints = (cfg.finetune.keep + 1) * ckpt
-    p.rows.append(
-        (
-            "disk",
-            f"free at {probe}",
-            f"{gb(free)} (this node: buffers ~{gb(buffers)} more, checkpoints ~{gb(checkpoints)})",
+    b_probe, b_free = free_at(buffer_dir)
+    c_probe, c_free = free_at(stage2)
+    one_disk = b_probe.stat().st_dev == c_probe.stat().st_dev
+    whose = "every node's ranks" if shared and lc.nodes > 1 else "this node"
+    p.rows.append(("disk", f"free at {b_probe}", f"{gb(b_free)} (stage-1 buffers of {whose}: ~{gb(buffers)} more)"))
+    after = " after the buffers, on the same file system" if one_disk else ""
+    p.rows.append(("disk", f"free at {c_probe}", f"{gb(c_free)} (stage-2 checkpoints: ~{gb(checkpoints)}{after})"))
+    if buffers > b_free:
+        p.block(
+            f"{b_probe} has {gb(b_free)} free but the stage-1 buffers of {whose} need ~{gb(buffers)}: set "
+            "distill.buffer_dir to a larger disk (or a node's own disk) or lower data.num_sequences",
+            "distill",
         )
-    )
-    for stage_name, need, what in (("distill", buffers, "stage-1 buffers"), ("finetune", checkpoints, "checkpoints")):
-        if need > free:
-            p.block(
-                f"{probe} has {gb(free)} free but this node needs ~{gb(need)} for {what}: set distill.buffer_dir "
-                "/ run_dir to a larger disk or lower data.num_sequences",
-                stage_name,
-            )
+    need = checkpoints + (buffers if one_disk else 0)
+    if need > c_free:
+        p.block(
+            f"{c_probe} has {gb(c_free)} free but the stage-2 checkpoints need ~{gb(need)}"
+            + (" with the stage-1 buffers beside them" if one_disk and buffers else "")
+            + ": set run_dir (or distill.buffer_dir) to a larger disk, or lower finetune.keep",
+            "finetune",
+        )
 
 
 def _refuse(label: str, problems: list[str]) -> None:

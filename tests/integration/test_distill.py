@@ -129,7 +129,10 @@ def test_two_ranks_equal_one_rank(sharded_model, uninterrupted, tmp_path):
 
 def test_preflight_refuses_without_disk_room(sharded_model, tmp_path, monkeypatch):
     monkeypatch.setattr(distill_buffers.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
-    with pytest.raises(ConfigError, match=r"preflight \(distill\): .* has 0\.00 GB free but this node needs ~0\.00 GB"):
+    with pytest.raises(
+        ConfigError,
+        match=r"preflight \(distill\): .* has 0\.00 GB free but the stage-1 buffers of this node need ~0\.00 GB",
+    ):
         stage1.distill(load_config(overrides=overrides(sharded_model, tmp_path)))  # the plan, before any work
     with pytest.raises(stage1.DistillError, match=r"stage 1 needs 0\.00 GiB .* only 0\.00 GiB are free: set distill"):
         distill_buffers.preflight_buffers(tmp_path / "buffers", 16, 64, 64, torch.float32)  # the stage's exact check

@@ -388,3 +388,40 @@ def test_plan_refuses_every_size_tensor_parallel_does_not_divide_and_times_the_s
     assert any("raise launch.timeout_min" in w for w in slow.warnings), slow.warnings
     with pytest.raises(ConfigError, match="launch.timeout_min"):
         load_config("models/llama3-70b.yaml", ["launch.timeout_min=0"])
+
+
+def test_disk_counts_every_nodes_buffers_on_a_shared_run_dir_and_checks_checkpoints_where_they_go(
+    tmp_path, monkeypatch
+):
+    """Buffers under run_dir (the default: one disk every node writes to) count every rank's; on a node's own disk
+    (distill.buffer_dir set) that node's. Stage 2's checkpoints are checked where run_dir is, after the buffers that
+    stay beside them on the same file system."""
+    scratch, run = tmp_path / "scratch", tmp_path / "run"
+    scratch.mkdir()
+    free = {"scratch": 10**13, "run": 10**13}
+    monkeypatch.setattr(
+        shape_module.shutil,
+        "disk_usage",
+        lambda path: type("U", (), {"free": free["scratch" if str(path).startswith(str(scratch)) else "run"]})(),
+    )
+    mesh = [
+        "launch.nodes=4",
+        "launch.procs_per_node=8",
+        "launch.tensor_parallel=8",
+        "finetune.offload=false",
+        "eval.shard_weights=false",
+        f"run_dir={run}",
+    ]
+
+    def buffers(*extra):
+        rows = plan(load_config("models/llama3-70b.yaml", [*mesh, *extra])).rows
+        text = next(v for s, q, v in rows if s == "disk" and "stage-1 buffers" in v)
+        return text, float(text.split("~")[1].split(" GB")[0].replace(",", ""))
+
+    shared, on_node = buffers(), buffers(f"distill.buffer_dir={scratch}")
+    assert "buffers of every node's ranks" in shared[0] and "buffers of this node" in on_node[0]
+    assert shared[1] == pytest.approx(4 * on_node[1], rel=1e-3)  # 4 nodes x one tensor-parallel group each
+    free["run"] = 10**9  # a small run_dir: the checkpoints do not fit there, whatever the buffers' disk has
+    p = plan(load_config("models/llama3-70b.yaml", [*mesh, f"distill.buffer_dir={scratch}"]))
+    assert any(m.startswith(f"{tmp_path} has 1.00 GB free but the stage-2 checkpoints need") for m in p.problems)
+    assert not any("stage-1 buffers of" in m for m in p.blocking("distill"))  # the buffers' own disk has room
