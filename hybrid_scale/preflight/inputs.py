@@ -259,9 +259,22 @@ def check(cfg, stage: str, r: Resolved) -> None:
     elif stage == "export":  # export.model, else the run's model: readable, base present, adapter fits
         check_stage_model(cfg, stage, model)  # first: nothing else can be checked without it
         check_converted(model)
+        check_not_an_export(model.path)
         check_export_output(cfg, r.layout.export, model.path, model.base)
     if stage in ("finetune", "evaluate"):
         check_stage_model(cfg, stage, model)
+
+
+def check_not_an_export(path: Path) -> None:
+    """The export merges a model's adapter into its base's shards; an export's shards are merged already and carry its
+    own architecture: refused in one line (it used to fail on the architecture, naming the wrong fix)."""
+    config = path / "config.json"
+    arch = (json.loads(config.read_text()).get("architectures") or [""])[0] if config.is_file() else ""
+    if arch.startswith("HybridScale"):
+        raise ConfigError(
+            f"config key 'export.model': {path} is an export already ({arch}); export from the stage-2 or stage-1 "
+            "model it was made from (its model card names it), with the new export.* settings"
+        )
 
 
 def check_early_stopping(cfg, r: Resolved) -> None:

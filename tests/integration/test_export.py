@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
-from hybrid_scale.errors import ExportError
+from hybrid_scale.errors import ConfigError, ExportError
 from hybrid_scale.export import stage as export_stage
 from hybrid_scale.export.stage import export
 from hybrid_scale.models.converted import ADAPTER_DIR
@@ -303,6 +303,12 @@ def test_a_gamma_is_refused_where_it_cannot_act_and_taken_where_the_models_param
     out = export(cfg(exp, tmp_path / "out", "export.gamma=1.5", "export.report_sequences=0"))
     gammas = [v for k, v in load_file(out / "hybrid_params.safetensors").items() if k.endswith("gamma_logit")]
     assert gammas and all(torch.allclose(g.exp(), torch.full_like(g, 1.5)) for g in gammas)
+
+
+def test_an_export_is_not_exported_again(trained, exported, tmp_path):
+    with pytest.raises(ConfigError, match=r"is an export already \(HybridScaleLlamaForCausalLM\); export from the"):
+        export(cfg(trained, tmp_path / "again", f"export.model={exported}"))
+    assert not (tmp_path / "again").exists()
 
 
 PIQA_YAML = """task: piqa_local
