@@ -115,11 +115,20 @@ def on_rank0(rt, what: str, work) -> None:
         raise error or PipelineError(f"{what} failed on rank 0 (its error is in rank 0's output)")
 
 
+def export_on_rank0(cfg, rt) -> None:
+    """The export, the last stage, runs on rank 0 alone, and the other ranks do not wait for it: no collective
+    follows, so an export longer than launch.timeout_min cannot time them out, and a failed export is rank 0's exit
+    code (which torchrun and srun report for the job)."""
+    if rt.main:
+        export(cfg)
+
+
 def _run_stages(entry: Entry, stages, log) -> dict:
     """pipeline's work, under the run dir's lock: the config recorded, then each stage not done yet."""
     cfg, rt, layout = entry.cfg, entry.rt, entry.layout
     on_rank0(rt, "recording the config", lambda: record_config(cfg, layout, cfg.allow_config_change))
     timings = json.loads(layout.timings.read_text()) if layout.timings.is_file() else {}
+    assert "export" not in stages or stages[-1] == "export"  # (nothing after it: the other ranks have left)
     for stage in stages:
         if is_done(cfg, layout, stage):
             why = "finetune.model is given" if stage == "distill" else "done before"
@@ -137,7 +146,7 @@ def _run_stages(entry: Entry, stages, log) -> dict:
         elif stage == "evaluate":  # eval.model unset: the run's own model (run/sources.stage_model)
             evaluate(cfg)
         elif stage == "export":
-            on_rank0(rt, "the export", lambda: export(cfg))
+            export_on_rank0(cfg, rt)
         timings[stage] = time.perf_counter() - t0
         if rt.main:
             atomic_write(layout.timings, json.dumps(timings, indent=1))

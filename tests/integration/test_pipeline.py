@@ -81,6 +81,15 @@ def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_pat
     assert again.returncode == 0 and again.stdout.count("skipped") == 3
 
 
+def test_the_pipeline_on_two_ranks_runs_through_its_export(tiny, tmp_path):
+    """Every stage on 2 gloo ranks; the export on rank 0 alone, not waited for by rank 1 (pipeline.export_on_rank0)."""
+    run = tmp_path / "two"
+    proc = procs.run(["pipeline", *overrides(tiny, run)], ranks=2, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "export" / "COMMITTED").is_file() and (run / "eval" / "results.json").is_file()
+    assert not (run / ".lock").exists() and "(data 2 x tensor 1)" in (run / "stage2" / "log.txt").read_text()
+
+
 def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, tmp_path):
     """The quickstart preset with the model and budgets shrunk to the tiny model (the real one is `make quickstart`)."""
     args = ["quickstart", "--run-dir", str(tmp_path / "qs"), *overrides(tiny, tmp_path / "qs")[:2]]
