@@ -398,13 +398,24 @@ def evaluate_heldout(s: Stage2) -> None:
     s.metrics.log(step, {"hybrid": h, "la_only": la, "improved": improved, **stopping}, kind="heldout")
 
 
+def best_step(best: Path) -> int | None:
+    """The step best/ was written at (its hybrid_config.json's origin), None without one. best/ is the run's output
+    only when it is the early-stopping state's best step: one left by an attempt this run did not resume from (a
+    run stopped before its first checkpoint, or the redone steps of a resume) is not."""
+    try:
+        return json.loads((best / "hybrid_config.json").read_text())["origin"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def finish(s: Stage2) -> Path:
     """final/, curves, and the `output` link to the run's model (best/ when early stopping chose it)."""
     stage2, rt = s.stage2, s.rt
     if s.ssd and rt.main:
         s.log("ssd realised drop rate per phase: " + json.dumps(s.ssd.realised()))
     write_model(stage2 / "final", s.peft_model, s.model, s.source.hybrid_config, s.mode, rt, s.step)
-    chosen = "best" if s.early and (stage2 / "best").is_dir() else "final"
+    kept = s.stopping.best_step
+    chosen = "best" if s.early and kept is not None and best_step(stage2 / "best") == kept else "final"
     if rt.main:
         realised = s.ssd.realised() if s.ssd else None
         (stage2 / "curves.json").write_text(

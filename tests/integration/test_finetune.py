@@ -385,6 +385,14 @@ def test_hedgecats_stops_early_and_outputs_best(setup, tmp_path):
     assert (stage2 / "output").resolve() == (stage2 / "best").resolve() and (stage2 / "best" / MARKER).is_file()
     assert (stage2 / "curves.png").stat().st_size > 10_000
     hs.load_converted(stage2 / "output", dtype=torch.float32)  # loads as a model
+    # a best/ that no evaluation of this run chose (left by an attempt it did not resume from) is not its output
+    again = tmp_path / "again"
+    shutil.copytree(stage2 / "best", again / "stage2" / "best")
+    proc = finetune(
+        overrides(setup, again, "finetune.recipe=hedgecats", "finetune.max_steps=2", "finetune.eval_every=5")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "stage2" / "output").resolve() == (again / "stage2" / "final").resolve()
 
 
 def test_resuming_with_other_settings_is_refused(setup, reference, tmp_path):
