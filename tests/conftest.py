@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -234,3 +235,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith("tests/unit/") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.fast)
+
+
+@contextmanager
+def one_thread():
+    """This process computes with one CPU thread, as the CLI and torchrun children do (procs: OMP_NUM_THREADS=1): CPU
+    kernels round differently with another number of threads, and the tests compare numbers bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
