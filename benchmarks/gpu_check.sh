@@ -20,6 +20,7 @@ PY="${PYTHON:-python3}"
 OUT_DIR="${GPU_CHECK_OUT:-${OUT:-docs/results}}"
 mkdir -p "$OUT_DIR"
 if compgen -G ".whl/*.whl" >/dev/null; then
+  rm -rf /tmp/site  # (a warm machine's earlier install: pip --target leaves other versions' metadata behind)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_check.sh: installing .whl/*.whl into /tmp/site failed" >&2; exit 3; }
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -41,8 +42,9 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"  # 
     '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton)==' \
     | tr '\n' ' ')"
 } 2>&1 | tee "$OUT_DIR/gpu_check.log"
-# first what only a GPU can check: the compiled kernels against the spec (tests marked gpu; at most 4 minutes)
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_triton_kernels.py 2>&1 \
+# first what only a GPU can check: the compiled kernels against the spec (tests marked gpu, each printing its errors
+# with -rP; at most 4 minutes)
+timeout 240 "$PY" -m pytest -q -rP -p no:cacheprovider -m gpu tests/unit/test_triton_kernels.py 2>&1 \
   | tee -a "$OUT_DIR/gpu_check.log"
 tests=${PIPESTATUS[0]}
 echo "gpu_check.sh: gpu-marked tests exit status $tests" | tee -a "$OUT_DIR/gpu_check.log"

@@ -56,6 +56,9 @@ MISSING_ON_DEVICE = [
     "pygments",
 ]
 SDIST_ONLY = {"deepspeed"}  # built into a wheel here
+# Versions for the device that differ from this environment's: transformers >= 5.25 needs huggingface-hub >= 2.4 (and
+# httpx2, kernels), the image has 1.33; 5.24.0 imports with 1.33 (seen on the H200 on 2026-12-04, where 5.25.0 did not).
+DEVICE_VERSIONS = {"transformers": "5.24.0"}
 TARGET = [
     "--python-version",
     "3.12",
@@ -75,14 +78,17 @@ TARGET = [
 
 
 def pins() -> list[str]:
-    """name==version for each package, at the version installed in this environment."""
-    out = []
+    """name==version for each package: DEVICE_VERSIONS, else the version installed in this environment; a name in
+    GPU_WHEELS_EXTRA replaces its pin."""
+    out = {}
     for name in MISSING_ON_DEVICE:
         try:
-            out.append(f"{name}=={metadata.version(name)}")
+            out[name] = f"{name}=={DEVICE_VERSIONS.get(name) or metadata.version(name)}"
         except metadata.PackageNotFoundError:
             sys.exit(f"gpu-wheels: {name} is not installed in {sys.prefix}: run `make install` first")
-    return out + os.environ.get("GPU_WHEELS_EXTRA", "").split()
+    for extra in os.environ.get("GPU_WHEELS_EXTRA", "").split():
+        out[extra.split("==")[0].lower()] = extra
+    return list(out.values())
 
 
 def pip(*args: str, env: dict | None = None) -> None:

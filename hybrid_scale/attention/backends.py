@@ -210,7 +210,10 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
         return None if err <= tol * (1 + scale) else f"{what} differs from the torch path by {err:.3g} (of {scale:.3g})"
 
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        # its own autograd, apart from the caller's: the first call is often inside a layer under non-reentrant
+        # activation checkpointing, whose saved-tensor hooks would otherwise take the check's tensors into the
+        # layer's (its backward then recomputes the layer and fails; the layer's recomputation saves fewer tensors)
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             x = [make(B, H, T, D), make(B, Hkv, T, D), make(B, Hkv, T, Dv), make(B, H, T, F, positive=True)]
             x += [make(B, Hkv, T, F, positive=True), torch.full((H,), 0.3, device=device)]
             mask = torch.ones(B, T, dtype=torch.long, device=device)
@@ -247,6 +250,10 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return f"{type(e).__name__}: {first}"
     return None
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def get_backend(name: str) -> Callable:

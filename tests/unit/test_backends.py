@@ -187,3 +187,25 @@ def test_the_layer_method_uses_its_own_settings_and_backend(mode):
         assert out["naive"][1]["feature_map_k.weight"].abs().max() > 0
     if mode in ("hybrid", "swa_only"):
         assert out["naive"][1]["gamma_logit"].abs().max() > 0
+
+
+def test_a_self_check_inside_an_activation_checkpointed_layer_passes_and_leaves_the_layers_backward_intact(monkeypatch):
+    """On CUDA, attention.backend=auto self-checks a backend at the first attention call, which in stage 2 is inside a
+    decoder layer under non-reentrant activation checkpointing (seen on an H200: the check's gradients went through
+    the checkpoint's saved-tensor hooks, so 'triton' failed its check, and the layer's backward then raised
+    CheckpointError, 94 tensors saved in the forward and 78 in the recomputation). Here the same on CPU, the check
+    run through the registry's cache as resolve() runs it."""
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    shape = backends.Shape(dtype=torch.float32)
+    seen = []
+
+    def layer(x):
+        seen.append(backends._check("naive", torch.device("cpu"), shape))  # the first call checks, then the cache
+        return (x * 2).sin() * x
+
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    y.sum().backward()
+    assert seen == [None, None]  # passed, in the forward and (from the cache) in the recomputation
+    want = (2 * x).sin() + 2 * x * (2 * x).cos()
+    torch.testing.assert_close(x.grad, want.detach())

@@ -420,9 +420,23 @@ def test_the_attention_package_never_imports_the_kernels():
 
 
 # --- compiled, bf16 (CUDA only) -----------------------------------------------------------------------------------
-# Tolerances: bf16 inputs carry ~3 significant digits (2^-8 relative); outputs are averages of values of size ~1, so
-# |y - y_ref| <= 3e-2 against the fp64 spec on the same bf16-rounded inputs; gradients <= 5e-2 absolute plus 5e-2
-# relative (sums over up to T terms in bf16 tensor-core dots with fp32 accumulation).
+# Outputs: bf16 inputs carry ~3 significant digits (2^-8 relative); outputs are averages of values of size ~1, so
+# |y - y_ref| <= 3e-2 against the fp64 spec on the same bf16-rounded inputs. Gradients are sums over up to T terms
+# (gamma's over B*T*D), so an element's error scales with the tensor's size, not its own: `grad_errors` takes each
+# gradient's largest error relative to its largest value (to the call's largest gradient where the spec's is zero,
+# e.g. dq and dk at window 1, where a rounding residue is all there is), and the kernels' must be at most 3x the chunked
+# torch path's on the same bf16 inputs plus 1e-2: no less accurate than the path they stand in for. (The elementwise
+# 5e-2 + 5e-2 |ref| this replaced failed on an H200 for gamma and for k at window 1 without printing either error;
+# the gamma failures were real: docs/results/gpu_check.md.)
+
+
+def grad_errors(grads: dict, ref: dict) -> dict[str, float]:
+    top = max(r.abs().max().item() for r in ref.values())
+    out = {}
+    for n in NAMES:
+        scale = ref[n].abs().max().item()
+        out[n] = (grads[n].double() - ref[n]).abs().max().item() / (scale if scale > 1e-6 * top else top)
+    return out
 
 
 @GPU
@@ -433,12 +447,22 @@ def test_bf16_on_gpu_against_the_spec(mode, window):
     T = 700
     x = make(T, B=2, H=6, Hkv=2, D=64, F=128, dtype=torch.bfloat16, device="cuda", seed=window)
     mask = left_padded(T, pad=37).cuda()
-    y, grads = run(kernels.triton_hybrid_attention, x, mask, window=window, **variant(mode), sinks=4)
+    opts = dict(window=window, **variant(mode), sinks=4)
+    y, grads = run(kernels.triton_hybrid_attention, x, mask, **opts)
+    own = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    y_torch, grads_torch = run(chunked.chunk_hybrid_attention, own, mask, **opts)
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, window=window, **variant(mode), sinks=4)
+    y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, **opts)
+    mine, theirs = grad_errors(grads, grads_ref), grad_errors(grads_torch, grads_ref)
+    errs = {n: (mine[n], theirs[n]) for n in NAMES}
+    print(
+        f"{mode} w={window}: max |y - y_ref| triton {(y.double() - y_ref).abs().max().item():.2e}, torch "
+        f"{(y_torch.double() - y_ref).abs().max().item():.2e}; gradient errors triton / torch: "
+        + ", ".join(f"{n} {a:.2e} / {b:.2e}" for n, (a, b) in errs.items())
+    )
     torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=3e-2)
-    for n in NAMES:
-        torch.testing.assert_close(grads[n].double(), grads_ref[n], rtol=5e-2, atol=5e-2, msg=f"grad of {n}")
+    worse = {n: e for n, e in errs.items() if e[0] > 3 * e[1] + 1e-2}
+    assert not worse, f"gradients less accurate than the torch path's (triton, torch): {worse}"
 
 
 @GPU
