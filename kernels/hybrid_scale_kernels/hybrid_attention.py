@@ -138,7 +138,7 @@ class _HybridAttention(torch.autograd.Function):
         nm = triton.cdiv(T, block)
         nq = triton.cdiv(T * s["G"], block)  # packed query tiles (GQA: all heads of a KV head at once)
         f32 = dict(dtype=torch.float32, device=q.device)
-        y = torch.empty_like(q)
+        y = torch.empty(B, H, T, D, **f32)  # kept in fp32 for the backward's delta (_delta); returned in q's dtype
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
         if s["LIN"]:
@@ -157,7 +157,7 @@ class _HybridAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, fq, fk, gamma, rho, init_kv, init_k, start, end, y, c, z, idx)
         ctx.opts = (window, mode, sinks, hybrid_sinks, scale, tiles)
         ctx.mark_non_differentiable(den_e, den_l)
-        return y, den_e, den_l
+        return y.to(q.dtype), den_e, den_l
 
     @staticmethod
     def backward(ctx, dy, _de, _dl):
@@ -172,7 +172,7 @@ class _HybridAttention(torch.autograd.Function):
         nq = triton.cdiv(T * G, block)
         f32 = dict(dtype=torch.float32, device=q.device)
         dy = dy.contiguous()
-        delta = (dy.float() * y.float()).sum(-1).contiguous()
+        delta = _delta(dy, y, z, q.dtype)
         g = gamma.detach().to(torch.float32).contiguous()
 
         def common(kernel, decay=s["DECAY"]):
@@ -284,6 +284,17 @@ class _HybridAttention(torch.autograd.Function):
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dfq.to(fq.dtype), dfk.to(fk.dtype), dgamma, drho,
             *d_init, None, None, None, None, None, None, None, None,
         )  # fmt: skip
+
+
+def _delta(dy: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """delta [B,H,T] for the backward kernels, which form every term's dp = (dy/Z) . v_j - delta/Z with dy/Z rounded
+    to the inputs' dtype for their dots: delta = Z ((dy/Z) rounded the same way) . y, with y the forward's fp32 output.
+    Where the softmax makes up the whole output (no LA yet) the two halves of dp cancel, so delta must carry the same
+    rounding; dy . y with a bf16 dy/Z in one half and the bf16 output in the other left their rounding differences:
+    gamma's gradient off by 13 % at window 1 on an H200 (docs/results/gpu_check.md).
+    Padding rows (Z = 0) get 0; the kernels do not read them."""
+    zs = torch.where(z > 0, z, torch.ones_like(z))[..., None]
+    return (zs * ((dy.float() / zs).to(dtype).float() * y)).sum(-1).contiguous()
 
 
 def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, init):

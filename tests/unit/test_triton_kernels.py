@@ -479,6 +479,28 @@ def test_bf16_decode_on_gpu(mode):
         torch.testing.assert_close(y.float(), full[:, :, t : t + 1].float(), rtol=0, atol=3e-2)
 
 
+def test_the_backwards_delta_carries_the_rounding_of_the_dots_so_a_softmax_only_token_cancels_exactly():
+    """The backward kernels form dp = round(dy/Z) . v_j - delta/Z (their dots take dy/Z in the inputs' dtype). For a
+    token whose output is its one window key's value (y = v_j: the softmax alone, no LA yet), dp is 0 in exact
+    arithmetic; delta must carry the same rounding for it to come out 0 here too. Taking dy . y in fp32 instead
+    (the kernels until the H200 found gamma's gradient 13 % off at window 1) leaves bf16's rounding, ~1e-3 of |dy/Z|
+    |v|; runs on CPU (no kernel is launched)."""
+    from hybrid_scale_kernels.hybrid_attention import _delta
+
+    g = torch.Generator().manual_seed(0)
+    dy = torch.randn(2, 3, 50, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 3, 50, 64, generator=g).to(torch.bfloat16)
+    z = 0.05 + torch.rand(2, 3, 50, generator=g)  # Z = gamma for the first token, gamma in (0, 1)
+    z[0, 0, :5] = 0.0  # padding rows: delta 0, not NaN
+    y = v.float()  # the forward's fp32 output for such a token
+    delta = _delta(dy, y, z, torch.bfloat16)
+    real = z > 0
+    dp = ((dy.float() / z[..., None]).to(torch.bfloat16).float() * v.float()).sum(-1) - delta / z
+    scale = ((dy.float() / z[..., None]).abs() * v.float().abs()).sum(-1)
+    assert (dp[real].abs() / scale[real]).max() < 1e-6
+    assert torch.isfinite(delta).all()
+
+
 def test_la_only_equals_flash_linear_attention_naive_reference():
     """An independent check of the linear-attention math: la_only (the spec, the chunked path and the kernels under
     the interpreter) against fla-core's naive recurrent linear attention, normalised, with phi_q, phi_k as its q, k
