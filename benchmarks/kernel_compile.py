@@ -2,10 +2,10 @@
 
 For each model preset (configs/models/*.yaml: its heads, KV heads, head dim, feature dim, window and sinks), each
 attention mode the kernels take and each of bf16 / fp16 / fp32, the wrappers are called as training and generation
-call them -- the forward and its backward through autograd on meta tensors at the preset's training length, one
-fused decode step on a ring of `window` keys -- with the tiles the kernels choose on a GPU. Every launch they make is
-recorded (nothing runs) and compiled for both architectures by Triton and the wheel's ptxas
-(hybrid_scale_kernels.compile_check); equal launches compile once.
+call them -- the forward and its backward through autograd on meta tensors at the preset's training length, the
+forward without gradients (a prefill), one fused decode step on a ring of `window` keys -- with the tiles the
+kernels choose on a GPU. Every launch they make is recorded (nothing runs) and compiled for both architectures by
+Triton and the wheel's ptxas (hybrid_scale_kernels.compile_check); equal launches compile once.
 
     python benchmarks/kernel_compile.py [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
         [--reuse docs/results/kernel_compile.json --verify 8]
@@ -84,7 +84,8 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
 
 
 def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.Launch]:
-    """The launches of one forward + backward (meta tensors, batch 1) and one decode step (a ring of `window`)."""
+    """The launches of one forward + backward (meta tensors, batch 1), one forward without gradients (a prefill: its
+    output is written in the inputs' dtype, not fp32) and one decode step (a ring of `window`)."""
     b, h, hkv, t, d, f = 1, shape.heads, shape.kv_heads, shape.length, shape.head_dim, shape.features
 
     def meta(*size):
@@ -101,6 +102,8 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
     with compile_check.record_launches() as recorded:
         y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **({"la_decay": rho} if decay else {}))
         y.backward(torch.empty_like(y))
+        plain = [t.detach() for t in (q, k, v, fq, fk, gamma)]  # generation's prefill: no gradient, y in q's dtype
+        triton_hybrid_attention(*plain, **options, **({"la_decay": rho.detach()} if decay else {}))
         state = DecodeState.empty(b, hkv, d, d, f, shape.window, shape.sinks, shape.window, dtype, "cpu")
         state.grow(shape.window)
 

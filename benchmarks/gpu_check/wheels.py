@@ -87,7 +87,7 @@ def pins() -> list[str]:
         except metadata.PackageNotFoundError:
             sys.exit(f"gpu-wheels: {name} is not installed in {sys.prefix}: run `make install` first")
     for extra in os.environ.get("GPU_WHEELS_EXTRA", "").split():
-        out[extra.split("==")[0].lower()] = extra
+        out[extra.split("==")[0].lower().replace("_", "-")] = extra
     return list(out.values())
 
 

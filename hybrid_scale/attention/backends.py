@@ -36,7 +36,9 @@ This file imports only torch, importlib.metadata and its siblings (the export co
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,7 +188,35 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
     forward whose 2 rows (one left-padded) cross several tiles, in hybrid mode (with its sinks if the shape's hybrid
     keeps them), the output and the gradients of q, k, v, phi_q, phi_k and gamma (and of the LA's decay rho, if the
     shape has one); and (if it has a fused decode step) 20 decode steps past the window against recurrent.extend.
-    None when it agrees, else what differed, failed, or the shape the backend cannot take."""
+    None when it agrees, else what differed, failed, or the shape the backend cannot take.
+
+    It runs in a thread of its own, so none of the caller's thread-local autograd state reaches it: its first call is
+    often inside a decoder layer under activation checkpointing, whose saved-tensor hooks took the check's tensors
+    into the layer's (on an H200 the check then failed and the layer's backward raised CheckpointError), and a
+    caller may also be under autocast, inference mode, a region that disables saved-tensor hooks or a dispatch mode."""
+    result: list[str | None] = []
+
+    def run(device: torch.device) -> None:
+        try:
+            with (
+                torch.cuda.device(device)
+                if device.index is not None and device.type == "cuda"
+                else contextlib.nullcontext()
+            ):
+                result.append(_self_check_here(name, device, dtype, shape))
+        except Exception as e:  # noqa: BLE001  (e.g. no CUDA here: reported, not raised)
+            result.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}")
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # (the thread's own current device is 0)
+    thread = threading.Thread(target=run, args=(device,), name=f"hybrid_scale self-check of {name}")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _self_check_here(name: str, device: torch.device, dtype: torch.dtype, shape: Shape | None) -> str | None:
     shape = shape or Shape(dtype=dtype)
     dtype = shape.dtype
     supports = _SUPPORTS.get(name)
@@ -210,10 +240,7 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
         return None if err <= tol * (1 + scale) else f"{what} differs from the torch path by {err:.3g} (of {scale:.3g})"
 
     try:
-        # its own autograd, apart from the caller's: the first call is often inside a layer under non-reentrant
-        # activation checkpointing, whose saved-tensor hooks would otherwise take the check's tensors into the
-        # layer's (its backward then recomputes the layer and fails; the layer's recomputation saves fewer tensors)
-        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        with torch.inference_mode(False), torch.enable_grad():
             x = [make(B, H, T, D), make(B, Hkv, T, D), make(B, Hkv, T, Dv), make(B, H, T, F, positive=True)]
             x += [make(B, Hkv, T, F, positive=True), torch.full((H,), 0.3, device=device)]
             mask = torch.ones(B, T, dtype=torch.long, device=device)
@@ -250,10 +277,6 @@ def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Sh
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return f"{type(e).__name__}: {first}"
     return None
-
-
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def get_backend(name: str) -> Callable:

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .backward_kernels import SINK_TILES, _bwd_dfk, _bwd_dfq, _bwd_dkv, _bwd_dq, _bwd_sinks, _states_bwd
 from .forward_kernels import _fwd, _states_fwd
-from .jit_helpers import MODES, mode_parts
+from .jit_helpers import EPS, MODES, mode_parts
 
 
 def _pow2(x: int, least: int = 16) -> int:
@@ -138,7 +138,8 @@ class _HybridAttention(torch.autograd.Function):
         nm = triton.cdiv(T, block)
         nq = triton.cdiv(T * s["G"], block)  # packed query tiles (GQA: all heads of a KV head at once)
         f32 = dict(dtype=torch.float32, device=q.device)
-        y = torch.empty(B, H, T, D, **f32)  # kept in fp32 for the backward's delta (_delta); returned in q's dtype
+        # for a backward, y in fp32 (its delta, _delta), returned in q's dtype; else y in q's dtype directly
+        y = torch.empty(B, H, T, D, **f32) if any(ctx.needs_input_grad) else torch.empty_like(q)
         c, z, den_e, den_l = (torch.empty(B, H, T, **f32) for _ in range(4))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
         if s["LIN"]:
@@ -247,11 +248,14 @@ class _HybridAttention(torch.autograd.Function):
             bs = _pow2(max(sinks, 1))
             nsplit = triton.cdiv(nm, SINK_TILES)
             dks, dvs = (torch.empty(nsplit, B, Hkv, bs, D, **f32) for _ in range(2))
-            z_sinks = (z / g.view(1, H, 1)).contiguous() if s["HYBRID"] else z  # the hybrid's sinks: gamma-weighted
+            z_sinks, delta_sinks = z, delta
+            if s["HYBRID"]:  # the hybrid's sinks: gamma-weighted (delta rounded as the sinks' dots round dy/Z)
+                z_sinks = (z / g.view(1, H, 1)).contiguous()
+                delta_sinks = _delta(dy, y, z_sinks, q.dtype)
             for out, is_dk in ((dks, True), (dvs, False)):
                 _bwd_sinks[(nsplit, B * Hkv)](
-                    q, k, v, start, end, dy, c, z_sinks, delta, out, T, H, G, D, s["sink_off"], s["n_sinks"], scale,
-                    SINK_TILES, BLOCK_S=bs, DK=is_dk, **common("_bwd_sinks")[0],
+                    q, k, v, start, end, dy, c, z_sinks, delta_sinks, out, T, H, G, D, s["sink_off"], s["n_sinks"],
+                    scale, SINK_TILES, BLOCK_S=bs, DK=is_dk, **common("_bwd_sinks")[0],
                 )  # fmt: skip
             dks, dvs = dks.sum(0), dvs.sum(0)
             pos = (start.long()[:, None] + torch.arange(bs, device=q.device)).clamp(max=T - 1)
@@ -287,14 +291,15 @@ class _HybridAttention(torch.autograd.Function):
 
 
 def _delta(dy: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """delta [B,H,T] for the backward kernels, which form every term's dp = (dy/Z) . v_j - delta/Z with dy/Z rounded
-    to the inputs' dtype for their dots: delta = Z ((dy/Z) rounded the same way) . y, with y the forward's fp32 output.
-    Where the softmax makes up the whole output (no LA yet) the two halves of dp cancel, so delta must carry the same
-    rounding; dy . y with a bf16 dy/Z in one half and the bf16 output in the other left their rounding differences:
-    gamma's gradient off by 13 % at window 1 on an H200 (docs/results/gpu_check.md).
-    Padding rows (Z = 0) get 0; the kernels do not read them."""
-    zs = torch.where(z > 0, z, torch.ones_like(z))[..., None]
-    return (zs * ((dy.float() / zs).to(dtype).float() * y)).sum(-1).contiguous()
+    """delta [B,H,T] for the backward kernels, whose window and sink terms form dp = (dy/Z) . v_j - delta/Z with dy/Z
+    rounded to the inputs' dtype for their dots: delta = Z ((dy/Z) rounded the same way) . y, y the forward's fp32
+    output. Where the softmax makes up the whole output (no LA yet) the two halves of dp cancel, so delta must carry
+    the same rounding: dy . y (fp32 products of the bf16 output) left bf16's rounding differences, and gamma's
+    gradient came out 13 % off at window 1 on an H200 (docs/results/gpu_check.md). (The LA state dots take dy/Z in
+    tf32, a finer rounding than this delta's: a gap of bf16's size there, as before.) Padding rows (Z = EPS, y = 0)
+    get 0."""
+    zs = torch.where(z > EPS, z, torch.ones_like(z))[..., None]
+    return (zs * ((dy.float() / zs).to(dtype).float() * y.float())).sum(-1).contiguous()
 
 
 def _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, rho, init):

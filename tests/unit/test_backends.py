@@ -209,3 +209,20 @@ def test_a_self_check_inside_an_activation_checkpointed_layer_passes_and_leaves_
     assert seen == [None, None]  # passed, in the forward and (from the cache) in the recomputation
     want = (2 * x).sin() + 2 * x * (2 * x).cos()
     torch.testing.assert_close(x.grad, want.detach())
+
+
+@pytest.mark.parametrize(
+    "around",
+    [
+        lambda: torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"),  # (torch.func, AOTAutograd)
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        lambda: torch.inference_mode(),
+    ],
+    ids=["hooks disabled", "autocast", "inference mode"],
+)
+def test_the_self_check_is_not_swayed_by_the_callers_autograd_state(around, monkeypatch):
+    """What a check finds is cached for the process: a check that failed because of where it was called from would
+    blame the backend for good (auto would warn and fall back, attention.backend=<name> would refuse to run)."""
+    monkeypatch.setattr(backends, "_CHECKED", {})
+    with around():
+        assert backends._check("naive", torch.device("cpu"), backends.Shape(dtype=torch.float32)) is None
