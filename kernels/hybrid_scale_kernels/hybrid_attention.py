@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .backward_kernels import SINK_TILES, _bwd_dfk, _bwd_dfq, _bwd_dkv, _bwd_dq, _bwd_sinks, _states_bwd
 from .forward_kernels import _fwd, _states_fwd
@@ -161,6 +162,7 @@ class _HybridAttention(torch.autograd.Function):
         return y.to(q.dtype), den_e, den_l
 
     @staticmethod
+    @once_differentiable  # (a second derivative would need kernels of its own: refused, not silently partial)
     def backward(ctx, dy, _de, _dl):
         q, k, v, fq, fk, gamma, rho, init_kv, init_k, start, end, y, c, z, idx = ctx.saved_tensors
         window, mode, sinks, hybrid_sinks, scale, tiles = ctx.opts

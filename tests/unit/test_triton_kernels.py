@@ -480,6 +480,14 @@ def test_bf16_decode_on_gpu(mode):
         torch.testing.assert_close(y.float(), full[:, :, t : t + 1].float(), rtol=0, atol=3e-2)
 
 
+def test_a_second_derivative_through_the_kernels_is_refused_not_silently_partial():
+    x = make(40, D=16, F=16)
+    y = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=8, block=16)
+    (dq,) = torch.autograd.grad(y.square().sum(), x["q"], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
 def test_the_backwards_delta_carries_the_rounding_of_the_dots_so_a_softmax_only_token_cancels_exactly():
     """The backward kernels form dp = round(dy/Z) . v_j - delta/Z (their dots take dy/Z in the inputs' dtype). For a
     token whose output is its one window key's value (y = v_j: the softmax alone, no LA yet), dp is 0 in exact
