@@ -5,7 +5,7 @@ and gamma's gradient as sum_n sum_j E_nj dp_nj. Their dots take dy/Z rounded to 
 accumulation. Where the softmax makes up the whole output (the first tokens, before any LA), the two halves of dp
 cancel exactly in exact arithmetic, so whatever rounding differs between them is all that is left. This script
 forms the same sums in torch with the roundings of each way of taking delta, on the inputs of the bf16 GPU test
-(tests/unit/test_triton_kernels.py::test_bf16_on_gpu_against_the_spec: T 700, 6 heads, 2 KV heads, head dim 64,
+(tests/unit/test_triton_kernels_bf16.py::test_bf16_on_gpu_against_the_spec: T 700, 6 heads, 2 KV heads, head dim 64,
 features 128, a left-padded row, hybrid mode), and prints the largest error of gamma's gradient relative to its
 largest value against the fp64 spec's autograd:
 
