@@ -406,6 +406,8 @@ def main(argv=None) -> int:
     model = [*([f"model.path={a.model}"] if a.model else []), *([f"data.source={a.data}"] if a.data else [])]
     rows = load_rows(rows_dir)
     todo = [] if a.table else [a.row] if a.row else [r for r in ROWS if r not in rows or stale(rows[r], b, code)]
+    if todo and not a.model:  # the embedded default, converted from its packages once (cached; new machines lack it)
+        hybrid_scale("assets")
     for name in todo:
         print(f"reproduce: row {name}", flush=True)
         r = run_row(name, b, measured_root(Path(a.run_root), a.budget, code), model, code)

@@ -65,3 +65,23 @@ def test_a_stale_row_runs_again_from_scratch_and_a_row_whose_code_changes_while_
         assert "changed while it ran; its row file is not written" in str(e)
     else:
         raise AssertionError("a row measured on other code was recorded")
+
+
+def test_rows_on_the_embedded_default_prepare_it_first_and_rows_on_a_given_model_do_not(tmp_path, monkeypatch):
+    """On a fresh machine the embedded default is not converted yet: `make reproduce` prepares it (`hybrid-scale
+    assets`, cached) before its first row instead of failing that row's stage 1 with "run `hybrid-scale assets`"."""
+    mod = reproduce()
+    calls = []
+    monkeypatch.setattr(mod, "hybrid_scale", lambda *args: calls.append(args))
+    row = {"row": "base", "commit": "0" * 12, "code_hash": mod.code_hash(), "times_s": {"eval": 1.0}}
+    monkeypatch.setattr(mod, "run_row", lambda name, *rest: calls.append(("row", name)) or row)
+    common = ["--run-root", str(tmp_path / "runs"), "--rows-dir", str(tmp_path / "rows")]
+    assert mod.main(["--row", "base", *common]) == 0
+    assert calls == [("assets",), ("row", "base")]
+    calls.clear()
+    assert mod.main(["--row", "base", "--model", str(tmp_path / "model"), *common]) == 0
+    assert calls == [("row", "base")]
+    calls.clear()
+    empty = ["--run-root", str(tmp_path / "runs"), "--rows-dir", str(tmp_path / "none")]
+    assert mod.main(["--table", "--out", str(tmp_path / "table.md"), *empty]) == 0
+    assert calls == []
