@@ -4,6 +4,7 @@ as afterok-chained jobs, and a stage-2 job signalled before its time limit that 
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -49,6 +50,7 @@ KillWait=5
 JobRequeue=1
 SchedulerType=sched/builtin
 SchedulerParameters=kill_invalid_depend
+FirstJobId={first_job}
 NodeName=localhost CPUs={cpus} RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
@@ -65,7 +67,12 @@ def slurm(tmp_path_factory):
     (d / "munge" / "munge.key").write_bytes(os.urandom(128))
     (d / "munge" / "munge.key").chmod(0o600)
     conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(d=d, p1=procs.free_port(), p2=procs.free_port(), cpus=os.cpu_count()))
+    # A job's rendezvous port is launch.master_port + its id mod 1000. Two of these clusters on one machine (two
+    # checkouts' test runs) would both number their jobs from 1, and their job 2s would both take port 29502: the
+    # second failed with EADDRINUSE. Each cluster numbers its jobs from a random first id instead.
+    first_job = random.randrange(1, 900) * 1000 + random.randrange(1000)
+    ports = dict(p1=procs.free_port(), p2=procs.free_port())
+    conf.write_text(SLURM_CONF.format(d=d, **ports, cpus=os.cpu_count(), first_job=first_job))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     subprocess.run(
         [
@@ -135,14 +142,19 @@ def submit(env, args, timeout=120):
     return dict(line.split(": job ") for line in proc.stdout.strip().splitlines())
 
 
-def wait_for(env, jobs, timeout=900):
+def wait_for(env, jobs, timeout=900, logs: Path | None = None):
+    """Until the jobs have left the queue. A job whose afterok dependency failed can never start: that is reported
+    at once with the jobs' output in `logs`, not after the timeout."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         out = subprocess.run(
-            ["squeue", "-h", "-o", "%i %T", "-j", ",".join(jobs)], env=env, capture_output=True, text=True
+            ["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(jobs)], env=env, capture_output=True, text=True
         )
         if not out.stdout.strip():
             return
+        if "DependencyNeverSatisfied" in out.stdout:
+            text = "".join(p.read_text() for p in sorted(logs.glob("*.out"))) if logs else ""
+            raise AssertionError(f"a job these depend on failed:\n{out.stdout}\n{text[-3000:]}")
         time.sleep(2)
     raise AssertionError(f"jobs {jobs} still queued after {timeout} s")
 
@@ -153,7 +165,7 @@ def chained(slurm, tiny_run_model, tmp_path_factory):
     requeue test takes its stage 1 and its uninterrupted stage-2 curve (the same settings, also run under Slurm)."""
     run = tmp_path_factory.mktemp("chained") / "run"
     jobs = submit(slurm, overrides(tiny_run_model, run))
-    wait_for(slurm, list(jobs.values()))
+    wait_for(slurm, list(jobs.values()), logs=run / "slurm")
     return run, jobs
 
 
