@@ -124,17 +124,26 @@ def hybrid_scale(*args: str) -> None:
 
 
 def timed(run_dir: Path, name: str, fn) -> float:
-    """Wall time of a stage, recorded when it finishes (a rerun of a finished stage keeps that figure; a stage
-    killed and resumed counts the run that finished it)."""
+    """Wall time of a stage, recorded when it finishes (a rerun of a finished stage keeps that figure). Each attempt
+    is logged first (wall_<name>.attempts): a stage killed and resumed counts only the run that finished it, and the
+    row says so (resumed())."""
     path = run_dir / f"wall_{name}.json"
     if path.is_file():
         return json.loads(path.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / f"wall_{name}.attempts").open("a") as f:
+        f.write(time.strftime("%Y-%m-%d %H:%M:%S UTC\n", time.gmtime()))
     t0 = time.perf_counter()
     fn()
     seconds = time.perf_counter() - t0
-    run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(seconds))
     return seconds
+
+
+def resumed(run_dir: Path, name: str) -> bool:
+    """Whether the stage took more than one attempt (killed and resumed): its time is the last attempt's only."""
+    attempts = run_dir / f"wall_{name}.attempts"
+    return attempts.is_file() and len(attempts.read_text().splitlines()) > 1
 
 
 def slim(obj):
@@ -168,13 +177,18 @@ def run_row(row: str, b: dict, root: Path, model: list[str], code: str) -> dict:
     row's record, refused when the measured code changed while it ran."""
     common = [*model, f"attention.window={b['window']}", "seed=0"]
     modes = [f"eval.modes=[{','.join(MODES)}]", f"eval.passkey_modes=[{','.join(m for m in MODES if m != 'none')}]"]
-    settings, times = {}, {}
+    settings, times, again = {}, {}, []
+
+    def stage(key: str, run_dir: Path, name: str, fn) -> None:
+        times[key] = timed(run_dir, name, fn)
+        again.extend([key] if resumed(run_dir, name) else [])
+
     if row == "base":
         run = root / "base"
         base = ["eval.modes=[base]", "eval.passkey_modes=[base]", "eval.la_share_seq_len=0", f"run_dir={run}"]
         settings["evaluate"] = [*common, *evaluation(b), *base]
-        times["eval"] = timed(run, "eval", lambda: hybrid_scale("evaluate", *settings["evaluate"]))
-        return record(row, b, settings, times, run / "eval" / "results.json", None, code)
+        stage("eval", run, "eval", lambda: hybrid_scale("evaluate", *settings["evaluate"]))
+        return record(row, b, settings, times, run / "eval" / "results.json", None, code, again)
     recipe, variant = split(CALIBRATED.split("+")[0] if row == CALIBRATED else row)
     extra = OVERRIDES[variant]
     objective = RECIPE_TABLE[recipe].objective
@@ -189,7 +203,7 @@ def run_row(row: str, b: dict, root: Path, model: list[str], code: str) -> dict:
         f"distill.epochs={b['stage1_epochs']}",
         "distill.progress=false",
     ]
-    times["stage1"] = timed(stage1_run, "stage1", lambda: hybrid_scale("distill", *settings["distill"]))
+    stage("stage1", stage1_run, "stage1", lambda: hybrid_scale("distill", *settings["distill"]))
     run = root / (recipe + variant.replace("+", "_"))
     settings["finetune"] = [
         *common,
@@ -207,7 +221,7 @@ def run_row(row: str, b: dict, root: Path, model: list[str], code: str) -> dict:
         f"finetune.heldout_sequences={b['heldout_sequences']}",
         "finetune.progress=false",
     ]
-    times["stage2"] = timed(run, "stage2", lambda: hybrid_scale("finetune", *settings["finetune"]))
+    stage("stage2", run, "stage2", lambda: hybrid_scale("finetune", *settings["finetune"]))
     model_dir = (run / "stage2" / "output").resolve()
     curves = json.loads((run / "stage2" / "curves.json").read_text())
     if row == CALIBRATED:  # the la_only model, SWA added at export with gamma calibrated, evaluated
@@ -221,17 +235,19 @@ def run_row(row: str, b: dict, root: Path, model: list[str], code: str) -> dict:
             "export.calibrate_gamma=true",
             "export.report_sequences=0",  # the evaluation measures the perplexity
         ]
-        times["export"] = timed(run, "export_calibrated", lambda: hybrid_scale("export", *settings["export"]))
+        stage("export", run, "export_calibrated", lambda: hybrid_scale("export", *settings["export"]))
         model_dir, out, name = exported, run / "eval_calibrated", "eval_calibrated"
     else:
         out, name = run / "eval", "eval"
     where = [f"eval.model={model_dir}", f"eval.out_dir={out}", f"run_dir={run}"]
     settings["evaluate"] = [*common, *extra, *evaluation(b), *modes, *where]
-    times["eval"] = timed(run, name, lambda: hybrid_scale("evaluate", *settings["evaluate"]))
-    return record(row, b, settings, times, out / "results.json", curves, code)
+    stage("eval", run, name, lambda: hybrid_scale("evaluate", *settings["evaluate"]))
+    return record(row, b, settings, times, out / "results.json", curves, code, again)
 
 
-def record(row: str, b: dict, settings: dict, times: dict, results: Path, curves: dict | None, code: str) -> dict:
+def record(
+    row: str, b: dict, settings: dict, times: dict, results: Path, curves: dict | None, code: str, again=()
+) -> dict:
     if code_hash() != code:
         raise SystemExit(
             f"reproduce: the code the row {row} measures ({', '.join(CODE)}) changed while it ran; its row file is "
@@ -245,6 +261,7 @@ def record(row: str, b: dict, settings: dict, times: dict, results: Path, curves
         "budget": b,
         "settings": {stage: [o for o in opts if not o.startswith(LOCAL)] for stage, opts in settings.items()},
         "times_s": times,
+        "resumed": list(again),  # stages killed and resumed: their time is the last attempt's only
         "curves": curves,
         "results": slim(json.loads(results.read_text())),
     }
@@ -291,10 +308,15 @@ def against_sinks(r: dict) -> dict | None:
     return b.get("swa_only") if r.get("hybrid_sinks") else None
 
 
-def _minutes(t: dict) -> str:
-    return " / ".join(f"{t[k] / 60:.0f}" if k in t else "-" for k in ("stage1", "stage2", "eval")) + (
-        f" (+{t['export'] / 60:.0f} export)" if "export" in t else ""
-    )
+def _minutes(r: dict) -> str:
+    """The stage times in minutes, a resumed stage's marked * (its last attempt's time only)."""
+    t, again = r["times_s"], r.get("resumed", ())
+
+    def m(k: str) -> str:
+        return f"{t[k] / 60:.0f}" + ("*" if k in again else "") if k in t else "-"
+
+    export = f" (+{m('export')} export)" if "export" in t else ""
+    return " / ".join(m(k) for k in ("stage1", "stage2", "eval")) + export
 
 
 def table(rows: dict[str, dict], b: dict, code: str) -> str:
@@ -318,7 +340,7 @@ def table(rows: dict[str, dict], b: dict, code: str) -> str:
         "none (95% CIs, paired bootstrap). Beyond the window: held-out tokens at positions >= "
         f"{w}; NLL gain in nats/token with its 95% CI (positive: the hybrid is better). A row is stale when the "
         "attention or recipe code (or the budget) changed after it ran: it is shown, marked, and `make reproduce` "
-        "runs it again.",
+        "runs it again. A time marked * is a stage killed and resumed: the time of the attempt that finished it.",
         "",
         "| row | commit | hybrid | swa_only | la_only | none | dSWA [95% CI] | dLA [95% CI] | verdict | hybrid / "
         "swa_sinks ppl beyond window | hybrid vs swa_sinks: gain [95% CI] | beats swa_sinks | stage 1 / 2 / eval "
@@ -336,7 +358,7 @@ def table(rows: dict[str, dict], b: dict, code: str) -> str:
         m = res["modes"]
         if name == "base":
             acc = f"{100 * m['base']['avg']:.1f} (base) | | | "
-            lines.append(f"| {name} | {mark} | {acc}| | | | | | | {_minutes(r['times_s'])} |")
+            lines.append(f"| {name} | {mark} | {acc}| | | | | | | {_minutes(r)} |")
             continue
         acc = " | ".join(f"{100 * m[x]['avg']:.1f}" if x in m else "-" for x in ACCURACY_MODES)
         d_swa = _ci(res["delta_swa"]["avg"]) if "delta_swa" in res else ""
@@ -348,7 +370,7 @@ def table(rows: dict[str, dict], b: dict, code: str) -> str:
             ratio += f" ({sinks['ratio']:.2f}x)"
         lines.append(
             f"| {name} | {mark} | {acc} | {d_swa} | {d_la} | {res['verdict']} | {ratio} | "
-            f"{_nats(sinks) if sinks else ''} | {_beats(sinks)} | {_minutes(r['times_s'])} |"
+            f"{_nats(sinks) if sinks else ''} | {_beats(sinks)} | {_minutes(r)} |"
         )
     lines += ["", "## Perplexity by position bucket (held-out text)", ""]
     for name in ROWS:

@@ -1,6 +1,7 @@
 """`make reproduce ROW=...` at a tiny budget (a 2-layer model, seconds per stage): one row end to end into its row
 file (budget, settings, figures without the per-item lists, stage times, commit, code hash), killed in stage 2 and
-resumed by running it again, and the table made from the row files."""
+resumed by running it again (the row marks that stage's time as its last attempt's), and the table made from the row
+files."""
 
 import json
 import os
@@ -39,6 +40,7 @@ def test_make_reproduce_runs_a_row_resumes_it_after_a_kill_and_tables_it(tiny_ru
     assert row["row"] == "lolcats" and row["commit"].startswith(head) and len(row["code_hash"]) == 64
     assert measured.name == f"tiny-{row['code_hash'][:12]}"
     assert set(row["times_s"]) == {"stage1", "stage2", "eval"} and row["budget"]["steps"] == 2
+    assert row["resumed"] == ["stage2"]  # its time is the second attempt's only, and the row says so
     assert "finetune.recipe=lolcats" in row["settings"]["finetune"] and "run_dir" not in json.dumps(row["settings"])
     r = row["results"]
     assert {"hybrid", "swa_only", "swa_sinks", "la_only", "none"} <= set(r["modes"]) and r["verdict"]
@@ -51,3 +53,4 @@ def test_make_reproduce_runs_a_row_resumes_it_after_a_kill_and_tables_it(tiny_ru
     line = next(x for x in text.splitlines() if x.startswith("| lolcats |"))
     assert f"| {row['commit'][:8]} |" in line and "stale" not in line and "| hedgecats | not run |" in text
     assert f"| {r['verdict']} |" in line and "lolcats:" in text and "| LA share |" in text
+    assert f"| {row['times_s']['stage1'] / 60:.0f} / {row['times_s']['stage2'] / 60:.0f}* / " in line
