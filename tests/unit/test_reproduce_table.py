@@ -85,3 +85,40 @@ def test_rows_on_the_embedded_default_prepare_it_first_and_rows_on_a_given_model
     empty = ["--run-root", str(tmp_path / "runs"), "--rows-dir", str(tmp_path / "none")]
     assert mod.main(["--table", "--out", str(tmp_path / "table.md"), *empty]) == 0
     assert calls == []
+
+
+def test_each_variant_trains_and_evaluates_with_its_own_settings_and_stage_1(tmp_path, monkeypatch):
+    """A recipe row's variant reaches all three of its stages (stage 1, stage 2 and the evaluation), and rows of one
+    objective share a stage 1 only with the rows of the same variant: `+sinks+decay` is the main job's attention (its
+    sinks and its decay), not `+sinks` or `+decay` alone."""
+    mod = reproduce()
+    stage1 = []
+
+    def fake(stage, *args):  # each stage leaves what the next one reads
+        opts = dict(a.split("=", 1) for a in args)
+        if stage == "distill":
+            stage1.append(opts["run_dir"])
+        if stage == "finetune":
+            (Path(opts["run_dir"]) / "stage2").mkdir(parents=True, exist_ok=True)
+            (Path(opts["run_dir"]) / "stage2" / "curves.json").write_text("{}")
+        if stage == "evaluate":
+            Path(opts["eval.out_dir"]).mkdir(parents=True, exist_ok=True)
+            (Path(opts["eval.out_dir"]) / "results.json").write_text('{"modes": {}, "verdict": "n/a"}')
+
+    monkeypatch.setattr(mod, "hybrid_scale", fake)
+    b, code = mod.BUDGETS["tiny"], mod.code_hash()
+    sinks, decay = "attention.hybrid_sinks=true", "attention.la_decay=true"
+    want = {"": (False, False), "+sinks": (True, False), "+decay": (False, True), "+sinks+decay": (True, True)}
+    assert set(want) == set(mod.VARIANTS) == set(mod.OVERRIDES)
+    for variant, (has_sinks, has_decay) in want.items():
+        row = mod.run_row(f"ssd{variant}", b, tmp_path, [], code)
+        assert row["row"] == f"ssd{variant}" and f"ssd{variant}" in mod.ROWS
+        for stage in ("distill", "finetune", "evaluate"):
+            opts = row["settings"][stage]
+            assert (sinks in opts, decay in opts) == (has_sinks, has_decay), (variant, stage, opts)
+    assert len(set(stage1)) == len(want), stage1  # one stage 1 per variant
+    assert stage1[-1].endswith("stage1_weights_xent_sinks_decay")
+    mod.run_row("la_only+sinks+decay", b, tmp_path, [], code)  # same objective and variant: that stage 1, finished
+    assert len(stage1) == len(want)
+    mod.run_row("lolcats+sinks+decay", b, tmp_path, [], code)  # another objective: its own
+    assert stage1[-1].endswith("stage1_hybrid_output_mse_sinks_decay")
