@@ -70,7 +70,7 @@ def slurm(tmp_path_factory):
     # A job's rendezvous port is launch.master_port + its id mod 1000. Two of these clusters on one machine (two
     # checkouts' test runs) would both number their jobs from 1, and their job 2s would both take port 29502: the
     # second failed with EADDRINUSE. Each cluster numbers its jobs from a random first id instead.
-    first_job = random.randrange(1, 900) * 1000 + random.randrange(1000)
+    first_job = random.randrange(1, 900_000)  # the port takes the id mod 1000
     ports = dict(p1=procs.free_port(), p2=procs.free_port())
     conf.write_text(SLURM_CONF.format(d=d, **ports, cpus=os.cpu_count(), first_job=first_job))
     env = {**os.environ, "SLURM_CONF": str(conf)}
