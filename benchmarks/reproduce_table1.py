@@ -19,6 +19,10 @@ differs from the current ones; the table marks it and `make reproduce` runs it a
 resumes when rerun: every stage resumes or is skipped when finished. The run directories are under
 --run-root/<budget>-<code hash>, so a stale row runs again from scratch rather than reusing stages measured on other
 code; a row whose code changes while it runs is refused (no row file).
+
+`--budget long` (`make reproduce ROW=... ARGS="--budget long"`) trains on the default's tokens in 1024-token
+sequences, the main job's training length, and reads the same 1024 tokens: its rows and table are its own
+(docs/results/reproduce_long/, docs/results/reproduce_table1_long.md).
 """
 
 from __future__ import annotations
@@ -58,6 +62,16 @@ CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/
 ROWS_DIR = REPO / "docs" / "results" / "reproduce"
 TABLE = REPO / "docs" / "results" / "reproduce_table1.md"
 
+
+def rows_dir_of(budget: str) -> Path:
+    """The committed row files of a budget: each budget has its own rows and table (the default's: ROWS_DIR, TABLE)."""
+    return ROWS_DIR if budget == "default" else ROWS_DIR.with_name(f"reproduce_{budget}")
+
+
+def table_of(budget: str) -> Path:
+    return TABLE if budget == "default" else TABLE.with_name(f"reproduce_table1_{budget}.md")
+
+
 # the budget of every row: one row, its own stage 1 included, within an hour of 2 CPU cores (the table's header
 # gives the times measured); perplexity out to 4x the training length (stage 1 and stage 2: 256 tokens)
 BUDGETS = {
@@ -72,6 +86,28 @@ BUDGETS = {
         "lr": 1e-3,
         "eval_every": 4,
         "heldout_sequences": 4,
+        "tasks": ["piqa", "arc_easy"],
+        "eval_limit": 25,
+        "ppl_seq_len": 1024,
+        "ppl_sequences": 4,
+        "buckets": [0, 64, 256, 512],
+        "passkey_distances": [32, 128, 512],
+        "passkey_trials": 10,
+    },
+    # the default's tokens (stage 1 32k, stage 2 32 x 1024, held-out 1024) in 1024-token sequences: the main job's
+    # training length, read at the same 1024 tokens as the default, so that its rows compare bucket by bucket with
+    # the default's and say whether training on longer sequences (not more tokens) is what the LA needs
+    "long": {
+        "window": 64,
+        "stage1_sequences": 32,
+        "stage1_seq_len": 1024,
+        "stage1_epochs": 2,
+        "steps": 32,
+        "global_batch": 1,
+        "seq_len": 1024,
+        "lr": 1e-3,
+        "eval_every": 4,
+        "heldout_sequences": 1,
         "tasks": ["piqa", "arc_easy"],
         "eval_limit": 25,
         "ppl_seq_len": 1024,
@@ -331,22 +367,25 @@ def _minutes(r: dict) -> str:
     return " / ".join(m(k) for k in ("stage1", "stage2", "eval")) + export
 
 
-def table(rows: dict[str, dict], b: dict, code: str) -> str:
+def table(rows: dict[str, dict], b: dict, code: str, budget: str = "default") -> str:
     """docs/results/reproduce_table1.md from the row records: every row of ROWS, run or not, each with its commit
     and, when it no longer matches the code or the budget, marked stale."""
     w = b["window"]
+    args = "" if budget == "default" else f' ARGS="--budget {budget}"'
+    flag = "" if budget == "default" else f" --budget {budget}"
     lines = [
-        "# Table 1 on SmolLM2-135M-Instruct, row by row",
+        "# Table 1 on SmolLM2-135M-Instruct, row by row" + ("" if budget == "default" else f" (budget {budget})"),
         "",
         "<!-- made by `make reproduce` (benchmarks/reproduce_table1.py) from docs/results/reproduce/<row>.json -->",
         "",
         f"Budget of every row: stage 1 {b['stage1_sequences']} x {b['stage1_seq_len']} tokens, {b['stage1_epochs']} "
         f"epochs per layer; stage 2 {b['steps']} LoRA steps x {b['global_batch']} x {b['seq_len']} tokens, lr "
         f"{b['lr']}; window {w}; {b['eval_limit']} items per task ({', '.join(b['tasks'])}); perplexity on "
-        f"{b['ppl_sequences']} held-out sequences of {b['ppl_seq_len']} tokens (4x the training length); passkey "
+        f"{b['ppl_sequences']} held-out sequences of {b['ppl_seq_len']} tokens ({b['ppl_seq_len'] // b['seq_len']}x "
+        f"the training length); passkey "
         f"{b['passkey_trials']} prompts per distance {b['passkey_distances']}. Run one row with `make reproduce "
-        "ROW=<row>` (within an hour of 2 CPU cores, its stage 1 included: the last column); `make reproduce` runs "
-        "the rows that are missing or stale, then writes this table.",
+        f"ROW=<row>{args}` (within an hour of 2 CPU cores, its stage 1 included: the last column); `make "
+        f"reproduce{args}` runs the rows that are missing or stale, then writes this table.",
         "",
         "Accuracy in points (the reported metric per task, AVG over tasks); dSWA = hybrid - swa_only, dLA = la_only - "
         "none (95% CIs, paired bootstrap). Beyond the window: held-out tokens at positions >= "
@@ -410,9 +449,9 @@ def table(rows: dict[str, dict], b: dict, code: str) -> str:
         "## Commands",
         "",
         "```bash",
-        "make reproduce ROW=lolcats   # one row (any of: " + ", ".join(ROWS) + ")",
-        "make reproduce               # the missing and stale rows, then this table",
-        ".venv/bin/python benchmarks/reproduce_table1.py --table   # this table from the committed rows alone",
+        f"make reproduce ROW=lolcats{args}   # one row (any of: " + ", ".join(ROWS) + ")",
+        f"make reproduce{args}               # the missing and stale rows, then this table",
+        f".venv/bin/python benchmarks/reproduce_table1.py --table{flag}   # this table from the committed rows alone",
         "```",
     ]
     return "\n".join(lines) + "\n"
@@ -433,10 +472,19 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model.path (default: the embedded SmolLM2)")
     ap.add_argument("--data", default=None, help="data.source (default: the embedded default's text)")
     ap.add_argument("--run-root", default="runs/reproduce")
-    ap.add_argument("--rows-dir", default=str(ROWS_DIR))
-    ap.add_argument("--out", default=str(TABLE), help="the table")
+    ap.add_argument(
+        "--rows-dir",
+        default=None,
+        help="the row files (default: docs/results/reproduce/, or reproduce_<budget>/ beside it for another budget)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="the table (default: docs/results/reproduce_table1.md, or reproduce_table1_<budget>.md beside it)",
+    )
     a = ap.parse_args(argv)
-    b, code, rows_dir = BUDGETS[a.budget], code_hash(), Path(a.rows_dir)
+    b, code = BUDGETS[a.budget], code_hash()
+    rows_dir, a.out = Path(a.rows_dir or rows_dir_of(a.budget)), a.out or str(table_of(a.budget))
     model = [*([f"model.path={a.model}"] if a.model else []), *([f"data.source={a.data}"] if a.data else [])]
     rows = load_rows(rows_dir)
     todo = [] if a.table else [a.row] if a.row else [r for r in ROWS if r not in rows or stale(rows[r], b, code)]
@@ -452,7 +500,7 @@ def main(argv=None) -> int:
         rows[name] = r
         print(f"reproduce: row {name} written to {path} ({sum(r['times_s'].values()) / 60:.1f} min)", flush=True)
     if not a.row:
-        Path(a.out).write_text(table(rows, b, code))
+        Path(a.out).write_text(table(rows, b, code, a.budget))
         print(f"reproduce: table written to {a.out}")
     return 0
 

@@ -122,3 +122,24 @@ def test_each_variant_trains_and_evaluates_with_its_own_settings_and_stage_1(tmp
     assert len(stage1) == len(want)
     mod.run_row("lolcats+sinks+decay", b, tmp_path, [], code)  # another objective: its own
     assert stage1[-1].endswith("stage1_hybrid_output_mse_sinks_decay")
+
+
+def test_another_budget_has_its_own_rows_and_table_and_says_how_it_was_made(tmp_path, monkeypatch):
+    """`--budget long` writes its rows and table beside the default's, never into them (a row of another budget would
+    show there as stale), and its table gives its own training length and the commands that make it."""
+    mod = reproduce()
+    assert mod.rows_dir_of("default") == mod.ROWS_DIR and mod.table_of("default") == mod.TABLE
+    assert mod.rows_dir_of("long") == mod.ROWS_DIR.parent / "reproduce_long"
+    assert mod.table_of("long") == mod.TABLE.parent / "reproduce_table1_long.md"
+    long, default = mod.BUDGETS["long"], mod.BUDGETS["default"]
+    tokens = {k: b["steps"] * b["global_batch"] * b["seq_len"] for k, b in (("long", long), ("default", default))}
+    assert tokens["long"] == tokens["default"] and long["seq_len"] == long["ppl_seq_len"] == default["ppl_seq_len"]
+    assert long["stage1_sequences"] * long["stage1_seq_len"] == default["stage1_sequences"] * default["stage1_seq_len"]
+    text = mod.table({}, long, mod.code_hash(), "long")
+    assert "(budget long)" in text and "(1x the training length)" in text
+    assert 'make reproduce ROW=lolcats ARGS="--budget long"' in text and "--table --budget long" in text
+    assert "(4x the training length)" in mod.table({}, default, mod.code_hash())
+    monkeypatch.setattr(mod, "ROWS_DIR", tmp_path / "reproduce")
+    monkeypatch.setattr(mod, "TABLE", tmp_path / "reproduce_table1.md")
+    assert mod.main(["--table", "--budget", "long"]) == 0
+    assert (tmp_path / "reproduce_table1_long.md").is_file() and not (tmp_path / "reproduce_table1.md").exists()
