@@ -6,6 +6,8 @@ tests/integration/test_reproduce.py at a tiny budget."""
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -16,14 +18,17 @@ def reproduce():
     return mod
 
 
-def test_the_committed_table_is_the_one_the_committed_rows_give_for_the_current_code():
+@pytest.mark.parametrize("budget", ["default", "long"])
+def test_the_committed_table_is_the_one_the_committed_rows_give_for_the_current_code(budget):
     mod = reproduce()
-    rows = mod.load_rows(mod.ROWS_DIR)
+    if budget != "default" and not mod.rows_dir_of(budget).is_dir():
+        pytest.skip(f"no committed rows of the {budget} budget")
+    rows = mod.load_rows(mod.rows_dir_of(budget))
     assert set(rows) <= set(mod.ROWS)
-    expected = mod.table(rows, mod.BUDGETS["default"], mod.code_hash())
-    assert mod.TABLE.read_text() == expected, (
-        "docs/results/reproduce_table1.md is not what the committed rows give for this code: run "
-        "`.venv/bin/python benchmarks/reproduce_table1.py --table` (a stale row is then marked as such)"
+    expected = mod.table(rows, mod.BUDGETS[budget], mod.code_hash(), budget)
+    assert mod.table_of(budget).read_text() == expected, (
+        f"{mod.table_of(budget).relative_to(ROOT)} is not what the committed rows give for this code: run "
+        f"`.venv/bin/python benchmarks/reproduce_table1.py --table --budget {budget}` (a stale row is then marked)"
     )
     for name, r in rows.items():
         line = next(x for x in expected.splitlines() if x.startswith(f"| {name} |"))
