@@ -94,28 +94,6 @@ BUDGETS = {
         "passkey_distances": [32, 128, 512],
         "passkey_trials": 10,
     },
-    # the default's tokens (stage 1 32k, stage 2 32 x 1024, held-out 1024) in 1024-token sequences: the main job's
-    # training length, read at the same 1024 tokens as the default, so that its rows compare bucket by bucket with
-    # the default's and say whether training on longer sequences (not more tokens) is what the LA needs
-    "long": {
-        "window": 64,
-        "stage1_sequences": 32,
-        "stage1_seq_len": 1024,
-        "stage1_epochs": 2,
-        "steps": 32,
-        "global_batch": 1,
-        "seq_len": 1024,
-        "lr": 1e-3,
-        "eval_every": 4,
-        "heldout_sequences": 1,
-        "tasks": ["piqa", "arc_easy"],
-        "eval_limit": 25,
-        "ppl_seq_len": 1024,
-        "ppl_sequences": 4,
-        "buckets": [0, 64, 256, 512],
-        "passkey_distances": [32, 128, 512],
-        "passkey_trials": 10,
-    },
     # the tests' (a tiny model: every stage in seconds)
     "tiny": {
         "window": 8,
@@ -136,6 +114,16 @@ BUDGETS = {
         "passkey_distances": [12, 24],
         "passkey_trials": 2,
     },
+}
+# the default's tokens (stage 1 32k, stage 2 32 x 1024, held-out 1024) in 1024-token sequences: the main job's training
+# length, with the default's window and evaluation (read at the same 1024 tokens), so that its rows compare bucket by
+# bucket with the default's and say whether training on longer sequences (not more tokens) is what the LA needs
+BUDGETS["long"] = BUDGETS["default"] | {
+    "stage1_sequences": 32,
+    "stage1_seq_len": 1024,
+    "global_batch": 1,
+    "seq_len": 1024,
+    "heldout_sequences": 1,
 }
 # this machine's paths: not part of a row's settings
 LOCAL = ("run_dir=", "model.path=", "data.source=", "finetune.model=", "eval.model=", "eval.out_dir=", "export.model=",
