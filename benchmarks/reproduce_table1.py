@@ -356,15 +356,16 @@ def _minutes(r: dict) -> str:
 
 
 def table(rows: dict[str, dict], b: dict, code: str, budget: str = "default") -> str:
-    """docs/results/reproduce_table1.md from the row records: every row of ROWS, run or not, each with its commit
-    and, when it no longer matches the code or the budget, marked stale."""
+    """The budget's table (table_of) from its row records: every row of ROWS, run or not, each with its commit and,
+    when it no longer matches the code or the budget, marked stale."""
     w = b["window"]
     args = "" if budget == "default" else f' ARGS="--budget {budget}"'
     flag = "" if budget == "default" else f" --budget {budget}"
     lines = [
         "# Table 1 on SmolLM2-135M-Instruct, row by row" + ("" if budget == "default" else f" (budget {budget})"),
         "",
-        "<!-- made by `make reproduce` (benchmarks/reproduce_table1.py) from docs/results/reproduce/<row>.json -->",
+        f"<!-- made by `make reproduce{args}` (benchmarks/reproduce_table1.py) from "
+        f"docs/results/{rows_dir_of(budget).name}/<row>.json -->",
         "",
         f"Budget of every row: stage 1 {b['stage1_sequences']} x {b['stage1_seq_len']} tokens, {b['stage1_epochs']} "
         f"epochs per layer; stage 2 {b['steps']} LoRA steps x {b['global_batch']} x {b['seq_len']} tokens, lr "
@@ -472,7 +473,7 @@ def main(argv=None) -> int:
     )
     a = ap.parse_args(argv)
     b, code = BUDGETS[a.budget], code_hash()
-    rows_dir, a.out = Path(a.rows_dir or rows_dir_of(a.budget)), a.out or str(table_of(a.budget))
+    rows_dir, out = Path(a.rows_dir or rows_dir_of(a.budget)), Path(a.out or table_of(a.budget))
     model = [*([f"model.path={a.model}"] if a.model else []), *([f"data.source={a.data}"] if a.data else [])]
     rows = load_rows(rows_dir)
     todo = [] if a.table else [a.row] if a.row else [r for r in ROWS if r not in rows or stale(rows[r], b, code)]
@@ -488,8 +489,8 @@ def main(argv=None) -> int:
         rows[name] = r
         print(f"reproduce: row {name} written to {path} ({sum(r['times_s'].values()) / 60:.1f} min)", flush=True)
     if not a.row:
-        Path(a.out).write_text(table(rows, b, code, a.budget))
-        print(f"reproduce: table written to {a.out}")
+        out.write_text(table(rows, b, code, a.budget))
+        print(f"reproduce: table written to {out}")
     return 0
 
 
