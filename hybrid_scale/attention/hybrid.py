@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 from .backends import Shape, get_backend, get_decode, resolve
 from .feature_maps import make_feature_map
 from .naive import check_mode, own_mode
-from .recurrent import DecodeState, extend
+from .recurrent import DecodeState, extend, step
 
 # gamma_param -> (theta -> gamma, gamma -> theta): LoLCATs' sigmoid caps the window's weight at 1, exp does not
 GAMMA_PARAMS = {
@@ -316,10 +317,13 @@ class HybridAttention(nn.Module):
 
 
 class HybridCacheLayer(CacheLayerMixin):
-    """Decode state of one hybrid layer (see recurrent.DecodeState)."""
+    """Decode state of one hybrid layer (see recurrent.DecodeState): a ring of min(window, max_length) keys, the sink
+    buffer and the LA state, allocated at the first call and then updated in place; the step counters live on the
+    device. With a ring of the whole window (no max_length below it) a one-token step is compileable: it runs the
+    backend's fused decode step, or recurrent.step (fixed shapes, no host sync), chosen at the first call; so
+    transformers' `generate` compiles and graph-captures the decode steps of a model whose layers are all hybrid."""
 
     is_sliding = False
-    is_compileable = False
     is_croppable = False
     supports_early_init = False
 
@@ -327,32 +331,32 @@ class HybridCacheLayer(CacheLayerMixin):
         super().__init__()
         self.window, self.sinks = window, sinks
         self.capacity = window if max_length is None else min(window, max_length)
+        self.is_compileable = self.capacity == window  # (a shorter ring checks its bound on the host: extend)
         self.state: DecodeState | None = None
+        self._step = None  # the one-token step: the backend's fused decode step or recurrent.step
 
     def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
         mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
         rho = module.la_decay
+        options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
+        options |= {"hybrid_sinks": True} if hybrid_sinks else {}
+        options |= {"la_decay": rho} if rho is not None else {}
+        if self.state is not None and q.shape[2] == 1 and self.is_compileable:  # (the compiled decode step)
+            self._check(module)
+            y = self._step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
+            if y is not None:
+                return y
+            return step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
         shape = Shape.of(q, k, v, fq, module.window, module.sinks, hybrid_sinks, rho is not None)
         backend = resolve(module.backend, q.device, shape)
         if self.state is None:
-            if module.window != self.window or module.sinks != self.sinks:
-                raise ValueError(
-                    f"cache was made for window={self.window}, sinks={self.sinks} but layer {module.layer_idx} has "
-                    f"window={module.window}, sinks={module.sinks}; make a new HybridCache after changing them"
-                )
+            self._check(module)
             B, Hkv, _, D = k.shape
             self.state = DecodeState.empty(
                 B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
             )
+            self._step = get_decode(backend) or step
             self.is_initialized = True
-        options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
-        options |= {"hybrid_sinks": True} if hybrid_sinks else {}
-        options |= {"la_decay": rho} if rho is not None else {}
-        step = get_decode(backend) if q.shape[2] == 1 else None
-        if step is not None:
-            y = step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
-            if y is not None:
-                return y
         return extend(
             self.state,
             q,
@@ -367,6 +371,13 @@ class HybridCacheLayer(CacheLayerMixin):
             **options,
         )
 
+    def _check(self, module: HybridAttention) -> None:
+        if module.window != self.window or module.sinks != self.sinks:
+            raise ValueError(
+                f"cache was made for window={self.window}, sinks={self.sinks} but layer {module.layer_idx} has "
+                f"window={module.window}, sinks={module.sinks}; make a new HybridCache after changing them"
+            )
+
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
@@ -374,9 +385,13 @@ class HybridCacheLayer(CacheLayerMixin):
         raise TypeError("hybrid layers keep a ring buffer and a linear-attention state; they do not use update()")
 
     def get_seq_length(self) -> int:
-        return 0 if self.state is None else self.state.seen
+        if self.state is None:
+            return 0
+        return self.state.seen if torch.compiler.is_compiling() else int(self.state.seen)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if torch.compiler.is_compiling():  # (transformers asks a hybrid layer only when every layer is one: then no
+            return query_length, 0  # layer reads the mask it sizes, and a traced graph cannot size it by the count)
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
@@ -423,7 +438,10 @@ def hybrid_layers(model: nn.Module) -> dict[int, HybridAttention]:
 
 class HybridCache(Cache):
     """Cache of a converted model: HybridCacheLayer for converted layers, DynamicLayer for softmax ones.
-    The ring of each layer grows with use up to min(window, max_length) (max_length optional)."""
+    Each ring holds min(window, max_length) keys (max_length optional), allocated at the first call. Hybrid layers
+    count as linear-attention layers for transformers (`is_linear`): masks are sized by the softmax layers, and
+    `generate` with this cache on a model whose layers are all hybrid passes its 2D mask through and compiles the
+    decode step (`is_compileable`, torch.compile and CUDA graphs)."""
 
     def __init__(self, model: nn.Module, max_length: int | None = None):
         hybrid = hybrid_layers(model)
@@ -435,6 +453,10 @@ class HybridCache(Cache):
             for i in range(n_layers)
         ]
         super().__init__(layers=layers)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [isinstance(layer, HybridCacheLayer) for layer in self.layers]
 
     def copy(self) -> HybridCache:
         """An independent copy (e.g. to score several continuations of one context)."""
@@ -449,6 +471,36 @@ class HybridCache(Cache):
             elif layer.is_initialized and layer.keys is not None:
                 total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
         return total
+
+
+def attach(model: nn.Module) -> None:
+    """What a converted causal LM needs besides its HybridAttention layers: `prepare_inputs` as a forward pre-hook on
+    its decoder, and `generation_inputs` as its prepare_inputs_for_generation (bound to this model, so a deep copy
+    binds its own)."""
+    model.get_decoder().register_forward_pre_hook(prepare_inputs, with_kwargs=True)
+    model.prepare_inputs_for_generation = types.MethodType(generation_inputs, model)
+
+
+def generation_inputs(model: nn.Module, *args, **kwargs) -> dict:
+    """The model class's own prepare_inputs_for_generation, then, when every layer is hybrid (nothing reads a mask
+    of the keys), the 2D attention mask cut to the new tokens with the position ids taken from the whole of it: the
+    compiled decode step sees tensors of one shape at every step (a mask that grows by one column per token would
+    recompile it, and make a CUDA graph per length)."""
+    inputs = type(model).prepare_inputs_for_generation(model, *args, **kwargs)
+    cache = inputs.get("cache", inputs.get("past_key_values"))
+    mask = inputs.get("attention_mask")
+    if isinstance(cache, HybridCache) and all(cache.is_linear) and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        tokens = inputs.get("input_ids")
+        T = (tokens if tokens is not None else inputs["inputs_embeds"]).shape[1]
+        if inputs.get("position_ids") is None:
+            inputs["position_ids"] = mask_positions(mask)[:, -T:].contiguous()
+        inputs["attention_mask"] = mask[:, -T:].contiguous()
+    return inputs
+
+
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a 2D attention mask: each token's index among its row's real tokens (0 for padding)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def prepare_inputs(decoder: nn.Module, args, kwargs):
@@ -482,7 +534,9 @@ def prepare_inputs(decoder: nn.Module, args, kwargs):
             inputs = kwargs["inputs_embeds"]
         T = inputs.shape[1]
         if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            kwargs["position_ids"] = mask_positions(mask)[:, -T:]
         new = mask[:, -T:]
-        kwargs["hybrid_mask"] = None if bool(new.all()) else new
+        # (compiled: always the mask, whose values a traced graph cannot branch on; a step with a mask of ones equals
+        # one without)
+        kwargs["hybrid_mask"] = new if torch.compiler.is_compiling() or not bool(new.all()) else None
     return args, kwargs

@@ -10,7 +10,7 @@ config.hybrid["mode"] is the one the model was exported with.
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 from .configuration_hybrid_scale import HybridScaleLlamaConfig, HybridScaleMistralConfig, HybridScaleQwen2Config
-from .hybrid import HybridAttention, hybrid_layers, prepare_inputs
+from .hybrid import HybridAttention, attach, hybrid_layers
 from .naive import check_mode
 
 
@@ -22,7 +22,7 @@ class HybridScaleMixin:
             decoder.layers[i].self_attn = HybridAttention.from_softmax(
                 decoder.layers[i].self_attn, self.config, i, settings
             )
-        decoder.register_forward_pre_hook(prepare_inputs, with_kwargs=True)
+        attach(self)
         if settings.get("layer_modes"):
             self.set_hybrid_mode({int(i): m for i, m in settings["layer_modes"].items()})
 

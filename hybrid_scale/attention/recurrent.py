@@ -1,20 +1,22 @@
 """Constant-memory decoding state for one hybrid layer, and extension by any number of new tokens.
 
 Per layer and KV head the state holds
-  * a ring buffer of the last R real keys/values (and their phi_k), real token r in slot r mod R; R grows (doubling)
-    with the tokens seen up to its capacity min(window, max_length) and then stays: short inputs pay for what they
-    use, long ones hold exactly the window;
+  * a ring buffer of the last R real keys/values (and their phi_k), real token r in slot r mod R, allocated once at
+    its capacity R = min(window, max_length) and then only written in place (what torch.compile and CUDA graphs need:
+    the same tensors, the same shapes, at every step);
   * the linear-attention state sum phi_k(k) v^T and sum phi_k(k) of every key that has left the ring but the first S
     (fp32), kept in every mode so the mode can change between calls;
   * the first S real keys, values and phi_k (sinks_only, swa_sinks and the hybrid with its sinks take them as softmax
     terms; la_only and the hybrid without sinks add the LA terms of those that have left the ring to the state's);
-  * per row, the number of real tokens seen (padding is not counted) and, for transformers, the positions seen.
+  * per row, the number of real tokens seen (padding is not counted) and, for transformers, the positions seen (a
+    device tensor, like the counts: a step reads no host value and leaves no host value changed).
 With a decay of the LA (la_decay, rho per KV head) the sums are kept as the last token seen (real index count - 1) sees
 them, each key j weighted alpha^(count - 1 - w - j): every call multiplies them by alpha^(tokens it adds) (one multiply
 per KV head) before folding its own keys in.
 When a key leaves the window it is folded into the state. Extending by k tokens gives exactly the full forward over
 the whole sequence: short extensions attend densely over ring + new keys, long ones run the chunked path over the
-ring (in order) followed by the new tokens, starting from the state.
+ring (in order) followed by the new tokens, starting from the state. `step` is the one-token case written for
+compiled decoding: fixed shapes, no host synchronisation, every tensor of the state updated in place.
 
 This file imports only torch and its siblings (the export copies it next to a modeling file).
 """
@@ -40,13 +42,19 @@ class DecodeState:
     kv: torch.Tensor  # [B, Hkv, F, Dv] fp32
     ksum: torch.Tensor  # [B, Hkv, F] fp32
     count: torch.Tensor  # [B] real tokens seen
-    seen: int = 0  # positions seen, padding included
+    seen: torch.Tensor  # [] positions seen, padding included (on the state's device)
     window: int = 0  # the window this state was built for
     capacity: int = 0  # the most the ring may hold: min(window, max_length)
 
     @classmethod
-    def empty(cls, batch, kv_heads, head_dim, value_dim, feature_dim, capacity, sinks, window, dtype, device, ring=0):
+    def empty(
+        cls, batch, kv_heads, head_dim, value_dim, feature_dim, capacity, sinks, window, dtype, device, ring=None
+    ):
+        """A state with nothing seen; its ring has `ring` slots (default: its capacity min(capacity, window), so it is
+        never re-allocated)."""
         acc = torch.promote_types(dtype, torch.float32)
+        capacity = min(capacity, window)
+        ring = capacity if ring is None else ring
 
         def z(*shape, dt=dtype):
             return torch.zeros(*shape, dtype=dt, device=device)
@@ -54,15 +62,16 @@ class DecodeState:
         return cls(
             k=z(batch, kv_heads, ring, head_dim),
             v=z(batch, kv_heads, ring, value_dim),
-            fk=z(batch, kv_heads, ring, feature_dim, dt=acc),  # ring starts empty unless asked and grows
+            fk=z(batch, kv_heads, ring, feature_dim, dt=acc),
             sink_k=z(batch, kv_heads, sinks, head_dim),
             sink_v=z(batch, kv_heads, sinks, value_dim),
             sink_fk=z(batch, kv_heads, sinks, feature_dim, dt=acc),
             kv=z(batch, kv_heads, feature_dim, value_dim, dt=acc),
             ksum=z(batch, kv_heads, feature_dim, dt=acc),
             count=torch.zeros(batch, dtype=torch.long, device=device),
+            seen=torch.zeros((), dtype=torch.long, device=device),
             window=window,
-            capacity=min(capacity, window),
+            capacity=capacity,
         )
 
     @property
@@ -80,8 +89,17 @@ class DecodeState:
         """Apply fn to every tensor along the batch dim (beam reordering, repeat, select)."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and f.name != "seen":
                 setattr(self, f.name, fn(value))
+
+    def assign(self, name: str, value: torch.Tensor) -> None:
+        """Give field `name` the values of `value`: written into the tensor it holds when the shape and dtype agree
+        (its storage stays where a compiled or captured step expects it), replaced otherwise (a grown ring)."""
+        old = getattr(self, name)
+        if old.shape == value.shape and old.dtype == value.dtype:
+            old.copy_(value)
+        else:
+            setattr(self, name, value)
 
     def grow(self, size: int) -> None:
         """Re-lay the ring out for `size` slots (larger than now); every held key keeps its place r mod size."""
@@ -260,28 +278,121 @@ def extend(
         )[:, :, R:]
 
     # sinks: new real tokens with index < S
-    state.sink_k = _scatter_slots(state.sink_k, torch.where(real & (pos_new < S), pos_new, S), k)
-    state.sink_v = _scatter_slots(state.sink_v, torch.where(real & (pos_new < S), pos_new, S), v)
-    state.sink_fk = _scatter_slots(state.sink_fk, torch.where(real & (pos_new < S), pos_new, S), fk)
+    sink_slot = torch.where(real & (pos_new < S), pos_new, S)
+    for name, x in (("sink_k", k), ("sink_v", v), ("sink_fk", fk)):
+        state.assign(name, _scatter_slots(getattr(state, name), sink_slot, x))
     # fold every key that leaves the ring into the linear state, but the sinks (the sink buffer keeps them)
     limit = (new_count - 1 - R)[:, None]
     fold_ring = ((pos_ring >= S) & (pos_ring <= limit)).to(acc)[:, None, :, None]
     fold_new = (real & (pos_new >= S) & (pos_new <= limit)).to(acc)[:, None, :, None]
     fk_new, v_new = fk.to(acc), v.to(acc)
+    kv, ksum = state.kv, state.ksum
     if rho is not None:  # the sums move on to the new last token; each key folded now counts as that token sees it
         now = (new_count - 1)[:, None]
         carry = decay_weight(rho, (now - last)[:, None])  # [B, Hkv, 1]
-        state.kv, state.ksum = state.kv * carry[..., None], state.ksum * carry
+        kv, ksum = kv * carry[..., None], ksum * carry
         fold_ring = fold_ring * decay_weight(rho, (now - window - pos_ring)[:, None])[..., None]
         fold_new = fold_new * decay_weight(rho, (now - window - pos_new)[:, None])[..., None]
-    state.kv = state.kv + (state.fk * fold_ring).transpose(-1, -2) @ state.v.to(acc)
-    state.kv = state.kv + (fk_new * fold_new).transpose(-1, -2) @ v_new
-    state.ksum = state.ksum + (state.fk * fold_ring).sum(2) + (fk_new * fold_new).sum(2)
+    kv = kv + (state.fk * fold_ring).transpose(-1, -2) @ state.v.to(acc)
+    kv = kv + (fk_new * fold_new).transpose(-1, -2) @ v_new
+    ksum = ksum + (state.fk * fold_ring).sum(2) + (fk_new * fold_new).sum(2)
+    state.assign("kv", kv)
+    state.assign("ksum", ksum)
     # write the new keys that stay into the ring
     slot = torch.where(real & (pos_new > limit), torch.remainder(pos_new, R), R)
-    state.k = _scatter_slots(state.k, slot, k)
-    state.v = _scatter_slots(state.v, slot, v)
-    state.fk = _scatter_slots(state.fk, slot, fk)
-    state.count = new_count
-    state.seen += T
+    for name, x in (("k", k), ("v", v), ("fk", fk)):
+        state.assign(name, _scatter_slots(getattr(state, name), slot, x))
+    state.count.copy_(new_count)
+    state.seen.add_(T)
+    return y
+
+
+def step(
+    state: DecodeState,
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    gamma,
+    *,
+    window,
+    mode="hybrid",
+    sinks=8,
+    hybrid_sinks=False,
+    attention_mask=None,
+    scale=None,
+    la_decay=None,
+) -> torch.Tensor:
+    """`extend` by one token per row (q [B,H,1,D], k/v [B,Hkv,1,D], fq, fk; attention_mask [B,1] or None), written
+    for compiled decoding: the shapes are the state's whatever it holds, no value is read back to the host, and
+    every tensor of the state is updated in place. Needs a ring of the whole window (state.ring == window, the
+    cache's default); returns y [B,H,1,D].
+
+    The new token p = count attends densely to the sink buffer, the ring and itself, each key carrying its real
+    index (-1 where it takes no part): a sink is a key of its own only once it has left the ring (before, the ring
+    holds it), or, in sinks_only, from the start (the ring then takes no part); masked_attention's mode rules do the
+    rest, as in the spec, with the LA state as the keys folded before the ring. Then the key leaving the ring
+    (index p - R, slot p mod R) is folded into the state unless it is a sink, the new key takes its slot, and a new
+    key with p < S is written to the sinks."""
+    check_mode(mode)
+    if window != state.window or sinks != state.sink_k.shape[2] or state.ring != window or q.shape[2] != 1:
+        raise ValueError(
+            f"recurrent.step takes one token on a state with a ring of the whole window; got {q.shape[2]} tokens, a "
+            f"ring of {state.ring} for window {window} (state: window {state.window}, {state.sink_k.shape[2]} sinks, "
+            f"layer: {sinks} sinks): use extend"
+        )
+    B, R, S = q.shape[0], state.ring, state.sink_k.shape[2]
+    acc = compute_dtype(q)
+    real = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, 0].bool()
+    p = state.count
+    sink_slots = torch.arange(S, device=q.device)[None]
+    pos_new = torch.where(real, p, -1)[:, None]
+    pos_ring = state.ring_positions()
+    if mode == "sinks_only":  # every sink seen from the buffer, none from the ring
+        pos_sink = torch.where(sink_slots < p[:, None], sink_slots, -1)
+        pos_ring = torch.full_like(pos_ring, -1)
+    else:  # the sinks that have left the ring (an LA term or a softmax sink, as the mode says)
+        pos_sink = torch.where(sink_slots < (p - R)[:, None], sink_slots, -1)
+    y = masked_attention(
+        q,
+        torch.cat([state.sink_k, state.k, k.to(state.k.dtype)], 2),
+        torch.cat([state.sink_v, state.v, v.to(state.v.dtype)], 2),
+        fq,
+        torch.cat([state.sink_fk, state.fk, fk.to(state.fk.dtype)], 2),
+        gamma,
+        pos_new,
+        torch.cat([pos_sink, pos_ring, pos_new], 1),
+        window=window,
+        mode=mode,
+        sinks=sinks,
+        hybrid_sinks=bool(hybrid_sinks) and mode == "hybrid",
+        scale=scale,
+        state=(state.kv, state.ksum),
+        state_ref=p - 1,
+        la_decay=la_decay,
+    )
+    # the key leaving the ring (index p - R in slot p mod R) joins the state unless it is a sink; a padded row moves
+    # nothing
+    evict = (torch.arange(R, device=q.device)[None] == torch.remainder(p, R)[:, None]) & real[:, None]  # [B, R]
+    gone = evict[:, None, :, None].to(acc)
+    fold = (real & (p - R >= S)).to(acc)[:, None, None]  # [B, 1, 1]
+    fk_gone, v_gone = (state.fk.to(acc) * gone).sum(2), (state.v.to(acc) * gone).sum(2)  # [B, Hkv, F], [B, Hkv, D]
+    kv, ksum = state.kv, state.ksum
+    if la_decay is not None:  # the sums move on to token p (alpha once); the leaving key, index p - w (R = w), counts
+        # alpha^0 as token p sees it
+        carry = decay_weight(la_decay.to(acc).view(1, -1, 1), real.long()[:, None, None])  # [B, Hkv, 1]
+        kv, ksum = kv * carry[..., None], ksum * carry
+    fk_gone = fk_gone * fold
+    state.kv.copy_(kv + fk_gone[..., :, None] * v_gone[..., None, :])
+    state.ksum.copy_(ksum + fk_gone)
+    for name, x in (("k", k), ("v", v), ("fk", fk)):
+        buf = getattr(state, name)
+        buf.copy_(torch.where(evict[:, None, :, None], x.to(buf.dtype), buf))
+    sink = ((sink_slots == p[:, None]) & real[:, None])[:, None, :, None]  # [B, 1, S, 1]
+    for name, x in (("sink_k", k), ("sink_v", v), ("sink_fk", fk)):
+        buf = getattr(state, name)
+        buf.copy_(torch.where(sink, x.to(buf.dtype), buf))
+    state.count.add_(real.long())
+    state.seen.add_(1)
     return y

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..attention.architectures import ARCHITECTURES
-from ..attention.hybrid import HybridAttention, hybrid_layers, prepare_inputs
+from ..attention.hybrid import HybridAttention, attach, hybrid_layers
 from ..attention.naive import check_mode
 from ..config import attention_settings
 from ..errors import UnsupportedArchitectureError
@@ -42,7 +42,7 @@ def convert_model(model: nn.Module, attention: Mapping[str, Any] | Any = None) -
         raise ValueError(f"attention.layers names layer {layers[-1]} but the model has {n_layers} (0..{n_layers - 1})")
     for i in layers:
         decoder.layers[i].self_attn = HybridAttention.from_softmax(decoder.layers[i].self_attn, cfg, i, settings)
-    decoder.register_forward_pre_hook(prepare_inputs, with_kwargs=True)
+    attach(model)
     resolved = dict(settings)
     resolved["layers"] = layers
     resolved["feature_dim"] = decoder.layers[layers[0]].self_attn.feature_map_q.feature_dim if layers else None

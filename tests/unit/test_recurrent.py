@@ -53,21 +53,47 @@ def test_extensions_equal_full(mode, window, cuts):
     assert state.count.tolist() == mask.sum(1).tolist() and state.seen == T
 
 
-def test_state_size_is_constant_and_window_is_fixed():
+def test_state_size_is_constant_its_tensors_stay_in_place_and_window_is_fixed():
     x = attention_inputs(B=1, T=300, D=8, F=6, dtype=torch.float32)
     state = recurrent.DecodeState.empty(1, 2, 8, 8, 6, 16, 4, 16, torch.float32, "cpu")
-    rings = []
+    assert state.ring == 16  # allocated at the window, never re-laid out
+    storage = {name: t.data_ptr() for name, t in vars(state).items() if isinstance(t, torch.Tensor)}
+    size = state.nbytes
     for t in range(0, 300):
         recurrent.extend(state, **slices(x, t, t + 1), window=16, sinks=4)
-        rings.append(state.ring)
-    assert rings[:3] == [1, 2, 4] and rings[8] == 16 and set(rings[15:]) == {16}  # grows by doubling, up to w
-    size = state.nbytes
     recurrent.extend(state, **slices(x, 0, 5), window=16, sinks=4)
-    assert state.nbytes == size
+    assert state.nbytes == size and int(state.seen) == 305
+    assert {name: t.data_ptr() for name, t in vars(state).items() if isinstance(t, torch.Tensor)} == storage
     with pytest.raises(ValueError, match="a live cache cannot change window"):
         recurrent.extend(state, **slices(x, 0, 1), window=8, sinks=4)
     with pytest.raises(ValueError, match="this cache keeps 4 sinks, the layer now has 2"):
         recurrent.extend(state, **slices(x, 0, 1), window=16, sinks=2)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("mode", [*MODES, HYBRID_SINKS])
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_compiled_decode_step_equals_full_and_writes_in_place(mode, window, decay):
+    """recurrent.step (fixed shapes, no host sync, in place) after a prefill, one token at a time through padding,
+    the sinks leaving the ring and the window filling, equals the spec over the whole sequence."""
+    T, P = 40, 5
+    x = attention_inputs(B=2, H=4, Hkv=2, T=T, D=8, F=6, seed=window)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[1, 20] = 0  # a padded step
+    rho = {"la_decay": torch.tensor([0.05, 0.3], dtype=torch.float64)} if decay else {}
+    opts = dict(window=window, **variant(mode), sinks=3, **rho)
+    ref = naive.naive_hybrid_attention(**x, **opts, attention_mask=mask)
+    state = recurrent.DecodeState.empty(2, 2, 8, 8, 6, window, 3, window, torch.float64, "cpu")
+    outs = [recurrent.extend(state, **slices(x, 0, P), **opts, attention_mask=mask[:, :P])]
+    storage = [t.data_ptr() for t in state.tensors()]
+    for t in range(P, T):
+        outs.append(recurrent.step(state, **slices(x, t, t + 1), **opts, attention_mask=mask[:, t : t + 1]))
+    torch.testing.assert_close(torch.cat(outs, 2), ref, rtol=1e-10, atol=1e-12)
+    assert state.count.tolist() == mask.sum(1).tolist() and int(state.seen) == T
+    assert [t.data_ptr() for t in state.tensors()] == storage
+    with pytest.raises(ValueError, match="use extend"):
+        recurrent.step(state, **slices(x, 0, 2), **opts)
 
 
 def test_overflowing_a_short_ring_is_an_error():

@@ -1,0 +1,61 @@
+"""Decoding a converted model with stock transformers `generate` under torch.compile (fullgraph): the same tokens as
+eager decoding, one graph, no recompile over 64 tokens (on CPU: the torch decode step, recurrent.step; on a GPU the
+same cache takes the fused Triton step and CUDA graphs, benchmarks/device_speed.py)."""
+
+import pytest
+import torch
+from conftest import perturb_hybrid, tiny_model
+from torch._dynamo.utils import counters
+from transformers.generation.configuration_utils import CompileConfig
+
+import hybrid_scale as hs
+from hybrid_scale.attention.hybrid import HybridCache, hybrid_layers
+
+pytestmark = pytest.mark.fast
+
+ATTENTION = {"window": 8, "sinks": 2, "hybrid_sinks": True, "la_decay": True, "gamma_param": "exp", "gamma_init": 1.0}
+NEW = 64
+
+
+def _model():
+    model = perturb_hybrid(hs.convert_model(tiny_model(), ATTENTION))
+    with torch.no_grad():  # a decay that every head applies
+        for layer in hybrid_layers(model).values():
+            layer.la_decay_rho.copy_(torch.linspace(0.02, 0.4, layer.la_decay_rho.numel()))
+    return model
+
+
+def test_compiled_generate_gives_the_eager_tokens_with_one_graph_and_no_recompile():
+    model = _model()
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    greedy = dict(attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    eager = model.generate(ids, **greedy, disable_compile=True)
+    assert HybridCache(model).is_compileable
+
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(ids, **greedy, cache=HybridCache(model), compile_config=config)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the decode step was compiled, once
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert compiled.shape == (2, 12 + NEW)
+    assert torch.equal(compiled, eager), (compiled, eager)
+
+
+def test_a_model_with_softmax_layers_left_generates_eagerly_with_its_cache():
+    """A partly converted model keeps softmax layers whose DynamicLayer is not compileable: generate runs eagerly
+    (no compile attempt), and its masks are sized by the softmax layer."""
+    model = perturb_hybrid(hs.convert_model(tiny_model(), {**ATTENTION, "layers": [1]}))
+    cache = HybridCache(model)
+    assert not cache.is_compileable and cache.is_linear == [False, True]
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache)
+    ref = ids
+    for _ in range(12):  # no cache: the whole sequence each time
+        logits = model(ref, use_cache=False).logits[:, -1]
+        ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ref)
