@@ -105,7 +105,6 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
         plain = [t.detach() for t in (q, k, v, fq, fk, gamma)]  # generation's prefill: no gradient, y in q's dtype
         triton_hybrid_attention(*plain, **options, **({"la_decay": rho.detach()} if decay else {}))
         state = DecodeState.empty(b, hkv, d, d, f, shape.window, shape.sinks, shape.window, dtype, "cpu")
-        state.grow(shape.window)
 
         def one(*size):
             return torch.zeros(*size, dtype=dtype)

@@ -43,6 +43,7 @@ class DecodeState:
     ksum: torch.Tensor  # [B, Hkv, F] fp32
     count: torch.Tensor  # [B] real tokens seen
     seen: torch.Tensor  # [] positions seen, padding included (on the state's device)
+    lock: torch.Tensor  # [B * (Hkv + 1)] int32 zeros: the counts a one-launch fused step syncs its programs with
     window: int = 0  # the window this state was built for
     capacity: int = 0  # the most the ring may hold: min(window, max_length)
 
@@ -70,6 +71,7 @@ class DecodeState:
             ksum=z(batch, kv_heads, feature_dim, dt=acc),
             count=torch.zeros(batch, dtype=torch.long, device=device),
             seen=torch.zeros((), dtype=torch.long, device=device),
+            lock=torch.zeros(batch * (kv_heads + 1), dtype=torch.int32, device=device),
             window=window,
             capacity=capacity,
         )
@@ -89,8 +91,9 @@ class DecodeState:
         """Apply fn to every tensor along the batch dim (beam reordering, repeat, select)."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and f.name != "seen":
+            if isinstance(value, torch.Tensor) and f.name not in ("seen", "lock"):
                 setattr(self, f.name, fn(value))
+        self.lock = self.lock.new_zeros(self.kv.shape[0] * (self.kv.shape[1] + 1))
 
     def assign(self, name: str, value: torch.Tensor) -> None:
         """Give field `name` the values of `value`: written into the tensor it holds when the shape and dtype agree
@@ -108,7 +111,7 @@ class DecodeState:
         for name in ("k", "v", "fk"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:2], size, old.shape[-1])
-            setattr(self, name, _scatter_slots(new, slot, old))
+            setattr(self, name, _scatter_slots(new, slot, old).contiguous())
 
     def ring_positions(self) -> torch.Tensor:
         """Real-token index held by each ring slot, -1 where empty. [B, R]."""

@@ -1,6 +1,7 @@
 """Decoding a converted model with stock transformers `generate` under torch.compile (fullgraph): the same tokens as
-eager decoding, one graph, no recompile over 64 tokens (on CPU: the torch decode step, recurrent.step; on a GPU the
-same cache takes the fused Triton step and CUDA graphs, benchmarks/device_speed.py)."""
+eager decoding, one graph, no recompile over 64 tokens; with the torch decode step (recurrent.step) and with the
+fused Triton step (its operator, run here by Triton's interpreter), which give the same tokens. On a GPU the same
+cache takes CUDA graphs too (benchmarks/device_speed.py)."""
 
 import pytest
 import torch
@@ -11,26 +12,40 @@ from transformers.generation.configuration_utils import CompileConfig
 import hybrid_scale as hs
 from hybrid_scale.attention.hybrid import HybridCache, hybrid_layers
 
+try:
+    import hybrid_scale_kernels  # noqa: F401
+
+    KERNELS = True
+except ImportError:
+    KERNELS = False
+
 pytestmark = pytest.mark.fast
 
 ATTENTION = {"window": 8, "sinks": 2, "hybrid_sinks": True, "la_decay": True, "gamma_param": "exp", "gamma_init": 1.0}
 NEW = 64
 
 
-def _model():
-    model = perturb_hybrid(hs.convert_model(tiny_model(), ATTENTION))
+def _model(backend="torch"):
+    model = perturb_hybrid(hs.convert_model(tiny_model(), {**ATTENTION, "backend": backend}))
     with torch.no_grad():  # a decay that every head applies
         for layer in hybrid_layers(model).values():
             layer.la_decay_rho.copy_(torch.linspace(0.02, 0.4, layer.la_decay_rho.numel()))
     return model
 
 
-def test_compiled_generate_gives_the_eager_tokens_with_one_graph_and_no_recompile():
-    model = _model()
+TRITON = pytest.param(
+    "triton", marks=[pytest.mark.slow, pytest.mark.skipif(not KERNELS, reason="needs hybrid_scale_kernels (triton)")]
+)  # (20 s in the interpreter)
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_compiled_generate_gives_the_eager_tokens_with_one_graph_and_no_recompile(backend):
+    model = _model(backend)
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # a left-padded row
-    greedy = dict(attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    new = NEW if backend == "torch" else 16
+    greedy = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     eager = model.generate(ids, **greedy, disable_compile=True)
     assert HybridCache(model).is_compileable
 
@@ -42,8 +57,10 @@ def test_compiled_generate_gives_the_eager_tokens_with_one_graph_and_no_recompil
         compiled = model.generate(ids, **greedy, cache=HybridCache(model), compile_config=config)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the decode step was compiled, once
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert compiled.shape == (2, 12 + NEW)
+    assert compiled.shape == (2, 12 + new)
     assert torch.equal(compiled, eager), (compiled, eager)
+    if backend == "triton":  # the fused step gives the torch step's tokens
+        assert torch.equal(compiled, _model("torch").generate(ids, **greedy, disable_compile=True))
 
 
 def test_a_model_with_softmax_layers_left_generates_eagerly_with_its_cache():

@@ -116,7 +116,8 @@ def cache_formula(batch, layers, kv_heads, head_dim, feature_out, window, sinks,
     ring = kv_heads * window * (2 * head_dim * elem + feature_out * 4)  # k, v in model dtype, phi_k in fp32
     sink = kv_heads * sinks * (2 * head_dim * elem + feature_out * 4)  # k, v and (fp32) phi_k of the first S keys
     state = kv_heads * (feature_out * head_dim + feature_out) * 4  # fp32 LA state
-    return layers * (batch * (ring + sink + state + 8) + 8)  # + one int64 count per row, one int64 position count
+    # + one int64 count per row, one int64 position count, and int32 step counts per (row, KV head) and per row
+    return layers * (batch * (ring + sink + state + 8) + 8 + batch * (kv_heads + 1) * 4)
 
 
 def test_decode_cache_bytes_do_not_grow():

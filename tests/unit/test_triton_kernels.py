@@ -273,6 +273,48 @@ def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window, deca
     assert fused.ring == window and torch.equal(fused.count, ref.count) and fused.seen == ref.seen == 40
 
 
+def test_the_decode_step_is_one_launch_of_at_least_32_programs_and_no_other_op(monkeypatch):
+    """At Llama-3-8B's attention (B = 1, 32 heads, 8 KV heads, head dim 128, feature dim 256) the step splits the
+    state over its value dim into >= 32 programs, and after the first step (which makes the step's counts) the
+    wrapper runs no torch op but its own operator, which launches the kernel and allocates the output: a CUDA
+    graph of it is one kernel node. (The kernel's launches are recorded here, not run.)"""
+    from hybrid_scale_kernels.decode import _decode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    launches = []  # (the kernel's class: JITFunction, or the interpreter's function here)
+    record = lambda self, *a, grid, warmup, **kw: launches.append((self, grid, kw))  # noqa: E731
+    monkeypatch.setattr(type(_decode), "run", record)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    B, H, Hkv, D, F, w = 1, 32, 8, 128, 256, 64
+    state = DecodeState.empty(B, Hkv, D, D, F, w, 8, w, torch.bfloat16, "cpu")
+
+    def one(*size, dtype=torch.bfloat16):
+        return torch.ones(*size, dtype=dtype)
+
+    inputs = (one(B, H, 1, D), one(B, Hkv, 1, D), one(B, Hkv, 1, D), one(B, H, 1, F), one(B, Hkv, 1, F), one(H))
+    options = dict(window=w, sinks=8, hybrid_sinks=True, la_decay=one(Hkv, dtype=torch.float32),
+                   attention_mask=one(B, 1, dtype=torch.long))  # fmt: skip
+    kernels.triton_decode_step(state, *inputs, **options)
+    with Ops() as mode:
+        kernels.triton_decode_step(state, *inputs, **options)
+    # one operator (the launch: an opaque node for torch.compile), and detach (a view: no kernel)
+    assert set(mode.ops) == {"hybrid_scale_kernels.decode_step.default", "aten.detach.default"}, mode.ops
+    assert len(launches) == 2 and {k.fn.__name__ if hasattr(k, "fn") else k.__name__ for k, _, _ in launches} == {
+        "_decode"
+    }
+    grid = launches[-1][1]
+    assert grid[0] >= 32 and launches[-1][2]["NSPLIT"] * launches[-1][2]["BLOCK_DV"] == D, grid
+
+
 @pytest.mark.slow  # 11 s in the interpreter: `make test` runs it, `make test-fast` does not
 def test_a_converted_model_runs_on_the_triton_backend(tiny):
     torch.manual_seed(0)
