@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-compile reproduce clean
+.PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed device-speed kernel-compile reproduce clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -59,6 +59,13 @@ bench: $(STAMP)
 # The fused Triton kernels vs SDPA / FlashAttention / the torch path, prefill and decode (a CUDA GPU; ~3 minutes)
 kernel-speed: $(STAMP)
 	$(PY) benchmarks/kernel_speed.py
+
+# Issue 51's device benchmark (a CUDA GPU; under 5 minutes): prefill vs SDPA and fla, decode per layer and of a whole
+# 8B-shaped model vs a static KV cache (CUDA graphs, torch.compile), the 8B-shaped stages 1 and 2, the bf16 kernel
+# tests; docs/results/device_speed.md. With the device tool: `make gpu-wheels`, then run
+# `bash benchmarks/device_speed.sh` with carry [".whl"]. `make device-speed ARGS=--dry-run`: the CPU check (seconds).
+device-speed: $(STAMP)
+	$(PY) benchmarks/device_speed.py $(ARGS)
 
 # Every Triton kernel compiled for sm_80 and sm_90 without a GPU (every mode, dtype and preset head shape; ~10 minutes
 # on 2 cores): the table of registers, spills, shared memory and wgmma / mma.sync, and its JSON, that

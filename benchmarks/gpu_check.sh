@@ -39,7 +39,7 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"  # 
   echo "gpu_check.sh: $(for c in c++ g++ nvcc ninja; do printf '%s=%s ' "$c" "$(command -v "$c" || echo none)"; done)" \
     "Python.h: $("$PY" -c 'import os, sysconfig; print(os.path.isfile(sysconfig.get_paths()["include"] + "/Python.h"))')"
   echo "gpu_check.sh: $("$PY" -m pip list --format=freeze 2>/dev/null | grep -iE \
-    '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton)==' \
+    '^(torch|transformers|tokenizers|safetensors|accelerate|huggingface.hub|peft|deepspeed|datasets|pyarrow|fsspec|numpy|typing.extensions|triton|fla.core|einops)==' \
     | tr '\n' ' ')"
 } 2>&1 | tee "$OUT_DIR/gpu_check.log"
 # first what only a GPU can check: the compiled kernels against the spec (tests marked gpu, each printing its errors

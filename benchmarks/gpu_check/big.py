@@ -1,6 +1,9 @@
 """Step c, big (the part `big`, run in its own process): stage 1 and stage 2 of a Llama-3.2-1B-shaped random model
 (4 layers by default, GPU_CHECK_BIG_LAYERS) in the checked dtype on the checked device: seconds per stage-1 layer
-and per stage-2 optimizer step (timed by wrapping the stages' own functions), peak memory."""
+and per stage-2 optimizer step (timed by wrapping the stages' own functions), peak memory.
+benchmarks/device_speed.py runs it at the Llama-3-8B shape: s["big"] may also give `vocab` (default: the byte-level
+tokenizer's 259), `tie` (tied embeddings, default true), `micro_batch` (default 1) and `overrides` (more config
+overrides, e.g. the preset's attention settings)."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def part_big(s: dict, work: Path) -> dict:
     cuda = torch.device(device).type == "cuda"
     tok = byte_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=b.get("vocab", len(tok)),  # (a larger vocabulary than the tokenizer's: ids above 258 unused)
         hidden_size=b["hidden"],
         intermediate_size=b["inter"],
         num_hidden_layers=b["layers"],
@@ -49,7 +52,7 @@ def part_big(s: dict, work: Path) -> dict:
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=b.get("tie", True),
     )
     path = work / "big"
     t0 = time.perf_counter()
@@ -81,12 +84,13 @@ def part_big(s: dict, work: Path) -> dict:
             "finetune.recipe=lolcats",
             f"finetune.max_steps={b['steps']}",
             f"finetune.global_batch={b['global_batch']}",
-            "finetune.micro_batch=1",
+            f"finetune.micro_batch={b.get('micro_batch', 1)}",
             "finetune.eval_every=0",
             "finetune.save_every=1000",
             "finetune.heldout_sequences=1",
             "finetune.warmup_steps=1",
             "finetune.progress=false",
+            *b.get("overrides", ()),
         ]
     )
     out = {"params": params, "config": b, "build_s": build_s, "steps_per_layer": steps_per_layer}

@@ -14,6 +14,13 @@ lacks some of what this package needs. Those are fetched here at the version ins
   * transformers at the tested version: the image's 5.17 is inside pyproject's >=5,<6 but too old for this code
     (evaluate/loglik.py reads `out.cache`, which 5.17's model outputs lack: evaluation fails there); 5.24 imports with
     the image's huggingface-hub 1.33, tokenizers 0.23 and safetensors 0.8;
+  * fla-core (flash-linear-attention's kernels; pinned in pyproject's dev extra): the baseline that
+    benchmarks/device_speed.py and kernel_speed.py measure the hybrid against, never a dependency of the toolkit. The
+    H200 run of 2026-12-04 measured no fla: these wheels did not carry it, and the image has none that imports
+    (kernel_speed.py swallowed the error, so its log does not say which). Pure Python; it needs einops (carried too,
+    in case the image lacks it), torch >= 2.7 and triton >= 3.3, which the image's torch 2.11 and bundled triton 3.6
+    meet (0.6.0 imports with triton 3.6.0: checked on CPU); installed with --no-deps like every wheel here, it never
+    pulls a torch or triton of its own;
   * this package itself (`pip wheel --no-deps` of the checkout's tracked and untracked-not-ignored files).
 
 Not carried: torch (the image's 2.11+cu130 stands in for the tested 2.13; a CUDA build is far over the size limit),
@@ -51,6 +58,8 @@ MISSING_ON_DEVICE = [
     "peft",
     "transformers",
     "pytest",  # gpu_check.sh runs the gpu-marked tests first
+    "fla-core",  # the linear-attention baseline of benchmarks/device_speed.py (a baseline only, not a dependency)
+    "einops",  # fla-core's one requirement
     "iniconfig",
     "pluggy",
     "pygments",
