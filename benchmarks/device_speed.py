@@ -5,8 +5,8 @@ of device time: every part has its own budget and the whole run a deadline (DEVI
 device_speed.sh's start), after which nothing starts; what was measured is written after every part.
 
 Parts, in the order they run:
-  e. tests: `pytest -m gpu tests/unit/test_triton_kernels_bf16.py` (the compiled kernels against the spec, the gamma
-     gradient's fix included), cut at its budget;
+  e. tests: `pytest -m gpu tests/unit/test_triton_kernels_bf16.py tests/unit/test_chunk_prefill.py` (the compiled
+     kernels against the spec, the gamma gradient's fix and the chunked prefill included), cut at its budget;
   a. prefill: forward and forward+backward at T = 4096 and 16384 of the hybrid (`hybrid.attend(..., backend=
      "triton")`, modes hybrid and la_only) against SDPA (flash, causal, GQA) and fla-core's `chunk_simple_gla` on
      the same phi_q, phi_k (KV heads repeated to the query heads, [B, T, H, *], laid out before the clock starts), v
@@ -66,7 +66,7 @@ from kernel_speed import inputs as attention_inputs
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100 / H200 SXM
 LOLCATS_A100_HOURS = 6.5  # LoLCATs' Llama-3-8B conversion, as issue 51 quotes it
-TEST_FILE = "tests/unit/test_triton_kernels_bf16.py"
+TEST_FILES = ["tests/unit/test_triton_kernels_bf16.py", "tests/unit/test_chunk_prefill.py"]  # (gpu-marked tests)
 PARTS = {
     "e": "bf16 kernel tests",
     "a": "prefill vs SDPA and fla",
@@ -186,7 +186,7 @@ class Run:
 
 def part_tests(run: Run) -> dict:
     timeout = max(1, int(min(run.cfg["budgets"]["tests"], run.left() - 5)))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rP", "-p", "no:cacheprovider", "-m", "gpu", TEST_FILE]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rP", "-p", "no:cacheprovider", "-m", "gpu", *TEST_FILES]
     rc, out, err, seconds = run_child(cmd, "bf16 kernel tests", run.log, timeout)
     text = out + err
     tail = [line for line in text.strip().splitlines() if line.strip()][-30:]

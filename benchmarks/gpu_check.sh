@@ -44,7 +44,7 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}"  # 
 } 2>&1 | tee "$OUT_DIR/gpu_check.log"
 # first what only a GPU can check: the compiled kernels against the spec (tests marked gpu, each printing its errors
 # with -rP; at most 4 minutes)
-timeout 240 "$PY" -m pytest -q -rP -p no:cacheprovider -m gpu tests/unit/test_triton_kernels_bf16.py 2>&1 \
+timeout 240 "$PY" -m pytest -q -rP -p no:cacheprovider -m gpu tests/unit/test_triton_kernels_bf16.py tests/unit/test_chunk_prefill.py 2>&1 \
   | tee -a "$OUT_DIR/gpu_check.log"
 tests=${PIPESTATUS[0]}
 echo "gpu_check.sh: gpu-marked tests exit status $tests" | tee -a "$OUT_DIR/gpu_check.log"

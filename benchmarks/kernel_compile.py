@@ -3,9 +3,10 @@
 For each model preset (configs/models/*.yaml: its heads, KV heads, head dim, feature dim, window and sinks), each
 attention mode the kernels take and each of bf16 / fp16 / fp32, the wrappers are called as training and generation
 call them -- the forward and its backward through autograd on meta tensors at the preset's training length, the
-forward without gradients (a prefill), one fused decode step on a ring of `window` keys -- with the tiles the
-kernels choose on a GPU. Every launch they make is recorded (nothing runs) and compiled for both architectures by
-Triton and the wheel's ptxas (hybrid_scale_kernels.compile_check); equal launches compile once.
+forward without gradients (a prefill: the chunked prefill kernels and the fused forward), one fused decode step on a
+ring of `window` keys -- with the tiles the kernels choose on a GPU. Every launch they make is recorded (nothing
+runs) and compiled for both architectures by Triton and the wheel's ptxas (hybrid_scale_kernels.compile_check);
+equal launches compile once.
 
     python benchmarks/kernel_compile.py [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
         [--reuse docs/results/kernel_compile.json --verify 8]
@@ -17,7 +18,8 @@ compiles N of the reused ones again and fails if any differs (the test suite doe
 compiled, an unchanged one costs nothing).
 
 Prints one line per failing compile and exits 1 when a kernel does not compile, uses more shared memory than the
-architecture allows, or spills more than SPILL_BUDGET bytes. `make kernel-compile` writes the table.
+architecture allows, spills more than SPILL_BUDGET bytes, or is one of WGMMA and has no wgmma on sm_90 in bf16 or
+fp16. `make kernel-compile` writes the table.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ DECAY = "+decay"
 MODES = (*MODE_PARTS, HYBRID_SINKS)
 MODES = (*MODES, *(m + DECAY for m in MODES))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# kernels whose half-precision products must be wgmma on sm_90 (64-row tiles: chunk_prefill.py's prefill)
+WGMMA = ("_chunk_states", "_chunk_output")
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,9 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
 
 
 def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.Launch]:
-    """The launches of one forward + backward (meta tensors, batch 1), one forward without gradients (a prefill: its
-    output is written in the inputs' dtype, not fp32) and one decode step (a ring of `window`)."""
+    """The launches of one forward + backward (meta tensors, batch 1), one forward without gradients (a prefill:
+    chunk_prefill.py's `_chunk_states` and `_chunk_output` where they take the case, and the fused forward they fall
+    back to, its output written in the inputs' dtype, not fp32) and one decode step (a ring of `window`)."""
     b, h, hkv, t, d, f = 1, shape.heads, shape.kv_heads, shape.length, shape.head_dim, shape.features
 
     def meta(*size):
@@ -103,7 +108,9 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
         y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **({"la_decay": rho} if decay else {}))
         y.backward(torch.empty_like(y))
         plain = [t.detach() for t in (q, k, v, fq, fk, gamma)]  # generation's prefill: no gradient, y in q's dtype
-        triton_hybrid_attention(*plain, **options, **({"la_decay": rho.detach()} if decay else {}))
+        extra = {"la_decay": rho.detach()} if decay else {}
+        triton_hybrid_attention(*plain, **options, **extra)  # chunk_prefill.py's kernels where it takes the case
+        triton_hybrid_attention(*plain, **options, **extra, return_denominators=True)  # the fused one it falls back to
         state = DecodeState.empty(b, hkv, d, d, f, shape.window, shape.sinks, shape.window, dtype, "cpu")
 
         def one(*size):
@@ -153,6 +160,8 @@ def failures(rows: list[Row]) -> list[str]:
             if c.error:
                 out.append(f"{what}: does not compile: {c.error}")
                 continue
+            if arch == 90 and row.kernel in WGMMA and row.dtype != "fp32" and not c.wgmma:
+                out.append(f"{what}: its products are {c.products}, not wgmma")
             if not c.shared_ok:
                 out.append(f"{what}: {c.shared} bytes of shared memory, over the {compile_check.SHARED_LIMIT[arch]}")
             if c.spills > SPILL_BUDGET[row.dtype]:
