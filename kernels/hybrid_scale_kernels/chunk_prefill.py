@@ -1,5 +1,5 @@
-"""A prefill forward with flash-linear-attention's chunk structure (a state scan, then one output kernel per chunk),
-for inference: no autograd, no denominators, no padding, no initial state, window <= 64.
+"""The hybrid attention with flash-linear-attention's chunk structure (a state scan, then one output kernel per
+chunk), forward and backward: no denominators, no padding, no initial state, window <= 64.
 
 Positions are cut into chunks of CHUNK = 64 tokens. With a window w <= 64, query n of chunk c (n in [64c, 64c + 64))
 finds its window keys (n - w, n] in chunks c - 1 and c, and every key before chunk c - 1 has left its window (it is
@@ -37,6 +37,10 @@ precision). Modes: hybrid (with or without its sinks), swa_only, swa_sinks, la_o
 fp16 on a GPU (fp32 in Triton's interpreter only: its FMA products spill kilobytes at 64-row tiles). The caller
 (`triton_hybrid_attention`, when nothing needs a gradient) falls back to the fused forward of hybrid_attention.py
 for anything `chunk_prefill` does not take (it returns None).
+
+The backward (`ChunkAttention`, `chunk_attention`: not used by triton_hybrid_attention yet, see
+prefill_without_grad) is fla's chunk backward adapted the same way; see the comment above
+`_bwd_q_block`: `_chunk_states` again, `_chunk_bwd_dq`, the reverse scan `_chunk_dstates` and `_chunk_bwd_dkv`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .jit_helpers import _EPS, MODE_PARTS
 
@@ -115,11 +120,12 @@ def _scores(Q, K, q_row, q_ok, k_row, k_ok, D, BLOCK_DK: tl.constexpr, ROWS: tl.
 @triton.jit
 def _chunk_output(
     Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK,  # inputs (HKV, HK: _chunk_states' states)
-    Y,  # output [B, H, T, D] in q's dtype
+    Y,  # output [B, H, T, D] in q's dtype (fp32 for a backward)
+    M, ZS, IDX,  # with STATS (for the backward), per row [B, H, T]: c_n, the normaliser Z_n (EPS in), c_n's argmax key
     T, H, G, D, F, NS, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False,
 ):  # fmt: skip
     """y of the CHUNK queries n of chunk c (grid axis 1) of one query head (axis 0: batch x H), window <= CHUNK.
 
@@ -173,17 +179,22 @@ def _chunk_output(
     else:
         g = 1.0
     m = tl.full([CHUNK], float("-inf"), tl.float32)
+    arg = tl.zeros([CHUNK], tl.int32)  # (STATS: the key of the row max, the first where several are equal)
     if SOFT:  # the first pass: the exact row max over the window
         for kb in range(lo, hi, CHUNK):
             j = kb + tl.arange(0, CHUNK)
             a = _scores(Q, K, q_base + n, row_ok, kv_base + j, j < T, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
             a = tl.where((j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window), a, float("-inf"))
+            if STATS:
+                arg = _argmax_update(a, j, m, arg)
             m = tl.maximum(m, tl.max(a, 1))
     if SINKS:
         js = tl.arange(0, BLOCK_S)
         s_ok = (js < n_sinks) & (js < T)
         a_s = _scores(Q, K, q_base + n, row_ok, kv_base + js, s_ok, D, BLOCK_DK, CHUNK, BLOCK_S, DT, PREC) * scale
         a_s = tl.where(s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off), a_s, float("-inf"))
+        if STATS:
+            arg = _argmax_update(a_s, js, m, arg)
         m = tl.maximum(m, tl.max(a_s, 1))
         m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: past T)
         p_s = g * tl.exp(a_s - m[:, None])
@@ -220,6 +231,369 @@ def _chunk_output(
             den += tl.sum(p, 1)
     y = num / (den + _EPS)[:, None]
     tl.store(Y + (q_base + n)[:, None] * D + od[None, :], y.to(Y.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+    if STATS:
+        tl.store(M + q_base + n, m, mask=row_ok)
+        tl.store(ZS + q_base + n, den + _EPS, mask=row_ok)
+        tl.store(IDX + q_base + n, arg, mask=row_ok)
+
+
+@triton.jit
+def _argmax_update(a, j, m, arg):
+    """The argmax of the row max after the scores a [rows, cols] of keys j [cols], given the max m and argmax arg so
+    far: a block's first key at its max, where that max exceeds m (the earlier key wins a tie)."""
+    bm = tl.max(a, 1)
+    bi = tl.min(tl.where(a == bm[:, None], j[None, :], 2147483647), 1)
+    return tl.where(bm > m, bi, arg)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The backward (`ChunkAttention`). Per row n: Z_n the normaliser, do_n = dy_n / Z_n (rounded to the inputs' dtype for
+# the products, as hybrid_attention._delta rounds it), and dlz_n = delta_n / Z_n = do_n . y_n (y the forward's fp32
+# output); every term p_nj of the numerator (g E or L) has dp_nj = do_n . v_j - dlz_n. The window and sink terms give
+# ds = p dp (dq, dk through s q.k), the L terms dphi through dp times their weight, and c_n (not detached) gives
+# -sum_j ds_nj to its argmax key. Four launches: `_chunk_states` (the forward's states again), `_chunk_bwd_dq` (per
+# query head and chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' shares), `_chunk_dstates` (the reverse scan:
+# the gradient of every state, summed over the KV head's query heads) and `_chunk_bwd_dkv` (per KV head and key
+# chunk, looping over its query heads: dk, dv, dphi_k). rho's gradient is taken term by term where each weight is
+# made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp), a query's lag on its state, each
+# state's carry alpha^CHUNK in the scan, and each key's weight inside its chunk.
+
+
+@triton.jit
+def _bwd_q_block(q, do, dlz, m, n, row_ok, j, K, V, FQ, FK, kv_base, q_base, T, D, F, window, lin_off, n_excl, scale,
+                 g, rho, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, SOFT: tl.constexpr,
+                 LIN: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """One key block j [CHUNK] of a query chunk's backward: (sum_j ds_nj k_j unscaled [CHUNK, BLOCK_D], the row sums
+    of ds, rho's share of the block's L terms per row, dp times the L weights [CHUNK, CHUNK] for dphi_q)."""
+    od = tl.arange(0, BLOCK_D)
+    dm = od < D
+    k_ok = (j >= 0) & (j < T)
+    v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+    dp = tl.dot(do, tl.trans(v.to(DT)), input_precision=PREC) - dlz[:, None]
+    dq = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    rs = tl.zeros([CHUNK], tl.float32)
+    rr = tl.zeros([CHUNK], tl.float32)
+    dpw = tl.zeros([CHUNK, CHUNK], tl.float32)
+    both = row_ok[:, None] & k_ok[None, :]
+    if SOFT:
+        k = tl.load(K + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+        a = tl.dot(q, tl.trans(k.to(DT)), input_precision=PREC) * scale
+        win = both & (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
+        p = tl.where(win, g * tl.exp(a - m[:, None]), 0.0)
+        ds = p * dp
+        rs = tl.sum(ds, 1)
+        dq = tl.dot(ds.to(DT), k.to(DT), input_precision=PREC)
+    if LIN:
+        lin = both & (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)
+        w = tl.where(lin, 1.0, 0.0)
+        if DECAY:
+            e = tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32)
+            w = w * tl.exp(-rho * e)
+            s = tl.zeros([CHUNK, CHUNK], tl.float32)
+            for f0 in range(0, F, BLOCK_FC):
+                of = f0 + tl.arange(0, BLOCK_FC)
+                fm = of < F
+                fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                             other=0.0)  # fmt: skip
+                fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                             other=0.0)  # fmt: skip
+                s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
+            rr = -tl.sum(s * w * dp * e, 1)
+        dpw = dp * w
+    return dq, rs, rr, dpw
+
+
+@triton.jit
+def _chunk_bwd_dq(
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, YF, M, ZS, IDX,  # inputs (YF: y in fp32; M, ZS, IDX: the forward's)
+    DQ, DFQ, DLZ, RSUM, RROW, DKS, DVS,  # outputs
+    T, H, G, D, F, NS, NC, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr,
+    LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
+    H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
+    the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
+    intra-chunk L terms and of its lag on the state; DKS, DVS [B H, NC, BLOCK_S, BLOCK_D] (SINKS): the sinks' dk, dv
+    from these rows (summed on the host). The keys are chunks c - 1 and c (`_bwd_q_block` each, the first empty for
+    c = 0) and the sinks; c_n's gradient goes to the argmax key; dphi_q walks the features in chunks of BLOCK_FC:
+    the two blocks' dp times the L weights against phi_k, plus the state before chunk c - 1 (c >= 2)."""
+    pid_bh = tl.program_id(0)
+    c = tl.program_id(1)
+    head = pid_bh % H
+    bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
+    kv_base = bk.to(tl.int64) * T
+    q_base = pid_bh.to(tl.int64) * T
+    n = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = n < T
+    rows = q_base + n
+    od = tl.arange(0, BLOCK_D)
+    dm = od < D
+    rm = row_ok[:, None] & dm[None, :]
+    q = tl.load(Q + rows[:, None] * D + od[None, :], mask=rm, other=0.0).to(DT)
+    dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+    zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
+    yf = tl.load(YF + rows[:, None] * D + od[None, :], mask=rm, other=0.0)
+    do = (dy / zs[:, None]).to(DT)
+    dlz = tl.sum(do.to(tl.float32) * yf, 1)
+    tl.store(DLZ + rows, dlz, mask=row_ok)
+    m = tl.load(M + rows, mask=row_ok, other=0.0)
+    if HYBRID:
+        g = tl.load(GAMMA + head).to(tl.float32)
+    else:
+        g = 1.0
+    rho = 0.0
+    if DECAY:
+        rho = tl.load(RHO + head // G).to(tl.float32)
+    j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
+    j1 = c * CHUNK + tl.arange(0, CHUNK)
+    dq0, rs0, rr0, dpw0 = _bwd_q_block(q, do, dlz, m, n, row_ok, j0, K, V, FQ, FK, kv_base, q_base, T, D, F, window,
+                                       lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_D, BLOCK_FC, SOFT, LIN, DECAY, DT,
+                                       PREC)  # fmt: skip
+    dq1, rs1, rr1, dpw1 = _bwd_q_block(q, do, dlz, m, n, row_ok, j1, K, V, FQ, FK, kv_base, q_base, T, D, F, window,
+                                       lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_D, BLOCK_FC, SOFT, LIN, DECAY, DT,
+                                       PREC)  # fmt: skip
+    dq = dq0 + dq1
+    rsum = rs0 + rs1
+    rrow = rr0 + rr1
+    if SINKS:
+        js = tl.arange(0, BLOCK_S)
+        s_ok = (js < n_sinks) & (js < T)
+        ks = tl.load(K + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        vs = tl.load(V + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        a_s = tl.dot(q, tl.trans(ks.to(DT)), input_precision=PREC) * scale
+        smask = row_ok[:, None] & s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off)
+        ps = tl.where(smask, g * tl.exp(a_s - m[:, None]), 0.0)
+        dss = ps * (tl.dot(do, tl.trans(vs.to(DT)), input_precision=PREC) - dlz[:, None])
+        rsum += tl.sum(dss, 1)
+        dq += tl.dot(dss.to(DT), ks.to(DT), input_precision=PREC)
+    if HYBRID:  # c_n's gradient -rsum_n reaches its argmax key (a window key, or a sink)
+        idx = tl.load(IDX + rows, mask=row_ok, other=0)
+        kx = tl.load(K + (kv_base + idx)[:, None] * D + od[None, :], mask=rm, other=0.0)
+        dq -= rsum[:, None] * kx.to(tl.float32)
+        tl.store(RSUM + rows, rsum, mask=row_ok)
+        if SINKS:
+            dss -= tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
+    if SINKS:
+        part = ((pid_bh.to(tl.int64) * NC + c) * BLOCK_S + js)[:, None] * BLOCK_D + od[None, :]
+        tl.store(DKS + part, tl.dot(tl.trans(dss).to(DT), q, input_precision=PREC))  # (unscaled, as dk's sum)
+        tl.store(DVS + part, tl.dot(tl.trans(ps).to(DT), do, input_precision=PREC))
+    tl.store(DQ + rows[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
+    if LIN:
+        lo = (c - 1) * CHUNK
+        lag = tl.exp(-rho * tl.maximum(n - window - (lo - 1), 0).to(tl.float32))
+        st = bk.to(tl.int64) * NS + c - 1
+        for f0 in range(0, F, BLOCK_FC):
+            of = f0 + tl.arange(0, BLOCK_FC)
+            fm = of < F
+            fk0 = tl.load(FK + (kv_base + j0)[:, None] * F + of[None, :], mask=(j0 >= 0)[:, None] & fm[None, :],
+                          other=0.0)  # fmt: skip
+            fk1 = tl.load(FK + (kv_base + j1)[:, None] * F + of[None, :], mask=(j1 < T)[:, None] & fm[None, :],
+                          other=0.0)  # fmt: skip
+            acc = tl.dot(dpw0.to(DT), fk0.to(DT), input_precision=PREC)
+            acc += tl.dot(dpw1.to(DT), fk1.to(DT), input_precision=PREC)
+            if c >= 2:  # the state h_{c-1}: phi_q's gradient lag (h do - z dlz)
+                h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
+                if HKV.dtype.element_ty == DT:
+                    sp = tl.dot(do, tl.trans(h), input_precision=PREC)
+                else:
+                    sp = tl.dot(do.to(tl.float32), tl.trans(h.to(tl.float32)), input_precision=PREC)
+                z = tl.load(HK + st * F + of, mask=fm, other=0.0)
+                sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
+                acc += sp
+                if DECAY:  # d lag / d rho = -(n - window - lo + 1) lag
+                    fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+                    rrow -= (n - window - lo + 1).to(tl.float32) * tl.sum(fq.to(tl.float32) * sp, 1)
+            tl.store(DFQ + rows[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
+                     mask=row_ok[:, None] & fm[None, :])  # fmt: skip
+        if DECAY:
+            tl.store(RROW + rows, rrow, mask=row_ok)
+
+
+@triton.jit
+def _chunk_dstates(
+    FQ, DY, ZS, DLZ, RHO, HKV, HK,  # inputs (HKV, HK: the forward's states, read for rho's gradient)
+    DHKV, DHK, RSCAN,  # outputs: dh [B, Hkv, NS, F, D] (HKV's dtype), dz [B, Hkv, NS, F] (fp32), rho's partial sums
+    T, H, G, D, F, NS, Hkv, window,
+    DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """The gradient of every state h_s, z_s (s = NS - 1 .. 1; h_0 is empty), one program per (feature block, value
+    block, batch x KV head), in reverse: dh_s = sum over the G query heads and the queries n of chunk s + 1 (which
+    read h_s times lag_n = alpha^(n - window - (CHUNK s - 1))) of lag_n phi_q(q_n) do_n^T, plus alpha^CHUNK dh_{s+1}
+    (h_{s+1} = alpha^CHUNK h_s + chunk s's keys); dz_s the same with -dlz_n. With DECAY, RSCAN gets each program's
+    share of rho's gradient through the carries: -CHUNK alpha^CHUNK <dh_{s+1}, h_s> (and z's)."""
+    pf = tl.program_id(0)
+    pd = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+    of = pf * BLOCK_F + tl.arange(0, BLOCK_F)
+    od = pd * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    fm = of < F
+    both = fm[:, None] & (od < D)[None, :]
+    z_lim = tl.where(pd == 0, F, 0)  # (z: the first value block's programs)
+    dh = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
+    dz = tl.zeros([BLOCK_F], tl.float32)
+    racc = tl.zeros([BLOCK_F], tl.float32)
+    rho = 0.0
+    carry = 1.0
+    if DECAY:
+        rho = tl.load(RHO + kvh).to(tl.float32)
+        carry = tl.exp(-rho * CHUNK)
+    for i in range(0, NS - 1):
+        s = NS - 1 - i
+        st = pid_bh.to(tl.int64) * NS + s
+        if DECAY:  # dh, dz hold dh_{s+1}, dz_{s+1}: h_{s+1} = alpha^CHUNK h_s + ...
+            h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
+            z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
+            racc += tl.sum(dh * h, 1) + dz * z
+            dh = dh * carry
+            dz = dz * carry
+        n = (s + 1) * CHUNK + tl.arange(0, CHUNK)
+        row_ok = n < T
+        lag = tl.where(row_ok, 1.0, 0.0)
+        if DECAY:
+            lag = lag * tl.exp(-rho * (n - window - s * CHUNK + 1).to(tl.float32))
+        for hh in range(0, G):
+            rows = (b * H + kvh * G + hh).to(tl.int64) * T + n
+            fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+            dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=row_ok[:, None] & (od < D)[None, :], other=0.0)
+            zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
+            dlz = tl.load(DLZ + rows, mask=row_ok, other=0.0)
+            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
+            fql = fq.to(tl.float32) * lag[:, None]
+            dh += tl.dot(tl.trans(fql.to(DT)), do, input_precision=PREC)
+            dz -= tl.sum(fql * dlz[:, None], 0)
+        tl.store(DHKV + (st * F + of)[:, None] * D + od[None, :], dh.to(DHKV.dtype.element_ty), mask=both)
+        tl.store(DHK + st * F + of, dz, mask=of < z_lim)
+    if DECAY:
+        pid = (pid_bh * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
+        tl.store(RSCAN + pid, -CHUNK * carry * tl.sum(racc, 0))
+
+
+@triton.jit
+def _chunk_bwd_dkv(
+    Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DHK, DKS, DVS,  # inputs
+    DK, DV, DFK, RKEY,  # outputs (DFK: fp32, zeroed, added to)
+    T, H, G, D, F, NS, NC, window, lin_off, n_sinks, n_excl, scale,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr,
+    LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """dk, dv (in the inputs' dtype) and dphi_k (fp32, added) of the CHUNK keys j of chunk c (axis 1) of one KV head
+    (axis 0: batch x Hkv), summed over its G query heads: for each, the query chunks c and c + 1 (the only ones whose
+    window or intra-chunk L terms reach chunk c), in tiles [keys, queries]; c_n's gradient where its argmax is one
+    of these keys in the row's window; then (c <= NS - 2) the state h_{c+1} that holds these keys, from dh_{c+1}
+    (each key's weight alpha^(CHUNK c + CHUNK - 1 - j)); then (c = 0) the sinks' dk, dv summed from `_chunk_bwd_dq`.
+    RKEY (DECAY): rho's share through the keys' weights in the state."""
+    pid_bk = tl.program_id(0)
+    c = tl.program_id(1)
+    Hkv = H // G
+    kv_base = pid_bk.to(tl.int64) * T
+    j = c * CHUNK + tl.arange(0, CHUNK)
+    k_ok = j < T
+    od = tl.arange(0, BLOCK_D)
+    dm = od < D
+    km = k_ok[:, None] & dm[None, :]
+    k = tl.load(K + (kv_base + j)[:, None] * D + od[None, :], mask=km, other=0.0).to(DT)
+    v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=km, other=0.0).to(DT)
+    dk = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    dv = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    rho = 0.0
+    if DECAY:
+        rho = tl.load(RHO + pid_bk % Hkv).to(tl.float32)
+    for hh in range(0, G):
+        head = (pid_bk % Hkv) * G + hh
+        q_base = ((pid_bk // Hkv) * H + head).to(tl.int64) * T
+        if HYBRID:
+            g = tl.load(GAMMA + head).to(tl.float32)
+        else:
+            g = 1.0
+        for qb in range(c, tl.minimum(c + 2, NC)):
+            n = qb * CHUNK + tl.arange(0, CHUNK)
+            q_ok = n < T
+            rows = q_base + n
+            qm = q_ok[:, None] & dm[None, :]
+            dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=qm, other=0.0).to(tl.float32)
+            zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
+            dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
+            do = (dy / zs[:, None]).to(DT)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC) - dlz[None, :]  # [keys, queries]
+            both = k_ok[:, None] & q_ok[None, :]
+            pt = tl.zeros([CHUNK, CHUNK], tl.float32)
+            if SOFT:
+                q = tl.load(Q + rows[:, None] * D + od[None, :], mask=qm, other=0.0).to(DT)
+                m = tl.load(M + rows, mask=q_ok, other=0.0)
+                at = tl.dot(k, tl.trans(q), input_precision=PREC) * scale
+                win = both & (j[:, None] <= n[None, :]) & (j[:, None] > n[None, :] - window)
+                pt = tl.where(win, g * tl.exp(at - m[None, :]), 0.0)
+                dst = pt * dpt
+                if HYBRID:
+                    idx = tl.load(IDX + rows, mask=q_ok, other=-1)
+                    rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
+                    dst -= tl.where(win & (j[:, None] == idx[None, :]), rsum[None, :], 0.0)
+                dk += tl.dot(dst.to(DT), q, input_precision=PREC)
+            if LIN:
+                lin = both & (j[:, None] <= n[None, :] - lin_off) & (j[:, None] >= n_excl)
+                wt = tl.where(lin, 1.0, 0.0)
+                if DECAY:
+                    wt = wt * tl.exp(-rho * tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32))
+                st_ = tl.zeros([CHUNK, CHUNK], tl.float32)
+                for f0 in range(0, F, BLOCK_FC):
+                    of = f0 + tl.arange(0, BLOCK_FC)
+                    fm = of < F
+                    fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                                 other=0.0)  # fmt: skip
+                    fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :], other=0.0)
+                    st_ += tl.dot(fk.to(DT), tl.trans(fq.to(DT)), input_precision=PREC)
+                pt += st_ * wt
+                dpw = (dpt * wt).to(DT)
+                for f0 in range(0, F, BLOCK_FC):
+                    of = f0 + tl.arange(0, BLOCK_FC)
+                    fm = of < F
+                    fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :], other=0.0)
+                    tl.atomic_add(DFK + (kv_base + j)[:, None] * F + of[None, :],
+                                  tl.dot(dpw, fq.to(DT), input_precision=PREC), mask=k_ok[:, None] & fm[None, :],
+                                  sem="relaxed")  # fmt: skip
+            dv += tl.dot(pt.to(DT), do, input_precision=PREC)
+    rkey = tl.zeros([CHUNK], tl.float32)
+    if LIN:
+        if c <= NS - 2:  # these keys' share of h_{c+1}: weight alpha^(e - j), e the chunk's last key
+            st = pid_bk.to(tl.int64) * NS + c + 1
+            e = c * CHUNK + CHUNK - 1
+            wk = tl.where(k_ok & (j >= n_excl), 1.0, 0.0)
+            if DECAY:
+                wk = wk * tl.exp(-rho * (e - j).to(tl.float32))
+            for f0 in range(0, F, BLOCK_FC):
+                of = f0 + tl.arange(0, BLOCK_FC)
+                fm = of < F
+                fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                dh = tl.load(DHKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :],
+                             other=0.0)  # fmt: skip
+                dz = tl.load(DHK + st * F + of, mask=fm, other=0.0)
+                if DHKV.dtype.element_ty == DT:
+                    dv += tl.dot((fk * wk[:, None]).to(DT), dh, input_precision=PREC)
+                    dfs = tl.dot(v, tl.trans(dh), input_precision=PREC)
+                else:
+                    dv += tl.dot(fk * wk[:, None], dh.to(tl.float32), input_precision=PREC)
+                    dfs = tl.dot(v.to(tl.float32), tl.trans(dh.to(tl.float32)), input_precision=PREC)
+                dfs = (dfs + dz[None, :]) * wk[:, None]
+                tl.atomic_add(DFK + (kv_base + j)[:, None] * F + of[None, :], dfs, mask=k_ok[:, None] & fm[None, :],
+                              sem="relaxed")  # fmt: skip
+                if DECAY:
+                    rkey -= (e - j).to(tl.float32) * tl.sum(fk * dfs, 1)
+    if SINKS:  # (chunk 0: the sinks' shares from every query, summed on the host; n_sinks <= CHUNK)
+        sm = (k_ok & (j < n_sinks))[:, None] & dm[None, :]
+        part = (pid_bk.to(tl.int64) * BLOCK_S + j)[:, None] * BLOCK_D + od[None, :]
+        dk += tl.load(DKS + part, mask=sm, other=0.0)
+        dv += tl.load(DVS + part, mask=sm, other=0.0)
+    tl.store(DK + (kv_base + j)[:, None] * D + od[None, :], (dk * scale).to(DK.dtype.element_ty), mask=km)
+    tl.store(DV + (kv_base + j)[:, None] * D + od[None, :], dv.to(DV.dtype.element_ty), mask=km)
+    if DECAY:
+        tl.store(RKEY + pid_bk * NC + c, tl.sum(rkey, 0))
 
 
 def _pow2(x: int, least: int = 16) -> int:
@@ -232,17 +606,93 @@ def _pow2(x: int, least: int = 16) -> int:
 # shapes, every mode, bf16 and fp16: 4 warps (one warpgroup on the 64 rows; with 8, Triton's layouts replicate the
 # rows or the operands and spill), one stage (2 spilled on sm_80 at head dim 128), head-dim chunks of 32 at 128 (64
 # spilled 60-300 bytes: a [64, 64] q operand in registers) and 16 at 64 (64 and 32 spilled 8-16 bytes on sm_80).
+# bwd_warps: ChunkAttention's _chunk_bwd_dq and _chunk_bwd_dkv (8: at the 8B shape, bf16, hybrid+decay, dkv spills
+# 208 / 628 bytes on sm_80 / sm_90 against 4380 / 2472 with 4; dq still spills kilobytes: not tuned, not wired in).
 GPU_SETTINGS = {
-    64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1),
-    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=4, stages=1),
+    64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, bwd_warps=8),
+    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=4, stages=1, bwd_warps=8),
 }
 
 
 def _settings(x: torch.Tensor, head_dim: int, features: int) -> dict:
     if x.device.type == "cpu":  # Triton's interpreter (tests): any tile works, these are fast there
         return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=min(_pow2(features), 64), warps=4,
-                    stages=1)  # fmt: skip
+                    stages=1, bwd_warps=4)  # fmt: skip
     return GPU_SETTINGS[64 if head_dim <= 64 else 128]
+
+
+def _refused(q, k, v, fq, window, mode, sinks, hybrid_sinks, la_decay) -> bool:
+    """Whether chunk_prefill (and ChunkAttention) does not take a case (see chunk_prefill)."""
+    if mode not in MODE_PARTS or not 1 <= int(window) <= CHUNK:
+        return True
+    D, Hkv = q.shape[-1], k.shape[1]
+    sink = MODE_PARTS[mode][2] or (bool(hybrid_sinks) and mode == "hybrid")
+    if v.shape[-1] != D or D > 128 or fq.shape[-1] > 256 or q.shape[1] % Hkv or q.dtype not in _DT:
+        return True
+    if sink and sinks > 64:
+        return True
+    if q.dtype == torch.float32 and q.device.type != "cpu":  # (fp32 on a GPU: FMA products, which spill kilobytes
+        return True  # at 64-row tiles; the fused forward's 16-row tiles take it)
+    return la_decay is not None and tuple(la_decay.shape) != (Hkv,)
+
+
+def _parts(mode, window, sinks, hybrid_sinks, la_decay):
+    """The launch switches of a case: (soft, lin, sink, gamma_on, decay, n_excl, lin_off, sink_off, n_sinks)."""
+    hybrid_sinks = bool(hybrid_sinks) and mode == "hybrid"
+    soft, lin, sink, gamma_on = MODE_PARTS[mode]
+    sink = sink or hybrid_sinks
+    decay = lin and la_decay is not None
+    n_excl = int(sinks) if hybrid_sinks else 0
+    lin_off = int(window) if mode == "hybrid" else 0
+    return soft, lin, sink, gamma_on, decay, n_excl, lin_off, int(window) if soft else 0, int(sinks) if sink else 0
+
+
+def _states(fk, v, rho, n_excl, ns, cfg, dt, prec):
+    """_chunk_states' h [B, Hkv, ns, F, D] (bf16 for bf16 inputs, else fp32) and z [B, Hkv, ns, F] (fp32)."""
+    B, Hkv, T, F = fk.shape
+    D = v.shape[-1]
+    state_dtype = torch.bfloat16 if fk.dtype == torch.bfloat16 else torch.float32
+    hkv = torch.empty(B, Hkv, ns, F, D, dtype=state_dtype, device=fk.device)
+    hk = torch.empty(B, Hkv, ns, F, dtype=torch.float32, device=fk.device)
+    bf, bdv = cfg["block_f"], min(cfg["block_dv"], _pow2(D))
+    _chunk_states[(triton.cdiv(F, bf), triton.cdiv(D, bdv), B * Hkv)](
+        fk, v, hk if rho is None else rho, hkv, hk, T, F, D, ns, Hkv, n_excl,
+        DECAY=rho is not None, CHUNK=CHUNK, BLOCK_F=bf, BLOCK_DV=bdv, DT=dt, PREC=prec, num_warps=cfg["state_warps"],
+    )  # fmt: skip
+    return hkv, hk
+
+
+def _forward(q, k, v, fq, fk, gamma, rho, *, window, mode, sinks, hybrid_sinks, scale, stats):
+    """The forward's launches on contiguous inputs of one dtype, rho the fp32 decay or None. Returns y in q's dtype,
+    or with stats (for the backward) y in fp32 and (c_n, Z_n, argmax) per row."""
+    B, H, T, D = q.shape
+    Hkv, F = k.shape[1], fq.shape[-1]
+    soft, lin, sink, gamma_on, decay, n_excl, lin_off, sink_off, n_sinks = _parts(
+        mode, window, sinks, hybrid_sinks, rho
+    )
+    rho = rho if decay else None
+    nc = triton.cdiv(T, CHUNK)
+    ns = nc - 1  # states before chunks 0..nc-2 (chunk c reads the one before chunk c - 1)
+    cfg = _settings(q, D, F)
+    dt, prec = _DT[q.dtype], ("ieee" if q.dtype == torch.float32 else "tf32")
+    hkv = hk = None
+    if lin and ns > 0:
+        hkv, hk = _states(fk, v, rho, n_excl, ns, cfg, dt, prec)
+    g = gamma.detach().float().contiguous()
+    y = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device) if stats else torch.empty_like(q)
+    m = zs = idx = g
+    if stats:
+        m, zs = (torch.empty(B, H, T, dtype=torch.float32, device=q.device) for _ in range(2))
+        idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
+    none = g.to(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)  # (not read: no state)
+    _chunk_output[(B * H, nc)](
+        q, k, v, fq, fk, g, g if rho is None else rho, none if hkv is None else hkv, g if hk is None else hk, y,
+        m, zs, idx, T, H, H // Hkv, D, F, max(ns, 0), int(window), lin_off, sink_off, n_sinks, n_excl, scale,
+        CHUNK=CHUNK, BLOCK_D=_pow2(D), BLOCK_DK=min(_pow2(D), cfg["dchunk"]), BLOCK_FC=cfg["fchunk"],
+        BLOCK_S=_pow2(max(int(sinks), 1)) if sink else 16, SOFT=soft, LIN=lin, SINKS=sink, HYBRID=gamma_on,
+        DECAY=decay, DT=dt, PREC=prec, STATS=stats, num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )  # fmt: skip
+    return (y, (m, zs, idx)) if stats else y
 
 
 def chunk_prefill(
@@ -257,59 +707,134 @@ def chunk_prefill(
     `_chunk_states` (modes with an LA, more than one chunk) and `_chunk_output`."""
     if mode == "none":
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    if mode not in MODE_PARTS or not 1 <= int(window) <= CHUNK:
+    if _refused(q, k, v, fq, window, mode, sinks, hybrid_sinks, la_decay):
         return None
-    B, H, T, D = q.shape
-    Hkv, F = k.shape[1], fq.shape[-1]
-    hybrid_sinks = bool(hybrid_sinks) and mode == "hybrid"
-    soft, lin, sink, gamma_on = MODE_PARTS[mode]
-    sink = sink or hybrid_sinks
-    if v.shape[-1] != D or D > 128 or F > 256 or H % Hkv or q.dtype not in _DT or (sink and sinks > 64):
-        return None
-    if q.dtype == torch.float32 and q.device.type != "cpu":  # (fp32 on a GPU: FMA products, which spill kilobytes
-        return None  # at 64-row tiles; the fused forward's 16-row tiles take it)
-    if la_decay is not None and tuple(la_decay.shape) != (Hkv,):
-        return None
-    y = torch.empty_like(q)
-    if T == 0:
-        return y
+    if q.shape[2] == 0:
+        return torch.empty_like(q)
     dtype = q.dtype
     k, v, fq, fk = (t.to(dtype).contiguous() for t in (k, v, fq, fk))
-    q = q.contiguous()
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    decay = lin and la_decay is not None
-    rho = la_decay.detach().float().contiguous() if decay else None
-    n_excl = int(sinks) if hybrid_sinks else 0
-    nc = triton.cdiv(T, CHUNK)
-    ns = nc - 1  # states before chunks 0..nc-2 (chunk c reads the one before chunk c - 1)
-    cfg = _settings(q, D, F)
-    dt, prec = _DT[dtype], ("ieee" if dtype == torch.float32 else "tf32")
-    state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    hkv = hk = None
-    if lin and ns > 0:
-        hkv = torch.empty(B, Hkv, ns, F, D, dtype=state_dtype, device=q.device)
-        hk = torch.empty(B, Hkv, ns, F, dtype=torch.float32, device=q.device)
-        bf, bdv = cfg["block_f"], min(cfg["block_dv"], _pow2(D))
-        _chunk_states[(triton.cdiv(F, bf), triton.cdiv(D, bdv), B * Hkv)](
-            fk, v, rho if decay else hk, hkv, hk, T, F, D, ns, Hkv, n_excl,
-            DECAY=decay, CHUNK=CHUNK, BLOCK_F=bf, BLOCK_DV=bdv, DT=dt, PREC=prec, num_warps=cfg["state_warps"],
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    rho = None if la_decay is None else la_decay.detach().float().contiguous()
+    with torch.no_grad():
+        return _forward(q.contiguous(), k, v, fq, fk, gamma, rho, window=window, mode=mode, sinks=sinks,
+                        hybrid_sinks=hybrid_sinks, scale=scale, stats=False)  # fmt: skip
+
+
+class ChunkAttention(torch.autograd.Function):
+    """chunk_prefill's forward with a backward (training): the forward keeps y in fp32 (for dlz, as the fused path
+    does) and c_n, Z_n and c_n's argmax per row; the backward recomputes the states and every score tile. Gradients of
+    q, k, v, phi_q, phi_k in their dtype, of gamma (the hybrid's only) and of rho (the decay)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fq, fk, gamma, rho, window, mode, sinks, hybrid_sinks, scale):
+        r = None if rho is None else rho.detach().float().contiguous()
+        y, (m, zs, idx) = _forward(q, k, v, fq, fk, gamma, r, window=window, mode=mode, sinks=sinks,
+                                   hybrid_sinks=hybrid_sinks, scale=scale, stats=True)  # fmt: skip
+        ctx.save_for_backward(q, k, v, fq, fk, gamma, rho, y, m, zs, idx)
+        ctx.opts = (window, mode, sinks, hybrid_sinks, scale)
+        return y.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        q, k, v, fq, fk, gamma, rho, y, m, zs, idx = ctx.saved_tensors
+        window, mode, sinks, hybrid_sinks, scale = ctx.opts
+        B, H, T, D = q.shape
+        Hkv, F = k.shape[1], fq.shape[-1]
+        G = H // Hkv
+        r = None if rho is None else rho.detach().float().contiguous()
+        soft, lin, sink, gamma_on, decay, n_excl, lin_off, sink_off, n_sinks = _parts(
+            mode, window, sinks, hybrid_sinks, r
+        )
+        r = r if decay else None
+        nc = triton.cdiv(T, CHUNK)
+        ns = nc - 1
+        cfg = _settings(q, D, F)
+        dt, prec = _DT[q.dtype], ("ieee" if q.dtype == torch.float32 else "tf32")
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dy = dy.contiguous()
+        g = gamma.detach().float().contiguous()
+        rp = g if r is None else r  # (a pointer not read without a decay)
+        hkv = hk = None
+        if lin and ns > 0:
+            hkv, hk = _states(fk, v, r, n_excl, ns, cfg, dt, prec)
+        none = g.to(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
+        hkv_p, hk_p = (none, g) if hkv is None else (hkv, hk)
+        bs, bd = (_pow2(max(int(sinks), 1)) if sink else 16), _pow2(D)
+        dq = torch.empty_like(q)
+        dfq = torch.empty_like(fq) if lin else torch.zeros_like(fq)
+        dlz = torch.empty(B, H, T, **f32)
+        rsum = torch.empty(B, H, T, **f32) if gamma_on else g
+        rrow = torch.zeros(B, H, T, **f32) if decay else g
+        dks, dvs = (torch.empty(B * H, nc, bs, bd, **f32) for _ in range(2)) if sink else (g, g)
+        common = dict(CHUNK=CHUNK, BLOCK_D=bd, BLOCK_FC=cfg["fchunk"], SOFT=soft, LIN=lin, SINKS=sink,
+                      HYBRID=gamma_on, DECAY=decay, DT=dt, PREC=prec, num_warps=cfg["bwd_warps"])  # fmt: skip
+        _chunk_bwd_dq[(B * H, nc)](
+            q, k, v, fq, fk, g, rp, hkv_p, hk_p, dy, y, m, zs, idx, dq, dfq, dlz, rsum, rrow, dks, dvs,
+            T, H, G, D, F, max(ns, 0), nc, int(window), lin_off, sink_off, n_sinks, n_excl, scale,
+            BLOCK_S=bs, **common,
         )  # fmt: skip
-    g = gamma.detach().float().contiguous()
-    none = g.to(state_dtype)  # (a pointer that is not read: no state, no decay)
-    _chunk_output[(B * H, nc)](
-        q, k, v, fq, fk, g, rho if decay else g, none if hkv is None else hkv, g if hk is None else hk, y,
-        T, H, H // Hkv, D, F, ns, int(window), int(window) if mode == "hybrid" else 0,
-        int(window) if soft else 0, int(sinks) if sink else 0, n_excl, scale,
-        CHUNK=CHUNK, BLOCK_D=_pow2(D), BLOCK_DK=min(_pow2(D), cfg["dchunk"]), BLOCK_FC=cfg["fchunk"],
-        BLOCK_S=_pow2(max(int(sinks), 1)) if sink else 16, SOFT=soft, LIN=lin, SINKS=sink, HYBRID=gamma_on,
-        DECAY=decay, DT=dt, PREC=prec, num_warps=cfg["warps"], num_stages=cfg["stages"],
-    )  # fmt: skip
-    return y
+        dhkv, dhk, rscan = none, g, None
+        if lin and ns > 1:  # (key chunk c reads dh_{c+1}: some key chunk has a state gradient)
+            dhkv, dhk = torch.empty_like(hkv), torch.empty_like(hk)
+            bf, bdv = cfg["block_f"], min(cfg["block_dv"], _pow2(D))
+            grid = (triton.cdiv(F, bf), triton.cdiv(D, bdv), B * Hkv)
+            rscan = torch.zeros(grid[0] * grid[1] * grid[2], **f32) if decay else None
+            _chunk_dstates[grid](
+                fq, dy, zs, dlz, rp, hkv, hk, dhkv, dhk, g if rscan is None else rscan, T, H, G, D, F, ns, Hkv,
+                int(window), DECAY=decay, CHUNK=CHUNK, BLOCK_F=bf, BLOCK_DV=bdv, DT=dt, PREC=prec,
+                num_warps=cfg["state_warps"],
+            )  # fmt: skip
+        del hkv, hk
+        if sink:  # the sinks' shares of every query head of a KV head, every chunk
+            dks, dvs = (t.view(B * Hkv, G * nc, bs, bd).sum(1) for t in (dks, dvs))
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dfk = torch.zeros(B, Hkv, T, F, **f32) if lin else torch.zeros_like(fk)
+        rkey = torch.zeros(B * Hkv * nc, **f32) if decay else g
+        _chunk_bwd_dkv[(B * Hkv, nc)](
+            q, k, v, fq, fk, g, rp, dy, m, zs, dlz, idx, rsum, dhkv, dhk, dks, dvs, dk, dv, dfk, rkey,
+            T, H, G, D, F, max(ns, 0), nc, int(window), lin_off, n_sinks, n_excl, scale, BLOCK_S=bs, **common,
+        )  # fmt: skip
+        dgamma = drho = None
+        if ctx.needs_input_grad[5]:
+            dgamma = torch.zeros_like(gamma)
+            if gamma_on:  # d/dgamma of every E term g exp(.): ds / g
+                dgamma = (rsum.sum((0, 2)) / g).to(gamma.dtype)
+        if rho is not None and ctx.needs_input_grad[6]:
+            drho = torch.zeros_like(rho)
+            if decay:
+                f64 = torch.float64
+                total = rrow.to(f64).view(B, Hkv, G * T).sum((0, 2)) + rkey.to(f64).view(B, Hkv, nc).sum((0, 2))
+                if rscan is not None:
+                    total = total + rscan.to(f64).view(B, Hkv, -1).sum((0, 2))
+                drho = total.to(rho.dtype)
+        return dq, dk, dv, dfq, dfk.to(fk.dtype), dgamma, drho, None, None, None, None, None
+
+
+def chunk_attention(
+    q, k, v, fq, fk, gamma, *, window, mode, sinks, hybrid_sinks=False, scale=None, la_decay=None
+) -> torch.Tensor | None:
+    """chunk_prefill's y with autograd (ChunkAttention: the inputs' gradients by the chunked backward), for the same
+    cases; None where it does not take the case. mode "none": zeros (no gradient)."""
+    if mode == "none":
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    if _refused(q, k, v, fq, window, mode, sinks, hybrid_sinks, la_decay):
+        return None
+    if q.shape[2] == 0:
+        return torch.empty_like(q)
+    dtype = q.dtype
+    k, v, fq, fk = (t.to(dtype).contiguous() for t in (k, v, fq, fk))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return ChunkAttention.apply(
+        q.contiguous(), k, v, fq, fk, gamma, la_decay, int(window), mode, int(sinks), bool(hybrid_sinks), scale
+    )
 
 
 def prefill_without_grad(q, k, v, fq, fk, gamma, *, attention_mask=None, initial_state=None, **options):
     """chunk_prefill's y when nothing needs a gradient (autograd off, or no input requires one) and there is no
-    padding mask and no initial state; else None (and None where chunk_prefill does not take the case)."""
+    padding mask and no initial state; else None (and None where chunk_prefill does not take the case). Training
+    does not use ChunkAttention yet: its _chunk_bwd_dq and _chunk_bwd_dkv spill on sm_80 / sm_90 at the presets'
+    head dims (benchmarks/kernel_compile.py), so triton_hybrid_attention keeps the fused backward."""
     if attention_mask is not None or initial_state is not None:
         return None
     inputs = (q, k, v, fq, fk, gamma, options.get("la_decay"))

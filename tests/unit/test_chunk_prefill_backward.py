@@ -1,0 +1,110 @@
+"""The chunked backward (kernels/hybrid_scale_kernels/chunk_prefill.py: `ChunkAttention`, `_chunk_bwd_dq`,
+`_chunk_dstates`, `_chunk_bwd_dkv`) against the naive spec's fp64 autograd.
+
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32, with the 64-token chunks
+they have on a GPU. Every gradient (q, k, v, phi_q, phi_k, gamma and the decay rho) of every mode the path takes, at
+windows 1 / 16 / 64, with and without the decay (a slow and a fast KV head), the hybrid with and without its own
+sinks, GQA 4:2 and 6:2, T = 200 (four chunks, so the reverse state scan carries its gradient over two states) and
+130 (two chunks and a little: one state gradient), one chunk or less (no state), head dim 16 and feature dims 16 and
+80 (two feature chunks). c_n is not detached: its gradient reaches the argmax key, in the window or among the sinks.
+"""
+
+import pytest
+import torch
+from conftest import HYBRID_SINKS, variant
+
+from hybrid_scale.attention import naive
+
+kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
+from hybrid_scale_kernels import chunk_prefill as cp  # noqa: E402
+
+RHO = (0.02, 0.3)  # the LA's decay per KV head: a slow and a fast one
+GRADS = ("q", "k", "v", "fq", "fk", "gamma", "rho")
+
+
+def inputs(T, B=1, H=4, Hkv=2, D=16, F=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        q=torch.randn(B, H, T, D, generator=g),
+        k=torch.randn(B, Hkv, T, D, generator=g),
+        v=torch.randn(B, Hkv, T, D, generator=g),
+        fq=torch.rand(B, H, T, F, generator=g),
+        fk=torch.rand(B, Hkv, T, F, generator=g),
+        gamma=0.05 + 0.9 * torch.rand(H, generator=g),
+    ), torch.randn(B, H, T, D, generator=g)
+
+
+def gradients(fn, x, dy, rho, dtype):
+    leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in x.items()}
+    r = None if rho is None else rho.detach().to(dtype).requires_grad_()
+    y = fn(**leaves, la_decay=r)
+    (y.to(dtype) * dy.to(dtype)).sum().backward()
+    grads = {n: t.grad for n, t in leaves.items()}
+    grads["rho"] = None if r is None else r.grad
+    return y, grads
+
+
+def check(x, dy, decay=False, **options):
+    """chunk_attention's y and gradients against the fp64 spec's autograd on the same inputs."""
+    hkv = x["k"].shape[1]
+    rho = torch.tensor(RHO * (hkv // 2) + RHO[:1] * (hkv % 2)) if decay else None
+    y, got = gradients(lambda **a: cp.chunk_attention(**a, **options), x, dy, rho, torch.float32)
+    ref_y, want = gradients(lambda **a: naive.naive_hybrid_attention(**a, **options), x, dy, rho, torch.float64)
+    torch.testing.assert_close(y.double(), ref_y, rtol=1e-5, atol=2e-5)
+    for name in GRADS:
+        if want[name] is None and got[name] is None:
+            continue
+        ref = torch.zeros_like(got[name], dtype=torch.float64) if want[name] is None else want[name]
+        assert got[name] is not None, name
+        bound = 2e-5 * max(1.0, ref.abs().max().item())  # (gamma's and rho's: sums over every row)
+        torch.testing.assert_close(got[name].double(), ref, rtol=1e-5, atol=bound, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+CASES = [
+    *[("hybrid", w, d) for w in (1, 16, 64) for d in (False, True)],
+    *[(HYBRID_SINKS, w, d) for w, d in ((1, True), (16, False), (64, True))],
+    *[("la_only", w, d) for w, d in ((1, False), (16, True), (64, True))],
+    *[("swa_only", w, False) for w in (16, 64)],
+    *[("swa_sinks", w, False) for w in (1, 16)],
+    ("sinks_only", 16, False),
+]
+
+
+@pytest.mark.parametrize(("mode", "window", "decay"), CASES)
+def test_gradients_equal_the_spec(mode, window, decay):
+    x, dy = inputs(200, seed=window)
+    check(x, dy, decay=decay, window=window, **variant(mode), sinks=5)
+
+
+@pytest.mark.parametrize("T", [40, 130])
+def test_lengths_without_a_state_gradient(T):
+    """One partial chunk (no state at all) and two chunks plus a little (one state, read by the last chunk; its
+    gradient reaches chunk 0's keys)."""
+    x, dy = inputs(T, seed=T)
+    check(x, dy, decay=True, window=16, mode="hybrid", hybrid_sinks=True, sinks=3)
+
+
+def test_groups_of_three_and_two_feature_chunks():
+    """GQA 6:2 (dk, dv, dphi_k sum three query heads), batch 2, F = 80 (two feature chunks, the second masked)."""
+    x, dy = inputs(150, B=2, H=6, Hkv=2, D=16, F=80, seed=3)
+    for mode in ("hybrid", "la_only"):
+        check(x, dy, decay=True, window=8, mode=mode, sinks=2)
+
+
+def test_the_argmax_key_takes_c_s_gradient():
+    """A sink whose key outscores the window for every later query (the hybrid with its sinks): c_n's argmax is that
+    sink, whose dk then carries c_n's gradient from every row."""
+    x, dy = inputs(150, seed=9)
+    u = torch.randn(x["q"].shape[-1], generator=torch.Generator().manual_seed(1))
+    x["q"] += 1.5 * u  # (every query shares a direction, and key 1 points along it)
+    x["k"][:, :, 1] = 2.0 * u
+    scores = x["q"] @ x["k"].repeat_interleave(2, 1).transpose(-1, -2)
+    assert (scores[..., 40:, 1] > scores[..., 40:, :].diagonal(0, -2, -1)).float().mean() > 0.9
+    check(x, dy, decay=True, window=4, mode="hybrid", hybrid_sinks=True, sinks=4)
+
+
+def test_none_and_refused():
+    x, _ = inputs(20)
+    y = cp.chunk_attention(**x, window=8, mode="none", sinks=4)
+    assert not y.any() and y.shape == x["q"].shape
+    assert cp.chunk_attention(**x, window=65, mode="hybrid", sinks=4) is None
