@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import math
-import types
 
 import torch
 from torch import nn
@@ -478,7 +477,7 @@ def attach(model: nn.Module) -> None:
     its decoder, and `generation_inputs` as its prepare_inputs_for_generation (bound to this model, so a deep copy
     binds its own)."""
     model.get_decoder().register_forward_pre_hook(prepare_inputs, with_kwargs=True)
-    model.prepare_inputs_for_generation = types.MethodType(generation_inputs, model)
+    model.prepare_inputs_for_generation = generation_inputs.__get__(model)  # (a method of this model)
 
 
 def generation_inputs(model: nn.Module, *args, **kwargs) -> dict:

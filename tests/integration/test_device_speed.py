@@ -50,7 +50,8 @@ def test_the_dry_run_writes_every_row(dry_run):
         "| prefill fwd+bwd hybrid/fla, T=16384 | n/a | 1.25 | not measured |",  # the targets, every one listed
         "| decode kernel us per layer, ctx=32768 | n/a | 4 | not measured |",
         "| generate ms/token hybrid/base, ctx=1024 | n/a | 1.1 | not measured |",
-        "`pytest -q -rP -p no:cacheprovider -m gpu tests/unit/test_triton_kernels_bf16.py`",
+        "`pytest -q -rP -p no:cacheprovider -m gpu tests/unit/test_triton_kernels_bf16.py "
+        "tests/unit/test_chunk_prefill.py`",
         *(f"| {T} | {m} | " for T in LENGTHS for m in ("sdpa", "hybrid", "la_only")),
         *(f"| {T} | fla | skipped: fla: dry run: fla's kernels need CUDA |" for T in LENGTHS),
         *(f"| {c} | {m} | eager (no CUDA: no graphs) | " for c in CONTEXTS for m in ("hybrid", "kv_cache")),
