@@ -46,10 +46,21 @@ with torch.no_grad():
     logits = model(ids).logits
     padded = model(ids, attention_mask=mask).logits
 gen = model.generate(ids[:1], max_new_tokens=20, do_sample=False)
+# the decode step compiled (fullgraph) with the export's own cache class: the same tokens, one graph
+import importlib
+from torch._dynamo.utils import counters
+from transformers.generation.configuration_utils import CompileConfig
+cache_class = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".hybrid").HybridCache
+config = CompileConfig(fullgraph=True)
+config._compile_all_devices = True
+with torch._dynamo.config.patch(error_on_recompile=True):
+    compiled = model.generate(ids[:1], max_new_tokens=20, do_sample=False, cache=cache_class(model),
+                              compile_config=config)
+graphs = counters["stats"]["unique_graphs"]
 model.set_hybrid_mode("la_only")
 with torch.no_grad():
     la_only = model(ids).logits
-torch.save({"logits": logits, "padded": padded, "gen": gen, "la_only": la_only,
+torch.save({"logits": logits, "padded": padded, "gen": gen, "la_only": la_only, "compiled": compiled, "graphs": graphs,
             "tokens": tokenizer("The hybrid model reads this.")["input_ids"]}, out)
 print("\nRESULT", json.dumps({"refused": refused, "class": type(model).__name__,
                   "imported": [n for n in ("hybrid_scale", "peft", "deepspeed") if sys.modules.get(n) is not None]}))
@@ -154,6 +165,7 @@ def test_isolated_process_loads_it_and_matches_the_toolkit(trained, exported, tm
         with hs.components(ref, "la_only"):
             assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
     assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    assert torch.equal(got["compiled"], got["gen"]) and got["graphs"] == 1  # compiled decoding of the export
     # the tokenizer: the base model's, loaded without remote code and without transformers asking about it
     assert got["tokens"] == AutoTokenizer.from_pretrained(trained / "base")("The hybrid model reads this.")["input_ids"]
     assert "Do you wish to run the custom code" not in proc.stdout.split("TOKENIZER LOADED")[0]  # no prompt
