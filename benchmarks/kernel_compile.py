@@ -54,8 +54,9 @@ DECAY = "+decay"
 MODES = (*MODE_PARTS, HYBRID_SINKS)
 MODES = (*MODES, *(m + DECAY for m in MODES))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# kernels whose half-precision products must be wgmma on sm_90 (64-row tiles: chunk_prefill.py's prefill)
-WGMMA = ("_chunk_states", "_chunk_output")
+# kernels whose half-precision products must be wgmma on sm_90 (64-row tiles: chunk_prefill.py's prefill and its
+# backward)
+WGMMA = ("_chunk_states", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_chunk_bwd_dkv", "_chunk_bwd_dfk")
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,8 @@ class DecodeState:
         """Give field `name` the values of `value`: written into the tensor it holds when the shape and dtype agree
         (its storage stays where a compiled or captured step expects it), replaced otherwise (a grown ring)."""
         old = getattr(self, name)
-        if old.shape == value.shape and old.dtype == value.dtype:
-            old.copy_(value)
+        if old.shape == value.shape and old.dtype == value.dtype and not (value.requires_grad or old.requires_grad):
+            old.copy_(value)  # (a value in an autograd graph replaces it: the graph may have saved the old one)
         else:
             setattr(self, name, value)
 

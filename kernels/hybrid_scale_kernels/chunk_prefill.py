@@ -35,12 +35,13 @@ A query head reads its KV head's keys, values, phi_k and state (GQA); the query 
 programs, so they read the same tiles from L2. Every product is a tl.dot with 64 rows (wgmma on sm_90 in half
 precision). Modes: hybrid (with or without its sinks), swa_only, swa_sinks, la_only, sinks_only, none; bf16 and
 fp16 on a GPU (fp32 in Triton's interpreter only: its FMA products spill kilobytes at 64-row tiles). The caller
-(`triton_hybrid_attention`, when nothing needs a gradient) falls back to the fused forward of hybrid_attention.py
-for anything `chunk_prefill` does not take (it returns None).
+(`triton_hybrid_attention`, through `chunked_path`) falls back to the fused kernels of hybrid_attention.py for
+anything `chunk_prefill` / `chunk_attention` does not take (they return None).
 
-The backward (`ChunkAttention`, `chunk_attention`: not used by triton_hybrid_attention yet, see
-prefill_without_grad) is fla's chunk backward adapted the same way; see the comment above
-`_bwd_q_block`: `_chunk_states` again, `_chunk_bwd_dq`, the reverse scan `_chunk_dstates` and `_chunk_bwd_dkv`.
+The backward (`ChunkAttention`, `chunk_attention`: what triton_hybrid_attention trains with where it takes the case,
+see chunked_path) is fla's chunk backward adapted the same way; see the comment above `_bwd_q_block`: `_chunk_states`
+again, `_chunk_bwd_dq`, the reverse scan `_chunk_dstates`, `_chunk_bwd_dkv` (a dk and a dv launch) and
+`_chunk_bwd_dfk`.
 """
 
 from __future__ import annotations
@@ -251,56 +252,54 @@ def _argmax_update(a, j, m, arg):
 # the products, as hybrid_attention._delta rounds it), and dlz_n = delta_n / Z_n = do_n . y_n (y the forward's fp32
 # output); every term p_nj of the numerator (g E or L) has dp_nj = do_n . v_j - dlz_n. The window and sink terms give
 # ds = p dp (dq, dk through s q.k), the L terms dphi through dp times their weight, and c_n (not detached) gives
-# -sum_j ds_nj to its argmax key. Four launches: `_chunk_states` (the forward's states again), `_chunk_bwd_dq` (per
-# query head and chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' shares), `_chunk_dstates` (the reverse scan:
-# the gradient of every state, summed over the KV head's query heads) and `_chunk_bwd_dkv` (per KV head and key
-# chunk, looping over its query heads: dk, dv, dphi_k). rho's gradient is taken term by term where each weight is
-# made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp), a query's lag on its state, each
-# state's carry alpha^CHUNK in the scan, and each key's weight inside its chunk.
+# -sum_j ds_nj to its argmax key. The launches: `_chunk_states` (the forward's states again), `_chunk_bwd_dq` (per
+# query head and chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' ds and E per row, whose dk, dv the host sums),
+# `_chunk_dstates` (the reverse scan: the gradient of every state, summed over the KV head's query heads),
+# `_chunk_bwd_dkv` twice (per KV head, key chunk and head-dim block, looping over its query heads: dk, then dv) and
+# `_chunk_bwd_dfk` (per KV head and key chunk: dphi_k). Every [64, D] operand is walked in head-dim chunks and every
+# transposed operand is loaded transposed (so it goes through shared memory, not registers): no kernel spills at the
+# presets' shapes. rho's gradient is taken term by term where each weight is made (no position-weighted sums that
+# cancel): the intra-chunk L terms (-e p dp, in `_chunk_bwd_dfk`), a query's lag on its state, each state's carry
+# alpha^CHUNK in the scan, and each key's weight inside its chunk.
 
 
 @triton.jit
-def _bwd_q_block(q, do, dlz, m, n, row_ok, j, K, V, FQ, FK, kv_base, q_base, T, D, F, window, lin_off, n_excl, scale,
-                 g, rho, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, SOFT: tl.constexpr,
-                 LIN: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """One key block j [CHUNK] of a query chunk's backward: (sum_j ds_nj k_j unscaled [CHUNK, BLOCK_D], the row sums
-    of ds, rho's share of the block's L terms per row, dp times the L weights [CHUNK, CHUNK] for dphi_q)."""
-    od = tl.arange(0, BLOCK_D)
-    dm = od < D
+def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, window, lin_off, n_excl, scale, g,
+                 rho, CHUNK: tl.constexpr, BLOCK_DK: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr,
+                 DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """One key block j [CHUNK] of a query chunk's backward: (ds [CHUNK, CHUNK] in DT, its row sums, dp times the L
+    weights [CHUNK, CHUNK] in DT for dphi_q). dp = do . v - dlz and the scores q . k walk the head dim in chunks of
+    BLOCK_DK (no [CHUNK, D] operand stays in registers). (rho's share of the intra-chunk L terms is
+    `_chunk_bwd_dfk`'s, which has their phi_k . phi_q.)"""
     k_ok = (j >= 0) & (j < T)
-    v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
-    dp = tl.dot(do, tl.trans(v.to(DT)), input_precision=PREC) - dlz[:, None]
-    dq = tl.zeros([CHUNK, BLOCK_D], tl.float32)
-    rs = tl.zeros([CHUNK], tl.float32)
-    rr = tl.zeros([CHUNK], tl.float32)
+    dp = tl.zeros([CHUNK, CHUNK], tl.float32)
+    a = tl.zeros([CHUNK, CHUNK], tl.float32)
+    for d0 in range(0, D, BLOCK_DK):
+        od = d0 + tl.arange(0, BLOCK_DK)
+        dm = od < D
+        dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+        do = (dy.to(tl.float32) / zs[:, None]).to(DT)
+        vt = tl.load(V + kv_base * D + od[:, None] + j[None, :] * D, mask=dm[:, None] & k_ok[None, :], other=0.0)
+        dp += tl.dot(do, vt.to(DT), input_precision=PREC)  # (v loaded transposed: a B operand through shared memory)
+        if SOFT:
+            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
+            kt = tl.load(K + kv_base * D + od[:, None] + j[None, :] * D, mask=dm[:, None] & k_ok[None, :], other=0.0)
+            a += tl.dot(q.to(DT), kt.to(DT), input_precision=PREC)
+    dp = dp - dlz[:, None]
+    ds = tl.zeros([CHUNK, CHUNK], tl.float32)
     dpw = tl.zeros([CHUNK, CHUNK], tl.float32)
     both = row_ok[:, None] & k_ok[None, :]
     if SOFT:
-        k = tl.load(K + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
-        a = tl.dot(q, tl.trans(k.to(DT)), input_precision=PREC) * scale
         win = both & (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
-        p = tl.where(win, g * tl.exp(a - m[:, None]), 0.0)
-        ds = p * dp
-        rs = tl.sum(ds, 1)
-        dq = tl.dot(ds.to(DT), k.to(DT), input_precision=PREC)
+        ds = tl.where(win, g * tl.exp(a * scale - m[:, None]), 0.0) * dp
+    rs = tl.sum(ds, 1)
     if LIN:
         lin = both & (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)
         w = tl.where(lin, 1.0, 0.0)
         if DECAY:
-            e = tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32)
-            w = w * tl.exp(-rho * e)
-            s = tl.zeros([CHUNK, CHUNK], tl.float32)
-            for f0 in range(0, F, BLOCK_FC):
-                of = f0 + tl.arange(0, BLOCK_FC)
-                fm = of < F
-                fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                             other=0.0)  # fmt: skip
-                fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
-                             other=0.0)  # fmt: skip
-                s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
-            rr = -tl.sum(s * w * dp * e, 1)
+            w = w * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
         dpw = dp * w
-    return dq, rs, rr, dpw
+    return ds.to(DT), rs, dpw.to(DT)
 
 
 @triton.jit
@@ -308,17 +307,19 @@ def _chunk_bwd_dq(
     Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, YF, M, ZS, IDX,  # inputs (YF: y in fp32; M, ZS, IDX: the forward's)
     DQ, DFQ, DLZ, RSUM, RROW, DKS, DVS,  # outputs
     T, H, G, D, F, NS, NC, window, lin_off, sink_off, n_sinks, n_excl, scale,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr,
-    LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
     H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
     the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
-    intra-chunk L terms and of its lag on the state; DKS, DVS [B H, NC, BLOCK_S, BLOCK_D] (SINKS): the sinks' dk, dv
-    from these rows (summed on the host). The keys are chunks c - 1 and c (`_bwd_q_block` each, the first empty for
-    c = 0) and the sinks; c_n's gradient goes to the argmax key; dphi_q walks the features in chunks of BLOCK_FC:
-    the two blocks' dp times the L weights against phi_k, plus the state before chunk c - 1 (c >= 2)."""
+    lag on the state; DKS, DVS [B, H, T, BLOCK_S] (SINKS): the sinks' ds (c_n's gradient in) and E terms per row,
+    which the host turns into their dk, dv. The keys are chunks c - 1 and c (`_bwd_q_block` each, the first empty for
+    c = 0) and the sinks: their ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
+    head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
+    the features in chunks of BLOCK_FC: the two blocks' dp times the L weights against phi_k, plus the state before
+    chunk c - 1 (c >= 2, its product with do over head-dim chunks)."""
     pid_bh = tl.program_id(0)
     c = tl.program_id(1)
     head = pid_bh % H
@@ -328,15 +329,14 @@ def _chunk_bwd_dq(
     n = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = n < T
     rows = q_base + n
-    od = tl.arange(0, BLOCK_D)
-    dm = od < D
-    rm = row_ok[:, None] & dm[None, :]
-    q = tl.load(Q + rows[:, None] * D + od[None, :], mask=rm, other=0.0).to(DT)
-    dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
     zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
-    yf = tl.load(YF + rows[:, None] * D + od[None, :], mask=rm, other=0.0)
-    do = (dy / zs[:, None]).to(DT)
-    dlz = tl.sum(do.to(tl.float32) * yf, 1)
+    dlz = tl.zeros([CHUNK], tl.float32)
+    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it)
+        od = d0 + tl.arange(0, BLOCK_DK)
+        rm = row_ok[:, None] & (od < D)[None, :]
+        dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+        yf = tl.load(YF + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * yf, 1)
     tl.store(DLZ + rows, dlz, mask=row_ok)
     m = tl.load(M + rows, mask=row_ok, other=0.0)
     if HYBRID:
@@ -348,38 +348,59 @@ def _chunk_bwd_dq(
         rho = tl.load(RHO + head // G).to(tl.float32)
     j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
     j1 = c * CHUNK + tl.arange(0, CHUNK)
-    dq0, rs0, rr0, dpw0 = _bwd_q_block(q, do, dlz, m, n, row_ok, j0, K, V, FQ, FK, kv_base, q_base, T, D, F, window,
-                                       lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_D, BLOCK_FC, SOFT, LIN, DECAY, DT,
-                                       PREC)  # fmt: skip
-    dq1, rs1, rr1, dpw1 = _bwd_q_block(q, do, dlz, m, n, row_ok, j1, K, V, FQ, FK, kv_base, q_base, T, D, F, window,
-                                       lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_D, BLOCK_FC, SOFT, LIN, DECAY, DT,
-                                       PREC)  # fmt: skip
-    dq = dq0 + dq1
+    ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window, lin_off,
+                                  n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
+    ds1, rs1, dpw1 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j1, kv_base, q_base, T, D, window, lin_off,
+                                  n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
     rsum = rs0 + rs1
-    rrow = rr0 + rr1
+    rrow = tl.zeros([CHUNK], tl.float32)
+    js = tl.arange(0, BLOCK_S)
+    s_ok = (js < n_sinks) & (js < T)
     if SINKS:
-        js = tl.arange(0, BLOCK_S)
-        s_ok = (js < n_sinks) & (js < T)
-        ks = tl.load(K + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-        vs = tl.load(V + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-        a_s = tl.dot(q, tl.trans(ks.to(DT)), input_precision=PREC) * scale
+        a_s = tl.zeros([CHUNK, BLOCK_S], tl.float32)
+        dps = tl.zeros([CHUNK, BLOCK_S], tl.float32)
+        for d0 in range(0, D, BLOCK_DK):
+            od = d0 + tl.arange(0, BLOCK_DK)
+            dm = od < D
+            rm = row_ok[:, None] & dm[None, :]
+            smt = dm[:, None] & s_ok[None, :]
+            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            kst = tl.load(K + kv_base * D + od[:, None] + js[None, :] * D, mask=smt, other=0.0)
+            vst = tl.load(V + kv_base * D + od[:, None] + js[None, :] * D, mask=smt, other=0.0)
+            a_s += tl.dot(q.to(DT), kst.to(DT), input_precision=PREC)
+            dps += tl.dot((dy.to(tl.float32) / zs[:, None]).to(DT), vst.to(DT), input_precision=PREC)
         smask = row_ok[:, None] & s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off)
-        ps = tl.where(smask, g * tl.exp(a_s - m[:, None]), 0.0)
-        dss = ps * (tl.dot(do, tl.trans(vs.to(DT)), input_precision=PREC) - dlz[:, None])
+        ps = tl.where(smask, g * tl.exp(a_s * scale - m[:, None]), 0.0)
+        dss = ps * (dps - dlz[:, None])
         rsum += tl.sum(dss, 1)
-        dq += tl.dot(dss.to(DT), ks.to(DT), input_precision=PREC)
-    if HYBRID:  # c_n's gradient -rsum_n reaches its argmax key (a window key, or a sink)
+        dsk = dss
+    if HYBRID:  # c_n's gradient -rsum_n reaches its argmax key: a sink (through dsk, for dq and dk) or a window key
         idx = tl.load(IDX + rows, mask=row_ok, other=0)
-        kx = tl.load(K + (kv_base + idx)[:, None] * D + od[None, :], mask=rm, other=0.0)
-        dq -= rsum[:, None] * kx.to(tl.float32)
         tl.store(RSUM + rows, rsum, mask=row_ok)
+        rwin = rsum
         if SINKS:
-            dss -= tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
-    if SINKS:
-        part = ((pid_bh.to(tl.int64) * NC + c) * BLOCK_S + js)[:, None] * BLOCK_D + od[None, :]
-        tl.store(DKS + part, tl.dot(tl.trans(dss).to(DT), q, input_precision=PREC))  # (unscaled, as dk's sum)
-        tl.store(DVS + part, tl.dot(tl.trans(ps).to(DT), do, input_precision=PREC))
-    tl.store(DQ + rows[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
+            dsk = dss - tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
+            rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
+    if SINKS:  # the sinks' ds and E [rows, BLOCK_S] (the host makes their dk, dv: products over every row)
+        part = rows[:, None] * BLOCK_S + js[None, :]
+        tl.store(DKS + part, dsk, mask=row_ok[:, None])
+        tl.store(DVS + part, ps, mask=row_ok[:, None])
+    for d0 in range(0, D, BLOCK_DK):  # dq (and the sinks' dk, dv) a head-dim chunk at a time
+        od = d0 + tl.arange(0, BLOCK_DK)
+        dm = od < D
+        rm = row_ok[:, None] & dm[None, :]
+        k0 = tl.load(K + kv_base * D + j0[:, None] * D + od[None, :], mask=(j0 >= 0)[:, None] & dm[None, :], other=0.0)
+        k1 = tl.load(K + kv_base * D + j1[:, None] * D + od[None, :], mask=(j1 < T)[:, None] & dm[None, :], other=0.0)
+        dq = tl.dot(ds0, k0.to(DT), input_precision=PREC)
+        dq += tl.dot(ds1, k1.to(DT), input_precision=PREC)
+        if SINKS:
+            ks = tl.load(K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+            dq += tl.dot(dsk.to(DT), ks.to(DT), input_precision=PREC)
+        if HYBRID:
+            kx = tl.load(K + kv_base * D + idx[:, None] * D + od[None, :], mask=rm, other=0.0)
+            dq -= rwin[:, None] * kx.to(tl.float32)
+        tl.store(DQ + q_base * D + n[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
     if LIN:
         lo = (c - 1) * CHUNK
         lag = tl.exp(-rho * tl.maximum(n - window - (lo - 1), 0).to(tl.float32))
@@ -387,25 +408,34 @@ def _chunk_bwd_dq(
         for f0 in range(0, F, BLOCK_FC):
             of = f0 + tl.arange(0, BLOCK_FC)
             fm = of < F
-            fk0 = tl.load(FK + (kv_base + j0)[:, None] * F + of[None, :], mask=(j0 >= 0)[:, None] & fm[None, :],
+            fk0 = tl.load(FK + kv_base * F + j0[:, None] * F + of[None, :], mask=(j0 >= 0)[:, None] & fm[None, :],
                           other=0.0)  # fmt: skip
-            fk1 = tl.load(FK + (kv_base + j1)[:, None] * F + of[None, :], mask=(j1 < T)[:, None] & fm[None, :],
+            fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :], mask=(j1 < T)[:, None] & fm[None, :],
                           other=0.0)  # fmt: skip
-            acc = tl.dot(dpw0.to(DT), fk0.to(DT), input_precision=PREC)
-            acc += tl.dot(dpw1.to(DT), fk1.to(DT), input_precision=PREC)
+            acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
+            acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
             if c >= 2:  # the state h_{c-1}: phi_q's gradient lag (h do - z dlz)
-                h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
-                if HKV.dtype.element_ty == DT:
-                    sp = tl.dot(do, tl.trans(h), input_precision=PREC)
-                else:
-                    sp = tl.dot(do.to(tl.float32), tl.trans(h.to(tl.float32)), input_precision=PREC)
+                sp = tl.zeros([CHUNK, BLOCK_FC], tl.float32)
+                for d0 in range(0, D, BLOCK_DK):
+                    od = d0 + tl.arange(0, BLOCK_DK)
+                    dm = od < D
+                    dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :],
+                                 other=0.0)  # fmt: skip
+                    do = (dy.to(tl.float32) / zs[:, None]).to(DT)
+                    ht = tl.load(HKV + st * F * D + od[:, None] + of[None, :] * D, mask=dm[:, None] & fm[None, :],
+                                 other=0.0)  # fmt: skip
+                    if HKV.dtype.element_ty == DT:
+                        sp += tl.dot(do, ht, input_precision=PREC)
+                    else:
+                        sp += tl.dot(do.to(tl.float32), ht.to(tl.float32), input_precision=PREC)
                 z = tl.load(HK + st * F + of, mask=fm, other=0.0)
                 sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
                 acc += sp
                 if DECAY:  # d lag / d rho = -(n - window - lo + 1) lag
-                    fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+                    fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                                 other=0.0)  # fmt: skip
                     rrow -= (n - window - lo + 1).to(tl.float32) * tl.sum(fq.to(tl.float32) * sp, 1)
-            tl.store(DFQ + rows[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
+            tl.store(DFQ + q_base * F + n[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
                      mask=row_ok[:, None] & fm[None, :])  # fmt: skip
         if DECAY:
             tl.store(RROW + rows, rrow, mask=row_ok)
@@ -474,33 +504,55 @@ def _chunk_dstates(
 
 
 @triton.jit
+def _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK: tl.constexpr, BLOCK_DK: tl.constexpr,
+               SCORES: tl.constexpr, DP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """[keys, queries] tiles of one query block: (DP) dp^T = v . do - dlz and (SCORES) the unscaled scores k . q, the
+    head dim walked in chunks of BLOCK_DK (do and q loaded transposed: B operands through shared memory)."""
+    dpt = tl.zeros([CHUNK, CHUNK], tl.float32)
+    at = tl.zeros([CHUNK, CHUNK], tl.float32)
+    for d0 in range(0, D, BLOCK_DK):
+        od = d0 + tl.arange(0, BLOCK_DK)
+        dm = od < D
+        km = k_ok[:, None] & dm[None, :]
+        qm = dm[:, None] & q_ok[None, :]
+        if DP:
+            v = tl.load(V + kv_base * D + j[:, None] * D + od[None, :], mask=km, other=0.0)
+            dyt = tl.load(DY + q_base * D + od[:, None] + n[None, :] * D, mask=qm, other=0.0)
+            dpt += tl.dot(v.to(DT), (dyt.to(tl.float32) / zs[None, :]).to(DT), input_precision=PREC)
+        if SCORES:
+            k = tl.load(K + kv_base * D + j[:, None] * D + od[None, :], mask=km, other=0.0)
+            qt = tl.load(Q + q_base * D + od[:, None] + n[None, :] * D, mask=qm, other=0.0)
+            at += tl.dot(k.to(DT), qt.to(DT), input_precision=PREC)
+    return dpt - dlz[None, :], at
+
+
+@triton.jit
 def _chunk_bwd_dkv(
-    Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DHK, DKS, DVS,  # inputs
-    DK, DV, DFK, RKEY,  # outputs (DFK: fp32, zeroed, added to)
+    Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DKS, DVS,  # inputs
+    DK, DV,  # outputs
     T, H, G, D, F, NS, NC, window, lin_off, n_sinks, n_excl, scale,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr,
-    LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr,
+    HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, DV_PASS: tl.constexpr,
 ):  # fmt: skip
-    """dk, dv (in the inputs' dtype) and dphi_k (fp32, added) of the CHUNK keys j of chunk c (axis 1) of one KV head
-    (axis 0: batch x Hkv), summed over its G query heads: for each, the query chunks c and c + 1 (the only ones whose
-    window or intra-chunk L terms reach chunk c), in tiles [keys, queries]; c_n's gradient where its argmax is one
-    of these keys in the row's window; then (c <= NS - 2) the state h_{c+1} that holds these keys, from dh_{c+1}
-    (each key's weight alpha^(CHUNK c + CHUNK - 1 - j)); then (c = 0) the sinks' dk, dv summed from `_chunk_bwd_dq`.
-    RKEY (DECAY): rho's share through the keys' weights in the state."""
+    """dk (DV_PASS false: the window terms only) or dv (DV_PASS: window and L terms, and the state), in the inputs'
+    dtype, of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), head-dim columns BLOCK_DO
+    (axis 2) of them, summed over its G query heads: for each, the query chunks c and c + 1 (the only ones whose
+    window or intra-chunk L terms reach chunk c), in tiles [keys, queries] (their products over the whole head dim,
+    in chunks of BLOCK_DK); c_n's gradient where its argmax is one of these keys in the row's window; then (c <= NS
+    - 2) dv's share of the state h_{c+1} that holds these keys, from dh_{c+1} (each key's weight alpha^(CHUNK c +
+    CHUNK - 1 - j)); then (c = 0) the sinks' dk, dv (the host's sums). Two launches (one accumulator each: the
+    scores are recomputed); dphi_k is `_chunk_bwd_dfk`'s."""
     pid_bk = tl.program_id(0)
     c = tl.program_id(1)
     Hkv = H // G
     kv_base = pid_bk.to(tl.int64) * T
     j = c * CHUNK + tl.arange(0, CHUNK)
     k_ok = j < T
-    od = tl.arange(0, BLOCK_D)
+    od = tl.program_id(2) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dm = od < D
     km = k_ok[:, None] & dm[None, :]
-    k = tl.load(K + (kv_base + j)[:, None] * D + od[None, :], mask=km, other=0.0).to(DT)
-    v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=km, other=0.0).to(DT)
-    dk = tl.zeros([CHUNK, BLOCK_D], tl.float32)
-    dv = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    acc = tl.zeros([CHUNK, BLOCK_DO], tl.float32)
     rho = 0.0
     if DECAY:
         rho = tl.load(RHO + pid_bk % Hkv).to(tl.float32)
@@ -516,82 +568,155 @@ def _chunk_bwd_dkv(
             q_ok = n < T
             rows = q_base + n
             qm = q_ok[:, None] & dm[None, :]
-            dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=qm, other=0.0).to(tl.float32)
             zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
-            dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
-            do = (dy / zs[:, None]).to(DT)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC) - dlz[None, :]  # [keys, queries]
             both = k_ok[:, None] & q_ok[None, :]
-            pt = tl.zeros([CHUNK, CHUNK], tl.float32)
-            if SOFT:
-                q = tl.load(Q + rows[:, None] * D + od[None, :], mask=qm, other=0.0).to(DT)
+            if SOFT:  # the window terms: dk from ds^T, dv from E^T
+                dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
+                dpt, at = _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, True,
+                                     not DV_PASS, DT, PREC)  # fmt: skip
                 m = tl.load(M + rows, mask=q_ok, other=0.0)
-                at = tl.dot(k, tl.trans(q), input_precision=PREC) * scale
                 win = both & (j[:, None] <= n[None, :]) & (j[:, None] > n[None, :] - window)
-                pt = tl.where(win, g * tl.exp(at - m[None, :]), 0.0)
-                dst = pt * dpt
-                if HYBRID:
-                    idx = tl.load(IDX + rows, mask=q_ok, other=-1)
-                    rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
-                    dst -= tl.where(win & (j[:, None] == idx[None, :]), rsum[None, :], 0.0)
-                dk += tl.dot(dst.to(DT), q, input_precision=PREC)
-            if LIN:
-                lin = both & (j[:, None] <= n[None, :] - lin_off) & (j[:, None] >= n_excl)
-                wt = tl.where(lin, 1.0, 0.0)
-                if DECAY:
-                    wt = wt * tl.exp(-rho * tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32))
+                pt = tl.where(win, g * tl.exp(at * scale - m[None, :]), 0.0)
+                if DV_PASS:
+                    dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
+                    acc += tl.dot(pt.to(DT), (dy.to(tl.float32) / zs[:, None]).to(DT), input_precision=PREC)
+                else:
+                    dst = pt * dpt
+                    if HYBRID:  # (c_n's argmax key: a window key where it is past n - window, else a sink)
+                        idx = tl.load(IDX + rows, mask=q_ok, other=-1)
+                        idx = tl.where(idx > n - window, idx, -1)
+                        rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
+                        dst -= tl.where(j[:, None] == idx[None, :], rsum[None, :], 0.0)
+                    q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
+                    acc += tl.dot(dst.to(DT), q.to(DT), input_precision=PREC)
+            if LIN and DV_PASS:
                 st_ = tl.zeros([CHUNK, CHUNK], tl.float32)
                 for f0 in range(0, F, BLOCK_FC):
                     of = f0 + tl.arange(0, BLOCK_FC)
                     fm = of < F
-                    fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                    fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
                                  other=0.0)  # fmt: skip
-                    fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :], other=0.0)
-                    st_ += tl.dot(fk.to(DT), tl.trans(fq.to(DT)), input_precision=PREC)
-                pt += st_ * wt
-                dpw = (dpt * wt).to(DT)
-                for f0 in range(0, F, BLOCK_FC):
-                    of = f0 + tl.arange(0, BLOCK_FC)
-                    fm = of < F
-                    fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :], other=0.0)
-                    tl.atomic_add(DFK + (kv_base + j)[:, None] * F + of[None, :],
-                                  tl.dot(dpw, fq.to(DT), input_precision=PREC), mask=k_ok[:, None] & fm[None, :],
-                                  sem="relaxed")  # fmt: skip
-            dv += tl.dot(pt.to(DT), do, input_precision=PREC)
-    rkey = tl.zeros([CHUNK], tl.float32)
-    if LIN:
+                    fqt = tl.load(FQ + q_base * F + of[:, None] + n[None, :] * F, mask=fm[:, None] & q_ok[None, :],
+                                  other=0.0)  # fmt: skip
+                    st_ += tl.dot(fk.to(DT), fqt.to(DT), input_precision=PREC)
+                lin = both & (j[:, None] <= n[None, :] - lin_off) & (j[:, None] >= n_excl)
+                wt = tl.where(lin, 1.0, 0.0)
+                if DECAY:
+                    wt = wt * tl.exp(-rho * tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32))
+                dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
+                acc += tl.dot((st_ * wt).to(DT), (dy.to(tl.float32) / zs[:, None]).to(DT), input_precision=PREC)
+    if LIN and DV_PASS:
         if c <= NS - 2:  # these keys' share of h_{c+1}: weight alpha^(e - j), e the chunk's last key
             st = pid_bk.to(tl.int64) * NS + c + 1
-            e = c * CHUNK + CHUNK - 1
             wk = tl.where(k_ok & (j >= n_excl), 1.0, 0.0)
             if DECAY:
-                wk = wk * tl.exp(-rho * (e - j).to(tl.float32))
+                wk = wk * tl.exp(-rho * (c * CHUNK + CHUNK - 1 - j).to(tl.float32))
             for f0 in range(0, F, BLOCK_FC):
                 of = f0 + tl.arange(0, BLOCK_FC)
                 fm = of < F
-                fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
                              other=0.0).to(tl.float32)  # fmt: skip
-                dh = tl.load(DHKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :],
+                dh = tl.load(DHKV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :],
                              other=0.0)  # fmt: skip
-                dz = tl.load(DHK + st * F + of, mask=fm, other=0.0)
                 if DHKV.dtype.element_ty == DT:
-                    dv += tl.dot((fk * wk[:, None]).to(DT), dh, input_precision=PREC)
-                    dfs = tl.dot(v, tl.trans(dh), input_precision=PREC)
+                    acc += tl.dot((fk * wk[:, None]).to(DT), dh, input_precision=PREC)
                 else:
-                    dv += tl.dot(fk * wk[:, None], dh.to(tl.float32), input_precision=PREC)
-                    dfs = tl.dot(v.to(tl.float32), tl.trans(dh.to(tl.float32)), input_precision=PREC)
-                dfs = (dfs + dz[None, :]) * wk[:, None]
-                tl.atomic_add(DFK + (kv_base + j)[:, None] * F + of[None, :], dfs, mask=k_ok[:, None] & fm[None, :],
+                    acc += tl.dot(fk * wk[:, None], dh.to(tl.float32), input_precision=PREC)
+    part = (pid_bk.to(tl.int64) * BLOCK_S + j)[:, None] * BLOCK_D + od[None, :]
+    out = (kv_base + j)[:, None] * D + od[None, :]
+    if DV_PASS:
+        if SINKS:  # (chunk 0: the sinks' shares from every query, summed on the host; n_sinks <= CHUNK)
+            acc += tl.load(DVS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
+        tl.store(DV + out, acc.to(DV.dtype.element_ty), mask=km)
+    else:
+        if SINKS:
+            acc += tl.load(DKS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
+        tl.store(DK + out, (acc * scale).to(DK.dtype.element_ty), mask=km)
+
+
+@triton.jit
+def _chunk_bwd_dfk(
+    FQ, FK, V, RHO, DY, ZS, DLZ, DHKV, DHK,  # inputs
+    DFK, RKEY,  # outputs (DFK: fp32, zeroed, added to)
+    T, H, G, D, F, NS, NC, window, lin_off, n_excl,
+    CHUNK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """dphi_k (fp32, added) of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), the LA
+    modes only: per query head of the KV head and query chunk c, c + 1, dp^T [keys, queries] (over head-dim chunks)
+    times the L weights, against phi_q a feature chunk at a time; then (c <= NS - 2) the state h_{c+1} that holds
+    these keys, v dh_{c+1}^T + dz_{c+1} times each key's weight. RKEY (DECAY): rho's share through those weights."""
+    pid_bk = tl.program_id(0)
+    c = tl.program_id(1)
+    Hkv = H // G
+    kv_base = pid_bk.to(tl.int64) * T
+    j = c * CHUNK + tl.arange(0, CHUNK)
+    k_ok = j < T
+    rho = 0.0
+    if DECAY:
+        rho = tl.load(RHO + pid_bk % Hkv).to(tl.float32)
+    rkey = tl.zeros([CHUNK], tl.float32)
+    for hh in range(0, G):
+        q_base = ((pid_bk // Hkv) * H + (pid_bk % Hkv) * G + hh).to(tl.int64) * T
+        for qb in range(c, tl.minimum(c + 2, NC)):
+            n = qb * CHUNK + tl.arange(0, CHUNK)
+            q_ok = n < T
+            rows = q_base + n
+            zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
+            dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
+            dpt, _ = _bwd_kv_dp(FQ, FK, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, False,
+                                True, DT, PREC)  # fmt: skip
+            lin = (k_ok[:, None] & q_ok[None, :]) & (j[:, None] <= n[None, :] - lin_off) & (j[:, None] >= n_excl)
+            wt = tl.where(lin, 1.0, 0.0)
+            if DECAY:
+                wt = wt * tl.exp(-rho * tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32))
+            dpw = dpt * wt
+            st_ = tl.zeros([CHUNK, CHUNK], tl.float32)
+            for f0 in range(0, F, BLOCK_FC):
+                of = f0 + tl.arange(0, BLOCK_FC)
+                fm = of < F
+                fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :],
+                             other=0.0)  # fmt: skip
+                tl.atomic_add(DFK + kv_base * F + j[:, None] * F + of[None, :],
+                              tl.dot(dpw.to(DT), fq.to(DT), input_precision=PREC), mask=k_ok[:, None] & fm[None, :],
                               sem="relaxed")  # fmt: skip
-                if DECAY:
-                    rkey -= (e - j).to(tl.float32) * tl.sum(fk * dfs, 1)
-    if SINKS:  # (chunk 0: the sinks' shares from every query, summed on the host; n_sinks <= CHUNK)
-        sm = (k_ok & (j < n_sinks))[:, None] & dm[None, :]
-        part = (pid_bk.to(tl.int64) * BLOCK_S + j)[:, None] * BLOCK_D + od[None, :]
-        dk += tl.load(DKS + part, mask=sm, other=0.0)
-        dv += tl.load(DVS + part, mask=sm, other=0.0)
-    tl.store(DK + (kv_base + j)[:, None] * D + od[None, :], (dk * scale).to(DK.dtype.element_ty), mask=km)
-    tl.store(DV + (kv_base + j)[:, None] * D + od[None, :], dv.to(DV.dtype.element_ty), mask=km)
+                if DECAY:  # (phi_k . phi_q of the L terms, for rho's share: -e L dp)
+                    fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                                 other=0.0)  # fmt: skip
+                    fqt = tl.load(FQ + q_base * F + of[:, None] + n[None, :] * F, mask=fm[:, None] & q_ok[None, :],
+                                  other=0.0)  # fmt: skip
+                    st_ += tl.dot(fk.to(DT), fqt.to(DT), input_precision=PREC)
+            if DECAY:
+                e = tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32)
+                rkey -= tl.sum(st_ * dpw * e, 1)
+    if c <= NS - 2:  # these keys' share of h_{c+1}: weight alpha^(e - j), e the chunk's last key
+        st = pid_bk.to(tl.int64) * NS + c + 1
+        e = c * CHUNK + CHUNK - 1
+        wk = tl.where(k_ok & (j >= n_excl), 1.0, 0.0)
+        if DECAY:
+            wk = wk * tl.exp(-rho * (e - j).to(tl.float32))
+        for f0 in range(0, F, BLOCK_FC):
+            of = f0 + tl.arange(0, BLOCK_FC)
+            fm = of < F
+            dfs = tl.zeros([CHUNK, BLOCK_FC], tl.float32)
+            for d0 in range(0, D, BLOCK_DK):
+                od = d0 + tl.arange(0, BLOCK_DK)
+                dm = od < D
+                v = tl.load(V + kv_base * D + j[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+                dht = tl.load(DHKV + st * F * D + od[:, None] + of[None, :] * D, mask=dm[:, None] & fm[None, :],
+                              other=0.0)  # fmt: skip
+                if DHKV.dtype.element_ty == DT:
+                    dfs += tl.dot(v.to(DT), dht, input_precision=PREC)
+                else:
+                    dfs += tl.dot(v.to(tl.float32), dht.to(tl.float32), input_precision=PREC)
+            dz = tl.load(DHK + st * F + of, mask=fm, other=0.0)
+            dfs = (dfs + dz[None, :]) * wk[:, None]
+            tl.atomic_add(DFK + kv_base * F + j[:, None] * F + of[None, :], dfs, mask=k_ok[:, None] & fm[None, :],
+                          sem="relaxed")  # fmt: skip
+            if DECAY:
+                fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                rkey -= (e - j).to(tl.float32) * tl.sum(fk * dfs, 1)
     if DECAY:
         tl.store(RKEY + pid_bk * NC + c, tl.sum(rkey, 0))
 
@@ -606,19 +731,33 @@ def _pow2(x: int, least: int = 16) -> int:
 # shapes, every mode, bf16 and fp16: 4 warps (one warpgroup on the 64 rows; with 8, Triton's layouts replicate the
 # rows or the operands and spill), one stage (2 spilled on sm_80 at head dim 128), head-dim chunks of 32 at 128 (64
 # spilled 60-300 bytes: a [64, 64] q operand in registers) and 16 at 64 (64 and 32 spilled 8-16 bytes on sm_80).
-# bwd_warps: ChunkAttention's _chunk_bwd_dq and _chunk_bwd_dkv (8: at the 8B shape, bf16, hybrid+decay, dkv spills
-# 208 / 628 bytes on sm_80 / sm_90 against 4380 / 2472 with 4; dq still spills kilobytes: not tuned, not wired in).
+# The backward's (ChunkAttention), found the same way (benchmarks/kernel_compile.py, and a script that compiles only
+# the backward's launches): head-dim chunks of 16 (bwd_dchunk: at 32 the operands of mma.sync's B, whole in every warp
+# on sm_80, spilled 40-160 bytes), feature chunks of 16 (bwd_fchunk: 32 spilled 40-160 bytes in dq with the sinks),
+# _chunk_bwd_dkv over head-dim blocks of 64 (bwd_dout) with 8 warps (4 warps spilled 24-56 bytes on sm_80 at 64, none
+# at 32 but with twice the recomputed scores), 4 warps for _chunk_bwd_dq and _chunk_bwd_dfk, and maxnreg=255 for all
+# three (ptxas otherwise caps some at 128-160 registers and spills, as in decode.py). Every backward kernel then uses
+# 0 spill bytes in bf16 and fp16 on sm_80 and sm_90 at both presets' head dims, every mode, with wgmma on sm_90.
 GPU_SETTINGS = {
-    64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, bwd_warps=8),
-    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=4, stages=1, bwd_warps=8),
-}
+    64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=4, dkv_warps=8,
+             dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=64, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255),
+    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=4, stages=1, dq_warps=4, dkv_warps=8,
+              dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=64, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255),
+}  # fmt: skip
 
 
 def _settings(x: torch.Tensor, head_dim: int, features: int) -> dict:
     if x.device.type == "cpu":  # Triton's interpreter (tests): any tile works, these are fast there
-        return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=min(_pow2(features), 64), warps=4,
-                    stages=1, bwd_warps=4)  # fmt: skip
+        fchunk = min(_pow2(features), 64)
+        return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
+                    dkv_warps=4, dfk_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, bwd_dout=64)  # fmt: skip
     return GPU_SETTINGS[64 if head_dim <= 64 else 128]
+
+
+def _regs(cfg: dict, kernel: str) -> dict:
+    """The register cap (maxnreg) of a backward kernel where its settings name one."""
+    cap = cfg.get(kernel + "_maxnreg")
+    return {"maxnreg": cap} if cap else {}
 
 
 def _refused(q, k, v, fq, window, mode, sinks, hybrid_sinks, la_decay) -> bool:
@@ -766,13 +905,14 @@ class ChunkAttention(torch.autograd.Function):
         dlz = torch.empty(B, H, T, **f32)
         rsum = torch.empty(B, H, T, **f32) if gamma_on else g
         rrow = torch.zeros(B, H, T, **f32) if decay else g
-        dks, dvs = (torch.empty(B * H, nc, bs, bd, **f32) for _ in range(2)) if sink else (g, g)
-        common = dict(CHUNK=CHUNK, BLOCK_D=bd, BLOCK_FC=cfg["fchunk"], SOFT=soft, LIN=lin, SINKS=sink,
-                      HYBRID=gamma_on, DECAY=decay, DT=dt, PREC=prec, num_warps=cfg["bwd_warps"])  # fmt: skip
+        dks, dvs = (torch.empty(B, H, T, bs, **f32) for _ in range(2)) if sink else (g, g)
+        bdk, bfc = min(bd, cfg["bwd_dchunk"]), cfg["bwd_fchunk"]
+        common = dict(CHUNK=CHUNK, BLOCK_D=bd, BLOCK_DK=bdk, BLOCK_FC=bfc, SOFT=soft, LIN=lin, SINKS=sink,
+                      HYBRID=gamma_on, DECAY=decay, DT=dt, PREC=prec, num_stages=cfg["stages"])  # fmt: skip
         _chunk_bwd_dq[(B * H, nc)](
             q, k, v, fq, fk, g, rp, hkv_p, hk_p, dy, y, m, zs, idx, dq, dfq, dlz, rsum, rrow, dks, dvs,
             T, H, G, D, F, max(ns, 0), nc, int(window), lin_off, sink_off, n_sinks, n_excl, scale,
-            BLOCK_S=bs, **common,
+            BLOCK_S=bs, num_warps=cfg["dq_warps"], **_regs(cfg, "dq"), **common,
         )  # fmt: skip
         dhkv, dhk, rscan = none, g, None
         if lin and ns > 1:  # (key chunk c reads dh_{c+1}: some key chunk has a state gradient)
@@ -786,15 +926,35 @@ class ChunkAttention(torch.autograd.Function):
                 num_warps=cfg["state_warps"],
             )  # fmt: skip
         del hkv, hk
-        if sink:  # the sinks' shares of every query head of a KV head, every chunk
-            dks, dvs = (t.view(B * Hkv, G * nc, bs, bd).sum(1) for t in (dks, dvs))
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        if sink:  # the sinks' dk (unscaled), dv: ds^T q and E^T do over every row of every query head of a KV head
+            do = (dy.float() / zs[..., None]).to(q.dtype).float()  # (as the kernels round it)
+            dks, dvs = (torch.einsum("bhts,bhtd->bhsd", t, x.float()).view(B, Hkv, G, bs, D).sum(2)
+                        for t, x in ((dks, q), (dvs, do)))  # fmt: skip
+            if D != bd:
+                dks, dvs = (torch.nn.functional.pad(t, (0, bd - D)) for t in (dks, dvs))
+            dks, dvs = (t.reshape(B * Hkv, bs, bd).contiguous() for t in (dks, dvs))
+        dk = torch.empty_like(k) if soft else torch.zeros_like(k)  # (no window term: no dk but the sinks')
+        dv = torch.empty_like(v) if soft or lin else torch.zeros_like(v)
+        if sink and not (soft or lin):  # sinks_only: the sinks' dk, dv are the host's sums
+            s_eff = min(n_sinks, T)
+            dk[:, :, :s_eff] = (dks.view(B, Hkv, bs, bd)[:, :, :s_eff, :D] * scale).to(k.dtype)
+            dv[:, :, :s_eff] = dvs.view(B, Hkv, bs, bd)[:, :, :s_eff, :D].to(v.dtype)
+        bdo = min(bd, cfg["bwd_dout"])
+        passes = ((False,) if soft else ()) + ((True,) if soft or lin else ())  # (dk from the window terms only)
+        for dv_pass in passes:
+            _chunk_bwd_dkv[(B * Hkv, nc, triton.cdiv(D, bdo))](
+                q, k, v, fq, fk, g, rp, dy, m, zs, dlz, idx, rsum, dhkv, dks, dvs, dk, dv,
+                T, H, G, D, F, max(ns, 0), nc, int(window), lin_off, n_sinks, n_excl, scale, BLOCK_DO=bdo, BLOCK_S=bs,
+                DV_PASS=dv_pass, num_warps=cfg["dkv_warps"], **_regs(cfg, "dkv"), **common,
+            )  # fmt: skip
         dfk = torch.zeros(B, Hkv, T, F, **f32) if lin else torch.zeros_like(fk)
         rkey = torch.zeros(B * Hkv * nc, **f32) if decay else g
-        _chunk_bwd_dkv[(B * Hkv, nc)](
-            q, k, v, fq, fk, g, rp, dy, m, zs, dlz, idx, rsum, dhkv, dhk, dks, dvs, dk, dv, dfk, rkey,
-            T, H, G, D, F, max(ns, 0), nc, int(window), lin_off, n_sinks, n_excl, scale, BLOCK_S=bs, **common,
-        )  # fmt: skip
+        if lin:
+            _chunk_bwd_dfk[(B * Hkv, nc)](
+                fq, fk, v, rp, dy, zs, dlz, dhkv, dhk, dfk, rkey, T, H, G, D, F, max(ns, 0), nc, int(window), lin_off,
+                n_excl, CHUNK=CHUNK, BLOCK_DK=bdk, BLOCK_FC=bfc, DECAY=decay, DT=dt, PREC=prec,
+                num_warps=cfg["dfk_warps"], num_stages=cfg["stages"], **_regs(cfg, "dfk"),
+            )  # fmt: skip
         dgamma = drho = None
         if ctx.needs_input_grad[5]:
             dgamma = torch.zeros_like(gamma)
@@ -830,14 +990,13 @@ def chunk_attention(
     )
 
 
-def prefill_without_grad(q, k, v, fq, fk, gamma, *, attention_mask=None, initial_state=None, **options):
-    """chunk_prefill's y when nothing needs a gradient (autograd off, or no input requires one) and there is no
-    padding mask and no initial state; else None (and None where chunk_prefill does not take the case). Training
-    does not use ChunkAttention yet: its _chunk_bwd_dq and _chunk_bwd_dkv spill on sm_80 / sm_90 at the presets'
-    head dims (benchmarks/kernel_compile.py), so triton_hybrid_attention keeps the fused backward."""
+def chunked_path(q, k, v, fq, fk, gamma, *, attention_mask=None, initial_state=None, **options):
+    """triton_hybrid_attention's chunked path where there is no padding mask and no initial state (else None):
+    chunk_prefill's y when nothing needs a gradient (autograd off, or no input requires one), else chunk_attention's
+    (ChunkAttention: the chunked backward); None where they do not take the case (the caller runs the fused kernels)."""
     if attention_mask is not None or initial_state is not None:
         return None
     inputs = (q, k, v, fq, fk, gamma, options.get("la_decay"))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        return None
+        return chunk_attention(q, k, v, fq, fk, gamma, **options)
     return chunk_prefill(q, k, v, fq, fk, gamma, **options)

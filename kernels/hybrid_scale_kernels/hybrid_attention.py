@@ -45,7 +45,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .backward_kernels import SINK_TILES, _bwd_dfk, _bwd_dfq, _bwd_dkv, _bwd_dq, _bwd_sinks, _states_bwd
-from .chunk_prefill import prefill_without_grad
+from .chunk_prefill import chunked_path
 from .forward_kernels import _fwd, _states_fwd
 from .jit_helpers import EPS, MODES, mode_parts
 
@@ -437,10 +437,10 @@ def triton_hybrid_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     dtype = q.dtype
     k, v, fq, fk = (t.to(dtype) for t in (k, v, fq, fk))
-    if not (return_denominators or block or num_warps or fchunk):  # inference: chunk_prefill.py where it takes it
-        y = prefill_without_grad(q, k, v, fq, fk, gamma, window=window, mode=mode, sinks=sinks, scale=scale,
-                                 hybrid_sinks=hybrid_sinks, la_decay=la_decay, attention_mask=attention_mask,
-                                 initial_state=initial_state)  # fmt: skip
+    if not (return_denominators or block or num_warps or fchunk):  # chunk_prefill.py where it takes the case
+        y = chunked_path(q, k, v, fq, fk, gamma, window=window, mode=mode, sinks=sinks, scale=scale,
+                         hybrid_sinks=hybrid_sinks, la_decay=la_decay, attention_mask=attention_mask,
+                         initial_state=initial_state)  # fmt: skip
         if y is not None:
             return y
     if hybrid_sinks:  # the hybrid's LA leaves its sinks out: their phi_k is 0 (and so is its gradient)

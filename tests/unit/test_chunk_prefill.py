@@ -1,5 +1,5 @@
 """The chunked prefill forward (kernels/hybrid_scale_kernels/chunk_prefill.py: `_chunk_states`, `_chunk_output`)
-against the naive spec, and when `triton_hybrid_attention` takes it.
+against the naive spec, and when `triton_hybrid_attention` takes it (and the chunked backward).
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32, with the 64-token chunks
 they have on a GPU: T = 200 is four chunks, the last one partial, so chunk 3 reads a state that has carried two
@@ -105,46 +105,68 @@ def test_what_it_refuses_and_none():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """chunk_prefill's calls and results, recorded as triton_hybrid_attention makes them."""
+    """chunk_prefill's and chunk_attention's calls (name, whether it took the case), as triton_hybrid_attention
+    makes them."""
     seen = []
-    real = cp.chunk_prefill
 
-    def spy(*args, **kwargs):
-        y = real(*args, **kwargs)
-        seen.append(y is not None)
-        return y
+    def spy(name):
+        real = getattr(cp, name)
 
-    monkeypatch.setattr(cp, "chunk_prefill", spy)
+        def call(*args, **kwargs):
+            y = real(*args, **kwargs)
+            seen.append((name, y is not None))
+            return y
+
+        monkeypatch.setattr(cp, name, call)
+
+    spy("chunk_prefill")
+    spy("chunk_attention")
     return seen
 
 
-def test_triton_hybrid_attention_takes_it_only_without_gradients(calls):
+def test_triton_hybrid_attention_takes_it_with_and_without_gradients(calls):
+    """Without gradients chunk_prefill, with them chunk_attention (the chunked backward), where there is no padding
+    mask, no initial state, no tiles asked for, no denominators and the case is taken; else the fused kernels."""
     x = inputs(90, B=1, seed=11)
     opts = dict(window=16, mode="hybrid", sinks=3, hybrid_sinks=True, la_decay=torch.tensor(RHO))
     ref = naive.naive_hybrid_attention(**{n: t.double() for n, t in x.items()}, **opts)
+    pre, att = ("chunk_prefill", True), ("chunk_attention", True)
 
     def close(y):
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-5)
 
     with torch.no_grad():
         close(kernels.triton_hybrid_attention(**x, **opts))
-    assert calls == [True]
+    assert calls == [pre]
     close(kernels.triton_hybrid_attention(**x, **opts))  # autograd on, but nothing requires a gradient
-    assert calls == [True, True]
+    assert calls == [pre, pre]
     leaf = {n: t.clone().requires_grad_(n == "gamma") for n, t in x.items()}
-    close(kernels.triton_hybrid_attention(**leaf, **opts).detach())  # gamma needs one: the fused forward
+    y = kernels.triton_hybrid_attention(**leaf, **opts)  # gamma needs one: the chunked backward
+    assert calls == [pre, pre, att]
+    close(y.detach())
+    y.sum().backward()
+    ref_leaf = {n: t.double().requires_grad_(n == "gamma") for n, t in x.items()}
+    naive.naive_hybrid_attention(**ref_leaf, **opts).sum().backward()
+    torch.testing.assert_close(leaf["gamma"].grad.double(), ref_leaf["gamma"].grad, rtol=1e-5, atol=1e-4)
+    mask = torch.ones(1, 90, dtype=torch.long)
+    close(kernels.triton_hybrid_attention(**leaf, **opts, attention_mask=mask).detach())  # padding mask: fused
+    close(kernels.triton_hybrid_attention(**leaf, **opts, block=16).detach())  # tiles asked for: fused
+    assert calls == [pre, pre, att]
     with torch.no_grad():
         close(kernels.triton_hybrid_attention(**leaf, **opts))  # ... unless autograd is off
-        assert calls == [True, True, True]
+        assert calls == [pre, pre, att, pre]
         close(kernels.triton_hybrid_attention(**x, **opts, return_denominators=True)[0])
         close(kernels.triton_hybrid_attention(**x, **opts, block=16))  # tiles asked for: the fused forward's
-        close(kernels.triton_hybrid_attention(**x, **opts, attention_mask=torch.ones(1, 90, dtype=torch.long)))
-        assert calls == [True, True, True]
+        close(kernels.triton_hybrid_attention(**x, **opts, attention_mask=mask))
+        assert calls == [pre, pre, att, pre]
         wide = dict(opts, window=65)
         y = kernels.triton_hybrid_attention(**x, **wide)  # refused (window over the chunk): the fused forward
-        assert calls == [True, True, True, False]
+        assert calls == [pre, pre, att, pre, ("chunk_prefill", False)]
         ref_wide = naive.naive_hybrid_attention(**{n: t.double() for n, t in x.items()}, **wide)
         torch.testing.assert_close(y.double(), ref_wide, rtol=1e-5, atol=2e-5)
+    y = kernels.triton_hybrid_attention(**leaf, **wide)  # refused with a gradient too: the fused kernels
+    assert calls[-1] == ("chunk_attention", False)
+    torch.testing.assert_close(y.detach().double(), ref_wide, rtol=1e-5, atol=2e-5)
 
 
 @GPU
