@@ -25,6 +25,7 @@ fp16. `make kernel-compile` writes the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hybrid_scale_kernels import compile_check
+from hybrid_scale_kernels import chunk_scan, compile_check, hybrid_attention
 from hybrid_scale_kernels.decode import triton_decode_step
 from hybrid_scale_kernels.hybrid_attention import triton_hybrid_attention
 from hybrid_scale_kernels.jit_helpers import MODE_PARTS
@@ -88,10 +89,38 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
     return shapes
 
 
+LONG = 16384  # tokens of a prefill whose state scan a GPU splits (chunk_scan.plan; the presets' lengths are not)
+SMS = 132  # an H100's / H200's SMs: the state scan is split as on such a GPU (chunk_scan.plan)
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu():
+    """The state scan planned for SMS SMs, as on a GPU (off a GPU it is never split)."""
+    before = chunk_scan.SMS_OFF_GPU
+    chunk_scan.SMS_OFF_GPU = SMS
+    try:
+        yield
+    finally:
+        chunk_scan.SMS_OFF_GPU = before
+
+
+@contextlib.contextmanager
+def _fused_only():
+    """triton_hybrid_attention without its chunked path: the fused kernels, as a padded batch runs them."""
+    before = hybrid_attention.chunked_path
+    hybrid_attention.chunked_path = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        hybrid_attention.chunked_path = before
+
+
 def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.Launch]:
-    """The launches of one forward + backward (meta tensors, batch 1), one forward without gradients (a prefill:
-    chunk_prefill.py's `_chunk_states` and `_chunk_output` where they take the case, and the fused forward they fall
-    back to, its output written in the inputs' dtype, not fp32) and one decode step (a ring of `window`)."""
+    """The launches of one forward + backward (meta tensors, batch 1: the chunked kernels where they take the case,
+    and the fused ones, which a padded batch trains with), forwards without gradients (a prefill: chunk_prefill.py's
+    kernels at the preset's length and at LONG tokens, whose state scan is split as on an H100/H200; and the
+    fused forward they fall back to, its output written in the inputs' dtype, not fp32) and one decode step (a ring
+    of `window`)."""
     b, h, hkv, t, d, f = 1, shape.heads, shape.kv_heads, shape.length, shape.head_dim, shape.features
 
     def meta(*size):
@@ -105,12 +134,17 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
     if mode == HYBRID_SINKS:
         options |= dict(mode="hybrid", hybrid_sinks=True)
     rho = torch.empty(hkv, device="meta", requires_grad=True)
-    with compile_check.record_launches() as recorded:
+    with compile_check.record_launches() as recorded, _as_on_a_gpu():
         y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **({"la_decay": rho} if decay else {}))
-        y.backward(torch.empty_like(y))
+        y.backward(torch.empty_like(y))  # the chunked backward where it takes the case
+        with _fused_only():  # the fused forward and backward, which train where the chunked path does not (padding)
+            y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **({"la_decay": rho} if decay else {}))
+            y.backward(torch.empty_like(y))
         plain = [t.detach() for t in (q, k, v, fq, fk, gamma)]  # generation's prefill: no gradient, y in q's dtype
         extra = {"la_decay": rho.detach()} if decay else {}
         triton_hybrid_attention(*plain, **options, **extra)  # chunk_prefill.py's kernels where it takes the case
+        long = [x.new_empty(*x.shape[:2], LONG, x.shape[3]) if x.dim() == 4 else x for x in plain]
+        triton_hybrid_attention(*long, **options, **extra)  # a state scan split over the sequence, as on a GPU
         triton_hybrid_attention(*plain, **options, **extra, return_denominators=True)  # the fused one it falls back to
         state = DecodeState.empty(b, hkv, d, d, f, shape.window, shape.sinks, shape.window, dtype, "cpu")
 

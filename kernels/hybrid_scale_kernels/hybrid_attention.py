@@ -45,7 +45,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .backward_kernels import SINK_TILES, _bwd_dfk, _bwd_dfq, _bwd_dkv, _bwd_dq, _bwd_sinks, _states_bwd
-from .chunk_prefill import chunked_path
+from .chunk_backward import chunked_path
 from .forward_kernels import _fwd, _states_fwd
 from .jit_helpers import EPS, MODES, mode_parts
 

@@ -7,7 +7,7 @@ MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only")
 NAMES = ("q", "k", "v", "fq", "fk", "gamma")
 
 
-def make(T, B=2, H=3, Hkv=1, D=16, F=16, dtype=torch.float32, device="cpu", seed=0):
+def make(T, B=2, H=3, Hkv=1, D=16, F=16, dtype=torch.float32, device="cpu", seed=0, requires_grad=True):
     g = torch.Generator().manual_seed(seed)
     x = dict(
         q=torch.randn(B, H, T, D, generator=g),
@@ -18,7 +18,7 @@ def make(T, B=2, H=3, Hkv=1, D=16, F=16, dtype=torch.float32, device="cpu", seed
         gamma=0.05 + 0.9 * torch.rand(H, generator=g),
     )
     x = {n: t.to(device=device, dtype=dtype if n != "gamma" else torch.float32) for n, t in x.items()}
-    return {n: t.requires_grad_() for n, t in x.items()}
+    return {n: t.requires_grad_(requires_grad) for n, t in x.items()}
 
 
 def left_padded(T, pad=7):

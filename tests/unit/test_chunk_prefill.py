@@ -1,4 +1,4 @@
-"""The chunked prefill forward (kernels/hybrid_scale_kernels/chunk_prefill.py: `_chunk_states`, `_chunk_output`)
+"""The chunked prefill forward (kernels/hybrid_scale_kernels/chunk_prefill.py: `_chunk_output`; chunk_scan.py)
 against the naive spec, and when `triton_hybrid_attention` takes it (and the chunked backward).
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32, with the 64-token chunks
@@ -12,10 +12,12 @@ two chunks. The compiled bf16 check (marked `gpu`) runs at a Llama-3-8B-like hea
 import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
+from kernel_inputs import make
 
 from hybrid_scale.attention import naive
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
+from hybrid_scale_kernels import chunk_backward as cb  # noqa: E402
 from hybrid_scale_kernels import chunk_prefill as cp  # noqa: E402
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -23,16 +25,7 @@ RHO = (0.02, 0.3)  # the LA's decay per KV head: a slow and a fast one (alpha^64
 
 
 def inputs(T, B=2, H=4, Hkv=2, D=32, F=32, dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = dict(
-        q=torch.randn(B, H, T, D, generator=g),
-        k=torch.randn(B, Hkv, T, D, generator=g),
-        v=torch.randn(B, Hkv, T, D, generator=g),
-        fq=torch.rand(B, H, T, F, generator=g),
-        fk=torch.rand(B, Hkv, T, F, generator=g),
-        gamma=0.05 + 0.9 * torch.rand(H, generator=g),
-    )
-    return {n: t.to(device=device, dtype=dtype if n != "gamma" else torch.float32) for n, t in x.items()}
+    return make(T, B, H, Hkv, D, F, dtype, device, seed, requires_grad=False)
 
 
 def check(x, atol=2e-5, decay=False, **options):
@@ -110,14 +103,14 @@ def calls(monkeypatch):
     seen = []
 
     def spy(name):
-        real = getattr(cp, name)
+        real = getattr(cb, name)  # (chunked_path calls both from chunk_backward.py)
 
         def call(*args, **kwargs):
             y = real(*args, **kwargs)
             seen.append((name, y is not None))
             return y
 
-        monkeypatch.setattr(cp, name, call)
+        monkeypatch.setattr(cb, name, call)
 
     spy("chunk_prefill")
     spy("chunk_attention")

@@ -1,4 +1,4 @@
-"""The chunked backward (kernels/hybrid_scale_kernels/chunk_prefill.py: `ChunkAttention`, `_chunk_bwd_dq`,
+"""The chunked backward (kernels/hybrid_scale_kernels/chunk_backward.py: `ChunkAttention`, `_chunk_bwd_dq`,
 `_chunk_dstates`, `_chunk_bwd_dkv`) against the naive spec's fp64 autograd.
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32, with the 64-token chunks
@@ -12,26 +12,21 @@ sinks, GQA 4:2 and 6:2, T = 200 (four chunks, so the reverse state scan carries 
 import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
+from kernel_inputs import make
 
 from hybrid_scale.attention import naive
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
-from hybrid_scale_kernels import chunk_prefill as cp  # noqa: E402
+from hybrid_scale_kernels import chunk_backward as cp  # noqa: E402
 
 RHO = (0.02, 0.3)  # the LA's decay per KV head: a slow and a fast one
 GRADS = ("q", "k", "v", "fq", "fk", "gamma", "rho")
 
 
 def inputs(T, B=1, H=4, Hkv=2, D=16, F=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        q=torch.randn(B, H, T, D, generator=g),
-        k=torch.randn(B, Hkv, T, D, generator=g),
-        v=torch.randn(B, Hkv, T, D, generator=g),
-        fq=torch.rand(B, H, T, F, generator=g),
-        fk=torch.rand(B, Hkv, T, F, generator=g),
-        gamma=0.05 + 0.9 * torch.rand(H, generator=g),
-    ), torch.randn(B, H, T, D, generator=g)
+    """The attention inputs and an output gradient dy."""
+    dy = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(seed + 1000))
+    return make(T, B, H, Hkv, D, F, seed=seed, requires_grad=False), dy
 
 
 def gradients(fn, x, dy, rho, dtype):

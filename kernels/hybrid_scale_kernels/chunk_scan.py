@@ -1,0 +1,173 @@
+"""The chunked prefill's state scan (chunk_prefill.py, chunk_backward.py): the LA state before every 64-token chunk,
+per KV head, optionally split over the sequence.
+
+The state before chunk c is h_c = sum over the LA keys j < 64 c of alpha^(64 c - 1 - j) phi_k(k_j) v_j^T [F, D] and
+z_c the same sum of phi_k(k_j) [F] (kept as key 64 c - 1 sees them: every weight alpha^(>= 0), the carry from one
+chunk to the next one multiply by alpha^64); the hybrid with its own sinks leaves the first S keys out. `_chunk_states`
+walks the chunks in order, one program per (64-feature block, 32-value block, batch x KV head): (F / 64) (D / 32) B
+Hkv programs, 128 at Llama-3-8B's shape and batch 1, each a chain of T / 64 dependent steps (256 at 16k tokens). Its
+products are tl.dot of [64 features, 64 keys] x [64 keys, BLOCK_DV values] with fp32 accumulation (wgmma on sm_90);
+h is stored in bf16 for bf16 inputs, fp32 otherwise (fp16's range is too small for a sum over the sequence), z in
+fp32 (1/D of h's bytes, and it is the whole LA normaliser).
+
+When those programs leave SMs idle (a small model, few KV heads, batch 1; `plan`), the scan is cut into P segments of
+L chunks. The scan is linear in the keys, so for chunk c of segment p (which starts at chunk c0)
+
+    h_c = alpha^(64 (c - c0)) h_{c0} + l_c,    l_c = the same sum over the keys 64 c0 <= j < 64 c only.
+
+Two launches: `_chunk_states` over (blocks, batch x KV head x segment), each segment scanned from zero (l_c), its
+whole sum kept in fp32; then `_segment_fix` on the same grid sums h_{c0} from the earlier segments' whole sums
+(h_{c0(p+1)} = alpha^(64 L) h_{c0(p)} + l_end(p): P is small) and adds alpha^(64 (c - c0)) h_{c0} to every l_c of
+its segment (segment 0 starts at zero). tests/unit/test_chunk_scan.py checks the split scan against the unsplit
+one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64  # tokens per chunk (chunk_prefill.CHUNK)
+# The SM count `states` plans for where the tensors are not on a GPU: 0 = never split (Triton's interpreter); the
+# compile gate (benchmarks/kernel_compile.py) sets an H100/H200's 132, so it records the launches a GPU makes.
+SMS_OFF_GPU = 0
+
+
+@triton.jit
+def _chunk_states(
+    FK, V, RHO,  # inputs: phi_k [B, Hkv, T, F], v [B, Hkv, T, D], rho [Hkv]
+    HKV, HK,  # outputs: h [B, Hkv, NS, F, D] (bf16 or fp32), z [B, Hkv, NS, F] (fp32)
+    END, ZEND,  # with segments (P > 1): each segment's whole sum [B Hkv, P, F, D] and [B Hkv, P, F] (fp32)
+    T, F, D, NS, Hkv, n_excl, L, P,
+    DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """The LA state before each chunk c of one segment (chunks seg L .. seg L + L - 1; one segment of NS chunks
+    without a split), one program per (feature block, value block, batch x KV head x segment): h_c[f, d] = sum over
+    keys n_excl <= j < c CHUNK of the segment of alpha^(c CHUNK - 1 - j) phi_k(k_j)[f] v_j[d], and z_c[f] the same sum
+    of phi_k(k_j)[f] (only the programs of the first value block store z). n_excl = S when the hybrid has its own
+    sinks (the LA leaves them out), else 0; alpha = exp(-rho) of the KV head (DECAY), else 1. Each chunk adds one
+    product phi_k^T [BLOCK_F, CHUNK] x v [CHUNK, BLOCK_DV] in DT with fp32 accumulation; the state goes to memory in
+    HKV's dtype. With P > 1 the segment's whole sum also goes to END / ZEND (fp32)."""
+    f0 = tl.program_id(0) * BLOCK_F
+    d0 = tl.program_id(1) * BLOCK_DV
+    bh = tl.program_id(2) // P
+    seg = tl.program_id(2) % P
+    base = bh.to(tl.int64)
+    of = f0 + tl.arange(0, BLOCK_F)
+    od = d0 + tl.arange(0, BLOCK_DV)
+    both = (of < F)[:, None] & (od < D)[None, :]
+    z_lim = tl.where(tl.program_id(1) == 0, F, 0)  # (z: stored by the first value block's programs only)
+    h = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
+    z = tl.zeros([BLOCK_F], tl.float32)
+    if DECAY:
+        rho = tl.load(RHO + bh % Hkv).to(tl.float32)
+        carry = tl.exp(-rho * CHUNK)
+    for c in range(seg * L, tl.minimum(seg * L + L, NS)):
+        st = base * NS + c
+        tl.store(HKV + (st * F + of)[:, None] * D + od[None, :], h.to(HKV.dtype.element_ty), mask=both)
+        tl.store(HK + st * F + of, z, mask=of < z_lim)
+        j = c * CHUNK + tl.arange(0, CHUNK)
+        ok = (j >= n_excl) & (j < T)
+        row = base * T + j
+        fk = tl.load(FK + row[:, None] * F + of[None, :], mask=ok[:, None] & (of < F)[None, :], other=0.0)
+        v = tl.load(V + row[:, None] * D + od[None, :], mask=ok[:, None] & (od < D)[None, :], other=0.0)
+        if DECAY:  # carried to key (c + 1) CHUNK - 1, and chunk c's keys as that key sees them
+            fk = fk.to(tl.float32) * tl.exp(-rho * ((c + 1) * CHUNK - 1 - j).to(tl.float32))[:, None]
+            h = h * carry
+            z = z * carry
+        h += tl.dot(tl.trans(fk.to(DT)), v.to(DT), input_precision=PREC)
+        z += tl.sum(fk.to(tl.float32), 0)
+    if P > 1:
+        sp = base * P + seg
+        tl.store(END + (sp * F + of)[:, None] * D + od[None, :], h, mask=both)
+        tl.store(ZEND + sp * F + of, z, mask=of < z_lim)
+
+
+@triton.jit
+def _segment_fix(
+    RHO, END, ZEND, HKV, HK, NS, F, D, Hkv, L, P,
+    DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """h_c = alpha^(CHUNK (c - c0)) h_{c0} + l_c for the chunks of one segment, h_{c0} summed here from the earlier
+    segments' whole sums, h_{c0(p+1)} = alpha^(CHUNK L_p) h_{c0(p)} + l_end(p) (segment 0 starts at zero: nothing
+    to add)."""
+    seg = tl.program_id(2) % P
+    if seg > 0:
+        f0 = tl.program_id(0) * BLOCK_F
+        d0 = tl.program_id(1) * BLOCK_DV
+        bh = tl.program_id(2) // P
+        base = bh.to(tl.int64)
+        of = f0 + tl.arange(0, BLOCK_F)
+        od = d0 + tl.arange(0, BLOCK_DV)
+        both = (of < F)[:, None] & (od < D)[None, :]
+        z_lim = tl.where(tl.program_id(1) == 0, F, 0)
+        if DECAY:
+            rho = tl.load(RHO + bh % Hkv).to(tl.float32)
+        h0 = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
+        z0 = tl.zeros([BLOCK_F], tl.float32)
+        for p in range(0, seg):  # (every earlier segment is whole: L chunks)
+            if DECAY:
+                carry = tl.exp(-rho * (CHUNK * L).to(tl.float32))
+                h0 = h0 * carry
+                z0 = z0 * carry
+            sp = base * P + p
+            h0 += tl.load(END + (sp * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)
+            z0 += tl.load(ZEND + sp * F + of, mask=of < z_lim, other=0.0)
+        c0 = seg * L
+        for c in range(c0, tl.minimum(c0 + L, NS)):
+            st = base * NS + c
+            if DECAY:
+                w = tl.exp(-rho * (CHUNK * (c - c0)).to(tl.float32))
+            else:
+                w = 1.0
+            ptr = HKV + (st * F + of)[:, None] * D + od[None, :]
+            tl.store(ptr, (tl.load(ptr, mask=both, other=0.0).to(tl.float32) + w * h0).to(HKV.dtype.element_ty),
+                     mask=both)  # fmt: skip
+            zp = HK + st * F + of
+            tl.store(zp, tl.load(zp, mask=of < z_lim, other=0.0) + w * z0, mask=of < z_lim)
+
+
+def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
+    """Segments to cut a scan of `chunks` chunks into, given `programs` programs without a split and `sms` SMs:
+    enough that programs x segments fills the SMs twice, none shorter than `least` chunks; 1 = no split."""
+    if programs >= sms or chunks < 2 * least:
+        return 1
+    want = -(-2 * sms // programs)
+    return max(1, min(want, chunks // least))
+
+
+def states(fk, v, rho, n_excl, ns, *, block_f, block_dv, warps, dt, prec, segments=None, options=None):
+    """h [B, Hkv, ns, F, D] (bf16 for bf16 inputs, else fp32) and z [B, Hkv, ns, F] (fp32): the states before chunks
+    0..ns-1 of phi_k fk [B, Hkv, T, F] and v [B, Hkv, T, D], rho [Hkv] (fp32) or None, the first n_excl keys left
+    out. `segments`: how many to cut the scan into (None: `plan` for the device's SMs; three launches when more than
+    one, fp32 scratch of B x Hkv x segments x F x (D + 1)). `options`: more launch options of _chunk_states (its
+    register cap)."""
+    B, Hkv, T, F = fk.shape
+    D = v.shape[-1]
+    state_dtype = torch.bfloat16 if fk.dtype == torch.bfloat16 else torch.float32
+    hkv = torch.empty(B, Hkv, ns, F, D, dtype=state_dtype, device=fk.device)
+    hk = torch.empty(B, Hkv, ns, F, dtype=torch.float32, device=fk.device)
+    grid = (triton.cdiv(F, block_f), triton.cdiv(D, block_dv))
+    if segments is None:
+        sms = SMS_OFF_GPU
+        if fk.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(fk.device).multi_processor_count
+        segments = plan(grid[0] * grid[1] * B * Hkv, ns, sms)
+    P = max(1, min(int(segments), ns))
+    L = -(-ns // P) if ns else 1
+    P = -(-ns // L) if ns else 1  # (no empty segment)
+    r = hk if rho is None else rho
+    tiles = dict(DECAY=rho is not None, CHUNK=CHUNK, BLOCK_F=block_f, BLOCK_DV=block_dv)
+    end = zend = hk
+    if P > 1:
+        scratch = dict(dtype=torch.float32, device=fk.device)
+        end, zend = torch.empty(B * Hkv, P, F, D, **scratch), torch.empty(B * Hkv, P, F, **scratch)
+    _chunk_states[(*grid, B * Hkv * P)](
+        fk, v, r, hkv, hk, end, zend, T, F, D, ns, Hkv, n_excl, L, P, **tiles, DT=dt, PREC=prec, num_warps=warps,
+        **(options or {})
+    )  # fmt: skip
+    if P > 1:
+        _segment_fix[(*grid, B * Hkv * P)](r, end, zend, hkv, hk, ns, F, D, Hkv, L, P, **tiles, num_warps=warps)
+    return hkv, hk
