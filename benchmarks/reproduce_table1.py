@@ -58,7 +58,17 @@ OVERRIDES = {
     "+decay": DECAY_OVERRIDES,
     "+sinks+decay": SINKS_OVERRIDES + DECAY_OVERRIDES,
 }
-CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py")
+# One-switch changes of a row (`--switch NAME`, with --row): the exploration of issue 52, whether some recipe makes the
+# LA worth its place at the presets' window (64) trained at 1024 (--budget long). Each is (what it changes, budget
+# changes, extra overrides of every stage); its row file is <row>@<switch>.json beside the budget's rows, its table
+# explore_table_of(budget).
+SWITCHES = {
+    "steps128": ("4x the stage-2 tokens (128 steps)", {"steps": 128}, []),
+    "features32": ("a smaller feature map (hedgehog on 32 dims: F = 64, not 128)", {}, ["attention.feature_dim=32"]),
+    "features128": ("a larger feature map (hedgehog on 128 dims: F = 256)", {}, ["attention.feature_dim=128"]),
+}
+CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py",
+        "hybrid_scale/finetune/schedule.py")  # fmt: skip
 ROWS_DIR = REPO / "docs" / "results" / "reproduce"
 TABLE = REPO / "docs" / "results" / "reproduce_table1.md"
 
@@ -66,6 +76,11 @@ TABLE = REPO / "docs" / "results" / "reproduce_table1.md"
 def rows_dir_of(budget: str) -> Path:
     """The committed row files of a budget: each budget has its own rows and table (the default's: ROWS_DIR, TABLE)."""
     return ROWS_DIR if budget == "default" else ROWS_DIR.with_name(f"reproduce_{budget}")
+
+
+def explore_table_of(budget: str) -> Path:
+    """The table of a budget's switched rows (SWITCHES)."""
+    return TABLE.with_name(f"reproduce_switches_{budget}.md")
 
 
 def table_of(budget: str) -> Path:
@@ -208,10 +223,13 @@ def measured_root(run_root: Path, budget: str, code: str) -> Path:
     return run_root / f"{budget}-{code[:12]}"
 
 
-def run_row(row: str, b: dict, root: Path, model: list[str], code: str) -> dict:
+def run_row(
+    row: str, b: dict, root: Path, model: list[str], code: str, switch: list[str] = (), stage1_root: Path | None = None
+) -> dict:
     """One row end to end (each stage resumed or skipped when finished) under `root` (measured_root); returns the
-    row's record, refused when the measured code changed while it ran."""
-    common = [*model, f"attention.window={b['window']}", "seed=0"]
+    row's record, refused when the measured code changed while it ran. `switch`: more overrides of every stage;
+    `stage1_root`: where its stage 1 runs when not under `root` (a switch that leaves stage 1 as it is shares it)."""
+    common = [*model, f"attention.window={b['window']}", "seed=0", *switch]
     modes = [f"eval.modes=[{','.join(MODES)}]", f"eval.passkey_modes=[{','.join(m for m in MODES if m != 'none')}]"]
     settings, times, again = {}, {}, []
 
@@ -228,7 +246,7 @@ def run_row(row: str, b: dict, root: Path, model: list[str], code: str) -> dict:
     recipe, variant = split(CALIBRATED.split("+")[0] if row == CALIBRATED else row)
     extra = OVERRIDES[variant]
     objective = RECIPE_TABLE[recipe].objective
-    stage1_run = root / f"stage1_{objective}{variant.replace('+', '_')}"
+    stage1_run = (stage1_root or root) / f"stage1_{objective}{variant.replace('+', '_')}"
     settings["distill"] = [
         *common,
         *extra,
@@ -308,13 +326,23 @@ def stale(r: dict, b: dict, code: str) -> list[str]:
     why = []
     if r["code_hash"] != code:
         why.append("the attention or recipe code changed since")
-    if r["budget"] != b:
+    if r.get("base_budget", r["budget"]) != b:  # (a switched row: the budget it changed)
         why.append("another budget")
     return why
 
 
-def load_rows(rows_dir: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))}
+def load_rows(rows_dir: Path, switched: bool = False) -> dict[str, dict]:
+    """The row files of a budget: Table 1's rows, or (switched) the rows with a switch (<row>@<switch>)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json")) if ("@" in p.stem) == switched}
+
+
+def run_switched(row: str, switch: str, b: dict, root: Path, model: list[str], code: str) -> dict:
+    """`row` with one switch (SWITCHES) under root/@switch; its stage 1 is the unswitched row's when the switch
+    leaves stage 1 as it is (no overrides, no stage-1 budget key). The record names the switch."""
+    _, changes, overrides = SWITCHES[switch]
+    own = overrides or any(k.startswith("stage1") for k in changes)
+    r = run_row(row, b | changes, root / f"@{switch}", model, code, overrides, None if own else root)
+    return r | {"switch": switch, "base_budget": b}
 
 
 # --- the table -------------------------------------------------------------------------------------------------------
@@ -446,6 +474,59 @@ def table(rows: dict[str, dict], b: dict, code: str, budget: str = "default") ->
     return "\n".join(lines) + "\n"
 
 
+def explore_table(rows: dict[str, dict], switched: dict[str, dict], b: dict, code: str, budget: str) -> str:
+    """The switched rows beside the rows they change: the hybrid against swa_sinks past the window (the gain's CI),
+    bucket by bucket (perplexity ratio hybrid / swa_sinks; < 1: the hybrid is better), and the LA's share of the
+    hybrid's normaliser by bucket."""
+    w = b["window"]
+    flag = "" if budget == "default" else f" --budget {budget}"
+    names = sorted({name.split("@")[0] for name in switched})
+    lines = [
+        f"# One switch at a time: does some recipe make the LA worth its place at window {w}? (budget {budget})",
+        "",
+        f"<!-- made by benchmarks/reproduce_table1.py --row ROW --switch SWITCH{flag} from "
+        f"docs/results/{rows_dir_of(budget).name}/<row>@<switch>.json -->",
+        "",
+        f"Each switched row is a row of {table_of(budget).name} with one change (SWITCHES in "
+        "benchmarks/reproduce_table1.py): " + "; ".join(f"`{k}`: {v[0]}" for k, v in SWITCHES.items()) + ". "
+        f"The target (issue 52): the hybrid beats swa_sinks past the window (positions >= {w}) with the gain's 95% "
+        "CI above 0, no bucket worse, and an LA share of at least 10% past the window. Per bucket: perplexity "
+        "hybrid / swa_sinks (below 1: the hybrid is better) and the LA's share of the normaliser.",
+        "",
+        "| row | switch | commit, code | hybrid / swa_sinks ppl past the window | gain [95% CI] | beats swa_sinks | "
+        "per bucket: hybrid / swa_sinks | per bucket: LA share | stage 1 / 2 / eval (min) |",
+        "|---|---|---|---:|---:|---|---|---|---:|",
+    ]
+    for name in names:
+        mine = sorted((k, v) for k, v in switched.items() if k.split("@")[0] == name)
+        for r in [rows.get(name), *(v for _, v in mine)]:
+            if r is None:
+                lines.append(f"| {name} | - | not run | | | | | | |")
+                continue
+            why = stale(r, b, code)
+            mark = f"{r['commit'][:8]}, {r['code_hash'][:8]}" + (" **stale**" if why else "")
+            res = r["results"]
+            sinks = against_sinks(res)
+            ppl = (res.get("beyond_window") or {}).get("perplexity", {})
+            ratio = f"{ppl['hybrid']:.2f} / {ppl['swa_sinks']:.2f}" if {"hybrid", "swa_sinks"} <= set(ppl) else ""
+            by_mode = res.get("perplexity", {}).get("by_mode", {})
+            per = ""
+            if {"hybrid", "swa_sinks"} <= set(by_mode):
+                h, s_ = by_mode["hybrid"], by_mode["swa_sinks"]
+                per = ", ".join(f"{x}: {h[x] / s_[x]:.3f}" for x in h)
+            share = res.get("la_share")
+            shares = ", ".join(f"{x}: {_share(share, x)}" for x in (by_mode.get("hybrid") or {})) if share else ""
+            lines.append(
+                f"| {name} | {r.get('switch', '-')} | {mark} | {ratio} | {_nats(sinks) if sinks else ''} | "
+                f"{_beats(sinks)} | {per} | {shares} | {_minutes(r)} |"
+            )
+    lines += ["", "```bash"]
+    script = ".venv/bin/python benchmarks/reproduce_table1.py"
+    lines += [f"{script} --row {k.split('@')[0]} --switch {k.split('@')[1]}{flag}" for k in sorted(switched)]
+    lines += ["```"]
+    return "\n".join(lines) + "\n"
+
+
 def _share(share: dict, bucket: str) -> str:
     """The LA's share of the hybrid's normaliser in a bucket, mean over layers and heads, in % ('' when the bucket was
     not measured)."""
@@ -456,6 +537,7 @@ def _share(share: dict, bucket: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--row", choices=ROWS, help="run this row only (end to end, resumable) and write its file")
+    ap.add_argument("--switch", choices=sorted(SWITCHES), help="with --row: the row with this one-switch change")
     ap.add_argument("--table", action="store_true", help="only write the table from the committed rows")
     ap.add_argument("--budget", default="default", choices=sorted(BUDGETS))
     ap.add_argument("--model", default=None, help="model.path (default: the embedded SmolLM2)")
@@ -472,6 +554,8 @@ def main(argv=None) -> int:
         help="the table (default: docs/results/reproduce_table1.md, or reproduce_table1_<budget>.md beside it)",
     )
     a = ap.parse_args(argv)
+    if a.switch and not a.row:
+        ap.error("--switch goes with --row (the row it changes)")
     b, code = BUDGETS[a.budget], code_hash()
     rows_dir, out = Path(a.rows_dir or rows_dir_of(a.budget)), Path(a.out or table_of(a.budget))
     model = [*([f"model.path={a.model}"] if a.model else []), *([f"data.source={a.data}"] if a.data else [])]
@@ -479,9 +563,14 @@ def main(argv=None) -> int:
     todo = [] if a.table else [a.row] if a.row else [r for r in ROWS if r not in rows or stale(rows[r], b, code)]
     if todo and not a.model:  # the embedded default, converted from its packages once (cached; new machines lack it)
         hybrid_scale("assets")
+    root = measured_root(Path(a.run_root), a.budget, code)
     for name in todo:
-        print(f"reproduce: row {name}", flush=True)
-        r = run_row(name, b, measured_root(Path(a.run_root), a.budget, code), model, code)
+        print(f"reproduce: row {name}" + (f" @{a.switch}" if a.switch else ""), flush=True)
+        if a.switch:
+            r = run_switched(name, a.switch, b, root, model, code)
+            name = f"{name}@{a.switch}"
+        else:
+            r = run_row(name, b, root, model, code)
         rows_dir.mkdir(parents=True, exist_ok=True)
         path = rows_dir / f"{name}.json"
         path.with_suffix(".tmp").write_text(json.dumps(r, indent=1) + "\n")
@@ -491,6 +580,10 @@ def main(argv=None) -> int:
     if not a.row:
         out.write_text(table(rows, b, code, a.budget))
         print(f"reproduce: table written to {out}")
+    switched = load_rows(rows_dir, switched=True)
+    if switched:
+        explore_table_of(a.budget).write_text(explore_table(rows, switched, b, code, a.budget))
+        print(f"reproduce: the switched rows' table written to {explore_table_of(a.budget)}")
     return 0
 
 

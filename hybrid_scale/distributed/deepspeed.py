@@ -10,7 +10,6 @@ TORCH_EXTENSIONS_DIR still defaults to a folder inside the virtual environment, 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 import warnings
@@ -49,7 +48,8 @@ def zero3_config(dtype: torch.dtype, offload: bool = False) -> dict:
 
 
 def train_config(f, dtype: torch.dtype, world: int) -> dict:
-    """Stage 2's DeepSpeed config, generated from the config's `finetune` section (nothing else is read)."""
+    """Stage 2's DeepSpeed config, generated from the config's `finetune` section (nothing else is read). It has no
+    scheduler: the engines take finetune.schedule's (parallelize's `schedule`)."""
     accumulation = f.global_batch // (f.micro_batch * world)
     if accumulation < 1 or accumulation * f.micro_batch * world != f.global_batch:
         raise ValueError(
@@ -79,16 +79,6 @@ def train_config(f, dtype: torch.dtype, world: int) -> dict:
                 "torch_adam": True,
             },
         },
-        "scheduler": {
-            "type": "WarmupDecayLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": f.lr,
-                "warmup_num_steps": f.warmup_steps,
-                "total_num_steps": max(f.max_steps, f.warmup_steps + 1),
-                "warmup_type": "linear",
-            },
-        },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -116,18 +106,9 @@ def gathered(module: nn.Module):
 
 
 def quiet() -> None:
-    """Silence what DeepSpeed logs on every run that is not the user's concern: the torch collective that DeepSpeed
-    0.19 calls once per step and torch 2.13 deprecates, and the 'learning rate before it has started' warning its
-    WarmupDecayLR logs from its own constructor."""
+    """Silence the torch collective that DeepSpeed 0.19 calls once per step and torch 2.13 deprecates (not the
+    user's concern)."""
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
-    from deepspeed.utils import logger
-
-    if _not_before_started not in logger.filters:
-        logger.addFilter(_not_before_started)
-
-
-def _not_before_started(record: logging.LogRecord) -> bool:
-    return "scheduler before it has started" not in record.getMessage()
 
 
 # --- whole tensors out of ZeRO-3 partitions (collective: every rank calls in the same order) ----------------------

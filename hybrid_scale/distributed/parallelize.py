@@ -39,12 +39,14 @@ def parallelize(
     zero3: dict | None = None,
     train: bool = False,
     rt: Runtime | None = None,
+    schedule: Callable | None = None,
 ):
     """`model` with activation checkpointing, adapted, split over `rt`'s tensor-parallel group (rt.tp > 1), then
     sharded with ZeRO-3 (`zero3`: the DeepSpeed config; at rt.tp > 1 it configures the replicated engine).
     Returns (engine, model): for training the engine's optimizer holds the parameters that require grad and the
     model is the adapted one; for inference the model is the sharded one in eval mode; without `zero3` the engine is
-    None."""
+    None. `schedule` builds the training engine's learning-rate scheduler over its optimizer (both engines take the
+    same one)."""
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if adapt is not None:  # (a model read split: PEFT makes whole LoRA factors, which the plan then splits)
@@ -53,14 +55,14 @@ def parallelize(
     if rt is not None and rt.tp > 1:
         tensor_parallel.apply(model, rt)
         if train and zero3 is not None:
-            return ReplicatedEngine(model, zero3, rt), model
+            return ReplicatedEngine(model, zero3, rt, schedule), model
         return None, model if train else model.eval()
     if zero3 is None:
         return None, model
     deepspeed = import_deepspeed()
     if train:
         params = [p for p in model.parameters() if p.requires_grad]
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=zero3)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=zero3, lr_scheduler=schedule)
         return engine, model
     engine, *_ = deepspeed.initialize(model=model, config=zero3)
     return engine, engine.module.eval()

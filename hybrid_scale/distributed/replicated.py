@@ -9,8 +9,8 @@ any tensor-parallel size:
   - at the accumulation boundary the gradients are averaged over the data-parallel ranks (one fp32 all-reduce; the
     replicated LoRA factors' gradients, partial sums over the tensor-parallel ranks, in a second one over all ranks,
     which adds them up and averages them at once), the global norm is clipped to gradient_clipping (a split tensor
-    counted once: its squares summed over the tensor-parallel group), then torch's AdamW steps and DeepSpeed's own
-    WarmupDecayLR advances.
+    counted once: its squares summed over the tensor-parallel group), then torch's AdamW steps and the learning-rate
+    schedule that DeepSpeed's engine is given too (finetune.schedule) advances.
 The trainable parameters are fp32 (their own masters); the frozen base computes in model.dtype.
 """
 
@@ -28,9 +28,7 @@ from .runtime import Runtime
 
 
 class ReplicatedEngine:
-    def __init__(self, module: nn.Module, ds_config: dict, rt: Runtime):
-        from deepspeed.runtime.lr_schedules import WarmupDecayLR
-
+    def __init__(self, module: nn.Module, ds_config: dict, rt: Runtime, schedule=None):
         self.module, self.rt = module, rt
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         heads = tensor_parallel.head_sharded(module)
@@ -44,7 +42,12 @@ class ReplicatedEngine:
             weight_decay=o["weight_decay"],
             foreach=False,  # DTensor and plain parameters side by side
         )
-        self.lr_scheduler = WarmupDecayLR(self.optimizer, **ds_config["scheduler"]["params"])
+        # the learning-rate schedule DeepSpeed's engine is given too (finetune.schedule); none: a constant rate
+        self.lr_scheduler = (
+            schedule(self.optimizer)
+            if schedule
+            else torch.optim.lr_scheduler.ConstantLR(self.optimizer, factor=1.0, total_iters=0)
+        )
         self.accumulation = ds_config["gradient_accumulation_steps"]
         self.clip = ds_config["gradient_clipping"]
         self.micro_steps = 0

@@ -27,6 +27,7 @@ from ..distributed.deepspeed import gather_full, restore_trainable, trainable_st
 from ..distributed.replicated import ReplicatedEngine
 from ..models.convert import set_modes
 from ..models.converted import ADAPTER_DIR, describe, mark_adapter, write_converted
+from .schedule import resume_schedule
 
 
 def committed_steps(stage2: Path) -> list[Path]:
@@ -35,8 +36,8 @@ def committed_steps(stage2: Path) -> list[Path]:
 
 
 def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
-    """A committed step checkpoint: trainable weights and AdamW moments (gathered whole), the scheduler, the loop's
-    state, every rank's RNG state as a tensor. Collective."""
+    """A committed step checkpoint: trainable weights and AdamW moments (gathered whole), the loop's state (its
+    step sets the learning-rate schedule on resume), every rank's RNG state as a tensor. Collective."""
     weights, moments = engine.trainable_state() if isinstance(engine, ReplicatedEngine) else trainable_state(named)
     tmp = sibling(dest, "partial")
     if rt.main:
@@ -44,7 +45,7 @@ def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
         fault_enospc(f"save:{dest.name}")
         save_tensors(weights, tmp / "trainable.safetensors")
         save_tensors(moments, tmp / "optimizer.safetensors")
-        state = {**state, "scheduler": engine.lr_scheduler.state_dict(), "world": rt.world, "tensor_parallel": rt.tp}
+        state = {**state, "world": rt.world, "tensor_parallel": rt.tp}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
     runtime.barrier(rt)
     save_tensors(rng_state(rt.device), tmp / f"rng_rank{rt.rank}.safetensors")
@@ -58,9 +59,10 @@ def save_step(dest: Path, engine, named, state: dict, rt) -> Path:
 
 
 def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
-    """Restore a step checkpoint into this world size's partitions, the scheduler and this rank's RNG (another world
-    size or tensor-parallel size: a fresh stream per data-parallel rank derived from the seed and the step, the same
-    on the ranks of a tensor-parallel group, whose LoRA dropout masks must agree). Returns the loop's saved state."""
+    """Restore a step checkpoint into this world size's partitions, the learning-rate schedule at its step and this
+    rank's RNG (another world size or tensor-parallel size: a fresh stream per data-parallel rank derived from the
+    seed and the step, the same on the ranks of a tensor-parallel group, whose LoRA dropout masks must agree). Returns
+    the loop's saved state."""
     state = json.loads((checkpoint / "state.json").read_text())
     step = state["step"]
     weights, moments = load_file(checkpoint / "trainable.safetensors"), load_file(checkpoint / "optimizer.safetensors")
@@ -68,8 +70,7 @@ def load_step(checkpoint: Path, engine, named, rt, seed: int) -> dict:
         engine.restore(weights, moments, step)
     else:
         restore_trainable(engine, named, weights, moments, step)
-    engine.lr_scheduler.load_state_dict(state["scheduler"])
-    engine.lr_scheduler.step(state["scheduler"]["last_batch_iteration"])  # puts that lr into the optimizer
+    resume_schedule(engine.lr_scheduler, step)  # (a function of the step: a checkpoint of any version resumes)
     rng = checkpoint / f"rng_rank{rt.rank}.safetensors"
     if (state["world"], state.get("tensor_parallel", 1)) == (rt.world, rt.tp) and rng.is_file():
         set_rng_state(load_file(rng), rt.device)  # tensors only: no pickle is ever loaded

@@ -48,6 +48,7 @@ from ..run.metrics import Metrics, duration
 from ..run.settings import differing, stage2_settings
 from ..run.sources import ModelSource
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
+from .schedule import schedule_for
 
 
 @dataclass
@@ -268,6 +269,7 @@ def prepare(model, cfg, rt, ds_config: dict):
         zero3=ds_config,
         train=True,
         rt=rt,
+        schedule=schedule_for(f),
     )
     return engine, peft_model, layers
 

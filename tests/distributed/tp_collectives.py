@@ -21,7 +21,6 @@ from hybrid_scale.distributed.parallelize import parallelize  # noqa: E402
 
 ENGINE = {  # the part of stage 2's DeepSpeed config that the replicated engine reads
     "optimizer": {"params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
-    "scheduler": {"params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1, "total_num_steps": 4}},
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
 }

@@ -49,6 +49,26 @@ def overrides(setup: Path, run_dir: Path, *extra) -> list[str]:
     ]
 
 
+LR, WARMUP = 0.002, 2  # the overrides' finetune.lr and finetune.warmup_steps
+
+
+def documented_lr(max_steps: int) -> list[float]:
+    """The learning rate of steps 1..max_steps as finetune/schedule.py's docstring writes it (not its code)."""
+    n, w = max_steps, WARMUP
+    return [LR * k / w if k <= w else LR * (n + 1 - k) / (n + 1 - w) for k in range(1, n + 1)]
+
+
+def assert_schedule(run: Path, max_steps: int = 10) -> None:
+    """The learning rates that metrics.jsonl logs for the steps of the run (one record each, resumes included) are
+    the documented ones: step 1 already trains, the last one too."""
+    steps = [r for r in map(json.loads, (run / "stage2" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "step"]  # fmt: skip
+    assert [r["step"] for r in steps] == list(range(1, max_steps + 1))
+    got, want = [r["lr"] for r in steps], documented_lr(max_steps)
+    assert all(abs(a - b) <= 1e-12 for a, b in zip(got, want, strict=True)), (got, want)
+    assert min(got) > 0
+
+
 def finetune(args, ranks=2, env=None, cold=False):
     return procs.run(["finetune", *args], env, timeout=600, ranks=ranks, cold=cold)
 

@@ -19,7 +19,7 @@ import procs
 import pytest
 import torch
 from conftest import perturb_hybrid, tiny_model
-from finetune_common import curves, finetune, make_setup, overrides
+from finetune_common import assert_schedule, curves, finetune, make_setup, overrides
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,6 +132,7 @@ def test_each_step_consumes_the_same_sequences_on_one_and_two_ranks(setup, smoll
 def test_reference_run_trains_and_keeps_the_newest_two_checkpoints(reference):
     c = curves(reference)
     assert len(c["train"]) == 10 and c["eval_steps"] == [5, 10]
+    assert_schedule(reference)  # DeepSpeed's engine, given finetune/schedule.py's schedule
     assert c["hybrid"][-1] < c["hybrid"][0]  # held-out hybrid loss went down
     assert [p.name for p in committed_steps(reference / "stage2")] == ["step_00000009", "step_00000010"]
     assert (reference / "stage2" / "output").resolve().name == "final"  # no early stopping for ssd
@@ -184,6 +185,7 @@ def test_a_signal_saves_quickly_exits_75_then_sigkill_and_resume_equal_uninterru
     assert finetune(overrides(setup, run)).returncode == 0
     log = (stage2 / "log.txt").read_text()
     assert "resumed from step_00000005" in log and "resumed from step_00000006" in log
+    assert_schedule(run)  # resumed twice: every step's rate as documented
     ref, got = curves(reference), curves(run)
     assert torch.allclose(torch.tensor(got["train"]), torch.tensor(ref["train"]), rtol=0, atol=1e-6)
     assert got["hybrid"] == pytest.approx(ref["hybrid"], abs=1e-6)
@@ -194,6 +196,7 @@ def test_a_signal_saves_quickly_exits_75_then_sigkill_and_resume_equal_uninterru
     one = finetune(overrides(setup, copy), ranks=0)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "saved by 2 ranks, now 1" in (copy / "stage2" / "log.txt").read_text()
+    assert_schedule(copy)
     got = curves(copy)["train"]
     assert got[:5] == ref["train"][:5]  # restored from the checkpoint
     assert torch.allclose(torch.tensor(got[5:]), torch.tensor(ref["train"][5:]), rtol=1e-4)  # the same curve continues
@@ -429,7 +432,7 @@ def test_non_reentrant_checkpointing_with_peft_gives_the_same_gradients(mode):
 
 
 def test_nan_loss_stops_at_its_step_and_keeps_the_committed_checkpoints(setup, tmp_path):
-    """finetune.lr=1e30 blows the weights up (warmup: the first update has lr 0, the second 5e29): the first step
+    """finetune.lr=1e30 blows the weights up (warmup: the first update already has lr 5e29): the first step
     with a non-finite loss stops the stage, exit 2, naming the step and the newest committed checkpoint, which stays
     committed as it was; nothing of that step or later is written."""
     args = overrides(setup, tmp_path, "finetune.lr=1e30", "finetune.save_every=1", "finetune.eval_every=0")
@@ -437,19 +440,19 @@ def test_nan_loss_stops_at_its_step_and_keeps_the_committed_checkpoints(setup, t
     assert proc.returncode == 2, proc.stderr[-3000:]
     stage2 = tmp_path / "stage2"
     msg = (
-        "stage 2: the training loss is nan at step 4 of 10; nothing of that step is saved, the newest committed "
-        "checkpoint is stage2/step_00000003 (kept); lower finetune.lr (now 1e+30) in another run_dir (a changed lr "
+        "stage 2: the training loss is nan at step 2 of 10; nothing of that step is saved, the newest committed "
+        "checkpoint is stage2/step_00000001 (kept); lower finetune.lr (now 1e+30) in another run_dir (a changed lr "
         f"does not resume), or check the weights of {setup / 'converted'} (and of its base model) for nan/inf"
     )
     assert f"hybrid-scale finetune: error: {msg}\n" in proc.stderr
     assert msg in (stage2 / "log.txt").read_text()
-    assert [p.name for p in committed_steps(stage2)] == ["step_00000002", "step_00000003"]  # hashes still match
+    assert [p.name for p in committed_steps(stage2)] == ["step_00000001"]  # its hashes still match
     logs = ["log.txt", "metrics.jsonl", "tensorboard"]  # the logs (run/metrics.py: TensorBoard is installed here)
-    assert sorted(p.name for p in stage2.iterdir()) == sorted([*logs, "step_00000002", "step_00000003"])
+    assert sorted(p.name for p in stage2.iterdir()) == sorted([*logs, "step_00000001"])
     logged = [json.loads(line) for line in (stage2 / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged] == [1, 2, 3]  # no record of the non-finite step
-    state = json.loads((stage2 / "step_00000003" / "state.json").read_text())
-    assert state["step"] == 3 and all(math.isfinite(x) for x in state["curves"]["train"])
+    assert [r["step"] for r in logged] == [1]  # no record of the non-finite step
+    state = json.loads((stage2 / "step_00000001" / "state.json").read_text())
+    assert state["step"] == 1 and all(math.isfinite(x) for x in state["curves"]["train"])
 
 
 def test_bf16_on_two_ranks_under_zero3_stays_near_fp32_with_checked_collectives(setup, reference, tmp_path):

@@ -9,7 +9,7 @@ import procs
 import pytest
 import torch
 from conftest import assert_split
-from finetune_common import curves, finetune, make_setup, overrides
+from finetune_common import assert_schedule, curves, finetune, make_setup, overrides
 from safetensors.torch import load_file
 
 from hybrid_scale.finetune.checkpoints import committed_steps
@@ -64,6 +64,8 @@ def test_tensor_parallel_2_trains_as_tensor_parallel_1(setup, tp1, tmp_path):
     report = next(line for line in log.splitlines() if "tensor parallel 2: each rank holds" in line)
     assert_split(report, 2, kinds=("q_proj", "o_proj", "q_proj.lora_B", "o_proj.lora_A"))  # LoRA split with its linear
     same_run(tp1, tmp_path, 1e-5)
+    assert_schedule(tp1, 5)
+    assert_schedule(tmp_path, 5)  # the replicated engine: the same schedule
     calls = procs.collective_calls(prefix, 2)  # every rank the same calls, each on its device
     ours = [c for c in calls if c["where"].startswith(("runtime.py", "replicated.py")) and c["dtype"]]  # (not objects)
     assert ours and all(c["dtype"][0] in ("torch.float32", "torch.float64", "torch.int32") for c in ours)
@@ -106,6 +108,7 @@ def test_a_run_stopped_at_tensor_parallel_2_resumes_at_tensor_parallel_1(setup, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step_00000003" in (stage2 / "log.txt").read_text()
     same_run(tp1, tmp_path, 1e-5)
+    assert_schedule(tmp_path, 5)  # steps 1-3 replicated, 4-5 DeepSpeed's
 
 
 def test_a_run_stopped_at_tensor_parallel_1_resumes_at_tensor_parallel_2(setup, tp1, tmp_path):
@@ -120,6 +123,7 @@ def test_a_run_stopped_at_tensor_parallel_1_resumes_at_tensor_parallel_2(setup, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step_00000003 (step 3, saved by 2 ranks, now 2)" in (stage2 / "log.txt").read_text()
     same_run(tp1, tmp_path, 1e-5)
+    assert_schedule(tmp_path, 5)  # steps 1-3 DeepSpeed's, 4-5 replicated
 
 
 def test_replicated_state_that_drifts_apart_across_ranks_stops_the_run_naming_the_tensor(setup, tmp_path):

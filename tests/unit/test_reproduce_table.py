@@ -32,6 +32,12 @@ def test_the_committed_table_is_the_one_the_committed_rows_give_for_the_current_
     for name, r in rows.items():
         line = next(x for x in expected.splitlines() if x.startswith(f"| {name} |"))
         assert r["commit"][:8] in line and r["row"] == name
+    switched = mod.load_rows(mod.rows_dir_of(budget), switched=True)
+    if switched:  # the exploration's rows (SWITCHES) and their table
+        assert {k.split("@")[1] for k in switched} <= set(mod.SWITCHES)
+        assert mod.explore_table_of(budget).read_text() == mod.explore_table(
+            rows, switched, mod.BUDGETS[budget], mod.code_hash(), budget
+        ), f"{mod.explore_table_of(budget).relative_to(ROOT)}: run --table --budget {budget}"
 
 
 def test_a_row_whose_code_hash_no_longer_matches_is_marked_stale(tmp_path):
@@ -147,3 +153,44 @@ def test_another_budget_has_its_own_rows_and_table_and_says_how_it_was_made(tmp_
     monkeypatch.setattr(mod, "TABLE", tmp_path / "reproduce_table1.md")
     assert mod.main(["--table", "--budget", "long"]) == 0
     assert (tmp_path / "reproduce_table1_long.md").is_file() and not (tmp_path / "reproduce_table1.md").exists()
+
+
+def test_a_switch_changes_every_stage_of_its_row_and_shares_stage_1_only_when_it_leaves_stage_1_alone(
+    tmp_path, monkeypatch
+):
+    """`--row R --switch S` (the exploration of issue 52): S's overrides reach stage 1, stage 2 and the evaluation;
+    a switch of stage 2's budget alone (steps128) reuses the unswitched row's finished stage 1; the switched row is
+    current against the budget it changed, and its table puts it beside the row it changes with its command."""
+    mod = reproduce()
+    stage1 = []
+
+    def fake(stage, *args):
+        opts = dict(a.split("=", 1) for a in args)
+        if stage == "distill":
+            stage1.append(opts["run_dir"])
+        if stage == "finetune":
+            (Path(opts["run_dir"]) / "stage2").mkdir(parents=True, exist_ok=True)
+            (Path(opts["run_dir"]) / "stage2" / "curves.json").write_text("{}")
+        if stage == "evaluate":
+            Path(opts["eval.out_dir"]).mkdir(parents=True, exist_ok=True)
+            (Path(opts["eval.out_dir"]) / "results.json").write_text('{"modes": {}, "verdict": "n/a"}')
+
+    monkeypatch.setattr(mod, "hybrid_scale", fake)
+    b, code, row = mod.BUDGETS["tiny"], mod.code_hash(), "lolcats+sinks+decay"
+    plain = mod.run_row(row, b, tmp_path, [], code)
+    more = mod.run_switched(row, "steps128", b, tmp_path, [], code)
+    assert len(stage1) == 1  # the unswitched row's stage 1, finished: not run again
+    assert "finetune.max_steps=128" in more["settings"]["finetune"] and more["budget"]["steps"] == 128
+    assert more["switch"] == "steps128" and mod.stale(more, b, code) == []
+    assert mod.stale(more, {**b, "steps": 3}, code) == ["another budget"]
+    small = mod.run_switched(row, "features32", b, tmp_path, [], code)
+    assert len(stage1) == 2 and "@features32" in stage1[-1]  # its own stage 1
+    for stage in ("distill", "finetune", "evaluate"):
+        assert "attention.feature_dim=32" in small["settings"][stage], stage
+        assert "attention.feature_dim=32" not in plain["settings"][stage]
+    text = mod.explore_table({row: plain}, {f"{row}@steps128": more, f"{row}@features32": small}, b, code, "tiny")
+    lines = [x for x in text.splitlines() if x.startswith(f"| {row} |")]
+    assert [x.split(" | ")[1] for x in lines] == ["-", "features32", "steps128"]
+    assert f"reproduce_table1.py --row {row} --switch steps128 --budget tiny" in text
+    with pytest.raises(SystemExit):
+        mod.main(["--switch", "steps128", "--table"])  # a switch needs the row it changes
