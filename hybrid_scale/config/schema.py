@@ -101,7 +101,7 @@ class FinetuneConfig:
     train_decay: bool = True  # also train the LA's decay rho when the model has one (attention.la_decay)
     lr: float = 1e-4  # peak AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
-    warmup_steps: int = 10  # linear warmup, then linear decay to 0 at max_steps
+    warmup_steps: int = 10  # W: step k <= W uses lr k / W, then linear decay to 0 after max_steps (every step trains)
     max_steps: int = 200  # optimizer steps
     global_batch: int = 8  # sequences per optimizer step over all ranks (accumulation = global / (micro * ranks))
     micro_batch: int = 1  # sequences per forward on one rank
