@@ -40,6 +40,24 @@ def test_the_committed_table_is_the_one_the_committed_rows_give_for_the_current_
         ), f"{mod.explore_table_of(budget).relative_to(ROOT)}: run --table --budget {budget}"
 
 
+def fake_stages(stage1: list):
+    """A stand-in for the script's `hybrid_scale` call: each stage leaves what the next one reads, and stage 1's run
+    directories are appended to `stage1`."""
+
+    def fake(stage, *args):
+        opts = dict(a.split("=", 1) for a in args)
+        if stage == "distill":
+            stage1.append(opts["run_dir"])
+        if stage == "finetune":
+            (Path(opts["run_dir"]) / "stage2").mkdir(parents=True, exist_ok=True)
+            (Path(opts["run_dir"]) / "stage2" / "curves.json").write_text("{}")
+        if stage == "evaluate":
+            Path(opts["eval.out_dir"]).mkdir(parents=True, exist_ok=True)
+            (Path(opts["eval.out_dir"]) / "results.json").write_text('{"modes": {}, "verdict": "n/a"}')
+
+    return fake
+
+
 def test_a_row_whose_code_hash_no_longer_matches_is_marked_stale(tmp_path):
     mod = reproduce()
     b = mod.BUDGETS["default"]
@@ -103,19 +121,7 @@ def test_each_variant_trains_and_evaluates_with_its_own_settings_and_stage_1(tmp
     sinks and its decay), not `+sinks` or `+decay` alone."""
     mod = reproduce()
     stage1 = []
-
-    def fake(stage, *args):  # each stage leaves what the next one reads
-        opts = dict(a.split("=", 1) for a in args)
-        if stage == "distill":
-            stage1.append(opts["run_dir"])
-        if stage == "finetune":
-            (Path(opts["run_dir"]) / "stage2").mkdir(parents=True, exist_ok=True)
-            (Path(opts["run_dir"]) / "stage2" / "curves.json").write_text("{}")
-        if stage == "evaluate":
-            Path(opts["eval.out_dir"]).mkdir(parents=True, exist_ok=True)
-            (Path(opts["eval.out_dir"]) / "results.json").write_text('{"modes": {}, "verdict": "n/a"}')
-
-    monkeypatch.setattr(mod, "hybrid_scale", fake)
+    monkeypatch.setattr(mod, "hybrid_scale", fake_stages(stage1))
     b, code = mod.BUDGETS["tiny"], mod.code_hash()
     sinks, decay = "attention.hybrid_sinks=true", "attention.la_decay=true"
     want = {"": (False, False), "+sinks": (True, False), "+decay": (False, True), "+sinks+decay": (True, True)}
@@ -163,19 +169,7 @@ def test_a_switch_changes_every_stage_of_its_row_and_shares_stage_1_only_when_it
     current against the budget it changed, and its table puts it beside the row it changes with its command."""
     mod = reproduce()
     stage1 = []
-
-    def fake(stage, *args):
-        opts = dict(a.split("=", 1) for a in args)
-        if stage == "distill":
-            stage1.append(opts["run_dir"])
-        if stage == "finetune":
-            (Path(opts["run_dir"]) / "stage2").mkdir(parents=True, exist_ok=True)
-            (Path(opts["run_dir"]) / "stage2" / "curves.json").write_text("{}")
-        if stage == "evaluate":
-            Path(opts["eval.out_dir"]).mkdir(parents=True, exist_ok=True)
-            (Path(opts["eval.out_dir"]) / "results.json").write_text('{"modes": {}, "verdict": "n/a"}')
-
-    monkeypatch.setattr(mod, "hybrid_scale", fake)
+    monkeypatch.setattr(mod, "hybrid_scale", fake_stages(stage1))
     b, code, row = mod.BUDGETS["tiny"], mod.code_hash(), "lolcats+sinks+decay"
     plain = mod.run_row(row, b, tmp_path, [], code)
     more = mod.run_switched(row, "steps128", b, tmp_path, [], code)
