@@ -5,7 +5,7 @@ the repeats), and t(16k) / t(2k).
 Shapes of SmolLM2-135M (9 heads, 3 KV heads, head_dim 64, hedgehog phi of size 128), window 64, 8 sinks kept by the
 hybrid, chunk 64, batch 1, fp32, CPU. Gradients flow to q, k, v, phi_q, phi_k, gamma and rho.
 
-    .venv/bin/python benchmarks/la_length_cost.py [--lengths 2048 16384] [--repeats 3] [--out FILE.json]
+    .venv/bin/python benchmarks/la_decay_cost.py [--lengths 2048 16384] [--repeats 3] [--out FILE.json]
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ def on_gpus(device: str) -> bool:
     return device.startswith("cuda") or device == "auto"
 
 
+# stage 1 objectives, in the order distill.objectives.unit_loss adds their terms (distill.step logs them so)
 OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..attention.hybrid import HybridAttention
+from ..config import OBJECTIVES
 from ..data import batches
 from ..data.staging import Stager
 from ..distributed import requeue, runtime, tensor_parallel
@@ -26,9 +27,6 @@ from ..errors import ConfigError, DistillError
 from ..run.settings import Derived
 from . import objectives
 from .state import Stage1
-
-# the objectives in the order objectives.unit_loss adds their terms (a step's terms are logged in this order)
-OBJECTIVES = ("weights_xent", "output_mse", "hybrid_output_mse")
 
 
 def trainable(m: HybridAttention, cfg, derived: Derived) -> list[torch.nn.Parameter]:
