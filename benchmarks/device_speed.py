@@ -38,6 +38,10 @@ Writes device_speed.md (the tables) and device_speed.json (every figure) into --
 (the dry run: benchmarks/out/device_speed_dry), and the children's output into device_speed_children.log. Exit
 status 0 when every part ran and the tests passed, else 1. DEVICE_SPEED_BUDGETS="tests=90,generate=120" changes the
 parts' budgets (seconds), DEVICE_SPEED_PARTS="e,a,b,c,d" the parts run.
+
+Why one file of over 500 lines: it is the one script a lent device runs (device_speed.sh copies it alone, with the
+wheels, onto a bare machine), and its sections a-e share the Run, the timing helpers and the report. Splitting it
+into a package goes with issue 53's benchmarks/ registry.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ code; a row whose code changes while it runs is refused (no row file).
 `--budget long` (`make reproduce ROW=... ARGS="--budget long"`) trains on the default's tokens in 1024-token
 sequences, the main job's training length, and reads the same 1024 tokens: its rows and table are its own
 (docs/results/reproduce_long/, docs/results/reproduce_table1_long.md).
+
+Why one file of over 500 lines: the rows, their runner and both tables (Table 1's and the switched rows') share
+the budgets, the code hash and the row records; it moves to experiments/ as its own package with issue 53.
 """
 
 from __future__ import annotations
