@@ -69,6 +69,9 @@ SWITCHES = {
     "steps128": ("4x the stage-2 tokens (128 steps)", {"steps": 128}, []),
     "features32": ("a smaller feature map (hedgehog on 32 dims: F = 64, not 128)", {}, ["attention.feature_dim=32"]),
     "features128": ("a larger feature map (hedgehog on 128 dims: F = 256)", {}, ["attention.feature_dim=128"]),
+    "horizon512": ("a decay every head starts with: rho = 1/512 at conversion", {}, ["attention.la_decay_horizon=512"]),
+    "gamma3": ("a window 10x weaker at conversion (gamma_init 3, not 30): more of the output left to the LA", {},
+               ["attention.gamma_init=3.0"]),
 }
 CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py",
         "hybrid_scale/finetune/schedule.py")  # fmt: skip
@@ -232,7 +235,7 @@ def run_row(
     """One row end to end (each stage resumed or skipped when finished) under `root` (measured_root); returns the
     row's record, refused when the measured code changed while it ran. `switch`: more overrides of every stage;
     `stage1_root`: where its stage 1 runs when not under `root` (a switch that leaves stage 1 as it is shares it)."""
-    common = [*model, f"attention.window={b['window']}", "seed=0", *switch]
+    common = [*model, f"attention.window={b['window']}", "seed=0"]
     modes = [f"eval.modes=[{','.join(MODES)}]", f"eval.passkey_modes=[{','.join(m for m in MODES if m != 'none')}]"]
     settings, times, again = {}, {}, []
 
@@ -243,11 +246,11 @@ def run_row(
     if row == "base":
         run = root / "base"
         base = ["eval.modes=[base]", "eval.passkey_modes=[base]", "eval.la_share_seq_len=0", f"run_dir={run}"]
-        settings["evaluate"] = [*common, *evaluation(b), *base]
+        settings["evaluate"] = [*common, *switch, *evaluation(b), *base]
         stage("eval", run, "eval", lambda: hybrid_scale("evaluate", *settings["evaluate"]))
         return record(row, b, settings, times, run / "eval" / "results.json", None, code, again)
     recipe, variant = split(CALIBRATED.split("+")[0] if row == CALIBRATED else row)
-    extra = OVERRIDES[variant]
+    extra = [*OVERRIDES[variant], *switch]  # the switch last: it overrides the variant's own keys (gamma3)
     objective = RECIPE_TABLE[recipe].objective
     stage1_run = (stage1_root or root) / f"stage1_{objective}{variant.replace('+', '_')}"
     settings["distill"] = [

@@ -142,6 +142,7 @@ class HybridAttention(nn.Module):
         sinks: int = 8,
         hybrid_sinks: bool = False,
         la_decay: bool = False,
+        la_decay_horizon: int = 0,
         mode: str = "hybrid",
         chunk_size: int = 64,
         backend: str = "auto",
@@ -172,18 +173,20 @@ class HybridAttention(nn.Module):
         self.gamma_param = gamma_param  # theta -> gamma: sigmoid (LoLCATs, gamma < 1) or exp (unbounded)
         logit = GAMMA_PARAMS[gamma_param][1](gamma_init)
         self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=dtype))
-        if la_decay:  # the LA's decay rho per KV head (naive.py), from 0: exactly the hybrid without it
-            self.la_decay_rho = nn.Parameter(torch.zeros(num_kv_heads, device=ref.device, dtype=dtype))
+        if la_decay:  # the LA's decay rho per KV head (naive.py): from 0, exactly the hybrid without it, or from
+            rho0 = 1.0 / la_decay_horizon if la_decay_horizon else 0.0  # 1/horizon (alpha^horizon = 1/e)
+            self.la_decay_rho = nn.Parameter(torch.full((num_kv_heads,), rho0, device=ref.device, dtype=dtype))
 
     SETTINGS = (
         "window", "feature_map", "feature_dim", "gamma_init", "gamma_param", "sinks", "hybrid_sinks", "la_decay",
-        "mode", "chunk_size", "backend",
+        "la_decay_horizon", "mode", "chunk_size", "backend",
     )  # fmt: skip
     DEFAULTS = {
         "backend": "auto",
         "hybrid_sinks": False,
         "gamma_param": "sigmoid",
         "la_decay": False,
+        "la_decay_horizon": 0,
     }  # settings that older hybrid_config.json files do not have
 
     @classmethod

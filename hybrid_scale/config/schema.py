@@ -39,6 +39,9 @@ class AttentionConfig:
     # the LA's keys decay past the window: a key that left it counts alpha_h^(its distance past the window), alpha_h =
     # exp(-rho_h) per KV head, rho_h >= 0 learnt from 0 (the formula without decay) in stage 1 and stage 2
     la_decay: bool = False
+    # with la_decay: rho_h of every KV head starts at 1/la_decay_horizon (a key that many tokens past the window
+    # counts 1/e); 0 = from rho 0, exactly the hybrid without decay. Read by the conversion (models/convert.py)
+    la_decay_horizon: int = 0
     # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)

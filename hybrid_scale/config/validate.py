@@ -53,6 +53,12 @@ def _validate_attention(a) -> None:
     if not (0.0 < a.gamma_init < 1.0 if a.gamma_param == "sigmoid" else a.gamma_init > 0.0):
         bound = "in (0, 1) with attention.gamma_param=sigmoid" if a.gamma_param == "sigmoid" else "> 0"
         raise ConfigError(f"config key 'attention.gamma_init': must be {bound}, got {a.gamma_init}")
+    _positive("attention.la_decay_horizon", a.la_decay_horizon, 0)
+    if a.la_decay_horizon and not a.la_decay:
+        raise ConfigError(
+            "config key 'attention.la_decay_horizon': sets where the LA's decay starts, but attention.la_decay is "
+            "false; set attention.la_decay=true or leave la_decay_horizon at 0"
+        )
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
 

@@ -12,6 +12,7 @@ import torch
 from conftest import attention_inputs, perturb_hybrid, tiny_model
 
 import hybrid_scale as hs
+from hybrid_scale.errors import ConfigError
 from hybrid_scale.attention import chunked, naive, recurrent
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
 from hybrid_scale.attention.hybrid import hybrid_layers
@@ -173,6 +174,20 @@ def test_at_initialisation_a_converted_model_is_todays_hybrid():
     decay = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True})
     with torch.no_grad():
         torch.testing.assert_close(decay(x).logits, plain(x).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_a_horizon_starts_every_kv_head_at_rho_one_over_it_and_needs_the_decay():
+    x = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    model = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "la_decay": True, "la_decay_horizon": 8})
+    assert all(m.la_decay.tolist() == pytest.approx([1 / 8, 1 / 8]) for m in hybrid_layers(model).values())
+    assert model.hybrid_settings["la_decay_horizon"] == 8
+    plain = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "la_decay": True})
+    with torch.no_grad():  # the decay acts from the start: past the window the output is not the undecayed one
+        assert not torch.allclose(model(x).logits[:, W + 2 :], plain(x).logits[:, W + 2 :], atol=1e-4)
+    with pytest.raises(ConfigError, match="attention.la_decay_horizon.*la_decay is false"):
+        hs.convert_model(tiny_model("llama"), {"window": W, "la_decay_horizon": 8})
+    with pytest.raises(ConfigError, match="attention.la_decay_horizon': must be >= 0"):
+        hs.convert_model(tiny_model("llama"), {"window": W, "la_decay": True, "la_decay_horizon": -1})
 
 
 def test_save_load_generate_and_split_heads(tmp_path):

@@ -182,6 +182,10 @@ def test_a_switch_changes_every_stage_of_its_row_and_shares_stage_1_only_when_it
     for stage in ("distill", "finetune", "evaluate"):
         assert "attention.feature_dim=32" in small["settings"][stage], stage
         assert "attention.feature_dim=32" not in plain["settings"][stage]
+    weak = mod.run_switched(row, "gamma3", b, tmp_path, [], code)
+    for stage in ("distill", "finetune"):  # the switch comes after the variant's gamma_init=30.0: the last one wins
+        keys = [x for x in weak["settings"][stage] if x.startswith("attention.gamma_init=")]
+        assert keys[-1] == "attention.gamma_init=3.0", (stage, keys)
     text = mod.explore_table({row: plain}, {f"{row}@steps128": more, f"{row}@features32": small}, b, code, "tiny")
     lines = [x for x in text.splitlines() if x.startswith(f"| {row} |")]
     assert [x.split(" | ")[1] for x in lines] == ["-", "features32", "steps128"]
