@@ -70,8 +70,11 @@ SWITCHES = {
     "features32": ("a smaller feature map (hedgehog on 32 dims: F = 64, not 128)", {}, ["attention.feature_dim=32"]),
     "features128": ("a larger feature map (hedgehog on 128 dims: F = 256)", {}, ["attention.feature_dim=128"]),
     "horizon512": ("a decay every head starts with: rho = 1/512 at conversion", {}, ["attention.la_decay_horizon=512"]),
-    "gamma3": ("a window 10x weaker at conversion (gamma_init 3, not 30): more of the output left to the LA", {},
-               ["attention.gamma_init=3.0"]),
+    "gamma3": (
+        "a window 10x weaker at conversion (gamma_init 3, not 30): more of the output left to the LA",
+        {},
+        ["attention.gamma_init=3.0"],
+    ),
 }
 CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py",
         "hybrid_scale/finetune/schedule.py")  # fmt: skip

@@ -82,7 +82,7 @@ def worker(args) -> None:
     """One rank of one tp: load, split, run the logits and a decode state; its record to <results>/rank<R>.json."""
     from transformers import AutoModelForCausalLM
 
-    from hybrid_scale.attention.hybrid import HybridCache
+    from hybrid_scale.attention.cache import HybridCache
     from hybrid_scale.distributed import runtime, tensor_parallel
     from hybrid_scale.distributed.parallelize import parallelize
     from hybrid_scale.models.converted import base_config, base_dir, load_converted

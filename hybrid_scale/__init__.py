@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # name -> the module that defines it
     "HybridAttention": ".attention.hybrid",
-    "HybridCache": ".attention.hybrid",
+    "HybridCache": ".attention.cache",
     "UnsupportedArchitectureError": ".models.convert",
     "components": ".models.convert",
     "convert_model": ".models.convert",

@@ -1,9 +1,9 @@
-"""The hybrid attention entry point and nn.Module, its decode cache, and the input preparation a converted model needs.
+"""The hybrid attention entry point and its nn.Module.
 
 `attend` is the one entry point to the attention math over whole sequences (decode with a cache goes through
-recurrent.extend, or a backend's fused decode step): tensors, then keyword-only settings, computed by a backend of
-backends.py chosen per call from `backend` ("auto" by default: the Triton kernels for CUDA tensors when installed,
-the chunked torch path elsewhere; "torch", "triton", or a backend name such as "naive" = the spec).
+recurrent.extend, or a backend's fused decode step: cache.py): tensors, then keyword-only settings, computed by a
+backend of backends.py chosen per call from `backend` ("auto" by default: the Triton kernels for CUDA tensors when
+installed, the chunked torch path elsewhere; "torch", "triton", or a backend name such as "naive" = the spec).
 `HybridAttention.attend` is the same with the layer's own settings (its `backend` included) as defaults; its forward,
 stage 1, gamma calibration and the LA-share diagnostic call it.
 
@@ -11,33 +11,25 @@ stage 1, gamma calibration and the LA-share diagnostic call it.
 names, so PEFT targets them as before), its scaling and the model's rotary embeddings; it adds phi_q (per query head),
 phi_k (per KV head) and gamma per query head from a learnable theta: sigmoid(theta) in (0, 1) as LoLCATs, or
 exp(theta) in (0, inf), which can weight the window above a weak LA (`gamma_param`). Its `mode` is one of naive.MODES
-and can be switched at any time; the decode state is kept in every mode.
-
-`HybridCache` is a transformers `Cache` whose converted layers hold a `recurrent.DecodeState` (memory independent of
-the generated length) and whose other layers keep the usual `DynamicLayer`. `prepare_inputs` (a forward pre-hook on
-the decoder) creates one when `use_cache` is on and none was given (also replacing the empty `DynamicCache` that
-`generate()` makes), derives `position_ids` from a 2D `attention_mask`, and hands the layers that mask.
+and can be switched at any time; with a cache its forward hands the decode to the cache's layer (cache.py), whose
+state is kept in every mode. What a converted model needs around its layers (the decoder's pre-hook, generation's
+inputs) is generation.py.
 
 This file imports only torch, transformers and its siblings, in the `from .sibling import name` form that transformers
 follows when it loads remote code (the export copies these files next to a modeling file).
-
-Why one file of over 500 lines for now: the decode cache (HybridCache, its layer) is to move to its own module with
-issue 53, which lists this split; until then it sits beside the module whose state it holds.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache
 
-from .backends import Shape, get_backend, get_decode, resolve
+from .backends import Shape, get_backend, resolve
 from .feature_maps import make_feature_map
 from .naive import check_mode, own_mode
-from .recurrent import DecodeState, extend, step
 
 # gamma_param -> (theta -> gamma, gamma -> theta): LoLCATs' sigmoid caps the window's weight at 1, exp does not
 GAMMA_PARAMS = {
@@ -309,8 +301,9 @@ class HybridAttention(nn.Module):
     ):
         B, T, _ = hidden_states.shape
         q, k, v, fq, fk = self.project(hidden_states, position_embeddings)
-        if cache is not None and isinstance(cache, HybridCache):
-            y = cache.layers[self.layer_idx].attend(self, q, k, v, fq, fk, hybrid_mask)
+        layer = cache.layers[self.layer_idx] if cache is not None and self.layer_idx < len(cache.layers) else None
+        if hasattr(layer, "hybrid_attend"):  # a HybridCacheLayer (cache.py): the decode state of this layer
+            y = layer.hybrid_attend(self, q, k, v, fq, fk, hybrid_mask)
         elif cache is not None:
             raise TypeError(
                 f"a converted model needs a hybrid_scale HybridCache, got {type(cache).__name__}; "
@@ -321,227 +314,5 @@ class HybridAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), None
 
 
-class HybridCacheLayer(CacheLayerMixin):
-    """Decode state of one hybrid layer (see recurrent.DecodeState): a ring of min(window, max_length) keys, the sink
-    buffer and the LA state, allocated at the first call and then updated in place; the step counters live on the
-    device. With a ring of the whole window (no max_length below it) a one-token step is compileable: it runs the
-    backend's fused decode step, or recurrent.step (fixed shapes, no host sync), chosen at the first call; so
-    transformers' `generate` compiles and graph-captures the decode steps of a model whose layers are all hybrid."""
-
-    is_sliding = False
-    is_croppable = False
-    supports_early_init = False
-
-    def __init__(self, window: int, sinks: int, max_length: int | None = None):
-        super().__init__()
-        self.window, self.sinks = window, sinks
-        self.capacity = window if max_length is None else min(window, max_length)
-        self.is_compileable = self.capacity == window  # (a shorter ring checks its bound on the host: extend)
-        self.state: DecodeState | None = None
-        self._step = None  # the one-token step: the backend's fused decode step or recurrent.step
-
-    def attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
-        mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
-        rho = module.la_decay
-        options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
-        options |= {"hybrid_sinks": True} if hybrid_sinks else {}
-        options |= {"la_decay": rho} if rho is not None else {}
-        if self.state is not None and q.shape[2] == 1 and self.is_compileable:  # (the compiled decode step)
-            self._check(module)
-            y = self._step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
-            if y is not None:
-                return y
-            return step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
-        shape = Shape.of(q, k, v, fq, module.window, module.sinks, hybrid_sinks, rho is not None)
-        backend = resolve(module.backend, q.device, shape)
-        if self.state is None:
-            self._check(module)
-            B, Hkv, _, D = k.shape
-            self.state = DecodeState.empty(
-                B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
-            )
-            self._step = get_decode(backend) or step
-            self.is_initialized = True
-        return extend(
-            self.state,
-            q,
-            k,
-            v,
-            fq,
-            fk,
-            module.gamma,
-            scale=module.scaling,
-            chunk_size=module.chunk_size,
-            prefill=get_backend(backend),
-            **options,
-        )
-
-    def _check(self, module: HybridAttention) -> None:
-        if module.window != self.window or module.sinks != self.sinks:
-            raise ValueError(
-                f"cache was made for window={self.window}, sinks={self.sinks} but layer {module.layer_idx} has "
-                f"window={module.window}, sinks={module.sinks}; make a new HybridCache after changing them"
-            )
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise TypeError("hybrid layers keep a ring buffer and a linear-attention state; they do not use update()")
-
-    def get_seq_length(self) -> int:
-        if self.state is None:
-            return 0
-        return self.state.seen if torch.compiler.is_compiling() else int(self.state.seen)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if torch.compiler.is_compiling():  # (transformers asks a hybrid layer only when every layer is one: then no
-            return query_length, 0  # layer reads the mask it sizes, and a traced graph cannot size it by the count)
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.state is None else self.state.nbytes
-
-    def reset(self) -> None:
-        self.state = None
-        self.is_initialized = False
-
-    def offload(self):
-        if self.state is not None:
-            self.state.map_batch(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        pass
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.state is not None:
-            self.state.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.state is not None:
-            self.state.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.state is not None:
-            self.state.map_batch(lambda t: t[indices])
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise NotImplementedError(
-                "a hybrid cache cannot be cropped: keys that left the window are folded into the linear state; "
-                "copy the cache (cache.copy()) before the tokens you may want to drop"
-            )
-
-
 def hybrid_layers(model: nn.Module) -> dict[int, HybridAttention]:
     return {m.layer_idx: m for m in model.modules() if isinstance(m, HybridAttention)}
-
-
-class HybridCache(Cache):
-    """Cache of a converted model: HybridCacheLayer for converted layers, DynamicLayer for softmax ones.
-    Each ring holds min(window, max_length) keys (max_length optional), allocated at the first call. Hybrid layers
-    count as linear-attention layers for transformers (`is_linear`): masks are sized by the softmax layers, and
-    `generate` with this cache on a model whose layers are all hybrid passes its 2D mask through and compiles the
-    decode step (`is_compileable`, torch.compile and CUDA graphs)."""
-
-    def __init__(self, model: nn.Module, max_length: int | None = None):
-        hybrid = hybrid_layers(model)
-        if not hybrid:
-            raise ValueError("HybridCache needs a converted model (no HybridAttention layer found)")
-        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        layers = [
-            HybridCacheLayer(hybrid[i].window, hybrid[i].sinks, max_length) if i in hybrid else DynamicLayer()
-            for i in range(n_layers)
-        ]
-        super().__init__(layers=layers)
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [isinstance(layer, HybridCacheLayer) for layer in self.layers]
-
-    def copy(self) -> HybridCache:
-        """An independent copy (e.g. to score several continuations of one context)."""
-        return copy.deepcopy(self)
-
-    @property
-    def nbytes(self) -> int:
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, HybridCacheLayer):
-                total += layer.nbytes
-            elif layer.is_initialized and layer.keys is not None:
-                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-        return total
-
-
-def attach(model: nn.Module) -> None:
-    """What a converted causal LM needs besides its HybridAttention layers: `prepare_inputs` as a forward pre-hook on
-    its decoder, and `generation_inputs` as its prepare_inputs_for_generation (bound to this model, so a deep copy
-    binds its own)."""
-    model.get_decoder().register_forward_pre_hook(prepare_inputs, with_kwargs=True)
-    model.prepare_inputs_for_generation = generation_inputs.__get__(model)  # (a method of this model)
-
-
-def generation_inputs(model: nn.Module, *args, **kwargs) -> dict:
-    """The model class's own prepare_inputs_for_generation, then, when every layer is hybrid (nothing reads a mask
-    of the keys), the 2D attention mask cut to the new tokens with the position ids taken from the whole of it: the
-    compiled decode step sees tensors of one shape at every step (a mask that grows by one column per token would
-    recompile it, and make a CUDA graph per length)."""
-    inputs = type(model).prepare_inputs_for_generation(model, *args, **kwargs)
-    cache = inputs.get("cache", inputs.get("past_key_values"))
-    mask = inputs.get("attention_mask")
-    if isinstance(cache, HybridCache) and all(cache.is_linear) and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        tokens = inputs.get("input_ids")
-        T = (tokens if tokens is not None else inputs["inputs_embeds"]).shape[1]
-        if inputs.get("position_ids") is None:
-            inputs["position_ids"] = mask_positions(mask)[:, -T:].contiguous()
-        inputs["attention_mask"] = mask[:, -T:].contiguous()
-    return inputs
-
-
-def mask_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a 2D attention mask: each token's index among its row's real tokens (0 for padding)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def prepare_inputs(decoder: nn.Module, args, kwargs):
-    """Forward pre-hook (with_kwargs) on the decoder (e.g. LlamaModel) of a converted model."""
-    if "past_key_values" in kwargs:
-        kwargs["cache"] = kwargs.pop("past_key_values")
-    cache = kwargs.get("cache")
-    use_cache = kwargs.get("use_cache")
-    training = decoder.training and torch.is_grad_enabled()
-    if use_cache is None:  # as transformers would default it, but no decode state is built while training
-        use_cache = getattr(decoder.config, "use_cache", False) and not training
-    if use_cache and training and getattr(decoder, "gradient_checkpointing", False):
-        use_cache = False  # a recomputed layer would extend the state twice
-    kwargs["use_cache"] = bool(use_cache)
-    if use_cache and (cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)):
-        kwargs["cache"] = cache = HybridCache(decoder)
-    if cache is not None and not isinstance(cache, HybridCache):
-        raise TypeError(
-            f"a converted model needs a hybrid_scale HybridCache, got {type(cache).__name__} holding "
-            f"{cache.get_seq_length()} tokens; pass no cache (one is created) or HybridCache(model)"
-        )
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        if mask.dim() != 2:
-            raise ValueError(
-                f"a converted model takes a 2D attention_mask [batch, length] (1 = token, 0 = padding); got shape "
-                f"{tuple(mask.shape)}"
-            )
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None:
-            inputs = kwargs["inputs_embeds"]
-        T = inputs.shape[1]
-        if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = mask_positions(mask)[:, -T:]
-        new = mask[:, -T:]
-        # (compiled: always the mask, whose values a traced graph cannot branch on; a step with a mask of ones equals
-        # one without)
-        kwargs["hybrid_mask"] = new if torch.compiler.is_compiling() or not bool(new.all()) else None
-    return args, kwargs

@@ -10,7 +10,8 @@ config.hybrid["mode"] is the one the model was exported with.
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 from .configuration_hybrid_scale import HybridScaleLlamaConfig, HybridScaleMistralConfig, HybridScaleQwen2Config
-from .hybrid import HybridAttention, attach, hybrid_layers
+from .generation import attach
+from .hybrid import HybridAttention, hybrid_layers
 from .naive import check_mode
 
 

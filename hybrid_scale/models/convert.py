@@ -9,7 +9,8 @@ from typing import Any
 from torch import nn
 
 from ..attention.architectures import ARCHITECTURES
-from ..attention.hybrid import HybridAttention, attach, hybrid_layers
+from ..attention.generation import attach
+from ..attention.hybrid import HybridAttention, hybrid_layers
 from ..attention.naive import check_mode
 from ..config import attention_settings
 from ..errors import UnsupportedArchitectureError

@@ -50,7 +50,7 @@ gen = model.generate(ids[:1], max_new_tokens=20, do_sample=False)
 import importlib
 from torch._dynamo.utils import counters
 from transformers.generation.configuration_utils import CompileConfig
-cache_class = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".hybrid").HybridCache
+cache_class = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".cache").HybridCache
 config = CompileConfig(fullgraph=True)
 config._compile_all_devices = True
 with torch._dynamo.config.patch(error_on_recompile=True):

@@ -12,10 +12,10 @@ import torch
 from conftest import attention_inputs, perturb_hybrid, tiny_model
 
 import hybrid_scale as hs
-from hybrid_scale.errors import ConfigError
 from hybrid_scale.attention import chunked, naive, recurrent
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
 from hybrid_scale.attention.hybrid import hybrid_layers
+from hybrid_scale.errors import ConfigError
 from hybrid_scale.models.convert import set_modes
 
 W, S = 5, 3

@@ -1,0 +1,173 @@
+"""The decode cache of a converted model: `HybridCache`, a transformers `Cache` whose converted layers hold a
+`recurrent.DecodeState` (memory independent of the generated length: a ring of the window's keys, the sinks and the
+LA state) and whose other layers keep the usual `DynamicLayer`. `HybridAttention.forward` (hybrid.py) hands its
+decode to its layer's `hybrid_attend`.
+
+This file imports only torch, transformers and its siblings (remote code: see hybrid.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from .backends import Shape, get_backend, get_decode, resolve
+from .hybrid import HybridAttention, hybrid_layers
+from .naive import own_mode
+from .recurrent import DecodeState, extend, step
+
+
+class HybridCacheLayer(CacheLayerMixin):
+    """Decode state of one hybrid layer (see recurrent.DecodeState): a ring of min(window, max_length) keys, the sink
+    buffer and the LA state, allocated at the first call and then updated in place; the step counters live on the
+    device. With a ring of the whole window (no max_length below it) a one-token step is compileable: it runs the
+    backend's fused decode step, or recurrent.step (fixed shapes, no host sync), chosen at the first call; so
+    transformers' `generate` compiles and graph-captures the decode steps of a model whose layers are all hybrid."""
+
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, window: int, sinks: int, max_length: int | None = None):
+        super().__init__()
+        self.window, self.sinks = window, sinks
+        self.capacity = window if max_length is None else min(window, max_length)
+        self.is_compileable = self.capacity == window  # (a shorter ring checks its bound on the host: extend)
+        self.state: DecodeState | None = None
+        self._step = None  # the one-token step: the backend's fused decode step or recurrent.step
+
+    def hybrid_attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
+        mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
+        rho = module.la_decay
+        options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
+        options |= {"hybrid_sinks": True} if hybrid_sinks else {}
+        options |= {"la_decay": rho} if rho is not None else {}
+        if self.state is not None and q.shape[2] == 1 and self.is_compileable:  # (the compiled decode step)
+            self._check(module)
+            y = self._step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
+            if y is not None:
+                return y
+            return step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
+        shape = Shape.of(q, k, v, fq, module.window, module.sinks, hybrid_sinks, rho is not None)
+        backend = resolve(module.backend, q.device, shape)
+        if self.state is None:
+            self._check(module)
+            B, Hkv, _, D = k.shape
+            self.state = DecodeState.empty(
+                B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
+            )
+            self._step = get_decode(backend) or step
+            self.is_initialized = True
+        return extend(
+            self.state,
+            q,
+            k,
+            v,
+            fq,
+            fk,
+            module.gamma,
+            scale=module.scaling,
+            chunk_size=module.chunk_size,
+            prefill=get_backend(backend),
+            **options,
+        )
+
+    def _check(self, module: HybridAttention) -> None:
+        if module.window != self.window or module.sinks != self.sinks:
+            raise ValueError(
+                f"cache was made for window={self.window}, sinks={self.sinks} but layer {module.layer_idx} has "
+                f"window={module.window}, sinks={module.sinks}; make a new HybridCache after changing them"
+            )
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError("hybrid layers keep a ring buffer and a linear-attention state; they do not use update()")
+
+    def get_seq_length(self) -> int:
+        if self.state is None:
+            return 0
+        return self.state.seen if torch.compiler.is_compiling() else int(self.state.seen)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if torch.compiler.is_compiling():  # (transformers asks a hybrid layer only when every layer is one: then no
+            return query_length, 0  # layer reads the mask it sizes, and a traced graph cannot size it by the count)
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.state is None else self.state.nbytes
+
+    def reset(self) -> None:
+        self.state = None
+        self.is_initialized = False
+
+    def offload(self):
+        if self.state is not None:
+            self.state.map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            self.state.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state.map_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError(
+                "a hybrid cache cannot be cropped: keys that left the window are folded into the linear state; "
+                "copy the cache (cache.copy()) before the tokens you may want to drop"
+            )
+
+
+class HybridCache(Cache):
+    """Cache of a converted model: HybridCacheLayer for converted layers, DynamicLayer for softmax ones.
+    Each ring holds min(window, max_length) keys (max_length optional), allocated at the first call. Hybrid layers
+    count as linear-attention layers for transformers (`is_linear`): masks are sized by the softmax layers, and
+    `generate` with this cache on a model whose layers are all hybrid passes its 2D mask through and compiles the
+    decode step (`is_compileable`, torch.compile and CUDA graphs)."""
+
+    def __init__(self, model: nn.Module, max_length: int | None = None):
+        hybrid = hybrid_layers(model)
+        if not hybrid:
+            raise ValueError("HybridCache needs a converted model (no HybridAttention layer found)")
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        layers = [
+            HybridCacheLayer(hybrid[i].window, hybrid[i].sinks, max_length) if i in hybrid else DynamicLayer()
+            for i in range(n_layers)
+        ]
+        super().__init__(layers=layers)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [isinstance(layer, HybridCacheLayer) for layer in self.layers]
+
+    def copy(self) -> HybridCache:
+        """An independent copy (e.g. to score several continuations of one context)."""
+        return copy.deepcopy(self)
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, HybridCacheLayer):
+                total += layer.nbytes
+            elif layer.is_initialized and layer.keys is not None:
+                total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        return total
