@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -24,6 +23,8 @@ SHM_OP = "deepspeed_shm_comm"  # the name of DeepSpeed's shared-memory all-reduc
 
 def import_deepspeed():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    # the accelerator DeepSpeed would detect, named: on a CPU-only machine its detection logs a WARNING to stderr
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     try:
         import deepspeed
         import deepspeed.ops
@@ -105,10 +106,18 @@ def gathered(module: nn.Module):
     return import_deepspeed().zero.GatheredParameters(params)
 
 
-def quiet() -> None:
-    """Silence the torch collective that DeepSpeed 0.19 calls once per step and torch 2.13 deprecates (not the
-    user's concern)."""
-    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated", category=FutureWarning)
+def init_comm(backend: str) -> None:
+    """DeepSpeed's communication over the process group already joined, with the collectives that torch 2.13 does
+    not deprecate: DeepSpeed 0.19 picks torch.distributed.all_gather_into_tensor and reduce_scatter_tensor for every
+    ZeRO-3 gather and gradient reduction, which warn (FutureWarning) on the first call of a run; their successors
+    all_gather_single and reduce_scatter_single take the same arguments and do the same collective."""
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend=backend)
+    backend_of = deepspeed.comm.comm.cdb  # DeepSpeed's TorchBackend: it calls these two for every gather/reduce
+    if hasattr(torch.distributed, "all_gather_single") and getattr(backend_of, "all_gather_function", None):
+        backend_of.all_gather_function = torch.distributed.all_gather_single
+    if hasattr(torch.distributed, "reduce_scatter_single") and getattr(backend_of, "reduce_scatter_function", None):
+        backend_of.reduce_scatter_function = torch.distributed.reduce_scatter_single
 
 
 # --- whole tensors out of ZeRO-3 partitions (collective: every rank calls in the same order) ----------------------

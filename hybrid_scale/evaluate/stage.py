@@ -35,7 +35,7 @@ from tqdm import tqdm
 from .. import measure
 from ..data import assets, benchmarks, corpus, passkey
 from ..distributed import runtime, tensor_parallel
-from ..distributed.deepspeed import import_deepspeed, zero3_config
+from ..distributed.deepspeed import init_comm, zero3_config
 from ..distributed.parallelize import parallelize
 from ..errors import ConfigError
 from ..models.convert import convert_model, set_modes, set_window
@@ -74,7 +74,7 @@ class Models:
             from transformers.integrations import HfDeepSpeedConfig
 
             runtime.join_group(rt)  # the group DeepSpeed then finds: gloo for CPU tensors too on GPUs
-            import_deepspeed().init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
+            init_comm("nccl" if rt.device.type == "cuda" else "gloo")
             self._zero3 = HfDeepSpeedConfig(zero3_config(self.dtype))
 
     def _load_base(self):

@@ -25,13 +25,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.checkpoint import fault, throttle
-from ..distributed.deepspeed import clear_gradients, import_deepspeed, is_partitioned, quiet, train_config
+from ..distributed.deepspeed import clear_gradients, import_deepspeed, init_comm, is_partitioned, train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.replicated import ReplicatedEngine
 from ..errors import ConfigError, FinetuneError
@@ -151,7 +152,7 @@ def start(entry: Entry) -> Stage2:
     cfg, rt, source = entry.cfg, entry.rt, entry.model
     f, recipe, T = cfg.finetune, entry.derived.recipe, entry.derived.stage2_seq_len
     runtime.join_group(rt)
-    import_deepspeed().init_distributed(dist_backend=runtime.backend(rt.device))  # joined above: no new group
+    init_comm(runtime.backend(rt.device))  # joined above: no new group
     stage2 = entry.layout.stage2
     train_ids, held_ids = finetune_data(cfg, load_tokenizer(source.base), T)
     try:
@@ -225,6 +226,23 @@ def _build(s: Stage2, ds_config: dict) -> None:
     s.named = [(n, p) for n, p in s.peft_model.named_parameters() if p.requires_grad]
 
 
+_CURRENT = {}  # a model class -> its subclass of the same name whose is_gradient_checkpointing is not deprecated
+
+
+def current_alias(model: nn.Module) -> nn.Module:
+    """The model, its class swapped for a subclass of the same name and module where is_gradient_checkpointing (that
+    get_peft_model reads, PEFT 0.21) returns is_activation_checkpointing without transformers 5's FutureWarning about
+    the deprecated alias; nothing else changes (state dict, config, isinstance, save_pretrained's architecture)."""
+    cls = type(model)
+    if not isinstance(getattr(cls, "is_activation_checkpointing", None), property) or cls in _CURRENT.values():
+        return model
+    if cls not in _CURRENT:
+        alias = property(lambda self: self.is_activation_checkpointing, doc="is_activation_checkpointing")
+        _CURRENT[cls] = type(cls.__name__, (cls,), {"is_gradient_checkpointing": alias, "__module__": cls.__module__})
+    model.__class__ = _CURRENT[cls]
+    return model
+
+
 def prepare(model, cfg, rt, ds_config: dict):
     """A converted model made ready to train as stage 2 configures it: phi/gamma trainable as asked, then
     (parallelize) activation checkpointing, LoRA, and ZeRO-3 or the tensor-parallel split. Returns (engine, the
@@ -252,7 +270,7 @@ def prepare(model, cfg, rt, ds_config: dict):
 
     def add_lora(m):
         # DeepSpeed keeps fp32 masters of the adapters; the replicated engine trains them in fp32 themselves
-        peft_model = get_peft_model(m, lora, autocast_adapter_dtype=split)
+        peft_model = get_peft_model(current_alias(m), lora, autocast_adapter_dtype=split)
         for layer in layers.values():  # PEFT froze everything but LoRA
             for _, p in layer.hybrid_parameters():
                 p.requires_grad_(id(p) in trained_hybrid)
@@ -260,7 +278,6 @@ def prepare(model, cfg, rt, ds_config: dict):
             raise ConfigError(f"config key 'finetune.lora_targets': {list(f.lora_targets)} matched no module")
         return peft_model
 
-    quiet()
     torch.manual_seed(cfg.seed)  # LoRA's initialisation
     engine, peft_model = parallelize(
         model,

@@ -94,9 +94,12 @@ def test_quickstart_runs_the_pipeline_and_prints_table_verdict_and_paths(tiny, t
     """The quickstart preset with the model and budgets shrunk to the tiny model (the real one is `make quickstart`)."""
     args = ["quickstart", "--run-dir", str(tmp_path / "qs"), *overrides(tiny, tmp_path / "qs")[:2]]
     args += [o for o in overrides(tiny, tmp_path / "qs")[3:] if not o.startswith("eval.modes")]
-    proc = procs.run(args, timeout=900)
+    proc = procs.run(args, timeout=900, cold=True)  # (cold: a fresh process has warned about nothing yet)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    # a new user sees no warning: Python's (FutureWarning of a deprecated collective or property) nor DeepSpeed's
+    noise = [x for x in (proc.stdout + proc.stderr).splitlines() if "Warning" in x or "[WARNING]" in x]
+    assert noise == [], noise
     assert "| mode | PIQA (acc) | AVG | Rec.% |" in out and "| swa_sinks |" in out  # base + the preset's modes
     assert "Verdict on the linear attention: " in out and "Perplexity by position bucket" in out
     assert "beyond the window (" in out and "passkey exact match at distances [12, 24] (beyond the window)" in out
