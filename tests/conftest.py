@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from contextlib import contextmanager
 
 import pytest
@@ -247,3 +248,15 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of its own (root only: skipped where mount is refused), unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)

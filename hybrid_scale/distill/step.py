@@ -22,7 +22,7 @@ from ..config import OBJECTIVES
 from ..data import batches
 from ..data.staging import Stager
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.checkpoint import fault, save_tensors
+from ..distributed.checkpoint import fault, save_tensors, throttle
 from ..errors import ConfigError, DistillError
 from ..run.settings import Derived
 from . import objectives
@@ -237,6 +237,7 @@ def train_layer(s: Stage1, m, layer, buf_in, i: int) -> list[float]:
         bar.update()
         bar.set_postfix(loss=f"{value:.4f}")
         fault(f"train:{i}:{step}", rt.rank)
+        throttle()
         if stop and step + 1 < len(steps):
             t0 = time.perf_counter()
             path = _save_step(s, i, named, opt, step + 1, losses)

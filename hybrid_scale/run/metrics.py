@@ -4,7 +4,7 @@
                               kinds: "step", and "layer" (stage 1), "heldout" (stage 2), "cell" (evaluation)),
                               append-only;
   {stage dir}/tensorboard/    TensorBoard event files (log.tensorboard; on when the tensorboard package is there),
-                              written by torch's SummaryWriter;
+                              written by torch's SummaryWriter (run/tensorboard.py: a failed write is one line);
   Weights & Biases            log.wandb: PROJECT, one W&B run per stage (its id kept in {stage dir}/wandb.json),
                               written by wandb's own run (WANDB_MODE=offline works without a network).
 
@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import ConfigError
+from .tensorboard import TensorBoard
 
 FILE = "metrics.jsonl"
 RECORD_KEYS = ("step", "time", "kind")  # a record's own keys; the rest are its values
@@ -91,10 +92,7 @@ class Metrics:
         self.path = self.dir / FILE
         self.logged = self._keep(resumed)
         if tensorboard_on(cfg):
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if resumed is None else resumed + 1
-            self.tb = SummaryWriter(str(self.dir / TB_DIR), purge_step=purge)
+            self.tb = TensorBoard(self.dir / TB_DIR, purge_step=None if resumed is None else resumed + 1)
         if cfg.log.wandb:
             self._start_wandb(cfg)
 
@@ -155,8 +153,7 @@ class Metrics:
             f.write(json.dumps(record) + "\n")
         scalars = {f"{self.stage}/{kind}/{k}": v for k, v in _scalars(values)}
         if self.tb is not None:
-            for key, value in scalars.items():
-                self.tb.add_scalar(key, value, step)
+            self.tb.add_scalars(scalars, step)
         self._send_wandb(step, kind, values)
 
     def _send_wandb(self, step: int, kind: str, values: dict) -> None:

@@ -1,9 +1,13 @@
 """Stage 1 on a tiny 3-layer model with a sharded checkpoint: resume after SIGKILL anywhere, rebuild, 2 ranks."""
 
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import procs
@@ -442,3 +446,36 @@ def test_a_signal_at_tensor_parallel_2_resumes_at_tensor_parallel_1(sharded_mode
     stage1.distill(load_config(overrides=overrides(sharded_model, one, *extra)))
     got, ref = params(tmp_path / "run"), params(one)
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) <= 1e-4
+
+
+def test_a_disk_that_really_fills_during_stage_1_with_tensorboard_on_is_one_line(sharded_model, tmp_path, small_disk):
+    """A real full disk (a tmpfs of its own) once layer 0 is committed, TensorBoard on: TensorBoard says in one line
+    that it stopped, the stage ends with its own one-line error (exit 2), no traceback from either; layer 0 is kept
+    and, with room again, the same command finishes from layer 1."""
+    run, filler = small_disk / "run", small_disk / "filler"
+    args = overrides(sharded_model, run, "log.tensorboard=true")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRID_SCALE_STEP_SLEEP": "0.5"}  # time to fill mid-layer 1
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid_scale.cli", "distill", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not stage1.committed(run / "stage1", 0) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert (run / "stage1" / "tensorboard").is_dir()
+    stat = os.statvfs(small_disk)
+    with open(filler, "wb") as f:  # every byte left: the next write of any writer fails
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+        except OSError:
+            pass
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err and "Logging error" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hybrid-scale distill: error: no space left on the device"), err[-3000:]
+    assert "the work committed before it is kept" in last
+    assert stat.f_bavail > 0 and stage1.committed(run / "stage1", 0)
+    filler.unlink()
+    again = run_cli(args)
+    assert again.returncode == 0, again.stderr[-3000:]

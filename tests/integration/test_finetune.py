@@ -220,18 +220,6 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(set
     assert not (stage2 / "step_00000006.partial").exists() and len(curves(tmp_path)["train"]) == 7
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of its own (root only: skipped where mount is refused), unmounted after."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -240,8 +228,8 @@ def test_a_disk_that_really_fills_during_a_save_is_one_line_and_resumes_bitwise(
     """A real full disk, not an injected error: the run dir on a tmpfs, which another writer fills once step 3 is
     committed, leaving half a step checkpoint free, so step 6's save runs out of space while it writes. One line,
     exit 2, no traceback, step 3 kept; with room again the same command resumes from step 3 and ends bitwise as a
-    run that never stopped."""
-    args = ("finetune.max_steps=7", "finetune.eval_every=0")
+    run that never stopped. TensorBoard is on (run/tensorboard.py: its failure is one line, never the last)."""
+    args = ("finetune.max_steps=7", "finetune.eval_every=0", "log.tensorboard=true")
     reference = tmp_path / "reference"  # one process, as the run below (2 ranks would differ in rounding)
     assert procs.run(["finetune", *overrides(setup, reference, *args)], timeout=600).returncode == 0
     run, filler = small_disk / "run", small_disk / "filler"
@@ -260,6 +248,7 @@ def test_a_disk_that_really_fills_during_a_save_is_one_line_and_resumes_bitwise(
     last = err.strip().splitlines()[-1]
     assert last.startswith("hybrid-scale finetune: error: no space left on the device (")
     assert "the work committed before it is kept" in last and "Traceback" not in err
+    assert (run / "stage2" / "tensorboard").is_dir()
     assert [p.name for p in committed_steps(run / "stage2")] == ["step_00000003"]
     filler.unlink()
     assert procs.run(["finetune", *overrides(setup, run, *args)], timeout=600).returncode == 0
