@@ -12,8 +12,8 @@ import torch
 from ..distributed import runtime
 from ..distributed.requeue import SignalFlag
 from ..models import streaming
-from ..run.entry import StageLog
 from ..run.layout import RunLayout
+from ..run.log import StageLog
 from ..run.metrics import Metrics
 from ..run.settings import Derived
 

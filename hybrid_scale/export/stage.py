@@ -54,7 +54,8 @@ from ..models.converted import (
     merge,
     write_converted,
 )
-from ..run.entry import Entry, StageLog, stage_entry
+from ..run.entry import Entry, stage_entry
+from ..run.log import StageLog
 from ..run.settings import data_settings
 from ..run.sources import ModelSource
 
@@ -401,7 +402,7 @@ def _export(entry: Entry, t0: float) -> Path:
     config = export_config(base, settings, x.dtype)
     texts = export_texts(cfg, base)  # (the calibration's and the report's, packed before anything is written)
     tmp = start_partial(out, "export.out_dir")
-    log = StageLog(tmp / "export_log.txt")  # moves into place with the export
+    log = StageLog(tmp / "export_log.txt", name="export.out")  # moves into place with the export
 
     try:
         shards = plan_shards(base, where, int(x.max_shard_gb * 1e9), dtype)
@@ -420,9 +421,11 @@ def _export(entry: Entry, t0: float) -> Path:
         (tmp / IDENTITY_NAME).write_text(json.dumps(identity, indent=1) + "\n")
         (tmp / "README.md").write_text(model_card(out.name, config, report, balance, model.describe()))
         log(f"export written in {time.perf_counter() - t0:.0f} s")
+        log.close()  # (the file complete before its directory is committed and moved)
         commit(tmp)
         replace_dir(tmp, out, "export.out_dir", owned=is_export, what="an export written by hybrid_scale")
     except BaseException:
+        log.close()
         remove_dir(tmp)
         raise
     return out

@@ -43,8 +43,9 @@ from ..plots import curves_png
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
 from ..recipes.ssd import at as ssd_probability
-from ..run.entry import Entry, StageLog, stage_entry
+from ..run.entry import Entry, stage_entry
 from ..run.layout import RunLayout
+from ..run.log import StageLog
 from ..run.metrics import Metrics, duration
 from ..run.settings import differing, stage2_settings
 from ..run.sources import ModelSource

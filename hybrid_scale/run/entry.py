@@ -6,46 +6,26 @@
   3. the runtime: the process group and the device (distributed/runtime.init), unless the stage runs on rank 0 alone;
   4. the run dir's lock (run/lock.py), the signal flag (SIGUSR1/SIGTERM only set it) and the requeue marker of a
      previous stop cleared;
-  5. the rank-0 log, a line per event in the stage's log file.
+  5. the rank-0 log (run/log.py: `logging`, a file handler on the stage's log file).
 
 `stage_entry` yields an Entry that holds all of it; the stage's body reads everything from there.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..distributed import requeue, runtime
 from ..distributed.requeue import SignalFlag
 from ..preflight.plan import Plan, preflight, preflight_ahead
 from . import lock
 from .layout import RunLayout
+from .log import StageLog
 from .resolved import Resolved
 from .settings import Derived
 from .sources import ModelSource
-
-
-@dataclass
-class StageLog:
-    """A stage's log: on rank 0, a timestamped line appended to `path` (and on stderr after `echo`: when set)."""
-
-    path: Path | None
-    main: bool = True
-    echo: str | None = None
-
-    def __call__(self, msg: str) -> None:
-        if not self.main:
-            return
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
-        if self.echo:
-            print(f"{self.echo}: {msg}", file=sys.stderr)
 
 
 @dataclass
@@ -95,5 +75,8 @@ def stage_entry(cfg, stage: str, ranks: bool = True, ahead: list[str] | tuple[st
         main = rt is None or rt.main
         if main:
             requeue.clear_request(layout.run_dir)
-        log = StageLog(layout.log(stage), main, LOG_ECHO.get(stage))
-        yield Entry(stage, cfg, resolved, checked, rt, signal, log)
+        log = StageLog(layout.log(stage), main, LOG_ECHO.get(stage), name=stage)
+        try:
+            yield Entry(stage, cfg, resolved, checked, rt, signal, log)
+        finally:
+            log.close()
