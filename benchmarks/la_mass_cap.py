@@ -25,11 +25,11 @@ from hybrid_scale.attention import backends
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
 from hybrid_scale.attention.naive import EPS
 from hybrid_scale.config import load_config
+from hybrid_scale.entry import Resolved
 from hybrid_scale.evaluate import balance
 from hybrid_scale.evaluate.stage import _heldout_sequences
 from hybrid_scale.models.convert import set_modes
 from hybrid_scale.models.converted import load_base_model, load_converted, load_tokenizer
-from hybrid_scale.run.entry import Resolved
 
 BUCKETS = [0, 16, 64, 256, 512, 768, 1024]
 

@@ -30,7 +30,7 @@ FAULTS = {
         "torch.softmax(u, dim=-1)], dim=-1)",
     ),
     "marker_hash_unchecked": (
-        "hybrid_scale/distributed/checkpoint.py",
+        "hybrid_scale/storage/commits.py",
         "return all((directory / name).is_file() and sha256(directory / name) == h for name, h in files.items())",
         "return True",
     ),

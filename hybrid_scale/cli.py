@@ -110,7 +110,7 @@ def cmd_plan(args) -> int:
     print(result.table())
     if not args.dry_run:
         return 0 if result.ok else 1
-    from .preflight.dry_run import dry_run, table
+    from .dry_run import dry_run, table
 
     checked = dry_run(cfg)
     print("\n" + table(checked), flush=True)
@@ -147,7 +147,7 @@ def cmd_status(args) -> int:
 def cmd_launch(args) -> int:
     """Start a stage on this node with launch.launcher (torchrun / deepspeed), rendezvous from the Slurm environment
     (first host of the node list, port, node rank). Used by the generated sbatch scripts, one task per node."""
-    from .distributed.slurm import launch_command
+    from .launch.slurm import launch_command
 
     cfg = load_config(args.config, args.overrides)
     rest = ([args.config] if args.config else []) + list(args.overrides)
@@ -163,7 +163,7 @@ def cmd_launch(args) -> int:
 def cmd_submit(args) -> int:
     """Render sbatch scripts from the config (the `slurm` and `launch` sections) and submit the stages chained with
     afterok (or the whole pipeline as one job with --pipeline); prints the job ids."""
-    from .distributed.slurm import submit
+    from .launch.slurm import submit
 
     cfg = load_config(args.config, args.overrides)
     stages = ["pipeline"] if args.pipeline else args.stages.split(",")

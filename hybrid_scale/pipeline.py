@@ -21,16 +21,16 @@ from omegaconf import OmegaConf
 from .config import STAGES
 from .distill.stage import distill
 from .distributed import requeue, runtime
-from .distributed.checkpoint import MARKER, atomic_write
+from .entry import Entry, stage_entry
 from .errors import ConfigError, PipelineError
 from .evaluate.cells import identity
 from .evaluate.stage import evaluate
 from .export.stage import IDENTITY_NAME, export, export_identity
 from .finetune.stage import finetune
-from .run.entry import Entry, stage_entry
 from .run.layout import RunLayout
 from .run.resolved import Resolved
 from .run.settings import differing, run_settings
+from .storage.commits import MARKER, atomic_write
 
 
 def _started(directory: Path) -> bool:
@@ -97,7 +97,7 @@ def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     layout = RunLayout.of(cfg)
     todo = [stage for stage in stages if not is_done(cfg, layout, stage)]
     # the preflight of every stage still to run, then the runtime, the lock (held across the stages: one writer per
-    # run dir) and one signal flag for the whole run (run/entry.py); each stage enters its own preflight again
+    # run dir) and one signal flag for the whole run (entry.py); each stage enters its own preflight again
     with stage_entry(cfg, "pipeline", ahead=todo) as entry:
         return _run_stages(entry, stages, log)
 

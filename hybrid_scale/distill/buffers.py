@@ -18,9 +18,9 @@ from transformers import AutoTokenizer
 from ..data import corpus
 from ..data.staging import Stager
 from ..distributed import runtime
-from ..distributed.checkpoint import atomic_write
 from ..errors import DistillError
 from ..models import streaming
+from ..storage.commits import atomic_write
 from .state import Stage1
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..distributed.checkpoint import sha256
 from ..run.settings import differing
+from ..storage.commits import sha256
 
 # identities written before the keys were dotted config keys; their "world" is dropped (a resume may change it)
 LEGACY_KEYS = {

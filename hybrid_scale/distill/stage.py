@@ -37,14 +37,15 @@ from transformers import AutoConfig
 
 from ..attention.hybrid import HybridAttention
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.checkpoint import atomic_write, fault, save_tensors, sha256
+from ..entry import Entry, stage_entry
 from ..errors import DistillError
 from ..measure import peak_memory
 from ..models import streaming
 from ..models.converted import write_converted
-from ..run.entry import Entry, stage_entry
 from ..run.metrics import Metrics, duration
 from ..run.settings import stage1_settings
+from ..storage.commits import atomic_write, save_tensors, sha256
+from ..storage.faults import fault
 from .buffers import buffer_slot, buffer_writer, inputs_of_first_layer, mark_written, preflight_buffers, run_teacher
 from .identity import committed, identity_changes
 from .state import Stage1
@@ -54,7 +55,7 @@ from .step import StepCheckpoint, layer_head_dim, saved_steps, train_layer
 def distill(cfg) -> Path:
     """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted. Per layer: train
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
-    # preflight, runtime, lock, signal flag (run/entry.py); USR1/TERM: a step checkpoint at the next step, or a stop
+    # preflight, runtime, lock, signal flag (entry.py); USR1/TERM: a step checkpoint at the next step, or a stop
     # after a commit
     with stage_entry(cfg, "distill") as entry, start(entry) as s:
         for warning in entry.plan.warnings:  # e.g. ranks left idle by too few query blocks per step

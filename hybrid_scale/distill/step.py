@@ -22,9 +22,10 @@ from ..config import OBJECTIVES
 from ..data import batches
 from ..data.staging import Stager
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.checkpoint import fault, save_tensors, throttle
 from ..errors import ConfigError, DistillError
 from ..run.settings import Derived
+from ..storage.commits import save_tensors
+from ..storage.faults import fault, throttle
 from . import objectives
 from .state import Stage1
 

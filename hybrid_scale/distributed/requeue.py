@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .checkpoint import atomic_write
+from ..storage.commits import atomic_write
 
 if TYPE_CHECKING:  # (torch: the CLI imports this module before it knows whether its command needs torch)
     from .runtime import Runtime

@@ -18,11 +18,12 @@ from omegaconf import OmegaConf
 from .. import __version__
 from ..data import passkey
 from ..distributed import requeue, runtime
-from ..distributed.checkpoint import atomic_write, fault
-from ..run.entry import Entry
+from ..entry import Entry
 from ..run.metrics import Metrics, duration
 from ..run.settings import data_settings, differing
 from ..run.sources import ModelSource
+from ..storage.commits import atomic_write
+from ..storage.faults import fault
 
 TWINS = {"swa_only": "swa_sinks", "swa_sinks": "swa_only"}  # the same keys on a hybrid that keeps its own sinks
 

@@ -37,6 +37,7 @@ from ..data import assets, benchmarks, corpus, passkey
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import init_comm, zero3_config
 from ..distributed.parallelize import parallelize
+from ..entry import Entry, stage_entry
 from ..errors import ConfigError
 from ..models.convert import convert_model, set_modes, set_window
 from ..models.converted import (
@@ -46,7 +47,6 @@ from ..models.converted import (
     load_tokenizer,
 )
 from ..preflight import costs, shape
-from ..run.entry import Entry, stage_entry
 from ..run.sources import ModelSource
 from . import balance, loglik, report, retrieval
 from .cells import TWINS, Cells, count_cells, digest, evaluation_window, identity, model_key
@@ -158,7 +158,7 @@ def evaluate(cfg) -> dict:
     """The component ablation: every task scored in every mode, the paired-bootstrap deltas and the verdict,
     perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
     raises Requeue after a signal."""
-    # preflight, runtime, lock, signal flag (run/entry.py): a signal stops the ranks at their next check (rounds, cells)
+    # preflight, runtime, lock, signal flag (entry.py): a signal stops the ranks at their next check (rounds, cells)
     with stage_entry(cfg, "evaluate") as entry:
         results = _evaluate(entry)
     runtime.barrier(entry.rt)

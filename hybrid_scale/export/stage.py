@@ -31,15 +31,7 @@ from ..attention.architectures import ARCHITECTURES
 from ..attention.hybrid import GAMMA_PARAMS, HybridAttention, check_gamma
 from ..attention.naive import EPS
 from ..data import corpus
-from ..distributed.checkpoint import (
-    commit,
-    fault_enospc,
-    is_export,
-    remove_dir,
-    replace_dir,
-    save_tensors,
-    start_partial,
-)
+from ..entry import Entry, stage_entry
 from ..errors import CorpusError, ExportError
 from ..measure import perplexity_by_bucket
 from ..models import streaming
@@ -54,10 +46,11 @@ from ..models.converted import (
     merge,
     write_converted,
 )
-from ..run.entry import Entry, stage_entry
 from ..run.log import StageLog
 from ..run.settings import data_settings
 from ..run.sources import ModelSource
+from ..storage.commits import commit, is_export, remove_dir, replace_dir, save_tensors, start_partial
+from ..storage.faults import fault_enospc
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 
@@ -374,7 +367,7 @@ def export(cfg) -> Path:
     attention code, tokenizer, phi/gamma (gamma fixed or calibrated on request), the model card."""
     t0 = time.perf_counter()
     # preflight (the input model, its adapter and base, the destination, architecture, free disk) and the run dir's
-    # lock when it writes or reads in it (run/entry.py); on rank 0 alone
+    # lock when it writes or reads in it (entry.py); on rank 0 alone
     with stage_entry(cfg, "export", ranks=False) as entry:
         return _export(entry, t0)
 

@@ -12,21 +12,12 @@ from safetensors.torch import load_file
 
 from ..attention.hybrid import HybridAttention
 from ..distributed import runtime, tensor_parallel
-from ..distributed.checkpoint import (
-    commit,
-    fault,
-    fault_enospc,
-    is_committed,
-    remove_dir,
-    replace_dir,
-    save_tensors,
-    sibling,
-    start_partial,
-)
 from ..distributed.deepspeed import gather_full, restore_trainable, trainable_state
 from ..distributed.replicated import ReplicatedEngine
 from ..models.convert import set_modes
 from ..models.converted import ADAPTER_DIR, describe, mark_adapter, write_converted
+from ..storage.commits import commit, is_committed, remove_dir, replace_dir, save_tensors, sibling, start_partial
+from ..storage.faults import fault, fault_enospc
 from .schedule import resume_schedule
 
 

@@ -31,10 +31,10 @@ from tqdm import tqdm
 from ..attention.hybrid import hybrid_layers
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime, tensor_parallel
-from ..distributed.checkpoint import fault, throttle
 from ..distributed.deepspeed import clear_gradients, import_deepspeed, init_comm, is_partitioned, train_config
 from ..distributed.parallelize import parallelize
 from ..distributed.replicated import ReplicatedEngine
+from ..entry import Entry, stage_entry
 from ..errors import ConfigError, FinetuneError
 from ..measure import peak_memory, training_flops
 from ..models.convert import set_modes, set_window
@@ -43,12 +43,12 @@ from ..plots import curves_png
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
 from ..recipes.ssd import at as ssd_probability
-from ..run.entry import Entry, stage_entry
 from ..run.layout import RunLayout
 from ..run.log import StageLog
 from ..run.metrics import Metrics, duration
 from ..run.settings import differing, stage2_settings
 from ..run.sources import ModelSource
+from ..storage.faults import fault, throttle
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
 from .schedule import schedule_for
 
@@ -102,7 +102,7 @@ class Stage2:
 
 def finetune(cfg) -> Path:
     """Run (or resume) stage 2; returns {run_dir}/stage2/output (a converted model with an adapter)."""
-    with stage_entry(cfg, "finetune") as entry:  # preflight, runtime, lock, signal flag (run/entry.py)
+    with stage_entry(cfg, "finetune") as entry:  # preflight, runtime, lock, signal flag (entry.py)
         return _train(entry)
 
 
@@ -247,7 +247,7 @@ def current_alias(model: nn.Module) -> nn.Module:
 def prepare(model, cfg, rt, ds_config: dict):
     """A converted model made ready to train as stage 2 configures it: phi/gamma trainable as asked, then
     (parallelize) activation checkpointing, LoRA, and ZeRO-3 or the tensor-parallel split. Returns (engine, the
-    PEFT model, the hybrid layers). The dry run (preflight/dry_run.py) calls it with a model on the meta device."""
+    PEFT model, the hybrid layers). The dry run (dry_run.py) calls it with a model on the meta device."""
     from peft import LoraConfig, get_peft_model
 
     f, split = cfg.finetune, rt.tp > 1

@@ -19,12 +19,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..attention.architectures import BY_EXPORT_TYPE
 from ..attention.hybrid import HybridAttention, hybrid_layers
 from ..distributed import tensor_parallel
-from ..distributed.checkpoint import save_tensors
 from ..distributed.deepspeed import import_deepspeed, is_partitioned
 from ..distributed.runtime import Runtime
 from ..errors import ConvertedModelError
 from ..run.layout import CONFIG_NAME
 from ..run.sources import FORMAT_VERSION, ModelSource, read_hybrid_config
+from ..storage.commits import save_tensors
 from . import streaming
 from .convert import check_architecture, convert_model, set_modes
 

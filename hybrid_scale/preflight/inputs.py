@@ -12,13 +12,13 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..data import assets, corpus, passkey
-from ..distributed.checkpoint import check_destination, is_export
 from ..errors import ConfigError, InputError
 from ..models import streaming
 from ..models.converted import ADAPTER_DIR, CONFIG_NAME, PARAMS_NAME
 from ..run.metrics import check_packages
 from ..run.resolved import Resolved
 from ..run.sources import ModelSource, check_stage_model, stage_model
+from ..storage.commits import check_destination, is_export
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

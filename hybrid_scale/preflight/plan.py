@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..config import on_gpus
 from ..distributed import tensor_parallel
-from ..distributed.slurm import REQUEUE_MARGIN_S, grace_s
 from ..errors import ConfigError
+from ..launch.slurm import REQUEUE_MARGIN_S, grace_s
 from ..run.resolved import Resolved
 from . import costs, inputs
 from .report import Plan
@@ -193,7 +193,7 @@ def _refuse(label: str, problems: list[str]) -> None:
 
 
 def preflight(cfg, stage: str, resolved: Resolved | None = None) -> Plan:
-    """What every stage runs first (run/entry.py), before it writes anything: its inputs checked (inputs.check), then
+    """What every stage runs first (entry.py), before it writes anything: its inputs checked (inputs.check), then
     the plan's problems that block `stage` become one clear error."""
     r = resolved or Resolved.of(cfg, stage)
     inputs.check(cfg, stage, r)

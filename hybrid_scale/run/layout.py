@@ -10,7 +10,7 @@
   {run_dir}/eval/                  evaluation (eval.out_dir): cells/, results.json, log.txt
   {run_dir}/export/                export (export.out_dir), built in export.partial/ (export_log.txt there)
   {run_dir}/converted/             `hybrid-scale convert`'s output (untrained feature maps)
-  {run_dir}/slurm/                 the sbatch scripts and job logs (distributed/slurm.py)
+  {run_dir}/slurm/                 the sbatch scripts and job logs (launch/slurm.py)
 
 `RunLayout.of(cfg)` is the one place these rules are written; `run/sources.py` adds the one rule that needs the disk
 (which model a stage reads).

@@ -1,4 +1,4 @@
-"""A stage's run resolved once, when it starts (run/entry.py): its paths, its derived settings, the model it reads.
+"""A stage's run resolved once, when it starts (entry.py): its paths, its derived settings, the model it reads.
 The preflight, the lock and the stage body all take this one object."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The run's one disk probe: which model a stage reads. `stage_model` is called once when a stage starts (by its
-entry, run/entry.py) and reads that model's hybrid_config.json once; the checks, `plan` and the stage body all take
+entry, entry.py) and reads that model's hybrid_config.json once; the checks, `plan` and the stage body all take
 the ModelSource it returns. The paths themselves are run/layout.py's (RunLayout)."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import load_config
-from ..distributed.checkpoint import MARKER, PARTIAL_TAG, is_export
 from ..distributed.requeue import REQUEUE_MARKER
+from ..storage.commits import MARKER, PARTIAL_TAG, is_export
 from . import lock, metrics
 from .layout import CONFIG_NAME, RUN_CONFIG, RunLayout
 

@@ -1,11 +1,11 @@
-"""`hybrid-scale plan --dry-run` (preflight/dry_run.py) at the presets' real shapes: stage 1, stage 2 and evaluation set
+"""`hybrid-scale plan --dry-run` (dry_run.py) at the presets' real shapes: stage 1, stage 2 and evaluation set
 up and stepped as rank 0 of the real mesh, on the meta device under torch's fake process group, against plan's
 figures."""
 
 import procs
 import pytest
 
-from hybrid_scale.preflight import dry_run
+from hybrid_scale import dry_run
 
 SPLIT_70B = ["launch.tensor_parallel=8", "finetune.offload=false", "eval.shard_weights=false"]
 

@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
-from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
 from hybrid_scale.errors import ConfigError, ExportError
 from hybrid_scale.export import stage as export_stage
 from hybrid_scale.export.stage import export
 from hybrid_scale.models.converted import ADAPTER_DIR
 from hybrid_scale.preflight.inputs import InputError
+from hybrid_scale.storage.commits import MARKER, PARTIAL_TAG
 
 ISOLATED = r"""
 import json, sys

@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybrid_scale as hs
 from hybrid_scale.data import corpus
-from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG
 from hybrid_scale.distributed.requeue import EXIT_REQUEUE
 from hybrid_scale.finetune.checkpoints import committed_steps
+from hybrid_scale.storage.commits import MARKER, PARTIAL_TAG
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 from hybrid_scale.config import PRESETS
-from hybrid_scale.distributed.slurm import TEMPLATES
+from hybrid_scale.launch.slurm import TEMPLATES
 from hybrid_scale.resources import PACKAGE, data_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_wheel_install_finds_presets_and_templates(tmp_path):
     assert "seed: 7" in out
 
     probe = (
-        "import hybrid_scale, hybrid_scale.config as c, hybrid_scale.distributed.slurm as s\n"
+        "import hybrid_scale, hybrid_scale.config as c, hybrid_scale.launch.slurm as s\n"
         "print(hybrid_scale.__file__); print(c.PRESETS); print(s.TEMPLATES)\n"
         "cfg = c.load_config('models/llama3-8b.yaml')\n"
         "print(s.render(cfg, 'finetune', None, []))\n"

@@ -240,7 +240,7 @@ def test_a_run_dir_with_a_space_gets_its_job_output(slurm, tmp_path, monkeypatch
     """A run_dir that sbatch would split (a space, a #) or the shell would run ($(...)): the job's --output file lands
     in <run_dir>/slurm/ under its %x-%j name and nothing runs. The export script's step is /bin/true: seconds."""
     from hybrid_scale.config import load_config
-    from hybrid_scale.distributed.slurm import submit as submit_jobs
+    from hybrid_scale.launch.slurm import submit as submit_jobs
 
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     monkeypatch.chdir(tmp_path)  # the script's working directory, where `touch pwned` would land

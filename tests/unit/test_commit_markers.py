@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from hybrid_scale.distill.identity import committed
-from hybrid_scale.distributed.checkpoint import MARKER, PARTIAL_TAG, commit, is_committed, sha256, start_partial
 from hybrid_scale.finetune.checkpoints import committed_steps, rotate
+from hybrid_scale.storage.commits import MARKER, PARTIAL_TAG, commit, is_committed, sha256, start_partial
 
 
 def _step(stage2, n, commit_it=True):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hybrid_scale.distributed.checkpoint import (
+from hybrid_scale.storage.commits import (
     MARKER,
     PARTIAL_TAG,
     DestinationError,

@@ -79,6 +79,33 @@ def test_a_cycle_is_found_when_there_is_one():
     assert cycles({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}}) == [["a", "b", "c", "a"]]
 
 
+def packages(graph) -> dict[str, dict[str, list]]:
+    """The module graph folded onto the package's top level: hybrid_scale.run.lock -> run, hybrid_scale.entry ->
+    entry (a module of the top level is its own node); edges inside one of them dropped."""
+    top = {}
+    for m, edges in graph.items():
+        a = (m.split(".") + [""])[1] or m
+        for t, where in edges.items():
+            b = (t.split(".") + [""])[1] or t
+            if a != b and m != "hybrid_scale" and t != "hybrid_scale":
+                top.setdefault(a, {}).setdefault(b, []).extend((m, t, line) for line, _ in where)
+    return top
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    """The layers read one way (e.g. storage, distributed < run < models < preflight < entry < the stages < cli): a
+    package that imports another is never imported by it, directly or through others."""
+    top = packages(internal_imports())
+    found = cycles(top)
+    assert found == [], [[top[a][b][0] for a, b in zip(c, c[1:])] for c in found]
+
+
+def test_a_package_cycle_through_modules_without_a_module_cycle_is_found():
+    graph = {"hybrid_scale.run.entry": {"hybrid_scale.preflight.plan": [(1, True)]},
+             "hybrid_scale.preflight.plan": {"hybrid_scale.run.resolved": [(2, True)]}}  # fmt: skip
+    assert cycles(graph) == [] and cycles(packages(graph)) == [["preflight", "run", "preflight"]]
+
+
 # The CLI imports each stage inside its subcommand: a process then loads only its own stage (seconds per process
 # start: a rank of finetune never imports the evaluation, `--help` no stage). Its edges still count for the cycles.
 # requeue.py imports runtime (torch) inside request() only: the CLI imports it for its exit code and Requeue. The run

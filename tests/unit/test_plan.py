@@ -13,11 +13,11 @@ import hybrid_scale as hs
 from hybrid_scale.cli import main
 from hybrid_scale.config import JOBS, ConfigError, load_config
 from hybrid_scale.data import corpus
-from hybrid_scale.distributed import slurm as slurm_module
+from hybrid_scale.launch import slurm as slurm_module
 from hybrid_scale.distributed.deepspeed import train_config
 from hybrid_scale.distributed.environment import first_host
-from hybrid_scale.distributed.slurm import render
 from hybrid_scale.export.stage import export
+from hybrid_scale.launch.slurm import render
 from hybrid_scale.pipeline import pipeline
 from hybrid_scale.preflight import shape as shape_module
 from hybrid_scale.preflight.inputs import InputError
@@ -235,7 +235,7 @@ def test_plan_command_exit_codes(smollm2, tmp_path, capsys):
 def test_plan_dry_run_exits_1_while_plan_lists_a_blocking_problem(smollm2, tmp_path, monkeypatch, capsys):
     """`plan --dry-run && sbatch ...` must not submit a run that plan says cannot start: the dry run (stubbed here:
     its own tests are in tests/distributed) agreeing with plan's figures does not unblock a missing model.path."""
-    from hybrid_scale.preflight import dry_run
+    from hybrid_scale import dry_run
 
     monkeypatch.setattr(dry_run, "dry_run", lambda cfg: {"stage 2": {"rows": [{"ok": True}]}})
     monkeypatch.setattr(dry_run, "table", lambda checked: "dry run: plan agrees within 10%")

@@ -13,12 +13,12 @@ import pytest
 from conftest import tiny_model
 
 import hybrid_scale as hs
+from hybrid_scale import entry as entry_module
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed.requeue import REQUEUE_MARKER, SignalFlag
+from hybrid_scale.entry import stage_entry
 from hybrid_scale.errors import ConfigError, InputError
-from hybrid_scale.run import entry as entry_module
 from hybrid_scale.run import lock, sources
-from hybrid_scale.run.entry import stage_entry
 from hybrid_scale.run.layout import RunLayout
 from hybrid_scale.run.resolved import Resolved
 from hybrid_scale.run.settings import STAGE1_KEYS, derive, differing, run_settings, stage1_settings, stage2_settings

@@ -12,7 +12,7 @@ import pytest
 
 from hybrid_scale.config import JOBS, ConfigError, load_config
 from hybrid_scale.distributed.requeue import REQUEUE_MARKER
-from hybrid_scale.distributed.slurm import render, sbatch_header, sbatch_quote
+from hybrid_scale.launch.slurm import render, sbatch_header, sbatch_quote
 
 SRUN = """#!/bin/bash
 # the job step: exits with $FAKE_CODE, or, with FAKE_SLEEP, waits for TERM and exits 75 (saved, please requeue);

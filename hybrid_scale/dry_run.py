@@ -32,21 +32,21 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..attention.architectures import BY_MODEL_TYPE
-from ..attention.hybrid import HybridAttention
-from ..config import attention_settings
-from ..distill import step as distill_step
-from ..distributed import tensor_parallel
-from ..distributed.deepspeed import train_config
-from ..distributed.parallelize import parallelize
-from ..distributed.runtime import Runtime
-from ..errors import ConfigError
-from ..finetune.stage import prepare
-from ..models import streaming
-from ..models.convert import convert_model
-from ..run.settings import Derived, derive
-from . import plan as plan_module
-from . import shape
+from .attention.architectures import BY_MODEL_TYPE
+from .attention.hybrid import HybridAttention
+from .config import attention_settings
+from .distill import step as distill_step
+from .distributed import tensor_parallel
+from .distributed.deepspeed import train_config
+from .distributed.parallelize import parallelize
+from .distributed.runtime import Runtime
+from .errors import ConfigError
+from .finetune.stage import prepare
+from .models import streaming
+from .models.convert import convert_model
+from .preflight import plan as plan_module
+from .preflight import shape
+from .run.settings import Derived, derive
 
 TOLERANCE = 0.10  # the dry run and plan agree within this, or the dry run says which figure does not
 

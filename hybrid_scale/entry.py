@@ -17,15 +17,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..distributed import requeue, runtime
-from ..distributed.requeue import SignalFlag
-from ..preflight.plan import Plan, preflight, preflight_ahead
-from . import lock
-from .layout import RunLayout
-from .log import StageLog
-from .resolved import Resolved
-from .settings import Derived
-from .sources import ModelSource
+from .distributed import requeue, runtime
+from .distributed.requeue import SignalFlag
+from .preflight.plan import Plan, preflight, preflight_ahead
+from .run import lock
+from .run.layout import RunLayout
+from .run.log import StageLog
+from .run.resolved import Resolved
+from .run.settings import Derived
+from .run.sources import ModelSource
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Commit helpers shared by the stages: atomic small files, content hashes, commit markers written last, the rule
-for replacing a directory, and the fault injection the resume tests use.
+for replacing a directory (the fault injection the resume tests use: faults.py).
 
 The rule for the whole code base: a stage only ever replaces or removes a directory that the toolkit itself created
 for that purpose, recognised by its own marker -- `COMMITTED` (written last into every finished directory) or
@@ -8,14 +8,11 @@ destination is one clear error that names the config key and the fix, and nothin
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import re
 import shutil
-import signal
-import time
 from pathlib import Path
 
 from ..errors import DestinationError
@@ -54,30 +51,6 @@ def save_tensors(tensors: dict, path, metadata: dict | None = None) -> None:
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
-
-
-def fault_enospc(point: str) -> None:
-    """Fault injection: HYBRID_SCALE_FAULT=enospc:<point> raises the OSError of a full disk there (a save that runs
-    out of space), as the OS would."""
-    if os.environ.get("HYBRID_SCALE_FAULT", "") == f"enospc:{point}":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), point)
-
-
-def throttle() -> None:
-    """Test hook: HYBRID_SCALE_STEP_SLEEP=<seconds> slows every training step (to signal a run mid-way)."""
-    seconds = float(os.environ.get("HYBRID_SCALE_STEP_SLEEP", "0") or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
-def fault(point: str, rank: int = 0) -> None:
-    """Fault injection for the resume tests: HYBRID_SCALE_FAULT=<point> sends this process SIGKILL there;
-    <point>@USR1 (or another signal name) sends that signal instead, on rank 0 only."""
-    spec = os.environ.get("HYBRID_SCALE_FAULT", "")
-    where, _, name = spec.partition("@")
-    if where != point or (name and rank != 0):
-        return
-    os.kill(os.getpid(), getattr(signal, f"SIG{name}") if name else signal.SIGKILL)
 
 
 def commit(directory: Path) -> None:

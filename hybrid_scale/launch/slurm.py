@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 from ..config import JOBS, on_gpus
+from ..distributed.environment import first_host, job_port
+from ..distributed.requeue import REQUEUE_MARKER
 from ..errors import ConfigError
 from ..resources import data_dir
 from ..run.layout import RunLayout
-from .environment import first_host, job_port
-from .requeue import REQUEUE_MARKER
 
 GPU_JOBS = tuple(j for j in JOBS if j != "export")  # export is one CPU process
 
