@@ -2,7 +2,7 @@
 
     make reproduce ROW=lolcats+sinks      # one row end to end: stage 1, stage 2, the evaluation (resumable)
     make reproduce                        # every row that is missing or stale, then the table
-    .venv/bin/python benchmarks/reproduce_table1.py --table   # the table from the committed rows alone
+    .venv/bin/python -m experiments.reproduce_table1.run --table   # the table from the committed rows alone
 
 A row is `base` (the softmax model evaluated), a recipe (lolcats, hedgecats, ssd, la_only) with a variant: plain,
 `+sinks` (the hybrid's own attention sinks, SINKS_OVERRIDES), `+decay` (the length-robust LA: attention.la_decay),
@@ -12,7 +12,7 @@ paper's inference-time hybridisation, and evaluated). Each stage runs as its own
 would run it; the rows of one objective and variant share their stage 1 (hedgecats, ssd and la_only all train
 weights_xent), and each row counts its stage 1's time as its own.
 
-A row writes docs/results/reproduce/<row>.json: its budget and settings, every figure the table shows (the
+A row writes experiments/reproduce_table1/reproduce/<row>.json: its budget and settings, every figure the table shows (the
 evaluation's results.json without its per-item and per-trial lists), the stage times, the commit it ran on and a
 hash of the code it measured (CODE: the attention and the recipes). A row is stale when that hash or the budget
 differs from the current ones; the table marks it and `make reproduce` runs it again. A row killed at any point
@@ -22,7 +22,7 @@ code; a row whose code changes while it runs is refused (no row file).
 
 `--budget long` (`make reproduce ROW=... ARGS="--budget long"`) trains on the default's tokens in 1024-token
 sequences, the main job's training length, and reads the same 1024 tokens: its rows and table are its own
-(docs/results/reproduce_long/, docs/results/reproduce_table1_long.md).
+(experiments/reproduce_table1/reproduce_long/, reproduce_table1_long.md beside it).
 
 Why one file of over 500 lines: the rows, their runner and both tables (Table 1's and the switched rows') share
 the budgets, the code hash and the row records; it moves to experiments/ as its own package with issue 53.
@@ -40,7 +40,8 @@ from pathlib import Path
 
 from hybrid_scale.recipes import RECIPES as RECIPE_TABLE
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent  # experiments/reproduce_table1/: the runner, its rows and tables
+REPO = HERE.parents[1]
 
 RECIPES = ("lolcats", "hedgecats", "ssd", "la_only")
 VARIANTS = {
@@ -78,8 +79,8 @@ SWITCHES = {
 }
 CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py",
         "hybrid_scale/finetune/schedule.py")  # fmt: skip
-ROWS_DIR = REPO / "docs" / "results" / "reproduce"
-TABLE = REPO / "docs" / "results" / "reproduce_table1.md"
+ROWS_DIR = HERE / "reproduce"
+TABLE = HERE / "reproduce_table1.md"
 
 
 def rows_dir_of(budget: str) -> Path:
@@ -401,8 +402,8 @@ def table(rows: dict[str, dict], b: dict, code: str, budget: str = "default") ->
     lines = [
         "# Table 1 on SmolLM2-135M-Instruct, row by row" + ("" if budget == "default" else f" (budget {budget})"),
         "",
-        f"<!-- made by `make reproduce{args}` (benchmarks/reproduce_table1.py) from "
-        f"docs/results/{rows_dir_of(budget).name}/<row>.json -->",
+        f"<!-- made by `make reproduce{args}` (experiments/reproduce_table1/run.py) from "
+        f"experiments/reproduce_table1/{rows_dir_of(budget).name}/<row>.json -->",
         "",
         f"Budget of every row: stage 1 {b['stage1_sequences']} x {b['stage1_seq_len']} tokens, {b['stage1_epochs']} "
         f"epochs per layer; stage 2 {b['steps']} LoRA steps x {b['global_batch']} x {b['seq_len']} tokens, lr "
@@ -477,7 +478,7 @@ def table(rows: dict[str, dict], b: dict, code: str, budget: str = "default") ->
         "```bash",
         f"make reproduce ROW=lolcats{args}   # one row (any of: " + ", ".join(ROWS) + ")",
         f"make reproduce{args}               # the missing and stale rows, then this table",
-        f".venv/bin/python benchmarks/reproduce_table1.py --table{flag}   # this table from the committed rows alone",
+        f".venv/bin/python -m experiments.reproduce_table1.run --table{flag}   # this table from the committed rows alone",
         "```",
     ]
     return "\n".join(lines) + "\n"
@@ -493,11 +494,11 @@ def explore_table(rows: dict[str, dict], switched: dict[str, dict], b: dict, cod
     lines = [
         f"# One switch at a time: does some recipe make the LA worth its place at window {w}? (budget {budget})",
         "",
-        f"<!-- made by benchmarks/reproduce_table1.py --row ROW --switch SWITCH{flag} from "
-        f"docs/results/{rows_dir_of(budget).name}/<row>@<switch>.json -->",
+        f"<!-- made by experiments/reproduce_table1/run.py --row ROW --switch SWITCH{flag} from "
+        f"experiments/reproduce_table1/{rows_dir_of(budget).name}/<row>@<switch>.json -->",
         "",
         f"Each switched row is a row of {table_of(budget).name} with one change (SWITCHES in "
-        "benchmarks/reproduce_table1.py): " + "; ".join(f"`{k}`: {v[0]}" for k, v in SWITCHES.items()) + ". "
+        "experiments/reproduce_table1/run.py): " + "; ".join(f"`{k}`: {v[0]}" for k, v in SWITCHES.items()) + ". "
         f"The target (issue 52): the hybrid beats swa_sinks past the window (positions >= {w}) with the gain's 95% "
         "CI above 0, no bucket worse, and an LA share of at least 10% past the window. Per bucket: perplexity "
         "hybrid / swa_sinks (below 1: the hybrid is better) and the LA's share of the normaliser.",
@@ -530,7 +531,7 @@ def explore_table(rows: dict[str, dict], switched: dict[str, dict], b: dict, cod
                 f"{_beats(sinks)} | {per} | {shares} | {_minutes(r)} |"
             )
     lines += ["", "```bash"]
-    script = ".venv/bin/python benchmarks/reproduce_table1.py"
+    script = ".venv/bin/python -m experiments.reproduce_table1.run"
     lines += [f"{script} --row {k.split('@')[0]} --switch {k.split('@')[1]}{flag}" for k in sorted(switched)]
     lines += ["```"]
     return "\n".join(lines) + "\n"
@@ -555,12 +556,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rows-dir",
         default=None,
-        help="the row files (default: docs/results/reproduce/, or reproduce_<budget>/ beside it for another budget)",
+        help="the row files (default: experiments/reproduce_table1/reproduce/, or reproduce_<budget>/ beside it for another budget)",
     )
     ap.add_argument(
         "--out",
         default=None,
-        help="the table (default: docs/results/reproduce_table1.md, or reproduce_table1_<budget>.md beside it)",
+        help="the table (default: experiments/reproduce_table1/reproduce_table1.md, or reproduce_table1_<budget>.md beside it)",
     )
     a = ap.parse_args(argv)
     if a.switch and not a.row:

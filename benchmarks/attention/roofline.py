@@ -10,24 +10,24 @@ measured ceilings (about 790 TFLOP/s for bf16 matrix products, 4.3 TB/s for copi
 (FlashAttention: 2 H D T^2 FLOPs forward, compute bound) and fla's chunk_linear_attn (chunk 64, states per chunk
 in fp32, its GQA groups repeated), counted the same way.
 
-    python benchmarks/kernel_roofline.py [--out docs/results/kernel_speed.md]
+    python -m benchmarks.run roofline [--out docs/results/kernel_roofline.md]
 
-Estimates, not measurements: docs/results/kernel_speed.md is replaced by benchmarks/kernel_speed.py's table the first
-time a GPU runs it.
+Estimates, not measurements: `python -m benchmarks.run kernels` measures the kernels on a GPU (kernel_speed.md, its
+own page; this one never writes it).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 import torch
 from hybrid_scale_kernels.hybrid_attention import default_tiles
 
+from benchmarks import registry
+
 PEAK_FLOPS = 790e12  # bf16 dense matrix products, H200 (measured ceiling)
 PEAK_BYTES = 4.3e12  # HBM copy bandwidth, H200 (measured ceiling)
-SHAPE = dict(H=32, Hkv=8, D=128, F=256, w=64)  # Llama-3-8B, Hedgehog, window 64
+SHAPE = registry.SHAPES["llama3-8b"] | {"w": registry.WINDOW}  # Llama-3-8B, Hedgehog, window 64
 LENGTHS = (4096, 16384, 65536)
 BF16, FP32 = 2, 4
 
@@ -141,26 +141,23 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the page here (markdown)")
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
     text = table()
     print(text)
     if args.out:
         args.out.write_text(
             "# Kernel speed: a roofline estimate (no GPU has measured the kernels yet)\n\n"
-            "Made by `python benchmarks/kernel_roofline.py --out docs/results/kernel_speed.md`. "
+            "Made by `python -m benchmarks.run roofline --out docs/results/kernel_roofline.md`. "
             + __doc__.split("\n\n")[1].replace("\n", " ")
             + "\n\n"
             + text
             + "\n\nWhat only a GPU can measure: the real times (these are lower bounds at peak), the L2 hit rate that "
             "makes re-read tiles cheaper than counted here, whether wgmma is used where the compile table says "
-            "mma.sync, and the occupancy the register counts allow. `benchmarks/kernel_speed.py` replaces this "
-            "page with measured times.\n"
+            "mma.sync, and the occupancy the register counts allow. `python -m benchmarks.run kernels` measures "
+            "them (kernel_speed.md).\n"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,36 +3,32 @@
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, hedgehog phi of size 128), batch 1, fp32, CPU.
 Prints times and the growth ratio t(T)/t(2k) side by side (linear in T: ratio ~ T/2k; quadratic: ~ (T/2k)^2), then
 the time of one decode step and the bytes held per layer at context 512 and 8k, for the hybrid state and for a
-softmax KV cache. Writes benchmarks/out/attention_scaling.json.
+softmax KV cache. Writes benchmarks/out/attention_scaling.json (docs/results/attention_scaling.md has the figures).
 
-    .venv/bin/python benchmarks/attention_scaling.py [--max-len 32768] [--repeats 3]
+    .venv/bin/python -m benchmarks.run scaling [--max-len 32768] [--repeats 3] [--verify]    # make bench
+
+The shapes, inputs and backends are benchmarks/registry.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from hybrid_scale.attention import chunked, naive, recurrent
+from benchmarks import registry
+from hybrid_scale.attention import chunked, recurrent
 
-H, HKV, D, FEAT, WINDOW, SINKS = 9, 3, 64, 128, 64, 8
+NAME = "smollm2-135m"
+SHAPE = registry.SHAPES[NAME]
+H, HKV, D, FEAT = SHAPE["H"], SHAPE["Hkv"], SHAPE["D"], SHAPE["F"]
+WINDOW, SINKS = registry.WINDOW, registry.SINKS
 
 
 def inputs(T, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        q=torch.randn(1, H, T, D, generator=g),
-        k=torch.randn(1, HKV, T, D, generator=g),
-        v=torch.randn(1, HKV, T, D, generator=g),
-        fq=torch.rand(1, H, T, FEAT, generator=g),
-        fk=torch.rand(1, HKV, T, FEAT, generator=g),
-        gamma=torch.full((H,), 0.1),
-    )
+    return registry.inputs(SHAPE, T, seed=seed)
 
 
 def best_time(fn, repeats):
@@ -45,27 +41,21 @@ def best_time(fn, repeats):
     return min(times)
 
 
-def sdpa(x):
-    rep = H // HKV
-    return F.scaled_dot_product_attention(
-        x["q"], x["k"].repeat_interleave(rep, 1), x["v"].repeat_interleave(rep, 1), is_causal=True
-    )
-
-
 def scaling(max_len, naive_max, repeats):
     rows = []
     T = 1024
+    spec = registry.prefill(WINDOW)["naive"]
     while T <= max_len:
         x = inputs(T)
         row = {"T": T}
         with torch.no_grad():
             row["chunked_s"] = best_time(lambda x=x: chunked.chunk_hybrid_attention(**x, window=WINDOW), repeats)
-            row["sdpa_s"] = best_time(lambda x=x: sdpa(x), repeats)
+            row["sdpa_s"] = best_time(lambda x=x: registry.sdpa(x), repeats)
             if T <= naive_max:
-                row["naive_s"] = best_time(lambda x=x: naive.naive_hybrid_attention(**x, window=WINDOW), repeats)
+                row["naive_s"] = best_time(lambda x=x: spec(x), repeats)
         rows.append(row)
         T *= 2
-    ref = next(r for r in rows if r["T"] == 2048)
+    ref = next((r for r in rows if r["T"] == 2048), rows[0])  # (2048 unless --max-len is below it)
     for r in rows:
         for key in ("chunked_s", "sdpa_s", "naive_s"):
             if key in r:
@@ -96,13 +86,16 @@ def decode(contexts, steps, repeats):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_arguments(ap) -> None:
     ap.add_argument("--max-len", type=int, default=32768)
     ap.add_argument("--naive-max", type=int, default=4096, help="naive is O(T^2) memory: larger would not fit")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--contexts", default="512,8192", help="decode: the context lengths, compared first to last")
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parents[1] / "out" / "attention_scaling.json"))
+
+
+def run(args) -> int:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, B=1 H={H} Hkv={HKV} D={D} F={FEAT}")
     rows = scaling(args.max_len, args.naive_max, args.repeats)
@@ -111,21 +104,20 @@ def main():
         nv = f"{r['naive_s']:9.4f} {r['naive_vs_2k']:8.2f}" if "naive_s" in r else f"{'skip':>9} {'':>8}"
         ch = f"{r['chunked_s']:10.4f} {r['chunked_vs_2k']:8.2f}"
         print(f"{r['T']:>6} {ch} {nv} {r['sdpa_s']:9.4f} {r['sdpa_vs_2k']:8.2f}")
-    dec = decode([512, 8192], args.decode_steps, args.repeats)
+    contexts = [int(c) for c in str(args.contexts).split(",")]
+    dec = decode(contexts, args.decode_steps, args.repeats)
     print(f"\n{'context':>8} {'step ms':>8} {'hybrid bytes':>13} {'softmax KV bytes':>17}   (one layer)")
     for r in dec:
         print(f"{r['context']:>8} {1e3 * r['step_s']:8.3f} {r['hybrid_bytes']:>13} {r['softmax_kv_bytes']:>17}")
-    a, b = dec
+    a, b = dec[0], dec[-1]
     ratio = {key: b[key] / a[key] for key in ("step_s", "hybrid_bytes", "softmax_kv_bytes")}
     print(
-        f"\n8k / 512: decode step time x{ratio['step_s']:.2f}, hybrid bytes x{ratio['hybrid_bytes']:.2f}, "
-        f"softmax KV bytes x{ratio['softmax_kv_bytes']:.2f}"
+        f"\n{b['context']} / {a['context']}: decode step time x{ratio['step_s']:.2f}, hybrid bytes "
+        f"x{ratio['hybrid_bytes']:.2f}, softmax KV bytes x{ratio['softmax_kv_bytes']:.2f}"
     )
-    out = Path(__file__).parent / "out" / "attention_scaling.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"scaling": rows, "decode": dec, "args": vars(args)}, indent=2))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k in ("max_len", "naive_max", "repeats", "decode_steps")}
+    out.write_text(json.dumps({"scaling": rows, "decode": dec, "args": settings}, indent=2))
     print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

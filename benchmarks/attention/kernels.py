@@ -14,52 +14,26 @@ layer's attention, and the bytes one step reads, for the fused decode step (ring
 independent of the context) against a KV-cache decode (SDPA of one query over the whole cache) and the torch decode
 step (recurrent.extend).
 
-    python benchmarks/kernel_speed.py [--budget 150] [--out docs/results]    # on a CUDA machine, with triton
+    python -m benchmarks.run kernels [--budget 150] [--out docs/results] [--verify]    # a CUDA machine, triton
 
 Writes kernel_speed.md and kernel_speed.json into --out. Stops starting new measurements after --budget seconds
 (what was measured is written). The GPU check (benchmarks/gpu_check/, step e) runs it. `--small` is the CPU dry
-run of the tests (tiny shapes, the Triton interpreter, timings meaningless).
+run of the tests (tiny shapes, the Triton interpreter, timings meaningless). The shapes, inputs and backends are
+benchmarks/registry.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
-import sys
 import time
 from pathlib import Path
-
-if "--small" in sys.argv and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels run on CPU
 
 import torch
 import torch.nn.functional as F
 
-from hybrid_scale.attention import backends, hybrid
-from hybrid_scale.attention.recurrent import DecodeState, extend
-
-SHAPES = {  # query heads, KV heads, head dim, feature dim (hedgehog: 2 x head dim)
-    "smollm2-135m": dict(H=9, Hkv=3, D=64, F=128),
-    "llama-3-8b": dict(H=32, Hkv=8, D=128, F=256),
-}
-SMALL_SHAPES = {"tiny": dict(H=3, Hkv=1, D=16, F=32)}
-
-
-def inputs(shape, T, device, dtype, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    H, Hkv, D, Fd = shape["H"], shape["Hkv"], shape["D"], shape["F"]
-
-    def r(*s):
-        return torch.randn(*s, generator=g, device=device, dtype=dtype)
-
-    def features(heads):  # hedgehog-like: two softmaxes over F/2 features
-        x = torch.randn(1, heads, T, Fd // 2, generator=g, device=device)
-        return torch.cat([x.softmax(-1), (-x).softmax(-1)], -1).to(dtype)
-
-    gamma = torch.full((H,), 0.1, device=device)
-    return dict(q=r(1, H, T, D), k=r(1, Hkv, T, D), v=r(1, Hkv, T, D), fq=features(H), fk=features(Hkv), gamma=gamma)
+from benchmarks import registry
+from benchmarks.registry import Clock, inputs
+from hybrid_scale.attention import backends
 
 
 def flops(method, shape, T, window):
@@ -72,86 +46,10 @@ def flops(method, shape, T, window):
     return 4 * H * D * T * w + 2 * H * Fd * D * T + 2 * Hkv * Fd * D * T
 
 
-class Clock:
-    def __init__(self, device, warmup, repeats):
-        self.cuda = torch.device(device).type == "cuda"
-        self.warmup, self.repeats = warmup, repeats
-
-    def ms(self, fn):
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.repeats):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1000 * (time.perf_counter() - t0))
-        return statistics.median(times)
-
-    def peak_mib(self, fn):
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def flash_attn_func():
-    try:
-        from flash_attn import flash_attn_func as fn  # noqa: PLC0415  (optional: measured when installed)
-    except ImportError:
-        return None
-    return fn
-
-
-def fla_chunk_linear_attn():
-    """flash-linear-attention's chunked linear attention (fla-core), the reference for linear-attention kernels, or
-    None when it does not import."""
-    try:
-        from fla.ops.linear_attn import chunk_linear_attn  # noqa: PLC0415  (optional: measured when installed)
-    except Exception:  # noqa: BLE001  (not installed, or a triton it cannot use)
-        return None
-    return chunk_linear_attn
-
-
 def prefill_methods(window, device="cuda"):
-    def hybrid_on(backend):
-        def run(x):
-            return hybrid.attend(x["q"], x["k"], x["v"], x["fq"], x["fk"], gamma=x["gamma"], window=window,
-                                 backend=backend)  # fmt: skip
-
-        return run
-
-    def sdpa(x):
-        return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True, enable_gqa=True)
-
-    methods = {"triton": hybrid_on("triton"), "torch": hybrid_on("torch"), "sdpa": sdpa}
-    fa = flash_attn_func()
-    if fa is not None:
-        methods["flash_attn"] = lambda x: fa(*(x[n].transpose(1, 2) for n in "qkv"), causal=True).transpose(1, 2)
-    fla = fla_chunk_linear_attn() if torch.device(device).type == "cuda" else None
-    if fla is not None:  # la_only's math (phi_q, phi_k, v; normalised), its GQA groups repeated to every head
-
-        def fla_la(x):
-            rep = x["q"].shape[1] // x["k"].shape[1]
-            q, k, v = (
-                t.repeat_interleave(rep, 1) if t.shape[1] != x["q"].shape[1] else t for t in (x["fq"], x["fk"], x["v"])
-            )
-            y, _ = fla(*(t.transpose(1, 2) for t in (q, k, v)), scale=1.0, normalize=True)
-            return y.transpose(1, 2)
-
-        methods["fla"] = fla_la
-    return methods
+    """The hybrid's fast backends and the baselines (the spec, `naive`, is only for --verify: O(T^2) memory)."""
+    fast = {k: v for k, v in registry.prefill(window, device).items() if k != "naive"}
+    return fast | registry.baselines(device)
 
 
 def prefill_rows(args, shapes, clock, deadline):
@@ -205,10 +103,7 @@ def prefill_rows(args, shapes, clock, deadline):
 
 def decode_rows(args, shapes, clock, deadline):
     rows = []
-    kernels = backends.get_backend("triton")
-    step = backends.get_decode("triton")
     for shape_name, shape in shapes.items():
-        Hkv, D, Fd = shape["Hkv"], shape["D"], shape["F"]
         for ctx in args.contexts:
             x = inputs(shape, ctx + args.warmup + args.repeats + 1, args.device, args.dtype, seed=ctx)
             for method in ("triton", "torch", "kv_cache"):
@@ -226,21 +121,13 @@ def decode_rows(args, shapes, clock, deadline):
 
                         row["bytes_per_step"] = (k_cache.numel() + v_cache.numel()) * k_cache.element_size()
                     else:
-                        state = DecodeState.empty(1, Hkv, D, D, Fd, args.window, 8, args.window, args.dtype,
-                                                  args.device)  # fmt: skip
-                        with torch.no_grad():
-                            extend(state, *(x[k][:, :, :ctx] for k in ("q", "k", "v", "fq", "fk")), x["gamma"],
-                                   window=args.window, prefill=kernels if method == "triton" else None)  # fmt: skip
+                        state = registry.decode_state(shape, x, ctx, args.window, args.device, args.dtype, method)
                         pos = [ctx]
 
                         def one(state=state, pos=pos, method=method, x=x):
                             t = pos[0]
                             pos[0] += 1
-                            token = (x[k][:, :, t : t + 1] for k in ("q", "k", "v", "fq", "fk"))
-                            with torch.no_grad():
-                                if method == "triton":
-                                    return step(state, *token, x["gamma"], window=args.window)
-                                return extend(state, *token, x["gamma"], window=args.window)
+                            return registry.decode_step(state, x, t, args.window, method)
 
                         row["bytes_per_step"] = state.nbytes
                     row["step_ms"] = clock.ms(one)
@@ -309,45 +196,51 @@ def markdown(result) -> str:
             f"| {r['shape']} | {r['context']} | {r['method']} | {fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], 4)} | "
             f"{r['bytes_per_step']:,} |"
         )
-    lines += ["", f"FLOP counts: see the docstring of benchmarks/kernel_speed.py. Wall time {result['seconds']:.0f} s."]
+    lines += ["", f"FLOP counts: see the docstring of benchmarks/attention/kernels.py. Wall time {result['seconds']:.0f} s."]
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser) -> None:
     parser.add_argument("--lengths", default="1024,4096,16384,65536")
     parser.add_argument("--contexts", default="1024,8192,32768")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--shapes", default=",".join(registry.SHAPES), help="the registry's shapes, by name")
+    parser.add_argument("--window", type=int, default=registry.WINDOW)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget", type=float, default=150.0, help="seconds after which no measurement starts")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "docs" / "results"))
     parser.add_argument("--small", action="store_true", help="CPU dry run: tiny shapes, the Triton interpreter")
-    args = parser.parse_args(argv)
-    t0 = time.monotonic()
-    deadline = t0 + args.budget
+
+
+def settle(args) -> dict | int:
+    """--small's settings, the shapes and the dtype; 2 (the exit status) where the kernels cannot run."""
     if args.small:
         args.device, args.dtype, args.window = "cpu", "float32", 16
-        shapes = SMALL_SHAPES
+        shapes = registry.SMALL_SHAPES
         args.lengths, args.contexts, args.warmup, args.repeats = "48,80", "40,72", 0, 1
     else:
-        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        shapes = registry.shapes_named(args.shapes)
         if not torch.cuda.is_available() and args.device == "cuda":
             print("kernel_speed: no CUDA device here; the kernels' speed is measured on a GPU (--small: CPU dry run)")
             return 2
     args.lengths = [int(t) for t in str(args.lengths).split(",")]
     args.contexts = [int(t) for t in str(args.contexts).split(",")]
-    args.dtype = getattr(torch, args.dtype)
+    args.dtype = getattr(torch, args.dtype) if isinstance(args.dtype, str) else args.dtype
     if "triton" not in backends.available():
         print("kernel_speed: the triton backend is not installed (pip install -e '.[triton]')")
         return 2
+    return shapes
+
+
+def run(args, shapes: dict, command: str) -> int:
+    t0 = time.monotonic()
+    deadline = t0 + args.budget
     clock = Clock(args.device, args.warmup, args.repeats)
     name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu (Triton interpreter)"
     result = dict(
-        command="python " + " ".join(["benchmarks/kernel_speed.py", *(argv if argv is not None else sys.argv[1:])]),
+        command=command,
         device=name,
         versions={"torch": torch.__version__, "triton": __import__("triton").__version__},
         settings=dict(window=args.window, dtype=str(args.dtype).replace("torch.", ""), shapes=shapes),
@@ -373,6 +266,3 @@ def main(argv=None) -> int:
     errors = [r for r in result["prefill"] + result["decode"] if "error" in r]
     return 1 if errors or result["self_check"] is not None else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
