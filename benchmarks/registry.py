@@ -172,7 +172,7 @@ def decode_step(state: DecodeState, x: dict, t: int, window: int, backend: str):
 
 
 class Clock:
-    """Median milliseconds of `repeats` calls after `warmup` (CUDA events on a GPU), and peak memory above the inputs."""
+    """Median milliseconds of `repeats` calls after `warmup` (CUDA events on a GPU); peak memory above the inputs."""
 
     def __init__(self, device, warmup, repeats):
         self.cuda = torch.device(device).type == "cuda"

@@ -48,10 +48,12 @@ def verify(shapes: dict, device="cpu", dtype=torch.float32, window: int = regist
         with torch.no_grad():
             spec = registry.prefill(window, device)["naive"](exact)
 
-            def compare(what: str, y: torch.Tensor, ref: torch.Tensor) -> None:
+            def compare(what: str, y: torch.Tensor, ref: torch.Tensor, name=name, shape=shape) -> None:
                 err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
                 if not err <= tol:  # (a NaN fails too)
-                    problems.append(f"{what} at {name} {shape}: max error {err:.3g} of the spec's largest, over {tol:g}")
+                    problems.append(
+                        f"{what} at {name} {shape}: max error {err:.3g} of the spec's largest, over {tol:g}"
+                    )
 
             for backend, fn in registry.prefill(window, device).items():
                 if backend != "naive":
@@ -94,8 +96,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.attention import kernels, roofline, scaling  # noqa: PLC0415
 
-    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if args.suite == "scaling":
         if args.verify:
             check({scaling.NAME: scaling.SHAPE}, "cpu", torch.float32, scaling.WINDOW)

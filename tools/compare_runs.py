@@ -1,7 +1,7 @@
 """Compare two run directories of the same config (e.g. the same pipeline run by two versions of the code): the
 evaluation's results, stage 2's curves, and every stage-1, stage-2 and export tensor, bitwise.
 
-    .venv/bin/python benchmarks/compare_runs.py RUN_A RUN_B
+    .venv/bin/python -m tools.compare_runs RUN_A RUN_B
 """
 
 from __future__ import annotations

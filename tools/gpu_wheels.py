@@ -28,7 +28,7 @@ huggingface-hub (the image's 1.33; transformers 5.24 needs >= 1.31), the asset p
 own tiny model, tokenizer and task data). Add more with GPU_WHEELS_EXTRA="name==version ...". Prints every wheel and
 the total size, and fails above --max-mib (the device tool carries 64 MiB in all, the repository included).
 
-    .venv/bin/python benchmarks/gpu_check/wheels.py [--dest .whl] [--max-mib 40]
+    .venv/bin/python -m tools.gpu_wheels [--dest .whl] [--max-mib 40]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MISSING_ON_DEVICE = [
     "omegaconf",
     "datasets",

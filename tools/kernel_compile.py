@@ -8,7 +8,7 @@ ring of `window` keys -- with the tiles the kernels choose on a GPU. Every launc
 runs) and compiled for both architectures by Triton and the wheel's ptxas (hybrid_scale_kernels.compile_check);
 equal launches compile once.
 
-    python benchmarks/kernel_compile.py [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
+    python -m tools.kernel_compile [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
         [--reuse docs/results/kernel_compile.json --verify 8]
 
 --out also writes the results as JSON beside the table (kernel_compile.json), keyed by what determines a compile:
@@ -45,7 +45,7 @@ from hybrid_scale.config import PRESETS, load_config
 
 # Bytes of spill stores + loads a kernel may have, per dtype: none in bf16 and fp16 (what the presets train in); in
 # fp32 (IEEE dots on FMAs, no tensor cores) 128, for the window launch of _bwd_dkv at head dim 128, which spills
-# 44-72 bytes with every tile setting tried since the packed GQA tiles (benchmarks/kernel_compile.py --tune fp32,128,16)
+# 44-72 bytes with every tile setting tried since the packed GQA tiles (tools/kernel_compile.py --tune fp32,128,16)
 SPILL_BUDGET = {"bf16": 0, "fp16": 0, "fp32": 128}
 # every mode the kernels compute ("none" launches nothing), and the hybrid with its sinks (attention.hybrid_sinks);
 # each also with the LA's decay (attention.la_decay, "+decay"): the modes with an LA decay it, and the decode step
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         args.out.write_text(
             "# The kernels compiled for sm_80 and sm_90 (no GPU)\n\n"
-            "Made by `make kernel-compile` (`python benchmarks/kernel_compile.py --out docs/results/kernel_compile.md`)"
+            "Made by `make kernel-compile` (`python -m tools.kernel_compile --out docs/results/kernel_compile.md`)"
             f" with triton {__import__('triton').__version__} and the ptxas its wheel ships. Each row is one compile "
             "of a kernel for a mode and dtype, at the head shapes of the presets listed (presets whose launches "
             "compile identically share a row). Registers and spill bytes (stores + loads) are `ptxas -v`'s; shared "

@@ -14,7 +14,7 @@ largest value against the fp64 spec's autograd:
   now:     delta = Z (round(dy/Z) . y_fp32), the same rounding as the dots, the forward's fp32 output (_delta);
   fp32:    no rounding at all (what the chunked torch path, fp32 inside, comes close to).
 
-    .venv/bin/python benchmarks/kernel_grad_precision.py
+    .venv/bin/python -m tools.kernel_grad_precision
 """
 
 from __future__ import annotations

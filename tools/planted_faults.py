@@ -2,8 +2,8 @@
 fast tier, records which tests failed, and restores the file (`git checkout`). A file with uncommitted changes is
 refused before anything is edited. Prints one line per fault; exit 1 when the tier passed with a fault planted.
 
-    python benchmarks/planted_faults.py                 # every fault (~3 minutes each on 2 cores)
-    python benchmarks/planted_faults.py --only verdict_on_hi
+    python -m tools.planted_faults                 # every fault (~3 minutes each on 2 cores)
+    python -m tools.planted_faults --only verdict_on_hi
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Run the suite with durations for every phase (setup, call, teardown), keeping th
 
     .venv/bin/pytest -q -p no:cacheprovider --durations=0 > after.log
 
-then `.venv/bin/python benchmarks/test_time.py after.log` prints the tables (markdown); with two logs,
-`.venv/bin/python benchmarks/test_time.py before.log after.log`, the files side by side (before, after, ratio) and the
+then `.venv/bin/python -m tools.test_time after.log` prints the tables (markdown); with two logs,
+`.venv/bin/python -m tools.test_time before.log after.log`, the files side by side (before, after, ratio) and the
 slowest tests of each. A test's time is setup + call + teardown, so a module-scoped fixture counts in the file whose
 first test built it. The wall time is pytest's own last line ("... in 812.34s").
 """

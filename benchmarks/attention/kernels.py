@@ -196,7 +196,10 @@ def markdown(result) -> str:
             f"| {r['shape']} | {r['context']} | {r['method']} | {fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], 4)} | "
             f"{r['bytes_per_step']:,} |"
         )
-    lines += ["", f"FLOP counts: see the docstring of benchmarks/attention/kernels.py. Wall time {result['seconds']:.0f} s."]
+    lines += [
+        "",
+        f"FLOP counts: see the docstring of benchmarks/attention/kernels.py. Wall time {result['seconds']:.0f} s.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -265,4 +268,3 @@ def run(args, shapes: dict, command: str) -> int:
     print(markdown(result))
     errors = [r for r in result["prefill"] + result["decode"] if "error" in r]
     return 1 if errors or result["self_check"] is not None else 0
-

@@ -5,7 +5,7 @@ Stage 1 streams one layer at a time from the safetensors shards, so its peak RSS
 written shard by shard (one layer per shard, random weights) without ever building the model, and each run is a
 fresh process that reports its own peak RSS. Writes benchmarks/out/distill_memory.json.
 
-    .venv/bin/python benchmarks/distill_memory.py [--hidden 1024] [--layers 4 32]
+    .venv/bin/python -m benchmarks.memory.distill [--hidden 1024] [--layers 4 32]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main():
     weights_ratio = rows[1]["weights_bytes"] / rows[0]["weights_bytes"]
     a, b = args.layers
     print(f"peak RSS ratio {b}/{a} layers: {ratio:.3f} (goal <= 1.2; the weights grow x{weights_ratio:.2f})")
-    out = Path(__file__).parent / "out"
+    out = Path(__file__).resolve().parents[1] / "out"
     out.mkdir(exist_ok=True)
     (out / "distill_memory.json").write_text(json.dumps({"rows": rows, "ratio": ratio, "args": vars(args)}, indent=2))
 

@@ -3,7 +3,7 @@ q/k/v/o of every layer. The export reads one input shard at a time, so the memor
 (python + torch + transformers: its resident size just before the export starts) should be about one shard, a
 fraction of the whole model. Each run is a fresh process. Writes benchmarks/out/export_memory.json.
 
-    .venv/bin/python benchmarks/export_memory.py [--hidden 2048]
+    .venv/bin/python -m benchmarks.memory.export [--hidden 2048]
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).parent))
-from distill_memory import write_checkpoint  # noqa: E402
+from benchmarks.memory.distill import write_checkpoint
 
 CHILD = """
 import sys
@@ -110,7 +109,7 @@ def main():
         f"RSS before export {before / mib:.0f} MiB, peak {peak / mib:.0f} MiB: the export added {added / mib:.0f} MiB\n"
         f"added / largest shard = {added / largest:.2f}; added / whole model = {added / total:.2f}"
     )
-    dest = Path(__file__).parent / "out"
+    dest = Path(__file__).resolve().parents[1] / "out"
     dest.mkdir(exist_ok=True)
     (dest / "export_memory.json").write_text(json.dumps({"args": vars(args), **row}, indent=2))
 

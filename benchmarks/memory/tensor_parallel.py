@@ -9,7 +9,7 @@ layer hybrid, phi/gamma in hybrid_params.safetensors) with a stage-2 LoRA adapte
 stage 2 and evaluation load it, then split by parallelize. At tp > 1 each rank reads only its rows or columns of
 each weight (streaming.split_model), so its host peak should fall with tp; at tp 1 the whole model is read.
 
-    .venv/bin/python benchmarks/tensor_parallel_memory.py [--hidden 2048] [--layers 8] [--tp 1 2 4] [--device cpu]
+    .venv/bin/python -m benchmarks.memory.tensor_parallel [--hidden 2048] [--layers 8] [--tp 1 2 4] [--device cpu]
 
 Each tp runs as its own torchrun job (a process's peak RSS is for its lifetime). Prints a table with the ratios to
 tp 1 and writes benchmarks/out/tensor_parallel_memory.json.
@@ -131,9 +131,10 @@ def read_results(path: Path, tp: int) -> list[dict]:
 
 
 def run_tp(args, path: Path, tp: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", "--standalone", __file__]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", "--standalone", "-m", __spec__.name]
     cmd += worker_args(args, path, tp)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    root = Path(__file__).resolve().parents[2]  # `-m`: from the repository root
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root)
     if proc.returncode:
         raise SystemExit(f"tp {tp} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return read_results(path, tp)
@@ -164,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--tokens", type=int, default=64, help="prefill length of the logits and the decode state")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "tensor_parallel_memory.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "out" / "tensor_parallel_memory.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)

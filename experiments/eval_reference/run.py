@@ -2,7 +2,7 @@
 the reference figures from an independent scorer (PIQA acc 0.640, ARC-E acc 0.500). Also prints the share of scored
 tokens beyond w = 16 and w = 64. Writes benchmarks/out/eval_reference.json.
 
-    .venv/bin/python benchmarks/eval_reference.py [--limit 200]
+    .venv/bin/python -m experiments.eval_reference.run [--limit 200]
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ fit) against one attention pass and closed-form steps (export.fit_gamma), on one
 heads, head_dim 64, hedgehog maps) with the export's defaults (8 x 512 tokens, 60 steps, window 64). Prints both
 times, their ratio and the fitted gammas' largest difference.
 
-    .venv/bin/python benchmarks/gamma_fit_speed.py [--sequences 8 --seq-len 512 --steps 60 --window 64]
+    .venv/bin/python -m experiments.gamma_calibration.gamma_fit_speed \
+        [--sequences 8 --seq-len 512 --steps 60 --window 64]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the repeats), and t(16k) / t(2k).
 Shapes of SmolLM2-135M (9 heads, 3 KV heads, head_dim 64, hedgehog phi of size 128), window 64, 8 sinks kept by the
 hybrid, chunk 64, batch 1, fp32, CPU. Gradients flow to q, k, v, phi_q, phi_k, gamma and rho.
 
-    .venv/bin/python benchmarks/la_decay_cost.py [--lengths 2048 16384] [--repeats 3] [--out FILE.json]
+    .venv/bin/python -m experiments.la_length.la_decay_cost [--lengths 2048 16384] [--repeats 3] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 import time
 
 import torch
-from attention_scaling import FEAT, HKV, D, H, inputs  # the same SmolLM2-shaped inputs as the scaling benchmark
 
+from benchmarks.attention.scaling import FEAT, HKV, D, H, inputs  # the scaling benchmark's SmolLM2-shaped inputs
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
 
 WINDOW, SINKS = 64, 8

@@ -7,7 +7,8 @@ the sinks, the same model without its LA). If the cap helps past the training le
 formula implies (the LA sums grow with every key past the window). The cap is computed from the chunked path's two parts
 of the shared normaliser (hybrid with them, and the same with phi_k = 0 for the window part alone).
 
-    .venv/bin/python benchmarks/la_mass_cap.py --run runs/quickstart [--out docs/results/la_mass_cap.md]
+    .venv/bin/python -m experiments.la_length.la_mass_cap --run runs/quickstart \
+        [--out experiments/la_length/la_mass_cap.md]
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     print(table)
     if a.out:
         out = Path(a.out)
-        command = "    .venv/bin/python benchmarks/la_mass_cap.py " + " ".join(argv or sys.argv[1:])
+        command = "    .venv/bin/python -m experiments.la_length.la_mass_cap " + " ".join(argv or sys.argv[1:])
         out.write_text(f"# The LA's mass, capped at its trained maximum (issue 39 item 1)\n\n{command}\n\n{table}\n")
         record = {"buckets": rows, "vs_swa_sinks_past_256": vs, "n_train": n_train, "times_s": times}
         out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")

@@ -12,9 +12,9 @@ paper's inference-time hybridisation, and evaluated). Each stage runs as its own
 would run it; the rows of one objective and variant share their stage 1 (hedgecats, ssd and la_only all train
 weights_xent), and each row counts its stage 1's time as its own.
 
-A row writes experiments/reproduce_table1/reproduce/<row>.json: its budget and settings, every figure the table shows (the
-evaluation's results.json without its per-item and per-trial lists), the stage times, the commit it ran on and a
-hash of the code it measured (CODE: the attention and the recipes). A row is stale when that hash or the budget
+A row writes experiments/reproduce_table1/reproduce/<row>.json: its budget and settings, every figure the table
+shows (the evaluation's results.json without its per-item and per-trial lists), the stage times, the commit it ran
+on and a hash of the code it measured (CODE: the attention and the recipes). A row is stale when that hash or the budget
 differs from the current ones; the table marks it and `make reproduce` runs it again. A row killed at any point
 resumes when rerun: every stage resumes or is skipped when finished. The run directories are under
 --run-root/<budget>-<code hash>, so a stale row runs again from scratch rather than reusing stages measured on other
@@ -478,7 +478,8 @@ def table(rows: dict[str, dict], b: dict, code: str, budget: str = "default") ->
         "```bash",
         f"make reproduce ROW=lolcats{args}   # one row (any of: " + ", ".join(ROWS) + ")",
         f"make reproduce{args}               # the missing and stale rows, then this table",
-        f".venv/bin/python -m experiments.reproduce_table1.run --table{flag}   # this table from the committed rows alone",
+        f".venv/bin/python -m experiments.reproduce_table1.run --table{flag}"
+        "   # this table from the committed rows alone",
         "```",
     ]
     return "\n".join(lines) + "\n"
@@ -556,12 +557,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rows-dir",
         default=None,
-        help="the row files (default: experiments/reproduce_table1/reproduce/, or reproduce_<budget>/ beside it for another budget)",
+        help="the row files (default: experiments/reproduce_table1/reproduce/, or reproduce_<budget>/ beside it for "
+        "another budget)",
     )
     ap.add_argument(
         "--out",
         default=None,
-        help="the table (default: experiments/reproduce_table1/reproduce_table1.md, or reproduce_table1_<budget>.md beside it)",
+        help="the table (default: experiments/reproduce_table1/reproduce_table1.md, or reproduce_table1_<budget>.md "
+        "beside it)",
     )
     a = ap.parse_args(argv)
     if a.switch and not a.row:

@@ -2,7 +2,7 @@
 (identity) feature maps, compared by held-out perplexity per position bucket in la_only, hybrid and none, next to
 base and swa_only; with each stage-1 run's wall time. Resumable: a finished stage 1 is not redone.
 
-    .venv/bin/python benchmarks/stage1_objectives.py [--sequences 256 --seq-len 512 --epochs 2 --window 64]
+    .venv/bin/python -m experiments.stage1_objectives.run [--sequences 256 --seq-len 512 --epochs 2 --window 64]
 
 Writes benchmarks/out/stage1_objectives.json and prints a markdown table.
 """
