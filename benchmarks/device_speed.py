@@ -458,11 +458,11 @@ def part_decode(run: Run) -> dict:
                         cache = HybridCache(model)
                         layer = cache.layers[0]
                         q, k, v = (x[n][:, :, : ctx - 1] for n in "qkv")
-                        layer.attend(module, q, k, v, module.feature_map_q(q), module.feature_map_k(k), None)
+                        layer.hybrid_attend(module, q, k, v, module.feature_map_q(q), module.feature_map_k(k), None)
 
                         def step(layer=layer, q1=q1, k1=k1, v1=v1):
                             fq, fk = module.feature_map_q(q1), module.feature_map_k(k1)
-                            return layer.attend(module, q1, k1, v1, fq, fk, None)
+                            return layer.hybrid_attend(module, q1, k1, v1, fq, fk, None)
 
                         row["bytes_state"] = layer.nbytes
                     else:
@@ -506,7 +506,7 @@ def part_decode(run: Run) -> dict:
             run.ratio(f"decode kernel us per layer, ctx={ctx}", h["decode_kernel_us"])
         if run.cuda:
             torch.cuda.empty_cache()
-    return dict(rows=rows, timed="step = phi_q, phi_k of the new token + HybridCacheLayer.attend (hybrid); "
+    return dict(rows=rows, timed="step = phi_q, phi_k of the new token + HybridCacheLayer.hybrid_attend (hybrid); "
                 "index_copy_ of k/v + SDPA over the static cache (kv_cache)")  # fmt: skip
 
 
@@ -799,7 +799,7 @@ def summarise_big(run: Run, raw: dict) -> dict:
 
 
 def child_big(run: Run, work: Path) -> dict:
-    from gpu_check.big import part_big as gpu_check_big
+    from benchmarks.gpu_check.big import part_big as gpu_check_big
 
     b = dict(run.cfg["big"])
     b["overrides"] = [f"attention.window={run.cfg['window']}", f"attention.sinks={run.cfg['sinks']}",
