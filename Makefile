@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed device-speed kernel-compile reproduce clean
+.PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-roofline device-speed
+.PHONY: kernel-compile reproduce clean bench-memory metrics-overhead test-time planted-faults grad-precision
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,32 +54,66 @@ assets: $(STAMP)
 quickstart: $(STAMP)
 	$(VENV)/bin/hybrid-scale quickstart
 
+# The attention benchmarks (benchmarks/run.py over benchmarks/registry.py's shapes and backends), each checking the
+# fast backends against the spec first (--verify): chunked vs naive vs SDPA on the CPU (docs/results/attention_scaling.md)
 bench: $(STAMP)
-	$(PY) benchmarks/attention_scaling.py
+	$(PY) -m benchmarks.run scaling --verify $(ARGS)
 
 # The fused Triton kernels vs SDPA / FlashAttention / the torch path, prefill and decode (a CUDA GPU; ~3 minutes)
 kernel-speed: $(STAMP)
-	$(PY) benchmarks/kernel_speed.py
+	$(PY) -m benchmarks.run kernels --verify $(ARGS)
+
+# The fused kernels' roofline estimate (docs/results/kernel_roofline.md; seconds, no GPU)
+kernel-roofline: $(STAMP)
+	$(PY) -m benchmarks.run roofline --out docs/results/kernel_roofline.md
+
+# Peak memory of stage 1, the export and tensor-parallel inference (docs/results/distill_memory.md,
+# export_memory.md, tensor_parallel_memory.md; minutes each on 2 cores)
+bench-memory: $(STAMP)
+	$(PY) -m benchmarks.memory.distill
+	$(PY) -m benchmarks.memory.export
+	$(PY) -m benchmarks.memory.tensor_parallel
+
+# What the stage-2 metrics cost per step (docs/results/metrics_overhead.md)
+metrics-overhead: $(STAMP)
+	$(PY) -m benchmarks.metrics_overhead --out docs/results/metrics_overhead.md
 
 # Issue 51's device benchmark (a CUDA GPU; under 5 minutes): prefill vs SDPA and fla, decode per layer and of a whole
 # 8B-shaped model vs a static KV cache (CUDA graphs, torch.compile), the 8B-shaped stages 1 and 2, the bf16 kernel
 # tests; docs/results/device_speed.md. With the device tool: `make gpu-wheels`, then run
 # `bash benchmarks/device_speed.sh` with carry [".whl"]. `make device-speed ARGS=--dry-run`: the CPU check (seconds).
 device-speed: $(STAMP)
-	$(PY) benchmarks/device_speed.py $(ARGS)
+	$(PY) -m benchmarks.device_speed $(ARGS)
 
 # Every Triton kernel compiled for sm_80 and sm_90 without a GPU (every mode, dtype and preset head shape; ~10 minutes
 # on 2 cores): the table of registers, spills, shared memory and wgmma / mma.sync, and its JSON, that
 # tests/unit/test_kernel_compile.py checks against the kernels (it compiles what changed since)
 kernel-compile: $(STAMP)
-	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) benchmarks/kernel_compile.py --out docs/results/kernel_compile.md
+	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) -m tools.kernel_compile --out docs/results/kernel_compile.md
 
-# Table 1 on SmolLM2, one row at a time (docs/results/reproduce_table1.md): `make reproduce ROW=lolcats+sinks` runs
+# Table 1 on SmolLM2, one row at a time (experiments/reproduce_table1/reproduce_table1.md): `make reproduce ROW=lolcats+sinks` runs
 # one row end to end (stage 1, stage 2, the evaluation; within an hour of 2 CPU cores; resumable) and writes
-# docs/results/reproduce/ROW.json; `make reproduce` runs the rows that are missing or stale, then writes the table.
-# ARGS go to the script (.venv/bin/python benchmarks/reproduce_table1.py --help).
+# experiments/reproduce_table1/reproduce/ROW.json; `make reproduce` runs the rows that are missing or stale, then writes the table.
+# ARGS go to the script (.venv/bin/python -m experiments.reproduce_table1.run --help).
 reproduce: $(STAMP)
-	$(PY) benchmarks/reproduce_table1.py $(if $(ROW),--row $(ROW)) $(ARGS)
+	$(PY) -m experiments.reproduce_table1.run $(if $(ROW),--row $(ROW)) $(ARGS)
+
+# Where the suite's time goes (tools/test_time.py): the whole suite with every test's durations into
+# runs/test_time/after.log, then its tables into runs/test_time/test_time.md (not committed: copy the figures that
+# changed into docs/results/test_time.md by hand). BEFORE=old.log puts an earlier run's log beside it.
+test-time: $(STAMP)
+	mkdir -p runs/test_time
+	$(VENV)/bin/pytest $(SUITE) -p no:cacheprovider --durations=0 > runs/test_time/after.log || true
+	$(PY) -m tools.test_time $(BEFORE) runs/test_time/after.log > runs/test_time/test_time.md
+	@echo "wrote runs/test_time/test_time.md"
+
+# Each planted fault alone in a clean tree against the fast tier (tools/planted_faults.py; ~3 minutes a fault)
+planted-faults: $(STAMP)
+	$(PY) -m tools.planted_faults $(ARGS)
+
+# The Triton backward's gamma gradient in bf16, modelled on the CPU (tools/kernel_grad_precision.py)
+grad-precision: $(STAMP)
+	$(PY) -m tools.kernel_grad_precision
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
@@ -87,4 +122,4 @@ clean:
 # toolkit needs that the GPU image lacks, at this venv's versions, plus this package. Prints the sizes and the total.
 .PHONY: gpu-wheels
 gpu-wheels: $(STAMP)
-	$(PY) benchmarks/gpu_check/wheels.py --dest .whl
+	$(PY) -m tools.gpu_wheels --dest .whl

@@ -31,7 +31,7 @@ Every ratio is printed as it is measured (a line starting `device_speed: RATIO`)
 
     here:            make gpu-wheels          (the device tool: run, carry [".whl"], timeout_s 400)
     on the device:   bash benchmarks/device_speed.sh
-    on a CPU:        python benchmarks/device_speed.py --dry-run    (every part at toy shapes with the torch path: no
+    on a CPU:        python -m benchmarks.device_speed --dry-run    (every part at toy shapes with the torch path: no
                      Triton, CUDA graphs, torch.compile or fla; seconds; tests/integration/test_device_speed.py)
 
 Writes device_speed.md (the tables) and device_speed.json (every figure) into --out: $OUT when set, else docs/results
@@ -40,8 +40,8 @@ status 0 when every part ran and the tests passed, else 1. DEVICE_SPEED_BUDGETS=
 parts' budgets (seconds), DEVICE_SPEED_PARTS="e,a,b,c,d" the parts run.
 
 Why one file of over 500 lines: it is the one script a lent device runs (device_speed.sh copies it alone, with the
-wheels, onto a bare machine), and its sections a-e share the Run, the timing helpers and the report. Splitting it
-into a package goes with issue 53's benchmarks/ registry.
+wheels, onto a bare machine), and its sections a-e share the Run, the timing helpers and the report. Its attention
+inputs and Clock are benchmarks/registry.py's (issue 53).
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gpu_check.common import DEADLINE, Log, device_info, run_child, versions  # benchmarks/ is this script's folder
-from kernel_speed import Clock
-from kernel_speed import inputs as attention_inputs
+
+from benchmarks.gpu_check.common import DEADLINE, Log, device_info, run_child, versions
+from benchmarks.registry import Clock
+from benchmarks.registry import inputs as attention_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100 / H200 SXM
@@ -457,11 +458,11 @@ def part_decode(run: Run) -> dict:
                         cache = HybridCache(model)
                         layer = cache.layers[0]
                         q, k, v = (x[n][:, :, : ctx - 1] for n in "qkv")
-                        layer.attend(module, q, k, v, module.feature_map_q(q), module.feature_map_k(k), None)
+                        layer.hybrid_attend(module, q, k, v, module.feature_map_q(q), module.feature_map_k(k), None)
 
                         def step(layer=layer, q1=q1, k1=k1, v1=v1):
                             fq, fk = module.feature_map_q(q1), module.feature_map_k(k1)
-                            return layer.attend(module, q1, k1, v1, fq, fk, None)
+                            return layer.hybrid_attend(module, q1, k1, v1, fq, fk, None)
 
                         row["bytes_state"] = layer.nbytes
                     else:
@@ -505,7 +506,7 @@ def part_decode(run: Run) -> dict:
             run.ratio(f"decode kernel us per layer, ctx={ctx}", h["decode_kernel_us"])
         if run.cuda:
             torch.cuda.empty_cache()
-    return dict(rows=rows, timed="step = phi_q, phi_k of the new token + HybridCacheLayer.attend (hybrid); "
+    return dict(rows=rows, timed="step = phi_q, phi_k of the new token + HybridCacheLayer.hybrid_attend (hybrid); "
                 "index_copy_ of k/v + SDPA over the static cache (kv_cache)")  # fmt: skip
 
 
@@ -687,7 +688,7 @@ def preset_tokens() -> dict:
 
 
 def attention_flops_per_token(m: dict, window: int) -> float:
-    """The hybrid's forward per token and layer, as benchmarks/kernel_speed.py counts it (window q.k and p.v, the
+    """The hybrid's forward per token and layer, as benchmarks/attention/kernels.py counts it (window q.k and p.v, the
     state read, the block states), with phi's output 2 x head_dim (hedgehog, f = d)."""
     H, Hkv, D = m["heads"], m["kv"], m["head_dim"]
     Fout = 2 * D
@@ -722,7 +723,8 @@ def part_big(run: Run) -> dict:
     json_path = work / "big.json"
     cmd = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        "benchmarks.device_speed",
         "--part",
         "big",
         "--work",
@@ -797,7 +799,7 @@ def summarise_big(run: Run, raw: dict) -> dict:
 
 
 def child_big(run: Run, work: Path) -> dict:
-    from gpu_check.big import part_big as gpu_check_big
+    from benchmarks.gpu_check.big import part_big as gpu_check_big
 
     b = dict(run.cfg["big"])
     b["overrides"] = [f"attention.window={run.cfg['window']}", f"attention.sinks={run.cfg['sinks']}",
@@ -1011,7 +1013,7 @@ def main(argv=None) -> int:
     started = float(os.environ.get("DEVICE_SPEED_STARTED") or time.time())  # device_speed.sh's start (epoch s)
     DEADLINE[0] = time.monotonic() + cfg["deadline"] - max(0.0, time.time() - started)
     command = os.environ.get("DEVICE_SPEED_COMMAND") or "python " + " ".join(
-        ["benchmarks/device_speed.py", *(argv if argv is not None else sys.argv[1:])]
+        ["-m", "benchmarks.device_speed", *(argv if argv is not None else sys.argv[1:])]
     )
     run = Run(cfg, out, args.dry_run, command)
     run.data["versions"] = versions() | {"triton": package_version("triton")}

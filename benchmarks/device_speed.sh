@@ -33,6 +33,6 @@ export DEVICE_SPEED_COMMAND="${DEVICE_SPEED_COMMAND:-bash benchmarks/device_spee
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   echo "device_speed.sh: $("$PY" -m pip list --format=freeze 2>/dev/null | grep -iE \
     '^(torch|triton|transformers|peft|deepspeed|fla.core|einops)==' | tr '\n' ' ')"
-  "$PY" benchmarks/device_speed.py "$@"
+  "$PY" -m benchmarks.device_speed "$@"
 } 2>&1 | tee "$OUT_DIR/device_speed.log"
 exit "${PIPESTATUS[0]}"

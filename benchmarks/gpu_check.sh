@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one call (benchmarks/gpu_check/: the pipeline on cuda/bfloat16 checked against cpu/float32, a
 # 1B-shaped stage-1 layer and stage-2 step, hybrid attention vs SDPA at 4k and 16k tokens, the fused Triton kernels
-# through benchmarks/kernel_speed.py), on a machine without network: the wheels that `make gpu-wheels` put into .whl/
+# through benchmarks/attention/kernels.py), on a machine without network: the wheels that `make gpu-wheels` put into .whl/
 # are installed into /tmp/site first.
 #
 #   here:            make gpu-wheels
@@ -48,7 +48,7 @@ timeout 240 "$PY" -m pytest -q -rP -p no:cacheprovider -m gpu tests/unit/test_tr
   | tee -a "$OUT_DIR/gpu_check.log"
 tests=${PIPESTATUS[0]}
 echo "gpu_check.sh: gpu-marked tests exit status $tests" | tee -a "$OUT_DIR/gpu_check.log"
-"$PY" benchmarks/gpu_check 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+"$PY" -m benchmarks.gpu_check 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
 status=${PIPESTATUS[0]}
 if [ "$status" -eq 0 ] && [ "$tests" -ne 0 ]; then status=1; fi
 exit "$status"

@@ -3,7 +3,7 @@ quickstart's attention: sinks, gamma = exp(theta), the LA's decay), measured sid
 time in `train_step` (forward, backward, optimizer) against the time of its `step_metrics` (gamma and rho gathered,
 the record written to metrics.jsonl, TensorBoard and an offline W&B run, the progress line).
 
-    .venv/bin/python benchmarks/metrics_overhead.py [--steps 8] [--out docs/results/metrics_overhead.md]
+    .venv/bin/python -m benchmarks.metrics_overhead [--steps 8] [--out docs/results/metrics_overhead.md]
 
 The model is the embedded default converted with untrained feature maps (`hybrid-scale convert`): the step costs the
 same as a trained one's.
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     lines = [
         "# What the metrics cost a stage-2 step (quickstart size)",
         "",
-        f"<!-- {time.strftime('%Y-%m-%d')}: `.venv/bin/python benchmarks/metrics_overhead.py --steps {a.steps}` on "
+        f"<!-- {time.strftime('%Y-%m-%d')}: `.venv/bin/python -m benchmarks.metrics_overhead --steps {a.steps}` on "
         f"{os.cpu_count()} CPU cores; median over steps 2-{a.steps} -->",
         "",
         "Every sink on: metrics.jsonl, TensorBoard and an offline W&B run, gamma and rho of every layer gathered,",

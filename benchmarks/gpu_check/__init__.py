@@ -17,7 +17,7 @@ Steps (each guarded: a failing step is reported with its traceback and FAILED in
   d. attention: hybrid attention (every registered backend, the Triton kernels on CUDA only; naive only up to
      GPU_CHECK_NAIVE_MAX) vs SDPA (is_causal, GQA) at 4k and 16k tokens, batch 1, the 1B head shape: forward and
      forward+backward time (CUDA events, after warm-up) and peak memory, with the ratios to SDPA;
-  e. kernels: benchmarks/kernel_speed.py (the fused Triton kernels vs SDPA, FlashAttention if importable and the
+  e. kernels: benchmarks/attention/kernels.py (the fused Triton kernels vs SDPA, FlashAttention if importable and the
      torch path, T = 1k..64k, SmolLM2 and Llama-3-8B head shapes; decode at 1k/8k/32k context vs a KV-cache decode)
      within GPU_CHECK_KERNEL_BUDGET seconds; its kernel_speed.md/json land beside the report;
   f. the table (gpu_check.md) and every figure (gpu_check.json) in GPU_CHECK_OUT (default $OUT, else docs/results),
@@ -30,7 +30,7 @@ Environment (defaults in brackets):
   GPU_CHECK_SMALL [0]             1 = toy sizes (the CPU dry run of tests/integration/test_gpu_check.py)
   GPU_CHECK_STEPS [a,b,c,d,e]     the steps to run
   GPU_CHECK_LENGTHS [4096,16384], GPU_CHECK_NAIVE_MAX [8192]     step d
-  GPU_CHECK_KERNEL_BUDGET [100]   step e: seconds after which kernel_speed.py starts no measurement
+  GPU_CHECK_KERNEL_BUDGET [100]   step e: seconds after which `benchmarks.run kernels` starts no measurement
   GPU_CHECK_BIG_LAYERS [4]        depth of the 1B-shaped model of step c (16 = Llama-3.2-1B's)
   GPU_CHECK_PRETRAIN_STEPS [300]  pretraining of the tiny model (step a)
   GPU_CHECK_CLI [stages]          one CLI process per stage; `pipeline` = one `hybrid-scale pipeline` per run

@@ -1,6 +1,7 @@
 """Step d, attention (the part `attention`, run in its own process): hybrid attention, every registered backend
 (the Triton kernels on CUDA only; naive only up to GPU_CHECK_NAIVE_MAX), against SDPA at the 1B head shape:
-forward and forward+backward time after warm-up (kernel_speed's Clock) and peak memory, with the ratios to SDPA."""
+forward and forward+backward time after warm-up (benchmarks/registry.py's Clock) and peak memory, with the ratios
+to SDPA."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ GRAD_KEYS = ("q", "k", "v", "fq", "fk")  # the inputs the attention benchmark di
 def part_attention(s: dict, work: Path) -> dict:
     import torch
     import torch.nn.functional as F
-    from kernel_speed import Clock  # benchmarks/ (this package's folder) is on sys.path
 
+    from benchmarks.registry import Clock
     from hybrid_scale.attention import backends, hybrid
 
     a, device, dtype = s["attn"], s["device"], getattr(torch, s["dtype"])

@@ -1,6 +1,6 @@
 """The driver: main() runs steps a-f in order (each guarded: a failing step is reported and the others still run;
 the reference pipeline of step b in the background), each part in a child process of this package (run_part:
-`python benchmarks/gpu_check --part NAME`, which main_parts answers); and step_pipeline, which joins step b's two
+`python -m benchmarks.gpu_check --part NAME`, which main_parts answers); and step_pipeline, which joins step b's two
 runs, checks their exports and compares them."""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from .pipeline import compare_pipelines, own_checks, part_export_check, run_pipe
 from .report import Report, fmt
 from .settings import ROOT, settings
 
-PACKAGE = Path(__file__).resolve().parent  # what run_part starts again, as `python benchmarks/gpu_check`
+PACKAGE = "benchmarks.gpu_check"  # what run_part starts again, as `python -m benchmarks.gpu_check` (cwd: the root)
 
 
 def run_part(name: str, s: dict, work: Path, log: Log, extra: list[str] = (), reserve: int = 0) -> dict:
     json_path = work / f"{name}.json"
     json_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(PACKAGE), "--part", name, "--work", str(work), "--json", str(json_path), *extra]
+    cmd = [sys.executable, "-m", PACKAGE, "--part", name, "--work", str(work), "--json", str(json_path), *extra]
     rc, out, err, _ = run_child(cmd, f"part {name}", log, s["timeout"], reserve=reserve)
     print(out[-4000:], end="", flush=True)
     if rc != 0:
@@ -94,7 +94,7 @@ def command_line(s: dict) -> str:
     internal = ("GPU_CHECK_OUT", "GPU_CHECK_WORK", "GPU_CHECK_STARTED")
     keys = sorted(k for k in os.environ if k.startswith("GPU_CHECK_") and k not in internal)
     prefix = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in keys)
-    return (prefix + " " if prefix else "") + "python benchmarks/gpu_check"
+    return (prefix + " " if prefix else "") + "python -m benchmarks.gpu_check"
 
 
 def main_parts(args) -> int:

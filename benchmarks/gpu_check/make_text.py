@@ -4,7 +4,7 @@ Deterministic (seeded `random`): about 250 short documents of invented prose -- 
 errands -- in which the names of a document recur throughout it, so that a model gains from looking further back
 than the sliding window. Nothing in it is taken from any existing text. Regenerate (byte-identical) with
 
-    .venv/bin/python benchmarks/gpu_check/make_text.py
+    .venv/bin/python -m benchmarks.gpu_check.make_text
 """
 
 from __future__ import annotations

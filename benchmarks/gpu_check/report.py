@@ -180,7 +180,7 @@ class Report:
             lines.append("")
         kernel_md = self.out / "kernel_speed.md"
         if d.get("kernel_speed") and kernel_md.is_file():  # its own tables, under this report's heading
-            lines += ["## e. Fused Triton kernels (benchmarks/kernel_speed.py)", ""]
+            lines += ["## e. Fused Triton kernels (benchmarks/attention/kernels.py)", ""]
             lines += [line for line in kernel_md.read_text().splitlines()[1:] if not line.startswith("Command:")]
         lines += ["", f"**Summary:** {self.summary()}", ""]
         return "\n".join(lines)

@@ -46,7 +46,7 @@ def decode(state, q, k, v, fq, fk, gamma, **options):
 
 def supports(head_dim: int, value_dim: int, features: int, sinks: int, dtype: torch.dtype) -> str | None:
     """None when the kernels take this attention shape, else why not (the self-check refuses it by name): the
-    shapes benchmarks/kernel_compile.py compiles without spills for sm_80 and sm_90 are the presets' (head dim 64
+    shapes tools/kernel_compile.py compiles without spills for sm_80 and sm_90 are the presets' (head dim 64
     and 128, feature dim up to 256)."""
     if value_dim != head_dim:
         return f"value dim {value_dim} differs from head dim {head_dim}"

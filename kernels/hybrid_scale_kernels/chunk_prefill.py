@@ -201,11 +201,11 @@ def _pow2(x: int, least: int = 16) -> int:
 
 # Launch settings on a GPU (and on the meta device, which stands for one in the compile gate), half precision, by
 # head dim (<= 64, <= 128): _chunk_states' feature and value blocks and warps; _chunk_output's head-dim chunk of the
-# q.k products, feature chunk, warps and pipeline stages. Found with benchmarks/kernel_compile.py at the presets'
+# q.k products, feature chunk, warps and pipeline stages. Found with tools/kernel_compile.py at the presets'
 # shapes, every mode, bf16 and fp16: 4 warps (one warpgroup on the 64 rows; with 8, Triton's layouts replicate the
 # rows or the operands and spill), one stage (2 spilled on sm_80 at head dim 128), head-dim chunks of 32 at 128 (64
 # spilled 60-300 bytes: a [64, 64] q operand in registers) and 16 at 64 (64 and 32 spilled 8-16 bytes on sm_80).
-# The backward's (ChunkAttention), found the same way (benchmarks/kernel_compile.py, and a script that compiles only
+# The backward's (ChunkAttention), found the same way (tools/kernel_compile.py, and a script that compiles only
 # the backward's launches): head-dim chunks of 16 (bwd_dchunk: at 32 the operands of mma.sync's B, whole in every warp
 # on sm_80, spilled 40-160 bytes), feature chunks of 16 (bwd_fchunk: 32 spilled 40-160 bytes in dq with the sinks),
 # _chunk_bwd_dkv over head-dim blocks of 64 (bwd_dout) with 8 warps (4 warps spilled 24-56 bytes on sm_80 at 64, none

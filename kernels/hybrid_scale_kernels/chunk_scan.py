@@ -30,7 +30,7 @@ import triton.language as tl
 
 CHUNK = 64  # tokens per chunk (chunk_prefill.CHUNK)
 # The SM count `states` plans for where the tensors are not on a GPU: 0 = never split (Triton's interpreter); the
-# compile gate (benchmarks/kernel_compile.py) sets an H100/H200's 132, so it records the launches a GPU makes.
+# compile gate (tools/kernel_compile.py) sets an H100/H200's 132, so it records the launches a GPU makes.
 SMS_OFF_GPU = 0
 
 

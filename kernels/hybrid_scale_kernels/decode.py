@@ -245,7 +245,7 @@ CTAS = 64  # programs a step aims at: the value dim is split until B x Hkv x NSP
 
 def _slots(width: int) -> int:
     """Ring slots (or state features) per loop step: the most, up to 16, whose products with `width` = G x D (or
-    G x F) elements per slot stay within PRODUCT (checked without spills by benchmarks/kernel_compile.py)."""
+    G x F) elements per slot stay within PRODUCT (checked without spills by tools/kernel_compile.py)."""
     return max(1, min(16, PRODUCT // width))
 
 

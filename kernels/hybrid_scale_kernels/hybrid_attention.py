@@ -27,7 +27,7 @@ Rows whose real tokens are one contiguous span [start, end) are handled in place
 padding); other masks are packed first. Half inputs run q.k, p.v and the feature-map dots on the tensor cores in
 their dtype with fp32 accumulation, and the state dots in tf32 on fp32; fp32 inputs run IEEE fp32 under the
 interpreter and on a GPU (`_precision`). Tiles per dtype: `GPU_TILES`, checked by
-benchmarks/kernel_compile.py for sm_80 and sm_90.
+tools/kernel_compile.py for sm_80 and sm_90.
 The kernels are in forward_kernels.py and backward_kernels.py; the backward kernels recompute exactly what `_fwd`
 computes, through the same jit helpers (jit_helpers.py). This file holds what runs on the host: the tiles per dtype,
 the launch settings, and the autograd Function that launches the forward and the backward kernels and saves what
@@ -106,7 +106,7 @@ _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 def _precision(x: torch.Tensor) -> str:
     """tl.dot's input precision. Half inputs: their products on the tensor cores, and the fp32 state dots in tf32
     (exact for values that came from half). fp32 inputs: IEEE fp32 (three TF32 passes, "tf32x3", need three times
-    the operand registers and spill far more at these tiles: checked with benchmarks/kernel_compile.py)."""
+    the operand registers and spill far more at these tiles: checked with tools/kernel_compile.py)."""
     return "tf32" if x.dtype in (torch.float16, torch.bfloat16) else "ieee"
 
 
@@ -364,13 +364,13 @@ class Tiles:
         return dict(num_warps=warps) if maxnreg is None else dict(num_warps=warps, maxnreg=maxnreg)
 
 
-# On a GPU, by dtype and head dim (<= 64, <= 128): what benchmarks/kernel_compile.py (--tune) found to compile
+# On a GPU, by dtype and head dim (<= 64, <= 128): what tools/kernel_compile.py (--tune) found to compile
 # without register spills (fp32: within its budget) and within shared memory on sm_80 and sm_90 at every preset's
 # head shapes (docs/results/kernel_compile.md; a test fails if that changes). 64-row tiles would turn the half dots
 # into wgmma on sm_90 but spill in the backward (docs/results/kernel_tiles.md): 32 rows until a GPU weighs the two.
 # A decayed LA's backward (attention.la_decay) holds the decay weights besides the same tiles: at head dim 128 in half
 # precision its _bwd_dfq, _bwd_dfk and LA launch of _bwd_dkv spill 16-80 bytes on sm_90 with 32-wide feature chunks
-# and none with 16 (benchmarks/kernel_compile.py); the undecayed launches keep theirs.
+# and none with 16 (tools/kernel_compile.py); the undecayed launches keep theirs.
 _DECAYED_HALF_128 = tuple((name + "+decay", 8, 16, None) for name in ("_bwd_dfq", "_bwd_dfk", "_bwd_dkv"))
 # fmt: off
 GPU_TILES = {

@@ -10,7 +10,7 @@ import procs
 import pytest
 
 HERE = Path(__file__).parent
-SCRIPT = "benchmarks/tensor_parallel_memory.py"
+SCRIPT = "benchmarks/memory/tensor_parallel.py"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_model
 
 
 def test_the_memory_benchmark_loads_a_converted_model_split_at_tp_1_and_2(tmp_path):
-    """benchmarks/tensor_parallel_memory.py at a tiny shape, its workers started as the benchmark starts them (one
+    """benchmarks/memory/tensor_parallel.py at a tiny shape, its workers started as the benchmark starts them (one
     job per tp, here through the warm test server): a converted model with a LoRA adapter read at tp 1 and split at
     tp 2 gives the same logits; each rank holds half the parameters (norms stay whole: a little over half) and half
     the decode state, and reports its peak resident memory; the table has a row per tp."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "device_speed.py"
+SCRIPT = ["-m", "benchmarks.device_speed"]  # from the repository root
 LENGTHS, CONTEXTS = (64, 128), (48, 96)  # the dry run's (device_speed.DRY)
 
 
@@ -25,7 +25,7 @@ def dry_run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
+        [sys.executable, *SCRIPT, "--dry-run", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -101,10 +101,7 @@ def test_the_device_scripts_parse():
     assert proc.returncode == 0, proc.stderr
     if shutil.which("make"):
         proc = subprocess.run(["make", "-n", "device-speed"], cwd=ROOT, capture_output=True, text=True, check=False)
-        assert proc.returncode == 0 and "benchmarks/device_speed.py" in proc.stdout, proc.stderr
-    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu_check"))
-    try:
-        import wheels
-    finally:
-        sys.path.pop(0)
+        assert proc.returncode == 0 and "-m benchmarks.device_speed" in proc.stdout, proc.stderr
+    from tools import gpu_wheels as wheels
+
     assert {"fla-core", "einops"} <= {p.split("==")[0] for p in wheels.pins()}  # the baseline reaches the device

@@ -431,11 +431,11 @@ def test_perplexity_only_with_the_hybrids_own_sinks(tiny_smollm_vocab, tmp_path)
 
 
 def test_reproduce_table_renders_an_evaluation(tiny_one_rank):
-    """benchmarks/reproduce_table1.py's table from rows holding real results.json files (here the tiny evaluation as
-    both the base row and a recipe's): the beyond-window columns, the verdict and the stage times come through."""
+    """experiments/reproduce_table1/run.py's table from rows holding real results.json files (here the tiny evaluation
+    as both the base row and a recipe's): the beyond-window columns, the verdict and the stage times come through."""
     import importlib.util
 
-    path = Path(__file__).parents[2] / "benchmarks" / "reproduce_table1.py"
+    path = Path(__file__).parents[2] / "experiments" / "reproduce_table1" / "run.py"
     spec = importlib.util.spec_from_file_location("reproduce_table1", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

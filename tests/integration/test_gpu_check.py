@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu_check"  # a package: `python benchmarks/gpu_check` runs its __main__.py
+SCRIPT = [
+    "-m",
+    "benchmarks.gpu_check",
+]  # a package: `python -m benchmarks.gpu_check` (from the root) runs its __main__.py
 
 
 def _numbers(x):
@@ -51,7 +54,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "GPU_CHECK_KERNEL_BUDGET": "400",
     }
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+        [sys.executable, *SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -63,7 +66,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "| c. 1B-shaped stage-1 layer and stage-2 step | ok |",
         "| d. hybrid attention vs SDPA | ok |",
         "| e. Triton kernels vs SDPA: prefill and decode | ok |",
-        "## e. Fused Triton kernels (benchmarks/kernel_speed.py)",
+        "## e. Fused Triton kernels (benchmarks/attention/kernels.py)",
         "| tiny | 80 | triton |",
         "| tiny | 72 | kv_cache |",
         "| stage 1 final loss, layer 0 |",
@@ -111,17 +114,14 @@ def test_gpu_wheels_target_and_script_parse():
     if shutil.which("make"):
         proc = subprocess.run(["make", "-n", "gpu-wheels"], cwd=ROOT, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr
-        assert "benchmarks/gpu_check/wheels.py --dest .whl" in proc.stdout
+        assert "-m tools.gpu_wheels --dest .whl" in proc.stdout
     proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, *SCRIPT, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and "GPU_CHECK_DEADLINE" in proc.stdout, proc.stderr
     assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()
-    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu_check"))
-    try:
-        import wheels
-    finally:
-        sys.path.pop(0)
+    from tools import gpu_wheels as wheels
+
     pins = wheels.pins()  # every package the device lacks is installed here, at one version each
     names = [p.split("==")[0] for p in pins]
     assert {"deepspeed", "omegaconf", "datasets", "pydantic"} <= set(names) and len(set(names)) == len(names)

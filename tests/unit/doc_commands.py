@@ -12,8 +12,9 @@ removed) and the inline `code spans` of its prose that start with a known progra
 - `make X`: X is a target of the Makefile (and `make -n X`, a dry run that only prints, succeeds).
 - `launch/torchrun.sh` / `launch/deepspeed.sh`: executable, `--help` runs, and the arguments are those of
   `hybrid-scale launch STAGE ... launch.launcher=NAME`, which the script runs.
-- `python benchmarks/X.py ARGS` (or a benchmark package directory): the script exists and, when it uses argparse,
-  its own parser accepts ARGS (the script runs in-process only up to its `parse_args`).
+- `python -m benchmarks.X ARGS` (and `tools.X`, `experiments.Q.X`; a module or a package with __main__.py): the
+  module exists and, when it uses argparse, its own parser accepts ARGS (it runs in-process only up to its
+  `parse_args`).
 - PARSED_ONLY programs (not installed here, or never run by a test): split into words, and a command they wrap
   (`srun ... launch/torchrun.sh ...`) is checked as above. Any other program fails the test.
 
@@ -64,7 +65,11 @@ class Doc:
         return str(self.path.relative_to(ROOT))
 
 
-DOCS = [Doc(p, p.read_text()) for p in [README, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "kernels" / "README.md"]]
+DOCS = [
+    Doc(p, p.read_text())
+    for p in [README, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "kernels" / "README.md",
+              *sorted((ROOT / "experiments").glob("*/README.md"))]
+]  # fmt: skip
 
 HYBRID_SCALE = ("hybrid-scale", ".venv/bin/hybrid-scale")
 PYTHONS = ("python", "python3", ".venv/bin/python")
@@ -300,30 +305,35 @@ class _Parsed(Exception):
     pass
 
 
-def check_script(script: str, args: list[str], cmd: Command) -> None:
-    """`python benchmarks/X.py ARGS`: the script (or package directory with __main__.py) exists, and a script that
-    uses argparse accepts ARGS: it runs in-process until its parser has parsed them, then stops."""
-    path = ROOT / script
-    main_file = path / "__main__.py" if path.is_dir() else path
-    assert main_file.is_file(), f"{cmd}\n{script} does not exist"
-    sources = [*path.glob("*.py")] if path.is_dir() else [path]
+SCRIPT_PACKAGES = ("benchmarks", "tools", "experiments")  # run from the repository root as `python -m PACKAGE.X`
+
+
+def check_script(module: str, args: list[str], cmd: Command) -> None:
+    """`python -m benchmarks.X ARGS`: the module (or package with __main__.py) exists, and one that uses argparse
+    accepts ARGS: it runs in-process until its parser has parsed them, then stops."""
+    path = ROOT / module.replace(".", "/")
+    main_file = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
+    assert main_file.is_file(), f"{cmd}\n{module} does not exist"
+    sources = [*path.rglob("*.py")] if path.is_dir() else [main_file]
+    if module == "benchmarks.run":  # the runner's suites' arguments are in benchmarks/attention/
+        sources += [*(ROOT / "benchmarks" / "attention").glob("*.py")]
     if not any("argparse" in p.read_text() for p in sources):
-        assert not args, f"{cmd}\n{script} takes no argparse arguments, but the command passes {args}"
+        assert not args, f"{cmd}\n{module} takes no argparse arguments, but the command passes {args}"
         return
     real = argparse.ArgumentParser.parse_args
 
     def parse_and_stop(self, argv=None, namespace=None):
         if argv is None:
-            _parse(self, args, script, cmd)  # fails the test on a rejected argument
+            _parse(self, args, module, cmd)  # fails the test on a rejected argument
             raise _Parsed
         return real(self, argv, namespace)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
-        mp.setattr("sys.argv", [str(path), *args])
-        mp.syspath_prepend(str(path if path.is_dir() else path.parent))
-        with pytest.raises(_Parsed):
-            runpy.run_path(str(path), run_name="__main__")
+        mp.setattr("sys.argv", [str(main_file), *args])
+        mp.syspath_prepend(str(ROOT))  # what `python -m` from the root gives (run_path: pytest's import hook would
+        with pytest.raises(_Parsed):  # claim tools/test_time.py, a test_*.py name, and cannot give runpy its code)
+            runpy.run_path(str(path if path.is_dir() else main_file), run_name="__main__")
 
 
 def make_targets() -> set[str]:
@@ -338,8 +348,8 @@ def check(words: list[str], cmd: Command, files: dict[str, str]) -> None:
         assert script.value == "hybrid_scale.cli:main", script
         check_hybrid_scale(args, cmd, files)
     elif prog in PYTHONS:
-        if args and args[0].startswith("benchmarks/"):
-            check_script(args[0], args[1:], cmd)
+        if len(args) >= 2 and args[0] == "-m" and args[1].split(".")[0] in SCRIPT_PACKAGES:
+            check_script(args[1], args[2:], cmd)
             return
         assert len(args) >= 2 and args[0] == "-m", f"{cmd}\nonly `python -m hybrid_scale[.cli] ...` is known here"
         check_module(args[1], args[2:], cmd, files, prog)

@@ -1,7 +1,7 @@
 """The compile gate: every Triton kernel compiled for sm_80 and sm_90 on this CPU machine (triton.compile with a
 GPUTarget, then the ptxas in the triton wheel), every mode, bf16 / fp16 / fp32, at every model preset's head shapes,
 with the tiles the kernels choose on a GPU: no compile error, shared memory within the architecture's limit, no
-register spills (benchmarks/kernel_compile.py, SPILL_BUDGET). The table it makes is docs/results/kernel_compile.md
+register spills (tools/kernel_compile.py, SPILL_BUDGET). The table it makes is docs/results/kernel_compile.md
 (`make kernel-compile`); a test fails when that page no longer matches the kernels.
 
 The tests run in child processes: this suite runs Triton's interpreter (conftest sets TRITON_INTERPRET=1), under
@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("triton", reason="the kernels need triton: pip install -e '.[triton]'")
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "kernel_compile.py"
+SCRIPT = ["-m", "tools.kernel_compile"]  # from the repository root
 PAGE = ROOT / "docs" / "results" / "kernel_compile.md"
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def gate(tmp_path_factory):
     compiled: a changed kernel is always compiled."""
     out = tmp_path_factory.mktemp("compile") / "kernel_compile.md"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--reuse", str(PAGE.with_suffix(".json")), "--verify", "8"],
+        [sys.executable, *SCRIPT, "--out", str(out), "--reuse", str(PAGE.with_suffix(".json")), "--verify", "8"],
         cwd=ROOT,
         env=_compiling_env(),
         capture_output=True,
@@ -55,7 +55,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory_and_withou
                    "_decode", "_chunk_states", "_chunk_output"):  # fmt: skip
         assert f"| `{kernel}` |" in table, kernel
     # the chunked prefill's products are wgmma on sm_90 in half precision, at every preset (the script also fails
-    # without it: benchmarks/kernel_compile.py WGMMA)
+    # without it: tools/kernel_compile.py WGMMA)
     rows = [line for line in table.splitlines() if line.startswith(("| `_chunk_states` |", "| `_chunk_output` |"))]
     half = [line for line in rows if "| bf16 |" in line or "| fp16 |" in line]
     assert half and all(line.rstrip(" |").endswith("wgmma") for line in half), half[:3]
@@ -114,12 +114,9 @@ def test_the_gate_catches_what_the_interpreter_lets_through(tmp_path):
 
 
 def test_the_gate_fails_on_errors_spills_and_shared_memory_over_the_limit():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kernel_compile
-    finally:
-        sys.path.pop(0)
     from hybrid_scale_kernels.compile_check import Compiled
+
+    from tools import kernel_compile
 
     def row(arch, **kw):
         fields = dict(kernel="_fwd", arch=arch, registers=200, spill_stores=0, spill_loads=0, stack=0, shared=1024,

@@ -150,7 +150,9 @@ def test_config_keys_in_prose_exist():
 def test_repository_paths_in_prose_exist():
     seen = 0
     for doc, line, span in all_spans():
-        if not re.fullmatch(r"(configs|docs|benchmarks|slurm|launch|hybrid_scale|tests|kernels)/[\w./*-]*", span):
+        if not re.fullmatch(
+            r"(configs|docs|benchmarks|tools|experiments|slurm|launch|hybrid_scale|tests|kernels)/[\w./*-]*", span
+        ):
             continue
         seen += 1
         if "*" in span:
@@ -223,11 +225,16 @@ def test_subcommand_list_matches_the_cli(readme_files):
 
 
 def test_make_targets_run_what_the_readme_says():
-    """`make bench` (= `benchmarks/attention_scaling.py`): the target's recipe runs that file."""
+    """`make bench` (= `python -m benchmarks.run scaling`): the target's recipe runs that module (or file)."""
     pairs = [p for doc in DOCS for p in re.findall(r"`make ([\w-]+)` \(= `([^`]+)`\)", doc.text)]
     assert pairs
     for target, what in pairs:
-        assert (ROOT / what).exists(), what
+        if what.startswith("python -m "):
+            what = what.removeprefix("python ")
+            module = ROOT / what.split()[1].replace(".", "/")
+            assert module.with_suffix(".py").is_file() or (module / "__main__.py").is_file(), what
+        else:
+            assert (ROOT / what).exists(), what
         recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
         assert recipe and what in recipe.group(1), f"make {target} does not run {what}"
 
@@ -240,7 +247,8 @@ def test_every_cited_design_section_exists():
     cited, stale = set(), []
     files = [*ROOT.glob("*.md"), *(ROOT / "docs").rglob("*.md"), *(ROOT / "kernels").rglob("*.py"),
              *(ROOT / "kernels").rglob("*.md"), *(ROOT / "hybrid_scale").rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
-             *(ROOT / "benchmarks").rglob("*.py")]  # fmt: skip
+             *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "tools").rglob("*.py"),
+             *(ROOT / "experiments").rglob("*.py"), *(ROOT / "experiments").rglob("*.md")]  # fmt: skip
     for path in files:
         text = path.read_text()
         cited |= {(path.name, n) for n in re.findall(r"docs/design\.md §(\d+)", text)}

@@ -1,7 +1,7 @@
-"""docs/results/reproduce_table1.md is what benchmarks/reproduce_table1.py renders from the committed row files
-(docs/results/reproduce/<row>.json) for the current code: a row whose code hash no longer matches shows as stale,
-and a table that mixes in stale rows silently does not pass. `make reproduce ROW=...` itself runs in
-tests/integration/test_reproduce.py at a tiny budget."""
+"""experiments/reproduce_table1/reproduce_table1.md is what experiments/reproduce_table1/run.py renders from the
+committed row files (experiments/reproduce_table1/reproduce/<row>.json) for the current code: a row whose code hash
+no longer matches shows as stale, and a table that mixes in stale rows silently does not pass. `make reproduce
+ROW=...` itself runs in tests/integration/test_reproduce.py at a tiny budget."""
 
 import importlib.util
 from pathlib import Path
@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def reproduce():
-    spec = importlib.util.spec_from_file_location("reproduce_table1", ROOT / "benchmarks" / "reproduce_table1.py")
+    spec = importlib.util.spec_from_file_location(
+        "reproduce_table1", ROOT / "experiments" / "reproduce_table1" / "run.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -27,7 +29,7 @@ def test_the_committed_table_is_the_one_the_committed_rows_give_for_the_current_
     expected = mod.table(rows, mod.BUDGETS[budget], mod.code_hash(), budget)
     assert mod.table_of(budget).read_text() == expected, (
         f"{mod.table_of(budget).relative_to(ROOT)} is not what the committed rows give for this code: run "
-        f"`.venv/bin/python benchmarks/reproduce_table1.py --table --budget {budget}` (a stale row is then marked)"
+        f"`.venv/bin/python -m experiments.reproduce_table1.run --table --budget {budget}` (a stale row is then marked)"
     )
     for name, r in rows.items():
         line = next(x for x in expected.splitlines() if x.startswith(f"| {name} |"))
@@ -189,6 +191,6 @@ def test_a_switch_changes_every_stage_of_its_row_and_shares_stage_1_only_when_it
     text = mod.explore_table({row: plain}, {f"{row}@steps128": more, f"{row}@features32": small}, b, code, "tiny")
     lines = [x for x in text.splitlines() if x.startswith(f"| {row} |")]
     assert [x.split(" | ")[1] for x in lines] == ["-", "features32", "steps128"]
-    assert f"reproduce_table1.py --row {row} --switch steps128 --budget tiny" in text
+    assert f"-m experiments.reproduce_table1.run --row {row} --switch steps128 --budget tiny" in text
     with pytest.raises(SystemExit):
         mod.main(["--switch", "steps128", "--table"])  # a switch needs the row it changes

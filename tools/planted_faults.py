@@ -1,0 +1,155 @@
+"""Does `make test-fast` fail on a bug in a core rule? Plants each fault below alone (one exact source edit), runs the
+fast tier, records which tests failed, and restores the file (`git checkout`). A file with uncommitted changes is
+refused before anything is edited. Prints one line per fault; exit 1 when the tier passed with a fault planted.
+
+    python -m tools.planted_faults                 # every fault (~3 minutes each on 2 cores)
+    python -m tools.planted_faults --only verdict_on_hi
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: (file, the exact text, what it becomes): the rules docs/results/test_time.md lists
+FAULTS = {
+    "window_off_by_one": (
+        "hybrid_scale/attention/naive.py",
+        "in_past = causal & (pk <= pq - window)",
+        "in_past = causal & (pk < pq - window)",
+    ),
+    "hedgehog_sign": (
+        "hybrid_scale/attention/feature_maps.py",
+        "torch.softmax(-u, dim=-1)], dim=-1)",
+        "torch.softmax(u, dim=-1)], dim=-1)",
+    ),
+    "marker_hash_unchecked": (
+        "hybrid_scale/storage/commits.py",
+        "return all((directory / name).is_file() and sha256(directory / name) == h for name, h in files.items())",
+        "return True",
+    ),
+    "layer_marker_trusted": (
+        "hybrid_scale/distill/identity.py",
+        'return json.loads(marker.read_text())["sha256"] == sha256(params)',
+        "return True",
+    ),
+    "stage2_resumes_uncommitted": (
+        "hybrid_scale/finetune/checkpoints.py",
+        "return [p for p in steps if is_committed(p)]",
+        "return steps",
+    ),
+    "requeue_no_marker": (
+        "hybrid_scale/distributed/requeue.py",
+        '        atomic_write(Path(run_dir) / REQUEUE_MARKER, f"{step}\\n")',
+        "        pass",
+    ),
+    "requeue_exit_code": ("hybrid_scale/distributed/requeue.py", "EXIT_REQUEUE = 75", "EXIT_REQUEUE = 1"),
+    "ssd_schedule_boundary": ("hybrid_scale/recipes/ssd.py", "if progress >= fraction:", "if progress > fraction:"),
+    "ssd_drop_direction": ("hybrid_scale/recipes/ssd.py", "out = {i: bool(d < p)", "out = {i: bool(d > p)"),
+    "verdict_on_hi": ("hybrid_scale/evaluate/balance.py", "    if lo > margin:", "    if hi > margin:"),
+    # the LA's decay (attention.la_decay, tests/unit/test_la_decay.py)
+    "decay_ignored_chunked": (
+        "hybrid_scale/attention/chunked.py",
+        'rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
+        "rho = None",
+    ),
+    "decay_gradient_dropped": (
+        "hybrid_scale/attention/chunked.py",
+        'rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
+        'rho = la_decay.detach().to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
+    ),
+    "decay_on_the_sinks": (
+        "hybrid_scale/attention/naive.py",
+        "            e = gamma * e\n",
+        "            e = gamma * e\n        if la_decay is not None and hybrid_sinks:\n"
+        "            e = torch.where(sink & ~in_window, e * decay_weight(rho, pq - window - pk), e)\n",
+    ),
+    "decay_state_not_carried": (
+        "hybrid_scale/attention/recurrent.py",
+        "        state.kv, state.ksum = state.kv * carry[..., None], state.ksum * carry",
+        "        pass",
+    ),
+    "decay_not_in_stage1_state": (
+        "hybrid_scale/distill/objectives.py",
+        "        if rho is not None:  # as row a = a0 + w - 1 sees key j: alpha^(a - w - j)",
+        "        if False:",
+    ),
+    # the decay in the fused Triton kernels (tests/unit/test_triton_kernels.py, the interpreter on CPU)
+    "kernel_decay_ignored": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "                    if DECAY:\n                        s = _decayed(s, rho, n, j, window)\n"
+        "                    num_l += _dot(s, v, DT, PREC)",
+        "                    num_l += _dot(s, v, DT, PREC)",
+    ),
+    "kernel_decay_gradient_dropped": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, init).to(rho.dtype)",
+        "drho = torch.zeros_like(rho)",
+    ),
+    "kernel_decay_on_the_sinks": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "        if HYBRID:  # the hybrid with its sinks: c_n is the max over the window and the sinks\n",
+        "        if DECAY:\n            a = a - rho * tl.maximum(n[:, None] - window - sj[None, :], 0).to(tl.float32)\n"
+        "        if HYBRID:  # the hybrid with its sinks: c_n is the max over the window and the sinks\n",
+    ),
+    "kernel_la_only_window_decayed": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        'st_off=int(window) if (mode == "hybrid" or decay) else 0',
+        'st_off=int(window) if mode == "hybrid" else 0',
+    ),
+    "kernel_state_gradient_not_carried": (
+        "kernels/hybrid_scale_kernels/hybrid_attention.py",
+        "            acc = acc * carry\n            acc_k = acc_k * carry\n",
+        "",
+    ),
+    "kernel_decode_state_not_carried": (
+        "kernels/hybrid_scale_kernels/decode.py",
+        "carry = tl.exp(-rho)",
+        "carry = 1.0",
+    ),
+    "decay_ignored_by_the_layer": (
+        "hybrid_scale/attention/hybrid.py",
+        "            la_decay=self.la_decay if la_decay is None else la_decay,",
+        "            la_decay=None,",
+    ),
+}
+TIER = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "worksteal", "-m", "fast", "-p", "no:cacheprovider"]
+
+
+def plant(name: str) -> bool:
+    """True when the tier failed with the fault in place."""
+    path, old, new = FAULTS[name]
+    source = ROOT / path
+    text = source.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{name}: {path} no longer holds its text exactly once; update FAULTS")
+    source.write_text(text.replace(old, new))
+    try:
+        start = time.time()
+        r = subprocess.run([*TIER, "-x"], cwd=ROOT, capture_output=True, text=True)
+        failed = sorted(set(re.findall(r"^FAILED (\S+)", r.stdout, re.M)))
+        print(f"{name}: {'caught' if failed else 'MISSED'} in {time.time() - start:.0f} s: {', '.join(failed)}")
+        return bool(failed)
+    finally:
+        subprocess.run(["git", "checkout", "--", path], cwd=ROOT, check=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", choices=sorted(FAULTS), help="these faults only")
+    args = p.parse_args()
+    names = args.only or list(FAULTS)
+    dirty = [n for n in names if subprocess.run(["git", "diff", "--quiet", "--", FAULTS[n][0]], cwd=ROOT).returncode]
+    if dirty:
+        raise SystemExit(f"uncommitted changes in {', '.join(sorted({FAULTS[n][0] for n in dirty}))}: commit or stash")
+    return 0 if all([plant(n) for n in names]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
