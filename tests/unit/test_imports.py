@@ -97,7 +97,7 @@ def test_the_packages_import_each_other_without_a_cycle():
     package that imports another is never imported by it, directly or through others."""
     top = packages(internal_imports())
     found = cycles(top)
-    assert found == [], [[top[a][b][0] for a, b in zip(c, c[1:])] for c in found]
+    assert found == [], [[top[a][b][0] for a, b in zip(c, c[1:], strict=False)] for c in found]
 
 
 def test_a_package_cycle_through_modules_without_a_module_cycle_is_found():

@@ -13,10 +13,10 @@ import hybrid_scale as hs
 from hybrid_scale.cli import main
 from hybrid_scale.config import JOBS, ConfigError, load_config
 from hybrid_scale.data import corpus
-from hybrid_scale.launch import slurm as slurm_module
 from hybrid_scale.distributed.deepspeed import train_config
 from hybrid_scale.distributed.environment import first_host
 from hybrid_scale.export.stage import export
+from hybrid_scale.launch import slurm as slurm_module
 from hybrid_scale.launch.slurm import render
 from hybrid_scale.pipeline import pipeline
 from hybrid_scale.preflight import shape as shape_module
