@@ -25,7 +25,8 @@ from .entry import Entry, stage_entry
 from .errors import ConfigError, PipelineError
 from .evaluate.cells import identity
 from .evaluate.stage import evaluate
-from .export.stage import IDENTITY_NAME, export, export_identity
+from .export.identity import IDENTITY_NAME, export_identity
+from .export.stage import export
 from .finetune.stage import finetune
 from .run.layout import RunLayout
 from .run.resolved import Resolved

@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 from hybrid_scale.attention.hybrid import HybridAttention
-from hybrid_scale.export.stage import fit_gamma
+from hybrid_scale.export.gamma import fit_gamma
 
 
 def through_the_attention(m, q, k, v, fq, fk, target, steps):

@@ -1,0 +1,187 @@
+"""Inference-time hybridisation at export: export.mode=hybrid on an la_only conversion adds SWA with gamma fixed
+(export.gamma) or calibrated per layer and head (export.calibrate_gamma) so that the hybrid output matches full
+causal softmax over the merged q, k, v; the held-out perplexity by position bucket before and after is its report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..attention.hybrid import GAMMA_PARAMS, HybridAttention, check_gamma
+from ..attention.naive import EPS
+from ..data import corpus
+from ..errors import CorpusError, ExportError
+from ..measure import perplexity_by_bucket
+from ..models import streaming
+from ..models.convert import components
+from ..models.converted import (
+    PARAMS_NAME,
+    base_config,
+    load_converted,
+    load_tokenizer,
+)
+from .merge import write_hybrid
+
+
+def gamma_parts(m: HybridAttention, q, k, v, fq, fk) -> tuple[torch.Tensor, ...]:
+    """The hybrid output as a function of gamma, from one pass at the layer's own gamma g0: the shared normaliser
+    gives y(gamma) = (r * num_soft + num_lin) / (r * den_soft + den_lin + EPS) with r = gamma / g0 per head, where
+    num_soft, den_soft are the window part at g0 and num_lin, den_lin the LA part (which gamma does not touch).
+    Returns (g0 [H], num_soft, num_lin [B,H,T,D], den_soft, den_lin [B,H,T,1]), all fp32."""
+    with torch.no_grad():
+        g0 = m.gamma.detach().float()
+        y, soft, lin = m.attend(q, k, v, fq, fk, gamma=g0, mode="hybrid", return_denominators=True)
+        y_soft = m.attend(q, k, v, fq, fk, gamma=g0, mode="swa_only")
+        soft, lin = soft.float()[..., None], lin.float()[..., None]
+        num_soft = y_soft.float() * (soft + EPS)
+        num_lin = y.float() * (soft + lin + EPS) - num_soft
+    return g0, num_soft, num_lin, soft, lin
+
+
+def hybrid_at(gamma: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The hybrid output at `gamma` [H] from gamma_parts (differentiable in gamma)."""
+    g0, num_soft, num_lin, soft, lin = parts
+    r = (gamma / g0).view(1, -1, 1, 1)
+    return (r * num_soft + num_lin) / (r * soft + lin + EPS)
+
+
+def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[torch.Tensor, float, float]:
+    """gamma logits per head minimising the MSE of the hybrid output to `target`; with the MSE before and after. The
+    attention runs once (gamma_parts); every Adam step is then elementwise."""
+    logit = m.gamma_logit.detach().clone().float().requires_grad_(True)
+    opt = torch.optim.Adam([logit], lr=0.1)
+    parts = gamma_parts(m, q, k, v, fq, fk)
+    target = target.float()
+
+    to_gamma = GAMMA_PARAMS[m.gamma_param][0]
+
+    def mse():
+        return (hybrid_at(to_gamma(logit), parts) - target).pow(2).mean()
+
+    with torch.no_grad():
+        before = mse().item()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = mse()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = mse().item()
+    return logit.detach(), before, after
+
+
+def check_gamma_export(x, settings: dict) -> None:
+    """export.gamma / calibrate_gamma need a model that runs hybrid (somewhere), and a fixed gamma its own
+    parametrisation can reach; refused before anything is written."""
+    modes = {settings.get("mode"), *(settings.get("layer_modes") or {}).values()}
+    if "hybrid" not in modes:
+        raise ExportError(
+            f"export.{'gamma' if x.gamma is not None else 'calibrate_gamma'} is set but the exported model runs "
+            f"{', '.join(sorted(m for m in modes if m))}, where gamma has no effect: set export.mode=hybrid"
+        )
+    if x.gamma is not None:
+        try:
+            check_gamma(x.gamma, settings.get("gamma_param", "sigmoid"), "config key 'export.gamma'")
+        except ValueError as e:
+            raise ExportError(f"{e} (the model's attention.gamma_param)") from None
+
+
+def export_texts(cfg, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The token ids a gamma calibration (training text) and its perplexity report (held-out text) read, packed
+    before any shard is written: too little text is one clear error before the export writes a byte."""
+    x = cfg.export
+    if not (x.calibrate_gamma or x.gamma is not None):
+        return None, None
+    tokenizer = load_tokenizer(tokenizer_dir)
+    data, calibration, report = cfg.data, None, None
+    try:
+        what = "export.calibration_sequences x export.calibration_seq_len (training text)"
+        if x.calibrate_gamma:
+            docs, _ = corpus.train_and_heldout(data.source, data.text_field, data.heldout_fraction)
+            calibration = corpus.pack(tokenizer, docs, x.calibration_seq_len, x.calibration_sequences, cfg.seed)
+        what = "export.report_sequences x export.report_seq_len (held-out text; export.report_sequences=0 skips it)"
+        if x.report_sequences:
+            held = corpus.heldout_documents(data.source, data.text_field, data.heldout_fraction, "report")
+            report = corpus.pack(tokenizer, held, x.report_seq_len, x.report_sequences, cfg.seed)
+    except CorpusError as e:
+        raise ExportError(f"the export's text for {what} falls short: {e}") from None
+    return calibration, report
+
+
+def calibrate_gamma(
+    out: Path, ids: torch.Tensor, settings: dict, hybrid: dict, cfg, log
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Per layer (streamed, as stage 1): fit gamma per head so that the hybrid output matches full causal softmax
+    over the same (merged) q, k, v on a few training sequences (`ids`); the teacher layer produces the next inputs."""
+    x = cfg.export
+    config = base_config(out)
+    config._attn_implementation = "sdpa"
+    ckpt = streaming.ShardedCheckpoint(out, "export.out_dir")
+    rope = streaming.rotary(config, x.calibration_seq_len, torch.float32)
+    h = streaming.embedding(ckpt, torch.float32)[ids]
+    new, errors = dict(hybrid), {}
+    for i, layer in streaming.layers(config, ckpt, torch.float32):
+        if i in settings["layers"]:
+            m = HybridAttention.from_softmax(layer.self_attn, config, i, {**settings, "mode": "hybrid"})
+            prefix = f"model.layers.{i}.self_attn."
+            m.load_state_dict(
+                {k[len(prefix) :]: v.float() for k, v in hybrid.items() if k.startswith(prefix)}, strict=False
+            )
+            with torch.no_grad():
+                q, k, v, fq, fk = m.project(layer.input_layernorm(h), rope)
+                target = streaming.teacher_output(q, k, v, m.scaling)
+            logit, before, after = fit_gamma(m, q, k, v, fq, fk, target, x.calibration_steps)
+            key = prefix + "gamma_logit"
+            new[key] = logit.detach().to(hybrid[key].dtype)
+            errors[str(i)] = [before, after]
+            to_gamma = GAMMA_PARAMS[m.gamma_param][0]
+            g0, g1 = to_gamma(hybrid[key].float()).mean(), to_gamma(logit).mean()
+            log(f"layer {i}: mean gamma {g0:.3f} -> {g1:.3f}, output mse {before:.3g} -> {after:.3g}")
+        h = streaming.teacher(layer, h, rope)
+    return new, errors
+
+
+def perplexity_report(out: Path, seqs: torch.Tensor, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Held-out perplexity by position bucket (`seqs`) in hybrid for each gamma setting (plus swa_only and la_only)."""
+    x = cfg.export
+    buckets = sorted({b for b in cfg.eval.buckets if b < x.report_seq_len} | {0, x.report_seq_len})
+    model = load_converted(out, dtype=torch.float32)
+    report = {"seq_len": x.report_seq_len, "sequences": len(seqs), "perplexity": {}}
+    for mode in ("swa_only", "la_only"):
+        with components(model, mode):
+            report["perplexity"][mode] = perplexity_by_bucket(model, seqs, buckets)
+    for name, params in gammas.items():
+        model.load_state_dict({k: v for k, v in params.items() if k.endswith("gamma_logit")}, strict=False)
+        with components(model, "hybrid"):
+            report["perplexity"][f"hybrid ({name})"] = perplexity_by_bucket(model, seqs, buckets)
+    return report
+
+
+# --- the stage -----------------------------------------------------------------------------------------------------
+
+
+def gamma_change(tmp, texts, source, settings, hybrid, weight_map, config, cfg, log) -> dict:
+    """Inference-time hybridisation: gamma fixed (already written) or calibrated per layer and head (rewritten),
+    and the held-out perplexity by position bucket before / after, into gamma_report.json."""
+    x = cfg.export
+    gammas = {"as trained": load_file(source / PARAMS_NAME)}
+    errors = None
+    if x.calibrate_gamma:
+        hybrid, errors = calibrate_gamma(tmp, texts[0], settings, hybrid, cfg, log)
+        write_hybrid(tmp, config, settings, hybrid, weight_map)
+        gammas["calibrated"] = hybrid
+        note = (
+            f"gamma calibrated per layer and head on {x.calibration_sequences} sequences of "
+            f"{x.calibration_seq_len} tokens: hybrid output fit to full causal softmax over the merged q, k, v."
+        )
+    else:
+        gammas[f"fixed {x.gamma}"] = hybrid
+        note = f"gamma fixed at {x.gamma} for every head."
+    report = {"note": note, "calibration_mse": errors}
+    if x.report_sequences:
+        report.update(perplexity_report(tmp, texts[1], cfg, gammas))
+    (tmp / "gamma_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
