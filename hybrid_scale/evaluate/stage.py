@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from .. import measure
-from ..data import assets, benchmarks, corpus, passkey
+from ..data import assets, corpus, passkey, tasks
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import init_comm, zero3_config
 from ..distributed.parallelize import parallelize
@@ -169,14 +169,14 @@ def _evaluate(entry: Entry) -> dict:
     """evaluate's work, under the signal flag: the cells in order (loaded or computed), then the report."""
     cfg, rt, source = entry.cfg, entry.rt, entry.model
     e = cfg.eval
-    benchmarks.check_tasks(e.tasks)
+    tasks.check_tasks(e.tasks)
     path, converted = source.path, source.converted
     tokenizer = load_tokenizer(source.base)
     models = Models(cfg, source, rt)
     data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
     config = base_config(source.base)
     max_len = getattr(config, "max_position_embeddings", 8192)
-    requests = {task: Requests(task, benchmarks.build(task, data_dir, e.limit), tokenizer, max_len) for task in e.tasks}
+    requests = {task: Requests(task, tasks.build(task, data_dir, e.limit), tokenizer, max_len) for task in e.tasks}
     held_text = corpus.report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
     window = models.window()
     results = {
@@ -287,19 +287,19 @@ class Requests:
         scored = [self.lengths[r] for r in range(len(self.lengths))]
         total = sum(k for _, k in scored)
         beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
-        return {"metric": benchmarks.REPORTED[self.task], "n": len(self.items), "beyond_window": beyond}
+        return {"metric": tasks.REPORTED[self.task], "n": len(self.items), "beyond_window": beyond}
 
     def result(self, scores: dict[int, tuple[float, bool]]) -> dict:
         """The reported metric and its stderr, acc, acc_norm, per-item correctness and log-likelihoods."""
         lls, acc, acc_norm = [], [], []
         for item, (start, n) in zip(self.items, self.spans, strict=True):
             ll = [scores[r][0] for r in range(start, start + n)]
-            c = benchmarks.correct(item, ll)
+            c = tasks.correct(item, ll)
             lls.append(ll)
             acc.append(c["acc"])
             acc_norm.append(c["acc_norm"])
-        per_item = acc if benchmarks.REPORTED[self.task] == "acc" else acc_norm
-        value, stderr = benchmarks.mean_stderr(per_item)
+        per_item = acc if tasks.REPORTED[self.task] == "acc" else acc_norm
+        value, stderr = tasks.mean_stderr(per_item)
         return {
             "metric": value,
             "stderr": stderr,
@@ -311,7 +311,7 @@ class Requests:
         }
 
 
-def _deltas(results: dict, tasks: list[str], cfg) -> None:
+def _deltas(results: dict, names: list[str], cfg) -> None:
     """Rec.% against the base, the paired-bootstrap deltas (hybrid - swa_only, la_only - none) and the verdict."""
     e, m = cfg.eval, results["modes"]
     if "base" in m:
@@ -320,7 +320,7 @@ def _deltas(results: dict, tasks: list[str], cfg) -> None:
             r["rec"] = 100.0 * r["avg"] / base_avg if base_avg else float("nan")
 
     def correct_of(mode):
-        return {t: m[mode][t]["correct"] for t in tasks}
+        return {t: m[mode][t]["correct"] for t in names}
 
     if "hybrid" in m and "swa_only" in m:
         results["delta_swa"] = balance.paired_bootstrap(

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from hybrid_scale.data import assets, benchmarks
+from hybrid_scale.data import assets, tasks
 
 
 def test_assets_are_cached_and_loadable(smollm2):
@@ -36,19 +36,19 @@ def test_hellaswag_and_winogrande_match_lm_eval_processing(smollm2):
     from lm_eval.tasks.winogrande.preprocess_winogrande import doc_to_choice, doc_to_target, doc_to_text
 
     hs = load_from_disk(str(smollm2.datasets / "hellaswag")).select(range(20))
-    for item, doc in zip(benchmarks.build("hellaswag", smollm2.datasets, 20), hs, strict=True):
+    for item, doc in zip(tasks.build("hellaswag", smollm2.datasets, 20), hs, strict=True):
         assert item.contexts == [
             preprocess(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize())
         ]
         assert item.continuations == [" " + preprocess(e) for e in doc["endings"]] and item.label == int(doc["label"])
     wg = load_from_disk(str(smollm2.datasets / "winogrande")).select(range(20))
-    for item, doc in zip(benchmarks.build("winogrande", smollm2.datasets, 20), wg, strict=True):
+    for item, doc in zip(tasks.build("winogrande", smollm2.datasets, 20), wg, strict=True):
         assert item.contexts == doc_to_choice(doc) and item.label == doc_to_text(doc)
         assert item.continuations == [" " + doc_to_target(doc)] * 2
 
 
 def test_mmlu_is_five_shot_and_limit_is_stratified(smollm2):
-    items = benchmarks.build("mmlu", smollm2.datasets, 100)
+    items = tasks.build("mmlu", smollm2.datasets, 100)
     subjects = Counter(i.contexts[0].split(" about ", 1)[1].split(".\n\n", 1)[0] for i in items)
     assert len(items) == 100 and len(subjects) == 57 and set(subjects.values()) == {1, 2}
     first = items[0]
@@ -59,14 +59,14 @@ def test_mmlu_is_five_shot_and_limit_is_stratified(smollm2):
     assert first.contexts[0].count("\nAnswer:") == 6 and first.contexts[0].endswith("\nAnswer:")
     assert first.continuations == [" A", " B", " C", " D"]
     assert (
-        len({i.contexts[0].split(" about ", 1)[1][:20] for i in benchmarks.build("mmlu", smollm2.datasets, 10)}) == 10
+        len({i.contexts[0].split(" about ", 1)[1][:20] for i in tasks.build("mmlu", smollm2.datasets, 10)}) == 10
     )
 
 
 def test_metrics_follow_lm_eval():
-    item = benchmarks.Item("t", 0, ["q"], [" a", " bbbbbbbb"], ["a", "bbbbbbbb"], label=1)
-    assert benchmarks.correct(item, [-2.0, -4.0]) == {"acc": 0.0, "acc_norm": 1.0}  # -4/8 > -2/1
-    mean, stderr = benchmarks.mean_stderr([1.0, 0.0, 1.0, 1.0, 0.0])
+    item = tasks.Item("t", 0, ["q"], [" a", " bbbbbbbb"], ["a", "bbbbbbbb"], label=1)
+    assert tasks.correct(item, [-2.0, -4.0]) == {"acc": 0.0, "acc_norm": 1.0}  # -4/8 > -2/1
+    mean, stderr = tasks.mean_stderr([1.0, 0.0, 1.0, 1.0, 0.0])
     assert mean == 0.6 and stderr == pytest.approx(0.2449489743)  # lm-eval's value for n = 5
-    with pytest.raises(benchmarks.TaskError, match="unknown task 'boolq'; available: piqa, arc_easy"):
-        benchmarks.check_tasks(["boolq"])
+    with pytest.raises(tasks.TaskError, match="unknown task 'boolq'; available: piqa, arc_easy"):
+        tasks.check_tasks(["boolq"])
