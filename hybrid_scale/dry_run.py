@@ -35,6 +35,7 @@ import torch.distributed as dist
 from .attention.architectures import BY_MODEL_TYPE
 from .attention.hybrid import HybridAttention
 from .config import attention_settings
+from .config.schema import Config
 from .distill import step as distill_step
 from .distributed import tensor_parallel
 from .distributed.deepspeed import train_config
@@ -51,7 +52,7 @@ from .run.settings import Derived, derive
 TOLERANCE = 0.10  # the dry run and plan agree within this, or the dry run says which figure does not
 
 
-def dry_run(cfg) -> dict:
+def dry_run(cfg: Config) -> dict:
     """Stage 2 of `cfg` as rank 0 of its mesh on the meta device (see the module docstring); collective: it starts
     and ends torch's fake process group, so nothing else may hold one. Returns {"measured", "plan", "rows"}."""
     import transformers.masking_utils as masking
@@ -98,7 +99,7 @@ def dry_run(cfg) -> dict:
     }
 
 
-def _stage1(cfg, derived: Derived, config, rt: Runtime, dtype: torch.dtype) -> dict:
+def _stage1(cfg: Config, derived: Derived, config, rt: Runtime, dtype: torch.dtype) -> dict:
     """One decoder layer as stage 1 builds it (split over the tensor-parallel ranks), its hybrid layer narrowed to
     this rank's heads with what stage 1 trains, and one step of distill_step.gradients (the batch gathered from the
     data-parallel groups, this rank's query blocks, the backward, the summed gradients) and AdamW."""
@@ -137,7 +138,7 @@ def _stage1(cfg, derived: Derived, config, rt: Runtime, dtype: torch.dtype) -> d
     }
 
 
-def _stage2(cfg, derived: Derived, model, rt: Runtime, dtype: torch.dtype) -> dict:
+def _stage2(cfg: Config, derived: Derived, model, rt: Runtime, dtype: torch.dtype) -> dict:
     """finetune.prepare on the meta model, one micro-batch through the engine, one optimizer step."""
     f = cfg.finetune
     ds_config = train_config(f, dtype, rt.dp)
@@ -166,7 +167,7 @@ def _stage2(cfg, derived: Derived, model, rt: Runtime, dtype: torch.dtype) -> di
     return measured
 
 
-def _evaluate(cfg, model, rt: Runtime) -> dict:
+def _evaluate(cfg: Config, model, rt: Runtime) -> dict:
     """The converted model as evaluation splits it (train=False: the logits gathered), one perplexity forward of
     eval.ppl_seq_len tokens without gradients. With eval.shard_weights (ZeRO-3 inference at tensor_parallel 1) the
     weights are accounted by ZeRO-3's rule and the forward runs unsharded."""

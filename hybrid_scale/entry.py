@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .config.schema import Config
 from .distributed import requeue, runtime
 from .distributed.requeue import SignalFlag
 from .preflight.plan import Plan, preflight, preflight_ahead
@@ -31,7 +32,7 @@ from .run.sources import ModelSource
 @dataclass
 class Entry:
     stage: str
-    cfg: object
+    cfg: Config  # the run's config (a structured DictConfig of config/schema.py's Config)
     resolved: Resolved
     plan: Plan
     rt: runtime.Runtime | None  # None: the stage runs on rank 0 alone (the export)
@@ -59,7 +60,9 @@ LOG_ECHO = {"evaluate": "evaluate"}  # the stages whose log lines also go to std
 
 
 @contextmanager
-def stage_entry(cfg, stage: str, ranks: bool = True, ahead: list[str] | tuple[str, ...] = ()) -> Iterator[Entry]:
+def stage_entry(
+    cfg: Config, stage: str, ranks: bool = True, ahead: list[str] | tuple[str, ...] = ()
+) -> Iterator[Entry]:
     """Enter `stage` (distill, finetune, evaluate, export, or pipeline with the stages still to run in `ahead`).
     `ranks` False: the stage runs in this process alone (the export, on rank 0), without the process group."""
     resolved = Resolved.of(cfg, None if stage == "pipeline" else stage)

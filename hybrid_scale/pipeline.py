@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .config import STAGES
+from .config.schema import Config
 from .distill.stage import distill
 from .distributed import requeue, runtime
 from .entry import Entry, stage_entry
@@ -38,7 +39,7 @@ def _started(directory: Path) -> bool:
     return directory.is_dir() and any(directory.iterdir())
 
 
-def record_config(cfg, layout: RunLayout, allow_change: bool = False) -> Path:
+def record_config(cfg: Config, layout: RunLayout, allow_change: bool = False) -> Path:
     """Save the resolved config in the run directory; refuse a rerun whose result settings (run/settings.py)
     differ, and with allow_change, one whose changed settings belong to a stage that has started."""
     path = layout.config
@@ -64,7 +65,7 @@ def record_config(cfg, layout: RunLayout, allow_change: bool = False) -> Path:
     return path
 
 
-def is_done(cfg, layout: RunLayout, stage: str) -> bool:
+def is_done(cfg: Config, layout: RunLayout, stage: str) -> bool:
     """Whether `stage`'s output is committed and describes what it would make now (stage 1 resumes by itself: a
     finished one only rewrites its small output), or is not needed: stage 1 when finetune.model names the converted
     model stage 2 starts from."""
@@ -81,7 +82,7 @@ def is_done(cfg, layout: RunLayout, stage: str) -> bool:
     return False
 
 
-def _same(recorded, cfg, stage: str) -> bool:
+def _same(recorded, cfg: Config, stage: str) -> bool:
     """Whether the identity the stage recorded is the one it would record now (any error: no)."""
     try:
         model = Resolved.of(cfg, stage).model
@@ -94,7 +95,7 @@ def _same(recorded, cfg, stage: str) -> bool:
         return False
 
 
-def pipeline(cfg, stages: tuple[str, ...] = STAGES, log=print) -> dict:
+def pipeline(cfg: Config, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     layout = RunLayout.of(cfg)
     todo = [stage for stage in stages if not is_done(cfg, layout, stage)]
     # the preflight of every stage still to run, then the runtime, the lock (held across the stages: one writer per
@@ -116,7 +117,7 @@ def on_rank0(rt, what: str, work) -> None:
         raise error or PipelineError(f"{what} failed on rank 0 (its error is in rank 0's output)")
 
 
-def export_on_rank0(cfg, rt) -> None:
+def export_on_rank0(cfg: Config, rt) -> None:
     """The export, the last stage, runs on rank 0 alone, and the other ranks do not wait for it: no collective
     follows, so an export longer than launch.timeout_min cannot time them out, and a failed export is rank 0's exit
     code (which torchrun and srun report for the job)."""

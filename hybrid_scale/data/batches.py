@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from ..config.schema import Config
 from . import corpus
 
 Unit = tuple[int, int, int]  # (sequence within the step's batch, first query row, end row)
 
 
-def finetune_data(cfg, tokenizer, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+def finetune_data(cfg: Config, tokenizer, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(training sequences [N, T], held-out sequences [finetune.heldout_sequences, T]) of data.source."""
     f = cfg.finetune
     train_docs, held_docs = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..config.schema import Config
 from ..errors import ConfigError, CorpusError
 from .assets import require
 
@@ -152,7 +153,7 @@ def heldout_documents(source: str | Path | None, text_field: str, heldout_fracti
     return train_and_heldout(source, text_field, heldout_fraction, split)[1]
 
 
-def report_text(cfg) -> tuple[str, str]:
+def report_text(cfg: Config) -> tuple[str, str]:
     """(text, description) of the held-out text the perplexity and the LA share are reported on: eval.ppl_text, else
     the `report` half of the held-out documents (of data.source, else of the embedded default) -- never the
     `selection` half on which stage 2 chose its checkpoint."""

@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from ..attention.hybrid import HybridAttention
+from ..config.schema import Config
 from ..distributed import requeue, runtime, tensor_parallel
 from ..entry import Entry, stage_entry
 from ..errors import DistillError
@@ -52,7 +53,7 @@ from .state import Stage1
 from .step import StepCheckpoint, layer_head_dim, saved_steps, train_layer
 
 
-def distill(cfg) -> Path:
+def distill(cfg: Config) -> Path:
     """Run (or resume) stage 1; returns the converted model directory {run_dir}/stage1/converted. Per layer: train
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
     # preflight, runtime, lock, signal flag (entry.py); USR1/TERM: a step checkpoint at the next step, or a stop

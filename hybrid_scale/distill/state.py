@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
+from transformers import PretrainedConfig
 
+from ..config.schema import AttentionConfig, Config
 from ..distributed import runtime
 from ..distributed.requeue import SignalFlag
 from ..models import streaming
@@ -23,16 +26,16 @@ class Stage1:
     """What stage 1's loop reads: the teacher checkpoint, its config, this rank's sequences and buffers, the run's
     identity and the layer to start at."""
 
-    cfg: object
+    cfg: Config  # the run's config (a structured DictConfig of config/schema.py's Config)
     rt: runtime.Runtime
     layout: RunLayout
     derived: Derived  # the objectives and whether gamma trains, resolved (run/settings.py)
     log: StageLog  # stage1/log.txt, rank 0
     signal: SignalFlag  # USR1/TERM: set by the stage's entry
     model_path: Path
-    config: object
+    config: PretrainedConfig  # the teacher's
     ckpt: streaming.ShardedCheckpoint
-    attention: object
+    attention: AttentionConfig  # the resolved attention settings the layers are converted with
     identity: dict
     manifest: dict | None
     dtype: torch.dtype
@@ -40,7 +43,7 @@ class Stage1:
     owned: list[int]  # the sequences this rank holds: s = rank mod world
     first: int = 0
     bufs: dict = field(default_factory=dict)  # 'a' / 'b': this rank's memory-mapped hidden-state buffers
-    rope: object = None
+    rope: nn.Module | None = None  # the teacher's rotary embedding
     metrics: Metrics | None = None  # metrics.jsonl, TensorBoard, W&B (rank 0)
     step_s: float | None = None  # a training step's wall time, averaged (exponentially) over this run's steps
 

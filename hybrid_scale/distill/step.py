@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from ..attention.hybrid import HybridAttention
 from ..config import OBJECTIVES
+from ..config.schema import Config
 from ..data import batches
 from ..data.staging import Stager
 from ..distributed import requeue, runtime, tensor_parallel
@@ -30,7 +31,7 @@ from . import objectives
 from .state import Stage1
 
 
-def trainable(m: HybridAttention, cfg, derived: Derived) -> list[torch.nn.Parameter]:
+def trainable(m: HybridAttention, cfg: Config, derived: Derived) -> list[torch.nn.Parameter]:
     """What stage 1 trains of a layer: its feature maps, gamma (as resolved), the LA decay under an objective that
     runs the LA through it."""
     params, weights = [], derived.objectives
@@ -305,7 +306,7 @@ def _spread(grad: torch.Tensor, rt) -> torch.Tensor:
     return whole.flatten()
 
 
-def _nonfinite_loss(loss: float, cfg, i: int, epoch: int, step: int, steps: int) -> str:
+def _nonfinite_loss(loss: float, cfg: Config, i: int, epoch: int, step: int, steps: int) -> str:
     """The one-line refusal for a nan/inf loss at layer i, step `step` (1-based) of `steps`: where, what is kept and
     the fix (layers commit in order, so every layer before i is committed)."""
     d = cfg.distill

@@ -16,6 +16,7 @@ import transformers
 from omegaconf import OmegaConf
 
 from .. import __version__
+from ..config.schema import Config
 from ..data import passkey
 from ..distributed import requeue, runtime
 from ..entry import Entry
@@ -48,7 +49,7 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
 
 
-def model_key(cfg, source: ModelSource, window: int, device: torch.device) -> dict:
+def model_key(cfg: Config, source: ModelSource, window: int, device: torch.device) -> dict:
     """The part of every cell's key that names the model: its path, the name, size and mtime of its files (and of its
     base's: stage 2 rewrites its output in place), the window, dtype, device type (and CPU threads: CPU kernels round
     differently with another number), the attention settings a plain model is converted with, and the versions of
@@ -67,7 +68,7 @@ def model_key(cfg, source: ModelSource, window: int, device: torch.device) -> di
     }
 
 
-def evaluation_window(cfg, source: ModelSource) -> int:
+def evaluation_window(cfg: Config, source: ModelSource) -> int:
     """The window the evaluation measures: eval.window, else the model's own (converted), else attention.window."""
     if cfg.eval.window is not None:
         return cfg.eval.window
@@ -77,7 +78,7 @@ def evaluation_window(cfg, source: ModelSource) -> int:
 NOT_RESULTS = ("progress", "out_dir", "model")  # eval.* keys that change no figure (the model is in its key)
 
 
-def identity(cfg, source: ModelSource, device: torch.device) -> dict:
+def identity(cfg: Config, source: ModelSource, device: torch.device) -> dict:
     """What an evaluation's results.json describes (recorded in it): the model (model_key), every eval.* setting that
     changes a figure, the text it reads and the seed. The pipeline reruns an evaluation whose identity changed."""
     e = {k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items() if k not in NOT_RESULTS}

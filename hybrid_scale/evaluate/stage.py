@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from .. import measure
+from ..config.schema import Config
 from ..data import assets, corpus, passkey, tasks
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import init_comm, zero3_config
@@ -57,7 +58,7 @@ BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the wind
 class Models:
     """The base model and the converted model, each loaded once, on demand."""
 
-    def __init__(self, cfg, source: ModelSource, rt: runtime.Runtime):
+    def __init__(self, cfg: Config, source: ModelSource, rt: runtime.Runtime):
         self.cfg, self.source, self.device = cfg, source, rt.device
         self.path, self.converted = source.path, source.converted
         # its attention settings: the model's own (hybrid_config.json, read once by the stage's entry) when converted
@@ -130,7 +131,7 @@ class Models:
         return evaluation_window(self.cfg, self.source)
 
 
-def _heldout_sequences(tokenizer, cfg, held_text: tuple[str, str] | None = None) -> torch.Tensor:
+def _heldout_sequences(tokenizer, cfg: Config, held_text: tuple[str, str] | None = None) -> torch.Tensor:
     """The report text (corpus.report_text, read here unless given) as eval.ppl_sequences rows of eval.ppl_seq_len."""
     e = cfg.eval
     text, where = held_text if held_text is not None else corpus.report_text(cfg)
@@ -144,7 +145,7 @@ def _heldout_sequences(tokenizer, cfg, held_text: tuple[str, str] | None = None)
     return torch.tensor(ids[: n * e.ppl_seq_len]).view(n, e.ppl_seq_len)
 
 
-def heldout_record(cfg, where: str) -> dict:
+def heldout_record(cfg: Config, where: str) -> dict:
     """Which held-out text chose the checkpoint and which one (`where`, from corpus.report_text) the perplexity is
     reported on (results.json)."""
     return {
@@ -154,7 +155,7 @@ def heldout_record(cfg, where: str) -> dict:
     }
 
 
-def evaluate(cfg) -> dict:
+def evaluate(cfg: Config) -> dict:
     """The component ablation: every task scored in every mode, the paired-bootstrap deltas and the verdict,
     perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
     raises Requeue after a signal."""
@@ -243,7 +244,7 @@ def _evaluate(entry: Entry) -> dict:
 
 
 def _score_task(
-    models: Models, mode: str, requests: Requests, pad_id: int, cfg, rt, stop: Callable[[int], bool]
+    models: Models, mode: str, requests: Requests, pad_id: int, cfg: Config, rt, stop: Callable[[int], bool]
 ) -> dict | None:
     """One (mode, task) cell (Requests.result); None when the ranks stopped on a signal."""
     e = cfg.eval
@@ -311,7 +312,7 @@ class Requests:
         }
 
 
-def _deltas(results: dict, names: list[str], cfg) -> None:
+def _deltas(results: dict, names: list[str], cfg: Config) -> None:
     """Rec.% against the base, the paired-bootstrap deltas (hybrid - swa_only, la_only - none) and the verdict."""
     e, m = cfg.eval, results["modes"]
     if "base" in m:
@@ -331,7 +332,7 @@ def _deltas(results: dict, names: list[str], cfg) -> None:
         results["verdict_tasks"] = balance.verdict(results["delta_la"]["avg"], e.margin)
 
 
-def _first_line(cfg, config, models) -> str:
+def _first_line(cfg: Config, config, models) -> str:
     """What this evaluation will compute: its cells, and the passkey probe's modes and estimated time."""
     e = cfg.eval
     what = f"{count_cells(e, models.sinks()[1])} cells: {len(e.modes)} mode(s) x {len(e.tasks)} task(s)"
@@ -350,7 +351,9 @@ def _verdict(results: dict) -> None:
         results["verdict"], results["verdict_basis"] = results["verdict_tasks"], "tasks"
 
 
-def _perplexity_and_la_share(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, rt, held_text) -> None:
+def _perplexity_and_la_share(
+    results: dict, cells: Cells, common: dict, models, tokenizer, cfg: Config, rt, held_text
+) -> None:
     """The cells of the held-out text: perplexity by position bucket per mode, then the LA share of `hybrid`. Rank 0
     computes them, every rank when the weights are sharded or split (every rank joins every forward)."""
     e = cfg.eval
@@ -388,7 +391,7 @@ def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int
 PASSKEY_TOKENS = 8192  # tokens per forward of the passkey probe (prompts of one length batched up to this)
 
 
-def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, rt, held_text) -> None:
+def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg: Config, rt, held_text) -> None:
     """The passkey cells, one per mode of eval.passkey_modes: retrieval at each distance on seeded prompts whose
     filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
     e = cfg.eval
@@ -421,7 +424,7 @@ def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg, 
         }
 
 
-def _probe_lead(cfg, models) -> int:
+def _probe_lead(cfg: Config, models) -> int:
     """Filler tokens before the passkey's needle: at least the model's sink count (no sink may hold the key)."""
     return max(passkey.LEAD, models.sinks()[0])
 
@@ -431,7 +434,7 @@ def _passkey_mode(models: Models, mode: str, items: list, rt, progress: bool) ->
         return retrieval.score_probes(models.get(mode), items, rt.device, PASSKEY_TOKENS, bar)
 
 
-def _la_share(models: Models, seqs: torch.Tensor, cfg, rt) -> dict:
+def _la_share(models: Models, seqs: torch.Tensor, cfg: Config, rt) -> dict:
     ids = seqs[:1, : cfg.eval.la_share_seq_len]
     buckets = [b for b in cfg.eval.buckets if b < ids.shape[1]] + [ids.shape[1]]
     result = balance.la_share(models.get("hybrid"), ids.to(rt.device), buckets)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from ..attention.hybrid import GAMMA_PARAMS, HybridAttention, check_gamma
 from ..attention.naive import EPS
+from ..config.schema import Config
 from ..data import corpus
 from ..errors import CorpusError, ExportError
 from ..measure import perplexity_by_bucket
@@ -89,7 +90,7 @@ def check_gamma_export(x, settings: dict) -> None:
             raise ExportError(f"{e} (the model's attention.gamma_param)") from None
 
 
-def export_texts(cfg, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def export_texts(cfg: Config, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The token ids a gamma calibration (training text) and its perplexity report (held-out text) read, packed
     before any shard is written: too little text is one clear error before the export writes a byte."""
     x = cfg.export
@@ -112,7 +113,7 @@ def export_texts(cfg, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.T
 
 
 def calibrate_gamma(
-    out: Path, ids: torch.Tensor, settings: dict, hybrid: dict, cfg, log
+    out: Path, ids: torch.Tensor, settings: dict, hybrid: dict, cfg: Config, log
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Per layer (streamed, as stage 1): fit gamma per head so that the hybrid output matches full causal softmax
     over the same (merged) q, k, v on a few training sequences (`ids`); the teacher layer produces the next inputs."""
@@ -144,7 +145,7 @@ def calibrate_gamma(
     return new, errors
 
 
-def perplexity_report(out: Path, seqs: torch.Tensor, cfg, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
+def perplexity_report(out: Path, seqs: torch.Tensor, cfg: Config, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
     """Held-out perplexity by position bucket (`seqs`) in hybrid for each gamma setting (plus swa_only and la_only)."""
     x = cfg.export
     buckets = sorted({b for b in cfg.eval.buckets if b < x.report_seq_len} | {0, x.report_seq_len})
@@ -163,7 +164,7 @@ def perplexity_report(out: Path, seqs: torch.Tensor, cfg, gammas: dict[str, dict
 # --- the stage -----------------------------------------------------------------------------------------------------
 
 
-def gamma_change(tmp, texts, source, settings, hybrid, weight_map, config, cfg, log) -> dict:
+def gamma_change(tmp, texts, source, settings, hybrid, weight_map, config, cfg: Config, log) -> dict:
     """Inference-time hybridisation: gamma fixed (already written) or calibrated per layer and head (rewritten),
     and the held-out perplexity by position bucket before / after, into gamma_report.json."""
     x = cfg.export

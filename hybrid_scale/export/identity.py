@@ -8,13 +8,14 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..config.schema import Config
 from ..run.settings import data_settings
 from ..run.sources import ModelSource
 
 IDENTITY_NAME = "identity.json"  # in an export: what it was made from (export_identity)
 
 
-def export_identity(cfg, model: ModelSource, eval_dir: Path) -> dict:
+def export_identity(cfg: Config, model: ModelSource, eval_dir: Path) -> dict:
     """What an export was made from: the export.* settings, the input model's files (and its base's), whether it runs
     on torch only, the text a calibration or report reads, the seed, and the evaluation its card may carry. The
     pipeline exports again when this changed."""

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..attention.hybrid import GAMMA_PARAMS
+from ..config.schema import Config
 from ..entry import Entry, stage_entry
 from ..models import streaming
 from ..models.converted import (
@@ -42,7 +43,7 @@ from .identity import IDENTITY_NAME, export_identity
 from .merge import export_config, plan_shards, write_code_and_tokenizer, write_hybrid, write_shards
 
 
-def export(cfg) -> Path:
+def export(cfg: Config) -> Path:
     """The export, built in {out}.partial and moved into place after its COMMITTED marker: merged shards, config and
     attention code, tokenizer, phi/gamma (gamma fixed or calibrated on request), the model card."""
     t0 = time.perf_counter()

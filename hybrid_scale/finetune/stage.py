@@ -23,12 +23,15 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers import PreTrainedModel
 
 from ..attention.hybrid import hybrid_layers
+from ..config.schema import Config
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.deepspeed import clear_gradients, import_deepspeed, init_comm, is_partitioned, train_config
@@ -52,12 +55,19 @@ from ..storage.faults import fault, throttle
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
 from .schedule import schedule_for
 
+if TYPE_CHECKING:  # (DeepSpeed and PEFT are imported where the stage builds them)
+    from deepspeed import DeepSpeedEngine
+    from peft import PeftModel
+    from transformers.integrations import HfDeepSpeedConfig
+
+    Engine = DeepSpeedEngine | ReplicatedEngine
+
 
 @dataclass
 class Stage2:
     """Everything the training loop reads and advances."""
 
-    cfg: object
+    cfg: Config  # the run's config (a structured DictConfig of config/schema.py's Config)
     rt: runtime.Runtime
     log: StageLog  # stage2/log.txt, rank 0
     layout: RunLayout
@@ -68,9 +78,9 @@ class Stage2:
     train_ids: torch.Tensor
     held_ids: torch.Tensor
     accumulation: int
-    model: object = None
-    peft_model: object = None
-    engine: object = None
+    model: PreTrainedModel | None = None  # the converted model
+    peft_model: PeftModel | None = None  # the same with LoRA (PEFT)
+    engine: Engine | None = None  # DeepSpeed's ZeRO-3 engine, or the replicated one under tensor parallelism
     named: list = field(default_factory=list)
     layers: dict = field(default_factory=dict)
     ssd: SSD | None = None
@@ -81,7 +91,7 @@ class Stage2:
     metrics: Metrics | None = None  # metrics.jsonl, TensorBoard, W&B (rank 0)
     flops_per_step: float = 0.0  # measure.training_flops of one optimizer step
     step_s: float | None = None  # a step's wall time, averaged (exponentially) over the steps of this run
-    hf_ds: object = None  # transformers' HfDeepSpeedConfig: from_pretrained loads under ZeRO-3 init while it lives
+    hf_ds: HfDeepSpeedConfig | None = None  # from_pretrained loads under ZeRO-3 init while it lives
     curves: dict = field(default_factory=lambda: dict(train=[], eval_steps=[], hybrid=[], la_only=[], window=[]))
     stopping: EarlyStopping = field(default_factory=EarlyStopping)
 
@@ -100,7 +110,7 @@ class Stage2:
         }
 
 
-def finetune(cfg) -> Path:
+def finetune(cfg: Config) -> Path:
     """Run (or resume) stage 2; returns {run_dir}/stage2/output (a converted model with an adapter)."""
     with stage_entry(cfg, "finetune") as entry:  # preflight, runtime, lock, signal flag (entry.py)
         return _train(entry)
@@ -244,7 +254,7 @@ def current_alias(model: nn.Module) -> nn.Module:
     return model
 
 
-def prepare(model, cfg, rt, ds_config: dict):
+def prepare(model, cfg: Config, rt, ds_config: dict):
     """A converted model made ready to train as stage 2 configures it: phi/gamma trainable as asked, then
     (parallelize) activation checkpointing, LoRA, and ZeRO-3 or the tensor-parallel split. Returns (engine, the
     PEFT model, the hybrid layers). The dry run (dry_run.py) calls it with a model on the meta device."""

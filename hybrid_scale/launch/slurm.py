@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from ..config import JOBS, on_gpus
+from ..config.schema import Config
 from ..distributed.environment import first_host, job_port
 from ..distributed.requeue import REQUEUE_MARKER
 from ..errors import ConfigError
@@ -30,7 +31,7 @@ from ..run.layout import RunLayout
 GPU_JOBS = tuple(j for j in JOBS if j != "export")  # export is one CPU process
 
 
-def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str] | None:
+def launch_command(cfg: Config, stage: str, args: list[str], env=os.environ) -> list[str] | None:
     """The command that starts `stage` on this node with cfg.launch's launcher (torchrun or deepspeed). Export is one
     process's work: node 0 runs it without a launcher, the other nodes have nothing to do (None)."""
     lc = cfg.launch
@@ -73,7 +74,7 @@ def launch_command(cfg, stage: str, args: list[str], env=os.environ) -> list[str
 REQUEUE_MARGIN_S = 15  # of the signal lead, left for the script to requeue the job after the save
 
 
-def grace_s(cfg) -> int:
+def grace_s(cfg: Config) -> int:
     """How long torchrun waits for its workers to save and exit after passing TERM on, before SIGKILL (its default,
     30 s, would cut a longer save): the signal lead, less the time the batch script needs to requeue."""
     return max(30, cfg.slurm.signal_lead_s - REQUEUE_MARGIN_S)
@@ -83,7 +84,7 @@ TEMPLATES = data_dir("slurm")  # the repository's slurm/ (in a wheel install, it
 PLACEHOLDER = re.compile(r"@([a-z_]+)@")
 
 
-def template(cfg, stage: str) -> Path:
+def template(cfg: Config, stage: str) -> Path:
     """slurm.template_dir's {stage}.sbatch, else (not for the one-process export) its stage.sbatch, else the
     repository's slurm/{stage}.sbatch or slurm/stage.sbatch: a site overrides only the files it provides."""
     own = Path(cfg.slurm.template_dir) if cfg.slurm.template_dir else None
@@ -125,7 +126,7 @@ def output_pattern(run_dir: Path) -> str:
     return str(run_dir).replace("%", "%%") + "/slurm/%x-%j.out"
 
 
-def sbatch_header(cfg, stage: str) -> list[str]:
+def sbatch_header(cfg: Config, stage: str) -> list[str]:
     """The #SBATCH lines: export is one process on one node without GPUs; the others take the launch shape. Values
     go through sbatch_quote (a run_dir with a space); slurm.extra items are sbatch syntax already and go as given."""
     lc, s = cfg.launch, cfg.slurm
@@ -153,7 +154,7 @@ def sbatch_header(cfg, stage: str) -> list[str]:
     return [f"#SBATCH {x}" for x in lines]
 
 
-def render(cfg, stage: str, config_path: str | None, overrides: list[str], python: str = "python") -> str:
+def render(cfg: Config, stage: str, config_path: str | None, overrides: list[str], python: str = "python") -> str:
     """The sbatch script of one stage (or of the whole pipeline): its template with the config's values filled in."""
     if stage not in JOBS:
         raise ValueError(f"unknown stage {stage!r}; one of {', '.join(JOBS)}")
@@ -188,7 +189,9 @@ def render(cfg, stage: str, config_path: str | None, overrides: list[str], pytho
     return PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
-def submit(cfg, config_path: str | None, overrides: list[str], stages: list[str], python: str = "python") -> list[str]:
+def submit(
+    cfg: Config, config_path: str | None, overrides: list[str], stages: list[str], python: str = "python"
+) -> list[str]:
     """Write one sbatch script per stage under {run_dir}/slurm and submit them chained with afterok."""
     out = RunLayout.of(cfg).slurm
     out.mkdir(parents=True, exist_ok=True)

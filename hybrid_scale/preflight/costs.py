@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config.schema import Config
 from ..data import passkey
 from ..data.batches import units_per_step
 from ..measure import training_flops
@@ -14,7 +15,7 @@ from .report import Plan
 from .shape import CPU_FLOPS, DTYPE_BYTES, GB, MFU, READ_BYTES_PER_S, Shape, decay_params, free_at, gb, stored_bytes
 
 
-def stage1(p: Plan, cfg, sh: Shape, r: Resolved) -> tuple[float, float, float, float]:
+def stage1(p: Plan, cfg: Config, sh: Shape, r: Resolved) -> tuple[float, float, float, float]:
     """Stage 1: one layer (its heads and MLP columns split over tensor_parallel ranks) + a batch; the embedding only
     while building layer 0's inputs. The query blocks of a step are split over the data-parallel groups, and the
     ranks of a group hold the same sequences. (memory, buffer disk, flops, tokens)"""
@@ -76,12 +77,12 @@ def stage1(p: Plan, cfg, sh: Shape, r: Resolved) -> tuple[float, float, float, f
     return s1_mem, s1_disk, flops1, tokens1
 
 
-def d_steps(cfg) -> int:
+def d_steps(cfg: Config) -> int:
     """Stage 1's optimizer steps per layer."""
     return cfg.distill.epochs * -(-cfg.data.num_sequences // cfg.distill.batch_size)
 
 
-def stage2(p: Plan, cfg, sh: Shape, r: Resolved) -> tuple[float, float, float, float]:
+def stage2(p: Plan, cfg: Config, sh: Shape, r: Resolved) -> tuple[float, float, float, float]:
     """Stage 2: ZeRO-3 partitions weights, gradients and optimizer state of the trainable part over the ranks; at
     tensor_parallel > 1 the weights are split over the tensor-parallel ranks and the trainable state (fp32 weights,
     gradients, AdamW moments) is replicated. (memory, checkpoint size, flops, tokens)"""
@@ -155,7 +156,7 @@ def stage2(p: Plan, cfg, sh: Shape, r: Resolved) -> tuple[float, float, float, f
     return s2_mem, ckpt, training_flops(c["total"], tokens2), tokens2
 
 
-def start_up_read(p: Plan, cfg, sh: Shape, base: Path | None) -> None:
+def start_up_read(p: Plan, cfg: Config, sh: Shape, base: Path | None) -> None:
     """What stage 2 and evaluation read at start-up, per rank and per node, and how long that takes at
     READ_BYTES_PER_S per node (an assumed shared-filesystem rate): at tensor_parallel > 1 each rank reads only its
     part (all ranks at once); at 1 every rank reads the whole checkpoint (transformers' from_pretrained, then ZeRO-3
@@ -184,7 +185,7 @@ def start_up_read(p: Plan, cfg, sh: Shape, base: Path | None) -> None:
         )
 
 
-def passkey_estimate(cfg, params: int, lead: int = passkey.LEAD) -> str:
+def passkey_estimate(cfg: Config, params: int, lead: int = passkey.LEAD) -> str:
     """The passkey probe's modes, prompts, tokens and rough time (a forward of 2 x params FLOPs per token, at
     launch.gpu_tflops x MFU per rank on a GPU, else an assumed CPU_FLOPS); "" when it does not run."""
     e = cfg.eval
@@ -203,7 +204,7 @@ def passkey_estimate(cfg, params: int, lead: int = passkey.LEAD) -> str:
     )
 
 
-def evaluation(p: Plan, cfg, sh: Shape) -> float:
+def evaluation(p: Plan, cfg: Config, sh: Shape) -> float:
     """The whole model on every rank (or partitioned with eval.shard_weights; loaded partitioned too), the base and
     the converted model both (when `base` is among the modes), one perplexity forward."""
     a, c, e, ranks = sh.a, sh.c, cfg.eval, sh.ranks
@@ -223,7 +224,7 @@ def evaluation(p: Plan, cfg, sh: Shape) -> float:
     return eval_mem
 
 
-def export(p: Plan, cfg, sh: Shape, base: Path | None, r: Resolved) -> None:
+def export(p: Plan, cfg: Config, sh: Shape, base: Path | None, r: Resolved) -> None:
     """The merged model, shard by shard, in export.dtype (else the input checkpoint's dtype)."""
     c, x = sh.c, cfg.export
     out = r.layout.export

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from ..config.schema import Config
 from ..data import assets, corpus, passkey
 from ..errors import ConfigError, InputError
 from ..models import streaming
@@ -23,7 +24,7 @@ from ..storage.commits import check_destination, is_export
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
-def check_run_dir(cfg) -> None:
+def check_run_dir(cfg: Config) -> None:
     """run_dir must be a directory or not exist yet (nor any of its parents be a file)."""
     path = Path(cfg.run_dir)
     for p in (path, *path.parents):
@@ -64,7 +65,7 @@ def check_base_model(path: Path, key: str) -> dict:
     return config
 
 
-def check_layers(cfg, config: dict) -> None:
+def check_layers(cfg: Config, config: dict) -> None:
     n = config.get("num_hidden_layers")
     chosen = cfg.attention.layers
     if chosen is None or n is None:
@@ -133,7 +134,7 @@ def check_adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, ke
             )
 
 
-def check_training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
+def check_training_text(cfg: Config, tokenizer_dir: Path | None, stage: str) -> None:
     """data.source parses (every line of a JSONL, the text field), and yields what the stage asks of it."""
     from transformers import AutoTokenizer
 
@@ -160,7 +161,7 @@ def check_training_text(cfg, tokenizer_dir: Path | None, stage: str) -> None:
             corpus.pack(tokenizer, train, T, f.global_batch, cfg.seed)  # at least one optimizer step's worth
 
 
-def check_eval_inputs(cfg, r: Resolved, tokenizer_dir: Path) -> None:
+def check_eval_inputs(cfg: Config, r: Resolved, tokenizer_dir: Path) -> None:
     """The evaluation's text, task data, passkey prompts (with the tokenizer in `tokenizer_dir`) and out_dir."""
     e = cfg.eval
     if e.ppl_text and not Path(e.ppl_text).is_file():
@@ -191,7 +192,7 @@ def check_eval_inputs(cfg, r: Resolved, tokenizer_dir: Path) -> None:
         )
 
 
-def check_passkey_prompts(cfg, tokenizer_dir: Path) -> None:
+def check_passkey_prompts(cfg: Config, tokenizer_dir: Path) -> None:
     """The passkey probe's prompts can be built with the evaluated model's tokenizer (in `tokenizer_dir`): every
     distance fits the tokenizer's question and the held-out text holds enough filler (checked before a pipeline's
     first stage, not after its training)."""
@@ -213,7 +214,7 @@ def check_passkey_prompts(cfg, tokenizer_dir: Path) -> None:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
 
 
-def check_export_output(cfg, out: Path, *protected: Path) -> Path:
+def check_export_output(cfg: Config, out: Path, *protected: Path) -> Path:
     """export.out_dir (`out`), refused before any work when writing there could lose data: the input model, its base,
     the run directory or a directory holding one of them, a file, or an existing directory that is not an export of
     ours (a previous export is replaced)."""
@@ -230,7 +231,7 @@ def check_export_output(cfg, out: Path, *protected: Path) -> Path:
     return out
 
 
-def check(cfg, stage: str, r: Resolved) -> None:
+def check(cfg: Config, stage: str, r: Resolved) -> None:
     """The inputs `stage` reads from the user, all checked before it writes anything; r.model is the model it reads
     (run/sources.stage_model)."""
     check_run_dir(cfg)
@@ -277,12 +278,12 @@ def check_not_an_export(path: Path) -> None:
         )
 
 
-def check_early_stopping(cfg, r: Resolved) -> None:
+def check_early_stopping(cfg: Config, r: Resolved) -> None:
     if r.derived.early_stopping and not cfg.finetune.eval_every:
         raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
 
 
-def check_ahead(cfg, stages: list[str], r: Resolved) -> None:
+def check_ahead(cfg: Config, stages: list[str], r: Resolved) -> None:
     """Before a pipeline: the inputs of every stage still to run that exist already (the later stages' models do
     not yet), so that a doomed stage stops the run before anything is written."""
     check_run_dir(cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import on_gpus
+from ..config.schema import Config
 from ..distributed import tensor_parallel
 from ..errors import ConfigError
 from ..launch.slurm import REQUEUE_MARGIN_S, grace_s
@@ -20,7 +21,7 @@ from .report import Plan
 from .shape import DTYPE_BYTES, GB, MFU, SAVE_BYTES_PER_S, SUPPORTED_TYPES, Shape, architecture, counts, free_at, gb
 
 
-def plan(cfg, stage: str | None = None, resolved: Resolved | None = None) -> Plan:
+def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None) -> Plan:
     """The table and the blocking problems; `stage` (finetune / evaluate / export) plans from the base of the model
     that stage reads (resolved.model, checked by then); stage 1 and `plan` itself plan from model.path / model.arch."""
     p = Plan()
@@ -75,7 +76,7 @@ def plan(cfg, stage: str | None = None, resolved: Resolved | None = None) -> Pla
     return p
 
 
-def _check_shape_and_path(p: Plan, cfg, sh: Shape) -> None:
+def _check_shape_and_path(p: Plan, cfg: Config, sh: Shape) -> None:
     tp = cfg.launch.tensor_parallel
     for name in tensor_parallel.SPLIT_SIZES:  # what the plan splits: heads, MLP columns, the vocabulary
         n = sh.a.get(name, sh.c["H"] if name == "num_key_value_heads" else None)
@@ -97,7 +98,7 @@ def _check_shape_and_path(p: Plan, cfg, sh: Shape) -> None:
             p.block(f"model.path {path} has no safetensors weights (stage 1 streams safetensors shards)", "distill")
 
 
-def _requeue(p: Plan, cfg, per_stage: dict[str, tuple[float, float]]) -> None:
+def _requeue(p: Plan, cfg: Config, per_stage: dict[str, tuple[float, float]]) -> None:
     """After USR1 (slurm.signal_lead_s before the time limit) a stage finishes its step and saves; torchrun waits
     grace_s for that before SIGKILL. Each stage's (step seconds, save seconds) should fit in it (a warning: the
     estimates are rough, and a stage that misses it only loses the work since its last checkpoint)."""
@@ -121,7 +122,7 @@ def _requeue(p: Plan, cfg, per_stage: dict[str, tuple[float, float]]) -> None:
             )
 
 
-def _device_fit(p: Plan, cfg, s1_mem: float, s2_mem: float, eval_mem: float) -> None:
+def _device_fit(p: Plan, cfg: Config, s1_mem: float, s2_mem: float, eval_mem: float) -> None:
     lc = cfg.launch
     device_gb = lc.gpu_memory_gb * GB if lc.gpu_memory_gb else None
     if not (on_gpus(cfg.model.device) and device_gb):
@@ -150,7 +151,7 @@ def _device_fit(p: Plan, cfg, s1_mem: float, s2_mem: float, eval_mem: float) -> 
             )
 
 
-def _disk(p: Plan, cfg, sh: Shape, s1_disk: float, ckpt: float, r: Resolved) -> None:
+def _disk(p: Plan, cfg: Config, sh: Shape, s1_disk: float, ckpt: float, r: Resolved) -> None:
     """Stage 1's buffers where distill.buffer_dir is (by default under run_dir, which on a cluster is one disk every
     node writes to: the buffers of all ranks; set to a node's own disk: that node's), and stage 2's checkpoints
     where run_dir is, after the buffers (which stay) when both are on one file system."""
@@ -192,7 +193,7 @@ def _refuse(label: str, problems: list[str]) -> None:
         )
 
 
-def preflight(cfg, stage: str, resolved: Resolved | None = None) -> Plan:
+def preflight(cfg: Config, stage: str, resolved: Resolved | None = None) -> Plan:
     """What every stage runs first (entry.py), before it writes anything: its inputs checked (inputs.check), then
     the plan's problems that block `stage` become one clear error."""
     r = resolved or Resolved.of(cfg, stage)
@@ -202,7 +203,7 @@ def preflight(cfg, stage: str, resolved: Resolved | None = None) -> Plan:
     return result
 
 
-def preflight_ahead(cfg, stages: list[str], resolved: Resolved | None = None) -> Plan:
+def preflight_ahead(cfg: Config, stages: list[str], resolved: Resolved | None = None) -> Plan:
     """Before a pipeline: the problems of every stage still to run, planned from model.path / model.arch (the later
     stages' inputs do not exist yet), so that a doomed evaluation or export stops the run before stage 1."""
     r = resolved or Resolved.of(cfg)

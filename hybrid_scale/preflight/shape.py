@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..attention.architectures import BY_MODEL_TYPE, base_model_type
+from ..config.schema import Config
 from ..data import assets
 from ..models import streaming
 
@@ -24,12 +25,12 @@ READ_BYTES_PER_S = 2e9  # assumed checkpoint read rate per node at start-up (sha
 CPU_FLOPS = 1e11  # assumed forward rate on CPU (SmolLM2-135M's passkey probe: ~3.3 min per mode on 2 cores)
 
 
-def decay_params(cfg, c: dict) -> int:
+def decay_params(cfg: Config, c: dict) -> int:
     """One layer's LA decay parameters: rho per KV head (attention.la_decay)."""
     return c["K"] if cfg.attention.la_decay else 0
 
 
-def architecture(cfg, base: Path | None = None) -> tuple[dict, str]:
+def architecture(cfg: Config, base: Path | None = None) -> tuple[dict, str]:
     """The model's HF config dict: from the stage's input (`base`; an export's hybrid_scale_* type counts as its base
     architecture), else model.path when it is on disk, else the preset's model.arch."""
     if base is not None and (base / "config.json").is_file():

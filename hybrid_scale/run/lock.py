@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config.schema import Config
 from ..errors import RunDirBusyError
 from .layout import LOCK_NAME, RunLayout
 
@@ -228,7 +229,7 @@ def _inside(path: Path, run_dir: Path) -> bool:
     return path.resolve().is_relative_to(run_dir.resolve())
 
 
-def needed(cfg, stage: str, layout: RunLayout) -> bool:
+def needed(cfg: Config, stage: str, layout: RunLayout) -> bool:
     """Whether `stage` writes into (or reads the model of) the run dir: stage 1, stage 2 and the pipeline always;
     the evaluation and the export when they read the run's model (by default, or by a path inside the run dir) or
     write inside the run dir."""
@@ -248,7 +249,7 @@ def needed(cfg, stage: str, layout: RunLayout) -> bool:
 
 
 @contextmanager
-def for_stage(cfg, stage: str, rt: Runtime | None, layout: RunLayout):
+def for_stage(cfg: Config, stage: str, rt: Runtime | None, layout: RunLayout):
     """The run dir's lock around a stage that needs it (`needed`); the block runs unlocked otherwise."""
     if not needed(cfg, stage, layout):
         yield

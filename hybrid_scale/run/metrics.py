@@ -32,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..config.schema import Config
 from ..errors import ConfigError
 from .tensorboard import TensorBoard
 
@@ -41,13 +42,13 @@ TB_DIR = "tensorboard"
 WANDB_FILE = "wandb.json"
 
 
-def tensorboard_on(cfg) -> bool:
+def tensorboard_on(cfg: Config) -> bool:
     """log.tensorboard as resolved: unset = on when the tensorboard package is installed."""
     t = cfg.log.tensorboard
     return importlib.util.find_spec("tensorboard") is not None if t is None else bool(t)
 
 
-def check_packages(cfg) -> None:
+def check_packages(cfg: Config) -> None:
     """The preflight's refusal of a logger whose package is missing (one line naming it)."""
     if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
@@ -81,7 +82,7 @@ class Metrics:
     """One stage's metrics; a no-op on every rank but rank 0 (`main`). `log(step, values)` writes a record;
     `close()` flushes and ends the writers."""
 
-    def __init__(self, cfg, stage: str, directory: Path, main: bool, resumed: int | None = None, log=None):
+    def __init__(self, cfg: Config, stage: str, directory: Path, main: bool, resumed: int | None = None, log=None):
         self.main, self.stage, self.dir = main, stage, Path(directory)
         self.tb = self.wandb = None
         self.wandb_at: tuple[int, list[str]] = (-1, [])  # the last step W&B holds, and the kinds it holds there
@@ -116,7 +117,7 @@ class Metrics:
         os.replace(tmp, self.path)
         return last_step
 
-    def _start_wandb(self, cfg) -> None:
+    def _start_wandb(self, cfg: Config) -> None:
         import wandb
         from omegaconf import OmegaConf
 

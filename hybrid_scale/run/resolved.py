@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.schema import Config
 from .layout import RunLayout
 from .settings import Derived, derive
 from .sources import ModelSource, stage_model
@@ -19,6 +20,6 @@ class Resolved:
     model: ModelSource | None
 
     @classmethod
-    def of(cls, cfg, stage: str | None = None) -> Resolved:
+    def of(cls, cfg: Config, stage: str | None = None) -> Resolved:
         layout = RunLayout.of(cfg)
         return cls(layout, derive(cfg), stage_model(cfg, stage, layout) if stage else None)

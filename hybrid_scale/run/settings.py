@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..config.schema import Config
 from ..recipes import RECIPES, Recipe
 
 STAGE1_KEYS = (
@@ -84,7 +85,7 @@ class Derived:
     stage2_seq_len: int  # stage 2: finetune.seq_len, else data.seq_len
 
 
-def derive(cfg) -> Derived:
+def derive(cfg: Config) -> Derived:
     d, f = cfg.distill, cfg.finetune
     objectives = {k: float(v) for k, v in d.objectives.items() if v} if d.objectives else None
     objectives = objectives or {RECIPES[d.recipe].objective: 1.0}
@@ -94,17 +95,17 @@ def derive(cfg) -> Derived:
     return Derived(objectives, gamma, recipe, early, f.seq_len or cfg.data.seq_len)
 
 
-def _value(cfg, key: str):
+def _value(cfg: Config, key: str):
     value = OmegaConf.select(cfg, key)
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-def _attention(cfg) -> dict:
+def _attention(cfg: Config) -> dict:
     container = OmegaConf.to_container(cfg.attention, resolve=True)
     return {f"attention.{k}": v for k, v in container.items() if f"attention.{k}" not in ROUNDING_ONLY}
 
 
-def data_settings(cfg) -> dict:
+def data_settings(cfg: Config) -> dict:
     """The text both training stages read (and its held-out split), as it takes effect: the source resolved; the
     embedded default ignores text_field and heldout_fraction."""
     data = cfg.data
@@ -116,7 +117,7 @@ def data_settings(cfg) -> dict:
     }
 
 
-def stage1_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
+def stage1_settings(cfg: Config, derived: Derived, model: Path | None = None) -> dict:
     """Stage 1's result settings as they take effect (JSON values): the teacher's resolved path (`model`; None
     leaves model.path as written), the data source resolved, the objectives and train_gamma resolved."""
     out = {key: _value(cfg, key) for key in STAGE1_KEYS if key != "attention"}
@@ -128,7 +129,7 @@ def stage1_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
     return json.loads(json.dumps(out))
 
 
-def stage2_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
+def stage2_settings(cfg: Config, derived: Derived, model: Path | None = None) -> dict:
     """Stage 2's result settings, under the names its checkpoints record (the finetune.* keys without their prefix):
     the recipe and sequence length resolved, and `model`, the converted model it fine-tunes (None: not resolved)."""
     out = {key.removeprefix("finetune."): _value(cfg, key) for key in STAGE2_KEYS}
@@ -139,7 +140,7 @@ def stage2_settings(cfg, derived: Derived, model: Path | None = None) -> dict:
     return json.loads(json.dumps(out))
 
 
-def run_settings(cfg) -> dict:
+def run_settings(cfg: Config) -> dict:
     """What the pipeline records and compares on a rerun: both training stages' settings, as configured (no model is
     resolved: the later stages' inputs may not exist yet)."""
     derived = derive(cfg)

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.schema import Config
 from ..data import assets
 from ..errors import ConfigError, InputError
 from .layout import CONFIG_NAME, RunLayout
@@ -88,7 +89,7 @@ def run_model(layout: RunLayout) -> Path | None:
     return None
 
 
-def stage_model(cfg, stage: str, layout: RunLayout) -> ModelSource | None:
+def stage_model(cfg: Config, stage: str, layout: RunLayout) -> ModelSource | None:
     """The model `stage` reads (None for the pipeline, which reads none itself):
     - distill: model.path, else the embedded default (the teacher, a plain model);
     - finetune: finetune.model, else stage 1's output;
@@ -108,7 +109,7 @@ def stage_model(cfg, stage: str, layout: RunLayout) -> ModelSource | None:
     return None
 
 
-def check_stage_model(cfg, stage: str, source: ModelSource) -> None:
+def check_stage_model(cfg: Config, stage: str, source: ModelSource) -> None:
     """A stage's model is there and of the kind it reads; one clear error otherwise."""
     if stage == "finetune" and not source.converted:
         raise ConfigError(
