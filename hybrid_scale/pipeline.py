@@ -29,9 +29,10 @@ from .evaluate.stage import evaluate
 from .export.identity import IDENTITY_NAME, export_identity
 from .export.stage import export
 from .finetune.stage import finetune
+from .run.identity import differing, is_current
 from .run.layout import RunLayout
 from .run.resolved import Resolved
-from .run.settings import differing, run_settings
+from .run.settings import run_settings
 from .storage.commits import MARKER, atomic_write
 
 
@@ -90,7 +91,7 @@ def _same(recorded, cfg: Config, stage: str) -> bool:
             now = identity(cfg, model, runtime.resolve_device(cfg.model.device))
         else:
             now = export_identity(cfg, model, RunLayout.of(cfg).eval)
-        return recorded() == now
+        return is_current(recorded(), now)
     except Exception:  # (no model there, an unreadable record, ...: the stage runs and says what is wrong)
         return False
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..run.settings import differing
+from ..run.identity import changes
 from ..storage.commits import sha256
 
 # identities written before the keys were dotted config keys; their "world" is dropped (a resume may change it)
@@ -27,19 +27,14 @@ LEGACY_KEYS = {
 
 
 def identity_changes(recorded: dict, identity: dict) -> list[str]:
-    """'key old -> new' for each key whose recorded value differs (run/settings.differing). A key the recorded
+    """'key old -> new' for each key whose recorded value differs (run/identity.changes). A key the recorded
     identity lacks (written by an older version) counts as changed: nothing says it was the same."""
     if "seq_len" in recorded:  # the older, undotted form
         old = {new: recorded[k] for k, new in LEGACY_KEYS.items() if k in recorded}
         old.update({f"attention.{k}": v for k, v in (recorded.get("attention") or {}).items()})
         recorded = old
 
-    def show(d: dict, key: str) -> str:
-        if key not in d:
-            return "(not recorded)"
-        return d[key] if isinstance(d[key], str) else json.dumps(d[key])
-
-    return [f"{k} {show(recorded, k)} -> {show(identity, k)}" for k in differing(recorded, identity)]
+    return changes(recorded, identity)
 
 
 def committed(stage1: Path, i: int) -> bool:

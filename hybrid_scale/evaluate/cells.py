@@ -20,8 +20,9 @@ from ..config.schema import Config
 from ..data import passkey
 from ..distributed import requeue, runtime
 from ..entry import Entry
+from ..run.identity import differing
 from ..run.metrics import Metrics, duration
-from ..run.settings import data_settings, differing
+from ..run.settings import data_settings
 from ..run.sources import ModelSource
 from ..storage.commits import atomic_write
 from ..storage.faults import fault

@@ -46,10 +46,11 @@ from ..plots import curves_png
 from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
 from ..recipes.ssd import at as ssd_probability
+from ..run.identity import differing
 from ..run.layout import RunLayout
 from ..run.log import StageLog
 from ..run.metrics import Metrics, duration
-from ..run.settings import differing, stage2_settings
+from ..run.settings import stage2_settings
 from ..run.sources import ModelSource
 from ..storage.faults import fault, throttle
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model

@@ -4,8 +4,7 @@
 recipe, early stopping and sequence length) once, for a stage's whole run. `result_settings` lists, under the
 dotted keys a user writes and as they take effect, every setting that changes what stage 1 or stage 2 computes;
 stage 1 records it in its manifest, stage 2 in each checkpoint, the pipeline compares the two stages' settings with
-the run's recorded config. `differing` is the one rule for "the keys that changed" (the evaluation's cells use it
-on their keys too).
+the run's recorded config; whether a recorded identity is current is run/identity.py's one rule, for every stage.
 
 Left out, as they do not change what is computed: the number of ranks (stage 1's buffers are per sequence, stage 2
 reshards its state), model.device and model.arch (the device moves only rounding; arch is for `plan`), the progress
@@ -151,9 +150,3 @@ def run_settings(cfg: Config) -> dict:
         if k not in ("seed", "model") and not k.startswith("data.")
     }
     return out
-
-
-def differing(before: dict, now: dict) -> list[str]:
-    """The sorted keys whose values differ; a key that one side lacks counts as changed."""
-    missing = object()
-    return sorted(k for k in before.keys() | now.keys() if before.get(k, missing) != now.get(k, missing))

@@ -58,9 +58,7 @@ def test_mmlu_is_five_shot_and_limit_is_stratified(smollm2):
     )
     assert first.contexts[0].count("\nAnswer:") == 6 and first.contexts[0].endswith("\nAnswer:")
     assert first.continuations == [" A", " B", " C", " D"]
-    assert (
-        len({i.contexts[0].split(" about ", 1)[1][:20] for i in tasks.build("mmlu", smollm2.datasets, 10)}) == 10
-    )
+    assert len({i.contexts[0].split(" about ", 1)[1][:20] for i in tasks.build("mmlu", smollm2.datasets, 10)}) == 10
 
 
 def test_metrics_follow_lm_eval():

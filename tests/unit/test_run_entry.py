@@ -19,9 +19,10 @@ from hybrid_scale.distributed.requeue import REQUEUE_MARKER, SignalFlag
 from hybrid_scale.entry import stage_entry
 from hybrid_scale.errors import ConfigError, InputError
 from hybrid_scale.run import lock, sources
+from hybrid_scale.run.identity import differing
 from hybrid_scale.run.layout import RunLayout
 from hybrid_scale.run.resolved import Resolved
-from hybrid_scale.run.settings import STAGE1_KEYS, derive, differing, run_settings, stage1_settings, stage2_settings
+from hybrid_scale.run.settings import STAGE1_KEYS, derive, run_settings, stage1_settings, stage2_settings
 
 
 def test_differing_lists_the_sorted_keys_that_differ_and_a_key_one_side_lacks():
