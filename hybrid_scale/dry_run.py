@@ -192,8 +192,9 @@ def _evaluate(cfg: Config, model, rt: Runtime) -> dict:
 
 
 COLLECTIVES = {  # module -> the functions that start a collective (DTensor calls the functional ones by module)
-    "torch.distributed": ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-                          "all_to_all_single", "all_gather_object", "broadcast_object_list"),
+    "torch.distributed": ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                          "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "all_to_all_single",
+                          "all_gather_object", "broadcast_object_list"),
     "torch.distributed._functional_collectives": (
         "all_reduce", "all_reduce_coalesced", "all_gather_single", "all_gather_single_autograd", "all_gather_tensor",
         "all_gather_tensor_autograd", "reduce_scatter_single", "reduce_scatter_single_autograd",

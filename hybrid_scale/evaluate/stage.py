@@ -25,12 +25,14 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from .. import measure
 from ..config.schema import Config
@@ -225,11 +227,11 @@ def _evaluate(entry: Entry) -> dict:
             results["tensor_parallel_split"] = dict(models.split)
         t0 = time.perf_counter()
         if e.ppl_sequences:
-            _perplexity_and_la_share(results, cells, common, models, tokenizer, cfg, rt, held_text)
+            _perplexity_and_la_share(results, Sources(cfg, rt, models, tokenizer, cells, common, held_text))
         results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
         if passkey.probe_modes(e):
             t0 = time.perf_counter()
-            _passkey(results, cells, common, models, tokenizer, cfg, rt, held_text)
+            _passkey(results, Sources(cfg, rt, models, tokenizer, cells, common, held_text))
             results["timings_s"]["passkey"] = time.perf_counter() - t0
         _verdict(results)
         cells.finish()
@@ -351,11 +353,24 @@ def _verdict(results: dict) -> None:
         results["verdict"], results["verdict_basis"] = results["verdict_tasks"], "tasks"
 
 
-def _perplexity_and_la_share(
-    results: dict, cells: Cells, common: dict, models, tokenizer, cfg: Config, rt, held_text
-) -> None:
+@dataclass
+class Sources:
+    """What the cells after the tasks read: the config, the ranks, the models, the tokenizer, the cells' store and
+    their common key, and the held-out text (read once when the evaluation starts; None without perplexity)."""
+
+    cfg: Config
+    rt: runtime.Runtime
+    models: Models
+    tokenizer: PreTrainedTokenizerBase  # (the base model's)
+    cells: Cells
+    common: dict
+    held_text: tuple[str, str] | None
+
+
+def _perplexity_and_la_share(results: dict, src: Sources) -> None:
     """The cells of the held-out text: perplexity by position bucket per mode, then the LA share of `hybrid`. Rank 0
     computes them, every rank when the weights are sharded or split (every rank joins every forward)."""
+    cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
     e = cfg.eval
     here = rt.main or e.shard_weights or rt.tp > 1
     seqs = _heldout_sequences(tokenizer, cfg, held_text) if here else None
@@ -391,9 +406,15 @@ def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int
 PASSKEY_TOKENS = 8192  # tokens per forward of the passkey probe (prompts of one length batched up to this)
 
 
-def _passkey(results: dict, cells: Cells, common: dict, models, tokenizer, cfg: Config, rt, held_text) -> None:
+def astuple_shallow(src: Sources) -> tuple:
+    """The fields of `src` in order, not copied (dataclasses.astuple would deep-copy the models)."""
+    return tuple(getattr(src, f.name) for f in fields(src))
+
+
+def _passkey(results: dict, src: Sources) -> None:
     """The passkey cells, one per mode of eval.passkey_modes: retrieval at each distance on seeded prompts whose
     filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
+    cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
     e = cfg.eval
     here = rt.main or e.shard_weights or rt.tp > 1
     text = (held_text or corpus.report_text(cfg))[0]

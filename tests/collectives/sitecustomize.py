@@ -27,9 +27,11 @@ if os.environ.get("HYBRID_SCALE_COLLECTIVES"):
         "reduce",
         "all_gather",
         "all_gather_into_tensor",
+        "all_gather_single",  # (its successor in torch 2.13: DeepSpeed's gathers, distributed/deepspeed.init_comm)
         "_all_gather_base",
         "reduce_scatter",
         "reduce_scatter_tensor",
+        "reduce_scatter_single",
         "_reduce_scatter_base",
         "all_to_all",
         "all_to_all_single",
