@@ -25,7 +25,8 @@ sequences, the main job's training length, and reads the same 1024 tokens: its r
 (experiments/reproduce_table1/reproduce_long/, reproduce_table1_long.md beside it).
 
 Why one file of over 500 lines: the rows, their runner and both tables (Table 1's and the switched rows') share
-the budgets, the code hash and the row records; it moves to experiments/ as its own package with issue 53.
+the budgets, the code hash and the row records; splitting the runner from the tables inside this package is left
+for when a second runner needs the tables.
 """
 
 from __future__ import annotations

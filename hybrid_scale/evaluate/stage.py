@@ -25,7 +25,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 
@@ -353,7 +352,7 @@ def _verdict(results: dict) -> None:
         results["verdict"], results["verdict_basis"] = results["verdict_tasks"], "tasks"
 
 
-@dataclass
+@dataclasses.dataclass
 class Sources:
     """What the cells after the tasks read: the config, the ranks, the models, the tokenizer, the cells' store and
     their common key, and the held-out text (read once when the evaluation starts; None without perplexity)."""
@@ -408,7 +407,7 @@ PASSKEY_TOKENS = 8192  # tokens per forward of the passkey probe (prompts of one
 
 def astuple_shallow(src: Sources) -> tuple:
     """The fields of `src` in order, not copied (dataclasses.astuple would deep-copy the models)."""
-    return tuple(getattr(src, f.name) for f in fields(src))
+    return tuple(getattr(src, f.name) for f in dataclasses.fields(src))
 
 
 def _passkey(results: dict, src: Sources) -> None:
