@@ -435,7 +435,7 @@ def kernel_us(run: Run, fn, n: int) -> dict:
 
 def part_decode(run: Run) -> dict:
     from hybrid_scale import HybridCache, convert_model
-    from hybrid_scale.attention.hybrid import hybrid_layers
+    from hybrid_scale.attention.hybrid import Projections, hybrid_layers
 
     cfg, s = run.cfg, run.cfg["shape"]
     deadline = run.part_deadline("decode")
@@ -458,11 +458,12 @@ def part_decode(run: Run) -> dict:
                         cache = HybridCache(model)
                         layer = cache.layers[0]
                         q, k, v = (x[n][:, :, : ctx - 1] for n in "qkv")
-                        layer.hybrid_attend(module, q, k, v, module.feature_map_q(q), module.feature_map_k(k), None)
+                        fq, fk = module.feature_map_q(q), module.feature_map_k(k)
+                        layer.hybrid_attend(module, Projections(q, k, v, fq, fk), None)
 
                         def step(layer=layer, q1=q1, k1=k1, v1=v1):
                             fq, fk = module.feature_map_q(q1), module.feature_map_k(k1)
-                            return layer.hybrid_attend(module, q1, k1, v1, fq, fk, None)
+                            return layer.hybrid_attend(module, Projections(q1, k1, v1, fq, fk), None)
 
                         row["bytes_state"] = layer.nbytes
                     else:

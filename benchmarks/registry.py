@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from hybrid_scale.attention import backends, hybrid, naive
 from hybrid_scale.attention.feature_maps import make_feature_map
 from hybrid_scale.attention.recurrent import DecodeState, extend
+from hybrid_scale.attention.shape import Shape
 from hybrid_scale.config import load_config
 
 WINDOW, SINKS = 64, 8  # the presets' window and sinks (configs/models/*.yaml)
@@ -154,7 +155,20 @@ def decode_backends(device="cpu") -> list[str]:
 
 def decode_state(shape: dict, x: dict, ctx: int, window: int, device, dtype, backend: str) -> DecodeState:
     """A decode state after a prefill of x's first ctx tokens."""
-    state = DecodeState.empty(1, shape["Hkv"], shape["D"], shape["D"], shape["F"], window, SINKS, window, dtype, device)
+    state = DecodeState.empty(
+        Shape(
+            kv_heads=shape["Hkv"],
+            head_dim=shape["D"],
+            value_dim=shape["D"],
+            features=shape["F"],
+            window=window,
+            sinks=SINKS,
+            dtype=dtype,
+        ),
+        1,
+        window,
+        device,
+    )
     kernels = backends.get_backend("triton") if backend == "triton" else None
     with torch.no_grad():
         extend(state, *(x[k][:, :, :ctx] for k in ("q", "k", "v", "fq", "fk")), x["gamma"], window=window,

@@ -61,8 +61,8 @@ def dry_run(cfg: Config) -> dict:
 
     if dist.is_initialized():
         raise RuntimeError("the dry run starts its own (fake) process group; run it in a process without one")
-    lc = cfg.launch
-    world, tp = lc.nodes * lc.procs_per_node, lc.tensor_parallel
+    launch = cfg.launch
+    world, tp = launch.nodes * launch.procs_per_node, launch.tensor_parallel
     arch, _ = shape.architecture(cfg)
     if not arch:
         raise ConfigError("config key 'model.path': the dry run needs the model's config.json or model.arch")
@@ -70,7 +70,7 @@ def dry_run(cfg: Config) -> dict:
     config = AutoConfig.for_model(arch["model_type"], **{k: v for k, v in arch.items() if k != "model_type"})
     config.architectures = config.architectures or [BY_MODEL_TYPE[config.model_type].hf_class]
     tensor_parallel.check_divisible(config, tp)
-    rt = Runtime(0, world, 0, torch.device("meta"), tp, lc.timeout_min)
+    rt = Runtime(0, world, 0, torch.device("meta"), tp, launch.timeout_min)
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     find_packed = masking.find_packed_sequence_indices
     # transformers probes position ids for packed sequences by reading their values; meta tensors have none
@@ -103,7 +103,7 @@ def _stage1(cfg: Config, derived: Derived, config, rt: Runtime, dtype: torch.dty
     """One decoder layer as stage 1 builds it (split over the tensor-parallel ranks), its hybrid layer narrowed to
     this rank's heads with what stage 1 trains, and one step of distill_step.gradients (the batch gathered from the
     data-parallel groups, this rank's query blocks, the backward, the summed gradients) and AdamW."""
-    d, T = cfg.distill, cfg.data.seq_len
+    distill, T = cfg.distill, cfg.data.seq_len
     with torch.device("meta"):
         layer = streaming.model_class(config, "DecoderLayer")(config, 0).to(dtype)
     tensor_parallel.split_layer(layer, rt)
@@ -115,16 +115,16 @@ def _stage1(cfg: Config, derived: Derived, config, rt: Runtime, dtype: torch.dty
     for p in params:
         p.requires_grad_(True)
         p.grad = torch.zeros_like(p)
-    opt = torch.optim.AdamW(params, lr=d.lr)
-    buf_dtype = getattr(torch, d.buffer_dtype)
-    s = SimpleNamespace(cfg=cfg, rt=rt, config=config, dtype=dtype, buf_dtype=buf_dtype, weights=derived.objectives)
-    s.rope = streaming.rotary(config, T, dtype, rt.device)
-    batch = list(range(min(d.batch_size, cfg.data.num_sequences)))
+    opt = torch.optim.AdamW(params, lr=distill.lr)
+    buf_dtype = getattr(torch, distill.buffer_dtype)
+    stage = SimpleNamespace(cfg=cfg, rt=rt, config=config, dtype=dtype, buf_dtype=buf_dtype, weights=derived.objectives)
+    stage.rope = streaming.rotary(config, T, dtype, rt.device)
+    batch = list(range(min(distill.batch_size, cfg.data.num_sequences)))
     rows = [g for g in batch if rt.dp == 1 or g % rt.dp == rt.dp_rank]  # the sequences this rank's group holds
     staged = torch.zeros(len(rows), T, config.hidden_size, dtype=buf_dtype, device=rt.device)
     calls = {}
     with recorded() as calls["step"]:
-        distill_step.gradients(s, m, layer, params, staged, batch, rows, False)
+        distill_step.gradients(stage, distill_step.Trained(0, m, layer, params), staged, batch, rows, False)
         opt.step()
     trainable = sum(p.numel() for p in params)
     return {
@@ -140,11 +140,11 @@ def _stage1(cfg: Config, derived: Derived, config, rt: Runtime, dtype: torch.dty
 
 def _stage2(cfg: Config, derived: Derived, model, rt: Runtime, dtype: torch.dtype) -> dict:
     """finetune.prepare on the meta model, one micro-batch through the engine, one optimizer step."""
-    f = cfg.finetune
-    ds_config = train_config(f, dtype, rt.dp)
+    finetune = cfg.finetune
+    ds_config = train_config(finetune, dtype, rt.dp)
     engine, peft_model, _ = prepare(model, cfg, rt, ds_config if rt.tp > 1 else None)
     named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
-    ids = torch.zeros(f.micro_batch, derived.stage2_seq_len, dtype=torch.long, device="meta")
+    ids = torch.zeros(finetune.micro_batch, derived.stage2_seq_len, dtype=torch.long, device="meta")
     calls = {}
     with recorded() as calls["forward"]:
         loss = (engine or peft_model)(input_ids=ids, labels=ids).loss
@@ -163,7 +163,7 @@ def _stage2(cfg: Config, derived: Derived, model, rt: Runtime, dtype: torch.dtyp
     heads = tensor_parallel.head_sharded(peft_model)
     measured["checkpoint_bytes"] = sum(_whole_numel(p, rt, heads) for _, p in named) * (4 + 8)
     measured["calls"] = calls
-    measured["note"] = f"{accumulation} micro-batch(es) of {f.micro_batch} x {ids.shape[1]} tokens per step"
+    measured["note"] = f"{accumulation} micro-batch(es) of {finetune.micro_batch} x {ids.shape[1]} tokens per step"
     return measured
 
 
@@ -171,18 +171,18 @@ def _evaluate(cfg: Config, model, rt: Runtime) -> dict:
     """The converted model as evaluation splits it (train=False: the logits gathered), one perplexity forward of
     eval.ppl_seq_len tokens without gradients. With eval.shard_weights (ZeRO-3 inference at tensor_parallel 1) the
     weights are accounted by ZeRO-3's rule and the forward runs unsharded."""
-    e = cfg.eval
+    evaluation = cfg.eval
     _, model = parallelize(model, rt=rt)
-    ids = torch.zeros(1, e.ppl_seq_len, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, evaluation.ppl_seq_len, dtype=torch.long, device="meta")
     calls = {}
     with torch.no_grad(), recorded() as calls["forward"]:
         model.eval()(input_ids=ids)
-    measured = {"calls": calls, "note": f"one model, a {e.ppl_seq_len}-token forward"}
+    measured = {"calls": calls, "note": f"one model, a {evaluation.ppl_seq_len}-token forward"}
     if rt.tp > 1:
         measured["weights_bytes"] = tensor_parallel.parameter_bytes(model)
         measured["collectives_per_forward"] = sum(calls["forward"].values())
         measured["where"] = f"split over {rt.tp} tensor-parallel ranks"
-    elif e.shard_weights:
+    elif evaluation.shard_weights:
         measured["weights_bytes"] = sum(math.ceil(p.numel() / rt.world) * p.element_size() for p in model.parameters())
         measured["where"] = f"ZeRO-3 partitions over {rt.world} ranks (DeepSpeed's rule; its engine is not started)"
     else:

@@ -41,6 +41,7 @@ from hybrid_scale_kernels.jit_helpers import MODE_PARTS
 
 from hybrid_scale.attention.feature_maps import make_feature_map
 from hybrid_scale.attention.recurrent import DecodeState
+from hybrid_scale.attention.shape import Shape as CallShape
 from hybrid_scale.config import PRESETS, load_config
 
 # Bytes of spill stores + loads a kernel may have, per dtype: none in bf16 and fp16 (what the presets train in); in
@@ -146,7 +147,14 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
         long = [x.new_empty(*x.shape[:2], LONG, x.shape[3]) if x.dim() == 4 else x for x in plain]
         triton_hybrid_attention(*long, **options, **extra)  # a state scan split over the sequence, as on a GPU
         triton_hybrid_attention(*plain, **options, **extra, return_denominators=True)  # the fused one it falls back to
-        state = DecodeState.empty(b, hkv, d, d, f, shape.window, shape.sinks, shape.window, dtype, "cpu")
+        state = DecodeState.empty(
+            CallShape(
+                kv_heads=hkv, head_dim=d, value_dim=d, features=f, window=shape.window, sinks=shape.sinks, dtype=dtype
+            ),
+            b,
+            shape.window,
+            "cpu",
+        )
 
         def one(*size):
             return torch.zeros(*size, dtype=dtype)

@@ -20,6 +20,7 @@ import torch
 
 from benchmarks import registry
 from hybrid_scale.attention import chunked, recurrent
+from hybrid_scale.attention.shape import Shape
 
 NAME = "smollm2-135m"
 SHAPE = registry.SHAPES[NAME]
@@ -67,7 +68,14 @@ def decode(contexts, steps, repeats):
     rows = []
     for ctx in contexts:
         x = inputs(ctx + steps, seed=1)
-        state = recurrent.DecodeState.empty(1, HKV, D, D, FEAT, WINDOW, SINKS, WINDOW, torch.float32, "cpu")
+        state = recurrent.DecodeState.empty(
+            Shape(
+                kv_heads=HKV, head_dim=D, value_dim=D, features=FEAT, window=WINDOW, sinks=SINKS, dtype=torch.float32
+            ),
+            1,
+            WINDOW,
+            "cpu",
+        )
         with torch.no_grad():
             recurrent.extend(state, **{n: t if n == "gamma" else t[:, :, :ctx] for n, t in x.items()}, window=WINDOW)
 

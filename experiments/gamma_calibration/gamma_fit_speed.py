@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from hybrid_scale.attention.hybrid import HybridAttention
+from hybrid_scale.attention.hybrid import HybridAttention, Projections
 from hybrid_scale.export.gamma import fit_gamma
 
 
@@ -51,7 +51,7 @@ def main():
     old = through_the_attention(m, q, k, v, fq, fk, target, args.steps)
     t_old = time.perf_counter() - t0
     t0 = time.perf_counter()
-    new, _, _ = fit_gamma(m, q, k, v, fq, fk, target, args.steps)
+    new, _, _ = fit_gamma(m, Projections(q, k, v, fq, fk), target, args.steps)
     t_new = time.perf_counter() - t0
     threads = torch.get_num_threads()
     print(f"{args.sequences} x {args.seq_len} tokens, {args.steps} steps, window {args.window}, {threads} threads")

@@ -41,7 +41,6 @@ import copy
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 import torch
@@ -50,6 +49,7 @@ from .choices import BACKENDS
 from .chunked import chunk_hybrid_attention
 from .naive import masked_attention, naive_hybrid_attention, real_positions
 from .recurrent import DecodeState, extend
+from .shape import Shape
 
 BUILTIN = ("naive", "chunk")
 CHOICES = BACKENDS  # the values of attention.backend
@@ -60,35 +60,6 @@ _PLUGIN_ERRORS: dict[str, str] = {}
 _plugins_loaded = False
 _SUPPORTS: dict[str, Callable] = {}  # backend -> supports(shape) -> None, or why it cannot take that shape
 _CHECKED: dict[tuple, str | None] = {}  # (backend, device, shape) -> None when it passed its self-check, else why
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What a self-check runs at: one attention call's shape (the model's, not the batch's or the length's)."""
-
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
-    value_dim: int = 16
-    features: int = 32
-    window: int = 16
-    sinks: int = 4
-    dtype: torch.dtype = torch.bfloat16
-    hybrid_sinks: bool = False  # the hybrid keeps its sinks (then the self-check runs it with them)
-    la_decay: bool = False  # the LA decays (the self-check runs it with a decay)
-
-    @classmethod
-    def of(cls, q, k, v, fq, window, sinks, hybrid_sinks=False, la_decay=False) -> Shape:
-        dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], fq.shape[-1])
-        return cls(*dims, int(window), int(sinks), q.dtype, bool(hybrid_sinks), bool(la_decay))
-
-    def __str__(self) -> str:
-        own = " (the hybrid's own)" if self.hybrid_sinks else ""
-        own += ", LA decay" if self.la_decay else ""
-        return (
-            f"{self.heads} heads / {self.kv_heads} KV heads, head dim {self.head_dim}, feature dim {self.features}, "
-            f"window {self.window}, {self.sinks} sinks{own}, {str(self.dtype).removeprefix('torch.')}"
-        )
 
 
 def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options):
@@ -262,7 +233,7 @@ def _self_check_here(name: str, device: torch.device, dtype: torch.dtype, shape:
         step = _DECODERS.get(name)
         if step is not None:
             with torch.no_grad():
-                fused = DecodeState.empty(B, Hkv, D, Dv, F, w, S, w, dtype, device)
+                fused = DecodeState.empty(shape, B, w, device)
                 t0 = T - 20
                 own = dict(window=w, sinks=S, hybrid_sinks=shape.hybrid_sinks, **decay)
                 extend(fused, *(t[:, :, :t0] for t in x[:5]), x[5], **own, attention_mask=mask[:, :t0])

@@ -15,7 +15,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .backends import Shape, get_backend, get_decode, resolve
-from .hybrid import HybridAttention, hybrid_layers
+from .hybrid import HybridAttention, Projections, hybrid_layers
 from .naive import own_mode
 from .recurrent import DecodeState, extend, step
 
@@ -39,7 +39,9 @@ class HybridCacheLayer(CacheLayerMixin):
         self.state: DecodeState | None = None
         self._step = None  # the one-token step: the backend's fused decode step or recurrent.step
 
-    def hybrid_attend(self, module: HybridAttention, q, k, v, fq, fk, mask):
+    def hybrid_attend(self, module: HybridAttention, x: Projections, mask):
+        """`module`'s attention of the new tokens' projections `x` (mask [B, T] or None) over this layer's state."""
+        q, k, v, fq, fk = x
         mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
         rho = module.la_decay
         options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
@@ -51,14 +53,13 @@ class HybridCacheLayer(CacheLayerMixin):
             if y is not None:
                 return y
             return step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
-        shape = Shape.of(q, k, v, fq, module.window, module.sinks, hybrid_sinks, rho is not None)
+        shape = Shape.of(
+            q, k, v, fq, window=module.window, sinks=module.sinks, hybrid_sinks=hybrid_sinks, la_decay=rho is not None
+        )
         backend = resolve(module.backend, q.device, shape)
         if self.state is None:
             self._check(module)
-            B, Hkv, _, D = k.shape
-            self.state = DecodeState.empty(
-                B, Hkv, D, v.shape[-1], fk.shape[-1], self.capacity, self.sinks, self.window, k.dtype, k.device
-            )
+            self.state = DecodeState.empty(shape, k.shape[0], self.capacity, k.device)
             self._step = get_decode(backend) or step
             self.is_initialized = True
         return extend(

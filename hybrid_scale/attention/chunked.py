@@ -90,7 +90,7 @@ def _decayed_states(fk_c, v_c, rho, chunk):
     return kv.reshape(B, Hkv, nb, Fd, -1), scan(fk_w.sum(3))
 
 
-def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=False, sinks=0, rho=None):
+def _windowed(q, k, v, fq, fk, gamma, *, window, mode, chunk, scale, state, parts=False, sinks=0, rho=None):
     """hybrid / swa_only / swa_sinks / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F],
     k/v/fk [B,Hkv,T,*]. With sinks > 0 (swa_sinks, or the hybrid with its sinks) the first `sinks` keys that have
     left a query's window join its softmax (gamma weights them as it weights the window); the hybrid's LA then leaves
@@ -177,8 +177,9 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
             else:
                 lin = scores * torch.where(exists[sl] & lin_ok, span_w, 0.0)  # (one pass: the mask in the weights)
                 d_num, d_den = _decayed_terms(
-                    lin, fqg, vg, kv[:, :, sl], ksum[:, :, sl], lag_in, rho, state, sl, chunk, window
-                )
+                    lin, fqg, vg, kv[:, :, sl], ksum[:, :, sl], lag_in, rho=rho, state=state, sl=sl, chunk=chunk,
+                    window=window,
+                )  # fmt: skip
                 num, den = num + d_num, den + d_den
         outs.append(num / (den + EPS))
         if parts:
@@ -194,7 +195,7 @@ def _windowed(q, k, v, fq, fk, gamma, window, mode, chunk, scale, state, parts=F
     return unblock(outs)
 
 
-def _decayed_terms(lin, fqg, vg, kv, ksum, lag_in, rho, state, sl, chunk, window):
+def _decayed_terms(lin, fqg, vg, kv, ksum, lag_in, *, rho, state, sl, chunk, window):
     """The decayed LA's numerator and denominator for one group of blocks: the dense span's L terms (lin, already
     weighted alpha^(n - w - j)), the block states (as each block's first query sees them) times alpha^i for query
     bC + i, and an initial state (as query w-1 sees it) times alpha^(n - w + 1)."""
@@ -270,8 +271,8 @@ def chunk_hybrid_attention(
             fk = torch.cat([torch.zeros_like(fk[:, :, :sinks]), fk[:, :, sinks:]], 2)
         rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None
         y = _windowed(
-            q, k, v, fq, fk, g, window, mode, chunk_size, scale, initial_state, return_denominators,
-            sinks=sinks if own else 0, rho=rho,
+            q, k, v, fq, fk, g, window=window, mode=mode, chunk=chunk_size, scale=scale, state=initial_state,
+            parts=return_denominators, sinks=sinks if own else 0, rho=rho,
         )  # fmt: skip
         if return_denominators:
             y, den_soft, den_lin = y

@@ -22,6 +22,7 @@ follows when it loads remote code (the export copies these files next to a model
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +46,17 @@ def check_gamma(gamma: float, param: str, what: str = "gamma_init") -> None:
     if not (0.0 < gamma < 1.0 if param == "sigmoid" else gamma > 0.0):
         bound = "in (0, 1) with gamma_param sigmoid" if param == "sigmoid" else "> 0"
         raise ValueError(f"{what} must be {bound}, got {gamma}")
+
+
+class Projections(NamedTuple):
+    """A layer's projections of a sequence (HybridAttention.project): q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and
+    their feature maps fq = phi_q(q) [B,H,T,F], fk = phi_k(k) [B,Hkv,T,F]. A tuple: `attend(*x, ...)` takes them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    fq: torch.Tensor
+    fk: torch.Tensor
 
 
 def _nonnegative(theta: torch.Tensor) -> torch.Tensor:
@@ -95,7 +107,7 @@ def attend(
     Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
     of the shared normaliser (unpadded input; the LA-share diagnostic)."""
     mode, hybrid_sinks = own_mode(mode, hybrid_sinks)
-    shape = Shape.of(q, k, v, fq, window, sinks, hybrid_sinks, la_decay is not None)
+    shape = Shape.of(q, k, v, fq, window=window, sinks=sinks, hybrid_sinks=hybrid_sinks, la_decay=la_decay is not None)
     return get_backend(resolve(backend, q.device, shape))(
         q,
         k,
@@ -281,14 +293,14 @@ class HybridAttention(nn.Module):
             la_decay=self.la_decay if la_decay is None else la_decay,
         )
 
-    def project(self, hidden_states, position_embeddings):
+    def project(self, hidden_states, position_embeddings) -> Projections:
         """q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and their feature maps."""
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, k, *position_embeddings)
-        return q, k, v, self.feature_map_q(q), self.feature_map_k(k)
+        return Projections(q, k, v, self.feature_map_q(q), self.feature_map_k(k))
 
     def forward(
         self,
@@ -300,17 +312,17 @@ class HybridAttention(nn.Module):
         **kwargs,
     ):
         B, T, _ = hidden_states.shape
-        q, k, v, fq, fk = self.project(hidden_states, position_embeddings)
+        x = self.project(hidden_states, position_embeddings)
         layer = cache.layers[self.layer_idx] if cache is not None and self.layer_idx < len(cache.layers) else None
         if hasattr(layer, "hybrid_attend"):  # a HybridCacheLayer (cache.py): the decode state of this layer
-            y = layer.hybrid_attend(self, q, k, v, fq, fk, hybrid_mask)
+            y = layer.hybrid_attend(self, x, hybrid_mask)
         elif cache is not None:
             raise TypeError(
                 f"a converted model needs a hybrid_scale HybridCache, got {type(cache).__name__}; "
                 "pass no cache (one is created) or HybridCache(model)"
             )
         else:
-            y = self.attend(q, k, v, fq, fk, attention_mask=hybrid_mask)
+            y = self.attend(*x, attention_mask=hybrid_mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), None
 
 

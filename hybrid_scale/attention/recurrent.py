@@ -29,6 +29,7 @@ import torch
 
 from .chunked import chunk_hybrid_attention, gather_time
 from .naive import check_mode, compute_dtype, decay_weight, masked_attention
+from .shape import Shape
 
 
 @dataclass
@@ -48,11 +49,12 @@ class DecodeState:
     capacity: int = 0  # the most the ring may hold: min(window, max_length)
 
     @classmethod
-    def empty(
-        cls, batch, kv_heads, head_dim, value_dim, feature_dim, capacity, sinks, window, dtype, device, ring=None
-    ):
-        """A state with nothing seen; its ring has `ring` slots (default: its capacity min(capacity, window), so it is
-        never re-allocated)."""
+    def empty(cls, shape: Shape, batch: int, capacity: int, device, ring: int | None = None) -> DecodeState:
+        """A state with nothing seen for `batch` sequences of calls of `shape` (its KV heads, head, value and feature
+        dims, window, sinks and dtype); it keeps at most `capacity` window keys (min(capacity, window)), and its ring
+        has `ring` slots (default: that capacity, so it is never re-allocated)."""
+        window, sinks, dtype = shape.window, shape.sinks, shape.dtype
+        kv_heads, head_dim, value_dim, feature_dim = shape.kv_heads, shape.head_dim, shape.value_dim, shape.features
         acc = torch.promote_types(dtype, torch.float32)
         capacity = min(capacity, window)
         ring = capacity if ring is None else ring

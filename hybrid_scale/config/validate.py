@@ -114,33 +114,33 @@ def _validate_data(data) -> None:
 
 def _validate_launch(cfg) -> None:
     """launch's values, and what the tensor-parallel split cannot combine with (other sections' keys)."""
-    lc = cfg.launch
-    _choice("launch.launcher", lc.launcher, LAUNCHERS)
+    launch = cfg.launch
+    _choice("launch.launcher", launch.launcher, LAUNCHERS)
     for key in ("nodes", "procs_per_node", "tensor_parallel"):
-        _positive(f"launch.{key}", lc[key])
-    if not lc.timeout_min > 0:
-        raise ConfigError(f"config key 'launch.timeout_min': must be > 0 minutes, got {lc.timeout_min}")
-    if lc.tensor_parallel > 1 and cfg.model.dtype == "float16":
+        _positive(f"launch.{key}", launch[key])
+    if not launch.timeout_min > 0:
+        raise ConfigError(f"config key 'launch.timeout_min': must be > 0 minutes, got {launch.timeout_min}")
+    if launch.tensor_parallel > 1 and cfg.model.dtype == "float16":
         raise ConfigError(
             "config keys 'model.dtype' and 'launch.tensor_parallel': float16 needs DeepSpeed's loss scaling, which "
             "the tensor-parallel path does not use: set model.dtype=bfloat16 (or float32)"
         )
-    if lc.tensor_parallel > 1 and cfg.finetune.offload:
+    if launch.tensor_parallel > 1 and cfg.finetune.offload:
         raise ConfigError(
             "config keys 'finetune.offload' and 'launch.tensor_parallel': CPU offload is ZeRO-3's; with the "
-            f"tensor-parallel split ({lc.tensor_parallel}) the weights are divided over the GPUs instead: set "
+            f"tensor-parallel split ({launch.tensor_parallel}) the weights are divided over the GPUs instead: set "
             "finetune.offload=false (or launch.tensor_parallel=1)"
         )
-    if lc.tensor_parallel > 1 and cfg.eval.shard_weights:
+    if launch.tensor_parallel > 1 and cfg.eval.shard_weights:
         raise ConfigError(
             "config keys 'eval.shard_weights' and 'launch.tensor_parallel': ZeRO-3 partitioning and the "
-            f"tensor-parallel split ({lc.tensor_parallel}) do not combine; the split already divides the weights: set "
-            "eval.shard_weights=false (or launch.tensor_parallel=1)"
+            f"tensor-parallel split ({launch.tensor_parallel}) do not combine; the split already divides the weights: "
+            "set eval.shard_weights=false (or launch.tensor_parallel=1)"
         )
-    if lc.procs_per_node % lc.tensor_parallel:
+    if launch.procs_per_node % launch.tensor_parallel:
         raise ConfigError(
-            f"config key 'launch.tensor_parallel': {lc.tensor_parallel} does not divide launch.procs_per_node = "
-            f"{lc.procs_per_node}; a tensor-parallel group stays inside a node: choose a divisor of it"
+            f"config key 'launch.tensor_parallel': {launch.tensor_parallel} does not divide launch.procs_per_node = "
+            f"{launch.procs_per_node}; a tensor-parallel group stays inside a node: choose a divisor of it"
         )
 
 
@@ -239,16 +239,16 @@ def _slurm_time(key: str, value) -> None:
 
 def _validate_slurm(cfg) -> None:
     """The values written into the sbatch scripts' #SBATCH lines and shell body (dist/slurm.py render)."""
-    s = cfg.slurm
-    _positive("slurm.signal_lead_s", s.signal_lead_s, 0)
-    _positive("slurm.max_restarts", s.max_restarts, 0)
-    _positive("slurm.cpus_per_task", s.cpus_per_task)
-    if not s.job_name:
+    slurm = cfg.slurm
+    _positive("slurm.signal_lead_s", slurm.signal_lead_s, 0)
+    _positive("slurm.max_restarts", slurm.max_restarts, 0)
+    _positive("slurm.cpus_per_task", slurm.cpus_per_task)
+    if not slurm.job_name:
         raise ConfigError("config key 'slurm.job_name': must not be empty (the jobs are named <job_name>-<stage>)")
     _one_line("run_dir", cfg.run_dir)
-    _one_line("slurm.template_dir", s.template_dir)
+    _one_line("slurm.template_dir", slurm.template_dir)
     for key in ("job_name", "partition", "account"):
-        value = s[key]
+        value = slurm[key]
         _one_line(f"slurm.{key}", value)
         bad = SLURM_NAME_BAD.search(str(value or ""))
         if bad:
@@ -257,25 +257,25 @@ def _validate_slurm(cfg) -> None:
                 f"config key 'slurm.{key}': {value!r} contains {bad.group()!r}; use a plain name{lists} without "
                 "whitespace, quotes or any of # $ ` ; & | < > \\"
             )
-    _slurm_time("slurm.time", s.time)
-    unknown = sorted(set(s.times) - set(JOBS))
+    _slurm_time("slurm.time", slurm.time)
+    unknown = sorted(set(slurm.times) - set(JOBS))
     if unknown:
         raise ConfigError(f"config key 'slurm.times': unknown stage(s) {', '.join(unknown)}; use {', '.join(JOBS)}")
-    for stage, value in s.times.items():
+    for stage, value in slurm.times.items():
         _slurm_time(f"slurm.times.{stage}", value)
-    if s.mem not in (None, ""):
-        _one_line("slurm.mem", s.mem)
-        if not SLURM_MEM.fullmatch(str(s.mem)):
+    if slurm.mem not in (None, ""):
+        _one_line("slurm.mem", slurm.mem)
+        if not SLURM_MEM.fullmatch(str(slurm.mem)):
             raise ConfigError(
-                f"config key 'slurm.mem': {s.mem!r} is not a Slurm memory size; use an integer with an optional "
+                f"config key 'slurm.mem': {slurm.mem!r} is not a Slurm memory size; use an integer with an optional "
                 "unit K, M, G or T (e.g. 200G; mebibytes without a unit; 0 = all of a node's memory)"
             )
-    for i, item in enumerate(s.extra):
+    for i, item in enumerate(slurm.extra):
         _one_line(f"slurm.extra[{i}]", item, "give each sbatch option as its own item")
         if not str(item).startswith("-"):
             raise ConfigError(
                 f"config key 'slurm.extra[{i}]': {item!r} is not an sbatch option; give one option per item, "
                 "starting with - (e.g. --qos=high)"
             )
-    for i, line in enumerate(s.setup):
+    for i, line in enumerate(slurm.setup):
         _one_line(f"slurm.setup[{i}]", line, "give each shell line as its own item")

@@ -157,9 +157,9 @@ def report_text(cfg: Config) -> tuple[str, str]:
     """(text, description) of the held-out text the perplexity and the LA share are reported on: eval.ppl_text, else
     the `report` half of the held-out documents (of data.source, else of the embedded default) -- never the
     `selection` half on which stage 2 chose its checkpoint."""
-    e = cfg.eval
-    if e.ppl_text:
-        path = Path(e.ppl_text)
+    evaluation = cfg.eval
+    if evaluation.ppl_text:
+        path = Path(evaluation.ppl_text)
         if not path.is_file():
             raise ConfigError(
                 f"config key 'eval.ppl_text': {path} does not exist; point it at a text file, or leave it unset for "

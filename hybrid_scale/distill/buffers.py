@@ -47,19 +47,19 @@ def preflight_buffers(buffer_dir: Path, n_local: int, seq_len: int, hidden: int,
     return need
 
 
-def inputs_of_first_layer(s: Stage1) -> str:
+def inputs_of_first_layer(stage: Stage1) -> str:
     """The buffer ('a' or 'b') holding the first layer's inputs: the one the manifest names when this rank's copy
     of it is complete and laid out for this number of ranks (every rank must agree), else rebuilt from the
     embeddings by replaying the committed teacher layers."""
-    rt, manifest, T, D = s.rt, s.manifest, s.cfg.data.seq_len, s.config.hidden_size
-    paths = {k: s.buffer_dir / f"hidden_{k}.rank{buffer_slot(rt)}.bin" for k in ("a", "b")}
-    size = len(s.owned) * T * D * torch.empty((), dtype=s.buf_dtype).element_size()
+    rt, manifest, T, D = stage.rt, stage.manifest, stage.cfg.data.seq_len, stage.config.hidden_size
+    paths = {k: stage.buffer_dir / f"hidden_{k}.rank{buffer_slot(rt)}.bin" for k in ("a", "b")}
+    size = len(stage.owned) * T * D * torch.empty((), dtype=stage.buf_dtype).element_size()
     layout = (rt.world, rt.tp)
     ready = (
         manifest is not None
-        and manifest["next_layer"] == s.first
+        and manifest["next_layer"] == stage.first
         and _layout(manifest) == layout
-        and _written_by(s.buffer_dir / f"written_{manifest['inputs']}.rank{buffer_slot(rt)}") == layout
+        and _written_by(stage.buffer_dir / f"written_{manifest['inputs']}.rank{buffer_slot(rt)}") == layout
         and paths[manifest["inputs"]].is_file()
         and paths[manifest["inputs"]].stat().st_size == size
     )
@@ -67,20 +67,20 @@ def inputs_of_first_layer(s: Stage1) -> str:
     if not ready:  # what this rank's buffers hold is trusted no more: their markers go before a buffer is resized
         for name in paths:
             if buffer_writer(rt):
-                (s.buffer_dir / f"written_{name}.rank{buffer_slot(rt)}").unlink(missing_ok=True)
+                (stage.buffer_dir / f"written_{name}.rank{buffer_slot(rt)}").unlink(missing_ok=True)
         if rt.main and manifest is not None and manifest.get("world") != rt.world:
-            _drop_absent_ranks(s.buffer_dir, rt.world)
+            _drop_absent_ranks(stage.buffer_dir, rt.world)
         runtime.barrier(rt)
     if buffer_writer(rt):
-        s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=True) for k, p in paths.items()}
+        stage.bufs = {k: _buffer(p, len(stage.owned), T, D, stage.buf_dtype, create=True) for k, p in paths.items()}
     if rt.tp > 1:  # the other ranks of the group map the files their first rank made
         runtime.barrier(rt)
-        s.bufs = {k: _buffer(p, len(s.owned), T, D, s.buf_dtype, create=False) for k, p in paths.items()}
-    s.rope = streaming.rotary(s.config, T, s.dtype, rt.device)
+        stage.bufs = {k: _buffer(p, len(stage.owned), T, D, stage.buf_dtype, create=False) for k, p in paths.items()}
+    stage.rope = streaming.rotary(stage.config, T, stage.dtype, rt.device)
     if ready:
-        s.log(f"resuming at layer {s.first} from buffer {manifest['inputs']}")
+        stage.log(f"resuming at layer {stage.first} from buffer {manifest['inputs']}")
         return manifest["inputs"]
-    if s.first >= s.n_layers:
+    if stage.first >= stage.n_layers:
         return "a"
     if manifest is not None:
         if _layout(manifest) != layout:
@@ -89,54 +89,56 @@ def inputs_of_first_layer(s: Stage1) -> str:
             if (tp, rt.tp) != (1, 1):
                 were, now = f"{were} at tensor_parallel {tp}", f"{now} at {rt.tp}"
             why = f"its buffers were written by {were}, now {now}"
-        elif manifest["next_layer"] != s.first:
+        elif manifest["next_layer"] != stage.first:
             why = f"the manifest names layer {manifest['next_layer']}'s inputs"
         else:
             why = "a rank's buffer of them is missing, incomplete or laid out for another number of ranks"
-        s.log(f"resuming at layer {s.first}: rebuilding its inputs by replaying the teacher ({why})")
-    return _rebuild_inputs(s)
+        stage.log(f"resuming at layer {stage.first}: rebuilding its inputs by replaying the teacher ({why})")
+    return _rebuild_inputs(stage)
 
 
-def _rebuild_inputs(s: Stage1) -> str:
-    cfg, batch = s.cfg, s.cfg.distill.batch_size
-    tokenizer = AutoTokenizer.from_pretrained(s.model_path, local_files_only=True)
+def _rebuild_inputs(stage: Stage1) -> str:
+    cfg, batch = stage.cfg, stage.cfg.distill.batch_size
+    tokenizer = AutoTokenizer.from_pretrained(stage.model_path, local_files_only=True)
     docs, _ = corpus.split_documents(
         corpus.read_documents(cfg.data.source, cfg.data.text_field),
         cfg.data.heldout_fraction if cfg.data.source else 0.0,
     )
-    ids = corpus.pack(tokenizer, docs, cfg.data.seq_len, cfg.data.num_sequences, cfg.seed)[s.owned]
-    if buffer_writer(s.rt):
-        emb = streaming.embedding(s.ckpt, s.dtype)
-        for a in range(0, len(s.owned), batch):
-            s.bufs["a"][a : a + batch] = emb[ids[a : a + batch]].to(s.buf_dtype)
+    ids = corpus.pack(tokenizer, docs, cfg.data.seq_len, cfg.data.num_sequences, cfg.seed)[stage.owned]
+    if buffer_writer(stage.rt):
+        emb = streaming.embedding(stage.ckpt, stage.dtype)
+        for a in range(0, len(stage.owned), batch):
+            stage.bufs["a"][a : a + batch] = emb[ids[a : a + batch]].to(stage.buf_dtype)
         del emb
-    if s.rt.tp > 1:
-        runtime.barrier(s.rt)
+    if stage.rt.tp > 1:
+        runtime.barrier(stage.rt)
     current = "a"
-    for j, layer in itertools.islice(streaming.layers(s.config, s.ckpt, s.dtype, device=s.rt.device, rt=s.rt), s.first):
-        s.log(f"replaying teacher layer {j} to rebuild layer {s.first}'s inputs")
+    for j, layer in itertools.islice(
+        streaming.layers(stage.config, stage.ckpt, stage.dtype, device=stage.rt.device, rt=stage.rt), stage.first
+    ):
+        stage.log(f"replaying teacher layer {j} to rebuild layer {stage.first}'s inputs")
         other = "b" if current == "a" else "a"
-        run_teacher(s, layer, s.bufs[current], s.bufs[other])
+        run_teacher(stage, layer, stage.bufs[current], stage.bufs[other])
         current = other
-    mark_written(s.buffer_dir, current, s.rt)
+    mark_written(stage.buffer_dir, current, stage.rt)
     return current
 
 
 @torch.no_grad()
-def run_teacher(s: Stage1, layer, buf_in, buf_out) -> bool:
+def run_teacher(stage: Stage1, layer, buf_in, buf_out) -> bool:
     """The teacher layer over every sequence of this rank, on the device, batch by batch (the next batch staged
     while one computes); False when an output is not finite (nan/inf)."""
-    batch, n = s.cfg.distill.batch_size, buf_in.shape[0]
+    batch, n = stage.cfg.distill.batch_size, buf_in.shape[0]
     starts = list(range(0, n, batch))
-    staged = Stager(buf_in, s.rt.device).steps([list(range(a, min(n, a + batch))) for a in starts])
-    finite = torch.ones((), dtype=torch.bool, device=s.rt.device)
+    staged = Stager(buf_in, stage.rt.device).steps([list(range(a, min(n, a + batch))) for a in starts])
+    finite = torch.ones((), dtype=torch.bool, device=stage.rt.device)
     for a, x in zip(starts, staged, strict=True):
-        out = streaming.teacher(layer, x.to(s.dtype), s.rope).to(buf_out.dtype)
+        out = streaming.teacher(layer, x.to(stage.dtype), stage.rope).to(buf_out.dtype)
         finite &= torch.isfinite(out).all()
-        if buffer_writer(s.rt):  # the ranks of a tensor-parallel group share one buffer (the same outputs)
+        if buffer_writer(stage.rt):  # the ranks of a tensor-parallel group share one buffer (the same outputs)
             buf_out[a : a + batch] = out.cpu()
-    if s.rt.tp > 1:  # the group's other ranks read buf_out next: not before it is whole
-        runtime.barrier(s.rt)
+    if stage.rt.tp > 1:  # the group's other ranks read buf_out next: not before it is whole
+        runtime.barrier(stage.rt)
     return bool(finite)
 
 

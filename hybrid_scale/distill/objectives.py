@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..attention.hybrid import Projections
 from ..attention.naive import compute_dtype, decay_weight
 
 
@@ -59,10 +60,11 @@ def teacher_rows(q, k, v, a: int, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, _expand(k, group), _expand(v, group), attn_mask=mask, scale=scale)
 
 
-def unit_loss(m, q, k, v, fq, fk, a: int, b: int, seq_len: int, weights: dict[str, float]) -> torch.Tensor:
+def unit_loss(m, x: Projections, a: int, b: int, seq_len: int, weights: dict[str, float]) -> torch.Tensor:
     """One unit's share of its sequence's weighted objective (fp32 scalar, summed over the B given sequences).
-    q..fk are the sequence's projections of rows 0..b'-1 for some b' >= b (q, k, v detached); m the layer's
+    x holds the sequence's projections of rows 0..b'-1 for some b' >= b (q, k, v detached); m the layer's
     HybridAttention (its gamma, window, sinks and scaling)."""
+    q, k, v, fq, fk = x
     H, d = m.all_heads, q.shape[-1]  # with tensor parallelism q holds this rank's heads: a partial sum over heads
     qa, fqa, kb, vb, fkb = q[:, :, a:b], fq[:, :, a:b], k[:, :, :b], v[:, :, :b], fk[:, :, :b]
     loss = q.new_zeros((), dtype=compute_dtype(q))
@@ -73,16 +75,17 @@ def unit_loss(m, q, k, v, fq, fk, a: int, b: int, seq_len: int, weights: dict[st
             target = teacher_rows(qa.float(), kb.float(), vb.float(), a, m.scaling)
         for name, mode in (("output_mse", "la_only"), ("hybrid_output_mse", "hybrid")):
             if weights.get(name):
-                y = unit_attention(m, q, k, v, fq, fk, a, b, mode)
+                y = unit_attention(m, x, a, b, mode)
                 loss = loss + weights[name] * (y - target).pow(2).sum() / (H * seq_len * d)
     return loss
 
 
-def unit_attention(m, q, k, v, fq, fk, a: int, b: int, mode: str) -> torch.Tensor:
+def unit_attention(m, x: Projections, a: int, b: int, mode: str) -> torch.Tensor:
     """Rows a..b-1 of the layer's attention in `mode` (fp32), through its backend (attention.backend): the backend
     attends rows a0..b-1 with a0 = a - w + 1 (every window key of row a on), and the keys before a0 -- all of them
     in P(n) of every row -- enter as the initial LA state (fp32, differentiable). A hybrid with its own sinks attends
     rows 0..b-1 instead: its rows need the first S keys in their softmax, and no sink in the state."""
+    q, k, v, fq, fk = x
     a0 = 0 if (mode == "hybrid" and m.hybrid_sinks) else max(0, a - m.window + 1)
     state = None
     if a0 > 0:

@@ -58,49 +58,51 @@ def distill(cfg: Config) -> Path:
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
     # preflight, runtime, lock, signal flag (entry.py); USR1/TERM: a step checkpoint at the next step, or a stop
     # after a commit
-    with stage_entry(cfg, "distill") as entry, start(entry) as s:
+    with stage_entry(cfg, "distill") as entry, start(entry) as stage:
         for warning in entry.plan.warnings:  # e.g. ranks left idle by too few query blocks per step
-            s.log(f"warning: {warning}")
-        current = inputs_of_first_layer(s)
+            stage.log(f"warning: {warning}")
+        current = inputs_of_first_layer(stage)
         t0, times = time.perf_counter(), []
         # each layer's heads and MLP columns split over the tensor-parallel group, each rank reading only its part
-        for i, layer in streaming.layers(s.config, s.ckpt, s.dtype, first=s.first, device=s.rt.device, rt=s.rt):
-            if i == s.first and s.rt.tp > 1:
-                s.log(f"layer {i}: {tensor_parallel.split_report(layer, s.rt)}")
+        for i, layer in streaming.layers(
+            stage.config, stage.ckpt, stage.dtype, first=stage.first, device=stage.rt.device, rt=stage.rt
+        ):
+            if i == stage.first and stage.rt.tp > 1:
+                stage.log(f"layer {i}: {tensor_parallel.split_report(layer, stage.rt)}")
             other = "b" if current == "a" else "a"
-            if buffer_writer(s.rt):
-                (s.buffer_dir / f"written_{other}.rank{buffer_slot(s.rt)}").unlink(missing_ok=True)
-            params, losses = transfer(s, i, layer, current)
-            if i + 1 < s.n_layers:
-                advance(s, i, layer, current, other)
+            if buffer_writer(stage.rt):
+                (stage.buffer_dir / f"written_{other}.rank{buffer_slot(stage.rt)}").unlink(missing_ok=True)
+            params, losses = transfer(stage, i, layer, current)
+            if i + 1 < stage.n_layers:
+                advance(stage, i, layer, current, other)
             times.append(time.perf_counter() - t0)
-            layer_metrics(s, i, losses, times)  # before the commit: a kill between the two drops it with the layer
-            commit_layer(s, i, params, losses, other)
+            layer_metrics(stage, i, losses, times)  # before the commit: a kill between the two drops it with the layer
+            commit_layer(stage, i, params, losses, other)
             current = other
             t0 = time.perf_counter()
-            if i + 1 < s.n_layers and runtime.any_rank(s.rt, entry.signal.raised):
-                s.log(f"signal: layer {i} is committed, exiting for a requeue")
+            if i + 1 < stage.n_layers and runtime.any_rank(stage.rt, entry.signal.raised):
+                stage.log(f"signal: layer {i} is committed, exiting for a requeue")
                 raise requeue.request(
-                    s.layout.run_dir,
+                    stage.layout.run_dir,
                     f"layer {i}",
-                    s.stage1,
-                    s.rt,
-                    what=f"stage 1 stopped by a signal after committing layer {i} of {s.n_layers}",
+                    stage.stage1,
+                    stage.rt,
+                    what=f"stage 1 stopped by a signal after committing layer {i} of {stage.n_layers}",
                 )
-        return write_output(s)
+        return write_output(stage)
 
 
-def layer_metrics(s: Stage1, i: int, losses: list[float], times: list[float]) -> None:
+def layer_metrics(stage: Stage1, i: int, losses: list[float], times: list[float]) -> None:
     """Layer i's record (its time, first and last loss, the ETA of the layers left) and a progress line."""
-    left = s.n_layers - i - 1
+    left = stage.n_layers - i - 1
     eta = sum(times) / len(times) * left
     values = {"layer": i, "layer_s": times[-1], "eta_s": eta, "layers_left": left}
     values |= {"first_loss": losses[0], "last_loss": losses[-1]} if losses else {}
-    values |= peak_memory(s.rt.device)
-    s.metrics.log((i + 1) * s.steps_per_layer, values, kind="layer")
-    tokens = s.steps_per_layer * s.cfg.distill.batch_size * s.cfg.data.seq_len / times[-1]
-    s.metrics.progress(
-        f"layer {i + 1}/{s.n_layers} in {duration(times[-1])} ({tokens:.0f} tokens/s), "
+    values |= peak_memory(stage.rt.device)
+    stage.metrics.log((i + 1) * stage.steps_per_layer, values, kind="layer")
+    tokens = stage.steps_per_layer * stage.cfg.distill.batch_size * stage.cfg.data.seq_len / times[-1]
+    stage.metrics.progress(
+        f"layer {i + 1}/{stage.n_layers} in {duration(times[-1])} ({tokens:.0f} tokens/s), "
         f"{values['host_peak_gb']:.1f} GB host peak, ETA {duration(eta)}",
         force=left == 0,
     )
@@ -114,7 +116,7 @@ def start(entry: Entry) -> Iterator[Stage1]:
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     config._attn_implementation = "sdpa"
     N = cfg.data.num_sequences
-    s = Stage1(
+    stage = Stage1(
         cfg,
         rt,
         entry.layout,
@@ -131,95 +133,97 @@ def start(entry: Entry) -> Iterator[Stage1]:
         getattr(torch, cfg.distill.buffer_dtype),
         list(range(rt.dp_rank, N, rt.dp)),  # the ranks of a tensor-parallel group hold the same sequences
     )
-    manifest_path = s.stage1 / "manifest.json"
-    s.manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    changes = identity_changes(s.manifest["identity"], s.identity) if s.manifest else []
+    manifest_path = stage.stage1 / "manifest.json"
+    stage.manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    changes = identity_changes(stage.manifest["identity"], stage.identity) if stage.manifest else []
     if changes:
         raise DistillError(
-            f"{s.stage1} holds a stage 1 run made with other settings: {', '.join(changes)}; use another run_dir, "
-            f"restore them, or delete {s.stage1}"
+            f"{stage.stage1} holds a stage 1 run made with other settings: {', '.join(changes)}; use another run_dir, "
+            f"restore them, or delete {stage.stage1}"
         )
-    s.stage1.mkdir(parents=True, exist_ok=True)
-    preflight_buffers(s.buffer_dir, len(s.owned), cfg.data.seq_len, config.hidden_size, s.buf_dtype)
-    s.first = next((i for i in range(s.n_layers) if not committed(s.stage1, i)), s.n_layers)
-    s.log(
-        f"start at layer {s.first} of {s.n_layers}: {rt.world} ranks (data {rt.dp} x tensor {rt.tp}), "
-        f"{len(s.owned)} of {N} sequences on rank 0"
+    stage.stage1.mkdir(parents=True, exist_ok=True)
+    preflight_buffers(stage.buffer_dir, len(stage.owned), cfg.data.seq_len, config.hidden_size, stage.buf_dtype)
+    stage.first = next((i for i in range(stage.n_layers) if not committed(stage.stage1, i)), stage.n_layers)
+    stage.log(
+        f"start at layer {stage.first} of {stage.n_layers}: {rt.world} ranks (data {rt.dp} x tensor {rt.tp}), "
+        f"{len(stage.owned)} of {N} sequences on rank 0"
     )
     # the records up to the committed layers (and a matching step checkpoint's steps) stay
-    resumed = s.first * s.steps_per_layer + (saved_steps(s, s.first) if s.first < s.n_layers else 0)
-    with Metrics(cfg, "distill", s.stage1, rt.main, resumed=resumed, log=s.log) as s.metrics:
-        yield s
+    resumed = stage.first * stage.steps_per_layer + (
+        saved_steps(stage, stage.first) if stage.first < stage.n_layers else 0
+    )
+    with Metrics(cfg, "distill", stage.stage1, rt.main, resumed=resumed, log=stage.log) as stage.metrics:
+        yield stage
 
 
-def transfer(s: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]:
+def transfer(stage: Stage1, i: int, layer, current: str) -> tuple[dict, list[float]]:
     """Layer i's trained phi/gamma (nothing for a layer left unconverted) and its loss curve."""
-    layers = s.attention.layers
+    layers = stage.attention.layers
     if layers is not None and i not in layers:
         return {}, []
-    torch.manual_seed(s.cfg.seed * 7919 + i)
-    m = HybridAttention.from_softmax(layer.self_attn, s.config, i, s.attention, param_dtype=torch.float32)
-    tensor_parallel.narrow(m, s.rt)  # this rank's heads (its q/k/v projections are split already)
-    losses = train_layer(s, m, layer, s.bufs[current], i)
+    torch.manual_seed(stage.cfg.seed * 7919 + i)
+    m = HybridAttention.from_softmax(layer.self_attn, stage.config, i, stage.attention, param_dtype=torch.float32)
+    tensor_parallel.narrow(m, stage.rt)  # this rank's heads (its q/k/v projections are split already)
+    losses = train_layer(stage, m, layer, stage.bufs[current], i)
     params = {
-        f"model.layers.{i}.self_attn.{n}": tensor_parallel.whole(p, layer_head_dim(s), s.rt).clone()
+        f"model.layers.{i}.self_attn.{n}": tensor_parallel.whole(p, layer_head_dim(stage), stage.rt).clone()
         for n, p in m.hybrid_parameters()
     }
     if not all(bool(torch.isfinite(t).all()) for t in params.values()):  # the same on every rank
         raise DistillError(
             f"stage 1: layer {i}'s trained feature maps hold nan/inf after its last step (its loss stayed "
             f"finite); nothing of layer {i} is committed and a rerun resumes there: lower distill.lr (now "
-            f"{s.cfg.distill.lr}) in another run_dir"
+            f"{stage.cfg.distill.lr}) in another run_dir"
         )
     return params, losses
 
 
-def advance(s: Stage1, i: int, layer, current: str, other: str) -> None:
+def advance(stage: Stage1, i: int, layer, current: str, other: str) -> None:
     """The teacher layer i on its inputs: layer i+1's inputs, in the other buffer (refused when not finite)."""
-    finite = run_teacher(s, layer, s.bufs[current], s.bufs[other])
-    if not runtime.all_ranks(s.rt, finite):
+    finite = run_teacher(stage, layer, stage.bufs[current], stage.bufs[other])
+    if not runtime.all_ranks(stage.rt, finite):
         raise DistillError(
             f"stage 1: teacher layer {i} gives nan/inf outputs (layer {i + 1}'s inputs); nothing of layer {i} "
             f"is committed: check layer {i}'s weights in model.path for nan/inf, or use a wider "
             "distill.buffer_dtype (float16 overflows where bfloat16 and float32 do not)"
         )
-    mark_written(s.buffer_dir, other, s.rt)
+    mark_written(stage.buffer_dir, other, stage.rt)
 
 
-def commit_layer(s: Stage1, i: int, params: dict, losses: list[float], other: str) -> None:
+def commit_layer(stage: Stage1, i: int, params: dict, losses: list[float], other: str) -> None:
     """Layer i's parameters (written then renamed), the manifest naming the buffer with layer i+1's inputs, then
     the marker with the parameter file's sha256, written last."""
-    stage1 = s.stage1
-    if s.rt.main:
+    stage1 = stage.stage1
+    if stage.rt.main:
         tmp = stage1 / f"layer_{i:03d}.safetensors.tmp"
         save_tensors(params, tmp, metadata={"losses": json.dumps(losses if params else [])})
         os.replace(tmp, stage1 / f"layer_{i:03d}.safetensors")
         fault(f"commit:{i}")
-        manifest = {"identity": s.identity, "next_layer": i + 1, "inputs": other, "world": s.rt.world}
-        manifest["tensor_parallel"] = s.rt.tp
+        manifest = {"identity": stage.identity, "next_layer": i + 1, "inputs": other, "world": stage.rt.world}
+        manifest["tensor_parallel"] = stage.rt.tp
         atomic_write(stage1 / "manifest.json", json.dumps(manifest))
         atomic_write(
             stage1 / f"layer_{i:03d}.done", json.dumps({"sha256": sha256(stage1 / f"layer_{i:03d}.safetensors")})
         )
         StepCheckpoint.path(stage1, i).unlink(missing_ok=True)  # committed: its step checkpoint is spent
-    runtime.barrier(s.rt)
-    fault(f"after:{i}", s.rt.rank)
+    runtime.barrier(stage.rt)
+    fault(f"after:{i}", stage.rt.rank)
 
 
-def write_output(s: Stage1) -> Path:
+def write_output(stage: Stage1) -> Path:
     """The converted model: every trained layer's phi/gamma, the attention settings, the base referenced."""
-    out = s.layout.stage1_output
-    config = s.config
-    trained = sorted(range(s.n_layers) if s.attention.layers is None else s.attention.layers)
-    if s.rt.main:
+    out = stage.layout.stage1_output
+    config = stage.config
+    trained = sorted(range(stage.n_layers) if stage.attention.layers is None else stage.attention.layers)
+    if stage.rt.main:
         params = {}
         for i in trained:
-            params.update(load_file(s.stage1 / f"layer_{i:03d}.safetensors"))
-        settings = dict(s.attention)
+            params.update(load_file(stage.stage1 / f"layer_{i:03d}.safetensors"))
+        settings = dict(stage.attention)
         settings["layers"] = trained
         head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        settings["feature_dim"] = s.attention.feature_dim or head_dim
-        write_converted(out, config.architectures[0], str(s.model_path.resolve()), settings, params)
-        s.log(f"converted model written to {out}")
-    runtime.barrier(s.rt)
+        settings["feature_dim"] = stage.attention.feature_dim or head_dim
+        write_converted(out, config.architectures[0], str(stage.model_path.resolve()), settings, params)
+        stage.log(f"converted model written to {out}")
+    runtime.barrier(stage.rt)
     return out

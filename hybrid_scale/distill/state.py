@@ -65,5 +65,5 @@ class Stage1:
 
     @property
     def steps_per_layer(self) -> int:
-        d = self.cfg.distill
-        return d.epochs * -(-self.cfg.data.num_sequences // d.batch_size)
+        distill = self.cfg.distill
+        return distill.epochs * -(-self.cfg.data.num_sequences // distill.batch_size)

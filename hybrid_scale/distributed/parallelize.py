@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -31,22 +32,30 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+@dataclass(frozen=True)
+class Zero3:
+    """The data-parallel engine: `config` is DeepSpeed's (ZeRO-3) config, which at tensor_parallel > 1 configures the
+    replicated engine instead; `train` makes a training engine with its optimizer over the parameters that require
+    grad, and `schedule` builds its learning-rate scheduler over that optimizer (both engines take the same one)."""
+
+    config: dict
+    train: bool = False
+    schedule: Callable | None = None
+
+
 def parallelize(
     model: nn.Module,
     *,
     activation_checkpointing: bool = False,
     adapt: Callable[[nn.Module], nn.Module] | None = None,
-    zero3: dict | None = None,
-    train: bool = False,
+    zero3: Zero3 | None = None,
     rt: Runtime | None = None,
-    schedule: Callable | None = None,
 ):
     """`model` with activation checkpointing, adapted, split over `rt`'s tensor-parallel group (rt.tp > 1), then
-    sharded with ZeRO-3 (`zero3`: the DeepSpeed config; at rt.tp > 1 it configures the replicated engine).
-    Returns (engine, model): for training the engine's optimizer holds the parameters that require grad and the
-    model is the adapted one; for inference the model is the sharded one in eval mode; without `zero3` the engine is
-    None. `schedule` builds the training engine's learning-rate scheduler over its optimizer (both engines take the
-    same one)."""
+    sharded with ZeRO-3 (`zero3`). Returns (engine, model): for training the engine's optimizer holds the parameters
+    that require grad and the model is the adapted one; for inference the model is the sharded one in eval mode;
+    without `zero3` the engine is None."""
+    train = zero3 is not None and zero3.train
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if adapt is not None:  # (a model read split: PEFT makes whole LoRA factors, which the plan then splits)
@@ -54,15 +63,17 @@ def parallelize(
             model = adapt(model)
     if rt is not None and rt.tp > 1:
         tensor_parallel.apply(model, rt)
-        if train and zero3 is not None:
-            return ReplicatedEngine(model, zero3, rt, schedule), model
-        return None, model if train else model.eval()
+        if train:
+            return ReplicatedEngine(model, zero3.config, rt, zero3.schedule), model
+        return None, model.eval()
     if zero3 is None:
         return None, model
     deepspeed = import_deepspeed()
     if train:
         params = [p for p in model.parameters() if p.requires_grad]
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=zero3, lr_scheduler=schedule)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=params, config=zero3.config, lr_scheduler=zero3.schedule
+        )
         return engine, model
-    engine, *_ = deepspeed.initialize(model=model, config=zero3)
+    engine, *_ = deepspeed.initialize(model=model, config=zero3.config)
     return engine, engine.module.eval()

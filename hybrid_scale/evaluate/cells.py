@@ -37,12 +37,12 @@ def own_modes(modes, keeps_sinks: bool) -> list[str]:
     return [m for i, m in enumerate(modes) if not (keeps_sinks and TWINS.get(m) in modes[:i])]
 
 
-def count_cells(e, keeps_sinks: bool = False) -> int:
+def count_cells(evaluation, keeps_sinks: bool = False) -> int:
     """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share, then the passkey
     probe per mode (a twin mode has none: `own_modes`)."""
-    modes = own_modes(e.modes, keeps_sinks)
-    held_out = (len(modes) + (1 if e.la_share_seq_len else 0)) if e.ppl_sequences else 0
-    return len(modes) * len(e.tasks) + held_out + len(own_modes(passkey.probe_modes(e), keeps_sinks))
+    modes = own_modes(evaluation.modes, keeps_sinks)
+    held_out = (len(modes) + (1 if evaluation.la_share_seq_len else 0)) if evaluation.ppl_sequences else 0
+    return len(modes) * len(evaluation.tasks) + held_out + len(own_modes(passkey.probe_modes(evaluation), keeps_sinks))
 
 
 def digest(obj) -> str:
@@ -82,9 +82,9 @@ NOT_RESULTS = ("progress", "out_dir", "model")  # eval.* keys that change no fig
 def identity(cfg: Config, source: ModelSource, device: torch.device) -> dict:
     """What an evaluation's results.json describes (recorded in it): the model (model_key), every eval.* setting that
     changes a figure, the text it reads and the seed. The pipeline reruns an evaluation whose identity changed."""
-    e = {k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items() if k not in NOT_RESULTS}
+    evaluation = {k: v for k, v in OmegaConf.to_container(cfg.eval, resolve=True).items() if k not in NOT_RESULTS}
     model = model_key(cfg, source, evaluation_window(cfg, source), device)
-    return json.loads(json.dumps({"model": model, "eval": e, "seed": cfg.seed, **data_settings(cfg)}))
+    return json.loads(json.dumps({"model": model, "eval": evaluation, "seed": cfg.seed, **data_settings(cfg)}))
 
 
 def figures(result: dict) -> dict:

@@ -115,33 +115,38 @@ def score_batch(model, groups: list[Group], pad_id: int, device) -> list[tuple[i
     return results
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """How a task's batches are scored: batch_size groups per batch, padded with pad_id; lockstep (ZeRO-3 weights or
+    a tensor-parallel split): a rank without a batch in the last round repeats its first one and drops the result;
+    desc and progress: the rank-0 progress bar."""
+
+    batch_size: int
+    pad_id: int
+    lockstep: bool = False
+    desc: str = "scoring"
+    progress: bool = True
+
+
 def score(
-    model,
-    groups: list[Group],
-    batch_size: int,
-    pad_id: int,
-    rt: Runtime,
-    desc: str = "scoring",
-    progress: bool = True,
-    lockstep: bool = False,
-    stop: Callable[[int], bool] | None = None,
+    model, groups: list[Group], how: Scoring, rt: Runtime, stop: Callable[[int], bool] | None = None
 ) -> dict[int, tuple[float, bool]] | None:
-    """This rank's share of the batches, scored. Returns {request index: (log-likelihood, is_greedy)}.
-    The batches run in rounds of one per data-parallel rank (ceil(batches / dp) rounds on every rank). lockstep (ZeRO-3
-    weights): a rank without a batch in the last round repeats its first one and drops the result. stop (a
+    """This rank's share of the batches, scored `how`. Returns {request index: (log-likelihood, is_greedy)}.
+    The batches run in rounds of one per data-parallel rank (ceil(batches / dp) rounds on every rank). stop (a
     collective: every rank calls it equally often) is called between rounds with the number of rounds done; when it
     returns True the scoring ends and None is returned."""
-    batches = make_batches(groups, batch_size)
+    batches = make_batches(groups, how.batch_size)
     mine = batches[rt.dp_rank :: rt.dp]
     rounds = -(-len(batches) // rt.dp)
     out: dict[int, tuple[float, bool]] = {}
-    with tqdm(total=rounds, desc=desc, disable=not (progress and rt.main), unit="batch", dynamic_ncols=True) as bar:
+    shown = how.progress and rt.main
+    with tqdm(total=rounds, desc=how.desc, disable=not shown, unit="batch", dynamic_ncols=True) as bar:
         for i in range(rounds):
             if i < len(mine):
-                scored = score_batch(model, [groups[g] for g in mine[i]], pad_id, rt.device)
+                scored = score_batch(model, [groups[g] for g in mine[i]], how.pad_id, rt.device)
                 out.update((req, (ll, greedy)) for req, ll, greedy in scored)
-            elif lockstep:  # every rank joins every forward
-                score_batch(model, [groups[g] for g in (mine[0] if mine else batches[0])], pad_id, rt.device)
+            elif how.lockstep:  # every rank joins every forward
+                score_batch(model, [groups[g] for g in (mine[0] if mine else batches[0])], how.pad_id, rt.device)
             bar.update()
             if stop is not None and i + 1 < rounds and stop(i + 1):
                 return None

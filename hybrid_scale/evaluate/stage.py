@@ -38,7 +38,7 @@ from ..config.schema import Config
 from ..data import assets, corpus, passkey, tasks
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import init_comm, zero3_config
-from ..distributed.parallelize import parallelize
+from ..distributed.parallelize import Zero3, parallelize
 from ..entry import Entry, stage_entry
 from ..errors import ConfigError
 from ..models.convert import convert_model, set_modes, set_window
@@ -88,7 +88,7 @@ class Models:
             model = parallelize(model, rt=self.rt)[1]
             self.split[name] = tensor_parallel.split_report(model, self.rt)
             return model
-        return parallelize(model, zero3=zero3_config(self.dtype))[1] if self.cfg.eval.shard_weights else model
+        return parallelize(model, zero3=Zero3(zero3_config(self.dtype)))[1] if self.cfg.eval.shard_weights else model
 
     def get(self, mode: str):
         if mode == "base":
@@ -134,16 +134,16 @@ class Models:
 
 def _heldout_sequences(tokenizer, cfg: Config, held_text: tuple[str, str] | None = None) -> torch.Tensor:
     """The report text (corpus.report_text, read here unless given) as eval.ppl_sequences rows of eval.ppl_seq_len."""
-    e = cfg.eval
+    evaluation = cfg.eval
     text, where = held_text if held_text is not None else corpus.report_text(cfg)
     ids = tokenizer.encode(text)
-    n = min(e.ppl_sequences, len(ids) // e.ppl_seq_len)
-    if n == 0 and e.ppl_sequences:
+    n = min(evaluation.ppl_sequences, len(ids) // evaluation.ppl_seq_len)
+    if n == 0 and evaluation.ppl_sequences:
         raise ConfigError(
             f"config key 'eval.ppl_seq_len': the {where} has {len(ids)} tokens, fewer than eval.ppl_seq_len = "
-            f"{e.ppl_seq_len}; lower it, or give longer text with eval.ppl_text"
+            f"{evaluation.ppl_seq_len}; lower it, or give longer text with eval.ppl_text"
         )
-    return torch.tensor(ids[: n * e.ppl_seq_len]).view(n, e.ppl_seq_len)
+    return torch.tensor(ids[: n * evaluation.ppl_seq_len]).view(n, evaluation.ppl_seq_len)
 
 
 def heldout_record(cfg: Config, where: str) -> dict:
@@ -170,16 +170,21 @@ def evaluate(cfg: Config) -> dict:
 def _evaluate(entry: Entry) -> dict:
     """evaluate's work, under the signal flag: the cells in order (loaded or computed), then the report."""
     cfg, rt, source = entry.cfg, entry.rt, entry.model
-    e = cfg.eval
-    tasks.check_tasks(e.tasks)
+    evaluation = cfg.eval
+    tasks.check_tasks(evaluation.tasks)
     path, converted = source.path, source.converted
     tokenizer = load_tokenizer(source.base)
     models = Models(cfg, source, rt)
-    data_dir = Path(e.data_dir) if e.data_dir else assets.require().datasets
+    data_dir = Path(evaluation.data_dir) if evaluation.data_dir else assets.require().datasets
     config = base_config(source.base)
     max_len = getattr(config, "max_position_embeddings", 8192)
-    requests = {task: Requests(task, tasks.build(task, data_dir, e.limit), tokenizer, max_len) for task in e.tasks}
-    held_text = corpus.report_text(cfg) if e.ppl_sequences else None  # read once: recorded here, scored at the end
+    requests = {
+        task: Requests(task, tasks.build(task, data_dir, evaluation.limit), tokenizer, max_len)
+        for task in evaluation.tasks
+    }
+    held_text = (
+        corpus.report_text(cfg) if evaluation.ppl_sequences else None
+    )  # read once: recorded here, scored at the end
     window = models.window()
     results = {
         "model": str(path),
@@ -198,39 +203,45 @@ def _evaluate(entry: Entry) -> dict:
         "modes": {},
         "timings_s": {},
     }
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = model_key(cfg, source, window, rt.device)
-    cells = Cells(entry, total=count_cells(e, models.sinks()[1]))
+    cells = Cells(entry, total=count_cells(evaluation, models.sinks()[1]))
+    src = Sources(cfg, rt, models, tokenizer, cells, common, held_text)
     try:
         cells.log(_first_line(cfg, config, models))
-        for mode in e.modes if e.tasks else ():  # (eval.tasks=[]: the held-out text and the probe only)
+        for mode in (
+            evaluation.modes if evaluation.tasks else ()
+        ):  # (eval.tasks=[]: the held-out text and the probe only)
             if twin := models.twin(mode, results["modes"]):
                 results["modes"][mode] = results["modes"][twin]
                 cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its task scores are {twin}'s")
                 continue
             t0 = time.perf_counter()
             per_task = {}
-            for task in e.tasks:
+            for task in evaluation.tasks:
                 name = f"{mode}.{task}"
-                key = {**common, "mode": mode, "task": task, "limit": e.limit, "data_dir": str(data_dir.resolve())}
-                key |= {"batch_size": e.batch_size, "requests": requests[task].digest}
+                key = {
+                    **common,
+                    "mode": mode,
+                    "task": task,
+                    "limit": evaluation.limit,
+                    "data_dir": str(data_dir.resolve()),
+                }
+                key |= {"batch_size": evaluation.batch_size, "requests": requests[task].digest}
                 stop = cells.between_rounds(name)
-                per_task[task] = cells.result(
-                    name, key, partial(_score_task, models, mode, requests[task], pad_id, cfg, rt, stop)
-                )
-            per_task["avg"] = sum(per_task[t]["metric"] for t in e.tasks) / len(e.tasks)
+                per_task[task] = cells.result(name, key, partial(_score_task, src, mode, requests[task], stop))
+            per_task["avg"] = sum(per_task[t]["metric"] for t in evaluation.tasks) / len(evaluation.tasks)
             results["modes"][mode] = per_task
             results["timings_s"][mode] = time.perf_counter() - t0
-        _deltas(results, e.tasks, cfg)
+        _deltas(results, evaluation.tasks, cfg)
         if models.split:
             results["tensor_parallel_split"] = dict(models.split)
         t0 = time.perf_counter()
-        if e.ppl_sequences:
-            _perplexity_and_la_share(results, Sources(cfg, rt, models, tokenizer, cells, common, held_text))
+        if evaluation.ppl_sequences:
+            _perplexity_and_la_share(results, src)
         results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
-        if passkey.probe_modes(e):
+        if passkey.probe_modes(evaluation):
             t0 = time.perf_counter()
-            _passkey(results, Sources(cfg, rt, models, tokenizer, cells, common, held_text))
+            _passkey(results, src)
             results["timings_s"]["passkey"] = time.perf_counter() - t0
         _verdict(results)
         cells.finish()
@@ -244,22 +255,14 @@ def _evaluate(entry: Entry) -> dict:
     return results
 
 
-def _score_task(
-    models: Models, mode: str, requests: Requests, pad_id: int, cfg: Config, rt, stop: Callable[[int], bool]
-) -> dict | None:
+def _score_task(src: Sources, mode: str, requests: Requests, stop: Callable[[int], bool]) -> dict | None:
     """One (mode, task) cell (Requests.result); None when the ranks stopped on a signal."""
-    e = cfg.eval
-    mine = loglik.score(
-        models.get(mode),
-        requests.groups,
-        e.batch_size,
-        pad_id,
-        rt,
-        desc=f"{mode:>10} {requests.task}",
-        progress=e.progress,
-        lockstep=e.shard_weights or rt.tp > 1,
-        stop=stop,
+    evaluation, rt = src.cfg.eval, src.rt
+    lockstep = evaluation.shard_weights or rt.tp > 1  # every rank joins every forward of sharded or split weights
+    how = loglik.Scoring(
+        evaluation.batch_size, src.pad_id, lockstep, f"{mode:>10} {requests.task}", evaluation.progress
     )
+    mine = loglik.score(src.models.get(mode), requests.groups, how, rt, stop)
     if mine is None:
         return None
     scores: dict[int, tuple[float, bool]] = {}
@@ -315,7 +318,7 @@ class Requests:
 
 def _deltas(results: dict, names: list[str], cfg: Config) -> None:
     """Rec.% against the base, the paired-bootstrap deltas (hybrid - swa_only, la_only - none) and the verdict."""
-    e, m = cfg.eval, results["modes"]
+    evaluation, m = cfg.eval, results["modes"]
     if "base" in m:
         base_avg = m["base"]["avg"]
         for r in m.values():
@@ -326,19 +329,24 @@ def _deltas(results: dict, names: list[str], cfg: Config) -> None:
 
     if "hybrid" in m and "swa_only" in m:
         results["delta_swa"] = balance.paired_bootstrap(
-            correct_of("hybrid"), correct_of("swa_only"), e.bootstrap, cfg.seed
+            correct_of("hybrid"), correct_of("swa_only"), evaluation.bootstrap, cfg.seed
         )
     if "la_only" in m and "none" in m:
-        results["delta_la"] = balance.paired_bootstrap(correct_of("la_only"), correct_of("none"), e.bootstrap, cfg.seed)
-        results["verdict_tasks"] = balance.verdict(results["delta_la"]["avg"], e.margin)
+        results["delta_la"] = balance.paired_bootstrap(
+            correct_of("la_only"), correct_of("none"), evaluation.bootstrap, cfg.seed
+        )
+        results["verdict_tasks"] = balance.verdict(results["delta_la"]["avg"], evaluation.margin)
 
 
 def _first_line(cfg: Config, config, models) -> str:
     """What this evaluation will compute: its cells, and the passkey probe's modes and estimated time."""
-    e = cfg.eval
-    what = f"{count_cells(e, models.sinks()[1])} cells: {len(e.modes)} mode(s) x {len(e.tasks)} task(s)"
-    if e.ppl_sequences:
-        what += f", perplexity in {len(e.modes)} mode(s)" + (", the LA share" if e.la_share_seq_len else "")
+    evaluation = cfg.eval
+    cells = count_cells(evaluation, models.sinks()[1])
+    what = f"{cells} cells: {len(evaluation.modes)} mode(s) x {len(evaluation.tasks)} task(s)"
+    if evaluation.ppl_sequences:
+        what += f", perplexity in {len(evaluation.modes)} mode(s)" + (
+            ", the LA share" if evaluation.la_share_seq_len else ""
+        )
     probe = costs.passkey_estimate(cfg, shape.counts(config.to_dict())["total"], _probe_lead(cfg, models))
     return what + (f"; passkey probe: {probe}" if probe else "; no passkey probe")
 
@@ -354,7 +362,7 @@ def _verdict(results: dict) -> None:
 
 @dataclasses.dataclass
 class Sources:
-    """What the cells after the tasks read: the config, the ranks, the models, the tokenizer, the cells' store and
+    """What the evaluation's cells read: the config, the ranks, the models, the tokenizer, the cells' store and
     their common key, and the held-out text (read once when the evaluation starts; None without perplexity)."""
 
     cfg: Config
@@ -365,33 +373,41 @@ class Sources:
     common: dict
     held_text: tuple[str, str] | None
 
+    @property
+    def pad_id(self) -> int:
+        """What the batches are padded with: the tokenizer's pad token, else its end of sequence."""
+        t = self.tokenizer
+        return t.pad_token_id if t.pad_token_id is not None else t.eos_token_id
+
 
 def _perplexity_and_la_share(results: dict, src: Sources) -> None:
     """The cells of the held-out text: perplexity by position bucket per mode, then the LA share of `hybrid`. Rank 0
     computes them, every rank when the weights are sharded or split (every rank joins every forward)."""
     cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
-    e = cfg.eval
-    here = rt.main or e.shard_weights or rt.tp > 1
+    evaluation = cfg.eval
+    here = rt.main or evaluation.shard_weights or rt.tp > 1
     seqs = _heldout_sequences(tokenizer, cfg, held_text) if here else None
-    text = {"text": digest(held_text[0]), "ppl_seq_len": e.ppl_seq_len, "buckets": list(e.buckets)}
-    buckets = [b for b in e.buckets if b < e.ppl_seq_len] + [e.ppl_seq_len]
+    text = {"text": digest(held_text[0]), "ppl_seq_len": evaluation.ppl_seq_len, "buckets": list(evaluation.buckets)}
+    buckets = [b for b in evaluation.buckets if b < evaluation.ppl_seq_len] + [evaluation.ppl_seq_len]
     window = results["window"]
     by_mode, blocks = {}, {}
-    for mode in e.modes:
-        if twin := models.twin(mode, e.modes[: e.modes.index(mode)]):
+    for mode in evaluation.modes:
+        if twin := models.twin(mode, evaluation.modes[: evaluation.modes.index(mode)]):
             if here:
                 by_mode[mode], blocks[mode] = by_mode[twin], blocks[twin]
             cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its perplexity is {twin}'s")
             continue
-        key = {**common, **text, "mode": mode, "ppl_sequences": e.ppl_sequences, "format": 2}
+        key = {**common, **text, "mode": mode, "ppl_sequences": evaluation.ppl_sequences, "format": 2}
         cell = cells.result(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets, window), here)
         if here:
             by_mode[mode], blocks[mode] = cell["buckets"], cell["blocks"]
     if here:
-        results["perplexity"] = {"seq_len": e.ppl_seq_len, "sequences": len(seqs), "by_mode": by_mode}
-        results["beyond_window"] = balance.beyond_window(blocks, window, e.ppl_margin, e.bootstrap, cfg.seed)
-    if e.la_share_seq_len:
-        key = {**common, **text, "la_share_seq_len": e.la_share_seq_len}
+        results["perplexity"] = {"seq_len": evaluation.ppl_seq_len, "sequences": len(seqs), "by_mode": by_mode}
+        results["beyond_window"] = balance.beyond_window(
+            blocks, window, evaluation.ppl_margin, evaluation.bootstrap, cfg.seed
+        )
+    if evaluation.la_share_seq_len:
+        key = {**common, **text, "la_share_seq_len": evaluation.la_share_seq_len}
         share = cells.result("la_share", key, partial(_la_share, models, seqs, cfg, rt), here)
         if here:
             results["la_share"] = share
@@ -414,29 +430,36 @@ def _passkey(results: dict, src: Sources) -> None:
     """The passkey cells, one per mode of eval.passkey_modes: retrieval at each distance on seeded prompts whose
     filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
     cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
-    e = cfg.eval
-    here = rt.main or e.shard_weights or rt.tp > 1
+    evaluation = cfg.eval
+    here = rt.main or evaluation.shard_weights or rt.tp > 1
     text = (held_text or corpus.report_text(cfg))[0]
     lead = _probe_lead(cfg, models)
     try:
         filler = tokenizer.encode(text)
-        items = passkey.probes(tokenizer, filler, e.passkey_distances, e.passkey_trials, cfg.seed, lead)
+        items = passkey.probes(
+            tokenizer, filler, evaluation.passkey_distances, evaluation.passkey_trials, cfg.seed, lead
+        )
     except ValueError as err:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
-    key = {**common, "text": digest(text), "distances": list(e.passkey_distances), "trials": e.passkey_trials}
+    key = {
+        **common,
+        "text": digest(text),
+        "distances": list(evaluation.passkey_distances),
+        "trials": evaluation.passkey_trials,
+    }
     key |= {"seed": cfg.seed, "lead": lead, "prompts": digest([p.ids for p in items])}
-    by_mode, modes = {}, passkey.probe_modes(e)
+    by_mode, modes = {}, passkey.probe_modes(evaluation)
     for mode in modes:
         if twin := models.twin(mode, modes[: modes.index(mode)]):
             by_mode[mode] = by_mode[twin]
             cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its passkey retrieval is {twin}'s")
             continue
-        score = partial(_passkey_mode, models, mode, items, rt, e.progress)
+        score = partial(_passkey_mode, models, mode, items, rt, evaluation.progress)
         by_mode[mode] = cells.result(f"passkey.{mode}", {**key, "mode": mode}, score, here)
     if here:
         results["passkey"] = {
-            "distances": list(e.passkey_distances),
-            "trials": e.passkey_trials,
+            "distances": list(evaluation.passkey_distances),
+            "trials": evaluation.passkey_trials,
             "digits": passkey.DIGITS,
             "chance": {"exact": 10.0**-passkey.DIGITS, "loglik": passkey.CHANCE_LOGLIK},
             "by_mode": by_mode,

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..attention.hybrid import GAMMA_PARAMS, HybridAttention, check_gamma
+from ..attention.hybrid import GAMMA_PARAMS, HybridAttention, Projections, check_gamma
 from ..attention.naive import EPS
 from ..config.schema import Config
 from ..data import corpus
@@ -24,18 +24,18 @@ from ..models.converted import (
     load_converted,
     load_tokenizer,
 )
-from .merge import write_hybrid
+from .merge import Draft
 
 
-def gamma_parts(m: HybridAttention, q, k, v, fq, fk) -> tuple[torch.Tensor, ...]:
+def gamma_parts(m: HybridAttention, x: Projections) -> tuple[torch.Tensor, ...]:
     """The hybrid output as a function of gamma, from one pass at the layer's own gamma g0: the shared normaliser
     gives y(gamma) = (r * num_soft + num_lin) / (r * den_soft + den_lin + EPS) with r = gamma / g0 per head, where
     num_soft, den_soft are the window part at g0 and num_lin, den_lin the LA part (which gamma does not touch).
     Returns (g0 [H], num_soft, num_lin [B,H,T,D], den_soft, den_lin [B,H,T,1]), all fp32."""
     with torch.no_grad():
         g0 = m.gamma.detach().float()
-        y, soft, lin = m.attend(q, k, v, fq, fk, gamma=g0, mode="hybrid", return_denominators=True)
-        y_soft = m.attend(q, k, v, fq, fk, gamma=g0, mode="swa_only")
+        y, soft, lin = m.attend(*x, gamma=g0, mode="hybrid", return_denominators=True)
+        y_soft = m.attend(*x, gamma=g0, mode="swa_only")
         soft, lin = soft.float()[..., None], lin.float()[..., None]
         num_soft = y_soft.float() * (soft + EPS)
         num_lin = y.float() * (soft + lin + EPS) - num_soft
@@ -49,12 +49,12 @@ def hybrid_at(gamma: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Ten
     return (r * num_soft + num_lin) / (r * soft + lin + EPS)
 
 
-def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[torch.Tensor, float, float]:
-    """gamma logits per head minimising the MSE of the hybrid output to `target`; with the MSE before and after. The
-    attention runs once (gamma_parts); every Adam step is then elementwise."""
+def fit_gamma(m: HybridAttention, x: Projections, target, steps: int) -> tuple[torch.Tensor, float, float]:
+    """gamma logits per head minimising the MSE of the hybrid output on the projections `x` to `target`; with the MSE
+    before and after. The attention runs once (gamma_parts); every Adam step is then elementwise."""
     logit = m.gamma_logit.detach().clone().float().requires_grad_(True)
     opt = torch.optim.Adam([logit], lr=0.1)
-    parts = gamma_parts(m, q, k, v, fq, fk)
+    parts = gamma_parts(m, x)
     target = target.float()
 
     to_gamma = GAMMA_PARAMS[m.gamma_param][0]
@@ -74,18 +74,18 @@ def fit_gamma(m: HybridAttention, q, k, v, fq, fk, target, steps: int) -> tuple[
     return logit.detach(), before, after
 
 
-def check_gamma_export(x, settings: dict) -> None:
+def check_gamma_export(export, settings: dict) -> None:
     """export.gamma / calibrate_gamma need a model that runs hybrid (somewhere), and a fixed gamma its own
     parametrisation can reach; refused before anything is written."""
     modes = {settings.get("mode"), *(settings.get("layer_modes") or {}).values()}
     if "hybrid" not in modes:
         raise ExportError(
-            f"export.{'gamma' if x.gamma is not None else 'calibrate_gamma'} is set but the exported model runs "
+            f"export.{'gamma' if export.gamma is not None else 'calibrate_gamma'} is set but the exported model runs "
             f"{', '.join(sorted(m for m in modes if m))}, where gamma has no effect: set export.mode=hybrid"
         )
-    if x.gamma is not None:
+    if export.gamma is not None:
         try:
-            check_gamma(x.gamma, settings.get("gamma_param", "sigmoid"), "config key 'export.gamma'")
+            check_gamma(export.gamma, settings.get("gamma_param", "sigmoid"), "config key 'export.gamma'")
         except ValueError as e:
             raise ExportError(f"{e} (the model's attention.gamma_param)") from None
 
@@ -93,20 +93,22 @@ def check_gamma_export(x, settings: dict) -> None:
 def export_texts(cfg: Config, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The token ids a gamma calibration (training text) and its perplexity report (held-out text) read, packed
     before any shard is written: too little text is one clear error before the export writes a byte."""
-    x = cfg.export
-    if not (x.calibrate_gamma or x.gamma is not None):
+    export = cfg.export
+    if not (export.calibrate_gamma or export.gamma is not None):
         return None, None
     tokenizer = load_tokenizer(tokenizer_dir)
     data, calibration, report = cfg.data, None, None
     try:
         what = "export.calibration_sequences x export.calibration_seq_len (training text)"
-        if x.calibrate_gamma:
+        if export.calibrate_gamma:
             docs, _ = corpus.train_and_heldout(data.source, data.text_field, data.heldout_fraction)
-            calibration = corpus.pack(tokenizer, docs, x.calibration_seq_len, x.calibration_sequences, cfg.seed)
+            calibration = corpus.pack(
+                tokenizer, docs, export.calibration_seq_len, export.calibration_sequences, cfg.seed
+            )
         what = "export.report_sequences x export.report_seq_len (held-out text; export.report_sequences=0 skips it)"
-        if x.report_sequences:
+        if export.report_sequences:
             held = corpus.heldout_documents(data.source, data.text_field, data.heldout_fraction, "report")
-            report = corpus.pack(tokenizer, held, x.report_seq_len, x.report_sequences, cfg.seed)
+            report = corpus.pack(tokenizer, held, export.report_seq_len, export.report_sequences, cfg.seed)
     except CorpusError as e:
         raise ExportError(f"the export's text for {what} falls short: {e}") from None
     return calibration, report
@@ -117,11 +119,11 @@ def calibrate_gamma(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Per layer (streamed, as stage 1): fit gamma per head so that the hybrid output matches full causal softmax
     over the same (merged) q, k, v on a few training sequences (`ids`); the teacher layer produces the next inputs."""
-    x = cfg.export
+    export = cfg.export
     config = base_config(out)
     config._attn_implementation = "sdpa"
     ckpt = streaming.ShardedCheckpoint(out, "export.out_dir")
-    rope = streaming.rotary(config, x.calibration_seq_len, torch.float32)
+    rope = streaming.rotary(config, export.calibration_seq_len, torch.float32)
     h = streaming.embedding(ckpt, torch.float32)[ids]
     new, errors = dict(hybrid), {}
     for i, layer in streaming.layers(config, ckpt, torch.float32):
@@ -132,9 +134,9 @@ def calibrate_gamma(
                 {k[len(prefix) :]: v.float() for k, v in hybrid.items() if k.startswith(prefix)}, strict=False
             )
             with torch.no_grad():
-                q, k, v, fq, fk = m.project(layer.input_layernorm(h), rope)
-                target = streaming.teacher_output(q, k, v, m.scaling)
-            logit, before, after = fit_gamma(m, q, k, v, fq, fk, target, x.calibration_steps)
+                p = m.project(layer.input_layernorm(h), rope)
+                target = streaming.teacher_output(p.q, p.k, p.v, m.scaling)
+            logit, before, after = fit_gamma(m, p, target, export.calibration_steps)
             key = prefix + "gamma_logit"
             new[key] = logit.detach().to(hybrid[key].dtype)
             errors[str(i)] = [before, after]
@@ -147,10 +149,10 @@ def calibrate_gamma(
 
 def perplexity_report(out: Path, seqs: torch.Tensor, cfg: Config, gammas: dict[str, dict[str, torch.Tensor]]) -> dict:
     """Held-out perplexity by position bucket (`seqs`) in hybrid for each gamma setting (plus swa_only and la_only)."""
-    x = cfg.export
-    buckets = sorted({b for b in cfg.eval.buckets if b < x.report_seq_len} | {0, x.report_seq_len})
+    export = cfg.export
+    buckets = sorted({b for b in cfg.eval.buckets if b < export.report_seq_len} | {0, export.report_seq_len})
     model = load_converted(out, dtype=torch.float32)
-    report = {"seq_len": x.report_seq_len, "sequences": len(seqs), "perplexity": {}}
+    report = {"seq_len": export.report_seq_len, "sequences": len(seqs), "perplexity": {}}
     for mode in ("swa_only", "la_only"):
         with components(model, mode):
             report["perplexity"][mode] = perplexity_by_bucket(model, seqs, buckets)
@@ -161,28 +163,29 @@ def perplexity_report(out: Path, seqs: torch.Tensor, cfg: Config, gammas: dict[s
     return report
 
 
-# --- the stage -----------------------------------------------------------------------------------------------------
+# --- the export's gamma step ------------------------------------------------------------------------------------------
 
 
-def gamma_change(tmp, texts, source, settings, hybrid, weight_map, config, cfg: Config, log) -> dict:
-    """Inference-time hybridisation: gamma fixed (already written) or calibrated per layer and head (rewritten),
-    and the held-out perplexity by position bucket before / after, into gamma_report.json."""
-    x = cfg.export
+def gamma_change(draft: Draft, cfg: Config, texts: tuple, source: Path, hybrid: dict) -> dict:
+    """Inference-time hybridisation: gamma fixed (already written in `hybrid`) or calibrated per layer and head
+    (rewritten), and the held-out perplexity by position bucket before / after on `texts` (export_texts), into
+    gamma_report.json; `source` is the converted model the export reads (its gamma: "as trained")."""
+    export, tmp = cfg.export, draft.dir
     gammas = {"as trained": load_file(source / PARAMS_NAME)}
     errors = None
-    if x.calibrate_gamma:
-        hybrid, errors = calibrate_gamma(tmp, texts[0], settings, hybrid, cfg, log)
-        write_hybrid(tmp, config, settings, hybrid, weight_map)
+    if export.calibrate_gamma:
+        hybrid, errors = calibrate_gamma(tmp, texts[0], draft.settings, hybrid, cfg, draft.log)
+        draft.write_hybrid(hybrid)
         gammas["calibrated"] = hybrid
         note = (
-            f"gamma calibrated per layer and head on {x.calibration_sequences} sequences of "
-            f"{x.calibration_seq_len} tokens: hybrid output fit to full causal softmax over the merged q, k, v."
+            f"gamma calibrated per layer and head on {export.calibration_sequences} sequences of "
+            f"{export.calibration_seq_len} tokens: hybrid output fit to full causal softmax over the merged q, k, v."
         )
     else:
-        gammas[f"fixed {x.gamma}"] = hybrid
-        note = f"gamma fixed at {x.gamma} for every head."
+        gammas[f"fixed {export.gamma}"] = hybrid
+        note = f"gamma fixed at {export.gamma} for every head."
     report = {"note": note, "calibration_mse": errors}
-    if x.report_sequences:
+    if export.report_sequences:
         report.update(perplexity_report(tmp, texts[1], cfg, gammas))
     (tmp / "gamma_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -19,10 +19,12 @@ def export_identity(cfg: Config, model: ModelSource, eval_dir: Path) -> dict:
     """What an export was made from: the export.* settings, the input model's files (and its base's), whether it runs
     on torch only, the text a calibration or report reads, the seed, and the evaluation its card may carry. The
     pipeline exports again when this changed."""
-    x = {k: v for k, v in OmegaConf.to_container(cfg.export, resolve=True).items() if k not in ("out_dir", "model")}
+    export = {
+        k: v for k, v in OmegaConf.to_container(cfg.export, resolve=True).items() if k not in ("out_dir", "model")
+    }
     results = eval_dir / "results.json"
     identity = {
-        "export": x,
+        "export": export,
         "torch_only": cfg.attention.backend == "torch",
         "model": hashlib.sha256(json.dumps(model.files()).encode()).hexdigest(),
         "evaluation": hashlib.sha256(results.read_bytes()).hexdigest() if results.is_file() else None,

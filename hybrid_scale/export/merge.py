@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,13 +49,21 @@ TOKENIZER_FILES = (
 )
 
 
-# --- reading the input -------------------------------------------------------------------------------------------
-
-
 # --- writing -----------------------------------------------------------------------------------------------------
 
 
-def plan_shards(base: Path, where: dict[str, str], max_bytes: int, dtype: torch.dtype | None) -> list[list[str]]:
+@dataclass(frozen=True)
+class ShardPlan:
+    """The output shards of a merge: `shards` (tensor names, in order) over the input checkpoint `base`, whose file
+    `where` names per tensor; floating tensors are written in `dtype` (None: as read)."""
+
+    base: Path
+    where: dict[str, str]
+    shards: list[list[str]]
+    dtype: torch.dtype | None
+
+
+def plan_shards(base: Path, where: dict[str, str], max_bytes: int, dtype: torch.dtype | None) -> ShardPlan:
     """Tensor names grouped into output shards: one per input shard, split where it exceeds max_bytes (a larger
     single tensor gets its own), so that writing never holds more than about one input shard."""
     shards = []
@@ -75,10 +85,13 @@ def plan_shards(base: Path, where: dict[str, str], max_bytes: int, dtype: torch.
                 size += nbytes
         if current:
             shards.append(current)
-    return shards
+    return ShardPlan(base, where, shards, dtype)
 
 
-def write_shards(base: Path, where, shards, deltas, scaling, dtype, out: Path, log) -> dict[str, str]:
+def write_shards(plan: ShardPlan, deltas: dict, scaling: float, out: Path, log) -> dict[str, str]:
+    """The planned shards written to `out`, each LoRA delta of `deltas` ({weight: (A, B)}, times `scaling`) merged
+    into its weight as it is read; returns the weight map (tensor -> file)."""
+    base, where, shards, dtype = plan.base, plan.where, plan.shards, plan.dtype
     weight_map = {}
     merged = 0
     for n, names in enumerate(shards, 1):
@@ -128,9 +141,6 @@ def export_config(base: Path, settings: dict, dtype_name: str | None) -> dict:
     return config
 
 
-# --- gamma: fixed or calibrated ------------------------------------------------------------------------------------
-
-
 def write_code_and_tokenizer(tmp: Path, base: Path, config: dict) -> None:
     """config.json, the attention package's modules (the remote code), the base model's tokenizer files."""
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -141,11 +151,23 @@ def write_code_and_tokenizer(tmp: Path, base: Path, config: dict) -> None:
             shutil.copy(base / name, tmp / name)
 
 
-def write_hybrid(tmp: Path, config: dict, settings: dict, params: dict, weight_map: dict) -> None:
-    """The phi/gamma shard + hybrid_config.json, then the index that lists every shard."""
-    write_converted(tmp, config["architectures"][0].replace("HybridScale", ""), ".", settings, params)
-    index = {**weight_map, **dict.fromkeys(params, PARAMS_NAME)}
-    total = sum((tmp / f).stat().st_size for f in set(index.values()))
-    (tmp / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n"
-    )
+@dataclass
+class Draft:
+    """An export being written in its {out}.partial directory `dir`: its config.json, the attention settings, the
+    merged shards' weight map and the export's log."""
+
+    dir: Path
+    config: dict
+    settings: dict
+    weight_map: dict[str, str]
+    log: Callable[[str], None]
+
+    def write_hybrid(self, params: dict) -> None:
+        """The phi/gamma shard + hybrid_config.json, then the index that lists every shard."""
+        tmp = self.dir
+        write_converted(tmp, self.config["architectures"][0].replace("HybridScale", ""), ".", self.settings, params)
+        index = {**self.weight_map, **dict.fromkeys(params, PARAMS_NAME)}
+        total = sum((tmp / f).stat().st_size for f in set(index.values()))
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n"
+        )

@@ -40,7 +40,7 @@ from ..storage.commits import commit, is_export, remove_dir, replace_dir, start_
 from .card import balance_report, model_card
 from .gamma import check_gamma_export, export_texts, gamma_change
 from .identity import IDENTITY_NAME, export_identity
-from .merge import export_config, plan_shards, write_code_and_tokenizer, write_hybrid, write_shards
+from .merge import Draft, export_config, plan_shards, write_code_and_tokenizer, write_shards
 
 
 def export(cfg: Config) -> Path:
@@ -56,40 +56,40 @@ def export(cfg: Config) -> Path:
 def _export(entry: Entry, t0: float) -> Path:
     """export's work, under the run dir's lock when it needs one."""
     cfg, model = entry.cfg, entry.model
-    x, source, base, out = cfg.export, model.path, model.base, entry.layout.export
+    export_cfg, source, base, out = cfg.export, model.path, model.base, entry.layout.export
     settings = dict(model.hybrid_config["attention"])
-    if x.mode:
-        settings["mode"] = x.mode
+    if export_cfg.mode:
+        settings["mode"] = export_cfg.mode
         settings.pop("layer_modes", None)
-    if x.window:
-        settings["window"] = x.window
-    if x.gamma is not None or x.calibrate_gamma:
-        check_gamma_export(x, settings)
+    if export_cfg.window:
+        settings["window"] = export_cfg.window
+    if export_cfg.gamma is not None or export_cfg.calibrate_gamma:
+        check_gamma_export(export_cfg, settings)
     # the exported model runs the Triton kernels where they are installed (CUDA) and torch elsewhere, unless the run
     # asked for torch; it never demands the kernels
     settings["backend"] = "torch" if cfg.attention.backend == "torch" else "auto"
-    dtype = getattr(torch, x.dtype) if x.dtype else None
+    dtype = getattr(torch, export_cfg.dtype) if export_cfg.dtype else None
     hybrid = load_file(source / PARAMS_NAME)
     adapter = source / ADAPTER_DIR
     deltas, scaling = lora_deltas(adapter) if adapter.is_dir() else ({}, 1.0)
     where = streaming.shard_map(base, "export.model")  # every shard present and readable before any write
-    config = export_config(base, settings, x.dtype)
+    config = export_config(base, settings, export_cfg.dtype)
     texts = export_texts(cfg, base)  # (the calibration's and the report's, packed before anything is written)
     tmp = start_partial(out, "export.out_dir")
     log = StageLog(tmp / "export_log.txt", name="export.out")  # moves into place with the export
 
     try:
-        shards = plan_shards(base, where, int(x.max_shard_gb * 1e9), dtype)
-        weight_map = write_shards(base, where, shards, deltas, scaling, dtype, tmp, log)
+        plan = plan_shards(base, where, int(export_cfg.max_shard_gb * 1e9), dtype)
+        draft = Draft(tmp, config, settings, write_shards(plan, deltas, scaling, tmp, log), log)
         log(f"merged {len(deltas)} LoRA deltas (scaling {scaling:g}) from {adapter if deltas else 'no adapter'}")
         write_code_and_tokenizer(tmp, base, config)
-        if x.gamma is not None:
-            logit = GAMMA_PARAMS[settings.get("gamma_param", "sigmoid")][1](x.gamma)
+        if export_cfg.gamma is not None:
+            logit = GAMMA_PARAMS[settings.get("gamma_param", "sigmoid")][1](export_cfg.gamma)
             hybrid = {k: (torch.full_like(v, logit) if k.endswith("gamma_logit") else v) for k, v in hybrid.items()}
-        write_hybrid(tmp, config, settings, hybrid, weight_map)
+        draft.write_hybrid(hybrid)
         report = None
-        if x.calibrate_gamma or x.gamma is not None:
-            report = gamma_change(tmp, texts, source, settings, hybrid, weight_map, config, cfg, log)
+        if export_cfg.calibrate_gamma or export_cfg.gamma is not None:
+            report = gamma_change(draft, cfg, texts, source, hybrid)
         balance = balance_report(entry.layout.eval, source, tmp, log)
         identity = export_identity(cfg, model, entry.layout.eval)
         (tmp / IDENTITY_NAME).write_text(json.dumps(identity, indent=1) + "\n")

@@ -19,6 +19,7 @@ from ..models.converted import ADAPTER_DIR, describe, mark_adapter, write_conver
 from ..storage.commits import commit, is_committed, remove_dir, replace_dir, save_tensors, sibling, start_partial
 from ..storage.faults import fault, fault_enospc
 from .schedule import resume_schedule
+from .state import Stage2
 
 
 def committed_steps(stage2: Path) -> list[Path]:
@@ -95,10 +96,11 @@ def rotate(stage2: Path, keep: int) -> None:
             remove_dir(partial)
 
 
-def write_model(dest: Path, peft_model, model, source_meta: dict, mode: str, rt, step: int) -> None:
-    """The model form of stage 2's output: converted model (phi/gamma as trained, every layer in the recipe's
-    `mode`, the window in force, the checkpoint and step it is) + PEFT adapter. Collective."""
-    set_modes(model, mode)  # not the modes SSD or a held-out evaluation left behind
+def write_model(stage: Stage2, dest: Path, step: int) -> None:
+    """The model form of stage 2's output at `step` in `dest`: converted model (phi/gamma as trained, every layer in
+    the recipe's mode, the window in force, the checkpoint and step it is) + PEFT adapter. Collective."""
+    peft_model, model, rt, source_meta = stage.peft_model, stage.model, stage.rt, stage.source.hybrid_config
+    set_modes(model, stage.mode)  # not the modes SSD or a held-out evaluation left behind
     hybrid_names = {
         f"{prefix}.{n}"
         for prefix, m in model.named_modules()

@@ -21,21 +21,19 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import PreTrainedModel
 
 from ..attention.hybrid import hybrid_layers
 from ..config.schema import Config
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime, tensor_parallel
 from ..distributed.deepspeed import clear_gradients, import_deepspeed, init_comm, is_partitioned, train_config
-from ..distributed.parallelize import parallelize
+from ..distributed.parallelize import Zero3, parallelize
 from ..distributed.replicated import ReplicatedEngine
 from ..entry import Entry, stage_entry
 from ..errors import ConfigError, FinetuneError
@@ -47,68 +45,12 @@ from ..recipes.early_stopping import EarlyStopping
 from ..recipes.ssd import SSD
 from ..recipes.ssd import at as ssd_probability
 from ..run.identity import differing
-from ..run.layout import RunLayout
-from ..run.log import StageLog
 from ..run.metrics import Metrics, duration
 from ..run.settings import stage2_settings
-from ..run.sources import ModelSource
 from ..storage.faults import fault, throttle
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
 from .schedule import schedule_for
-
-if TYPE_CHECKING:  # (DeepSpeed and PEFT are imported where the stage builds them)
-    from deepspeed import DeepSpeedEngine
-    from peft import PeftModel
-    from transformers.integrations import HfDeepSpeedConfig
-
-    Engine = DeepSpeedEngine | ReplicatedEngine
-
-
-@dataclass
-class Stage2:
-    """Everything the training loop reads and advances."""
-
-    cfg: Config  # the run's config (a structured DictConfig of config/schema.py's Config)
-    rt: runtime.Runtime
-    log: StageLog  # stage2/log.txt, rank 0
-    layout: RunLayout
-    source: ModelSource  # the converted model it fine-tunes, its hybrid_config.json read once
-    mode: str
-    early: bool
-    settings: dict
-    train_ids: torch.Tensor
-    held_ids: torch.Tensor
-    accumulation: int
-    model: PreTrainedModel | None = None  # the converted model
-    peft_model: PeftModel | None = None  # the same with LoRA (PEFT)
-    engine: Engine | None = None  # DeepSpeed's ZeRO-3 engine, or the replicated one under tensor parallelism
-    named: list = field(default_factory=list)
-    layers: dict = field(default_factory=dict)
-    ssd: SSD | None = None
-    step: int = 0
-    dropped: list[int] = field(default_factory=list)  # the layers SSD ran in la_only in the last step
-    ssd_p: float | None = None  # SSD's drop probability in the last step
-    lr: float | None = None  # the learning rate of the last step
-    metrics: Metrics | None = None  # metrics.jsonl, TensorBoard, W&B (rank 0)
-    flops_per_step: float = 0.0  # measure.training_flops of one optimizer step
-    step_s: float | None = None  # a step's wall time, averaged (exponentially) over the steps of this run
-    hf_ds: HfDeepSpeedConfig | None = None  # from_pretrained loads under ZeRO-3 init while it lives
-    curves: dict = field(default_factory=lambda: dict(train=[], eval_steps=[], hybrid=[], la_only=[], window=[]))
-    stopping: EarlyStopping = field(default_factory=EarlyStopping)
-
-    @property
-    def stage2(self) -> Path:
-        return self.layout.stage2
-
-    def state_dict(self) -> dict:
-        return {
-            "settings": self.settings,
-            "step": self.step,
-            "curves": self.curves,
-            "stopping": asdict(self.stopping),
-            "ssd": self.ssd.state_dict() if self.ssd else None,
-            "window": next(iter(self.layers.values())).window,
-        }
+from .state import Stage2
 
 
 def finetune(cfg: Config) -> Path:
@@ -119,60 +61,69 @@ def finetune(cfg: Config) -> Path:
 
 def _train(entry: Entry) -> Path:
     """finetune's work, under the run dir's lock: start or resume, the steps, the checkpoints, the output."""
-    f = entry.cfg.finetune
-    s = start(entry)
+    finetune_cfg = entry.cfg.finetune
+    stage = start(entry)
     bar = tqdm(
-        total=f.max_steps,
-        initial=s.step,
+        total=finetune_cfg.max_steps,
+        initial=stage.step,
         desc="stage 2",
-        disable=not (f.progress and s.rt.main),
+        disable=not (finetune_cfg.progress and stage.rt.main),
         dynamic_ncols=True,
     )
-    s.engine.module.train()
-    with bar, s.metrics:
-        while s.step < f.max_steps and s.stopping.reason is None:
+    stage.engine.module.train()
+    with bar, stage.metrics:
+        while stage.step < finetune_cfg.max_steps and stage.stopping.reason is None:
             t0 = time.perf_counter()
-            stop = train_step(s, entry.signal.raised)
-            step_metrics(s, time.perf_counter() - t0)
+            stop = train_step(stage, entry.signal.raised)
+            step_metrics(stage, time.perf_counter() - t0)
             bar.update()
-            dropped = {"la_only_layers": len(s.dropped)} if s.ssd else {}
-            bar.set_postfix(loss=f"{s.curves['train'][-1]:.4f}", **dropped)
-            fault(f"step:{s.step}", s.rt.rank)
+            dropped = {"la_only_layers": len(stage.dropped)} if stage.ssd else {}
+            bar.set_postfix(loss=f"{stage.curves['train'][-1]:.4f}", **dropped)
+            fault(f"step:{stage.step}", stage.rt.rank)
             throttle()
-            if f.eval_every and s.step % f.eval_every == 0:
-                evaluate_heldout(s)
-            if stop or s.step % f.save_every == 0 or s.step == f.max_steps or s.stopping.reason:
+            if finetune_cfg.eval_every and stage.step % finetune_cfg.eval_every == 0:
+                evaluate_heldout(stage)
+            if (
+                stop
+                or stage.step % finetune_cfg.save_every == 0
+                or stage.step == finetune_cfg.max_steps
+                or stage.stopping.reason
+            ):
                 t0 = time.perf_counter()
-                checkpoint = save(s)
+                checkpoint = save(stage)
                 if stop:
-                    s.log(f"signal: saved {checkpoint.name} in {time.perf_counter() - t0:.1f} s, exiting for a requeue")
-                    raise requeue.request(entry.layout.run_dir, s.step, checkpoint, s.rt)
-    return finish(s)
+                    stage.log(
+                        f"signal: saved {checkpoint.name} in {time.perf_counter() - t0:.1f} s, exiting for a requeue"
+                    )
+                    raise requeue.request(entry.layout.run_dir, stage.step, checkpoint, stage.rt)
+    return finish(stage)
 
 
-def save(s: Stage2) -> Path:
+def save(stage: Stage2) -> Path:
     """A committed step checkpoint, then the rotation (the newest finetune.keep stay)."""
-    checkpoint = save_step(s.stage2 / f"step_{s.step:08d}", s.engine, s.named, s.state_dict(), s.rt)
-    if s.rt.main:
-        rotate(s.stage2, s.cfg.finetune.keep)
-    fault(f"saved:{s.step}")
+    checkpoint = save_step(
+        stage.stage2 / f"step_{stage.step:08d}", stage.engine, stage.named, stage.state_dict(), stage.rt
+    )
+    if stage.rt.main:
+        rotate(stage.stage2, stage.cfg.finetune.keep)
+    fault(f"saved:{stage.step}")
     return checkpoint
 
 
 def start(entry: Entry) -> Stage2:
     """The process group, the data, the model with LoRA under ZeRO-3, and the newest committed checkpoint."""
     cfg, rt, source = entry.cfg, entry.rt, entry.model
-    f, recipe, T = cfg.finetune, entry.derived.recipe, entry.derived.stage2_seq_len
+    finetune_cfg, recipe, T = cfg.finetune, entry.derived.recipe, entry.derived.stage2_seq_len
     runtime.join_group(rt)
     init_comm(runtime.backend(rt.device))  # joined above: no new group
     stage2 = entry.layout.stage2
     train_ids, held_ids = finetune_data(cfg, load_tokenizer(source.base), T)
     try:
-        ds_config = train_config(f, getattr(torch, cfg.model.dtype), rt.dp)
+        ds_config = train_config(finetune_cfg, getattr(torch, cfg.model.dtype), rt.dp)
     except ValueError as e:
         raise ConfigError(f"config key 'finetune.global_batch': {e}") from None
     settings = stage2_settings(cfg, entry.derived, source.path)
-    s = Stage2(
+    stage = Stage2(
         cfg,
         rt,
         entry.log,
@@ -194,48 +145,54 @@ def start(entry: Entry) -> Stage2:
             f"{stage2} holds a stage 2 run made with other settings ({', '.join(changed)}); use another run_dir, "
             "restore those keys, or delete the stage2 directory"
         )
-    build_model(s, ds_config)
+    build_model(stage, ds_config)
     if rt.tp > 1:
-        s.log(tensor_parallel.split_report(s.peft_model, rt))
+        stage.log(tensor_parallel.split_report(stage.peft_model, rt))
     if recipe.ssd:
-        s.ssd = SSD(list(f.ssd_schedule), f.ssd_granularity, sorted(s.layers), cfg.seed, f.ssd_windows)
-    if resume:
-        state = load_step(resume, s.engine, s.named, rt, cfg.seed)
-        s.step, s.curves, s.stopping = state["step"], state["curves"], EarlyStopping(**state["stopping"])
-        if s.ssd:
-            s.ssd.load_state_dict(state["ssd"])
-        s.log(f"resumed from {resume.name} (step {s.step}, saved by {state['world']} ranks, now {rt.world})")
-    else:
-        s.log(
-            f"start: recipe {recipe.name} (trains in {s.mode}), {len(s.named)} trainable tensors, {rt.world} ranks "
-            f"(data {rt.dp} x tensor {rt.tp})"
+        stage.ssd = SSD(
+            list(finetune_cfg.ssd_schedule),
+            finetune_cfg.ssd_granularity,
+            sorted(stage.layers),
+            cfg.seed,
+            finetune_cfg.ssd_windows,
         )
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in s.model.parameters())
-    s.flops_per_step = training_flops(params, f.global_batch * T)
+    if resume:
+        state = load_step(resume, stage.engine, stage.named, rt, cfg.seed)
+        stage.step, stage.curves, stage.stopping = state["step"], state["curves"], EarlyStopping(**state["stopping"])
+        if stage.ssd:
+            stage.ssd.load_state_dict(state["ssd"])
+        stage.log(f"resumed from {resume.name} (step {stage.step}, saved by {state['world']} ranks, now {rt.world})")
+    else:
+        stage.log(
+            f"start: recipe {recipe.name} (trains in {stage.mode}), {len(stage.named)} trainable tensors, "
+            f"{rt.world} ranks (data {rt.dp} x tensor {rt.tp})"
+        )
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in stage.model.parameters())
+    stage.flops_per_step = training_flops(params, finetune_cfg.global_batch * T)
     # the records up to the step resumed (its checkpoint) stay; those after it went with the work they described
-    s.metrics = Metrics(cfg, "finetune", stage2, rt.main, resumed=s.step, log=s.log)
-    return s
+    stage.metrics = Metrics(cfg, "finetune", stage2, rt.main, resumed=stage.step, log=stage.log)
+    return stage
 
 
-def build_model(s: Stage2, ds_config: dict) -> None:
+def build_model(stage: Stage2, ds_config: dict) -> None:
     """The converted model loaded partitioned, phi/gamma trainable as asked, then (parallelize) activation
     checkpointing, LoRA, then ZeRO-3 -- or, at launch.tensor_parallel > 1, the heads split over the tensor-parallel
     ranks and the trainable state (fp32) replicated over the data-parallel ones."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    if s.rt.tp == 1:
-        s.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
-    _build(s, ds_config)
+    if stage.rt.tp == 1:
+        stage.hf_ds = HfDeepSpeedConfig(ds_config)  # while alive (the whole stage), transformers knows ZeRO-3 is on
+    _build(stage, ds_config)
 
 
-def _build(s: Stage2, ds_config: dict) -> None:
-    cfg = s.cfg
+def _build(stage: Stage2, ds_config: dict) -> None:
+    cfg = stage.cfg
     # at tp > 1 each rank reads only its part of each weight (the LoRA factors PEFT adds are split by parallelize)
-    dtype, source = getattr(torch, cfg.model.dtype), s.source
-    model = load_converted(source.path, dtype, s.rt.device, cfg.attention.backend, s.rt, source.hybrid_config)
-    s.engine, s.peft_model, s.layers = prepare(model, cfg, s.rt, ds_config)
-    s.model = model
-    s.named = [(n, p) for n, p in s.peft_model.named_parameters() if p.requires_grad]
+    dtype, source = getattr(torch, cfg.model.dtype), stage.source
+    model = load_converted(source.path, dtype, stage.rt.device, cfg.attention.backend, stage.rt, source.hybrid_config)
+    stage.engine, stage.peft_model, stage.layers = prepare(model, cfg, stage.rt, ds_config)
+    stage.model = model
+    stage.named = [(n, p) for n, p in stage.peft_model.named_parameters() if p.requires_grad]
 
 
 _CURRENT = {}  # a model class -> its subclass of the same name whose is_gradient_checkpointing is not deprecated
@@ -261,21 +218,21 @@ def prepare(model, cfg: Config, rt, ds_config: dict):
     PEFT model, the hybrid layers). The dry run (dry_run.py) calls it with a model on the meta device."""
     from peft import LoraConfig, get_peft_model
 
-    f, split = cfg.finetune, rt.tp > 1
+    finetune_cfg, split = cfg.finetune, rt.tp > 1
     model.config.use_cache = False
     layers = hybrid_layers(model)
     for m in layers.values():
         for name, p in m.hybrid_parameters():
-            trained = {"gamma_logit": f.train_gamma, "la_decay_rho": f.train_decay}
-            p.requires_grad_(trained.get(name, f.train_feature_maps))
+            trained = {"gamma_logit": finetune_cfg.train_gamma, "la_decay_rho": finetune_cfg.train_decay}
+            p.requires_grad_(trained.get(name, finetune_cfg.train_feature_maps))
             if split and p.requires_grad:
                 p.data = p.data.float()  # the replicated engine's masters are the parameters themselves
     trained_hybrid = {id(p) for m in layers.values() for _, p in m.hybrid_parameters() if p.requires_grad}
     lora = LoraConfig(
-        r=f.lora_r,
-        lora_alpha=f.lora_alpha,
-        lora_dropout=f.lora_dropout,
-        target_modules=list(f.lora_targets),
+        r=finetune_cfg.lora_r,
+        lora_alpha=finetune_cfg.lora_alpha,
+        lora_dropout=finetune_cfg.lora_dropout,
+        target_modules=list(finetune_cfg.lora_targets),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -287,146 +244,149 @@ def prepare(model, cfg: Config, rt, ds_config: dict):
             for _, p in layer.hybrid_parameters():
                 p.requires_grad_(id(p) in trained_hybrid)
         if not any("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad):
-            raise ConfigError(f"config key 'finetune.lora_targets': {list(f.lora_targets)} matched no module")
+            raise ConfigError(
+                f"config key 'finetune.lora_targets': {list(finetune_cfg.lora_targets)} matched no module"
+            )
         return peft_model
 
     torch.manual_seed(cfg.seed)  # LoRA's initialisation
     engine, peft_model = parallelize(
         model,
-        activation_checkpointing=f.gradient_checkpointing,
+        activation_checkpointing=finetune_cfg.gradient_checkpointing,
         adapt=add_lora,
-        zero3=ds_config,
-        train=True,
+        zero3=Zero3(ds_config, train=True, schedule=schedule_for(finetune_cfg)),
         rt=rt,
-        schedule=schedule_for(f),
     )
     return engine, peft_model, layers
 
 
-def train_step(s: Stage2, signalled: bool) -> bool:
+def train_step(stage: Stage2, signalled: bool) -> bool:
     """One optimizer step over this rank's share of the global batch, in the modes SSD (or the recipe) sets; the
     loss and the signal flag are agreed over the ranks. Returns whether a signal asks the ranks to save and stop."""
-    f, rt = s.cfg.finetune, s.rt
-    modes = dict.fromkeys(s.layers, s.mode)
-    if s.ssd:
-        window = s.ssd.window(s.step, f.max_steps)
+    finetune_cfg, rt = stage.cfg.finetune, stage.rt
+    modes = dict.fromkeys(stage.layers, stage.mode)
+    if stage.ssd:
+        window = stage.ssd.window(stage.step, finetune_cfg.max_steps)
         if window:
-            set_window(s.model, window)
-        modes.update({i: "la_only" for i, drop in s.ssd.drops(s.step, f.max_steps).items() if drop})
-        s.ssd_p = ssd_probability(s.ssd.schedule, s.step / f.max_steps)
-    set_modes(s.model, modes)
-    s.dropped = sorted(i for i, m in modes.items() if m == "la_only" and s.mode != "la_only")
-    batch = global_batch(s.step, len(s.train_ids), f.global_batch, s.cfg.seed)
+            set_window(stage.model, window)
+        modes.update({i: "la_only" for i, drop in stage.ssd.drops(stage.step, finetune_cfg.max_steps).items() if drop})
+        stage.ssd_p = ssd_probability(stage.ssd.schedule, stage.step / finetune_cfg.max_steps)
+    set_modes(stage.model, modes)
+    stage.dropped = sorted(i for i, m in modes.items() if m == "la_only" and stage.mode != "la_only")
+    batch = global_batch(stage.step, len(stage.train_ids), finetune_cfg.global_batch, stage.cfg.seed)
     mine = rank_share(batch, rt.dp_rank, rt.dp)  # the ranks of a tensor-parallel group share their micro-batches
     flag = torch.zeros(2, dtype=torch.float64, device=rt.device)  # [loss, signal], summed over the ranks
-    s.lr = float(s.engine.get_lr()[0])  # the rate this step's update uses (the schedule moves after it)
-    clear_gradients(s.engine)
-    for a in range(s.accumulation):
-        ids = s.train_ids[mine[a * f.micro_batch : (a + 1) * f.micro_batch]].to(rt.device)
-        loss = s.engine(input_ids=ids, labels=ids).loss
-        s.engine.backward(loss)
-        s.engine.step()
-        flag[0] += loss.detach().double() / s.accumulation
+    stage.lr = float(stage.engine.get_lr()[0])  # the rate this step's update uses (the schedule moves after it)
+    clear_gradients(stage.engine)
+    for a in range(stage.accumulation):
+        ids = stage.train_ids[mine[a * finetune_cfg.micro_batch : (a + 1) * finetune_cfg.micro_batch]].to(rt.device)
+        loss = stage.engine(input_ids=ids, labels=ids).loss
+        stage.engine.backward(loss)
+        stage.engine.step()
+        flag[0] += loss.detach().double() / stage.accumulation
     flag[1] = float(signalled)
     loss, signals = runtime.all_reduce(rt, flag).tolist()  # each data-parallel share counted tp times: / world
     if not math.isfinite(loss):  # all-reduced: every rank sees it and stops at this step
-        _non_finite(s, loss / rt.world)
-    s.step += 1
-    s.curves["train"].append(loss / rt.world)
-    s.curves["window"].append(next(iter(s.layers.values())).window)
+        _non_finite(stage, loss / rt.world)
+    stage.step += 1
+    stage.curves["train"].append(loss / rt.world)
+    stage.curves["window"].append(next(iter(stage.layers.values())).window)
     return signals > 0
 
 
-def step_metrics(s: Stage2, step_s: float) -> None:
+def step_metrics(stage: Stage2, step_s: float) -> None:
     """The step's record (loss, lr, gradient norm, SSD, gamma and rho per layer, tokens/s, TFLOP/s and MFU, peak
     memory, step time) and, every log.every_s seconds, a progress line with the ETA. Collective (gamma and rho are
     gathered on every rank); rank 0 writes."""
-    f, rt = s.cfg.finetune, s.rt
-    tokens = f.global_batch * len(s.train_ids[0])
-    s.step_s = step_s if s.step_s is None else 0.9 * s.step_s + 0.1 * step_s
-    norm = s.engine.get_global_grad_norm()
+    finetune_cfg, rt = stage.cfg.finetune, stage.rt
+    tokens = finetune_cfg.global_batch * len(stage.train_ids[0])
+    stage.step_s = step_s if stage.step_s is None else 0.9 * stage.step_s + 0.1 * step_s
+    norm = stage.engine.get_global_grad_norm()
     values = {
-        "loss": s.curves["train"][-1],
-        "lr": s.lr,
+        "loss": stage.curves["train"][-1],
+        "lr": stage.lr,
         "grad_norm": None if norm is None else float(norm),
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
-        "tflops": s.flops_per_step / step_s / 1e12,
-        "steps_total": f.max_steps,
-        "eta_s": s.step_s * (f.max_steps - s.step),
+        "tflops": stage.flops_per_step / step_s / 1e12,
+        "steps_total": finetune_cfg.max_steps,
+        "eta_s": stage.step_s * (finetune_cfg.max_steps - stage.step),
     }
-    if rt.device.type == "cuda" and s.cfg.launch.gpu_tflops:  # against launch.gpu_tflops per rank, as `plan` assumes
-        values["mfu"] = s.flops_per_step / step_s / (rt.world * s.cfg.launch.gpu_tflops * 1e12)
+    if (
+        rt.device.type == "cuda" and stage.cfg.launch.gpu_tflops
+    ):  # against launch.gpu_tflops per rank, as `plan` assumes
+        values["mfu"] = stage.flops_per_step / step_s / (rt.world * stage.cfg.launch.gpu_tflops * 1e12)
     values |= peak_memory(rt.device)
-    if s.ssd:
-        values |= {"ssd_p": s.ssd_p, "ssd_dropped": s.dropped}
-    values |= hybrid_values(s)
-    s.metrics.log(s.step, values)
+    if stage.ssd:
+        values |= {"ssd_p": stage.ssd_p, "ssd_dropped": stage.dropped}
+    values |= hybrid_values(stage)
+    stage.metrics.log(stage.step, values)
     memory = f", {values['device_peak_gb']:.1f} GB device peak" if "device_peak_gb" in values else ""
-    s.metrics.progress(
-        f"step {s.step}/{f.max_steps}: loss {values['loss']:.4f}, {values['tokens_per_s']:.0f} tokens/s, "
-        f"{values['host_peak_gb']:.1f} GB host peak{memory}, ETA {duration(values['eta_s'])}",
-        force=s.step == f.max_steps,
+    stage.metrics.progress(
+        f"step {stage.step}/{finetune_cfg.max_steps}: loss {values['loss']:.4f}, "
+        f"{values['tokens_per_s']:.0f} tokens/s, {values['host_peak_gb']:.1f} GB host peak{memory}, "
+        f"ETA {duration(values['eta_s'])}",
+        force=stage.step == finetune_cfg.max_steps,
     )
 
 
-def hybrid_values(s: Stage2) -> dict[str, list[float]]:
+def hybrid_values(stage: Stage2) -> dict[str, list[float]]:
     """gamma (and rho, with a decaying LA) of every hybrid layer, averaged over its heads: gathered under ZeRO-3, the
     tensor-parallel group's heads averaged. Collective."""
-    layers = [m for _, m in sorted(s.layers.items())]
+    layers = [m for _, m in sorted(stage.layers.items())]
     own = [p for m in layers for n, p in m.hybrid_parameters() if n in ("gamma_logit", "la_decay_rho")]
     partitioned = [p for p in own if is_partitioned(p)]
     whole = import_deepspeed().zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext()
     with whole, torch.no_grad():
         gamma = [tensor_parallel.local(m.gamma).float().mean() for m in layers]
         rho = [tensor_parallel.local(m.la_decay).float().mean() for m in layers if m.la_decay is not None]
-        values = torch.stack(gamma + rho).to(s.rt.device)
-    if s.rt.tp > 1:  # each rank holds as many heads: the mean of the ranks' means
-        runtime.all_reduce(s.rt, values, group=tensor_parallel.tp_group(s.rt), size=s.rt.tp)
-        values /= s.rt.tp
+        values = torch.stack(gamma + rho).to(stage.rt.device)
+    if stage.rt.tp > 1:  # each rank holds as many heads: the mean of the ranks' means
+        runtime.all_reduce(stage.rt, values, group=tensor_parallel.tp_group(stage.rt), size=stage.rt.tp)
+        values /= stage.rt.tp
     values = values.tolist()
     return {"gamma": values[: len(gamma)], **({"rho": values[len(gamma) :]} if rho else {})}
 
 
-def _non_finite(s: Stage2, loss: float) -> None:
-    f = s.cfg.finetune
-    kept = committed_steps(s.stage2)
+def _non_finite(stage: Stage2, loss: float) -> None:
+    finetune_cfg = stage.cfg.finetune
+    kept = committed_steps(stage.stage2)
     newest = f"stage2/{kept[-1].name}" if kept else "none yet"
-    check = f"check the weights of {s.source.path} (and of its base model) for nan/inf"
-    if s.step == 0:  # before any update: the model, not the learning rate
+    check = f"check the weights of {stage.source.path} (and of its base model) for nan/inf"
+    if stage.step == 0:  # before any update: the model, not the learning rate
         fix = f"it is not finite before any update: {check}"
     else:
-        fix = f"lower finetune.lr (now {f.lr}) in another run_dir (a changed lr does not resume), or {check}"
-    if s.cfg.model.dtype == "float16":
+        fix = f"lower finetune.lr (now {finetune_cfg.lr}) in another run_dir (a changed lr does not resume), or {check}"
+    if stage.cfg.model.dtype == "float16":
         fix += ", or set model.dtype=bfloat16 (float16 overflows)"
     msg = (
-        f"stage 2: the training loss is {loss} at step {s.step + 1} of {f.max_steps}; nothing of that step is "
-        f"saved, the newest committed checkpoint is {newest} (kept); {fix}"
+        f"stage 2: the training loss is {loss} at step {stage.step + 1} of {finetune_cfg.max_steps}; nothing of that "
+        f"step is saved, the newest committed checkpoint is {newest} (kept); {fix}"
     )
-    s.log(msg)
+    stage.log(msg)
     raise FinetuneError(msg)
 
 
-def evaluate_heldout(s: Stage2) -> None:
+def evaluate_heldout(stage: Stage2) -> None:
     """Held-out losses in hybrid and la_only; with early stopping, best/ on a better hybrid loss and the verdict."""
-    f, step = s.cfg.finetune, s.step
-    if isinstance(s.engine, ReplicatedEngine):  # its copies on every rank must not have drifted apart
-        s.engine.check_replicas()
-    h = heldout_loss(s.engine, s.model, s.held_ids, "hybrid", f.micro_batch, s.rt)
-    la = heldout_loss(s.engine, s.model, s.held_ids, "la_only", f.micro_batch, s.rt)
-    s.curves["eval_steps"].append(step)
-    s.curves["hybrid"].append(h)
-    s.curves["la_only"].append(la)
-    s.log(f"step {step}: held-out loss hybrid {h:.4f}, la_only {la:.4f}")
-    improved = s.stopping.update(step, h, la)
-    if improved and s.early:  # best/ is early stopping's choice; without it the output is final/
-        write_model(s.stage2 / "best", s.peft_model, s.model, s.source.hybrid_config, s.mode, s.rt, step)
-    if s.early and s.stopping.reason is None:
-        s.stopping.reason = s.stopping.verdict(f.patience, f.la_margin)
-        if s.stopping.reason:
-            s.log(f"early stop at step {step}: {s.stopping.reason}")
-    stopping = {k: v for k, v in asdict(s.stopping).items() if v is not None}
-    s.metrics.log(step, {"hybrid": h, "la_only": la, "improved": improved, **stopping}, kind="heldout")
+    finetune_cfg, step = stage.cfg.finetune, stage.step
+    if isinstance(stage.engine, ReplicatedEngine):  # its copies on every rank must not have drifted apart
+        stage.engine.check_replicas()
+    h = heldout_loss(stage.engine, stage.model, stage.held_ids, "hybrid", finetune_cfg.micro_batch, stage.rt)
+    la = heldout_loss(stage.engine, stage.model, stage.held_ids, "la_only", finetune_cfg.micro_batch, stage.rt)
+    stage.curves["eval_steps"].append(step)
+    stage.curves["hybrid"].append(h)
+    stage.curves["la_only"].append(la)
+    stage.log(f"step {step}: held-out loss hybrid {h:.4f}, la_only {la:.4f}")
+    improved = stage.stopping.update(step, h, la)
+    if improved and stage.early:  # best/ is early stopping's choice; without it the output is final/
+        write_model(stage, stage.stage2 / "best", step)
+    if stage.early and stage.stopping.reason is None:
+        stage.stopping.reason = stage.stopping.verdict(finetune_cfg.patience, finetune_cfg.la_margin)
+        if stage.stopping.reason:
+            stage.log(f"early stop at step {step}: {stage.stopping.reason}")
+    stopping = {k: v for k, v in asdict(stage.stopping).items() if v is not None}
+    stage.metrics.log(step, {"hybrid": h, "la_only": la, "improved": improved, **stopping}, kind="heldout")
 
 
 def best_step(best: Path) -> int | None:
@@ -439,30 +399,30 @@ def best_step(best: Path) -> int | None:
         return None
 
 
-def finish(s: Stage2) -> Path:
+def finish(stage: Stage2) -> Path:
     """final/, curves, and the `output` link to the run's model (best/ when early stopping chose it)."""
-    stage2, rt = s.stage2, s.rt
-    if s.ssd and rt.main:
-        s.log("ssd realised drop rate per phase: " + json.dumps(s.ssd.realised()))
-    write_model(stage2 / "final", s.peft_model, s.model, s.source.hybrid_config, s.mode, rt, s.step)
-    kept = s.stopping.best_step
-    chosen = "best" if s.early and kept is not None and best_step(stage2 / "best") == kept else "final"
+    stage2, rt = stage.stage2, stage.rt
+    if stage.ssd and rt.main:
+        stage.log("ssd realised drop rate per phase: " + json.dumps(stage.ssd.realised()))
+    write_model(stage, stage2 / "final", stage.step)
+    kept = stage.stopping.best_step
+    chosen = "best" if stage.early and kept is not None and best_step(stage2 / "best") == kept else "final"
     if rt.main:
-        realised = s.ssd.realised() if s.ssd else None
+        realised = stage.ssd.realised() if stage.ssd else None
         (stage2 / "curves.json").write_text(
-            json.dumps({**s.curves, "stopping": asdict(s.stopping), "ssd": realised, "output": chosen})
+            json.dumps({**stage.curves, "stopping": asdict(stage.stopping), "ssd": realised, "output": chosen})
         )
-        curves_png(s.curves, stage2 / "curves.png")
-        link = s.layout.stage2_output
+        curves_png(stage.curves, stage2 / "curves.png")
+        link = stage.layout.stage2_output
         if link.exists() and not link.is_symlink():
             kind = "directory" if link.is_dir() else "file"
             raise FinetuneError(f"{link} is a {kind}, not the link stage 2 writes; move it away and run again")
         if link.is_symlink():
             link.unlink()
         link.symlink_to(chosen)
-        s.log(f"done at step {s.step}; output -> {chosen}")
+        stage.log(f"done at step {stage.step}; output -> {chosen}")
     runtime.barrier(rt)
-    return s.layout.stage2_output
+    return stage.layout.stage2_output
 
 
 @torch.no_grad()

@@ -34,20 +34,20 @@ GPU_JOBS = tuple(j for j in JOBS if j != "export")  # export is one CPU process
 def launch_command(cfg: Config, stage: str, args: list[str], env=os.environ) -> list[str] | None:
     """The command that starts `stage` on this node with cfg.launch's launcher (torchrun or deepspeed). Export is one
     process's work: node 0 runs it without a launcher, the other nodes have nothing to do (None)."""
-    lc = cfg.launch
+    launch = cfg.launch
     if stage == "export":
         return [sys.executable, "-m", "hybrid_scale.cli", stage, *args] if env.get("SLURM_NODEID", "0") == "0" else None
     host = first_host(env.get("SLURM_JOB_NODELIST", "localhost"))
     node_rank = env.get("SLURM_NODEID", "0")
-    port = str(job_port(lc.master_port, env))
+    port = str(job_port(launch.master_port, env))
     module = ["-m", "hybrid_scale.cli", stage, *args]
-    if lc.launcher == "deepspeed":
+    if launch.launcher == "deepspeed":
         return [
             sys.executable,
             "-m",
             "deepspeed.launcher.runner",
-            f"--num_nodes={lc.nodes}",
-            f"--num_gpus={lc.procs_per_node}",
+            f"--num_nodes={launch.nodes}",
+            f"--num_gpus={launch.procs_per_node}",
             f"--node_rank={node_rank}",
             f"--master_addr={host}",
             f"--master_port={port}",
@@ -61,8 +61,8 @@ def launch_command(cfg: Config, stage: str, args: list[str], env=os.environ) -> 
         sys.executable,
         "-m",
         "torch.distributed.run",  # = torchrun, from this interpreter's environment
-        f"--nnodes={lc.nodes}",
-        f"--nproc-per-node={lc.procs_per_node}",
+        f"--nnodes={launch.nodes}",
+        f"--nproc-per-node={launch.procs_per_node}",
         f"--node-rank={node_rank}",
         f"--master-addr={host}",
         f"--master-port={port}",
@@ -129,28 +129,28 @@ def output_pattern(run_dir: Path) -> str:
 def sbatch_header(cfg: Config, stage: str) -> list[str]:
     """The #SBATCH lines: export is one process on one node without GPUs; the others take the launch shape. Values
     go through sbatch_quote (a run_dir with a space); slurm.extra items are sbatch syntax already and go as given."""
-    lc, s = cfg.launch, cfg.slurm
+    launch, slurm = cfg.launch, cfg.slurm
     run_dir = Path(cfg.run_dir).resolve()
     single = stage == "export"
-    per_node = lc.procs_per_node if lc.launcher == "srun" and not single else 1
+    per_node = launch.procs_per_node if launch.launcher == "srun" and not single else 1
     q = sbatch_quote
     lines = [
-        f"--job-name={q(f'{s.job_name}-{stage}')}",
-        f"--nodes={1 if single else lc.nodes}",
+        f"--job-name={q(f'{slurm.job_name}-{stage}')}",
+        f"--nodes={1 if single else launch.nodes}",
         f"--ntasks-per-node={per_node}",
-        f"--cpus-per-task={s.cpus_per_task}",
-        f"--time={q(s.times.get(stage, s.time))}",
+        f"--cpus-per-task={slurm.cpus_per_task}",
+        f"--time={q(slurm.times.get(stage, slurm.time))}",
         f"--output={q(output_pattern(run_dir))}",
         "--open-mode=append",
         "--requeue",
     ]
     if not single:  # export has no checkpoint to save: a requeued export starts over
-        lines.append(f"--signal=B:USR1@{s.signal_lead_s}")
+        lines.append(f"--signal=B:USR1@{slurm.signal_lead_s}")
     if on_gpus(cfg.model.device) and stage in GPU_JOBS:
-        lines.append(f"--gpus-per-node={lc.procs_per_node}")
-    lines += [f"--{key}={q(s[key])}" for key in ("partition", "account") if s[key]]
-    lines += [f"--mem={q(s.mem)}"] if s.mem not in (None, "") else []  # --mem=0: the whole node's memory
-    lines += list(s.extra)
+        lines.append(f"--gpus-per-node={launch.procs_per_node}")
+    lines += [f"--{key}={q(slurm[key])}" for key in ("partition", "account") if slurm[key]]
+    lines += [f"--mem={q(slurm.mem)}"] if slurm.mem not in (None, "") else []  # --mem=0: the whole node's memory
+    lines += list(slurm.extra)
     return [f"#SBATCH {x}" for x in lines]
 
 
@@ -158,14 +158,14 @@ def render(cfg: Config, stage: str, config_path: str | None, overrides: list[str
     """The sbatch script of one stage (or of the whole pipeline): its template with the config's values filled in."""
     if stage not in JOBS:
         raise ValueError(f"unknown stage {stage!r}; one of {', '.join(JOBS)}")
-    lc, s = cfg.launch, cfg.slurm
+    launch, slurm = cfg.launch, cfg.slurm
     run_dir = Path(cfg.run_dir).resolve()
     args = shlex.join(([str(Path(config_path).resolve())] if config_path else []) + list(overrides))
     cli = f"{shlex.quote(python)} -m hybrid_scale.cli"
     if stage == "export":  # rank 0's work only: no launcher
         step = f"{cli} export {args}"
-    elif lc.launcher == "srun":  # one task per rank; each maps SLURM_PROCID etc. to RANK etc. (srun_environment)
-        port = f"$(({lc.master_port} + SLURM_JOB_ID % 1000))"  # job_port(), in the shell
+    elif launch.launcher == "srun":  # one task per rank; each maps SLURM_PROCID etc. to RANK etc. (srun_environment)
+        port = f"$(({launch.master_port} + SLURM_JOB_ID % 1000))"  # job_port(), in the shell
         step = f"MASTER_PORT={port} srun --kill-on-bad-exit=0 {cli} {stage} {args}"
     else:  # one task per node, each starting torchrun / the deepspeed launcher (launch_command)
         step = f"srun --ntasks-per-node=1 {cli} launch {stage} {args}"
@@ -175,10 +175,10 @@ def render(cfg: Config, stage: str, config_path: str | None, overrides: list[str
         "stage": stage,
         "template": str(path),
         "workdir": shlex.quote(str(Path.cwd())),
-        "setup": "\n".join(s.setup) if s.setup else "# (slurm.setup: no site set-up lines)",
+        "setup": "\n".join(slurm.setup) if slurm.setup else "# (slurm.setup: no site set-up lines)",
         "log_dir": shlex.quote(str(run_dir / "slurm")),
-        "lead": str(s.signal_lead_s),
-        "max_restarts": str(s.max_restarts),
+        "lead": str(slurm.signal_lead_s),
+        "max_restarts": str(slurm.max_restarts),
         "marker": shlex.quote(str(run_dir / REQUEUE_MARKER)),
         "step": step,
     }

@@ -93,8 +93,8 @@ def check_converted(model: ModelSource) -> None:
         )
     params = path / PARAMS_NAME
     try:
-        with safe_open(params, "pt") as f:
-            list(f.keys())
+        with safe_open(params, "pt") as finetune:
+            list(finetune.keys())
     except (SafetensorError, OSError) as e:
         raise InputError(f"{params} is not a readable safetensors file ({e}); rerun the stage that wrote it") from None
     adapter = path / ADAPTER_DIR
@@ -103,8 +103,8 @@ def check_converted(model: ModelSource) -> None:
             if not (adapter / name).is_file():
                 raise InputError(f"{adapter} lacks {name}; rerun stage 2 or restore it")
         try:
-            with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
-                lora = {k: f.get_slice(k).get_shape() for k in f.keys()}
+            with safe_open(adapter / "adapter_model.safetensors", "pt") as finetune:
+                lora = {k: finetune.get_slice(k).get_shape() for k in finetune.keys()}
         except (SafetensorError, OSError) as e:
             raise InputError(f"{adapter / 'adapter_model.safetensors'} is not readable ({e}); rerun stage 2") from None
         check_adapter_fits(adapter, lora, base, key)
@@ -123,8 +123,8 @@ def check_adapter_fits(adapter: Path, lora: dict[str, list[int]], base: Path, ke
                 f"config key '{key}': the adapter in {adapter} adapts {name}, which the base model {base} does not "
                 "have: it was trained on another model; use the stage-2 output made from this base"
             )
-        with safe_open(base / where[name], "pt") as f:
-            shape = list(f.get_slice(name).get_shape())
+        with safe_open(base / where[name], "pt") as finetune:
+            shape = list(finetune.get_slice(name).get_shape())
         delta = [p.get("B", [0])[0], p.get("A", [0, 0])[-1]]
         if delta != shape:
             raise InputError(
@@ -149,29 +149,29 @@ def check_training_text(cfg: Config, tokenizer_dir: Path | None, stage: str) -> 
     else:  # finetune: the training documents and the selection half of the held-out ones
         train, held = corpus.train_and_heldout(d.source, d.text_field, d.heldout_fraction, "selection")
         if tokenizer_dir is not None:
-            f = cfg.finetune
-            T = f.seq_len or d.seq_len
+            finetune = cfg.finetune
+            T = finetune.seq_len or d.seq_len
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
             held_ids = corpus.pack(tokenizer, held, T, None, cfg.seed)
-            if len(held_ids) < f.heldout_sequences:
+            if len(held_ids) < finetune.heldout_sequences:
                 raise corpus.CorpusError(
                     f"the held-out text yields {len(held_ids)} sequences of {T} tokens; finetune.heldout_sequences "
-                    f"asks for {f.heldout_sequences}: lower it or finetune.seq_len, or give more held-out text"
+                    f"asks for {finetune.heldout_sequences}: lower it or finetune.seq_len, or give more held-out text"
                 )
-            corpus.pack(tokenizer, train, T, f.global_batch, cfg.seed)  # at least one optimizer step's worth
+            corpus.pack(tokenizer, train, T, finetune.global_batch, cfg.seed)  # at least one optimizer step's worth
 
 
 def check_eval_inputs(cfg: Config, r: Resolved, tokenizer_dir: Path) -> None:
     """The evaluation's text, task data, passkey prompts (with the tokenizer in `tokenizer_dir`) and out_dir."""
-    e = cfg.eval
-    if e.ppl_text and not Path(e.ppl_text).is_file():
+    evaluation = cfg.eval
+    if evaluation.ppl_text and not Path(evaluation.ppl_text).is_file():
         raise ConfigError(
-            f"config key 'eval.ppl_text': {e.ppl_text} does not exist; point it at a text file, or leave it unset for "
-            "the report half of the held-out text"
+            f"config key 'eval.ppl_text': {evaluation.ppl_text} does not exist; point it at a text file, or leave it "
+            "unset for the report half of the held-out text"
         )
-    root = Path(e.data_dir) if e.data_dir else None
+    root = Path(evaluation.data_dir) if evaluation.data_dir else None
     if root is not None:
-        missing = [t for t in e.tasks if not (root / t).is_dir()]
+        missing = [t for t in evaluation.tasks if not (root / t).is_dir()]
         if missing:
             raise ConfigError(
                 f"config key 'eval.data_dir': {root} has no {', '.join(missing)} dataset(s) (one save_to_disk "
@@ -180,7 +180,7 @@ def check_eval_inputs(cfg: Config, r: Resolved, tokenizer_dir: Path) -> None:
             )
     elif not assets.paths().datasets.is_dir():
         assets.require()  # one clear error saying how to make them
-    if passkey.probe_modes(e):
+    if passkey.probe_modes(evaluation):
         check_passkey_prompts(cfg, tokenizer_dir)
     out = r.layout.eval
     if out.exists() and not out.is_dir():
@@ -198,7 +198,7 @@ def check_passkey_prompts(cfg: Config, tokenizer_dir: Path) -> None:
     first stage, not after its training)."""
     from transformers import AutoTokenizer
 
-    e = cfg.eval
+    evaluation = cfg.eval
     try:
         if not (tokenizer_dir / "tokenizer_config.json").is_file():
             return  # a missing or broken model: the model checks name it (this check needs its tokenizer)
@@ -208,7 +208,7 @@ def check_passkey_prompts(cfg: Config, tokenizer_dir: Path) -> None:
     try:
         filler = tokenizer.encode(corpus.report_text(cfg)[0])  # the text the probe cuts its filler from
         passkey.probes(
-            tokenizer, filler, list(e.passkey_distances), 1, cfg.seed, max(passkey.LEAD, cfg.attention.sinks)
+            tokenizer, filler, list(evaluation.passkey_distances), 1, cfg.seed, max(passkey.LEAD, cfg.attention.sinks)
         )
     except ValueError as err:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None

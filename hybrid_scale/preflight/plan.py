@@ -28,7 +28,7 @@ def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None
     r = resolved or Resolved.of(cfg, stage)
     base = r.model.base if stage in ("finetune", "evaluate", "export") else None
     a, source = architecture(cfg, base)
-    lc = cfg.launch
+    launch = cfg.launch
     if not a:
         p.block(
             f"model.path {cfg.model.path} has no config.json and no model.arch is given: point model.path at a local "
@@ -41,7 +41,7 @@ def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None
         return p
     c = counts(a)
     fdim = 2 * (cfg.attention.feature_dim or c["hd"]) if cfg.attention.feature_map == "hedgehog" else c["hd"]
-    sh = Shape(a, c, lc.nodes * lc.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim, lc.tensor_parallel)
+    sh = Shape(a, c, launch.nodes * launch.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim, launch.tensor_parallel)
     _check_shape_and_path(p, cfg, sh)
     p.rows += [
         ("model", "architecture", f"{model_type} ({source})"),
@@ -50,13 +50,13 @@ def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None
         (
             "launch",
             "ranks",
-            f"{lc.nodes} node(s) x {lc.procs_per_node} = {sh.ranks} (tensor parallel {lc.tensor_parallel})",
+            f"{launch.nodes} node(s) x {launch.procs_per_node} = {sh.ranks} (tensor parallel {launch.tensor_parallel})",
         ),
     ]
     s1_mem, s1_disk, flops1, tokens1 = costs.stage1(p, cfg, sh, r)
     s2_mem, ckpt, flops2, tokens2 = costs.stage2(p, cfg, sh, r)
-    if lc.gpu_tflops:
-        rate = sh.ranks * lc.gpu_tflops * 1e12 * MFU
+    if launch.gpu_tflops:
+        rate = sh.ranks * launch.gpu_tflops * 1e12 * MFU
         p.rows += [
             (
                 "time",
@@ -123,8 +123,8 @@ def _requeue(p: Plan, cfg: Config, per_stage: dict[str, tuple[float, float]]) ->
 
 
 def _device_fit(p: Plan, cfg: Config, s1_mem: float, s2_mem: float, eval_mem: float) -> None:
-    lc = cfg.launch
-    device_gb = lc.gpu_memory_gb * GB if lc.gpu_memory_gb else None
+    launch = cfg.launch
+    device_gb = launch.gpu_memory_gb * GB if launch.gpu_memory_gb else None
     if not (on_gpus(cfg.model.device) and device_gb):
         return
     for stage_name, mem, fix in (
@@ -133,7 +133,7 @@ def _device_fit(p: Plan, cfg: Config, s1_mem: float, s2_mem: float, eval_mem: fl
             "stage 2",
             s2_mem,
             "enable finetune.offload, lower finetune.micro_batch or finetune.seq_len, or add ranks"
-            if lc.tensor_parallel == 1
+            if launch.tensor_parallel == 1
             else "raise launch.tensor_parallel, lower finetune.micro_batch or finetune.seq_len",
         ),
         (
@@ -146,7 +146,7 @@ def _device_fit(p: Plan, cfg: Config, s1_mem: float, s2_mem: float, eval_mem: fl
     ):
         if mem > device_gb:
             p.block(
-                f"{stage_name} needs ~{gb(mem)} per rank but launch.gpu_memory_gb is {lc.gpu_memory_gb}: {fix}",
+                f"{stage_name} needs ~{gb(mem)} per rank but launch.gpu_memory_gb is {launch.gpu_memory_gb}: {fix}",
                 {"stage 1": "distill", "stage 2": "finetune"}.get(stage_name, stage_name),
             )
 
@@ -155,17 +155,17 @@ def _disk(p: Plan, cfg: Config, sh: Shape, s1_disk: float, ckpt: float, r: Resol
     """Stage 1's buffers where distill.buffer_dir is (by default under run_dir, which on a cluster is one disk every
     node writes to: the buffers of all ranks; set to a node's own disk: that node's), and stage 2's checkpoints
     where run_dir is, after the buffers (which stay) when both are on one file system."""
-    lc = cfg.launch
+    launch = cfg.launch
     buffer_dir, stage2 = r.layout.buffers, r.layout.stage2
-    shared = cfg.distill.buffer_dir is None or lc.nodes == 1
-    groups = (sh.ranks if shared else lc.procs_per_node) // sh.tp  # a tensor-parallel group shares one copy
+    shared = cfg.distill.buffer_dir is None or launch.nodes == 1
+    groups = (sh.ranks if shared else launch.procs_per_node) // sh.tp  # a tensor-parallel group shares one copy
     have = sum(x.stat().st_size for x in buffer_dir.glob("*.bin")) if buffer_dir.is_dir() else 0  # reused in place
     buffers = max(0, s1_disk * groups - have)
     checkpoints = (cfg.finetune.keep + 1) * ckpt
     b_probe, b_free = free_at(buffer_dir)
     c_probe, c_free = free_at(stage2)
     one_disk = b_probe.stat().st_dev == c_probe.stat().st_dev
-    whose = "every node's ranks" if shared and lc.nodes > 1 else "this node"
+    whose = "every node's ranks" if shared and launch.nodes > 1 else "this node"
     p.rows.append(("disk", f"free at {b_probe}", f"{gb(b_free)} (stage-1 buffers of {whose}: ~{gb(buffers)} more)"))
     after = " after the buffers, on the same file system" if one_disk else ""
     p.rows.append(("disk", f"free at {c_probe}", f"{gb(c_free)} (stage-2 checkpoints: ~{gb(checkpoints)}{after})"))

@@ -85,13 +85,13 @@ class Derived:
 
 
 def derive(cfg: Config) -> Derived:
-    d, f = cfg.distill, cfg.finetune
-    objectives = {k: float(v) for k, v in d.objectives.items() if v} if d.objectives else None
-    objectives = objectives or {RECIPES[d.recipe].objective: 1.0}
-    gamma = bool(objectives.get("hybrid_output_mse")) if d.train_gamma is None else bool(d.train_gamma)
-    recipe = RECIPES[f.recipe or d.recipe]
-    early = recipe.early_stopping if f.early_stopping is None else bool(f.early_stopping)
-    return Derived(objectives, gamma, recipe, early, f.seq_len or cfg.data.seq_len)
+    distill, finetune = cfg.distill, cfg.finetune
+    objectives = {k: float(v) for k, v in distill.objectives.items() if v} if distill.objectives else None
+    objectives = objectives or {RECIPES[distill.recipe].objective: 1.0}
+    gamma = bool(objectives.get("hybrid_output_mse")) if distill.train_gamma is None else bool(distill.train_gamma)
+    recipe = RECIPES[finetune.recipe or distill.recipe]
+    early = recipe.early_stopping if finetune.early_stopping is None else bool(finetune.early_stopping)
+    return Derived(objectives, gamma, recipe, early, finetune.seq_len or cfg.data.seq_len)
 
 
 def _value(cfg: Config, key: str):

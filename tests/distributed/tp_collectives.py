@@ -17,7 +17,7 @@ from conftest import tiny_model  # noqa: E402
 
 import hybrid_scale as hs  # noqa: E402
 from hybrid_scale.distributed import runtime  # noqa: E402
-from hybrid_scale.distributed.parallelize import parallelize  # noqa: E402
+from hybrid_scale.distributed.parallelize import Zero3, parallelize  # noqa: E402
 
 ENGINE = {  # the part of stage 2's DeepSpeed config that the replicated engine reads
     "optimizer": {"params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
@@ -43,7 +43,7 @@ def step(rt, layers: int, lora: bool) -> None:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     adapt = (lambda m: get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=targets))) if lora else None
     torch.manual_seed(0)
-    engine, model = parallelize(model, adapt=adapt, rt=rt, train=True, zero3=ENGINE)
+    engine, model = parallelize(model, adapt=adapt, rt=rt, zero3=Zero3(ENGINE, train=True))
     ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     mark(rt, f"forward layers={layers} lora={lora}")
     loss = engine(input_ids=ids, labels=ids).loss

@@ -99,7 +99,7 @@ def test_blocks_beyond_the_window_cover_exactly_the_tokens_past_it():
 def test_gamma_fit_from_one_attention_pass_equals_refitting_through_the_attention():
     """export.fit_gamma runs the attention once and then steps gamma in closed form: the hybrid output at any gamma
     equals the attention's, and 15 Adam steps land where 15 steps through the full attention land."""
-    from hybrid_scale.attention.hybrid import hybrid_layers
+    from hybrid_scale.attention.hybrid import Projections, hybrid_layers
     from hybrid_scale.export import gamma as export
 
     model = perturb_hybrid(hs.convert_model(tiny_model("llama"), {"window": 8}))
@@ -109,12 +109,12 @@ def test_gamma_fit_from_one_attention_pass_equals_refitting_through_the_attentio
     rope = model.model.rotary_emb(hidden, torch.arange(40)[None])
     with torch.no_grad():
         q, k, v, fq, fk = m.project(hidden, rope)
-    parts = export.gamma_parts(m, q, k, v, fq, fk)
+    parts = export.gamma_parts(m, Projections(q, k, v, fq, fk))
     for gamma in (torch.full((4,), 0.7), torch.rand(4, generator=g)):
         want = m.attend(q, k, v, fq, fk, gamma=gamma, mode="hybrid")
         torch.testing.assert_close(export.hybrid_at(gamma, parts), want, rtol=1e-5, atol=1e-6)
     target = m.attend(q, k, v, fq, fk, gamma=torch.full((4,), 0.9), mode="swa_only").detach()
-    logit, before, after = export.fit_gamma(m, q, k, v, fq, fk, target, steps=15)
+    logit, before, after = export.fit_gamma(m, Projections(q, k, v, fq, fk), target, steps=15)
     ref = m.gamma_logit.detach().clone().requires_grad_(True)  # the same fit through the full attention
     opt = torch.optim.Adam([ref], lr=0.1)
     for _ in range(15):

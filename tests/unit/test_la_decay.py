@@ -14,7 +14,8 @@ from conftest import attention_inputs, perturb_hybrid, tiny_model
 import hybrid_scale as hs
 from hybrid_scale.attention import chunked, naive, recurrent
 from hybrid_scale.attention.chunked import chunk_hybrid_attention
-from hybrid_scale.attention.hybrid import hybrid_layers
+from hybrid_scale.attention.hybrid import Projections, hybrid_layers
+from hybrid_scale.attention.shape import Shape
 from hybrid_scale.errors import ConfigError
 from hybrid_scale.models.convert import set_modes
 
@@ -76,7 +77,9 @@ def test_zero_terms_are_the_formula_without_them(mode, own):
     plain = naive.naive_hybrid_attention(**x, **kw)
     assert torch.equal(naive.naive_hybrid_attention(**x, **kw, **zero), plain)
     torch.testing.assert_close(chunk_hybrid_attention(**x, **kw, **zero, chunk_size=8), plain, rtol=1e-12, atol=1e-13)
-    state = recurrent.DecodeState.empty(2, 2, 4, 4, 3, W, S, W, torch.float64, "cpu")
+    state = recurrent.DecodeState.empty(
+        Shape(kv_heads=2, head_dim=4, value_dim=4, features=3, window=W, sinks=S, dtype=torch.float64), 2, W, "cpu"
+    )
     step = [recurrent.extend(state, *(x[n][:, :, t : t + 1] for n in ("q", "k", "v", "fq", "fk")), x["gamma"],
                              **{**kw, "attention_mask": mask[:, t : t + 1]}, **zero) for t in range(40)]  # fmt: skip
     torch.testing.assert_close(torch.cat(step, 2), plain, rtol=1e-12, atol=1e-13)
@@ -138,7 +141,9 @@ def test_prefill_extend_and_decode_equal_the_spec(mode, own, cuts):
     x, mask = inputs(T=40, seed=3)
     kw = dict(window=W, mode=mode, sinks=S, hybrid_sinks=own, la_decay=RHO)
     ref = naive.naive_hybrid_attention(**x, **kw, attention_mask=mask)
-    state = recurrent.DecodeState.empty(2, 2, 4, 4, 3, W, S, W, torch.float64, "cpu")
+    state = recurrent.DecodeState.empty(
+        Shape(kv_heads=2, head_dim=4, value_dim=4, features=3, window=W, sinks=S, dtype=torch.float64), 2, W, "cpu"
+    )
     c = CUTS[cuts]
     outs = []
     for a, b in zip(c, c[1:], strict=False):
@@ -254,7 +259,7 @@ def test_stage_1_units_with_a_decay_equal_the_whole_rows(own):
     q, k, v, fq, fk = (x[n] for n in ("q", "k", "v", "fq", "fk"))
     whole = m.attend(q, k, v, fq, fk, mode="hybrid")
     (g_whole,) = torch.autograd.grad(whole[:, :, 17:33].square().sum(), m.la_decay_rho)
-    units = [unit_attention(m, q, k, v, fq, fk, a, b, "hybrid") for a, b in ((17, 25), (25, 33))]
+    units = [unit_attention(m, Projections(q, k, v, fq, fk), a, b, "hybrid") for a, b in ((17, 25), (25, 33))]
     torch.testing.assert_close(torch.cat(units, 2), whole[:, :, 17:33], rtol=1e-5, atol=1e-6)
     (g_units,) = torch.autograd.grad(sum(u.square().sum() for u in units), m.la_decay_rho)
     torch.testing.assert_close(g_units, g_whole, rtol=1e-4, atol=1e-6)

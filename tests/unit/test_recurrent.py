@@ -6,6 +6,7 @@ from conftest import HYBRID_SINKS, attention_inputs, variant
 
 from hybrid_scale.attention import naive, recurrent
 from hybrid_scale.attention.naive import MODES
+from hybrid_scale.attention.shape import Shape
 
 
 def slices(x, a, b):
@@ -39,7 +40,12 @@ def test_extensions_equal_full(mode, window, cuts):
     mask[0, :7] = 0  # left padding, longer than the sinks
     mask[1, 30] = 0
     ref = naive.naive_hybrid_attention(**x, window=window, **variant(mode), sinks=3, attention_mask=mask)
-    state = recurrent.DecodeState.empty(2, 2, 8, 8, 6, min(window, T), 3, window, torch.float64, "cpu")
+    state = recurrent.DecodeState.empty(
+        Shape(kv_heads=2, head_dim=8, value_dim=8, features=6, window=window, sinks=3, dtype=torch.float64),
+        2,
+        min(window, T),
+        "cpu",
+    )
     cuts = CUTS[cuts]
     outs = []
     for a, b in zip(cuts, cuts[1:], strict=False):
@@ -55,7 +61,9 @@ def test_extensions_equal_full(mode, window, cuts):
 
 def test_state_size_is_constant_its_tensors_stay_in_place_and_window_is_fixed():
     x = attention_inputs(B=1, T=300, D=8, F=6, dtype=torch.float32)
-    state = recurrent.DecodeState.empty(1, 2, 8, 8, 6, 16, 4, 16, torch.float32, "cpu")
+    state = recurrent.DecodeState.empty(
+        Shape(kv_heads=2, head_dim=8, value_dim=8, features=6, window=16, sinks=4, dtype=torch.float32), 1, 16, "cpu"
+    )
     assert state.ring == 16  # allocated at the window, never re-laid out
     storage = {name: t.data_ptr() for name, t in vars(state).items() if isinstance(t, torch.Tensor)}
     size = state.nbytes
@@ -84,7 +92,12 @@ def test_compiled_decode_step_equals_full_and_writes_in_place(mode, window, deca
     rho = {"la_decay": torch.tensor([0.05, 0.3], dtype=torch.float64)} if decay else {}
     opts = dict(window=window, **variant(mode), sinks=3, **rho)
     ref = naive.naive_hybrid_attention(**x, **opts, attention_mask=mask)
-    state = recurrent.DecodeState.empty(2, 2, 8, 8, 6, window, 3, window, torch.float64, "cpu")
+    state = recurrent.DecodeState.empty(
+        Shape(kv_heads=2, head_dim=8, value_dim=8, features=6, window=window, sinks=3, dtype=torch.float64),
+        2,
+        window,
+        "cpu",
+    )
     outs = [recurrent.extend(state, **slices(x, 0, P), **opts, attention_mask=mask[:, :P])]
     storage = [t.data_ptr() for t in state.tensors()]
     for t in range(P, T):
@@ -98,7 +111,9 @@ def test_compiled_decode_step_equals_full_and_writes_in_place(mode, window, deca
 
 def test_overflowing_a_short_ring_is_an_error():
     x = attention_inputs(B=1, T=12, D=8, F=6)
-    state = recurrent.DecodeState.empty(1, 2, 8, 8, 6, 10, 4, 64, torch.float64, "cpu")  # max_length 10 < window
+    state = recurrent.DecodeState.empty(
+        Shape(kv_heads=2, head_dim=8, value_dim=8, features=6, window=64, sinks=4, dtype=torch.float64), 1, 10, "cpu"
+    )  # max_length 10 < window
     recurrent.extend(state, **slices(x, 0, 10), window=64, sinks=4)
     with pytest.raises(ValueError, match="create the cache with a larger max_length"):
         recurrent.extend(state, **slices(x, 10, 12), window=64, sinks=4)

@@ -24,6 +24,7 @@ from kernel_inputs import MODES, NAMES, left_padded, make, run
 import hybrid_scale as hs
 from hybrid_scale.attention import backends, chunked, naive
 from hybrid_scale.attention.recurrent import DecodeState, extend
+from hybrid_scale.attention.shape import Shape
 from hybrid_scale.config import ConfigError, load_config
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
@@ -126,7 +127,7 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
     for a hybrid with its own sinks (whose units attend from row 0: their rows need the sinks)."""
     from types import SimpleNamespace
 
-    from hybrid_scale.attention.hybrid import attend
+    from hybrid_scale.attention.hybrid import Projections, attend
     from hybrid_scale.data.batches import split_units
     from hybrid_scale.distill.objectives import teacher_rows, unit_loss
 
@@ -149,7 +150,7 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
     expect = (0.5 * (spec["la_only"] - target).pow(2).sum() + (spec["hybrid"] - target).pow(2).sum()) / (H * T * D)
     tensors = [x[n] for n in NAMES[:5]]
     units = [u for rank in split_units(1, T, 16, 3) for u in rank]  # rows 0-15, 16-31, 32-47, 48-52 (window 8)
-    got = sum(unit_loss(m, *tensors, a, b, T, weights) for _, a, b in units)  # each over the batch's 2 sequences
+    got = sum(unit_loss(m, Projections(*tensors), a, b, T, weights) for _, a, b in units)  # each over 2 sequences
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-7)
     for n, g_got, g_ref in zip(NAMES, torch.autograd.grad(got, list(x.values())), torch.autograd.grad(
             expect, list(x.values())), strict=True):  # fmt: skip
@@ -252,7 +253,20 @@ def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window, deca
     options = dict(window=window, **variant(mode), sinks=3, **({"la_decay": rho} if decay else {}))
     full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), **options, attention_mask=mask)
     B, Hkv, _, D = x["k"].shape
-    fused = DecodeState.empty(B, Hkv, D, D, x["fk"].shape[-1], window, 3, window, torch.float32, "cpu")
+    fused = DecodeState.empty(
+        Shape(
+            kv_heads=Hkv,
+            head_dim=D,
+            value_dim=D,
+            features=x["fk"].shape[-1],
+            window=window,
+            sinks=3,
+            dtype=torch.float32,
+        ),
+        B,
+        window,
+        "cpu",
+    )
     ref = copy.deepcopy(fused)
 
     def step(a, b):
@@ -295,7 +309,9 @@ def test_the_decode_step_is_one_launch_of_at_least_32_programs_and_no_other_op(m
             return func(*args, **(kwargs or {}))
 
     B, H, Hkv, D, F, w = 1, 32, 8, 128, 256, 64
-    state = DecodeState.empty(B, Hkv, D, D, F, w, 8, w, torch.bfloat16, "cpu")
+    state = DecodeState.empty(
+        Shape(kv_heads=Hkv, head_dim=D, value_dim=D, features=F, window=w, sinks=8, dtype=torch.bfloat16), B, w, "cpu"
+    )
 
     def one(*size, dtype=torch.bfloat16):
         return torch.ones(*size, dtype=dtype)
@@ -410,14 +426,14 @@ def test_the_self_check_runs_at_the_model_shape_and_refuses_what_the_kernels_can
     x = make(20, H=6, Hkv=2, D=32, F=16)
     with pytest.warns(UserWarning):  # the real check, with a stub that would fail anything: shape recorded
         monkeypatch.setattr(backends, "self_check", lambda name, device, **kw: seen.append(kw["shape"]) or "no")
-        backends.resolve("auto", "cuda", backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], 4, 2))
+        backends.resolve("auto", "cuda", backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], window=4, sinks=2))
     assert seen[-1] == backends.Shape(6, 2, 32, 32, 16, 4, 2, torch.float32)
     wide = backends.Shape(16, 16, 256, 256, 512, 64, 8, torch.bfloat16)  # head dim 256: not compile-checked
     why = real("triton", "cuda", shape=wide)
     assert why == "it cannot take this shape: head dim 256 is over 128, the largest the kernels are compile-checked at"
     assert kernels.supports(128, 128, 256, 8, torch.bfloat16) is None
     assert "value dim 64 differs" in kernels.supports(128, 64, 256, 8, torch.bfloat16)
-    own = backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], 4, 2, hybrid_sinks=True)
+    own = backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], window=4, sinks=2, hybrid_sinks=True)
     assert own.hybrid_sinks and "2 sinks (the hybrid's own)" in str(own)
     # the real check of a hybrid with its sinks (forward, backward, 20 decode steps), here in the interpreter
     assert real("triton", "cpu", shape=backends.Shape(2, 1, 16, 16, 16, 4, 2, torch.float32, True)) is None

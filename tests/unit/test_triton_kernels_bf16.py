@@ -9,6 +9,7 @@ from kernel_inputs import MODES, NAMES, left_padded, make, run
 
 from hybrid_scale.attention import chunked, naive
 from hybrid_scale.attention.recurrent import DecodeState
+from hybrid_scale.attention.shape import Shape
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
 
@@ -67,7 +68,12 @@ def test_bf16_on_gpu_against_the_spec(mode, window):
 def test_bf16_decode_on_gpu(mode):
     x = {n: t.detach() for n, t in make(300, H=6, Hkv=2, D=64, F=128, dtype=torch.bfloat16, device="cuda").items()}
     full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=64, **variant(mode), sinks=4)
-    state = DecodeState.empty(2, 2, 64, 64, 128, 64, 4, 64, torch.bfloat16, "cuda")
+    state = DecodeState.empty(
+        Shape(kv_heads=2, head_dim=64, value_dim=64, features=128, window=64, sinks=4, dtype=torch.bfloat16),
+        2,
+        64,
+        "cuda",
+    )
     for t in range(300):
         y = kernels.triton_decode_step(
             state, *(x[n][:, :, t : t + 1] for n in NAMES[:5]), x["gamma"], window=64, **variant(mode), sinks=4

@@ -1,0 +1,42 @@
+"""The shape of an attention call as the model fixes it (heads, KV heads, head, value and feature dims, window, sinks,
+dtype, the hybrid's own sinks, the LA decay): what a backend's self-check runs at (backends.py) and what a decode
+state is allocated for (recurrent.DecodeState.empty).
+
+This file imports only torch (the export copies it next to a modeling file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a self-check runs at: one attention call's shape (the model's, not the batch's or the length's)."""
+
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    value_dim: int = 16
+    features: int = 32
+    window: int = 16
+    sinks: int = 4
+    dtype: torch.dtype = torch.bfloat16
+    hybrid_sinks: bool = False  # the hybrid keeps its sinks (then the self-check runs it with them)
+    la_decay: bool = False  # the LA decays (the self-check runs it with a decay)
+
+    @classmethod
+    def of(cls, q, k, v, fq, *, window, sinks, hybrid_sinks=False, la_decay=False) -> Shape:
+        """The shape of a call on q [B,H,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv], fq [B,H,T,F] with these settings."""
+        dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], fq.shape[-1])
+        return cls(*dims, int(window), int(sinks), q.dtype, bool(hybrid_sinks), bool(la_decay))
+
+    def __str__(self) -> str:
+        own = " (the hybrid's own)" if self.hybrid_sinks else ""
+        own += ", LA decay" if self.la_decay else ""
+        return (
+            f"{self.heads} heads / {self.kv_heads} KV heads, head dim {self.head_dim}, feature dim {self.features}, "
+            f"window {self.window}, {self.sinks} sinks{own}, {str(self.dtype).removeprefix('torch.')}"
+        )
