@@ -222,6 +222,7 @@ LONGEST_FIRST = [  # by their time in docs/results/test_time.md (a file's tests 
     "tests/integration/test_distill.py",
     "tests/integration/test_export.py",
     "tests/integration/test_pipeline.py",
+    "tests/integration/test_same_numbers.py",
     "tests/integration/test_bad_inputs.py",
     "tests/distributed/test_dry_run.py",
     "tests/distributed/test_tensor_parallel.py",

@@ -18,7 +18,10 @@ on and a hash of the code it measured (CODE: the attention and the recipes). A r
 differs from the current ones; the table marks it and `make reproduce` runs it again. A row killed at any point
 resumes when rerun: every stage resumes or is skipped when finished. The run directories are under
 --run-root/<budget>-<code hash>, so a stale row runs again from scratch rather than reusing stages measured on other
-code; a row whose code changes while it runs is refused (no row file).
+code; a row whose code changes while it runs is refused (no row file). A change of CODE that computes the same
+numbers (a refactor) keeps the rows current only when it is declared in SAME_NUMBERS, and
+tests/integration/test_same_numbers.py then runs both commits' stages on a tiny model and finds every output equal to
+the bit.
 
 `--budget long` (`make reproduce ROW=... ARGS="--budget long"`) trains on the default's tokens in 1024-token
 sequences, the main job's training length, and reads the same 1024 tokens: its rows and table are its own
@@ -80,6 +83,18 @@ SWITCHES = {
 }
 CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py",
         "hybrid_scale/finetune/schedule.py")  # fmt: skip
+# Changes of CODE declared to compute the same numbers: {code hash after: (code hash before, commit before, commit
+# after, what changed)}. A row measured on the code before is current on the code after; the test of each entry
+# (tests/integration/test_same_numbers.py) checks both hashes against their commits and runs stage 1, stage 2 and the
+# evaluation of both on a tiny model: every tensor and figure must be equal to the bit.
+SAME_NUMBERS: dict[str, tuple[str, str, str, str]] = {
+    "6dbee7326402d44022480eb166b93a6dcd13195c32a722f58ae84617be2d9b82": (
+        "5f4a6ddb7cb386dc0a447e66af3a9fe16eb03474e434e62318bd68bef1520ccc",
+        "bcb2e456f2a9f74e22fbb2ed395e11cc7733e357",
+        "5502e66870ee1dfe6d4ecbff04ad76ce18c09909",
+        "issue 53: signatures only (Projections, Shape, DecodeState.empty(shape, ...), keyword-only settings)",
+    ),
+}
 ROWS_DIR = HERE / "reproduce"
 TABLE = HERE / "reproduce_table1.md"
 
@@ -157,14 +172,21 @@ LOCAL = ("run_dir=", "model.path=", "data.source=", "finetune.model=", "eval.mod
 DROPPED = ("correct", "loglik", "per_trial", "config")  # results.json's per-item lists and the whole config
 
 
-def code_hash() -> str:
-    """sha256 over the path and bytes of every .py file of CODE: what a row measured."""
+def code_hash(repo: Path = REPO) -> str:
+    """sha256 over the path and bytes of every .py file of CODE (in `repo`, a checkout): what a row measured."""
     h = hashlib.sha256()
     for root in CODE:
-        path = REPO / root
+        path = repo / root
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
+            h.update(str(f.relative_to(repo)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
+
+
+def same_numbers_as(code: str) -> str:
+    """The oldest code hash that `code` computes the same numbers as (SAME_NUMBERS, followed back; itself when none)."""
+    while code in SAME_NUMBERS:
+        code = SAME_NUMBERS[code][0]
+    return code
 
 
 def commit() -> str:
@@ -231,7 +253,7 @@ def evaluation(b: dict) -> list[str]:
 def measured_root(run_root: Path, budget: str, code: str) -> Path:
     """Where a row's stages run: one directory per budget and code hash, so that a stage finished on other code or at
     another budget (its wall time, its results) is never taken for this one: a stale row runs again from scratch."""
-    return run_root / f"{budget}-{code[:12]}"
+    return run_root / f"{budget}-{same_numbers_as(code)[:12]}"  # (a declared refactor resumes the same runs)
 
 
 def run_row(
@@ -335,7 +357,7 @@ def record(
 def stale(r: dict, b: dict, code: str) -> list[str]:
     """Why a committed row no longer describes the current code and budget (empty: current)."""
     why = []
-    if r["code_hash"] != code:
+    if same_numbers_as(r["code_hash"]) != same_numbers_as(code):
         why.append("the attention or recipe code changed since")
     if r.get("base_budget", r["budget"]) != b:  # (a switched row: the budget it changed)
         why.append("another budget")

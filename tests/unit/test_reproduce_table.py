@@ -84,7 +84,7 @@ def test_a_stale_row_runs_again_from_scratch_and_a_row_whose_code_changes_while_
     code = mod.code_hash()
     here = mod.measured_root(tmp_path, "default", code)
     assert here != mod.measured_root(tmp_path, "default", "0" * 64) != mod.measured_root(tmp_path, "tiny", "0" * 64)
-    assert here.parent == tmp_path and here.name == f"default-{code[:12]}"
+    assert here.parent == tmp_path and here.name == f"default-{mod.same_numbers_as(code)[:12]}"
     results = tmp_path / "results.json"
     results.write_text('{"modes": {}, "verdict": "n/a"}')
     row = mod.record("base", mod.BUDGETS["default"], {}, {"eval": 1.0}, results, None, code)
@@ -194,3 +194,17 @@ def test_a_switch_changes_every_stage_of_its_row_and_shares_stage_1_only_when_it
     assert f"-m experiments.reproduce_table1.run --row {row} --switch steps128 --budget tiny" in text
     with pytest.raises(SystemExit):
         mod.main(["--switch", "steps128", "--table"])  # a switch needs the row it changes
+
+
+def test_a_row_of_code_declared_to_compute_the_same_numbers_stays_current(tmp_path, monkeypatch):
+    """SAME_NUMBERS: a row measured on the code before a declared refactor is current on the code after it (and its
+    runs resume in the same directory); a row of any other code is stale."""
+    mod = reproduce()
+    before, after, other = "1" * 64, "2" * 64, "3" * 64
+    monkeypatch.setattr(mod, "SAME_NUMBERS", {after: (before, "a" * 40, "b" * 40, "a refactor")})
+    b = mod.BUDGETS["default"]
+    row = {"row": "base", "commit": "0123456789ab", "code_hash": before, "budget": b}
+    assert mod.stale(row, b, after) == [] and mod.stale(row, b, before) == []
+    assert mod.stale(row, b, other) == ["the attention or recipe code changed since"]
+    assert mod.stale(row | {"code_hash": after}, b, before) == []
+    assert mod.measured_root(tmp_path, "default", after) == mod.measured_root(tmp_path, "default", before)

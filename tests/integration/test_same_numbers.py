@@ -1,0 +1,86 @@
+"""SAME_NUMBERS (experiments/reproduce_table1/run.py): a change of the code the reproduce rows measure, declared to
+compute the same numbers, keeps their rows current. For every entry: both commits' code hash is the declared one,
+and stage 1, stage 2 and the evaluation of both commits, each run from its own checkout as a user runs them, on a
+tiny model with the window-64 rows' attention (the hybrid's own sinks, exp gamma from 30, the LA decay from a
+horizon) and SSD, give every tensor and every figure equal to the bit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_run_overrides
+from safetensors.torch import load_file
+
+from experiments.reproduce_table1 import run as reproduce
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS_ATTENTION = [
+    "attention.hybrid_sinks=true",
+    "attention.gamma_param=exp",
+    "attention.gamma_init=30.0",
+    "attention.la_decay=true",
+    "attention.la_decay_horizon=16",
+    "eval.la_share_seq_len=64",
+]
+NOT_NUMBERS = ("timings_s", "config", "identity", "model")  # (run paths and wall times)
+
+
+def checkout(commit: str, where: Path) -> Path:
+    """The commit's tracked files in `where` (git archive: no work tree of this clone is touched)."""
+    where.mkdir()
+    archive = subprocess.run(["git", "archive", commit], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def run_stages(tree: Path, model: Path, run: Path) -> tuple[dict, dict]:
+    """Stage 1, stage 2 and the evaluation with `tree`'s code (its own package first on the path); returns
+    ({file: {tensor name: tensor}} of both stages' outputs, the evaluation's figures)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
+    overrides = tiny_run_overrides(model, run, *ROWS_ATTENTION)
+    for stage in ("distill", "finetune", "evaluate"):
+        done = subprocess.run(
+            [sys.executable, "-m", "hybrid_scale.cli", stage, *overrides],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, f"{tree.name}: {stage} failed: {done.stderr[-3000:]}"
+    tensors = {
+        str(f.relative_to(run)): load_file(f)
+        for top in ("stage1/converted", "stage2/output")
+        for f in sorted((run / top).resolve().rglob("*.safetensors"))
+    }
+    results = json.loads((run / "eval" / "results.json").read_text())
+    return tensors, {k: v for k, v in results.items() if k not in NOT_NUMBERS}
+
+
+def test_every_declared_refactor_is_checked():
+    """Every entry names its commits, and the chain ends in a hash no entry maps (no cycle)."""
+    for after, (before, old, new, why) in reproduce.SAME_NUMBERS.items():
+        assert after != before and len(old) == len(new) == 40 and why
+        assert reproduce.same_numbers_as(after) not in reproduce.SAME_NUMBERS
+
+
+@pytest.mark.parametrize("after", list(reproduce.SAME_NUMBERS))
+def test_a_declared_refactor_computes_the_same_numbers(after, tiny_run_model, tmp_path):
+    before, old, new, _ = reproduce.SAME_NUMBERS[after]
+    outputs = []
+    for name, commit, code in (("before", old, before), ("after", new, after)):
+        tree = checkout(commit, tmp_path / name)
+        assert reproduce.code_hash(tree) == code, f"{commit}: its code hash is not the declared {code[:12]}"
+        outputs.append(run_stages(tree, tiny_run_model, tmp_path / f"run_{name}"))
+    (t0, r0), (t1, r1) = outputs
+    assert sorted(t0) == sorted(t1) and t0, "the two commits wrote different files"
+    for f in t0:
+        assert sorted(t0[f]) == sorted(t1[f]), f
+        for n in t0[f]:
+            assert t0[f][n].dtype == t1[f][n].dtype and t0[f][n].equal(t1[f][n]), f"{f}: {n} differs"
+    assert r0 == r1
