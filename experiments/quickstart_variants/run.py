@@ -172,6 +172,14 @@ VARIANTS = {
         ],
     ),
     "quickstart": ("configs/quickstart.yaml as it is (the decay, stage 1 and 2 on 1024-token sequences)", []),
+    "quickstart_h256": (
+        "the quickstart with a decay every head starts with: rho = 1/256 at conversion (issue 52)",
+        ["attention.la_decay_horizon=256"],
+    ),
+    "quickstart_h1024": (
+        "the quickstart with a decay every head starts with: rho = 1/1024 at conversion (issue 52)",
+        ["attention.la_decay_horizon=1024"],
+    ),
 }
 LONG = [  # --long: read to 1024 tokens, 4x the training length
     "eval.ppl_seq_len=1024",
