@@ -176,6 +176,10 @@ VARIANTS = {
         "the quickstart with a decay every head starts with: rho = 1/256 at conversion (issue 52)",
         ["attention.la_decay_horizon=256"],
     ),
+    "quickstart_h64": (
+        "the quickstart with a decay every head starts with: rho = 1/64 at conversion (issue 52)",
+        ["attention.la_decay_horizon=64"],
+    ),
     "quickstart_h1024": (
         "the quickstart with a decay every head starts with: rho = 1/1024 at conversion (issue 52)",
         ["attention.la_decay_horizon=1024"],
