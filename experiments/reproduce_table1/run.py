@@ -514,7 +514,9 @@ def explore_table(rows: dict[str, dict], switched: dict[str, dict], b: dict, cod
     hybrid's normaliser by bucket."""
     w = b["window"]
     flag = "" if budget == "default" else f" --budget {budget}"
-    names = sorted({name.split("@")[0] for name in switched})
+    # every recipe with the main job's attention (issue 52's "SSD or HedgeCATs with the decay"), each followed by its
+    # switched rows
+    names = sorted({name.split("@")[0] for name in switched} | {n for n in rows if n.endswith("+sinks+decay")})
     lines = [
         f"# One switch at a time: does some recipe make the LA worth its place at window {w}? (budget {budget})",
         "",
@@ -525,7 +527,8 @@ def explore_table(rows: dict[str, dict], switched: dict[str, dict], b: dict, cod
         "experiments/reproduce_table1/run.py): " + "; ".join(f"`{k}`: {v[0]}" for k, v in SWITCHES.items()) + ". "
         f"The target (issue 52): the hybrid beats swa_sinks past the window (positions >= {w}) with the gain's 95% "
         "CI above 0, no bucket worse, and an LA share of at least 10% past the window. Per bucket: perplexity "
-        "hybrid / swa_sinks (below 1: the hybrid is better) and the LA's share of the normaliser.",
+        "hybrid / swa_sinks (below 1: the hybrid is better) and the LA's share of the normaliser. Every recipe with "
+        "the main job's attention (+sinks+decay) is here, each followed by its switched rows.",
         "",
         "| row | switch | commit, code | hybrid / swa_sinks ppl past the window | gain [95% CI] | beats swa_sinks | "
         "per bucket: hybrid / swa_sinks | per bucket: LA share | stage 1 / 2 / eval (min) |",
@@ -556,6 +559,7 @@ def explore_table(rows: dict[str, dict], switched: dict[str, dict], b: dict, cod
             )
     lines += ["", "```bash"]
     script = ".venv/bin/python -m experiments.reproduce_table1.run"
+    lines += [f"{script} --row {name}{flag}" for name in names]
     lines += [f"{script} --row {k.split('@')[0]} --switch {k.split('@')[1]}{flag}" for k in sorted(switched)]
     lines += ["```"]
     return "\n".join(lines) + "\n"

@@ -192,6 +192,11 @@ def test_a_switch_changes_every_stage_of_its_row_and_shares_stage_1_only_when_it
     lines = [x for x in text.splitlines() if x.startswith(f"| {row} |")]
     assert [x.split(" | ")[1] for x in lines] == ["-", "features32", "steps128"]
     assert f"-m experiments.reproduce_table1.run --row {row} --switch steps128 --budget tiny" in text
+    other = "hedgecats+sinks+decay"  # every recipe with the main job's attention is a candidate, switched or not
+    text = mod.explore_table({row: plain, other: plain, "hedgecats": plain}, {f"{row}@steps128": more}, b, code, "x")
+    rows = [x.split(" | ")[0] for x in text.splitlines() if "+sinks+decay |" in x]
+    assert rows == [f"| {other}", f"| {row}", f"| {row}"]  # (hedgecats, plain: not a candidate)
+    assert f"-m experiments.reproduce_table1.run --row {other} --budget x" in text
     with pytest.raises(SystemExit):
         mod.main(["--switch", "steps128", "--table"])  # a switch needs the row it changes
 
