@@ -59,10 +59,10 @@ class Projections(NamedTuple):
     fk: torch.Tensor
 
 
-def _nonnegative(theta: torch.Tensor) -> torch.Tensor:
-    """theta clamped at 0 in the forward, with the identity's gradient (straight through): a decay at its bound
-    (rho = 0, the formula without decay) still learns in both directions."""
-    return theta + (theta.clamp(min=0.0) - theta).detach()
+def _at_least(theta: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """theta clamped at `floor` in the forward, with the identity's gradient (straight through): a decay at its bound
+    (rho = 0, the formula without decay, or the floor of la_decay_max_horizon) still learns in both directions."""
+    return theta + (theta.clamp(min=floor) - theta).detach()
 
 
 def _rotate_half(x):
@@ -147,6 +147,7 @@ class HybridAttention(nn.Module):
         hybrid_sinks: bool = False,
         la_decay: bool = False,
         la_decay_horizon: int = 0,
+        la_decay_max_horizon: int = 0,
         mode: str = "hybrid",
         chunk_size: int = 64,
         backend: str = "auto",
@@ -180,10 +181,12 @@ class HybridAttention(nn.Module):
         if la_decay:  # the LA's decay rho per KV head (naive.py): from 0, exactly the hybrid without it, or from
             rho0 = 1.0 / la_decay_horizon if la_decay_horizon else 0.0  # 1/horizon (alpha^horizon = 1/e)
             self.la_decay_rho = nn.Parameter(torch.full((num_kv_heads,), rho0, device=ref.device, dtype=dtype))
+        # the decay's floor: rho >= 1/la_decay_max_horizon in the forward (0: rho >= 0)
+        self.la_decay_floor = 1.0 / la_decay_max_horizon if la_decay_max_horizon else 0.0
 
     SETTINGS = (
         "window", "feature_map", "feature_dim", "gamma_init", "gamma_param", "sinks", "hybrid_sinks", "la_decay",
-        "la_decay_horizon", "mode", "chunk_size", "backend",
+        "la_decay_horizon", "la_decay_max_horizon", "mode", "chunk_size", "backend",
     )  # fmt: skip
     DEFAULTS = {
         "backend": "auto",
@@ -191,6 +194,7 @@ class HybridAttention(nn.Module):
         "gamma_param": "sigmoid",
         "la_decay": False,
         "la_decay_horizon": 0,
+        "la_decay_max_horizon": 0,
     }  # settings that older hybrid_config.json files do not have
 
     @classmethod
@@ -240,14 +244,15 @@ class HybridAttention(nn.Module):
 
     @property
     def la_decay(self) -> torch.Tensor | None:
-        """rho >= 0 per KV head (alpha = exp(-rho)), or None without a decay."""
+        """rho >= its floor (0, or 1/la_decay_max_horizon) per KV head (alpha = exp(-rho)), or None without a decay."""
         rho = getattr(self, "la_decay_rho", None)
-        return None if rho is None else _nonnegative(rho)
+        return None if rho is None else _at_least(rho, self.la_decay_floor)
 
     def extra_repr(self) -> str:
         heads = f", heads={self.head_range[0]}..{self.head_range[1] - 1}" if self.head_range else ""
         own = ", hybrid_sinks=True" if self.hybrid_sinks else ""
         own += ", la_decay=True" if hasattr(self, "la_decay_rho") else ""
+        own += f", la_decay_floor={self.la_decay_floor:.4g}" if self.la_decay_floor else ""
         return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}{own}, mode={self.mode}{heads}"
 
     def attend(

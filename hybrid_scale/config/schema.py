@@ -42,6 +42,10 @@ class AttentionConfig:
     # with la_decay: rho_h of every KV head starts at 1/la_decay_horizon (a key that many tokens past the window
     # counts 1/e); 0 = from rho 0, exactly the hybrid without decay. Read by the conversion (models/convert.py)
     la_decay_horizon: int = 0
+    # with la_decay: every KV head decays at least as fast as 1/la_decay_max_horizon (rho_h >= 1/H, in every stage and
+    # at inference): no key more than about H tokens past the window keeps a weight above 1/e, so the LA's mass stops
+    # growing with the position; 0 = no floor (rho_h >= 0). Read by the attention (attention/hybrid.py)
+    la_decay_max_horizon: int = 0
     # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)

@@ -59,6 +59,12 @@ def _validate_attention(a) -> None:
             "config key 'attention.la_decay_horizon': sets where the LA's decay starts, but attention.la_decay is "
             "false; set attention.la_decay=true or leave la_decay_horizon at 0"
         )
+    _positive("attention.la_decay_max_horizon", a.la_decay_max_horizon, 0)
+    if a.la_decay_max_horizon and not a.la_decay:
+        raise ConfigError(
+            "config key 'attention.la_decay_max_horizon': bounds the LA's decay, but attention.la_decay is false; "
+            "set attention.la_decay=true or leave la_decay_max_horizon at 0"
+        )
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
 

@@ -195,6 +195,36 @@ def test_a_horizon_starts_every_kv_head_at_rho_one_over_it_and_needs_the_decay()
         hs.convert_model(tiny_model("llama"), {"window": W, "la_decay": True, "la_decay_horizon": -1})
 
 
+def test_a_max_horizon_keeps_every_kv_heads_decay_at_least_its_inverse_and_needs_the_decay(tmp_path):
+    """attention.la_decay_max_horizon: the forward's rho is at least 1/H (a head trained towards no decay keeps one),
+    with the identity's gradient (the parameter below the floor still learns); recorded, saved and loaded with the
+    model; without it, the same model is today's (rho >= 0)."""
+    x = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    settings = {"window": W, "sinks": S, "la_decay": True}
+    model = hs.convert_model(tiny_model("llama"), {**settings, "la_decay_max_horizon": 8})
+    plain = hs.convert_model(tiny_model("llama"), settings)
+    m = hybrid_layers(model)[0]
+    with torch.no_grad():
+        m.la_decay_rho.copy_(torch.tensor([0.0, 0.5]))
+        hybrid_layers(plain)[0].la_decay_rho.copy_(torch.tensor([0.0, 0.5]))
+    assert m.la_decay.tolist() == pytest.approx([1 / 8, 0.5])  # the floor, and a faster decay as it is
+    assert hybrid_layers(plain)[0].la_decay.tolist() == pytest.approx([0.0, 0.5])
+    (grad,) = torch.autograd.grad(m.la_decay.sum(), m.la_decay_rho)
+    assert grad.tolist() == [1.0, 1.0]  # straight through: the head at the floor still learns
+    with torch.no_grad():
+        assert not torch.allclose(model(x).logits[:, W + 2 :], plain(x).logits[:, W + 2 :], atol=1e-4)
+    assert model.hybrid_settings["la_decay_max_horizon"] == 8 and "la_decay_floor=0.125" in repr(m)
+    hs.save_converted(model, tmp_path / "m")
+    again = hs.load_converted(tmp_path / "m", dtype=torch.float32)
+    assert hybrid_layers(again)[0].la_decay.tolist() == pytest.approx([1 / 8, 0.5])
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, model(x).logits)
+    with pytest.raises(ConfigError, match="attention.la_decay_max_horizon.*la_decay is false"):
+        hs.convert_model(tiny_model("llama"), {"window": W, "la_decay_max_horizon": 8})
+    with pytest.raises(ConfigError, match="attention.la_decay_max_horizon': must be >= 0"):
+        hs.convert_model(tiny_model("llama"), {**settings, "la_decay_max_horizon": -1})
+
+
 def test_save_load_generate_and_split_heads(tmp_path):
     model = converted(la_decay=True)
     set_modes(model, "hybrid")
