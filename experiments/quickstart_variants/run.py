@@ -180,6 +180,14 @@ VARIANTS = {
         "the quickstart with a decay every head starts with: rho = 1/64 at conversion (issue 52)",
         ["attention.la_decay_horizon=64"],
     ),
+    "quickstart_max256": (
+        "the quickstart with a minimum horizon: every head's rho >= 1/256 (attention.la_decay_max_horizon; issue 52)",
+        ["attention.la_decay_max_horizon=256"],
+    ),
+    "quickstart_max128": (
+        "the quickstart with a minimum horizon: every head's rho >= 1/128 (attention.la_decay_max_horizon; issue 52)",
+        ["attention.la_decay_max_horizon=128"],
+    ),
     "quickstart_h1024": (
         "the quickstart with a decay every head starts with: rho = 1/1024 at conversion (issue 52)",
         ["attention.la_decay_horizon=1024"],

@@ -88,6 +88,12 @@ CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/
 # (tests/integration/test_same_numbers.py) checks both hashes against their commits and runs stage 1, stage 2 and the
 # evaluation of both on a tiny model: every tensor and figure must be equal to the bit.
 SAME_NUMBERS: dict[str, tuple[str, str, str, str]] = {
+    "35de553932e7fdd5b8c7deeda380c58f0aa754c2d0fc36698af46f18679b9cc7": (
+        "6dbee7326402d44022480eb166b93a6dcd13195c32a722f58ae84617be2d9b82",
+        "5502e66870ee1dfe6d4ecbff04ad76ce18c09909",
+        "49ddd57db77ab77618ec2143af6a460a27f5a578",
+        "issue 52: attention.la_decay_max_horizon, off by default (rho >= 0 as before)",
+    ),
     "6dbee7326402d44022480eb166b93a6dcd13195c32a722f58ae84617be2d9b82": (
         "5f4a6ddb7cb386dc0a447e66af3a9fe16eb03474e434e62318bd68bef1520ccc",
         "bcb2e456f2a9f74e22fbb2ed395e11cc7733e357",
