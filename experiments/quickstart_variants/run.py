@@ -188,6 +188,10 @@ VARIANTS = {
         "the quickstart with a minimum horizon: every head's rho >= 1/128 (attention.la_decay_max_horizon; issue 52)",
         ["attention.la_decay_max_horizon=128"],
     ),
+    "quickstart_max64": (
+        "the quickstart with a minimum horizon: every head's rho >= 1/64 (attention.la_decay_max_horizon; issue 52)",
+        ["attention.la_decay_max_horizon=64"],
+    ),
     "quickstart_h1024": (
         "the quickstart with a decay every head starts with: rho = 1/1024 at conversion (issue 52)",
         ["attention.la_decay_horizon=1024"],
