@@ -38,7 +38,7 @@ class Zero3:
     replicated engine instead; `train` makes a training engine with its optimizer over the parameters that require
     grad, and `schedule` builds its learning-rate scheduler over that optimizer (both engines take the same one)."""
 
-    config: dict
+    config: dict | None  # None: no engine (the dry run's stage 2 builds the model alone)
     train: bool = False
     schedule: Callable | None = None
 
@@ -63,10 +63,10 @@ def parallelize(
             model = adapt(model)
     if rt is not None and rt.tp > 1:
         tensor_parallel.apply(model, rt)
-        if train:
+        if train and zero3.config is not None:
             return ReplicatedEngine(model, zero3.config, rt, zero3.schedule), model
-        return None, model.eval()
-    if zero3 is None:
+        return None, model if train else model.eval()
+    if zero3 is None or zero3.config is None:
         return None, model
     deepspeed = import_deepspeed()
     if train:
