@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from . import delta_decode
 from .backends import Shape, get_backend, get_decode, resolve
 from .hybrid import HybridAttention, Projections, hybrid_layers
 from .naive import own_mode
@@ -41,7 +42,9 @@ class HybridCacheLayer(CacheLayerMixin):
 
     def hybrid_attend(self, module: HybridAttention, x: Projections, mask):
         """`module`'s attention of the new tokens' projections `x` (mask [B, T] or None) over this layer's state."""
-        q, k, v, fq, fk = x
+        if module.la_kind == "gated_delta":
+            return self._delta_attend(module, x, mask)
+        q, k, v, fq, fk = x[:5]
         mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
         rho = module.la_decay
         options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
@@ -75,6 +78,39 @@ class HybridCacheLayer(CacheLayerMixin):
             prefill=get_backend(backend),
             **options,
         )
+
+    def _delta_shape(self, module: HybridAttention, dtype: torch.dtype) -> Shape:
+        d = module.head_dim
+        return Shape(
+            module.num_heads, module.num_key_value_heads, d, d, d, module.window, module.sinks, dtype,
+            module.hybrid_sinks, False, "gated_delta", module.la_conv,
+        )  # fmt: skip
+
+    def conv_tails(self, module: HybridAttention, hidden: torch.Tensor):
+        """The decode state's last inputs of gated_delta's short convolution (q's, k's), allocated at the first call;
+        the layer's `project` continues from them and updates them in place."""
+        if self.state is None:
+            self._check(module)
+            self.state = DecodeState.empty(self._delta_shape(module, hidden.dtype), hidden.shape[0], self.capacity,
+                                           hidden.device)  # fmt: skip
+            self.is_initialized = True
+        return self.state.conv_q, self.state.conv_k
+
+    def _delta_attend(self, module: HybridAttention, x: Projections, mask):
+        """The gated delta-rule hybrid over this layer's state (delta_decode.py): its compileable one-token step, or
+        extend."""
+        q, k, v, fq, fk, gates = x
+        opts = dict(window=module.window, mode=module.mode, sinks=module.sinks, hybrid_sinks=module.hybrid_sinks)
+        opts |= dict(la_combine=module.la_combine, attention_mask=mask, scale=module.scaling)
+        if self.state is None:
+            self._check(module)
+            self.state = DecodeState.empty(self._delta_shape(module, q.dtype), q.shape[0], self.capacity, q.device)
+            self.is_initialized = True
+        self._check(module)
+        if q.shape[2] == 1 and self.is_compileable:
+            return delta_decode.step(self.state, q, k, v, fq, fk, gates, module.gamma, **opts)
+        return delta_decode.extend(self.state, q, k, v, fq, fk, gates, module.gamma, chunk_size=module.chunk_size,
+                                   **opts)  # fmt: skip
 
     def _check(self, module: HybridAttention) -> None:
         if module.window != self.window or module.sinks != self.sinks:

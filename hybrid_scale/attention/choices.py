@@ -6,3 +6,5 @@ backends.py (BACKENDS)."""
 MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
 FEATURE_MAPS = ("hedgehog", "exp", "t2r", "relu", "elu1")
 BACKENDS = ("auto", "torch", "triton")  # the values of attention.backend
+LA_KINDS = ("hedgehog", "gated_delta")  # attention.la_kind: the linear part (feature_maps.py; delta.py)
+LA_COMBINES = ("normaliser", "mix")  # attention.la_combine: how gated_delta joins the window (delta.COMBINES)

@@ -29,6 +29,9 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .backends import Shape, get_backend, resolve
+from .choices import LA_COMBINES, LA_KINDS
+from .delta import DeltaGates, delta_hybrid_attention
+from .delta_modules import HORIZON_WINDOWS, DeltaGateProjection, ShortConv
 from .feature_maps import make_feature_map
 from .naive import check_mode, own_mode
 
@@ -50,13 +53,16 @@ def check_gamma(gamma: float, param: str, what: str = "gamma_init") -> None:
 
 class Projections(NamedTuple):
     """A layer's projections of a sequence (HybridAttention.project): q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and
-    their feature maps fq = phi_q(q) [B,H,T,F], fk = phi_k(k) [B,Hkv,T,F]. A tuple: `attend(*x, ...)` takes them."""
+    their feature maps fq = phi_q(q) [B,H,T,F], fk = phi_k(k) [B,Hkv,T,F]; with la_kind gated_delta, fq/fk are the
+    delta rule's queries and keys (q and k before RoPE, through the short convolution when there is one) and `gates`
+    its per-token gates (delta.DeltaGates). A tuple: `attend(*x, ...)` takes them."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     fq: torch.Tensor
     fk: torch.Tensor
+    gates: DeltaGates | None = None
 
 
 def _at_least(theta: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
@@ -81,6 +87,7 @@ def attend(
     v,
     fq,
     fk,
+    gates=None,
     *,
     gamma,
     window,
@@ -93,6 +100,7 @@ def attend(
     backend="auto",
     initial_state=None,
     la_decay=None,
+    la_combine="normaliser",
     return_denominators=False,
 ):
     """Hybrid attention (docs/design.md §2) computed by the backend `backend` resolves to for q's device (see
@@ -104,8 +112,19 @@ def attend(
     attention_mask [B,T] (1 = token, 0 = padding) or None;
     initial_state None or the LA sums (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys before the sequence (see backends.py).
     la_decay rho [Hkv]: the LA's decay per KV head (naive.py; None = off).
+    gates (delta.DeltaGates): the LA is the gated delta rule (la_kind gated_delta) on fq/fk, joined to the window as
+    la_combine says (delta.py); it runs the spec with backend "naive", else the chunked torch form (no initial state,
+    no la_decay: its gates decay it).
     Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
-    of the shared normaliser (unpadded input; the LA-share diagnostic)."""
+    of the shared normaliser (unpadded input; the LA-share diagnostic; with gates the soft and the LA weight)."""
+    if gates is not None:
+        if initial_state is not None or la_decay is not None:
+            raise ValueError("the gated delta-rule LA takes no initial_state and no la_decay (its gates decay it)")
+        return delta_hybrid_attention(
+            q, k, v, fq, fk, gamma, gates, window=window, mode=mode, sinks=sinks, hybrid_sinks=hybrid_sinks,
+            la_combine=la_combine, scale=scale, attention_mask=attention_mask, chunk_size=chunk_size,
+            impl="naive" if backend == "naive" else "chunk", return_denominators=return_denominators,
+        )  # fmt: skip
     mode, hybrid_sinks = own_mode(mode, hybrid_sinks)
     shape = Shape.of(q, k, v, fq, window=window, sinks=sinks, hybrid_sinks=hybrid_sinks, la_decay=la_decay is not None)
     return get_backend(resolve(backend, q.device, shape))(
@@ -148,6 +167,10 @@ class HybridAttention(nn.Module):
         la_decay: bool = False,
         la_decay_horizon: int = 0,
         la_decay_max_horizon: int = 0,
+        la_kind: str = "hedgehog",
+        la_combine: str = "normaliser",
+        la_conv: int = 0,
+        la_delta_horizon: int = 0,
         mode: str = "hybrid",
         chunk_size: int = 64,
         backend: str = "auto",
@@ -171,10 +194,31 @@ class HybridAttention(nn.Module):
         self.backend = backend  # what `attend` runs on: auto | torch | triton or a backends.py name (per call)
         ref = self.q_proj.weight
         dtype = param_dtype or ref.dtype  # fp32 masters for training in half precision; else the projections'
-        self.feature_map_q = make_feature_map(feature_map, num_heads, head_dim, feature_dim)
-        self.feature_map_k = make_feature_map(feature_map, num_kv_heads, head_dim, feature_dim)
-        self.feature_map_q.to(device=ref.device, dtype=dtype)
-        self.feature_map_k.to(device=ref.device, dtype=dtype)
+        if la_kind not in LA_KINDS or la_combine not in LA_COMBINES:
+            raise ValueError(
+                f"la_kind must be one of {', '.join(LA_KINDS)} and la_combine one of {', '.join(LA_COMBINES)}; "
+                f"got {la_kind!r}, {la_combine!r}"
+            )
+        self.la_kind, self.la_combine, self.la_conv = la_kind, la_combine, int(la_conv)
+        self.feature_map_name = feature_map if la_kind == "hedgehog" else "none"
+        if la_kind == "gated_delta":  # its queries and keys are q and k themselves (through the conv); gates (delta.py)
+            if la_decay or la_decay_max_horizon:
+                raise ValueError("la_decay and la_decay_max_horizon are the Hedgehog LA's; gated_delta has its gates")
+            horizon = la_delta_horizon or HORIZON_WINDOWS * int(window)
+            hidden = self.q_proj.in_features if hasattr(self.q_proj, "in_features") else ref.shape[1]
+            self.la_gates = DeltaGateProjection(
+                hidden, num_heads, num_kv_heads, horizon=horizon, mix=la_combine == "mix"
+            ).to(device=ref.device, dtype=dtype)
+            if self.la_conv:
+                self.la_conv_q = ShortConv(num_heads, head_dim, self.la_conv).to(device=ref.device, dtype=dtype)
+                self.la_conv_k = ShortConv(num_kv_heads, head_dim, self.la_conv).to(device=ref.device, dtype=dtype)
+            self.feature_dim = head_dim
+        else:
+            self.feature_map_q = make_feature_map(feature_map, num_heads, head_dim, feature_dim)
+            self.feature_map_k = make_feature_map(feature_map, num_kv_heads, head_dim, feature_dim)
+            self.feature_map_q.to(device=ref.device, dtype=dtype)
+            self.feature_map_k.to(device=ref.device, dtype=dtype)
+            self.feature_dim = self.feature_map_q.feature_dim
         self.gamma_param = gamma_param  # theta -> gamma: sigmoid (LoLCATs, gamma < 1) or exp (unbounded)
         logit = GAMMA_PARAMS[gamma_param][1](gamma_init)
         self.gamma_logit = nn.Parameter(torch.full((num_heads,), logit, device=ref.device, dtype=dtype))
@@ -186,7 +230,8 @@ class HybridAttention(nn.Module):
 
     SETTINGS = (
         "window", "feature_map", "feature_dim", "gamma_init", "gamma_param", "sinks", "hybrid_sinks", "la_decay",
-        "la_decay_horizon", "la_decay_max_horizon", "mode", "chunk_size", "backend",
+        "la_decay_horizon", "la_decay_max_horizon", "la_kind", "la_combine", "la_conv",
+        "la_delta_horizon", "mode", "chunk_size", "backend",
     )  # fmt: skip
     DEFAULTS = {
         "backend": "auto",
@@ -195,6 +240,10 @@ class HybridAttention(nn.Module):
         "la_decay": False,
         "la_decay_horizon": 0,
         "la_decay_max_horizon": 0,
+        "la_kind": "hedgehog",
+        "la_combine": "normaliser",
+        "la_conv": 0,
+        "la_delta_horizon": 0,
     }  # settings that older hybrid_config.json files do not have
 
     @classmethod
@@ -224,8 +273,14 @@ class HybridAttention(nn.Module):
                 f"layer {self.layer_idx}: cannot keep query heads {start}..{stop - 1} of {self.num_heads} in whole "
                 f"groups of {g} per KV head"
             )
-        self.feature_map_q.narrow(start, stop)
-        self.feature_map_k.narrow(start // g, stop // g)
+        if self.la_kind == "gated_delta":
+            self.la_gates.narrow(start, stop, g)
+            if self.la_conv:
+                self.la_conv_q.narrow(start, stop)
+                self.la_conv_k.narrow(start // g, stop // g)
+        else:
+            self.feature_map_q.narrow(start, stop)
+            self.feature_map_k.narrow(start // g, stop // g)
         for name, lo, hi in (("gamma_logit", start, stop), ("la_decay_rho", start // g, stop // g)):
             theta = getattr(self, name, None)
             if theta is not None:
@@ -235,8 +290,15 @@ class HybridAttention(nn.Module):
         self.head_range = (offset + start, offset + stop)
 
     def hybrid_parameters(self):
-        """(name, parameter) of what conversion added: phi_q, phi_k, gamma (not the adopted projections)."""
+        """(name, parameter) of what conversion added: phi_q, phi_k (gated_delta: its gates and convolutions), gamma,
+        the LA decay (not the adopted projections)."""
         return [(n, p) for n, p in self.named_parameters() if not n.split(".")[0].endswith("_proj")]
+
+    def la_parameters(self) -> list[nn.Parameter]:
+        """The LA's own learnable parameters (what distill.train_feature_maps and finetune.train_feature_maps train):
+        phi_q and phi_k, or gated_delta's gates and convolutions."""
+        names = ("feature_map_q", "feature_map_k", "la_gates", "la_conv_q", "la_conv_k")
+        return [p for name in names if hasattr(self, name) for p in getattr(self, name).parameters()]
 
     @property
     def gamma(self) -> torch.Tensor:
@@ -253,6 +315,10 @@ class HybridAttention(nn.Module):
         own = ", hybrid_sinks=True" if self.hybrid_sinks else ""
         own += ", la_decay=True" if hasattr(self, "la_decay_rho") else ""
         own += f", la_decay_floor={self.la_decay_floor:.4g}" if self.la_decay_floor else ""
+        if self.la_kind != "hedgehog":
+            own += f", la_kind={self.la_kind}, la_combine={self.la_combine}" + (
+                f", la_conv={self.la_conv}" * bool(self.la_conv)
+            )
         return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}{own}, mode={self.mode}{heads}"
 
     def attend(
@@ -262,6 +328,7 @@ class HybridAttention(nn.Module):
         v,
         fq,
         fk,
+        gates=None,
         *,
         mode=None,
         gamma=None,
@@ -278,6 +345,16 @@ class HybridAttention(nn.Module):
         """`attend` with this layer's mode, gamma, window, sinks (and its hybrid's own), LA decay, scaling, chunk_size
         and backend; a keyword given
         (not None) replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
+        if gates is not None:  # (the gated delta rule: no decay of the Hedgehog kind)
+            return attend(
+                q, k, v, fq, fk, gates, gamma=self.gamma if gamma is None else gamma,
+                window=self.window if window is None else window, mode=self.mode if mode is None else mode,
+                sinks=self.sinks if sinks is None else sinks, hybrid_sinks=self.hybrid_sinks,
+                scale=self.scaling if scale is None else scale, attention_mask=attention_mask,
+                chunk_size=self.chunk_size if chunk_size is None else chunk_size,
+                backend=self.backend if backend is None else backend, initial_state=initial_state,
+                la_combine=self.la_combine, return_denominators=return_denominators,
+            )  # fmt: skip
         return attend(
             q,
             k,
@@ -298,14 +375,23 @@ class HybridAttention(nn.Module):
             la_decay=self.la_decay if la_decay is None else la_decay,
         )
 
-    def project(self, hidden_states, position_embeddings) -> Projections:
-        """q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and their feature maps."""
+    def project(self, hidden_states, position_embeddings, attention_mask=None, conv_tails=None) -> Projections:
+        """q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and their feature maps (gated_delta: the delta rule's q and k,
+        before RoPE, through the short convolution if any, and the gates). attention_mask [B,T] (padding enters the
+        convolution as zeros) and conv_tails (the decode state's last convolution inputs, updated in place) matter
+        only to gated_delta's convolution."""
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, k, *position_embeddings)
-        return Projections(q, k, v, self.feature_map_q(q), self.feature_map_k(k))
+        q_rot, k_rot = apply_rope(q, k, *position_embeddings)
+        if self.la_kind == "gated_delta":
+            fq, fk = q, k
+            if self.la_conv:
+                tq, tk = conv_tails if conv_tails is not None else (None, None)
+                fq, fk = self.la_conv_q(q, attention_mask, tq), self.la_conv_k(k, attention_mask, tk)
+            return Projections(q_rot, k_rot, v, fq, fk, self.la_gates(hidden_states))
+        return Projections(q_rot, k_rot, v, self.feature_map_q(q_rot), self.feature_map_k(k_rot))
 
     def forward(
         self,
@@ -317,8 +403,9 @@ class HybridAttention(nn.Module):
         **kwargs,
     ):
         B, T, _ = hidden_states.shape
-        x = self.project(hidden_states, position_embeddings)
         layer = cache.layers[self.layer_idx] if cache is not None and self.layer_idx < len(cache.layers) else None
+        tails = layer.conv_tails(self, hidden_states) if self.la_conv and hasattr(layer, "conv_tails") else None
+        x = self.project(hidden_states, position_embeddings, hybrid_mask, tails)
         if hasattr(layer, "hybrid_attend"):  # a HybridCacheLayer (cache.py): the decode state of this layer
             y = layer.hybrid_attend(self, x, hybrid_mask)
         elif cache is not None:

@@ -45,6 +45,9 @@ class DecodeState:
     count: torch.Tensor  # [B] real tokens seen
     seen: torch.Tensor  # [] positions seen, padding included (on the state's device)
     lock: torch.Tensor  # [B * (Hkv + 1)] int32 zeros: the counts a one-launch fused step syncs its programs with
+    gates: torch.Tensor  # [B, Hkv, R, 2] fp32 (beta, log alpha) of the ring's keys (la_kind gated_delta; else 0 wide)
+    conv_q: torch.Tensor  # [B, H, conv - 1, D]: the last inputs of gated_delta's short convolution on q (else empty)
+    conv_k: torch.Tensor  # [B, Hkv, conv - 1, D]: the same for k
     window: int = 0  # the window this state was built for
     capacity: int = 0  # the most the ring may hold: min(window, max_length)
 
@@ -74,6 +77,9 @@ class DecodeState:
             count=torch.zeros(batch, dtype=torch.long, device=device),
             seen=torch.zeros((), dtype=torch.long, device=device),
             lock=torch.zeros(batch * (kv_heads + 1), dtype=torch.int32, device=device),
+            gates=z(batch, kv_heads, ring, 2 if shape.la_kind == "gated_delta" else 0, dt=acc),
+            conv_q=z(batch, shape.heads, max(shape.conv - 1, 0), head_dim),
+            conv_k=z(batch, kv_heads, max(shape.conv - 1, 0), head_dim),
             window=window,
             capacity=capacity,
         )
@@ -110,7 +116,7 @@ class DecodeState:
         """Re-lay the ring out for `size` slots (larger than now); every held key keeps its place r mod size."""
         pos = self.ring_positions()
         slot = torch.where(pos >= 0, torch.remainder(pos, size), size)
-        for name in ("k", "v", "fk"):
+        for name in ("k", "v", "fk", "gates"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:2], size, old.shape[-1])
             setattr(self, name, _scatter_slots(new, slot, old).contiguous())

@@ -46,6 +46,20 @@ class AttentionConfig:
     # at inference): no key more than about H tokens past the window keeps a weight above 1/e, so the LA's mass stops
     # growing with the position; 0 = no floor (rho_h >= 0). Read by the attention (attention/hybrid.py)
     la_decay_max_horizon: int = 0
+    # the linear part: hedgehog (feature maps phi_q . phi_k summed into one state, LoLCATs) | gated_delta (the gated
+    # delta rule of Gated DeltaNet on L2-normalised q and k, a learned write strength and forget gate per token and KV
+    # head: attention/delta.py). gated_delta has no feature map (feature_map, feature_dim and la_decay do not apply)
+    la_kind: str = "hedgehog"
+    # gated_delta: how its read-out joins the window's softmax: normaliser (it counts as gamma keys' worth of mass under
+    # the one normaliser; the window's terms are exp(a - c) <= 1) | mix (y = (1 - m) softmax + m LA, m a gate per query
+    # head and token from the hidden state). Recorded in hybrid_config.json
+    la_combine: str = "normaliser"
+    # gated_delta: taps of a short causal depthwise convolution on the delta rule's q and k (identity at conversion);
+    # 0 = none
+    la_conv: int = 0
+    # gated_delta: its forget gate starts at alpha = exp(-1/la_delta_horizon) (a key that many tokens old counts 1/e
+    # before any overwrite); 0 = 16 windows. Read by the conversion (attention/delta_modules.py)
+    la_delta_horizon: int = 0
     # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)

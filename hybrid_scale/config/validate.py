@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ..attention.choices import BACKENDS as BACKEND_CHOICES
-from ..attention.choices import FEATURE_MAPS, MODES
+from ..attention.choices import FEATURE_MAPS, LA_COMBINES, LA_KINDS, MODES
 from ..errors import ConfigError
 from ..recipes import RECIPES
 from .schema import DEVICES, DTYPES, EVAL_MODES, EVAL_TASKS, JOBS, LAUNCHERS, OBJECTIVES, SSD_GRANULARITY
@@ -65,6 +65,27 @@ def _validate_attention(a) -> None:
             "config key 'attention.la_decay_max_horizon': bounds the LA's decay, but attention.la_decay is false; "
             "set attention.la_decay=true or leave la_decay_max_horizon at 0"
         )
+    _choice("attention.la_kind", a.la_kind, LA_KINDS)
+    _choice("attention.la_combine", a.la_combine, LA_COMBINES)
+    _positive("attention.la_conv", a.la_conv, 0)
+    _positive("attention.la_delta_horizon", a.la_delta_horizon, 0)
+    if a.la_kind == "gated_delta" and a.la_decay:
+        raise ConfigError(
+            "config key 'attention.la_decay': the Hedgehog LA's decay; attention.la_kind=gated_delta has its own "
+            "forget gate (attention.la_delta_horizon sets where it starts): set attention.la_decay=false"
+        )
+    if a.la_kind == "hedgehog":
+        for key in ("la_conv", "la_delta_horizon"):
+            if getattr(a, key):
+                raise ConfigError(
+                    f"config key 'attention.{key}': applies to attention.la_kind=gated_delta only; set "
+                    f"attention.la_kind=gated_delta or leave {key} at 0"
+                )
+        if a.la_combine != "normaliser":
+            raise ConfigError(
+                "config key 'attention.la_combine': applies to attention.la_kind=gated_delta only (the Hedgehog LA "
+                "always shares the normaliser); set attention.la_kind=gated_delta or leave it at normaliser"
+            )
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
 

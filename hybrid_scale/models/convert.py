@@ -46,7 +46,7 @@ def convert_model(model: nn.Module, attention: Mapping[str, Any] | Any = None) -
     attach(model)
     resolved = dict(settings)
     resolved["layers"] = layers
-    resolved["feature_dim"] = decoder.layers[layers[0]].self_attn.feature_map_q.feature_dim if layers else None
+    resolved["feature_dim"] = decoder.layers[layers[0]].self_attn.feature_dim if layers else None
     model.hybrid_settings = resolved
     return model
 

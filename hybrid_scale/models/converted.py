@@ -40,7 +40,10 @@ def load_base_model(path: str | os.PathLike, dtype: torch.dtype, rt: Runtime | N
     config = base_config(path)
     if rt is not None and rt.tp > 1:
         return streaming.split_model(config, streaming.ShardedCheckpoint(Path(path)), dtype, rt)
-    hybrid_keys = [r"\.self_attn\.feature_map_[qk]\.", r"\.self_attn\.(gamma_logit|la_decay_rho)$"]
+    hybrid_keys = [
+        r"\.self_attn\.(feature_map_[qk]|la_gates|la_conv_[qk])\.",
+        r"\.self_attn\.(gamma_logit|la_decay_rho)$",
+    ]
     with _also_ignored(type(config), hybrid_keys):
         return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True)
 
@@ -106,8 +109,11 @@ def describe(model: nn.Module) -> dict:
         mode=first.mode,
         chunk_size=first.chunk_size,
         backend=first.backend,
-        feature_map=first.feature_map_q.name,
-        feature_dim=first.feature_map_q.feature_dim,
+        feature_map=first.feature_map_name,
+        feature_dim=first.feature_dim,
+        la_kind=first.la_kind,
+        la_combine=first.la_combine,
+        la_conv=first.la_conv,
         layers=sorted(layers),
     )
     modes = {i: m.mode for i, m in layers.items()}
