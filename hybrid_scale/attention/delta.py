@@ -34,7 +34,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .naive import EPS, check_mode, compute_dtype, masked_attention, real_positions
+from .chunked import _pack, chunk_hybrid_attention, gather_time
+from .naive import EPS, check_mode, compute_dtype, masked_attention, naive_hybrid_attention, own_mode, real_positions
 
 COMBINES = ("normaliser", "mix")  # the values of attention.la_combine
 
@@ -187,8 +188,6 @@ def _soft_part(q, k, v, *, window, sinks, hybrid_sinks, scale, impl, chunk_size)
         pos = real_positions(None, B, T, q.device)
         y, den, _ = masked_attention(q, k, v, zq, zk, ones, pos, pos, **opts, return_denominators=True)
     else:
-        from .chunked import chunk_hybrid_attention
-
         y, den, _ = chunk_hybrid_attention(
             q, k, v, zq, zk, ones, **opts, chunk_size=chunk_size, return_denominators=True
         )
@@ -215,10 +214,10 @@ def delta_hybrid_attention(
     impl="chunk",
     return_denominators=False,
 ):
-    """The hybrid with a gated delta-rule LA (module doc). q/k/v [B,*,T,D] after RoPE (the softmax part's), fq [B,H,T,Dk]
-    and fk [B,Hkv,T,Dk] the delta rule's L2-normalised queries and keys, gamma [H] > 0 (normaliser: the LA's mass),
-    gates the per-token DeltaGates; impl "naive" (the spec: dense softmax, the recurrent loop) or "chunk" (O(T (w + C))
-    softmax, the WY chunks). Padding anywhere: each row's real tokens are moved to the front, computed, moved back
+    """The hybrid with a gated delta-rule LA (module doc). q/k/v [B,*,T,D] after RoPE (the softmax part's),
+    fq [B,H,T,Dk] and fk [B,Hkv,T,Dk] the delta rule's queries and keys (L2-normalised here), gamma [H] > 0
+    (normaliser: the LA's mass), gates the per-token DeltaGates; impl "naive" (the spec: dense softmax, the recurrent
+    loop) or "chunk" (O(T (w + C)) softmax, the WY chunks). Padding anywhere: each row's real tokens are moved to the front, computed, moved back
     (padded query rows give 0). Returns y [B,H,T,Dv] in q's dtype; with return_denominators (y, soft weight, LA
     weight), each [B,H,T] (module doc: the LA share is LA / (soft + LA))."""
     check_mode(mode)
@@ -227,22 +226,16 @@ def delta_hybrid_attention(
     B, H, T, _ = q.shape
     out_dtype, acc = q.dtype, compute_dtype(q)
     if mode not in ("hybrid", "la_only"):  # no LA: the Hedgehog kind's modes, the same math
-        from .naive import naive_hybrid_attention, own_mode
-
         zq, zk = q.new_zeros(B, H, T, 1), k.new_zeros(B, k.shape[1], T, 1)
         mode = own_mode(mode, hybrid_sinks)[0]  # (swa_only of a hybrid with its own sinks is swa_sinks)
         opts = dict(window=window, mode=mode, sinks=sinks, attention_mask=attention_mask, scale=scale)
         if impl == "naive" or return_denominators:
             return naive_hybrid_attention(q, k, v, zq, zk, gamma, **opts, return_denominators=return_denominators)
-        from .chunked import chunk_hybrid_attention
-
         return chunk_hybrid_attention(q, k, v, zq, zk, gamma, **opts, chunk_size=chunk_size)
     pos = real_positions(attention_mask, B, T, q.device)
     real = pos >= 0
     packed = attention_mask is not None and not bool(real.all())
     if packed:  # real tokens first (stable): positions are then 0..n-1 and padding trails
-        from .chunked import _pack, gather_time
-
         order, inverse = _pack(real)
         q, k, v, fq, fk = (gather_time(t, order) for t in (q, k, v, fq, fk))
         gates = DeltaGates(
@@ -264,8 +257,6 @@ def delta_hybrid_attention(
         has = has_past(pos, window=window, sinks=sinks, hybrid_sinks=hybrid_sinks)
         y, soft_w, lin_w = combine(y_soft, den_soft, o, gamma, gates.mix, has, how=la_combine)
     if packed:
-        from .chunked import gather_time
-
         y = gather_time(y, inverse)
         soft_w, lin_w = (t.gather(2, inverse[:, None].expand(-1, H, -1)) for t in (soft_w, lin_w))
     keep = (pos >= 0) if not packed else real
