@@ -218,7 +218,8 @@ def delta_hybrid_attention(
     fq [B,H,T,Dk] and fk [B,Hkv,T,Dk] the delta rule's queries and keys (L2-normalised here), gamma [H] > 0
     (normaliser: the LA's mass), gates the per-token DeltaGates; impl "naive" (the spec: dense softmax, the recurrent
     loop) or "chunk" (O(T (w + C)) softmax, the WY chunks). Padding anywhere: each row's real tokens are moved to the
-    front, computed, moved back (padded query rows give 0). Returns y [B,H,T,Dv] in q's dtype; with return_denominators (y, soft weight, LA
+    front, computed, moved back (padded query rows give 0). Returns y [B,H,T,Dv] in q's dtype; with
+    return_denominators (y, soft weight, LA
     weight), each [B,H,T] (module doc: the LA share is LA / (soft + LA))."""
     check_mode(mode)
     if la_combine not in COMBINES:
