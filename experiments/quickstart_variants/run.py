@@ -49,6 +49,12 @@ DECAY_1024_E4 = [  # decay_1024b1e4: the decay; stage 1 on 8 x 1024 tokens, one 
     "finetune.seq_len=1024",
     "finetune.global_batch=1",
 ]
+DELTA = [  # issue 59: the quickstart with the gated delta-rule LA in place of Hedgehog + decay
+    "attention.la_kind=gated_delta",
+    "attention.la_decay=false",
+    "attention.la_decay_max_horizon=0",
+    "attention.gamma_init=1.0",
+]
 VARIANTS = {
     # configs/quickstart.yaml as it is now (window 16, the hybrid's sinks, exp gamma from 30, the LA's decay, 1024-token
     # training); issue 27's variants below were written against the quickstart of their time (no sinks, sigmoid gamma):
@@ -196,6 +202,21 @@ VARIANTS = {
         "the quickstart with a decay every head starts with: rho = 1/1024 at conversion (issue 52)",
         ["attention.la_decay_horizon=1024"],
     ),
+    # issue 59: the gated delta rule as the linear part (attention/delta.py), on the quickstart's schedule
+    "delta": (
+        "la_kind gated_delta (normaliser: its read-out counts as gamma = exp(theta) keys' worth, from 1), no Hedgehog "
+        "decay, hybrid-output transfer",
+        DELTA,
+    ),
+    "delta_mix": (
+        "gated_delta as a gated mix of the window's softmax and the LA (mix gate from 0.1)",
+        [*DELTA, "attention.la_combine=mix"],
+    ),  # fmt: skip
+    "delta_conv": (
+        "gated_delta (normaliser) with a 4-tap short convolution on q and k",
+        [*DELTA, "attention.la_conv=4"],
+    ),
+    "delta_g4": ("gated_delta (normaliser), gamma from 4", [*DELTA, "attention.gamma_init=4.0"]),
 }
 LONG = [  # --long: read to 1024 tokens, 4x the training length
     "eval.ppl_seq_len=1024",

@@ -179,6 +179,10 @@ class EvalConfig:
     passkey_trials: int = 20  # prompts per distance (seeded keys and filler)
     # the modes the passkey probe scores; null = the evaluated modes (eval.modes)
     passkey_modes: list[str] | None = None
+    # the associative-recall probe beside the passkey (data/passkey.py: a line of this many key-value pairs, filler,
+    # one key again; answer its value), at eval.passkey_distances x eval.passkey_trials for eval.passkey_modes;
+    # 0 = no recall probe
+    recall_pairs: int = 4
     # ZeRO-3: weights partitioned over the ranks (a model too large for one device); with launch.tensor_parallel > 1
     # the tensor-parallel split does this instead, and setting both is refused
     shard_weights: bool = False

@@ -38,6 +38,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _validate_slurm(cfg)
     _validate_export(cfg.export)
     _validate_log(cfg.log)
+    _validate_la_kind(cfg)
     return cfg
 
 
@@ -108,6 +109,7 @@ def _validate_eval(e) -> None:
     _positive("eval.ppl_sequences", e.ppl_sequences, 0)
     _positive("eval.la_share_seq_len", e.la_share_seq_len, 0)
     _positive("eval.passkey_trials", e.passkey_trials, 0)
+    _positive("eval.recall_pairs", e.recall_pairs, 0)
     for mode in e.passkey_modes or []:
         _choice("eval.passkey_modes", mode, EVAL_MODES)
     for d in e.passkey_distances:
@@ -130,6 +132,22 @@ def _validate_distill(d) -> None:
     _positive("distill.epochs", d.epochs)
     _positive("distill.batch_size", d.batch_size)
     _positive("distill.query_block", d.query_block)
+
+
+def _validate_la_kind(cfg) -> None:
+    """gated_delta has no attention weights to transfer: stage 1's weights_xent (hedgecats, ssd, la_only's recipe
+    objective) has no meaning for it."""
+    if cfg.attention.la_kind != "gated_delta":
+        return
+    d = cfg.distill
+    objectives = {k: v for k, v in (d.objectives or {}).items() if v} or {RECIPES[d.recipe].objective: 1.0}
+    if objectives.get("weights_xent"):
+        via = "distill.objectives" if d.objectives else f"recipe {d.recipe}'s stage-1 objective"
+        raise ConfigError(
+            f"config key 'distill.objectives': weights_xent ({via}) transfers attention weights, which "
+            "attention.la_kind=gated_delta does not have; set distill.objectives={output_mse: 1.0} (the LA alone "
+            "matches the teacher's output) or {hybrid_output_mse: 1.0}"
+        )
 
 
 def _validate_data(data) -> None:

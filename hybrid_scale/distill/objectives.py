@@ -64,11 +64,16 @@ def unit_loss(m, x: Projections, a: int, b: int, seq_len: int, weights: dict[str
     """One unit's share of its sequence's weighted objective (fp32 scalar, summed over the B given sequences).
     x holds the sequence's projections of rows 0..b'-1 for some b' >= b (q, k, v detached); m the layer's
     HybridAttention (its gamma, window, sinks and scaling)."""
-    q, k, v, fq, fk = x
+    q, k, v, fq, fk = x[:5]
     H, d = m.all_heads, q.shape[-1]  # with tensor parallelism q holds this rank's heads: a partial sum over heads
     qa, fqa, kb, vb, fkb = q[:, :, a:b], fq[:, :, a:b], k[:, :, :b], v[:, :, :b], fk[:, :, :b]
     loss = q.new_zeros((), dtype=compute_dtype(q))
     if weights.get("weights_xent"):
+        if x.gates is not None:
+            raise ValueError(
+                "distill objective 'weights_xent' transfers attention weights, which the gated delta rule does not "
+                "have; with attention.la_kind=gated_delta use output_mse and/or hybrid_output_mse"
+            )
         loss = loss + weights["weights_xent"] * xent_rows(qa, kb, fqa, fkb, a, m.scaling).sum() / (H * seq_len)
     if weights.get("output_mse") or weights.get("hybrid_output_mse"):
         with torch.no_grad():
@@ -84,8 +89,13 @@ def unit_attention(m, x: Projections, a: int, b: int, mode: str) -> torch.Tensor
     """Rows a..b-1 of the layer's attention in `mode` (fp32), through its backend (attention.backend): the backend
     attends rows a0..b-1 with a0 = a - w + 1 (every window key of row a on), and the keys before a0 -- all of them
     in P(n) of every row -- enter as the initial LA state (fp32, differentiable). A hybrid with its own sinks attends
-    rows 0..b-1 instead: its rows need the first S keys in their softmax, and no sink in the state."""
-    q, k, v, fq, fk = x
+    rows 0..b-1 instead: its rows need the first S keys in their softmax, and no sink in the state; so does the gated
+    delta rule (its state is a recurrence, not a sum: it runs over keys 0..b-1, in O(b))."""
+    q, k, v, fq, fk, gates = x
+    if gates is not None:
+        cut = type(gates)(*(None if t is None else t[:, :, :b] for t in gates))
+        y = m.attend(q[:, :, :b].float(), k[:, :, :b], v[:, :, :b], fq[:, :, :b], fk[:, :, :b], cut, mode=mode)
+        return y[:, :, a:]
     a0 = 0 if (mode == "hybrid" and m.hybrid_sinks) else max(0, a - m.window + 1)
     state = None
     if a0 > 0:

@@ -32,11 +32,11 @@ from .state import Stage1
 
 
 def trainable(m: HybridAttention, cfg: Config, derived: Derived) -> list[torch.nn.Parameter]:
-    """What stage 1 trains of a layer: its feature maps, gamma (as resolved), the LA decay under an objective that
-    runs the LA through it."""
+    """What stage 1 trains of a layer: its feature maps (gated_delta: its gates and convolutions), gamma (as resolved),
+    the LA decay under an objective that runs the LA through it."""
     params, weights = [], derived.objectives
     if cfg.distill.train_feature_maps:
-        params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
+        params += m.la_parameters()
     if derived.train_gamma:
         params.append(m.gamma_logit)
     if m.la_decay is not None and (weights.get("hybrid_output_mse") or weights.get("output_mse")):

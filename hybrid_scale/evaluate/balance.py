@@ -134,15 +134,17 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
     share, effect, horizon = {}, {}, {}
     for i, m in sorted(layers.items()):
         hidden, rope = captured[i]
-        q, k, v, fq, fk = m.project(hidden, rope)
+        x = m.project(hidden, rope)  # (with la_kind gated_delta, x carries its gates too)
         with gathered(m):  # gamma is the module's own parameter: whole only inside its forward under ZeRO-3
             gamma = m.gamma.detach().clone()
             rho = None if m.la_decay is None else m.la_decay.detach().clone()
         if rho is not None:  # 1/rho: tokens past the window over which a key's LA weight falls by e (None: no decay)
             horizon[i] = [1.0 / r if r > 0 else None for r in rho.tolist()]
-        y, soft, lin = m.attend(q, k, v, fq, fk, gamma=gamma, mode="hybrid", return_denominators=True, la_decay=rho)
-        y_swa = m.attend(q, k, v, fq, fk, gamma=gamma, mode="swa_only", la_decay=rho)
-        ratio = (lin / (soft + lin)).float()  # [B, H, T]
+        y, soft, lin = m.attend(*x, gamma=gamma, mode="hybrid", return_denominators=True, la_decay=rho)
+        y_swa = m.attend(*x, gamma=gamma, mode="swa_only", la_decay=rho)
+        # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/delta.py) its read-out's
+        # gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
+        ratio = (lin / (soft + lin).clamp_min(1e-30)).float()  # [B, H, T]
         diff = (y - y_swa).float().pow(2).sum(-1)  # [B, H, T]
         norm = y.float().pow(2).sum(-1)
         share[i], effect[i] = {}, {}

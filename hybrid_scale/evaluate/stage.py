@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from functools import partial
@@ -243,6 +244,10 @@ def _evaluate(entry: Entry) -> dict:
             t0 = time.perf_counter()
             _passkey(results, src)
             results["timings_s"]["passkey"] = time.perf_counter() - t0
+            if evaluation.recall_pairs:
+                t0 = time.perf_counter()
+                _passkey(results, src, "recall")
+                results["timings_s"]["recall"] = time.perf_counter() - t0
         _verdict(results)
         cells.finish()
     finally:
@@ -426,9 +431,10 @@ def astuple_shallow(src: Sources) -> tuple:
     return tuple(getattr(src, f.name) for f in dataclasses.fields(src))
 
 
-def _passkey(results: dict, src: Sources) -> None:
-    """The passkey cells, one per mode of eval.passkey_modes: retrieval at each distance on seeded prompts whose
-    filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
+def _passkey(results: dict, src: Sources, probe: str = "passkey") -> None:
+    """The passkey cells (or with probe="recall" the associative-recall cells: data/passkey.py), one per mode of
+    eval.passkey_modes: retrieval at each distance on seeded prompts whose filler is the report text. Rank 0 computes
+    them, every rank when the weights are sharded or split."""
     cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
     evaluation = cfg.eval
     here = rt.main or evaluation.shard_weights or rt.tp > 1
@@ -436,9 +442,11 @@ def _passkey(results: dict, src: Sources) -> None:
     lead = _probe_lead(cfg, models)
     try:
         filler = tokenizer.encode(text)
-        items = passkey.probes(
-            tokenizer, filler, evaluation.passkey_distances, evaluation.passkey_trials, cfg.seed, lead
-        )
+        args = (tokenizer, filler, evaluation.passkey_distances, evaluation.passkey_trials, cfg.seed, lead)
+        if probe == "recall":
+            items = passkey.recall_probes(*args, pairs=evaluation.recall_pairs)
+        else:
+            items = passkey.probes(*args)
     except ValueError as err:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
     key = {
@@ -448,23 +456,27 @@ def _passkey(results: dict, src: Sources) -> None:
         "trials": evaluation.passkey_trials,
     }
     key |= {"seed": cfg.seed, "lead": lead, "prompts": digest([p.ids for p in items])}
+    key |= {"probe": probe} if probe != "passkey" else {}  # (the passkey cells' keys stay as they were)
     by_mode, modes = {}, passkey.probe_modes(evaluation)
     for mode in modes:
         if twin := models.twin(mode, modes[: modes.index(mode)]):
             by_mode[mode] = by_mode[twin]
-            cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its passkey retrieval is {twin}'s")
+            cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its {probe} retrieval is {twin}'s")
             continue
-        score = partial(_passkey_mode, models, mode, items, rt, evaluation.progress)
-        by_mode[mode] = cells.result(f"passkey.{mode}", {**key, "mode": mode}, score, here)
+        score = partial(_passkey_mode, models, mode, items, rt, evaluation.progress, probe)
+        by_mode[mode] = cells.result(f"{probe}.{mode}", {**key, "mode": mode}, score, here)
     if here:
-        results["passkey"] = {
+        digits = passkey.RECALL_DIGITS if probe == "recall" else passkey.DIGITS
+        results[probe] = {
             "distances": list(evaluation.passkey_distances),
             "trials": evaluation.passkey_trials,
-            "digits": passkey.DIGITS,
-            "chance": {"exact": 10.0**-passkey.DIGITS, "loglik": passkey.CHANCE_LOGLIK},
+            "digits": digits,
+            "chance": {"exact": 10.0**-digits, "loglik": digits * math.log(0.1)},
             "by_mode": by_mode,
             "sanity": retrieval.sanity(by_mode, results["window"]),
         }
+        if probe == "recall":
+            results[probe]["pairs"] = evaluation.recall_pairs
 
 
 def _probe_lead(cfg: Config, models) -> int:
@@ -472,8 +484,8 @@ def _probe_lead(cfg: Config, models) -> int:
     return max(passkey.LEAD, models.sinks()[0])
 
 
-def _passkey_mode(models: Models, mode: str, items: list, rt, progress: bool) -> dict:
-    with tqdm(total=len(items), desc=f"{mode:>10} passkey", disable=not (progress and rt.main), unit="prompt") as bar:
+def _passkey_mode(models: Models, mode: str, items: list, rt, progress: bool, probe: str = "passkey") -> dict:
+    with tqdm(total=len(items), desc=f"{mode:>10} {probe}", disable=not (progress and rt.main), unit="prompt") as bar:
         return retrieval.score_probes(models.get(mode), items, rt.device, PASSKEY_TOKENS, bar)
 
 

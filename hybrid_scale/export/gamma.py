@@ -31,7 +31,15 @@ def gamma_parts(m: HybridAttention, x: Projections) -> tuple[torch.Tensor, ...]:
     """The hybrid output as a function of gamma, from one pass at the layer's own gamma g0: the shared normaliser
     gives y(gamma) = (r * num_soft + num_lin) / (r * den_soft + den_lin + EPS) with r = gamma / g0 per head, where
     num_soft, den_soft are the window part at g0 and num_lin, den_lin the LA part (which gamma does not touch).
-    Returns (g0 [H], num_soft, num_lin [B,H,T,D], den_soft, den_lin [B,H,T,1]), all fp32."""
+    With la_kind gated_delta (attention/delta.py) gamma is the LA's mass instead: r scales the LA part
+    (y = (num_soft + r num_lin) / (den_soft + r den_lin)); its la_combine=mix has no gamma to fit.
+    Returns (g0 [H], num_soft, num_lin [B,H,T,D], den_soft, den_lin [B,H,T,1], whether gamma scales the LA part), the
+    tensors fp32."""
+    if m.la_kind == "gated_delta" and m.la_combine != "normaliser":
+        raise ValueError(
+            "export.gamma=calibrated fits gamma, which attention.la_combine=mix does not use (its mix gate weighs the "
+            "LA); export with export.gamma=trained"
+        )
     with torch.no_grad():
         g0 = m.gamma.detach().float()
         y, soft, lin = m.attend(*x, gamma=g0, mode="hybrid", return_denominators=True)
@@ -39,13 +47,15 @@ def gamma_parts(m: HybridAttention, x: Projections) -> tuple[torch.Tensor, ...]:
         soft, lin = soft.float()[..., None], lin.float()[..., None]
         num_soft = y_soft.float() * (soft + EPS)
         num_lin = y.float() * (soft + lin + EPS) - num_soft
-    return g0, num_soft, num_lin, soft, lin
+    return g0, num_soft, num_lin, soft, lin, m.la_kind == "gated_delta"
 
 
 def hybrid_at(gamma: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The hybrid output at `gamma` [H] from gamma_parts (differentiable in gamma)."""
-    g0, num_soft, num_lin, soft, lin = parts
+    g0, num_soft, num_lin, soft, lin, scales_la = parts
     r = (gamma / g0).view(1, -1, 1, 1)
+    if scales_la:
+        return (num_soft + r * num_lin) / (soft + r * lin + EPS)
     return (r * num_soft + num_lin) / (r * soft + lin + EPS)
 
 
