@@ -142,8 +142,8 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
             horizon[i] = [1.0 / r if r > 0 else None for r in rho.tolist()]
         y, soft, lin = m.attend(*x, gamma=gamma, mode="hybrid", return_denominators=True, la_decay=rho)
         y_swa = m.attend(*x, gamma=gamma, mode="swa_only", la_decay=rho)
-        # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/delta.py) its read-out's
-        # gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
+        # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/delta.py) its
+        # read-out's gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
         ratio = (lin / (soft + lin).clamp_min(1e-30)).float()  # [B, H, T]
         diff = (y - y_swa).float().pow(2).sum(-1)  # [B, H, T]
         norm = y.float().pow(2).sum(-1)
