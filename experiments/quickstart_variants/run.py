@@ -226,6 +226,12 @@ LONG = [  # --long: read to 1024 tokens, 4x the training length
     "eval.passkey_modes=[hybrid,swa_sinks]",
     "eval.modes=[base,hybrid,swa_only,swa_sinks]",
 ]
+RETRIEVAL = [  # --retrieval (issue 59): passkey and associative recall at 1-4 and 8 windows (16) and at 256, every mode
+    "eval.passkey_distances=[16,32,48,64,128,256]",
+    "eval.passkey_trials=10",
+    "eval.passkey_modes=[base,hybrid,swa_only,swa_sinks,la_only]",
+    "eval.modes=[base,hybrid,swa_only,swa_sinks,la_only]",
+]
 EVAL = [
     "eval.tasks=[]",
     "eval.passkey_distances=[]",
@@ -234,14 +240,18 @@ EVAL = [
 ]
 
 
-def run_variant(name: str, overrides: list[str], out: Path, long: bool = False) -> dict:
+def run_variant(name: str, overrides: list[str], out: Path, long: bool = False, retrieval: bool = False) -> dict:
     run = out / name
     done = run / "variant.json"
     if done.is_file():
         return json.loads(done.read_text())
     common = ["quickstart.yaml", f"run_dir={run}", *overrides]
     times = {}
-    for stage, extra in (("distill", []), ("finetune", []), ("evaluate", EVAL + (LONG if long else []))):
+    for stage, extra in (
+        ("distill", []),
+        ("finetune", []),
+        ("evaluate", EVAL + (LONG if long else []) + (RETRIEVAL if retrieval else [])),
+    ):
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "hybrid_scale", stage, *common, *extra], text=True,
                               capture_output=True)  # fmt: skip
@@ -260,6 +270,9 @@ def run_variant(name: str, overrides: list[str], out: Path, long: bool = False) 
         "la_share": r.get("la_share", {}).get("share"),
         "passkey": {
             m: {d: c["exact"] for d, c in by.items()} for m, by in r.get("passkey", {}).get("by_mode", {}).items()
+        },
+        "recall": {
+            m: {d: c["exact"] for d, c in by.items()} for m, by in r.get("recall", {}).get("by_mode", {}).items()
         },
         "times_s": times,
     }
@@ -312,19 +325,39 @@ def long_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def retrieval_table(results: list[dict]) -> str:
+    """--retrieval: exact match (%) of the passkey and the associative-recall probe per mode and distance."""
+    lines = []
+    for r in results:
+        for probe in ("passkey", "recall"):
+            by = r.get(probe) or {}
+            if not by:
+                continue
+            distances = sorted({int(d) for m in by.values() for d in m})
+            head = "| mode | " + " | ".join(map(str, distances)) + " |"
+            lines += [f"\n{r['name']}: {probe} exact match (%)", "", head, "|---|" + "---|" * len(distances)]
+            for mode, cells in by.items():
+                lines.append(f"| {mode} | " + " | ".join(f"{100 * cells[str(d)]:.0f}" for d in distances) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/variants", help="where each variant's run directory goes")
     p.add_argument("--only", nargs="*", choices=list(VARIANTS), help="run only these variants")
     p.add_argument("--long", action="store_true", help="read each variant to 1024 tokens (and passkey to 768)")
+    p.add_argument("--retrieval", action="store_true",
+                   help="passkey and recall at 16-64, 128 and 256 tokens for every mode (issue 59)")  # fmt: skip
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in a.only or VARIANTS:
-        results.append(run_variant(name, VARIANTS[name][1], out, a.long))
+        results.append(run_variant(name, VARIANTS[name][1], out, a.long, a.retrieval))
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(long_table(results) if a.long else table(results))
+    if a.retrieval:
+        print(retrieval_table(results))
     return 0
 
 
