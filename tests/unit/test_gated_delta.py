@@ -270,7 +270,7 @@ def test_the_hybrid_reads_the_state_of_the_keys_that_left_the_window():
     mix = DeltaGates(*x[6:]).mix
     for n in (w, w + 3, 29):
         S = recurrent_gated_delta(
-            l2norm(x[3][:, :, :1]), l2norm(x[4][:, :, : n - w + 1]), x[2][:, :, : n - w + 1],
+            l2norm(x[3][:, :, : n - w + 1]), l2norm(x[4][:, :, : n - w + 1]), x[2][:, :, : n - w + 1],
             x[6][:, :, : n - w + 1], x[7][:, :, : n - w + 1],
         )[1]  # fmt: skip
         read = torch.einsum("bhgk,bhkv->bhgv", l2norm(x[3][:, :, n]).view(1, 2, 2, -1), S).reshape(1, 4, -1)
