@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from . import delta_decode
 from .backends import Shape, get_backend, get_decode, resolve
+from .delta_decode import extend as delta_extend
+from .delta_decode import step as delta_step
 from .hybrid import HybridAttention, Projections, hybrid_layers
 from .naive import own_mode
 from .recurrent import DecodeState, extend, step
@@ -108,8 +109,8 @@ class HybridCacheLayer(CacheLayerMixin):
             self.is_initialized = True
         self._check(module)
         if q.shape[2] == 1 and self.is_compileable:
-            return delta_decode.step(self.state, q, k, v, fq, fk, gates, module.gamma, **opts)
-        return delta_decode.extend(self.state, q, k, v, fq, fk, gates, module.gamma, chunk_size=module.chunk_size,
+            return delta_step(self.state, q, k, v, fq, fk, gates, module.gamma, **opts)
+        return delta_extend(self.state, q, k, v, fq, fk, gates, module.gamma, chunk_size=module.chunk_size,
                                    **opts)  # fmt: skip
 
     def _check(self, module: HybridAttention) -> None:

@@ -126,7 +126,65 @@ def chunk_gated_delta(q, k, v, beta, g, *, initial_state=None, chunk_size=64):
     return o, S
 
 
-IMPLS = {"naive": recurrent_gated_delta, "chunk": chunk_gated_delta}
+def fla_gated_delta(q, k, v, beta, g, *, initial_state=None, chunk_size=64):
+    """The same recurrence by fla-core's Triton kernel `chunk_gated_delta_rule` (CUDA; scale 1, q and k normalised by
+    the caller), each KV head's keys, values and gates repeated over its query group (fla has a state per head; the
+    group's states stay equal). Same result as recurrent_gated_delta, in fp32."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    B, Hkv, T, _ = k.shape
+    G = q.shape[1] // Hkv
+    acc = compute_dtype(q)
+    heads = lambda t: t.to(acc).repeat_interleave(G, 1).transpose(1, 2).contiguous()  # noqa: E731
+    S0 = None if initial_state is None else initial_state.to(acc).repeat_interleave(G, 1)
+    o, S = chunk_gated_delta_rule(
+        q.to(acc).transpose(1, 2).contiguous(), heads(k), heads(v), heads(g), heads(beta), scale=1.0,
+        initial_state=S0, output_final_state=True,
+    )  # fmt: skip
+    return o.transpose(1, 2), S.view(B, Hkv, G, *S.shape[-2:])[:, :, 0]
+
+
+_FLA_CHECKED: dict[str, str | None] = {}  # device -> None when fla's kernel matched the chunked form there, else why
+
+
+def fla_usable(device: torch.device) -> bool:
+    """Whether fla's kernel imports and agrees with the chunked torch form on `device` (a forward and every gradient
+    on a small input, once per device); on a failure a warning says why and the torch form is used. fla-core 0.6.0 is
+    known to fail the backward on Hopper with triton < 3.7.1 when gates are passed: this check catches that."""
+    key = str(device)
+    if key not in _FLA_CHECKED:
+        _FLA_CHECKED[key] = _fla_self_check(device)
+        if _FLA_CHECKED[key] is not None:
+            import warnings
+
+            warnings.warn(f"fla's chunk_gated_delta_rule is not used on {key} ({_FLA_CHECKED[key]}); the chunked "
+                          "torch form runs instead", stacklevel=3)  # fmt: skip
+    return _FLA_CHECKED[key] is None
+
+
+def _fla_self_check(device: torch.device) -> str | None:
+    try:
+        gen = torch.Generator().manual_seed(0)
+        B, H, Hkv, T, D = 1, 4, 2, 150, 64
+        x = [l2norm(torch.randn(B, H, T, D, generator=gen)), l2norm(torch.randn(B, Hkv, T, D, generator=gen)),
+             torch.randn(B, Hkv, T, D, generator=gen), torch.rand(B, Hkv, T, generator=gen),
+             -0.1 * torch.rand(B, Hkv, T, generator=gen)]  # fmt: skip
+        results = []
+        for fn in (fla_gated_delta, chunk_gated_delta):
+            with torch.enable_grad():
+                leaves = [t.to(device).requires_grad_() for t in x]
+                o, S = fn(*leaves)
+                results.append([o, S, *torch.autograd.grad(o.square().sum() + S.square().sum(), leaves)])
+        for what, a, b in zip(("output", "state", "dq", "dk", "dv", "dbeta", "dg"), *results, strict=True):
+            err, scale = (a - b).abs().max().item(), b.abs().max().item()
+            if not err <= 1e-2 * (1 + scale):
+                return f"{what} differs by {err:.3g} (of {scale:.3g})"
+    except Exception as e:  # noqa: BLE001  (not installed, no driver, a kernel that fails: reported, not raised)
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    return None
+
+
+IMPLS = {"naive": recurrent_gated_delta, "chunk": chunk_gated_delta, "fla": fla_gated_delta}
 
 
 def lagged_delta(q, k, v, beta, g, *, lag, initial_state=None, impl="chunk", chunk_size=64):
@@ -134,8 +192,10 @@ def lagged_delta(q, k, v, beta, g, *, lag, initial_state=None, impl="chunk", chu
     hybrid's read-out (lag = the window) or the LA alone (lag 0). Runs the recurrence with queries moved lag steps
     earlier. Returns o [B,H,T,Dv] (fp32)."""
     T = q.shape[2]
+    if impl == "chunk" and q.is_cuda and fla_usable(q.device):  # fla-core's kernel where it runs and agrees
+        impl = "fla"
     fn = IMPLS[impl]
-    opts = {"chunk_size": chunk_size} if impl == "chunk" else {}
+    opts = {"chunk_size": chunk_size} if impl != "naive" else {}
     if lag == 0:
         return fn(q, k, v, beta, g, initial_state=initial_state, **opts)[0]
     early = F.pad(q[:, :, lag:], (0, 0, 0, min(lag, T)))  # query i + lag asked at step i

@@ -200,7 +200,7 @@ class HybridAttention(nn.Module):
                 f"got {la_kind!r}, {la_combine!r}"
             )
         self.la_kind, self.la_combine, self.la_conv = la_kind, la_combine, int(la_conv)
-        self.feature_map_name = feature_map if la_kind == "hedgehog" else "none"
+        self.feature_map_name = feature_map  # (recorded as configured; gated_delta has no feature map)
         if la_kind == "gated_delta":  # its queries and keys are q and k themselves (through the conv); gates (delta.py)
             if la_decay or la_decay_max_horizon:
                 raise ValueError("la_decay and la_decay_max_horizon are the Hedgehog LA's; gated_delta has its gates")

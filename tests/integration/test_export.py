@@ -387,3 +387,43 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
     )["modes"]["hybrid"]["piqa"]["loglik"]
     assert sorted(theirs) == list(range(n))
     assert torch.allclose(torch.tensor([theirs[i] for i in range(n)]), torch.tensor(ours), atol=1e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def trained_delta(smollm2, trained, tmp_path_factory):
+    """The same stage-2-like model with the gated delta-rule LA (its gates and a short convolution, the own sinks)."""
+    root = tmp_path_factory.mktemp("export_delta")
+    model = tiny_model("llama", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    save_stage2_like(model, root / "stage2_best", trained / "base", hybrid_sinks=True, la_kind="gated_delta", la_conv=4,
+                     la_combine="mix")  # fmt: skip
+    shutil.copy(trained / "text.txt", root / "text.txt")
+    return root
+
+
+def test_gated_delta_export_runs_its_remote_code_alone_and_matches_the_toolkit(trained_delta, tmp_path):
+    """The export's remote code (torch only) runs the gated delta rule: logits, padding, la_only, greedy and compiled
+    generation equal the toolkit's model."""
+    out = tmp_path / "export"
+    export(cfg(trained_delta, out))
+    config = json.loads((out / "config.json").read_text())["hybrid"]
+    assert (config["la_kind"], config["la_combine"], config["la_conv"]) == ("gated_delta", "mix", 4)
+    torch.save(ids(), tmp_path / "ids.pt")
+    (tmp_path / "load.py").write_text(ISOLATED)
+    proc = subprocess.run(
+        [sys.executable, "-I", "load.py", str(out), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    ref = hs.load_converted(trained_delta / "stage2_best", dtype=torch.float32)
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
+        assert torch.allclose(got["padded"], ref(x, attention_mask=mask).logits, atol=1e-5)
+        with hs.components(ref, "la_only"):
+            assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
+    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    assert torch.equal(got["compiled"], got["gen"])

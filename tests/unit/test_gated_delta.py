@@ -277,3 +277,24 @@ def test_the_hybrid_reads_the_state_of_the_keys_that_left_the_window():
         lam = mix[:, :, n, None]
         want = (1 - lam) * soft[:, :, n] + lam * read
         torch.testing.assert_close(la[:, :, n], want, rtol=0, atol=1e-10)
+
+
+def test_fla_kernel_is_refused_with_a_reason_where_it_cannot_run():
+    """On this CPU fla's Triton kernel cannot launch: the self-check says why and the chunked torch form is used."""
+    from hybrid_scale.attention import delta
+
+    assert delta._fla_self_check(torch.device("cpu")) is not None
+
+
+@pytest.mark.gpu
+def test_fla_kernel_equals_the_spec_on_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hybrid_scale.attention import delta
+
+    x = {k: t.float().cuda() for k, t in rule_inputs(T=150, D=64, Dv=64).items()}
+    assert delta._fla_self_check(torch.device("cuda")) is None
+    o, S = delta.fla_gated_delta(**x)
+    o_ref, S_ref = recurrent_gated_delta(**x)
+    torch.testing.assert_close(o, o_ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(S, S_ref, rtol=1e-3, atol=1e-3)
