@@ -36,33 +36,37 @@ def _inverse_softplus(y: float) -> float:
 
 class DeltaGateProjection(nn.Module):
     """beta [B,Hkv,T] = sigmoid(x W_b + c_b), g = log alpha = -softplus(x W_a + c_a) [B,Hkv,T], and with `mix` the
-    mix gate [B,H,T] = sigmoid(x W_m + c_m), from the layer's input hidden state x [B,T,hidden]."""
+    mix gate [B,H,T] = sigmoid(x W_m + c_m), from the layer's input hidden state x [B,T,hidden]. One weight and bias
+    per gate, heads first (tensor parallelism splits and gathers them along dim 0, as it does phi and gamma)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, *, horizon: float, mix: bool):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.mix = num_heads, num_kv_heads, bool(mix)
-        rows = 2 * num_kv_heads + (num_heads if mix else 0)
-        self.weight = nn.Parameter(torch.zeros(rows, hidden))
-        bias = [_logit(BETA_INIT)] * num_kv_heads + [_inverse_softplus(1.0 / horizon)] * num_kv_heads
-        bias += [_logit(MIX_INIT)] * (num_heads if mix else 0)
-        self.bias = nn.Parameter(torch.tensor(bias))
+        self.beta_weight = nn.Parameter(torch.zeros(num_kv_heads, hidden))
+        self.beta_bias = nn.Parameter(torch.full((num_kv_heads,), _logit(BETA_INIT)))
+        self.decay_weight = nn.Parameter(torch.zeros(num_kv_heads, hidden))
+        self.decay_bias = nn.Parameter(torch.full((num_kv_heads,), _inverse_softplus(1.0 / horizon)))
+        if self.mix:
+            self.mix_weight = nn.Parameter(torch.zeros(num_heads, hidden))
+            self.mix_bias = nn.Parameter(torch.full((num_heads,), _logit(MIX_INIT)))
+
+    def _gate(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        w, b = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
+        return F.linear(x, w.to(x.dtype), b.to(x.dtype)).float().transpose(1, 2)  # [B, heads, T]
 
     def forward(self, x: torch.Tensor) -> DeltaGates:
-        u = F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype)).float().transpose(1, 2)  # [B, rows, T]
-        n = self.num_kv_heads
-        beta, g = torch.sigmoid(u[:, :n]), -F.softplus(u[:, n : 2 * n])
-        return DeltaGates(beta, g, torch.sigmoid(u[:, 2 * n :]) if self.mix else None)
+        beta, g = torch.sigmoid(self._gate(x, "beta")), -F.softplus(self._gate(x, "decay"))
+        return DeltaGates(beta, g, torch.sigmoid(self._gate(x, "mix")) if self.mix else None)
 
     def narrow(self, start: int, stop: int, group: int) -> None:
         """Keep query heads start..stop-1 and their KV heads (tensor parallelism)."""
-        n, lo, hi = self.num_kv_heads, start // group, stop // group
-        rows = list(range(lo, hi)) + list(range(n + lo, n + hi))
-        rows += [2 * n + h for h in range(start, stop)] if self.mix else []
-        idx = torch.tensor(rows, device=self.weight.device)
-        for name in ("weight", "bias"):
-            p = getattr(self, name)
-            setattr(self, name, nn.Parameter(p.detach()[idx].clone(), requires_grad=p.requires_grad))
-        self.num_heads, self.num_kv_heads = stop - start, hi - lo
+        parts = [("beta", start // group, stop // group), ("decay", start // group, stop // group)]
+        parts += [("mix", start, stop)] if self.mix else []
+        for gate, lo, hi in parts:
+            for name in (f"{gate}_weight", f"{gate}_bias"):
+                p = getattr(self, name)
+                setattr(self, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+        self.num_heads, self.num_kv_heads = stop - start, (stop - start) // group
 
 
 class ShortConv(nn.Module):

@@ -71,6 +71,16 @@ def _at_least(theta: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
     return theta + (theta.clamp(min=floor) - theta).detach()
 
 
+def _local(x):
+    """x itself, or under tensor parallelism (a replicated DTensor) this rank's copy, whose gradient is a partial sum
+    over the ranks (each rank computes its own heads from it, as the column-split projections do)."""
+    if not hasattr(x, "to_local"):
+        return x
+    from torch.distributed.tensor import Partial
+
+    return x.to_local(grad_placements=[Partial()] * len(x.placements))
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -390,7 +400,7 @@ class HybridAttention(nn.Module):
             if self.la_conv:
                 tq, tk = conv_tails if conv_tails is not None else (None, None)
                 fq, fk = self.la_conv_q(q, attention_mask, tq), self.la_conv_k(k, attention_mask, tk)
-            return Projections(q_rot, k_rot, v, fq, fk, self.la_gates(hidden_states))
+            return Projections(q_rot, k_rot, v, fq, fk, self.la_gates(_local(hidden_states)))
         return Projections(q_rot, k_rot, v, self.feature_map_q(q_rot), self.feature_map_k(k_rot))
 
     def forward(

@@ -32,6 +32,10 @@ def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_model
     assert out["train_logits"] == ["DTensor", [2, 16, 64]]  # no rank holds the whole logits
     assert out["trainable"] == 36 and out["grads"] <= 1e-6  # LoRA's every factor, phi, gamma and rho, whole vs split
     assert 0.49 < out["bytes_ratio"] < 0.51  # the parameters held per rank halve (norms stay whole)
+    delta = out["delta"]  # the gated delta-rule LA (gates, convolutions, mix gate, own sinks) split over its heads
+    assert max(delta["logits"].values()) <= 1e-5 and len(delta["logits"]) == 6, delta["logits"]
+    assert delta["decode_equal"]
+    assert delta["trainable"] > 24 and delta["grads"] <= 1e-6, delta
 
 
 def test_the_memory_benchmark_loads_a_converted_model_split_at_tp_1_and_2(tmp_path):

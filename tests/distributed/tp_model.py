@@ -95,7 +95,44 @@ def main(arch: str, rt) -> dict:
         grads = max(grads, (full - ref_named[name].grad).abs().max().item())
         n += 1
     out["grads"], out["trainable"] = grads, n
+    out["delta"] = gated_delta(arch, rt, ids)
     return out
+
+
+def gated_delta(arch: str, rt, ids) -> dict:
+    """The gated delta-rule LA (with its short convolution, the mix gate and the own sinks), whole vs split: logits in
+    every mode, greedy decode, and the gradients of LoRA and of its gates, convolutions and gamma."""
+    settings = {"window": 4, "sinks": 2, "la_kind": "gated_delta", "la_conv": 3, "la_combine": "mix",
+                "hybrid_sinks": True}  # fmt: skip
+    whole = perturb_hybrid(hs.convert_model(tiny_model(arch), settings))
+    split = tensor_parallel.apply(copy.deepcopy(whole), rt)
+    res = {"logits": {}}
+    with torch.no_grad():
+        for mode in MODES:
+            set_modes(whole, mode)
+            set_modes(split, mode)
+            res["logits"][mode] = (whole(ids).logits - split(ids).logits).abs().max().item()
+        set_modes(whole, "hybrid")
+        set_modes(split, "hybrid")
+        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+        res["decode_equal"] = bool(torch.equal(whole.generate(ids, **kw), split.generate(ids, **kw)))
+    ref_model, tp_model = lora(copy.deepcopy(whole)), lora(copy.deepcopy(whole))
+    for m in (ref_model, tp_model):
+        for n, p in m.named_parameters():
+            if any(k in n for k in ("la_gates", "la_conv")):  # (gamma: unused by la_combine=mix)
+                p.requires_grad_(True)
+    tensor_parallel.apply(tp_model, rt)
+    heads = tensor_parallel.head_sharded(tp_model)
+    ref_model(input_ids=ids, labels=ids).loss.backward()
+    with tensor_parallel.vocab_parallel_loss(tp_model):
+        tp_model(input_ids=ids, labels=ids).loss.backward()
+    ref_named, grads, n = dict(ref_model.named_parameters()), 0.0, 0
+    for name, p in tp_model.named_parameters():
+        if p.requires_grad:
+            full = tensor_parallel.whole(p.grad, tensor_parallel.placement(p, heads), rt)
+            grads, n = max(grads, (full - ref_named[name].grad).abs().max().item()), n + 1
+    res["grads"], res["trainable"] = grads, n
+    return res
 
 
 if __name__ == "__main__":

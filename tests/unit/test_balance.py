@@ -108,7 +108,7 @@ def test_gamma_fit_from_one_attention_pass_equals_refitting_through_the_attentio
     hidden = torch.randn(2, 40, model.config.hidden_size, generator=g)
     rope = model.model.rotary_emb(hidden, torch.arange(40)[None])
     with torch.no_grad():
-        q, k, v, fq, fk = m.project(hidden, rope)
+        q, k, v, fq, fk = m.project(hidden, rope)[:5]
     parts = export.gamma_parts(m, Projections(q, k, v, fq, fk))
     for gamma in (torch.full((4,), 0.7), torch.rand(4, generator=g)):
         want = m.attend(q, k, v, fq, fk, gamma=gamma, mode="hybrid")
