@@ -216,7 +216,15 @@ VARIANTS = {
         "gated_delta (normaliser) with a 4-tap short convolution on q and k",
         [*DELTA, "attention.la_conv=4"],
     ),
-    "delta_g4": ("gated_delta (normaliser), gamma from 4", [*DELTA, "attention.gamma_init=4.0"]),
+    "delta_g01": ("gated_delta (normaliser), gamma from 0.1: the window first", [*DELTA, "attention.gamma_init=0.1"]),
+    "delta_out": (
+        "gated_delta (normaliser), stage 1 on the LA alone (output_mse: the delta rule matches the teacher's output)",
+        [*DELTA, "distill.objectives={output_mse: 1.0}"],
+    ),
+    "delta_out_mix": (
+        "gated_delta as a gated mix, stage 1 on the LA alone (output_mse)",
+        [*DELTA, "attention.la_combine=mix", "distill.objectives={output_mse: 1.0}"],
+    ),
 }
 LONG = [  # --long: read to 1024 tokens, 4x the training length
     "eval.ppl_seq_len=1024",
