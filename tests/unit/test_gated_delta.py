@@ -298,3 +298,21 @@ def test_fla_kernel_equals_the_spec_on_a_gpu():
     o_ref, S_ref = recurrent_gated_delta(**x)
     torch.testing.assert_close(o, o_ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(S, S_ref, rtol=1e-3, atol=1e-3)
+
+
+def test_gamma_fit_scales_the_delta_rules_mass_and_refuses_the_mix():
+    """Inference-time hybridisation's closed form (export/gamma.py) with gated_delta: gamma scales the LA's part."""
+    from hybrid_scale.export import gamma as export
+
+    model = delta_model(hybrid_sinks=True)
+    m = hybrid_layers(model)[0]
+    hidden = torch.randn(2, 30, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    rope = model.model.rotary_emb(hidden, torch.arange(30)[None])
+    with torch.no_grad():
+        x = m.project(hidden, rope)
+        parts = export.gamma_parts(m, x)
+        for g in (torch.full((4,), 0.3), torch.full((4,), 2.5)):
+            torch.testing.assert_close(export.hybrid_at(g, parts), m.attend(*x, gamma=g), rtol=1e-5, atol=1e-6)
+    mix = hybrid_layers(delta_model(la_combine="mix"))[0]
+    with pytest.raises(ValueError, match="la_combine=mix does not use"):
+        export.gamma_parts(mix, x)

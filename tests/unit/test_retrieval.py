@@ -1,5 +1,6 @@
 """The passkey probe: seeded prompts with the key where the docstring says, scored teacher-forced."""
 
+import pytest
 import torch
 from conftest import tiny_model
 from transformers import AutoTokenizer
@@ -98,3 +99,34 @@ def test_the_probe_scores_the_evaluated_modes_unless_told_otherwise():
     assert "no passkey" not in rows["passkey probe"] and "passkey probe" not in dict.fromkeys(
         q for s, q, _ in plan(load_config(overrides=["eval.passkey_distances=[]"])).rows
     )
+
+
+def test_recall_prompts_state_several_pairs_and_ask_one_at_the_distance(smollm2):
+    """The associative-recall probe: a line of key-value pairs after the lead filler, filler, then one key again; the
+    answer is its value, `distance` tokens after the line's last token; seeded; keys are words of the text."""
+    tok = _tokenizer(smollm2)
+    text = "Gardens river mountain orchard lantern harvest meadow quarry village thunder. " * 60
+    filler = tok.encode(text)
+    items = passkey.recall_probes(tok, filler, [8, 40], trials=4, seed=3, lead=20, pairs=4)
+    again = passkey.recall_probes(tok, filler, [8, 40], trials=4, seed=3, lead=20, pairs=4)
+    assert [p.ids for p in items] == [p.ids for p in again]
+    assert [p.distance for p in items] == [8] * 4 + [40] * 4
+    for p in items:
+        assert len(p.key) == passkey.RECALL_DIGITS and p.key.isdigit()
+        body = tok.decode(p.ids[20:])
+        line = body.split(".")[0]
+        pairs = dict(x.strip().split(": ") for x in line.split(","))
+        assert len(pairs) == 4 and all(k.istitle() and k.lower() in text.lower() for k in pairs)
+        asked = tok.decode(p.ids[-p.answer - 3 : -p.answer]).strip().rstrip(":").split()[-1]
+        assert pairs[asked] == p.key and tok.decode(p.ids[-p.answer :]) == f" {p.key}"
+        line_end = 20 + len(tok.encode(line + ".", add_special_tokens=False)) - 1
+        assert len(p.ids) - p.answer - line_end == p.distance  # from the line's last token to the first answer token
+    assert len({p.key for p in items}) > 1
+
+
+def test_recall_needs_enough_filler_and_words(smollm2):
+    tok = _tokenizer(smollm2)
+    with pytest.raises(ValueError, match=r"recall distance 500 needs \d+ tokens of filler, the held-out text has"):
+        passkey.recall_probes(tok, tok.encode("Gardens river mountain orchard lantern. " * 10), [500], 1, 0, lead=20)
+    with pytest.raises(ValueError, match="needs 4 distinct words"):
+        passkey.recall_probes(tok, tok.encode("a b c " * 200), [50], 1, 0, lead=20)
