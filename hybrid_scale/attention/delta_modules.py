@@ -97,3 +97,20 @@ class ShortConv(nn.Module):
     def narrow(self, start: int, stop: int) -> None:
         self.weight = nn.Parameter(self.weight.detach()[start:stop].clone(), requires_grad=self.weight.requires_grad)
         self.num_heads = stop - start
+
+
+class HeadLinear(nn.Module):
+    """A learned linear map per head of x [B, heads, T, D] (the identity at conversion): gated_delta's queries and
+    keys shaped for the delta rule (attention.la_qk_map), trained by stage 1 as a feature map is."""
+
+    def __init__(self, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.weight = nn.Parameter(torch.eye(head_dim).repeat(num_heads, 1, 1))
+
+    def forward(self, x):
+        return torch.einsum("bhtd,hde->bhte", x, self.weight.to(x.dtype))
+
+    def narrow(self, start: int, stop: int) -> None:
+        self.weight = nn.Parameter(self.weight.detach()[start:stop].clone(), requires_grad=self.weight.requires_grad)
+        self.num_heads = stop - start

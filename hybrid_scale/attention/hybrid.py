@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 from .backends import Shape, get_backend, resolve
 from .choices import LA_COMBINES, LA_KINDS
 from .delta import DeltaGates, delta_hybrid_attention
-from .delta_modules import HORIZON_WINDOWS, DeltaGateProjection, ShortConv
+from .delta_modules import HORIZON_WINDOWS, DeltaGateProjection, HeadLinear, ShortConv
 from .feature_maps import make_feature_map
 from .naive import check_mode, own_mode
 
@@ -181,6 +181,7 @@ class HybridAttention(nn.Module):
         la_combine: str = "normaliser",
         la_conv: int = 0,
         la_delta_horizon: int = 0,
+        la_qk_map: bool = False,
         mode: str = "hybrid",
         chunk_size: int = 64,
         backend: str = "auto",
@@ -209,7 +210,7 @@ class HybridAttention(nn.Module):
                 f"la_kind must be one of {', '.join(LA_KINDS)} and la_combine one of {', '.join(LA_COMBINES)}; "
                 f"got {la_kind!r}, {la_combine!r}"
             )
-        self.la_kind, self.la_combine, self.la_conv = la_kind, la_combine, int(la_conv)
+        self.la_kind, self.la_combine, self.la_conv, self.la_qk_map = la_kind, la_combine, int(la_conv), bool(la_qk_map)
         self.feature_map_name = feature_map  # (recorded as configured; gated_delta has no feature map)
         if la_kind == "gated_delta":  # its queries and keys are q and k themselves (through the conv); gates (delta.py)
             if la_decay or la_decay_max_horizon:
@@ -222,6 +223,9 @@ class HybridAttention(nn.Module):
             if self.la_conv:
                 self.la_conv_q = ShortConv(num_heads, head_dim, self.la_conv).to(device=ref.device, dtype=dtype)
                 self.la_conv_k = ShortConv(num_kv_heads, head_dim, self.la_conv).to(device=ref.device, dtype=dtype)
+            if la_qk_map:
+                self.la_map_q = HeadLinear(num_heads, head_dim).to(device=ref.device, dtype=dtype)
+                self.la_map_k = HeadLinear(num_kv_heads, head_dim).to(device=ref.device, dtype=dtype)
             self.feature_dim = head_dim
         else:
             self.feature_map_q = make_feature_map(feature_map, num_heads, head_dim, feature_dim)
@@ -241,7 +245,7 @@ class HybridAttention(nn.Module):
     SETTINGS = (
         "window", "feature_map", "feature_dim", "gamma_init", "gamma_param", "sinks", "hybrid_sinks", "la_decay",
         "la_decay_horizon", "la_decay_max_horizon", "la_kind", "la_combine", "la_conv",
-        "la_delta_horizon", "mode", "chunk_size", "backend",
+        "la_delta_horizon", "la_qk_map", "mode", "chunk_size", "backend",
     )  # fmt: skip
     DEFAULTS = {
         "backend": "auto",
@@ -254,6 +258,7 @@ class HybridAttention(nn.Module):
         "la_combine": "normaliser",
         "la_conv": 0,
         "la_delta_horizon": 0,
+        "la_qk_map": False,
     }  # settings that older hybrid_config.json files do not have
 
     @classmethod
@@ -288,6 +293,9 @@ class HybridAttention(nn.Module):
             if self.la_conv:
                 self.la_conv_q.narrow(start, stop)
                 self.la_conv_k.narrow(start // g, stop // g)
+            if self.la_qk_map:
+                self.la_map_q.narrow(start, stop)
+                self.la_map_k.narrow(start // g, stop // g)
         else:
             self.feature_map_q.narrow(start, stop)
             self.feature_map_k.narrow(start // g, stop // g)
@@ -307,7 +315,7 @@ class HybridAttention(nn.Module):
     def la_parameters(self) -> list[nn.Parameter]:
         """The LA's own learnable parameters (what distill.train_feature_maps and finetune.train_feature_maps train):
         phi_q and phi_k, or gated_delta's gates and convolutions."""
-        names = ("feature_map_q", "feature_map_k", "la_gates", "la_conv_q", "la_conv_k")
+        names = ("feature_map_q", "feature_map_k", "la_gates", "la_conv_q", "la_conv_k", "la_map_q", "la_map_k")
         return [p for name in names if hasattr(self, name) for p in getattr(self, name).parameters()]
 
     @property
@@ -400,6 +408,8 @@ class HybridAttention(nn.Module):
             if self.la_conv:
                 tq, tk = conv_tails if conv_tails is not None else (None, None)
                 fq, fk = self.la_conv_q(q, attention_mask, tq), self.la_conv_k(k, attention_mask, tk)
+            if self.la_qk_map:
+                fq, fk = self.la_map_q(fq), self.la_map_k(fk)
             return Projections(q_rot, k_rot, v, fq, fk, self.la_gates(_local(hidden_states)))
         return Projections(q_rot, k_rot, v, self.feature_map_q(q_rot), self.feature_map_k(k_rot))
 

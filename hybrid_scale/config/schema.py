@@ -60,6 +60,9 @@ class AttentionConfig:
     # gated_delta: its forget gate starts at alpha = exp(-1/la_delta_horizon) (a key that many tokens old counts 1/e
     # before any overwrite); 0 = 16 windows. Read by the conversion (attention/delta_modules.py)
     la_delta_horizon: int = 0
+    # gated_delta: a learned linear map per head on its q and k (after the convolution; the identity at conversion),
+    # trained with the gates in stage 1 (distill.train_feature_maps) and stage 2 (finetune.train_feature_maps)
+    la_qk_map: bool = False
     # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)

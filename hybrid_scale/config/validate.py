@@ -76,11 +76,11 @@ def _validate_attention(a) -> None:
             "forget gate (attention.la_delta_horizon sets where it starts): set attention.la_decay=false"
         )
     if a.la_kind == "hedgehog":
-        for key in ("la_conv", "la_delta_horizon"):
+        for key in ("la_conv", "la_delta_horizon", "la_qk_map"):
             if getattr(a, key):
                 raise ConfigError(
                     f"config key 'attention.{key}': applies to attention.la_kind=gated_delta only; set "
-                    f"attention.la_kind=gated_delta or leave {key} at 0"
+                    f"attention.la_kind=gated_delta or leave {key} unset"
                 )
         if a.la_combine != "normaliser":
             raise ConfigError(

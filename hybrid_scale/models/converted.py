@@ -41,7 +41,7 @@ def load_base_model(path: str | os.PathLike, dtype: torch.dtype, rt: Runtime | N
     if rt is not None and rt.tp > 1:
         return streaming.split_model(config, streaming.ShardedCheckpoint(Path(path)), dtype, rt)
     hybrid_keys = [
-        r"\.self_attn\.(feature_map_[qk]|la_gates|la_conv_[qk])\.",
+        r"\.self_attn\.(feature_map_[qk]|la_gates|la_conv_[qk]|la_map_[qk])\.",
         r"\.self_attn\.(gamma_logit|la_decay_rho)$",
     ]
     with _also_ignored(type(config), hybrid_keys):
@@ -114,6 +114,7 @@ def describe(model: nn.Module) -> dict:
         la_kind=first.la_kind,
         la_combine=first.la_combine,
         la_conv=first.la_conv,
+        la_qk_map=first.la_qk_map,
         layers=sorted(layers),
     )
     modes = {i: m.mode for i, m in layers.items()}

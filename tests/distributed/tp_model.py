@@ -103,7 +103,7 @@ def gated_delta(arch: str, rt, ids) -> dict:
     """The gated delta-rule LA (with its short convolution, the mix gate and the own sinks), whole vs split: logits in
     every mode, greedy decode, and the gradients of LoRA and of its gates, convolutions and gamma."""
     settings = {"window": 4, "sinks": 2, "la_kind": "gated_delta", "la_conv": 3, "la_combine": "mix",
-                "hybrid_sinks": True}  # fmt: skip
+                "hybrid_sinks": True, "la_qk_map": True}  # fmt: skip
     whole = perturb_hybrid(hs.convert_model(tiny_model(arch), settings))
     split = tensor_parallel.apply(copy.deepcopy(whole), rt)
     res = {"logits": {}}
@@ -119,7 +119,7 @@ def gated_delta(arch: str, rt, ids) -> dict:
     ref_model, tp_model = lora(copy.deepcopy(whole)), lora(copy.deepcopy(whole))
     for m in (ref_model, tp_model):
         for n, p in m.named_parameters():
-            if any(k in n for k in ("la_gates", "la_conv")):  # (gamma: unused by la_combine=mix)
+            if any(k in n for k in ("la_gates", "la_conv", "la_map")):  # (gamma: unused by la_combine=mix)
                 p.requires_grad_(True)
     tensor_parallel.apply(tp_model, rt)
     heads = tensor_parallel.head_sharded(tp_model)

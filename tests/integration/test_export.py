@@ -395,7 +395,7 @@ def trained_delta(smollm2, trained, tmp_path_factory):
     root = tmp_path_factory.mktemp("export_delta")
     model = tiny_model("llama", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)
     save_stage2_like(model, root / "stage2_best", trained / "base", hybrid_sinks=True, la_kind="gated_delta", la_conv=4,
-                     la_combine="mix")  # fmt: skip
+                     la_combine="mix", la_qk_map=True)  # fmt: skip
     shutil.copy(trained / "text.txt", root / "text.txt")
     return root
 

@@ -161,7 +161,7 @@ def delta_model(**attention):
     [
         {},
         {"la_combine": "mix", "hybrid_sinks": True},
-        {"la_conv": 4, "hybrid_sinks": True, "mode": "la_only"},
+        {"la_conv": 4, "hybrid_sinks": True, "mode": "la_only", "la_qk_map": True},
         {"la_conv": 3, "mode": "swa_only", "hybrid_sinks": True},
         {"la_combine": "mix", "mode": "sinks_only"},
     ],
@@ -224,7 +224,7 @@ def test_compiled_one_token_step_equals_extend():
 
 
 def test_tensor_parallel_heads_compute_their_slice_of_the_layer():
-    model = delta_model(la_conv=4, la_combine="mix", hybrid_sinks=True)
+    model = delta_model(la_conv=4, la_combine="mix", hybrid_sinks=True, la_qk_map=True)
     m = hybrid_layers(model)[0]
     hidden = torch.randn(1, 30, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     rope = model.model.rotary_emb(hidden, torch.arange(30)[None])
@@ -238,8 +238,8 @@ def test_tensor_parallel_heads_compute_their_slice_of_the_layer():
         x = m.project(hidden, rope)
         kv = slice(1, 2)
         gates = part.la_gates(hidden)
-        fq = part.la_conv_q(m.q_proj(hidden).view(1, 30, -1, 16).transpose(1, 2)[:, g : 2 * g])
-        fk = part.la_conv_k(m.k_proj(hidden).view(1, 30, -1, 16).transpose(1, 2)[:, kv])
+        fq = part.la_map_q(part.la_conv_q(m.q_proj(hidden).view(1, 30, -1, 16).transpose(1, 2)[:, g : 2 * g]))
+        fk = part.la_map_k(part.la_conv_k(m.k_proj(hidden).view(1, 30, -1, 16).transpose(1, 2)[:, kv]))
         y = part.attend(x.q[:, g : 2 * g], x.k[:, kv], x.v[:, kv], fq, fk, gates)
     torch.testing.assert_close(y, whole[:, g : 2 * g], rtol=1e-5, atol=1e-6)
 
@@ -254,6 +254,8 @@ def test_config_refuses_what_gated_delta_cannot_do():
         load_config(None, ["attention.la_kind=gated_delta", "attention.la_decay=true"])
     with pytest.raises(ConfigError, match="'attention.la_conv': applies to attention.la_kind=gated_delta only"):
         load_config(None, ["attention.la_conv=4"])
+    with pytest.raises(ConfigError, match="'attention.la_qk_map': applies to attention.la_kind=gated_delta only"):
+        load_config(None, ["attention.la_qk_map=true"])
     cfg = load_config(
         None, ["attention.la_kind=gated_delta", "distill.recipe=ssd", "distill.objectives={output_mse: 1}"]
     )
