@@ -221,6 +221,14 @@ VARIANTS = {
         "gated_delta (normaliser), stage 1 on the LA alone (output_mse: the delta rule matches the teacher's output)",
         [*DELTA, "distill.objectives={output_mse: 1.0}"],
     ),
+    "delta_map_out": (
+        "gated_delta (normaliser) with a learned q/k map per head (la_qk_map), stage 1 on the LA alone (output_mse)",
+        [*DELTA, "attention.la_qk_map=true", "distill.objectives={output_mse: 1.0}"],
+    ),
+    "delta_map_out_conv": (
+        "delta_map_out with a 4-tap convolution on q and k",
+        [*DELTA, "attention.la_qk_map=true", "attention.la_conv=4", "distill.objectives={output_mse: 1.0}"],
+    ),
     "delta_out_mix": (
         "gated_delta as a gated mix, stage 1 on the LA alone (output_mse)",
         [*DELTA, "attention.la_combine=mix", "distill.objectives={output_mse: 1.0}"],
