@@ -73,14 +73,16 @@ def summary(r: dict) -> str:
             )
     elif "verdict_tasks" in r:
         lines.append("  on the tasks (la_only - none); no held-out perplexity was measured")
-    p = r.get("passkey")
-    if p:
+    for probe in ("passkey", "recall"):
+        p = r.get(probe)
+        if not p:
+            continue
         far = [d for d in p["distances"] if d >= r["window"]]
         if far:
             cells = ", ".join(
                 f"{m} {100 * sum(p['by_mode'][m][str(d)]['exact'] for d in far) / len(far):.0f}%" for m in p["by_mode"]
             )
-            lines.append(f"  passkey exact match at distances {far} (beyond the window): {cells}")
+            lines.append(f"  {probe} exact match at distances {far} (beyond the window): {cells}")
         for problem in p.get("sanity", []):
-            lines.append(f"  probe check failed: {problem}")
+            lines.append(f"  {probe} probe check failed: {problem}")
     return "\n".join(lines)

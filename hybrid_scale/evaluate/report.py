@@ -64,6 +64,8 @@ def table(r: dict) -> str:
         lines += ["", *beyond_window_lines(r["beyond_window"], r)]
     if r.get("passkey"):
         lines += ["", *passkey_lines(r["passkey"], r["window"])]
+    if r.get("recall"):
+        lines += ["", *passkey_lines(r["recall"], r["window"], recall=True)]
     if "verdict" in r:
         basis = {"beyond_window": "held-out text beyond the window", "tasks": "tasks, la_only - none"}
         lines += ["", f"**Verdict: {r['verdict']}** (on the {basis[r['verdict_basis']]})"]
@@ -137,13 +139,20 @@ def beyond_window_lines(b: dict, r: dict | None = None) -> list[str]:
     return lines
 
 
-def passkey_lines(p: dict, window: int) -> list[str]:
-    """The passkey table: greedy exact match and mean answer log-likelihood per mode and distance."""
+def passkey_lines(p: dict, window: int, recall: bool = False) -> list[str]:
+    """The passkey table (or with recall the associative-recall probe's): greedy exact match and mean answer
+    log-likelihood per mode and distance."""
     ds = [str(d) for d in p["distances"]]
+    what = (
+        f"Associative recall ({p['trials']} seeded prompts per distance, a line of {p.get('pairs')} word: "
+        f"{p['digits']}-digit pairs, then filler from the held-out text, then one of the words again; distance = "
+        f"tokens from the line's end to the answer; window {window})"
+        if recall
+        else f"Passkey retrieval ({p['trials']} seeded prompts per distance, a {p['digits']}-digit key stated in one "
+        f"place, then filler from the held-out text; distance = tokens from the key to the answer; window {window})"
+    )
     lines = [
-        f"Passkey retrieval ({p['trials']} seeded prompts per distance, a {p['digits']}-digit key stated in one "
-        f"place, then filler from the held-out text; distance = tokens from the key to the answer; window {window}). "
-        f"Greedy exact match %, (mean log-likelihood of the answer, chance {p['chance']['loglik']:.1f}):",
+        f"{what}. Greedy exact match %, (mean log-likelihood of the answer, chance {p['chance']['loglik']:.1f}):",
         "",
         "| mode | " + " | ".join(f"d={d}{' *' if int(d) >= window else ''}" for d in ds) + " |",
         "|---|" + "---:|" * len(ds),
