@@ -66,6 +66,8 @@ OVERRIDES = {
     "+decay": DECAY_OVERRIDES,
     "+sinks+decay": SINKS_OVERRIDES + DECAY_OVERRIDES,
 }
+DELTA_SWITCH = ["attention.la_kind=gated_delta", "attention.la_decay=false", "attention.gamma_init=1.0"]
+DELTA_BUDGET = {"passkey_distances": [64, 128, 192, 256, 512]}  # 1-4 and 8 windows of 64
 # One-switch changes of a row (`--switch NAME`, with --row): the exploration of issue 52, whether some recipe makes the
 # LA worth its place at the presets' window (64) trained at 1024 (--budget long). Each is (what it changes, budget
 # changes, extra overrides of every stage); its row file is <row>@<switch>.json beside the budget's rows, its table
@@ -79,6 +81,22 @@ SWITCHES = {
         "a window 10x weaker at conversion (gamma_init 3, not 30): more of the output left to the LA",
         {},
         ["attention.gamma_init=3.0"],
+    ),
+    # issue 59: the gated delta rule in place of Hedgehog + decay, its passkey and recall at 1-4 and 8 windows
+    "delta": (
+        "the gated delta-rule LA (la_kind gated_delta, normaliser, gamma from 1) in place of Hedgehog + decay",
+        DELTA_BUDGET,
+        DELTA_SWITCH,
+    ),
+    "delta_map_out": (
+        "gated_delta with a learned q/k map per head, stage 1 on the LA alone (output_mse)",
+        DELTA_BUDGET,
+        [*DELTA_SWITCH, "attention.la_qk_map=true", "distill.objectives={output_mse: 1.0}"],
+    ),
+    "delta_mix": (
+        "gated_delta as a gated mix of the window's softmax and the LA (mix gate from 0.1)",
+        DELTA_BUDGET,
+        [*DELTA_SWITCH, "attention.la_combine=mix"],
     ),
 }
 CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/objectives.py",
