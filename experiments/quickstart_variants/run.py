@@ -229,6 +229,14 @@ VARIANTS = {
         "delta_map_out with a 4-tap convolution on q and k",
         [*DELTA, "attention.la_qk_map=true", "attention.la_conv=4", "distill.objectives={output_mse: 1.0}"],
     ),
+    "delta_mix_map": (
+        "gated_delta as a gated mix, with a learned q/k map per head (la_qk_map)",
+        [*DELTA, "attention.la_combine=mix", "attention.la_qk_map=true"],
+    ),
+    "delta_mix_conv": (
+        "gated_delta as a gated mix, with a 4-tap convolution on q and k",
+        [*DELTA, "attention.la_combine=mix", "attention.la_conv=4"],
+    ),  # fmt: skip
     "delta_out_mix": (
         "gated_delta as a gated mix, stage 1 on the LA alone (output_mse)",
         [*DELTA, "attention.la_combine=mix", "distill.objectives={output_mse: 1.0}"],
