@@ -12,7 +12,19 @@ from ..data.batches import units_per_step
 from ..measure import training_flops
 from ..run.resolved import Resolved
 from .report import Plan
-from .shape import CPU_FLOPS, DTYPE_BYTES, GB, MFU, READ_BYTES_PER_S, Shape, decay_params, free_at, gb, stored_bytes
+from .shape import (
+    CPU_FLOPS,
+    DTYPE_BYTES,
+    GB,
+    MFU,
+    READ_BYTES_PER_S,
+    Shape,
+    decay_params,
+    free_at,
+    gb,
+    la_params,
+    stored_bytes,
+)
 
 
 def stage1(p: Plan, cfg: Config, sh: Shape, r: Resolved) -> tuple[float, float, float, float]:
@@ -35,7 +47,7 @@ def stage1(p: Plan, cfg: Config, sh: Shape, r: Resolved) -> tuple[float, float, 
     s1_mem = c["layer"] * sh.wbytes / tp + c["V"] * c["D"] * sh.wbytes + batch + acts + block
     s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[distill.buffer_dtype]
     weights = r.derived.objectives
-    maps = (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2) if cfg.attention.feature_map == "hedgehog" else 0
+    maps = la_params(cfg, c, sh.fdim)
     trained = (maps if distill.train_feature_maps else 0) + (c["H"] if r.derived.train_gamma else 0)
     if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's decay (distill.step.trainable)
         trained += decay_params(cfg, c)
@@ -103,7 +115,7 @@ def stage2(p: Plan, cfg: Config, sh: Shape, r: Resolved) -> tuple[float, float, 
         n_in, n_out, split = shapes.get(t, (D, D, "out"))
         lora += c["L"] * finetune.lora_r * (n_in + n_out)
         lora_rank += c["L"] * finetune.lora_r * ((n_in + n_out // tp) if split == "out" else (n_in // tp + n_out))
-    phi = c["L"] * (c["H"] + c["K"]) * c["hd"] * (sh.fdim // 2 if cfg.attention.feature_map == "hedgehog" else 0)
+    phi = c["L"] * la_params(cfg, c, sh.fdim)
     hybrid = (phi if finetune.train_feature_maps else 0) + (c["L"] * c["H"] if finetune.train_gamma else 0)
     hybrid += c["L"] * decay_params(cfg, c) if finetune.train_decay else 0
     trainable = lora + hybrid

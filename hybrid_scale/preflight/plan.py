@@ -40,7 +40,11 @@ def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None
         p.block(f"architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
         return p
     c = counts(a)
-    fdim = 2 * (cfg.attention.feature_dim or c["hd"]) if cfg.attention.feature_map == "hedgehog" else c["hd"]
+    a_cfg = cfg.attention
+    if a_cfg.la_kind == "gated_delta":  # the delta rule's queries and keys are head_dim wide
+        fdim = c["hd"]
+    else:
+        fdim = (2 if a_cfg.feature_map == "hedgehog" else 1) * (a_cfg.feature_dim or c["hd"])
     sh = Shape(a, c, launch.nodes * launch.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim, launch.tensor_parallel)
     _check_shape_and_path(p, cfg, sh)
     p.rows += [

@@ -318,3 +318,29 @@ def test_gamma_fit_scales_the_delta_rules_mass_and_refuses_the_mix():
     mix = hybrid_layers(delta_model(la_combine="mix"))[0]
     with pytest.raises(ValueError, match="la_combine=mix does not use"):
         export.gamma_parts(mix, x)
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        {"feature_map": "hedgehog"},
+        {"feature_map": "exp", "feature_dim": 8},
+        {"feature_map": "relu"},
+        {"la_kind": "gated_delta"},
+        {"la_kind": "gated_delta", "la_combine": "mix", "la_conv": 4, "la_qk_map": True},
+    ],
+    ids=["hedgehog", "exp8", "relu", "delta", "delta_mix_conv_map"],
+)
+def test_plan_counts_the_la_parameters_the_model_has(attention):
+    """preflight's count of what trains as a layer's feature maps equals the converted layer's own."""
+    from hybrid_scale.config import load_config
+    from hybrid_scale.preflight.shape import la_params
+
+    model = tiny_model("llama")
+    hs.convert_model(model, {"window": 6, **attention})
+    m = hybrid_layers(model)[0]
+    cfg = load_config(None, [f"attention.{k}={str(v).lower()}" for k, v in attention.items()]
+                      + ["distill.objectives={output_mse: 1.0}"])  # fmt: skip
+    c = {"H": m.num_heads, "K": m.num_key_value_heads, "hd": m.head_dim, "D": model.config.hidden_size}
+    fdim = m.feature_map_q.out_dim if hasattr(m, "feature_map_q") else m.head_dim
+    assert la_params(cfg, c, fdim) == sum(p.numel() for p in m.la_parameters())
