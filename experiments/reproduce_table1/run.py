@@ -106,6 +106,12 @@ CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/
 # (tests/integration/test_same_numbers.py) checks both hashes against their commits and runs stage 1, stage 2 and the
 # evaluation of both on a tiny model: every tensor and figure must be equal to the bit.
 SAME_NUMBERS: dict[str, tuple[str, str, str, str]] = {
+    "e1f86d081a1199ee59154d84ec8ffa935ddeac81f17ea2e99a7a40f26d8868c7": (
+        "35de553932e7fdd5b8c7deeda380c58f0aa754c2d0fc36698af46f18679b9cc7",
+        "935a76288a3797e05e305d0d16a66160fe093fd2",
+        "ba761d6f554e114f17542e7d56a7a7579345e81b",
+        "issue 59: attention.la_kind gated_delta beside the Hedgehog LA (the default, whose math is unchanged)",
+    ),
     "35de553932e7fdd5b8c7deeda380c58f0aa754c2d0fc36698af46f18679b9cc7": (
         "6dbee7326402d44022480eb166b93a6dcd13195c32a722f58ae84617be2d9b82",
         "5502e66870ee1dfe6d4ecbff04ad76ce18c09909",
