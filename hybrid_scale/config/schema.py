@@ -50,10 +50,11 @@ class AttentionConfig:
     # delta rule of Gated DeltaNet on L2-normalised q and k, a learned write strength and forget gate per token and KV
     # head: attention/delta.py). gated_delta has no feature map (feature_map, feature_dim and la_decay do not apply)
     la_kind: str = "hedgehog"
-    # gated_delta: how its read-out joins the window's softmax: normaliser (it counts as gamma keys' worth of mass under
-    # the one normaliser; the window's terms are exp(a - c) <= 1) | mix (y = (1 - m) softmax + m LA, m a gate per query
-    # head and token from the hidden state). Recorded in hybrid_config.json
-    la_combine: str = "normaliser"
+    # gated_delta: how its read-out joins the window's softmax: mix (y = (1 - m) softmax + m LA, m a gate per query head
+    # and token from the hidden state; the measured choice: experiments/gated_delta/) | normaliser (it counts as gamma
+    # keys' worth of mass under the one normaliser; the window's terms are exp(a - c) <= 1). Recorded in
+    # hybrid_config.json; the Hedgehog LA always shares the normaliser (this key does not apply to it)
+    la_combine: str = "mix"
     # gated_delta: taps of a short causal depthwise convolution on the delta rule's q and k (identity at conversion);
     # 0 = none
     la_conv: int = 0

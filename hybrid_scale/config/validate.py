@@ -82,11 +82,6 @@ def _validate_attention(a) -> None:
                     f"config key 'attention.{key}': applies to attention.la_kind=gated_delta only; set "
                     f"attention.la_kind=gated_delta or leave {key} unset"
                 )
-        if a.la_combine != "normaliser":
-            raise ConfigError(
-                "config key 'attention.la_combine': applies to attention.la_kind=gated_delta only (the Hedgehog LA "
-                "always shares the normaliser); set attention.la_kind=gated_delta or leave it at normaliser"
-            )
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
 

@@ -26,7 +26,7 @@ def test_stage1_stage2_with_ssd_and_the_evaluation_run_gated_delta(tiny_run_mode
         done = subprocess.run([sys.executable, "-m", "hybrid_scale", stage, *overrides], capture_output=True, text=True)
         assert done.returncode == 0, f"{stage}: {done.stderr[-3000:]}"
     config = json.loads((run / "stage1" / "converted" / "hybrid_config.json").read_text())["attention"]
-    assert (config["la_kind"], config["la_conv"], config["la_combine"]) == ("gated_delta", 3, "normaliser")
+    assert (config["la_kind"], config["la_conv"], config["la_combine"]) == ("gated_delta", 3, "mix")
     params = load_file(run / "stage1" / "converted" / "hybrid_params.safetensors")
     gates = params["model.layers.0.self_attn.la_gates.beta_weight"]
     conv = params["model.layers.0.self_attn.la_conv_q.weight"]

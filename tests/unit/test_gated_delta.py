@@ -159,7 +159,7 @@ def delta_model(**attention):
 @pytest.mark.parametrize(
     "attention",
     [
-        {},
+        {"la_combine": "normaliser"},
         {"la_combine": "mix", "hybrid_sinks": True},
         {"la_conv": 4, "hybrid_sinks": True, "mode": "la_only", "la_qk_map": True},
         {"la_conv": 3, "mode": "swa_only", "hybrid_sinks": True},
@@ -306,7 +306,7 @@ def test_gamma_fit_scales_the_delta_rules_mass_and_refuses_the_mix():
     """Inference-time hybridisation's closed form (export/gamma.py) with gated_delta: gamma scales the LA's part."""
     from hybrid_scale.export import gamma as export
 
-    model = delta_model(hybrid_sinks=True)
+    model = delta_model(hybrid_sinks=True, la_combine="normaliser")
     m = hybrid_layers(model)[0]
     hidden = torch.randn(2, 30, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     rope = model.model.rotary_emb(hidden, torch.arange(30)[None])
@@ -326,7 +326,7 @@ def test_gamma_fit_scales_the_delta_rules_mass_and_refuses_the_mix():
         {"feature_map": "hedgehog"},
         {"feature_map": "exp", "feature_dim": 8},
         {"feature_map": "relu"},
-        {"la_kind": "gated_delta"},
+        {"la_kind": "gated_delta", "la_combine": "normaliser"},
         {"la_kind": "gated_delta", "la_combine": "mix", "la_conv": 4, "la_qk_map": True},
     ],
     ids=["hedgehog", "exp8", "relu", "delta", "delta_mix_conv_map"],
