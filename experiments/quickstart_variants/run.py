@@ -54,6 +54,7 @@ DELTA = [  # issue 59: the quickstart with the gated delta-rule LA in place of H
     "attention.la_decay=false",
     "attention.la_decay_max_horizon=0",
     "attention.gamma_init=1.0",
+    "attention.la_combine=normaliser",  # (the variants name the mix where they take it)
 ]
 VARIANTS = {
     # configs/quickstart.yaml as it is now (window 16, the hybrid's sinks, exp gamma from 30, the LA's decay, 1024-token
