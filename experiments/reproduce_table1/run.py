@@ -66,7 +66,8 @@ OVERRIDES = {
     "+decay": DECAY_OVERRIDES,
     "+sinks+decay": SINKS_OVERRIDES + DECAY_OVERRIDES,
 }
-DELTA_SWITCH = ["attention.la_kind=gated_delta", "attention.la_decay=false", "attention.gamma_init=1.0"]
+DELTA_SWITCH = ["attention.la_kind=gated_delta", "attention.la_decay=false", "attention.gamma_init=1.0",
+                "attention.la_combine=normaliser"]  # fmt: skip
 DELTA_BUDGET = {"passkey_distances": [64, 128, 192, 256, 512]}  # 1-4 and 8 windows of 64
 # One-switch changes of a row (`--switch NAME`, with --row): the exploration of issue 52, whether some recipe makes the
 # LA worth its place at the presets' window (64) trained at 1024 (--budget long). Each is (what it changes, budget
