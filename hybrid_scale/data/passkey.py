@@ -89,13 +89,22 @@ def _recall_keys(text_words: list[str], count: int, g: torch.Generator) -> list[
     return [pool[i] for i in idx]
 
 
+@dataclass(frozen=True)
+class Recall:
+    """The recall prompts' layout: `pairs` key-value pairs on the line, `lead` filler tokens before it."""
+
+    pairs: int = 4
+    lead: int = LEAD
+
+
 def recall_probes(
-    tokenizer, filler: list[int], distances: list[int], trials: int, seed: int, lead: int = LEAD, pairs: int = 4
+    tokenizer, filler: list[int], distances: list[int], trials: int, seed: int, layout: Recall = Recall()
 ) -> list[Probe]:
     """`trials` associative-recall prompts per distance, seeded: [lead filler] Key1: 1234, Key2: 5678, ... .
     [filler] Keyi: -> the answer " value_i". `distance` counts from the pair line's last token to the first answer
     token (as the passkey's); the queried pair is drawn uniformly, so the answer may lie up to the whole line
     further back. Keys are words of the held-out text (so they are ordinary tokens), values random."""
+    pairs, lead = layout.pairs, layout.lead
     g = torch.Generator().manual_seed(seed + 7919)
     words = tokenizer.decode(filler[: min(len(filler), 20000)]).split()
     out = []

@@ -442,11 +442,11 @@ def _passkey(results: dict, src: Sources, probe: str = "passkey") -> None:
     lead = _probe_lead(cfg, models)
     try:
         filler = tokenizer.encode(text)
-        args = (tokenizer, filler, evaluation.passkey_distances, evaluation.passkey_trials, cfg.seed, lead)
+        args = (tokenizer, filler, evaluation.passkey_distances, evaluation.passkey_trials, cfg.seed)
         if probe == "recall":
-            items = passkey.recall_probes(*args, pairs=evaluation.recall_pairs)
+            items = passkey.recall_probes(*args, passkey.Recall(evaluation.recall_pairs, lead))
         else:
-            items = passkey.probes(*args)
+            items = passkey.probes(*args, lead)
     except ValueError as err:
         raise ConfigError(f"config key 'eval.passkey_distances': {err}") from None
     key = {

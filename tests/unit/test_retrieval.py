@@ -107,8 +107,8 @@ def test_recall_prompts_state_several_pairs_and_ask_one_at_the_distance(smollm2)
     tok = _tokenizer(smollm2)
     text = "Gardens river mountain orchard lantern harvest meadow quarry village thunder. " * 60
     filler = tok.encode(text)
-    items = passkey.recall_probes(tok, filler, [8, 40], trials=4, seed=3, lead=20, pairs=4)
-    again = passkey.recall_probes(tok, filler, [8, 40], trials=4, seed=3, lead=20, pairs=4)
+    items = passkey.recall_probes(tok, filler, [8, 40], trials=4, seed=3, layout=passkey.Recall(4, 20))
+    again = passkey.recall_probes(tok, filler, [8, 40], trials=4, seed=3, layout=passkey.Recall(4, 20))
     assert [p.ids for p in items] == [p.ids for p in again]
     assert [p.distance for p in items] == [8] * 4 + [40] * 4
     for p in items:
@@ -127,6 +127,8 @@ def test_recall_prompts_state_several_pairs_and_ask_one_at_the_distance(smollm2)
 def test_recall_needs_enough_filler_and_words(smollm2):
     tok = _tokenizer(smollm2)
     with pytest.raises(ValueError, match=r"recall distance 500 needs \d+ tokens of filler, the held-out text has"):
-        passkey.recall_probes(tok, tok.encode("Gardens river mountain orchard lantern. " * 10), [500], 1, 0, lead=20)
+        passkey.recall_probes(
+            tok, tok.encode("Gardens river mountain orchard lantern. " * 10), [500], 1, 0, passkey.Recall(4, 20)
+        )
     with pytest.raises(ValueError, match="needs 4 distinct words"):
-        passkey.recall_probes(tok, tok.encode("a b c " * 200), [50], 1, 0, lead=20)
+        passkey.recall_probes(tok, tok.encode("a b c " * 200), [50], 1, 0, passkey.Recall(4, 20))
