@@ -133,6 +133,4 @@ def attention_settings(attention: Any) -> DictConfig:
         attention = attention.attention
     data = OmegaConf.to_container(attention) if isinstance(attention, DictConfig) else dict(attention or {})
     cfg = _structured(OmegaConf.structured(Config), {"attention": data})
-    if data.get("la_kind") == "gated_delta":  # (the attention alone: no stage-1 objective to check against it)
-        cfg.distill.objectives = {"hybrid_output_mse": 1.0}
     return validate(cfg).attention

@@ -38,7 +38,6 @@ def validate(cfg: DictConfig) -> DictConfig:
     _validate_slurm(cfg)
     _validate_export(cfg.export)
     _validate_log(cfg.log)
-    _validate_la_kind(cfg)
     return cfg
 
 
@@ -127,22 +126,6 @@ def _validate_distill(d) -> None:
     _positive("distill.epochs", d.epochs)
     _positive("distill.batch_size", d.batch_size)
     _positive("distill.query_block", d.query_block)
-
-
-def _validate_la_kind(cfg) -> None:
-    """gated_delta has no attention weights to transfer: stage 1's weights_xent (hedgecats, ssd, la_only's recipe
-    objective) has no meaning for it."""
-    if cfg.attention.la_kind != "gated_delta":
-        return
-    d = cfg.distill
-    objectives = {k: v for k, v in (d.objectives or {}).items() if v} or {RECIPES[d.recipe].objective: 1.0}
-    if objectives.get("weights_xent"):
-        via = "distill.objectives" if d.objectives else f"recipe {d.recipe}'s stage-1 objective"
-        raise ConfigError(
-            f"config key 'distill.objectives': weights_xent ({via}) transfers attention weights, which "
-            "attention.la_kind=gated_delta does not have; set distill.objectives={output_mse: 1.0} (the LA alone "
-            "matches the teacher's output) or {hybrid_output_mse: 1.0}"
-        )
 
 
 def _validate_data(data) -> None:

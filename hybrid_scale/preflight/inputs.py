@@ -231,6 +231,19 @@ def check_export_output(cfg: Config, out: Path, *protected: Path) -> Path:
     return out
 
 
+def check_la_objectives(cfg: Config, objectives: dict[str, float]) -> None:
+    """Stage 1 of a gated_delta LA: no attention weights to transfer, so weights_xent (hedgecats', ssd's and
+    la_only's recipe objective) has no meaning; refused with the objectives that do."""
+    if cfg.attention.la_kind == "gated_delta" and objectives.get("weights_xent"):
+        d = cfg.distill
+        via = "distill.objectives" if d.objectives else f"recipe {d.recipe}'s stage-1 objective"
+        raise ConfigError(
+            f"config key 'distill.objectives': weights_xent ({via}) transfers attention weights, which "
+            "attention.la_kind=gated_delta does not have; set distill.objectives={output_mse: 1.0} (the LA alone "
+            "matches the teacher's output) or {hybrid_output_mse: 1.0}"
+        )
+
+
 def check(cfg: Config, stage: str, r: Resolved) -> None:
     """The inputs `stage` reads from the user, all checked before it writes anything; r.model is the model it reads
     (run/sources.stage_model)."""
@@ -238,6 +251,7 @@ def check(cfg: Config, stage: str, r: Resolved) -> None:
     check_packages(cfg)
     model = r.model
     if stage == "distill":
+        check_la_objectives(cfg, r.derived.objectives)
         config = check_base_model(model.path, "model.path")
         check_layers(cfg, config)
         check_training_text(cfg, model.path, stage)

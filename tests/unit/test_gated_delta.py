@@ -247,9 +247,12 @@ def test_tensor_parallel_heads_compute_their_slice_of_the_layer():
 def test_config_refuses_what_gated_delta_cannot_do():
     from hybrid_scale.config import load_config
     from hybrid_scale.errors import ConfigError
+    from hybrid_scale.preflight.inputs import check_la_objectives
+    from hybrid_scale.run.settings import derive
 
+    ssd = load_config(None, ["attention.la_kind=gated_delta", "distill.recipe=ssd"])  # (a finetune-only config loads)
     with pytest.raises(ConfigError, match="weights_xent .recipe ssd's stage-1 objective. transfers attention weights"):
-        load_config(None, ["attention.la_kind=gated_delta", "distill.recipe=ssd"])
+        check_la_objectives(ssd, derive(ssd).objectives)  # stage 1's preflight refuses it
     with pytest.raises(ConfigError, match="attention.la_kind=gated_delta has its own forget gate"):
         load_config(None, ["attention.la_kind=gated_delta", "attention.la_decay=true"])
     with pytest.raises(ConfigError, match="'attention.la_conv': applies to attention.la_kind=gated_delta only"):
@@ -259,7 +262,7 @@ def test_config_refuses_what_gated_delta_cannot_do():
     cfg = load_config(
         None, ["attention.la_kind=gated_delta", "distill.recipe=ssd", "distill.objectives={output_mse: 1}"]
     )
-    assert cfg.attention.la_kind == "gated_delta"
+    check_la_objectives(cfg, derive(cfg).objectives)  # the LA's output objective: taken
 
 
 def test_the_hybrid_reads_the_state_of_the_keys_that_left_the_window():
