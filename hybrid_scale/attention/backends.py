@@ -59,6 +59,7 @@ _DECODERS: dict[str, Callable] = {}
 _PLUGIN_ERRORS: dict[str, str] = {}
 _plugins_loaded = False
 _SUPPORTS: dict[str, Callable] = {}  # backend -> supports(shape) -> None, or why it cannot take that shape
+_DELTA_IMPLS: dict[str, Callable] = {}  # gated delta-rule implementations registered by plugins (kind="gated_delta")
 _CHECKED: dict[tuple, str | None] = {}  # (backend, device, shape) -> None when it passed its self-check, else why
 
 
@@ -71,17 +72,22 @@ def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options)
 
 
 def register_backend(
-    name: str, fn: Callable, decode: Callable | None = None, supports: Callable | None = None
+    name: str, fn: Callable, decode: Callable | None = None, supports: Callable | None = None, kind: str = "hybrid"
 ) -> Callable:
     """Make `fn` the backend called `name` (registering a name again replaces it; the built-ins cannot be).
     `decode`, optional: a fused one-token decode step, called as decode(state, q, k, v, fq, fk, gamma, *, window,
     mode, sinks, attention_mask, scale) with a recurrent.DecodeState that it advances in place; it returns y, or None
     for a step it does not take (then recurrent.extend runs). `supports`, optional: supports(head_dim, value_dim,
-    features, sinks, dtype) -> None, or why the backend cannot take that shape (its self-check then fails with it)."""
+    features, sinks, dtype) -> None, or why the backend cannot take that shape (its self-check then fails with it).
+    kind="gated_delta": `fn` is instead an implementation of the gated delta rule (delta.chunk_gated_delta's
+    contract), found by delta_impl(name): fla-core's kernel, which the kernels package registers as "fla"."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"an attention backend needs a non-empty name, got {name!r}")
     if not callable(fn):
         raise TypeError(f"attention backend '{name}' must be callable, got {type(fn).__name__}")
+    if kind == "gated_delta":
+        _DELTA_IMPLS[name] = fn
+        return fn
     if name in BUILTIN and name in _BACKENDS and _BACKENDS[name] is not fn:
         raise ValueError(f"attention backend '{name}' is built in and cannot be replaced; register another name")
     _BACKENDS[name] = fn
@@ -264,6 +270,13 @@ def get_backend(name: str) -> Callable:
             "pip install 'hybrid_scale[triton]' on a CUDA machine, or set attention.backend=auto or torch"
         )
     raise ValueError(f"unknown attention backend '{name}'; available: {', '.join(available())}")
+
+
+def delta_impl(name: str) -> Callable | None:
+    """The gated delta-rule implementation a plugin registered as `name` (register_backend(..., kind="gated_delta")),
+    or None."""
+    load_plugins()
+    return _DELTA_IMPLS.get(name)
 
 
 def get_decode(name: str) -> Callable | None:

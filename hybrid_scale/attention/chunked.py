@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .naive import EPS, check_mode, compute_dtype, decay_weight, real_positions
 
 
-def _pack(attention_mask: torch.Tensor):
+def pack_real(attention_mask: torch.Tensor):
     """Permutation that moves each row's real tokens to the front, keeping their order; and its inverse."""
     order = torch.argsort((~attention_mask.bool()).to(torch.int8), dim=-1, stable=True)
     return order, torch.argsort(order, dim=-1)
@@ -254,7 +254,7 @@ def chunk_hybrid_attention(
     acc = compute_dtype(q)
     q, k, v, fq, fk = (t.to(acc) for t in (q, k, v, fq, fk))
     if packed:
-        order, inverse = _pack(real)
+        order, inverse = pack_real(real)
         q, k, v, fq, fk = (gather_time(t, order) for t in (q, k, v, fq, fk))
     q = q.reshape(B, Hkv, H // Hkv, T, D)
     fq = fq.reshape(B, Hkv, H // Hkv, T, fq.shape[-1])

@@ -34,7 +34,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .chunked import _pack, chunk_hybrid_attention, gather_time
+from .backends import delta_impl
+from .chunked import chunk_hybrid_attention, gather_time, pack_real
 from .naive import EPS, check_mode, compute_dtype, masked_attention, naive_hybrid_attention, own_mode, real_positions
 
 COMBINES = ("normaliser", "mix")  # the values of attention.la_combine
@@ -126,34 +127,19 @@ def chunk_gated_delta(q, k, v, beta, g, *, initial_state=None, chunk_size=64):
     return o, S
 
 
-def fla_gated_delta(q, k, v, beta, g, *, initial_state=None, chunk_size=64):
-    """The same recurrence by fla-core's Triton kernel `chunk_gated_delta_rule` (CUDA; scale 1, q and k normalised by
-    the caller), each KV head's keys, values and gates repeated over its query group (fla has a state per head; the
-    group's states stay equal). Same result as recurrent_gated_delta, in fp32."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    B, Hkv, T, _ = k.shape
-    G = q.shape[1] // Hkv
-    acc = compute_dtype(q)
-    heads = lambda t: t.to(acc).repeat_interleave(G, 1).transpose(1, 2).contiguous()  # noqa: E731
-    S0 = None if initial_state is None else initial_state.to(acc).repeat_interleave(G, 1)
-    o, S = chunk_gated_delta_rule(
-        q.to(acc).transpose(1, 2).contiguous(), heads(k), heads(v), heads(g), heads(beta), scale=1.0,
-        initial_state=S0, output_final_state=True,
-    )  # fmt: skip
-    return o.transpose(1, 2), S.view(B, Hkv, G, *S.shape[-2:])[:, :, 0]
-
-
 _FLA_CHECKED: dict[str, str | None] = {}  # device -> None when fla's kernel matched the chunked form there, else why
 
 
 def fla_usable(device: torch.device) -> bool:
-    """Whether fla's kernel imports and agrees with the chunked torch form on `device` (a forward and every gradient
-    on a small input, once per device); on a failure a warning says why and the torch form is used. fla-core 0.6.0 is
-    known to fail the backward on Hopper with triton < 3.7.1 when gates are passed: this check catches that."""
+    """Whether fla-core's kernel (registered by hybrid_scale_kernels as the gated-delta implementation "fla":
+    backends.delta_impl; attention never imports fla) agrees with the chunked torch form on `device` (a forward and
+    every gradient on a small input, once per device); on a failure a warning says why and the torch form is used.
+    fla-core 0.6.0 is known to fail the backward on Hopper with triton < 3.7.1 when gates are passed: this check
+    catches that."""
     key = str(device)
     if key not in _FLA_CHECKED:
-        _FLA_CHECKED[key] = _fla_self_check(device)
+        fn = delta_impl("fla")
+        _FLA_CHECKED[key] = "hybrid_scale_kernels did not register it" if fn is None else _fla_self_check(fn, device)
         if _FLA_CHECKED[key] is not None:
             import warnings
 
@@ -162,7 +148,8 @@ def fla_usable(device: torch.device) -> bool:
     return _FLA_CHECKED[key] is None
 
 
-def _fla_self_check(device: torch.device) -> str | None:
+def _fla_self_check(fla, device: torch.device) -> str | None:
+    """None when `fla` (the registered implementation) equals chunk_gated_delta on `device`, else what differed."""
     try:
         gen = torch.Generator().manual_seed(0)
         B, H, Hkv, T, D = 1, 4, 2, 150, 64
@@ -170,7 +157,7 @@ def _fla_self_check(device: torch.device) -> str | None:
              torch.randn(B, Hkv, T, D, generator=gen), torch.rand(B, Hkv, T, generator=gen),
              -0.1 * torch.rand(B, Hkv, T, generator=gen)]  # fmt: skip
         results = []
-        for fn in (fla_gated_delta, chunk_gated_delta):
+        for fn in (fla, chunk_gated_delta):
             with torch.enable_grad():
                 leaves = [t.to(device).requires_grad_() for t in x]
                 o, S = fn(*leaves)
@@ -184,7 +171,7 @@ def _fla_self_check(device: torch.device) -> str | None:
     return None
 
 
-IMPLS = {"naive": recurrent_gated_delta, "chunk": chunk_gated_delta, "fla": fla_gated_delta}
+IMPLS = {"naive": recurrent_gated_delta, "chunk": chunk_gated_delta}
 
 
 def lagged_delta(q, k, v, beta, g, *, lag, initial_state=None, impl="chunk", chunk_size=64):
@@ -192,9 +179,9 @@ def lagged_delta(q, k, v, beta, g, *, lag, initial_state=None, impl="chunk", chu
     hybrid's read-out (lag = the window) or the LA alone (lag 0). Runs the recurrence with queries moved lag steps
     earlier. Returns o [B,H,T,Dv] (fp32)."""
     T = q.shape[2]
-    if impl == "chunk" and q.is_cuda and fla_usable(q.device):  # fla-core's kernel where it runs and agrees
-        impl = "fla"
     fn = IMPLS[impl]
+    if impl == "chunk" and q.is_cuda and fla_usable(q.device):  # fla-core's kernel where it runs and agrees
+        fn = delta_impl("fla")
     opts = {"chunk_size": chunk_size} if impl != "naive" else {}
     if lag == 0:
         return fn(q, k, v, beta, g, initial_state=initial_state, **opts)[0]
@@ -297,7 +284,7 @@ def delta_hybrid_attention(
     real = pos >= 0
     packed = attention_mask is not None and not bool(real.all())
     if packed:  # real tokens first (stable): positions are then 0..n-1 and padding trails
-        order, inverse = _pack(real)
+        order, inverse = pack_real(real)
         q, k, v, fq, fk = (gather_time(t, order) for t in (q, k, v, fq, fk))
         gates = DeltaGates(
             *(None if t is None else t.gather(2, order[:, None].expand(-1, t.shape[1], -1)) for t in gates)

@@ -20,7 +20,7 @@ import torch
 from .chunked import gather_time
 from .delta import DeltaGates, chunk_gated_delta, combine, delta_hybrid_attention, has_past, l2norm, lagged_delta
 from .naive import check_mode, compute_dtype, masked_attention, own_mode
-from .recurrent import DecodeState, _scatter_slots
+from .recurrent import DecodeState, scatter_slots
 
 
 def _check(state: DecodeState, *, window: int, sinks: int) -> None:
@@ -153,11 +153,11 @@ def extend(
     sink_slot = torch.where(real & (pos_new < S), pos_new, S)
     for name, x in (("sink_k", k), ("sink_v", v), ("sink_fk", fk)):
         if getattr(state, name).shape[-1] == x.shape[-1]:
-            state.assign(name, _scatter_slots(getattr(state, name), sink_slot, x))
+            state.assign(name, scatter_slots(getattr(state, name), sink_slot, x))
     slot = torch.where(real & (pos_new > (new_count - 1 - R)[:, None]), torch.remainder(pos_new, R), R)
     two = torch.stack([gates.beta, gates.g], -1)
     for name, x in (("k", k), ("v", v), ("fk", fk), ("gates", two)):
-        state.assign(name, _scatter_slots(getattr(state, name), slot, x))
+        state.assign(name, scatter_slots(getattr(state, name), slot, x))
     state.count.copy_(new_count)
     state.seen.add_(T)
     return y

@@ -55,7 +55,7 @@ class Projections(NamedTuple):
     """A layer's projections of a sequence (HybridAttention.project): q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and
     their feature maps fq = phi_q(q) [B,H,T,F], fk = phi_k(k) [B,Hkv,T,F]; with la_kind gated_delta, fq/fk are the
     delta rule's queries and keys (q and k before RoPE, through the short convolution when there is one) and `gates`
-    its per-token gates (delta.DeltaGates). A tuple: `attend(*x, ...)` takes them."""
+    its per-token gates (delta.DeltaGates). A tuple: `attend(*x[:5], gates=x.gates, ...)` takes them."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -97,8 +97,8 @@ def attend(
     v,
     fq,
     fk,
-    gates=None,
     *,
+    gates=None,
     gamma,
     window,
     mode="hybrid",
@@ -346,8 +346,8 @@ class HybridAttention(nn.Module):
         v,
         fq,
         fk,
-        gates=None,
         *,
+        gates=None,
         mode=None,
         gamma=None,
         window=None,
@@ -365,7 +365,7 @@ class HybridAttention(nn.Module):
         (not None) replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
         if gates is not None:  # (the gated delta rule: no decay of the Hedgehog kind)
             return attend(
-                q, k, v, fq, fk, gates, gamma=self.gamma if gamma is None else gamma,
+                q, k, v, fq, fk, gates=gates, gamma=self.gamma if gamma is None else gamma,
                 window=self.window if window is None else window, mode=self.mode if mode is None else mode,
                 sinks=self.sinks if sinks is None else sinks, hybrid_sinks=self.hybrid_sinks,
                 scale=self.scaling if scale is None else scale, attention_mask=attention_mask,
@@ -434,7 +434,7 @@ class HybridAttention(nn.Module):
                 "pass no cache (one is created) or HybridCache(model)"
             )
         else:
-            y = self.attend(*x, attention_mask=hybrid_mask)
+            y = self.attend(*x[:5], gates=x.gates, attention_mask=hybrid_mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), None
 
 

@@ -119,7 +119,7 @@ class DecodeState:
         for name in ("k", "v", "fk", "gates"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:2], size, old.shape[-1])
-            setattr(self, name, _scatter_slots(new, slot, old).contiguous())
+            setattr(self, name, scatter_slots(new, slot, old).contiguous())
 
     def ring_positions(self) -> torch.Tensor:
         """Real-token index held by each ring slot, -1 where empty. [B, R]."""
@@ -131,7 +131,7 @@ class DecodeState:
         return torch.where(pos >= 0, pos, -1)
 
 
-def _scatter_slots(buf: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def scatter_slots(buf: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Write src[:, :, t] into buf slot index[:, t]; index == slots means 'do not write'."""
     slots = buf.shape[2]
     padded = torch.cat([buf, buf.new_zeros(*buf.shape[:2], 1, buf.shape[-1])], dim=2)
@@ -291,7 +291,7 @@ def extend(
     # sinks: new real tokens with index < S
     sink_slot = torch.where(real & (pos_new < S), pos_new, S)
     for name, x in (("sink_k", k), ("sink_v", v), ("sink_fk", fk)):
-        state.assign(name, _scatter_slots(getattr(state, name), sink_slot, x))
+        state.assign(name, scatter_slots(getattr(state, name), sink_slot, x))
     # fold every key that leaves the ring into the linear state, but the sinks (the sink buffer keeps them)
     limit = (new_count - 1 - R)[:, None]
     fold_ring = ((pos_ring >= S) & (pos_ring <= limit)).to(acc)[:, None, :, None]
@@ -312,7 +312,7 @@ def extend(
     # write the new keys that stay into the ring
     slot = torch.where(real & (pos_new > limit), torch.remainder(pos_new, R), R)
     for name, x in (("k", k), ("v", v), ("fk", fk)):
-        state.assign(name, _scatter_slots(getattr(state, name), slot, x))
+        state.assign(name, scatter_slots(getattr(state, name), slot, x))
     state.count.copy_(new_count)
     state.seen.add_(T)
     return y

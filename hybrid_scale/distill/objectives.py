@@ -94,7 +94,7 @@ def unit_attention(m, x: Projections, a: int, b: int, mode: str) -> torch.Tensor
     q, k, v, fq, fk, gates = x
     if gates is not None:
         cut = type(gates)(*(None if t is None else t[:, :, :b] for t in gates))
-        y = m.attend(q[:, :, :b].float(), k[:, :, :b], v[:, :, :b], fq[:, :, :b], fk[:, :, :b], cut, mode=mode)
+        y = m.attend(q[:, :, :b].float(), k[:, :, :b], v[:, :, :b], fq[:, :, :b], fk[:, :, :b], gates=cut, mode=mode)
         return y[:, :, a:]
     a0 = 0 if (mode == "hybrid" and m.hybrid_sinks) else max(0, a - m.window + 1)
     state = None

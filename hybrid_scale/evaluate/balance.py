@@ -140,8 +140,9 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
             rho = None if m.la_decay is None else m.la_decay.detach().clone()
         if rho is not None:  # 1/rho: tokens past the window over which a key's LA weight falls by e (None: no decay)
             horizon[i] = [1.0 / r if r > 0 else None for r in rho.tolist()]
-        y, soft, lin = m.attend(*x, gamma=gamma, mode="hybrid", return_denominators=True, la_decay=rho)
-        y_swa = m.attend(*x, gamma=gamma, mode="swa_only", la_decay=rho)
+        opts = dict(gates=x.gates, gamma=gamma, la_decay=rho)
+        y, soft, lin = m.attend(*x[:5], mode="hybrid", return_denominators=True, **opts)
+        y_swa = m.attend(*x[:5], mode="swa_only", **opts)
         # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/delta.py) its
         # read-out's gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
         ratio = (lin / (soft + lin).clamp_min(1e-30)).float()  # [B, H, T]

@@ -42,8 +42,8 @@ def gamma_parts(m: HybridAttention, x: Projections) -> tuple[torch.Tensor, ...]:
         )
     with torch.no_grad():
         g0 = m.gamma.detach().float()
-        y, soft, lin = m.attend(*x, gamma=g0, mode="hybrid", return_denominators=True)
-        y_soft = m.attend(*x, gamma=g0, mode="swa_only")
+        y, soft, lin = m.attend(*x[:5], gates=x.gates, gamma=g0, mode="hybrid", return_denominators=True)
+        y_soft = m.attend(*x[:5], gates=x.gates, gamma=g0, mode="swa_only")
         soft, lin = soft.float()[..., None], lin.float()[..., None]
         num_soft = y_soft.float() * (soft + EPS)
         num_lin = y.float() * (soft + lin + EPS) - num_soft

@@ -13,6 +13,7 @@ import os
 import torch
 
 from .decode import triton_decode_step
+from .gated_delta import fla_gated_delta
 from .hybrid_attention import chunk_states, triton_hybrid_attention
 from .jit_helpers import EPS, MODES
 
@@ -66,3 +67,7 @@ def register(register_backend) -> None:
         register_backend("triton", forward, decode=decode, supports=supports)
     except TypeError:  # the attention files of an older export: no shape declaration
         register_backend("triton", forward, decode=decode)
+    try:  # fla-core's gated delta rule (attention.la_kind gated_delta), checked on its device before it is used
+        register_backend("fla", fla_gated_delta, kind="gated_delta")
+    except TypeError:  # the attention files of an export made before the gated delta rule
+        pass

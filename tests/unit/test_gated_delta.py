@@ -229,7 +229,8 @@ def test_tensor_parallel_heads_compute_their_slice_of_the_layer():
     hidden = torch.randn(1, 30, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     rope = model.model.rotary_emb(hidden, torch.arange(30)[None])
     with torch.no_grad():
-        whole = m.attend(*m.project(hidden, rope))
+        x = m.project(hidden, rope)
+        whole = m.attend(*x[:5], gates=x.gates)
         g = m.num_key_value_groups
         part = HybridAttention.from_softmax(m, model.config, 0, model.hybrid_settings)
         part.load_state_dict(m.state_dict())
@@ -240,7 +241,7 @@ def test_tensor_parallel_heads_compute_their_slice_of_the_layer():
         gates = part.la_gates(hidden)
         fq = part.la_map_q(part.la_conv_q(m.q_proj(hidden).view(1, 30, -1, 16).transpose(1, 2)[:, g : 2 * g]))
         fk = part.la_map_k(part.la_conv_k(m.k_proj(hidden).view(1, 30, -1, 16).transpose(1, 2)[:, kv]))
-        y = part.attend(x.q[:, g : 2 * g], x.k[:, kv], x.v[:, kv], fq, fk, gates)
+        y = part.attend(x.q[:, g : 2 * g], x.k[:, kv], x.v[:, kv], fq, fk, gates=gates)
     torch.testing.assert_close(y, whole[:, g : 2 * g], rtol=1e-5, atol=1e-6)
 
 
@@ -284,11 +285,16 @@ def test_the_hybrid_reads_the_state_of_the_keys_that_left_the_window():
         torch.testing.assert_close(la[:, :, n], want, rtol=0, atol=1e-10)
 
 
-def test_fla_kernel_is_refused_with_a_reason_where_it_cannot_run():
-    """On this CPU fla's Triton kernel cannot launch: the self-check says why and the chunked torch form is used."""
+def test_fla_kernel_is_registered_by_the_kernels_and_refused_with_a_reason_where_it_cannot_run():
+    """hybrid_scale_kernels registers fla-core's kernel as the gated delta rule's "fla" (attention never imports fla);
+    on this CPU it cannot launch: the self-check says why, and the chunked torch form runs."""
+    pytest.importorskip("triton")
     from hybrid_scale.attention import delta
+    from hybrid_scale.attention.backends import delta_impl
 
-    assert delta._fla_self_check(torch.device("cpu")) is not None
+    fla = delta_impl("fla")
+    assert fla is not None and fla.__module__ == "hybrid_scale_kernels.gated_delta"
+    assert delta._fla_self_check(fla, torch.device("cpu")) is not None
 
 
 @pytest.mark.gpu
@@ -296,10 +302,12 @@ def test_fla_kernel_equals_the_spec_on_a_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from hybrid_scale.attention import delta
+    from hybrid_scale.attention.backends import delta_impl
 
     x = {k: t.float().cuda() for k, t in rule_inputs(T=150, D=64, Dv=64).items()}
-    assert delta._fla_self_check(torch.device("cuda")) is None
-    o, S = delta.fla_gated_delta(**x)
+    fla = delta_impl("fla")
+    assert delta._fla_self_check(fla, torch.device("cuda")) is None
+    o, S = fla(**x)
     o_ref, S_ref = recurrent_gated_delta(**x)
     torch.testing.assert_close(o, o_ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(S, S_ref, rtol=1e-3, atol=1e-3)
@@ -317,7 +325,8 @@ def test_gamma_fit_scales_the_delta_rules_mass_and_refuses_the_mix():
         x = m.project(hidden, rope)
         parts = export.gamma_parts(m, x)
         for g in (torch.full((4,), 0.3), torch.full((4,), 2.5)):
-            torch.testing.assert_close(export.hybrid_at(g, parts), m.attend(*x, gamma=g), rtol=1e-5, atol=1e-6)
+            want = m.attend(*x[:5], gates=x.gates, gamma=g)
+            torch.testing.assert_close(export.hybrid_at(g, parts), want, rtol=1e-5, atol=1e-6)
     mix = hybrid_layers(delta_model(la_combine="mix"))[0]
     with pytest.raises(ValueError, match="la_combine=mix does not use"):
         export.gamma_parts(mix, x)
