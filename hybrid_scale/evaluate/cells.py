@@ -39,10 +39,11 @@ def own_modes(modes, keeps_sinks: bool) -> list[str]:
 
 def count_cells(evaluation, keeps_sinks: bool = False) -> int:
     """The cells of an evaluation: (mode, task) pairs, then perplexity per mode and the LA share, then the passkey
-    probe per mode (a twin mode has none: `own_modes`)."""
+    probe per mode and, with eval.recall_pairs, the recall probe per mode (a twin mode has none: `own_modes`)."""
     modes = own_modes(evaluation.modes, keeps_sinks)
     held_out = (len(modes) + (1 if evaluation.la_share_seq_len else 0)) if evaluation.ppl_sequences else 0
-    return len(modes) * len(evaluation.tasks) + held_out + len(own_modes(passkey.probe_modes(evaluation), keeps_sinks))
+    probes = len(own_modes(passkey.probe_modes(evaluation), keeps_sinks)) * (2 if evaluation.recall_pairs else 1)
+    return len(modes) * len(evaluation.tasks) + held_out + probes
 
 
 def digest(obj) -> str:

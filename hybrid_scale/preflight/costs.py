@@ -207,16 +207,17 @@ def passkey_estimate(cfg: Config, params: int, lead: int = passkey.LEAD) -> str:
     modes = passkey.probe_modes(evaluation_cfg)
     if not modes:
         return ""
-    tokens = passkey.probe_tokens(list(evaluation_cfg.passkey_distances), evaluation_cfg.passkey_trials, lead) * len(
-        modes
-    )
+    probes = 2 if evaluation_cfg.recall_pairs else 1  # the passkey and the recall probe read about as many tokens
+    tokens = passkey.probe_tokens(list(evaluation_cfg.passkey_distances), evaluation_cfg.passkey_trials, lead)
+    tokens *= len(modes) * probes
     gpu = cfg.model.device != "cpu" and cfg.launch.gpu_tflops
     rate = cfg.launch.gpu_tflops * 1e12 * MFU if gpu else CPU_FLOPS
     minutes = 2 * params * tokens / rate / 60
     why = " (eval.passkey_modes unset: the evaluated modes)" if evaluation_cfg.passkey_modes is None else ""
-    prompts = len(evaluation_cfg.passkey_distances) * evaluation_cfg.passkey_trials
+    prompts = len(evaluation_cfg.passkey_distances) * evaluation_cfg.passkey_trials * probes
+    recall = " (with the recall probe's)" if probes == 2 else ""
     return (
-        f"{prompts} prompts x {len(modes)} mode(s){why}: {', '.join(modes)}; {tokens / 1e3:,.0f} k tokens, "
+        f"{prompts} prompts{recall} x {len(modes)} mode(s){why}: {', '.join(modes)}; {tokens / 1e3:,.0f} k tokens, "
         f"~{minutes:.1f} min at {'launch.gpu_tflops x ' + str(MFU) if gpu else f'an assumed {CPU_FLOPS:.0e} FLOP/s'}"
     )
 

@@ -160,8 +160,8 @@ def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_ra
         assert needle in table
     assert (out / "ablation.png").stat().st_size > 1000 and (out / "la_share.png").stat().st_size > 1000
     first = (out / "log.txt").read_text().splitlines()[0]  # what the run will compute, before it computes it
-    assert "19 cells: 5 mode(s) x 2 task(s), perplexity in 5 mode(s), the LA share; passkey probe: " in first
-    assert "6 prompts x 3 " in first
+    assert "22 cells: 5 mode(s) x 2 task(s), perplexity in 5 mode(s), the LA share; passkey probe: " in first
+    assert "12 prompts (with the recall probe's) x 3 " in first
     assert "mode(s): base, hybrid, swa_sinks; " in first and " k tokens, ~" in first
     assert first.endswith("min at an assumed 1e+11 FLOP/s")
     held = one["heldout"]  # the perplexity is reported on the half of the held-out text stage 2 never chose on
@@ -240,7 +240,7 @@ def test_tensor_parallel_2_evaluates_as_one_process(tiny_smollm_vocab, tiny_one_
 
 
 def _requeue_overrides(model, tmp: Path) -> list[str]:
-    """The tiny evaluation (19 cells: 5 modes x 2 tasks, 5 perplexities, the LA share, 3 passkey modes) in tmp/eval,
+    """The tiny evaluation (22 cells: 5 modes x 2 tasks, 5 perplexities, the LA share, 3 passkey and 3 recall modes) in tmp/eval,
     its run_dir (the requeue marker) tmp/run."""
     return [*_tiny_overrides(model, tmp / "eval"), f"run_dir={tmp / 'run'}"]
 
@@ -264,16 +264,16 @@ def test_signal_after_a_cell_exits_75_and_the_rerun_equals_an_uninterrupted_run(
     out, run = tmp_path / "eval", tmp_path / "run"
     stopped = procs.run(["evaluate", *args], {"HYBRID_SCALE_FAULT": "eval:base.piqa@USR1"})
     assert stopped.returncode == EXIT_REQUEUE, stopped.stderr[-3000:]
-    assert f"evaluation stopped by a signal after 1 of 19 cells; committed cells are in {out / 'cells'}" in (
+    assert f"evaluation stopped by a signal after 1 of 22 cells; committed cells are in {out / 'cells'}" in (
         stopped.stderr
     )
     assert (run / REQUEUE_MARKER).read_text() == "1\n"
     assert _cells(out) == ["base.piqa"] and not (out / "results.json").exists()
     with one_thread():
         assert main(["evaluate", *args]) == 0  # the requeued job
-    assert "resumed 1 of 19 cells" in capsys.readouterr().err
-    assert "resumed 1 of 19 cells" in (out / "log.txt").read_text() and not (run / REQUEUE_MARKER).exists()
-    assert len(_cells(out)) == 19
+    assert "resumed 1 of 22 cells" in capsys.readouterr().err
+    assert "resumed 1 of 22 cells" in (out / "log.txt").read_text() and not (run / REQUEUE_MARKER).exists()
+    assert len(_cells(out)) == 22
     _same_results_json(out / "results.json", tiny_one_rank[0] / "results.json")
 
 
@@ -300,8 +300,8 @@ def test_signal_inside_a_cell_drops_only_that_cell(stopped_mid_cell, tiny_one_ra
     assert stop.step == 2 and cells == ["base.piqa", "base.winogrande"] and marker == "2\n"
     assert not (tmp / "run" / REQUEUE_MARKER).exists()  # the rerun cleared it
     log = (tmp / "eval" / "log.txt").read_text()
-    assert "signal: 2 of 19 cells committed; dropped the cell in progress, hybrid.piqa" in log
-    assert "resumed 2 of 19 cells" in log
+    assert "signal: 2 of 22 cells committed; dropped the cell in progress, hybrid.piqa" in log
+    assert "resumed 2 of 22 cells" in log
     _same_as_one(results, tiny_one_rank[1])
 
 
@@ -328,7 +328,7 @@ def test_a_cell_committed_under_other_settings_is_recomputed(stopped_mid_cell, t
     assert again["modes"]["none"]["winogrande"]["loglik"] == results["modes"]["none"]["winogrande"]["loglik"]
     # the cells' records are this run's: each cell once, with what its file holds now
     records = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["cells_done"] for r in records] == list(range(1, 20))
+    assert [r["cells_done"] for r in records] == list(range(1, 23))
     assert {r["cell"]: r["figures"].get("metric") for r in records}["none.winogrande"] == -2.0
 
 
@@ -337,11 +337,11 @@ def test_signal_inside_a_cell_on_two_ranks_stops_both_and_one_rank_resumes(tiny_
     (torchrun does not pass exit code 75 on: the marker says it). The cells do not depend on the number of ranks."""
     args = _requeue_overrides(tiny_smollm_vocab, tmp_path)
     stopped = procs.run(["evaluate", *args], {"HYBRID_SCALE_FAULT": "eval_batch:hybrid.piqa:1@USR1"}, ranks=2)
-    assert stopped.returncode != 0 and "evaluation stopped by a signal after 2 of 19 cells" in stopped.stderr
+    assert stopped.returncode != 0 and "evaluation stopped by a signal after 2 of 22 cells" in stopped.stderr
     assert (tmp_path / "run" / REQUEUE_MARKER).read_text() == "2\n"
     assert _cells(tmp_path / "eval") == ["base.piqa", "base.winogrande"]
     resumed = _evaluate(args)
-    assert resumed["world_size"] == 1 and "resumed 2 of 19 cells" in (tmp_path / "eval" / "log.txt").read_text()
+    assert resumed["world_size"] == 1 and "resumed 2 of 22 cells" in (tmp_path / "eval" / "log.txt").read_text()
     _same_as_one(resumed, tiny_one_rank[1])
 
 

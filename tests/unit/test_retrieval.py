@@ -84,17 +84,21 @@ def test_the_probe_scores_the_evaluated_modes_unless_told_otherwise():
 
     base = load_config(overrides=["eval.modes=[base]", "eval.tasks=[arc_challenge]"])
     assert passkey.probe_modes(base.eval) == ["base"]
-    assert count_cells(base.eval) == 1 + 1 + 1 + 1  # the task, perplexity, the LA share, the probe in base
+    assert count_cells(base.eval) == 1 + 1 + 1 + 2  # the task, perplexity, the LA share, the two probes in base
+    no_recall = load_config(overrides=["eval.modes=[base]", "eval.tasks=[arc_challenge]", "eval.recall_pairs=0"])
+    assert count_cells(no_recall.eval) == 1 + 1 + 1 + 1  # the passkey probe alone
     twins = load_config(overrides=["eval.modes=[hybrid,swa_only,swa_sinks]", "eval.tasks=[piqa,arc_easy]"]).eval
-    assert count_cells(twins) == 3 * 2 + 3 + 1 + 3
-    assert count_cells(twins, keeps_sinks=True) == 2 * 2 + 2 + 1 + 2  # swa_sinks is swa_only: no cells of its own
+    assert count_cells(twins) == 3 * 2 + 3 + 1 + 3 * 2
+    assert count_cells(twins, keeps_sinks=True) == 2 * 2 + 2 + 1 + 2 * 2  # swa_sinks is swa_only: no cells of its own
     asked = load_config(overrides=["eval.modes=[base]", "eval.passkey_modes=[hybrid,swa_sinks]"])
     assert passkey.probe_modes(asked.eval) == ["hybrid", "swa_sinks"]
     assert passkey.probe_modes(load_config(overrides=["eval.passkey_trials=0"]).eval) == []
     rows = {q: v for s, q, v in plan(base).rows if s == "evaluate"}
-    # 5 distances x 20 prompts; (32 + 128 + 512 + 1024 + 2048) + 5 x (32 lead + 25) tokens each = 80,580
+    # 5 distances x 20 prompts; (32 + 128 + 512 + 1024 + 2048) + 5 x (32 lead + 25) tokens each = 80,580; the recall
+    # probe as many again
     assert rows["passkey probe"].startswith(
-        "100 prompts x 1 mode(s) (eval.passkey_modes unset: the evaluated modes): base; 81 k tokens, ~"
+        "200 prompts (with the recall probe's) x 1 mode(s) (eval.passkey_modes unset: the evaluated modes): base; "
+        "161 k tokens, ~"
     ), rows["passkey probe"]
     assert "no passkey" not in rows["passkey probe"] and "passkey probe" not in dict.fromkeys(
         q for s, q, _ in plan(load_config(overrides=["eval.passkey_distances=[]"])).rows
