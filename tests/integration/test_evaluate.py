@@ -240,8 +240,8 @@ def test_tensor_parallel_2_evaluates_as_one_process(tiny_smollm_vocab, tiny_one_
 
 
 def _requeue_overrides(model, tmp: Path) -> list[str]:
-    """The tiny evaluation (22 cells: 5 modes x 2 tasks, 5 perplexities, the LA share, 3 passkey and 3 recall modes) in tmp/eval,
-    its run_dir (the requeue marker) tmp/run."""
+    """The tiny evaluation (22 cells: 5 modes x 2 tasks, 5 perplexities, the LA share, 3 passkey and 3 recall modes)
+    in tmp/eval, its run_dir (the requeue marker) tmp/run."""
     return [*_tiny_overrides(model, tmp / "eval"), f"run_dir={tmp / 'run'}"]
 
 
