@@ -6,8 +6,9 @@ returns the results. Under torchrun the batches are sharded over ranks (see logl
 the number of ranks.
 
 The work is cut into cells: one per (mode, task) of the benchmark scoring, one per mode of the perplexity by position
-bucket, one for the LA share, one per mode of the passkey probe (retrieval.py). Rank 0 commits each finished cell to
-{out_dir}/cells/<name>.json (`<mode>.<task>`, `perplexity.<mode>`, `la_share`, `passkey.<mode>`): its result and
+bucket, one for the LA share, one per mode of the passkey and the recall probe (retrieval.py). Rank 0 commits each
+finished cell to {out_dir}/cells/<name>.json (`<mode>.<task>`, `perplexity.<mode>`, `la_share`, `passkey.<mode>`,
+`recall.<mode>`): its result and
 the key it was computed from (the model and its files, the window, dtype, device type, CPU threads and library
 versions, the task's items and tokens or the held-out text, and the eval settings that change the numbers). A rerun
 loads every cell whose key matches and recomputes the others (logged), so that its results.json equals an
@@ -240,14 +241,11 @@ def _evaluate(entry: Entry) -> dict:
         if evaluation.ppl_sequences:
             _perplexity_and_la_share(results, src)
         results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
-        if passkey.probe_modes(evaluation):
+        probes = ["passkey", "recall"][: 1 + bool(evaluation.recall_pairs)] if passkey.probe_modes(evaluation) else []
+        for probe in probes:
             t0 = time.perf_counter()
-            _passkey(results, src)
-            results["timings_s"]["passkey"] = time.perf_counter() - t0
-            if evaluation.recall_pairs:
-                t0 = time.perf_counter()
-                _passkey(results, src, "recall")
-                results["timings_s"]["recall"] = time.perf_counter() - t0
+            _passkey(results, src, probe)
+            results["timings_s"][probe] = time.perf_counter() - t0
         _verdict(results)
         cells.finish()
     finally:
@@ -432,9 +430,8 @@ def astuple_shallow(src: Sources) -> tuple:
 
 
 def _passkey(results: dict, src: Sources, probe: str = "passkey") -> None:
-    """The passkey cells (or with probe="recall" the associative-recall cells: data/passkey.py), one per mode of
-    eval.passkey_modes: retrieval at each distance on seeded prompts whose filler is the report text. Rank 0 computes
-    them, every rank when the weights are sharded or split."""
+    """The passkey (or recall: data/passkey.py) cells, one per mode of eval.passkey_modes, on seeded prompts whose
+    filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
     cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
     evaluation = cfg.eval
     here = rt.main or evaluation.shard_weights or rt.tp > 1
@@ -474,9 +471,7 @@ def _passkey(results: dict, src: Sources, probe: str = "passkey") -> None:
             "chance": {"exact": 10.0**-digits, "loglik": digits * math.log(0.1)},
             "by_mode": by_mode,
             "sanity": retrieval.sanity(by_mode, results["window"]),
-        }
-        if probe == "recall":
-            results[probe]["pairs"] = evaluation.recall_pairs
+        } | ({"pairs": evaluation.recall_pairs} if probe == "recall" else {})
 
 
 def _probe_lead(cfg: Config, models) -> int:
