@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-roofline device-speed
-.PHONY: kernel-compile reproduce clean bench-memory metrics-overhead test-time planted-faults grad-precision
+.PHONY: kernel-compile kernel-compile-triton36 reproduce clean bench-memory metrics-overhead test-time planted-faults grad-precision
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -90,6 +90,17 @@ device-speed: $(STAMP)
 # tests/unit/test_kernel_compile.py checks against the kernels (it compiles what changed since)
 kernel-compile: $(STAMP)
 	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) -m tools.kernel_compile --out docs/results/kernel_compile.md
+
+# The same gate under the device image's Triton (torch 2.11 / triton 3.6: its register allocation differs), the
+# triton 3.6 wheel from PyPI put in .triton36/ ahead of the project's on the path (the gate needs no torch from it)
+TRITON36 := .triton36
+$(TRITON36)/.installed: $(STAMP)
+	rm -rf $(TRITON36) && $(PY) -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0
+	touch $@
+
+kernel-compile-triton36: $(TRITON36)/.installed
+	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=$(TRITON36) $(PY) -m tools.kernel_compile \
+		--out docs/results/kernel_compile_triton36.md
 
 # Table 1 on SmolLM2, one row at a time (experiments/reproduce_table1/reproduce_table1.md): `make reproduce ROW=lolcats+sinks` runs
 # one row end to end (stage 1, stage 2, the evaluation; within an hour of 2 CPU cores; resumable) and writes

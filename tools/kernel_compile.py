@@ -1,12 +1,20 @@
-"""The kernels compiled for sm_80 and sm_90 on this machine (no GPU): every kernel x mode x dtype x preset head shape.
+"""The kernels compiled for sm_80 and sm_90 on this machine (no GPU): every launch the wrappers make, as a model
+makes them.
 
-For each model preset (configs/models/*.yaml: its heads, KV heads, head dim, feature dim, window and sinks), each
-attention mode the kernels take and each of bf16 / fp16 / fp32, the wrappers are called as training and generation
-call them -- the forward and its backward through autograd on meta tensors at the preset's training length, the
-forward without gradients (a prefill: the chunked prefill kernels and the fused forward), one fused decode step on a
-ring of `window` keys -- with the tiles the kernels choose on a GPU. Every launch they make is recorded (nothing
-runs) and compiled for both architectures by Triton and the wheel's ptxas (hybrid_scale_kernels.compile_check);
-equal launches compile once.
+For each model preset (configs/models/*.yaml: its heads, KV heads, head dim, feature dim, window and sinks) at its
+own window and training length, and again at every other window a shipped config uses (configs/**.yaml: the
+quickstart's 16) and at lengths that are not a multiple of the chunk (96: one state, which Triton specialises as the
+constant 1; 100: not a multiple of 16), each attention mode and each of bf16 / fp16 / fp32, the wrappers are called
+as training and generation call them -- the forward and its backward through autograd on meta tensors (the meta
+device stands for a GPU: fp32 runs the kernels in bf16), the forward without gradients (a prefill), with an initial
+state (stage 1), with the denominators (the balance report; a padding mask launches what an unpadded batch
+launches: the rows are packed on the host), one fused decode step on a ring of
+`window` keys -- with the settings the kernels choose on a GPU. Every launch they make is recorded (nothing runs) and
+compiled for both architectures by Triton and the wheel's ptxas (tools/compile_check.py); equal launches compile
+once.
+
+The same gate runs under the device image's Triton (3.6: `make kernel-compile-triton36`, its wheel put in
+.triton36/ ahead of the project's on the path), where the register allocation differs.
 
     python -m tools.kernel_compile [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
         [--reuse docs/results/kernel_compile.json --verify 8]
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -34,20 +43,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hybrid_scale_kernels import chunk_scan, compile_check, hybrid_attention
+from hybrid_scale_kernels import chunk_h, settings
+from hybrid_scale_kernels.chunk import triton_hybrid_attention
 from hybrid_scale_kernels.decode import triton_decode_step
-from hybrid_scale_kernels.hybrid_attention import triton_hybrid_attention
-from hybrid_scale_kernels.jit_helpers import MODE_PARTS
+from hybrid_scale_kernels.utils import MODE_PARTS
 
 from hybrid_scale.attention.feature_maps import make_feature_map
 from hybrid_scale.attention.recurrent import DecodeState
 from hybrid_scale.attention.shape import Shape as CallShape
 from hybrid_scale.config import PRESETS, load_config
+from tools import compile_check
 
-# Bytes of spill stores + loads a kernel may have, per dtype: none in bf16 and fp16 (what the presets train in); in
-# fp32 (IEEE dots on FMAs, no tensor cores) 128, for the window launch of _bwd_dkv at head dim 128, which spills
-# 44-72 bytes with every tile setting tried since the packed GQA tiles (tools/kernel_compile.py --tune fp32,128,16)
-SPILL_BUDGET = {"bf16": 0, "fp16": 0, "fp32": 128}
+# Bytes of spill stores + loads a kernel may have: none (fp32 calls run the chunked kernels in bf16 on a GPU; the
+# decode step's fp32 launch is the one fp32 compile)
+SPILL_BUDGET = {"bf16": 0, "fp16": 0, "fp32": 0}
 # every mode the kernels compute ("none" launches nothing), and the hybrid with its sinks (attention.hybrid_sinks);
 # each also with the LA's decay (attention.la_decay, "+decay"): the modes with an LA decay it, and the decode step
 # carries a decayed state on in every mode
@@ -56,8 +65,7 @@ DECAY = "+decay"
 MODES = (*MODE_PARTS, HYBRID_SINKS)
 MODES = (*MODES, *(m + DECAY for m in MODES))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# kernels whose half-precision products must be wgmma on sm_90 (64-row tiles: chunk_prefill.py's prefill and its
-# backward)
+# kernels whose half-precision products must be wgmma on sm_90 (the chunked kernels' 64-row tiles)
 WGMMA = ("_chunk_states", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_chunk_bwd_dkv", "_chunk_bwd_dfk")
 
 
@@ -70,12 +78,29 @@ class Shape:
     features: int
     window: int
     sinks: int
-    length: int  # the preset's training length (T of the training kernels)
+    length: int  # T of the training kernels: the preset's training length, or one that is not a multiple of the chunk
+
+
+ODD_LENGTHS = (96, 100)  # not a multiple of the chunk: one state (Triton specialises NS = 1), and not a multiple of 16
+
+
+def shipped_windows() -> set[int]:
+    """Every attention window a shipped config sets (configs/**/*.yaml)."""
+    import yaml
+
+    found = set()
+    for path in PRESETS.rglob("*.yaml"):
+        attention = (yaml.safe_load(path.read_text()) or {}).get("attention") or {}
+        if isinstance(attention.get("window"), int):
+            found.add(attention["window"])
+    return found
 
 
 def preset_shapes(names: list[str] | None = None) -> list[Shape]:
-    """The attention shapes of every model preset, from its YAML file."""
+    """The attention shapes of every model preset, from its YAML file: at its window and training length, then at
+    every other shipped window and the odd lengths."""
     shapes = []
+    windows = shipped_windows()
     for path in sorted((PRESETS / "models").glob("*.yaml")):
         if names and path.stem not in names:
             continue
@@ -83,45 +108,34 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
         arch, a = cfg.model.arch, cfg.attention
         d = arch.head_dim or arch.hidden_size // arch.num_attention_heads
         f = make_feature_map(a.feature_map, 1, d, a.feature_dim).out_dim
-        shapes.append(
-            Shape(path.stem, arch.num_attention_heads, arch.num_key_value_heads, d, f, a.window, a.sinks,
-                  cfg.finetune.seq_len)
-        )  # fmt: skip
+        own = Shape(path.stem, arch.num_attention_heads, arch.num_key_value_heads, d, f, a.window, a.sinks,
+                    cfg.finetune.seq_len)  # fmt: skip
+        shapes.append(own)
+        for window in sorted(windows - {a.window}):
+            shapes.append(dataclasses.replace(own, window=window, length=ODD_LENGTHS[0]))
+        shapes += [dataclasses.replace(own, length=length) for length in ODD_LENGTHS]
     return shapes
 
 
 LONG = 16384  # tokens of a prefill whose state scan a GPU splits (chunk_scan.plan; the presets' lengths are not)
-SMS = 132  # an H100's / H200's SMs: the state scan is split as on such a GPU (chunk_scan.plan)
+SMS = 132  # an H100's / H200's SMs: the state scan is split as on such a GPU (chunk_h.plan)
 
 
 @contextlib.contextmanager
 def _as_on_a_gpu():
     """The state scan planned for SMS SMs, as on a GPU (off a GPU it is never split)."""
-    before = chunk_scan.SMS_OFF_GPU
-    chunk_scan.SMS_OFF_GPU = SMS
+    before = chunk_h.SMS_OFF_GPU
+    chunk_h.SMS_OFF_GPU = SMS
     try:
         yield
     finally:
-        chunk_scan.SMS_OFF_GPU = before
-
-
-@contextlib.contextmanager
-def _fused_only():
-    """triton_hybrid_attention without its chunked path: the fused kernels, as a padded batch runs them."""
-    before = hybrid_attention.chunked_path
-    hybrid_attention.chunked_path = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        hybrid_attention.chunked_path = before
+        chunk_h.SMS_OFF_GPU = before
 
 
 def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.Launch]:
-    """The launches of one forward + backward (meta tensors, batch 1: the chunked kernels where they take the case,
-    and the fused ones, which a padded batch trains with), forwards without gradients (a prefill: chunk_prefill.py's
-    kernels at the preset's length and at LONG tokens, whose state scan is split as on an H100/H200; and the
-    fused forward they fall back to, its output written in the inputs' dtype, not fp32) and one decode step (a ring
-    of `window`)."""
+    """The launches of one forward + backward (meta tensors, batch 1), the same with a padding mask and an initial
+    state (stage 1's units), forwards without gradients (a prefill, at the shape's length and at LONG tokens, whose
+    state scan is split as on an H100/H200; with the denominators) and one decode step (a ring of `window`)."""
     b, h, hkv, t, d, f = 1, shape.heads, shape.kv_heads, shape.length, shape.head_dim, shape.features
 
     def meta(*size):
@@ -135,18 +149,20 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
     if mode == HYBRID_SINKS:
         options |= dict(mode="hybrid", hybrid_sinks=True)
     rho = torch.empty(hkv, device="meta", requires_grad=True)
+    init = (torch.empty(b, hkv, f, d, device="meta", requires_grad=True),
+            torch.empty(b, hkv, f, device="meta", requires_grad=True))  # fmt: skip
     with compile_check.record_launches() as recorded, _as_on_a_gpu():
-        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **({"la_decay": rho} if decay else {}))
-        y.backward(torch.empty_like(y))  # the chunked backward where it takes the case
-        with _fused_only():  # the fused forward and backward, which train where the chunked path does not (padding)
-            y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **({"la_decay": rho} if decay else {}))
-            y.backward(torch.empty_like(y))
+        extra = {"la_decay": rho} if decay else {}
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **extra)
+        y.backward(torch.empty_like(y))  # training
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **extra, initial_state=init)
+        y.backward(torch.empty_like(y))  # stage 1's units: an initial state
         plain = [t.detach() for t in (q, k, v, fq, fk, gamma)]  # generation's prefill: no gradient, y in q's dtype
         extra = {"la_decay": rho.detach()} if decay else {}
-        triton_hybrid_attention(*plain, **options, **extra)  # chunk_prefill.py's kernels where it takes the case
+        triton_hybrid_attention(*plain, **options, **extra)
         long = [x.new_empty(*x.shape[:2], LONG, x.shape[3]) if x.dim() == 4 else x for x in plain]
         triton_hybrid_attention(*long, **options, **extra)  # a state scan split over the sequence, as on a GPU
-        triton_hybrid_attention(*plain, **options, **extra, return_denominators=True)  # the fused one it falls back to
+        triton_hybrid_attention(*plain, **options, **extra, return_denominators=True)  # the balance report
         state = DecodeState.empty(
             CallShape(
                 kv_heads=hkv, head_dim=d, value_dim=d, features=f, window=shape.window, sinks=shape.sinks, dtype=dtype
@@ -232,55 +248,24 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-CANDIDATES = ((8, 32, None), (4, 32, None), (8, 16, None), (4, 16, None), (8, 64, None), (4, 64, None),
-              (8, 32, 255), (4, 32, 255), (16, 32, None), (2, 32, None))  # (warps, feature chunk, maxnreg)  # fmt: skip
-
-
-def tune(kind: str, head_dim: int, block: int) -> str:
-    """For the presets with this head dim, each kernel's first launch setting in CANDIDATES that compiles without
-    spills and within shared memory on both architectures in every mode (or its least-spilling one): the
-    GPU_TILES entry to paste, and what each kernel spills with it."""
-    from hybrid_scale_kernels import hybrid_attention as ha
-
-    shapes = [s for s in preset_shapes() if (64 if s.head_dim <= 64 else 128) == head_dim]
-    shapes = list({(s.head_dim, s.features, s.kv_heads == s.heads): s for s in shapes}.values())
-    dtype = DTYPES["bf16" if kind == "half" else "fp32"]
-    cache = compile_check.Cache()
-    best: dict[str, tuple] = {}
-    for cand in CANDIDATES:
-        warps, fchunk, maxnreg = cand
-        names = {"_states_fwd", "_fwd", "_bwd_dq", "_bwd_dfq", "_states_bwd", "_bwd_dkv", "_bwd_dfk", "_bwd_sinks"}
-        ha.GPU_TILES[kind, head_dim] = ha.Tiles(block, per_kernel=tuple((n, warps, fchunk, maxnreg) for n in names))
-        worst: dict[str, int] = {}
-        for shape in shapes:
-            for mode in MODES:
-                for launch in launches(shape, mode, dtype):
-                    if launch.name == "_decode" or best.get(launch.name, (None, 1))[1] == 0:
-                        continue
-                    for arch in compile_check.ARCHS:
-                        c = cache(launch, arch)
-                        bad = c.spills + (1 << 20 if not c.shared_ok else 0)
-                        worst[launch.name] = max(worst.get(launch.name, 0), bad)
-        for name, bad in worst.items():
-            if name not in best or bad < best[name][1]:
-                best[name] = (cand, bad)
-        print(f"tune {kind} {head_dim} {cand}: {worst}", file=sys.stderr, flush=True)
-        if all(b == 0 for _, b in best.values()) and best:
-            break
-    entries = ", ".join(f'("{n}", {c[0]}, {c[1]}, {c[2]})' for n, (c, _) in sorted(best.items()))
-    spills = {n: b for n, (_, b) in best.items() if b}
-    return f'("{kind}", {head_dim}): Tiles({block}, per_kernel=({entries},)),  # spills left: {spills or "none"}'
+def apply_settings(spec: str) -> None:
+    """--settings HEAD_DIM:KEY=VALUE,... (e.g. 128:warps=8,stages=2): compile with these GPU settings instead of
+    GPU_SETTINGS' (fails where they spill), to see what another tiling gives. Several specs are joined by ';'."""
+    for part in filter(None, spec.split(";")):
+        head_dim, pairs = part.split(":", 1)
+        entry = settings.GPU_SETTINGS[int(head_dim)]
+        for pair in pairs.split(","):
+            key, value = pair.split("=")
+            if key not in entry and not key.endswith("_maxnreg"):
+                raise SystemExit(f"kernel_compile: no setting '{key}'; known: {', '.join(sorted(entry))}")
+            entry[key] = int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     parser.add_argument("--presets", default="", help="comma-separated preset names (default: every preset)")
-    parser.add_argument("--tune", default="", help="KIND,HEAD_DIM,BLOCK (e.g. half,128,32): search the tiles")
-    parser.add_argument(
-        "--tiles", default="", help="KIND,HEAD_DIM,BLOCK,WARPS (e.g. half,128,64,8): compile with these tiles instead "
-        "of GPU_TILES' entry (every kernel alike; fails where they spill), to see what another tile size gives",
-    )  # fmt: skip
+    parser.add_argument("--settings", default="", help=apply_settings.__doc__.split(":", 1)[0] + " (see its doc)")
     parser.add_argument(
         "--reuse", type=Path, default=None,
         help="a JSON this script wrote: results whose key (kernel source, launch, Triton version) it holds are "
@@ -288,15 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--verify", type=int, default=0, help="with --reuse: compile this many reused ones again")
     args = parser.parse_args(argv)
-    if args.tune:
-        kind, head_dim, block = args.tune.split(",")
-        print(tune(kind, int(head_dim), int(block)))
-        return 0
-    if args.tiles:
-        from hybrid_scale_kernels import hybrid_attention as ha
-
-        kind, head_dim, block, warps = args.tiles.split(",")
-        ha.GPU_TILES[kind, int(head_dim)] = ha.Tiles(int(block), int(warps))
+    apply_settings(args.settings)
     shapes = preset_shapes([p for p in args.presets.split(",") if p] or None)
     t0 = time.time()
     known = json.loads(args.reuse.read_text())["results"] if args.reuse and args.reuse.is_file() else None

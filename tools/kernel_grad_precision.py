@@ -11,7 +11,8 @@ largest value against the fp64 spec's autograd:
 
   before:  delta = dy . y_bf16 (fp32 products of the bf16 output), dy/Z rounded in the dots -- the kernels until
            2026-12-04 (the H200 measured 0.128 / 0.045 / 0.018 at windows 1 / 64 / 100);
-  now:     delta = Z (round(dy/Z) . y_fp32), the same rounding as the dots, the forward's fp32 output (_delta);
+  now:     delta = Z (round(dy/Z) . y_fp32), the same rounding as the dots, the forward's fp32 output (the chunked
+           backward's dlz, `_chunk_bwd_dq`);
   fp32:    no rounding at all (what the chunked torch path, fp32 inside, comes close to).
 
     .venv/bin/python -m tools.kernel_grad_precision

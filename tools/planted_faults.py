@@ -80,33 +80,56 @@ FAULTS = {
         "        if rho is not None:  # as row a = a0 + w - 1 sees key j: alpha^(a - w - j)",
         "        if False:",
     ),
-    # the decay in the fused Triton kernels (tests/unit/test_triton_kernels.py, the interpreter on CPU)
+    # the chunked Triton kernels (tests/unit/test_triton_kernels.py, test_chunk_*.py: the interpreter on CPU)
     "kernel_decay_ignored": (
-        "kernels/hybrid_scale_kernels/hybrid_attention.py",
-        "                    if DECAY:\n                        s = _decayed(s, rho, n, j, window)\n"
-        "                    num_l += _dot(s, v, DT, PREC)",
-        "                    num_l += _dot(s, v, DT, PREC)",
+        "kernels/hybrid_scale_kernels/chunk_o.py",
+        "                    s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))\n",
+        "",
     ),
     "kernel_decay_gradient_dropped": (
-        "kernels/hybrid_scale_kernels/hybrid_attention.py",
-        "drho = _rho_grad(fq, fk, dfq, dfk, dy, z, delta, start, end, window, r, init).to(rho.dtype)",
-        "drho = torch.zeros_like(rho)",
+        "kernels/hybrid_scale_kernels/chunk.py",
+        "                drho = total.to(rho.dtype)",
+        "                drho = torch.zeros_like(rho)",
     ),
     "kernel_decay_on_the_sinks": (
-        "kernels/hybrid_scale_kernels/hybrid_attention.py",
-        "        if HYBRID:  # the hybrid with its sinks: c_n is the max over the window and the sinks\n",
-        "        if DECAY:\n            a = a - rho * tl.maximum(n[:, None] - window - sj[None, :], 0).to(tl.float32)\n"
-        "        if HYBRID:  # the hybrid with its sinks: c_n is the max over the window and the sinks\n",
+        "kernels/hybrid_scale_kernels/chunk_o.py",
+        "        p_s = g * tl.exp(a_s - m[:, None])",
+        "        p_s = g * tl.exp(a_s - m[:, None] - rho * tl.maximum(n[:, None] - window - js[None, :], 0))",
     ),
     "kernel_la_only_window_decayed": (
-        "kernels/hybrid_scale_kernels/hybrid_attention.py",
-        'st_off=int(window) if (mode == "hybrid" or decay) else 0',
-        'st_off=int(window) if mode == "hybrid" else 0',
+        "kernels/hybrid_scale_kernels/utils.py",
+        "return max(1, -(-int(window) // CHUNK)) if (soft or decay) else 1",
+        "return max(1, -(-int(window) // CHUNK)) if soft else 1",
     ),
     "kernel_state_gradient_not_carried": (
-        "kernels/hybrid_scale_kernels/hybrid_attention.py",
-        "            acc = acc * carry\n            acc_k = acc_k * carry\n",
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "            dh = dh * carry\n",
         "",
+    ),
+    "kernel_initial_state_dropped": (
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "            h += tl.load(H0 + (base * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)\n",
+        "",
+    ),
+    "kernel_initial_state_gradient_dropped": (
+        "kernels/hybrid_scale_kernels/chunk.py",
+        "        dinit_kv, dinit_k = dinit",
+        "        dinit_kv, dinit_k = (None if t is None else torch.zeros_like(t) for t in dinit)",
+    ),
+    "kernel_padding_not_packed": (
+        "kernels/hybrid_scale_kernels/chunk.py",
+        "    if bool(real.all()):",
+        "    if True:",
+    ),
+    "kernel_one_chunk_back_at_any_window": (
+        "kernels/hybrid_scale_kernels/utils.py",
+        "return max(1, -(-int(window) // CHUNK)) if (soft or decay) else 1",
+        "return 1",
+    ),
+    "kernel_denominators_swapped": (
+        "kernels/hybrid_scale_kernels/chunk_o.py",
+        "        tl.store(DE + q_base + n, den_e, mask=row_ok)",
+        "        tl.store(DE + q_base + n, den - den_e, mask=row_ok)",
     ),
     "kernel_decode_state_not_carried": (
         "kernels/hybrid_scale_kernels/decode.py",

@@ -1,141 +1,243 @@
-"""A roofline estimate of the fused kernels, from their loop structure and tiles, until a GPU measures them.
+"""The kernels' cost model: each launch's FLOPs and HBM bytes, counted from its grid and shapes, on CPU.
 
-For one attention layer of Llama-3-8B (32 heads, 8 KV heads, head dim 128, Hedgehog feature dim 256, window 64,
-bf16, batch 1) at 4k / 16k / 64k tokens, each kernel's FLOPs and HBM bytes are counted from what its programs do
-with the tiles `default_tiles` picks on a GPU (hybrid_scale_kernels.hybrid_attention.GPU_TILES): the key tiles each
-query tile streams (the masked ones it skips not counted), the feature chunks it walks, every tile it loads or
-stores (loads of the same tile by several programs counted each time: an upper bound on HBM traffic, L2 hits would
-lower it). The time bound of a kernel is max(FLOPs / peak FLOP/s, bytes / peak bandwidth) with the H200's
-measured ceilings (about 790 TFLOP/s for bf16 matrix products, 4.3 TB/s for copies). Beside it: causal SDPA
-(FlashAttention: 2 H D T^2 FLOPs forward, compute bound) and fla's chunk_linear_attn (chunk 64, states per chunk
-in fp32, its GQA groups repeated), counted the same way.
+One attention layer of Llama-3-8B as its preset trains it (32 heads, 8 KV heads, head dim 128, Hedgehog feature dim
+256, window 64, its own 8 sinks, the LA's decay, bf16, batch 1) runs a forward and a backward through
+`triton_hybrid_attention` on meta tensors at 4k and 16k tokens. Every Triton launch is recorded, not run
+(tools/compile_check.record_launches), and every torch op between them too (a dispatch mode): the launches and their
+grids are what the wrappers really make. Each kernel's bytes are then counted from its grid and the loads and stores
+its programs make (`KERNELS`, one function per kernel, written from its loops: each distinct tile a program loads
+or stores counts once, however often the program reloads it, and once for every program that loads it, so L2 hits
+between programs would lower them) and its FLOPs from its products. The torch glue's
+bytes are each op's inputs read and outputs written.
 
-    python -m benchmarks.run roofline [--out docs/results/kernel_roofline.md]
+The irreducible bytes: the forward reads q, k, v, phi_q, phi_k once and writes y once; the backward reads them and dy
+once and writes dq, dk, dv, dphi_q, dphi_k once (bf16). Targets (issue 60): fwd+bwd at most 2x those bytes, at most
+6 Triton launches, no torch glue of O(T F) in fp32. Time bounds use the H200's measured ceilings (about 790 TFLOP/s
+for bf16 matrix products, 4.3 TB/s for copies).
 
-Estimates, not measurements: `python -m benchmarks.run kernels` measures the kernels on a GPU (kernel_speed.md, its
-own page; this one never writes it).
+    python -m benchmarks.run roofline [--out docs/results/kernel_roofline.md]      (make kernel-roofline)
+
+Estimates, not measurements: benchmarks/device_speed.sh measures the kernels on a GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hybrid_scale_kernels.hybrid_attention import default_tiles
-
-from benchmarks import registry
+from hybrid_scale_kernels.chunk import triton_hybrid_attention
+from hybrid_scale_kernels.utils import CHUNK
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PEAK_FLOPS = 790e12  # bf16 dense matrix products, H200 (measured ceiling)
 PEAK_BYTES = 4.3e12  # HBM copy bandwidth, H200 (measured ceiling)
-SHAPE = registry.SHAPES["llama3-8b"] | {"w": registry.WINDOW}  # Llama-3-8B, Hedgehog, window 64
-LENGTHS = (4096, 16384, 65536)
-BF16, FP32 = 2, 4
+SHAPE = dict(H=32, Hkv=8, D=128, F=256, w=64, sinks=8)  # Llama-3-8B, Hedgehog, its preset's window and sinks
+LENGTHS = (4096, 16384)
+TARGET_BYTES = 2.0  # fwd+bwd bytes / irreducible bytes (issue 60)
+TARGET_LAUNCHES = 6  # Triton launches per fwd+bwd
+E, F32 = 2, 4  # bytes of bf16 and fp32
 
 
-def _tiles_streamed(block: int, w: int, G: int) -> tuple[float, float]:
-    """Per packed query tile of a long sequence (block rows: block / G positions of each of the G heads of a KV
-    head), on average over the tiles' alignments: the key tiles with some window term, and those with some LA term
-    (the streamed span starts at the key tile at or before m0 - w + 1; a key tile past every query's window only has
-    LA terms)."""
-    soft = la = 0
-    first = 64 * G  # tiles far from the start; G of them cover every alignment of m0 to the key tiles
-    for i in range(first, first + G * block):
-        m0, m1 = i * block // G, ((i + 1) * block - 1) // G
-        lo = (m0 - w + 1) // block * block
-        for kb in range(lo, m1 + 1, block):
-            soft += kb + block - 1 > m0 - w
-            la += kb <= m1 - w
-    return soft / (G * block), la / (G * block)
+@dataclass
+class Cost:
+    name: str
+    launches: int = 0
+    flops: float = 0.0
+    nbytes: float = 0.0
+
+    def add(self, flops: float, nbytes: float) -> None:
+        self.launches += 1
+        self.flops += flops
+        self.nbytes += nbytes
 
 
-def hybrid_kernels(T: int) -> dict[str, tuple[float, float]]:
-    """FLOPs and bytes of each kernel launch of one forward + backward, hybrid mode. Query-side kernels run one
-    program per packed tile (H * T / block of them, as many as unpacked tiles); key-side ones one per key tile and
-    KV head, over the packed tiles that reach it."""
-    H, Hkv, D, F, w = (SHAPE[k] for k in ("H", "Hkv", "D", "F", "w"))
-    G = H // Hkv
-    tiles = default_tiles(torch.device("cuda"), D, F, torch.bfloat16)
-    B = tiles.block
-    nm = T // B
-    soft, la = _tiles_streamed(B, w, G)
-    out = {}
-    # forward
-    fc = tiles.of("_states_fwd")[1]
-    out["_states_fwd"] = (2 * T * F * D * Hkv, Hkv * (T * F * BF16 + (F // fc) * T * D * BF16 + nm * F * D * FP32))
-    per_tile = 4 * B * B * D * soft + la * (2 * B * B * F + 2 * B * B * D) + 2 * B * F * D
-    load = B * D * BF16 + soft * 2 * B * D * BF16 + la * (2 * B * F * BF16) + B * F * BF16 + F * D * FP32
-    out["_fwd"] = (H * nm * per_tile, H * nm * (load + B * D * BF16 + 5 * B * FP32))
-    # backward: delta (torch), the recomputed states, then the kernels
-    out["delta (torch)"] = (2 * H * T * D, H * T * (2 * D * BF16 + FP32))
-    out["_states_fwd (recompute)"] = out["_states_fwd"]
-    per_tile = soft * (2 * B * B * D * 3) + 0
-    load = 2 * B * D * BF16 + soft * 2 * B * D * BF16 + 3 * B * FP32
-    out["_bwd_dq"] = (H * nm * per_tile, H * nm * (load + B * D * FP32 + B * FP32))
-    fc = tiles.of("_bwd_dfq")[1]
-    per_prog = la * (2 * B * B * D + 2 * B * B * fc) + 2 * B * fc * D
-    load = B * D * BF16 + 2 * B * FP32 + la * (B * D * BF16 + B * fc * BF16) + fc * D * FP32
-    out["_bwd_dfq"] = (H * nm * (F // fc) * per_prog, H * nm * (F // fc) * (load + B * fc * FP32))
-    fc = tiles.of("_states_bwd")[1]
-    out["_states_bwd"] = (
-        2 * T * F * D * H,
-        Hkv * (F // fc) * (G * T * (D * BF16 + 2 * FP32 + fc * BF16)) + Hkv * nm * F * D * FP32,
-    )
-    q_tiles = (B + w - 1) * G / B + 1  # packed query tiles that reach a key tile with window terms
-    per_prog = q_tiles * (6 * B * B * D)
-    load = 2 * B * D * BF16 + q_tiles * (2 * B * D * BF16 + 3 * B * FP32)
-    out["_bwd_dkv (window)"] = (Hkv * nm * per_prog, Hkv * nm * (load + 2 * B * D * FP32))
-    la_q = (B - 1) * G / B + 1  # packed query tiles whose streamed span holds a key tile, with LA terms in it
-    per_prog = la_q * (2 * B * B * F + 2 * B * B * D) + 2 * B * F * D
-    load = 2 * B * D * BF16 + la_q * (B * D * BF16 + 2 * B * F * BF16) + F * D * FP32 + B * F * BF16
-    out["_bwd_dkv (LA)"] = (Hkv * nm * per_prog, Hkv * nm * (load + 2 * B * D * FP32))
-    fc = tiles.of("_bwd_dfk")[1]
-    per_prog = la_q * (2 * B * B * D + 2 * B * B * fc) + 2 * B * fc * D
-    load = B * D * BF16 + la_q * (B * D * BF16 + B * fc * BF16 + 2 * B * FP32) + fc * D * FP32
-    out["_bwd_dfk"] = (Hkv * nm * (F // fc) * per_prog, Hkv * nm * (F // fc) * (load + B * fc * FP32))
-    return out
+def _ints(launch) -> dict:
+    """The launch's scalar arguments by name (positional ones bound to the kernel's parameter names)."""
+    names = launch.kernel.arg_names if hasattr(launch.kernel, "arg_names") else launch.kernel.fn.__code__.co_varnames
+    out = dict(zip(names, launch.args, strict=False)) | launch.kwargs
+    return {k: v for k, v in out.items() if not isinstance(v, torch.Tensor)}
+
+
+def _states(a, grid, s) -> tuple[float, float]:
+    bf, bdv, C = a["BLOCK_F"], a["BLOCK_DV"], CHUNK
+    chunks = a["NS"] * (grid[0] * grid[1] * grid[2] // a["P"])  # every program walks its segment's chunks
+    per = C * bf * E + C * bdv * E + bf * bdv * s["h_bytes"] + bf * F32 / grid[1]
+    return chunks * 2 * bf * C * bdv, chunks * per
+
+
+def _segment_fix(a, grid, s) -> tuple[float, float]:
+    P, bf, bdv = a["P"], a["BLOCK_F"], a["BLOCK_DV"]
+    per_prog = (P / 2) * bf * bdv * F32 + 2 * a["L"] * bf * bdv * s["h_bytes"]
+    return 0.0, grid[0] * grid[1] * grid[2] * per_prog
+
+
+def _output(a, grid, s) -> tuple[float, float]:
+    C, D, F, blocks, bs = CHUNK, a["D"], a["F"], a["NB"] + 1, a["BLOCK_S"]
+    flops = blocks * 2 * C * C * D  # p @ v
+    bytes_ = C * D * E + blocks * 2 * C * D * E  # q; each block's k and v
+    if a["LIN"]:  # the state, then each block's phi_q phi_k^T
+        flops += 2 * C * F * D + blocks * 2 * C * C * F
+        bytes_ += C * F * E + F * D * s["h_bytes"] + F * F32 + blocks * C * F * E
+    if a["SOFT"]:  # q.k in each of two passes
+        flops += blocks * 2 * (2 * C * C * D)
+    if a["SINKS"]:
+        flops += 2 * (2 * C * bs * D)
+        bytes_ += 2 * bs * D * E
+    bytes_ += C * D * (F32 if a["STATS"] else E) + C * F32 * (3 * a["STATS"] + 2 * a["DENS"])
+    return grid[0] * grid[1] * flops, grid[0] * grid[1] * bytes_
+
+
+def _bwd_dq(a, grid, s) -> tuple[float, float]:
+    C, D, F, blocks, bs = CHUNK, a["D"], a["F"], a["NB"] + 1, a["BLOCK_S"]
+    flops = blocks * 2 * C * C * D * (2 + a["SOFT"])  # dp, scores, dq
+    bytes_ = C * D * (2 * E + F32) + blocks * 2 * C * D * E + 5 * C * F32  # q, dy, y (fp32); k, v; the row stats
+    bytes_ += C * D * E * (1 + a["HYBRID"])  # dq; the argmax keys' rows
+    if a["SINKS"]:
+        flops += 3 * 2 * C * bs * D
+        bytes_ += 2 * bs * D * E + 2 * C * bs * F32
+    if a["LIN"]:  # each block's phi_k, the state's h, phi_q (decay), dphi_q
+        flops += blocks * 2 * C * C * F + 2 * C * D * F
+        bytes_ += blocks * C * F * E + F * D * s["h_bytes"] + F * F32 + C * F * E * (1 + a["DECAY"])
+    return grid[0] * grid[1] * flops, grid[0] * grid[1] * bytes_
+
+
+def _dstates(a, grid, s) -> tuple[float, float]:
+    bf, bdv, C, G = a["BLOCK_F"], a["BLOCK_DV"], CHUNK, a["G"]
+    states = a["NS"] * grid[0] * grid[1] * grid[2]
+    per = G * (C * bf * E + C * bdv * E + 2 * C * F32) + bf * bdv * s["h_bytes"] * (1 + a["DECAY"])
+    return states * G * 2 * bf * C * bdv, states * per
+
+
+def _bwd_dkv(a, grid, s) -> tuple[float, float]:
+    C, D, F, q_blocks, bdo = CHUNK, a["D"], a["F"], (a["NB"] + 1) * a["G"], a["BLOCK_DO"]
+    dk = not a["DV_PASS"]
+    per = 2 * C * D * E + C * bdo * E  # this chunk's k and v; dk or dv
+    per += q_blocks * (C * D * E * (1 + dk) + 3 * C * F32)  # each query block's dy (and q), its row stats
+    flops = q_blocks * (2 * C * C * D * (1 + dk) + 2 * C * C * bdo) if a["SOFT"] else 0.0
+    if a["LIN"] and a["DV_PASS"]:
+        per += C * F * E + q_blocks * C * F * E + F * bdo * s["h_bytes"]  # phi_k; each block's phi_q; dh
+        flops += q_blocks * (2 * C * C * F + 2 * C * C * bdo) + 2 * C * F * bdo
+    return grid[0] * grid[1] * grid[2] * flops, grid[0] * grid[1] * grid[2] * per
+
+
+def _bwd_dfk(a, grid, s) -> tuple[float, float]:
+    C, D, F, q_blocks = CHUNK, a["D"], a["F"], (a["NB"] + 1) * a["G"]
+    per = C * F * E + C * D * E + F * D * s["h_bytes"] + F * F32 + 2 * C * F * F32  # phi_k, v, dh, dz; dphi_k (fp32)
+    per += q_blocks * (C * D * E + C * F * E + 2 * C * F32)  # each query block's dy, phi_q, row stats
+    flops = q_blocks * (2 * C * C * D + 2 * C * C * F * (1 + a["DECAY"])) + 2 * C * D * F
+    return grid[0] * grid[1] * flops, grid[0] * grid[1] * per
+
+
+KERNELS = {
+    "_chunk_states": _states,
+    "_segment_fix": _segment_fix,
+    "_chunk_output": _output,
+    "_chunk_bwd_dq": _bwd_dq,
+    "_chunk_dstates": _dstates,
+    "_chunk_bwd_dkv": _bwd_dkv,
+    "_chunk_bwd_dfk": _bwd_dfk,
+}
+
+
+class _Glue(TorchDispatchMode):
+    """The torch ops between the kernels: their count, bytes (inputs read, outputs written) and fp32 ops of at least
+    T x F elements (what the targets forbid). Views and allocations move nothing."""
+
+    FREE = {"view", "_unsafe_view", "empty", "empty_like", "expand", "transpose", "t", "permute", "detach", "alias",
+            "as_strided", "select", "slice", "unsqueeze", "squeeze", "new_empty", "empty_strided", "lift_fresh",
+            "_to_copy_noop", "zeros", "zeros_like", "new_zeros", "fill_", "zero_"}  # fmt: skip
+
+    def __init__(self, big: int):
+        super().__init__()
+        self.big, self.ops, self.nbytes, self.fp32_big = big, 0, 0.0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in self.FREE:
+            tensors = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+            moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
+            self.ops += 1
+            self.nbytes += moved
+            if any(t.dtype == torch.float32 and t.numel() >= self.big for t in outs):
+                self.fp32_big.append(name)
+        return out
+
+
+def count(T: int) -> tuple[list[Cost], _Glue, float]:
+    """The launches (per kernel, in order of first launch) and the glue of one forward + backward at T tokens, and
+    the irreducible bytes."""
+    from tools.compile_check import record_launches
+
+    H, Hkv, D, F = (SHAPE[k] for k in ("H", "Hkv", "D", "F"))
+
+    def meta(*size):
+        return torch.empty(*size, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v, fq, fk = meta(1, H, T, D), meta(1, Hkv, T, D), meta(1, Hkv, T, D), meta(1, H, T, F), meta(1, Hkv, T, F)
+    gamma = torch.empty(H, device="meta", requires_grad=True)
+    rho = torch.empty(Hkv, device="meta", requires_grad=True)
+    glue = _Glue(big=T * F)
+    with record_launches() as recorded, glue:
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, window=SHAPE["w"], sinks=SHAPE["sinks"],
+                                    hybrid_sinks=True, la_decay=rho)  # fmt: skip
+        torch.autograd.grad(y, (q, k, v, fq, fk, gamma, rho), torch.empty_like(y))  # (no .grad to accumulate into)
+    costs: dict[str, Cost] = {}
+    s = dict(h_bytes=E)
+    for launch in recorded:
+        a = _ints(launch)
+        a.setdefault("G", H // Hkv)
+        a.setdefault("D", D)
+        a.setdefault("F", F)
+        flops, nbytes = KERNELS[launch.name](a, launch.grid, s)
+        costs.setdefault(launch.name, Cost(launch.name)).add(flops, nbytes)
+    fwd_io = (H * T * (D + F) + Hkv * T * (2 * D + F)) * E + H * T * D * E
+    bwd_io = 2 * (H * T * (D + F) + Hkv * T * (2 * D + F)) * E + H * T * D * E
+    return list(costs.values()), glue, fwd_io + bwd_io
 
 
 def seconds(flops: float, nbytes: float) -> float:
     return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES)
 
 
-def sdpa(T: int) -> tuple[float, float]:
-    H, D = SHAPE["H"], SHAPE["D"]
-    fwd = 2 * H * D * T * T
-    return 3.5 * fwd, 4 * H * T * D * BF16 * 3  # fwd+bwd; q, k, v, o read/written a few times
-
-
-def fla(T: int, chunk: int = 64) -> tuple[float, float]:
-    H, D, F = SHAPE["H"], SHAPE["D"], SHAPE["F"]
-    fwd = 2 * T * F * D * H * 2 + 2 * T * chunk * (F + D) * H
-    states = (T // chunk) * F * D * FP32 * H
-    io = H * T * (2 * F + 2 * D) * BF16
-    return 3.5 * fwd, 3 * (io + 2 * states)
+def summary(T: int) -> dict:
+    """The totals the targets are about."""
+    costs, glue, floor = count(T)
+    kernel_bytes = sum(c.nbytes for c in costs)
+    return dict(
+        launches=sum(c.launches for c in costs), glue_ops=glue.ops, fp32_glue=list(glue.fp32_big),
+        kernel_bytes=kernel_bytes, glue_bytes=glue.nbytes, floor=floor,
+        ratio=(kernel_bytes + glue.nbytes) / floor, flops=sum(c.flops for c in costs),
+        bound_us=sum(seconds(c.flops, c.nbytes) for c in costs) * 1e6 + glue.nbytes / PEAK_BYTES * 1e6,
+    )  # fmt: skip
 
 
 def table() -> str:
     lines = []
     for T in LENGTHS:
-        ks = hybrid_kernels(T)
+        costs, glue, floor = count(T)
+        lines += [f"### T = {T}", "", "| kernel | launches | GFLOP | MB moved | bound | time bound (us) |",
+                  "|---|---:|---:|---:|---|---:|"]  # fmt: skip
+        for c in costs:
+            bound = "compute" if c.flops / PEAK_FLOPS >= c.nbytes / PEAK_BYTES else "memory"
+            us = seconds(c.flops, c.nbytes) * 1e6
+            lines.append(
+                f"| `{c.name}` | {c.launches} | {c.flops / 1e9:.1f} | {c.nbytes / 1e6:.0f} | {bound} | {us:.0f} |"
+            )
+        lines.append(f"| torch glue ({glue.ops} ops) | | | {glue.nbytes / 1e6:.0f} | memory | "
+                     f"{glue.nbytes / PEAK_BYTES * 1e6:.0f} |")  # fmt: skip
+        t = summary(T)
+        ok = lambda b: "meets" if b else "misses"  # noqa: E731
         lines += [
-            f"### T = {T}",
+            f"| **fwd+bwd** | **{t['launches']}** | **{t['flops'] / 1e9:.0f}** | "
+            f"**{(t['kernel_bytes'] + t['glue_bytes']) / 1e6:.0f}** | | **{t['bound_us']:.0f}** |",
             "",
-            "| kernel | GFLOP | MB moved | bound | time bound (us) |",
-            "|---|---:|---:|---|---:|",
-        ]
-        total = 0.0
-        for name, (f, b) in ks.items():
-            t = seconds(f, b)
-            total += t
-            bound = "compute" if f / PEAK_FLOPS >= b / PEAK_BYTES else "memory"
-            lines.append(f"| `{name}` | {f / 1e9:.1f} | {b / 1e6:.0f} | {bound} | {t * 1e6:.0f} |")
-        s, fl = seconds(*sdpa(T)), seconds(*fla(T))
-        lines += [
-            f"| **hybrid fwd+bwd, all kernels** | | | | **{total * 1e6:.0f}** |",
-            f"| SDPA causal fwd+bwd (FlashAttention) | {sdpa(T)[0] / 1e9:.0f} | | compute | {s * 1e6:.0f} |",
-            f"| fla chunk_linear_attn fwd+bwd | {fla(T)[0] / 1e9:.0f} | {fla(T)[1] / 1e6:.0f} | | {fl * 1e6:.0f} |",
-            "",
-            f"Bound ratios at T = {T}: SDPA / hybrid = {s / total:.2f}x, hybrid / fla = {total / fl:.2f}x.",
+            f"Irreducible bytes {floor / 1e6:.0f} MB; moved / irreducible = **{t['ratio']:.2f}x** (target "
+            f"<= {TARGET_BYTES:g}x: {ok(t['ratio'] <= TARGET_BYTES)}). Triton launches {t['launches']} (target <= "
+            f"{TARGET_LAUNCHES}: {ok(t['launches'] <= TARGET_LAUNCHES)}). fp32 glue ops of >= T x F elements: "
+            f"{', '.join(t['fp32_glue']) or 'none'} (target none: {ok(not t['fp32_glue'])}).",
             "",
         ]
     return "\n".join(lines)
@@ -149,15 +251,10 @@ def run(args) -> int:
     text = table()
     print(text)
     if args.out:
+        what = " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " ")
         args.out.write_text(
-            "# Kernel speed: a roofline estimate (no GPU has measured the kernels yet)\n\n"
-            "Made by `python -m benchmarks.run roofline --out docs/results/kernel_roofline.md`. "
-            + __doc__.split("\n\n")[1].replace("\n", " ")
-            + "\n\n"
-            + text
-            + "\n\nWhat only a GPU can measure: the real times (these are lower bounds at peak), the L2 hit rate that "
-            "makes re-read tiles cheaper than counted here, whether wgmma is used where the compile table says "
-            "mma.sync, and the occupancy the register counts allow. `python -m benchmarks.run kernels` measures "
-            "them (kernel_speed.md).\n"
+            "# The kernels' cost model (bytes and launches counted on CPU; no GPU has measured them)\n\n"
+            "Made by `make kernel-roofline` (`python -m benchmarks.run roofline --out docs/results/kernel_roofline.md`"
+            f"). {what}\n\n{text}"
         )
     return 0

@@ -1,4 +1,6 @@
-"""hybrid_scale_kernels: fused Triton kernels for hybrid_scale's hybrid attention (see kernels/README.md).
+"""hybrid_scale_kernels: Triton kernels for hybrid_scale's hybrid attention (see kernels/README.md): the chunked
+forward and backward (chunk.py, the entry; chunk_o.py, chunk_h.py, chunk_bwd.py the kernels), the fused decode step
+(decode.py), and fla-core's gated delta rule (gated_delta.py).
 
 `register(register_backend)` is this package's entry point in the group "hybrid_scale.attention_backends": the
 attention package finds it through the installed metadata, calls it with its own `register_backend`, and never
@@ -12,12 +14,13 @@ import os
 
 import torch
 
+from .chunk import triton_hybrid_attention
 from .decode import triton_decode_step
 from .gated_delta import fla_gated_delta
-from .hybrid_attention import chunk_states, triton_hybrid_attention
-from .jit_helpers import EPS, MODES
+from .settings import GPU_SETTINGS
+from .utils import EPS, MODES
 
-__all__ = ["EPS", "MODES", "chunk_states", "register", "supports", "triton_decode_step", "triton_hybrid_attention"]
+__all__ = ["EPS", "GPU_SETTINGS", "MODES", "register", "supports", "triton_decode_step", "triton_hybrid_attention"]
 
 
 def interpreting() -> bool:

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .jit_helpers import _EPS, MODES, mode_parts
+from .utils import MODES, TL_EPS, mode_parts
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def _decode(
         g = tl.load(GAMMA + hk * G + og, mask=gm, other=1.0).to(tl.float32)
     else:
         g = tl.full([BLOCK_G], 1.0, tl.float32)
-    y = (g[:, None] * num_e + num_l) / (g * den_e + den_l + _EPS)[:, None]
+    y = (g[:, None] * num_e + num_l) / (g * den_e + den_l + TL_EPS)[:, None]
     y = tl.where(real, y, 0.0)
     tl.store(Y + heads[:, None] * D + ov[None, :], y.to(Y.dtype.element_ty), mask=gm[:, None] & vm[None, :])
 

@@ -1,4 +1,4 @@
-"""The chunked prefill's state scan split over the sequence (kernels/hybrid_scale_kernels/chunk_scan.py) stores what
+"""The chunked state scan split over the sequence (kernels/hybrid_scale_kernels/chunk_h.py) stores what
 the unsplit scan stores, in Triton's interpreter (fp32): every segment count, with and without a decay, with the
 hybrid's sinks left out, T not a multiple of the chunk, GQA rows; `plan`'s choice of segments; and the prefill (forward
 and backward) with a split scan equals the spec."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
-from hybrid_scale_kernels import chunk_prefill, chunk_scan  # noqa: E402
-from hybrid_scale_kernels.chunk_scan import plan, states  # noqa: E402
+from hybrid_scale_kernels import chunk_h  # noqa: E402
+from hybrid_scale_kernels.chunk_h import plan, states  # noqa: E402
 from triton import language as tl  # noqa: E402
 
 
@@ -17,20 +17,25 @@ def _inputs(T, B=2, Hkv=2, F=32, D=16, seed=0):
     return torch.rand(B, Hkv, T, F, generator=g), torch.randn(B, Hkv, T, D, generator=g)
 
 
-def _scan(fk, v, rho, n_excl, ns, segments):
+def _scan(fk, v, rho, n_excl, ns, segments, init=None):
     return states(fk, v, rho, n_excl, ns, block_f=32, block_dv=16, warps=4, dt=tl.float32, prec="ieee",
-                  segments=segments)  # fmt: skip
+                  segments=segments, init=init)  # fmt: skip
 
 
 @pytest.mark.parametrize("segments", [2, 3, 5])
-@pytest.mark.parametrize(("decay", "n_excl"), [(False, 0), (True, 0), (True, 4), (False, 4)])
-def test_the_split_scan_stores_the_unsplit_scans_states(segments, decay, n_excl):
+@pytest.mark.parametrize(("decay", "n_excl", "init"), [(False, 0, False), (True, 0, True), (True, 4, False),
+                                                       (False, 4, True)])  # fmt: skip
+def test_the_split_scan_stores_the_unsplit_scans_states(segments, decay, n_excl, init):
+    """With an initial state only the first segment starts from it; the later ones get it through the fix."""
     T = 5 * 64 + 17  # 6 chunks, the last partial
     fk, v = _inputs(T)
     rho = torch.tensor([0.002, 0.05]) if decay else None
     ns = -(-T // 64)
-    h_ref, z_ref = _scan(fk, v, rho, n_excl, ns, segments=1)
-    h, z = _scan(fk, v, rho, n_excl, ns, segments=segments)
+    h0 = (torch.rand(2, 2, 32, 16), torch.rand(2, 2, 32)) if init else None
+    h_ref, z_ref = _scan(fk, v, rho, n_excl, ns, segments=1, init=h0)
+    h, z = _scan(fk, v, rho, n_excl, ns, segments=segments, init=h0)
+    if init:
+        torch.testing.assert_close(h_ref[:, :, 0], h0[0])  # (state 0 is the initial state)
     torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(z, z_ref, rtol=1e-5, atol=1e-4)
     assert h_ref[:, :, 1:].abs().amax() > 1  # (the states are not all zero)
@@ -42,16 +47,15 @@ def test_plan_splits_only_what_leaves_sms_idle():
     assert plan(programs=12, chunks=256, sms=132) == 22  # SmolLM2 at 16k
     assert plan(programs=12, chunks=64, sms=132) == 8  # 4k: segments of at least 8 chunks
     assert plan(programs=12, chunks=15, sms=132) == 1  # too short to be worth it
-    assert chunk_scan.CHUNK == chunk_prefill.CHUNK
 
 
 def test_the_prefill_with_a_split_scan_equals_the_spec(monkeypatch):
-    """chunk_attention (forward and backward) where `plan` splits the scan (the SM count of a GPU stood in for)."""
+    """The entry (forward and backward) where `plan` splits the scan (the SM count of a GPU stood in for)."""
     from hybrid_scale.attention import naive
 
-    monkeypatch.setattr(chunk_scan, "SMS_OFF_GPU", 132)
+    monkeypatch.setattr(chunk_h, "SMS_OFF_GPU", 132)
     calls = []
-    monkeypatch.setattr(chunk_scan, "plan", lambda *a: calls.append(a) or 3)
+    monkeypatch.setattr(chunk_h, "plan", lambda *a: calls.append(a) or 3)
     from kernel_inputs import make
 
     x = make(3 * 64 * 2 + 5, B=1, H=4, Hkv=2, D=16, F=32, seed=3, requires_grad=False)
@@ -59,9 +63,7 @@ def test_the_prefill_with_a_split_scan_equals_the_spec(monkeypatch):
     opts = dict(window=16, mode="hybrid", sinks=4, hybrid_sinks=True)
     leaf = {n: t.clone().requires_grad_() for n, t in x.items()}
     r = rho.clone().requires_grad_()
-    from hybrid_scale_kernels.chunk_backward import chunk_attention
-
-    y = chunk_attention(**leaf, **opts, la_decay=r)
+    y = kernels.triton_hybrid_attention(**leaf, **opts, la_decay=r)
     grads = torch.autograd.grad(y.square().sum(), [*leaf.values(), r])
     ref_leaf = {n: t.double().requires_grad_() for n, t in x.items()}
     r_ref = rho.double().requires_grad_()

@@ -177,11 +177,15 @@ def test_attention_imports_nothing_else_of_the_package(module):
 
 
 def test_no_module_imports_another_modules_private_names():
-    """A name with a leading underscore is its module's own: another module that needs it gets a public name."""
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name. Also in
+    the kernels' package (kernels/hybrid_scale_kernels) and the tools."""
     private = []
-    for path in PACKAGE.rglob("*.py"):
+    roots = (PACKAGE, PACKAGE.parent / "kernels" / "hybrid_scale_kernels", PACKAGE.parent / "tools")
+    for path in (p for root in roots for p in root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("hybrid_scale")):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level > 0 or (node.module or "").startswith(("hybrid_scale", "tools"))
+            ):
                 private += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")
                             and not a.name.startswith("__")]  # fmt: skip
     assert private == []

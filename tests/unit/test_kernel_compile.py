@@ -81,7 +81,7 @@ PLANTED = """
 import torch
 import triton
 import triton.language as tl
-from hybrid_scale_kernels import compile_check
+from tools import compile_check
 
 
 @triton.jit
@@ -107,16 +107,19 @@ def test_the_gate_catches_what_the_interpreter_lets_through(tmp_path):
     script = tmp_path / "planted.py"
     script.write_text(PLANTED)
     proc = subprocess.run(
-        [sys.executable, str(script)], env=_compiling_env(), capture_output=True, text=True, timeout=600
+        [sys.executable, str(script)],
+        env={**_compiling_env(), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loop_carried: refused" in proc.stdout, proc.stdout
 
 
 def test_the_gate_fails_on_errors_spills_and_shared_memory_over_the_limit():
-    from hybrid_scale_kernels.compile_check import Compiled
-
     from tools import kernel_compile
+    from tools.compile_check import Compiled
 
     def row(arch, **kw):
         fields = dict(kernel="_fwd", arch=arch, registers=200, spill_stores=0, spill_loads=0, stack=0, shared=1024,

@@ -1,13 +1,14 @@
-"""The fused Triton kernels (kernels/hybrid_scale_kernels) against the naive spec.
+"""The Triton kernels (kernels/hybrid_scale_kernels: the chunked forward and backward, the fused decode step) through
+the backend's entry, against the naive spec.
 
-On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1 before triton loads) in fp32 with tiles
-of 16 (32 at windows 64 and 100), so tiny shapes cross several tiles: every mode, windows 1 / 16 / 64 / 100, lengths
-that are not a multiple of the tile, GQA 3:1, a left-padded row beside an unpadded one, padding with holes; outputs
-and the gradients of q, k, v, phi_q, phi_k and gamma; an initial LA state (stage 1's units); the fused decode step
-against the full forward and against recurrent.extend; the LA's decay (attention.la_decay) in all of these, rho's
-gradient included; a converted model with a decay on the "triton" backend (forward, gradients, generate()); the
-backend switch. The compiled bf16 tests (marked `gpu`) and the gradient's precision contract are in
-test_triton_kernels_bf16.py.
+On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1 before triton loads) in fp32 with the
+64-token chunks they have on a GPU, over lengths of two to four chunks: every mode, windows 1 / 16 / 64 / 100 (two
+chunks back), lengths that are not a multiple of the chunk, GQA 3:1 and 5:1, a left-padded row beside an unpadded
+one, padding with holes; outputs and the gradients of q, k, v, phi_q, phi_k and gamma; an initial LA state (stage
+1's units); the fused decode step against the full forward and against recurrent.extend; the LA's decay
+(attention.la_decay) in all of these, rho's gradient included; a converted model with a decay on the "triton"
+backend (forward, gradients, generate()); the backend switch. The compiled bf16 tests (marked `gpu`) and the
+gradient's precision contract are in test_triton_kernels_bf16.py.
 """
 
 import copy
@@ -42,8 +43,8 @@ def registry(monkeypatch):
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def check(x, mask, atol=2e-5, block=16, fchunk=None, **options):
-    y, grads = run(kernels.triton_hybrid_attention, x, mask, block=block, fchunk=fchunk, **options)
+def check(x, mask, atol=2e-5, **options):
+    y, grads = run(kernels.triton_hybrid_attention, x, mask, **options)
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, **options)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=atol)
@@ -54,11 +55,13 @@ def check(x, mask, atol=2e-5, block=16, fchunk=None, **options):
 
 @pytest.mark.parametrize(
     ("mode", "window"), [(m, w) for m in MODES for w in (1, 16, 64, 100)] + [(HYBRID_SINKS, w) for w in (1, 16, 64)]
-)  # (the hybrid with its sinks at 3 windows: 14 s more of the interpreter at 100, which adds no other case)
+)  # (the hybrid with its sinks at 3 windows: the interpreter's time at 100, which adds no other case)
 def test_outputs_and_gradients_equal_the_naive_spec(mode, window):
-    T = window + 21  # not a multiple of the tile; the LA reaches past the window over several tiles
-    block = 16 if window <= 16 else 32  # the interpreter's time goes by the number of tiles: 4x faster at 32
-    _, grads = check(make(T, seed=window), left_padded(T), window=window, **variant(mode), sinks=3, block=block)
+    """Every mode at windows of one chunk (1, 16, 64) and of two (100: each query chunk streams two chunks back, and
+    the backward sums dq over three key blocks), over three or four 64-token chunks (the LA reaches past the window
+    through the states), a length that is not a multiple of the chunk, and a left-padded row."""
+    T = window + 130
+    _, grads = check(make(T, seed=window), left_padded(T), window=window, **variant(mode), sinks=3)
     used = {"hybrid": NAMES, HYBRID_SINKS: NAMES, "swa_only": NAMES[:3], "swa_sinks": NAMES[:3], "la_only": NAMES[2:5]}
     used = used.get(mode, NAMES[:3])
     if window == 1 and mode in ("hybrid", "swa_only"):  # one window key: exp(a - c) = 1 whatever q and k are
@@ -67,33 +70,32 @@ def test_outputs_and_gradients_equal_the_naive_spec(mode, window):
         assert grads[n].abs().max() > 0, n
 
 
-def test_packed_gqa_tiles_at_a_group_of_five():
-    """A packed query tile holds block / G positions of each of the G query heads of a KV head: its first and last
-    position, the key tiles it streams, the LA state it reads, and the query tiles that reach each key tile in the
-    backward move with G. G = 5 (3 is the default above, 1 below) puts tile edges on and off the key-tile boundaries
-    at this window: it fails if a bound of `_tiles_of_key` or `_states_bwd` is one short. Both ends padded."""
-    x = make(53, H=10, Hkv=2, seed=5)
-    mask = left_padded(53, pad=4)
+def test_gqa_at_a_group_of_five():
+    """G = 5 query heads per KV head (3 is the default above, 1 below): the query heads' programs find their KV head,
+    and the backward's per-KV-head kernels (dk, dv, dphi_k, the reverse state scan) sum over all five. Both ends
+    padded, across three chunks."""
+    x = make(150, H=10, Hkv=2, seed=5)
+    mask = left_padded(150, pad=4)
     mask[0, -3:] = 0
     check(x, mask, window=5, mode="hybrid", sinks=2)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "swa_sinks", "la_only", HYBRID_SINKS])
 def test_padding_anywhere_is_packed_and_restored(mode):
-    T = 45
+    T = 150
     mask = torch.ones(2, T, dtype=torch.long)
     mask[0, -5:] = 0  # right padding: one span, handled in place
     mask[1, :3] = 0
-    mask[1, 20:24] = 0  # a hole: packed, computed, put back
+    mask[1, 80:84] = 0  # a hole: packed, computed, put back
     y, _ = check(make(T, seed=3), mask, window=16, **variant(mode), sinks=3)
-    assert torch.equal(y[1, :, 20:24], torch.zeros_like(y[1, :, 20:24]))
+    assert torch.equal(y[1, :, 80:84], torch.zeros_like(y[1, :, 80:84]))
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "la_only"])
 def test_feature_dims_wider_than_one_chunk(mode):
-    """phi's F = 40 in chunks of 16, the last one partial: every kernel tiles the feature dim (no [tile, F] tile stays
-    live, so F = 256 compiles without spills), with padding and GQA 3:1."""
-    check(make(45, F=40, seed=7), left_padded(45), window=16, mode=mode, fchunk=16)
+    """phi's F = 80 in chunks of 64 (the interpreter's), the last one partial: every kernel tiles the feature dim (no
+    [tile, F] tile stays live, so F = 256 compiles without spills), with padding and GQA 3:1."""
+    check(make(100, F=80, seed=7), left_padded(100), window=16, mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "la_only"])
@@ -158,6 +160,7 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
 
 
 DECAYED = [("hybrid", 16), ("la_only", 16), (HYBRID_SINKS, 16), ("hybrid", 1), ("la_only", 1), ("la_only", 64)]
+DECAYED += [("hybrid", 100), ("la_only", 100)]  # (two chunks back: the states and their lags move with the window)
 
 
 def with_decay(T, seed, Hkv=2, F=16):
@@ -169,10 +172,10 @@ def with_decay(T, seed, Hkv=2, F=16):
 
 def check_decay(fn, x, mask, ref_fn=naive.naive_hybrid_attention, atol=2e-5, initial_state=None, **options):
     """fn against ref_fn (the spec unless given) with x's rho as la_decay: outputs and every gradient, rho's and
-    the initial state's included. The kernels' tile options (block, fchunk) go to fn, chunk_size to ref_fn."""
+    the initial state's included. chunk_size goes to ref_fn only."""
     names = (*NAMES, "rho")
     results = []
-    for f, dtype, drop in ((fn, None, ("chunk_size",)), (ref_fn, torch.float64, ("block", "fchunk"))):
+    for f, dtype, drop in ((fn, None, ("chunk_size",)), (ref_fn, torch.float64, ())):
         xs = {n: t.detach().to(dtype or t.dtype).requires_grad_() for n, t in x.items()}
         opts = {n: o for n, o in options.items() if n not in drop}
         init = None
@@ -197,36 +200,35 @@ def test_a_decay_equals_the_spec(mode, window):
     """The LA's decay: each key past the window weighted alpha^(distance past it) per KV head, la_only's keys inside
     it 1, the sinks never. Outputs and gradients (rho's too) against the spec, across several tiles and states, a
     left-padded row, GQA with a slow and a fast head."""
-    T = window + 21
+    T = window + 130
     grads = check_decay(kernels.triton_hybrid_attention, with_decay(T, seed=window), left_padded(T), window=window,
-                        **variant(mode), sinks=3, block=16 if window <= 16 else 32)  # fmt: skip
+                        **variant(mode), sinks=3)  # fmt: skip
     assert grads[-1].abs().min() > 0  # rho's gradient reaches both heads
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "la_only"])
 def test_a_decay_with_holes_and_feature_chunks(mode):
-    """The decay with padding in holes (packed and put back) and phi's F = 40 in chunks of 16: rho's gradient sums
-    every chunk's share (la_only also takes its window keys' shares out per chunk)."""
-    T = 45
+    """The decay with padding in holes (packed and put back) and phi's F = 80 in chunks of 64: rho's gradient sums
+    every chunk's share."""
+    T = 100
     mask = torch.ones(2, T, dtype=torch.long)
     mask[0, -5:] = 0
     mask[1, :3] = 0
     mask[1, 20:24] = 0
-    check_decay(kernels.triton_hybrid_attention, with_decay(T, seed=8, F=40), mask, window=16, mode=mode, sinks=3,
-                fchunk=16)  # fmt: skip
+    check_decay(kernels.triton_hybrid_attention, with_decay(T, seed=8, F=80), mask, window=16, mode=mode, sinks=3)
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "la_only", HYBRID_SINKS])
-def test_a_decayed_initial_state_equals_the_chunked_path(mode):
+@pytest.mark.parametrize(("mode", "window"), [("hybrid", 16), ("la_only", 16), (HYBRID_SINKS, 16), ("hybrid", 100)])
+def test_a_decayed_initial_state_equals_the_chunked_path(mode, window):
     """Stage 1's units: an initial state (as query w - 1 of the sequence sees it) with a decay, a left-padded row
     beside a full one: outputs and gradients (rho's and the state's) against the chunked path, which the decay
     tests check against the spec."""
-    T, F = 50, 16
+    T, F = 150, 16  # (three chunks: the state carries the initial one through the scan)
     x = with_decay(T, seed=12, F=F)
     g = torch.Generator().manual_seed(3)
     state = (torch.rand(2, 2, F, 16, generator=g), torch.rand(2, 2, F, generator=g))
     check_decay(kernels.triton_hybrid_attention, x, left_padded(T), ref_fn=chunked.chunk_hybrid_attention,
-                initial_state=state, window=16, **variant(mode), sinks=3, chunk_size=8)  # fmt: skip
+                initial_state=state, window=window, **variant(mode), sinks=3, chunk_size=8)  # fmt: skip
 
 
 def test_denominators_and_none_mode():
@@ -462,11 +464,3 @@ def test_la_only_equals_flash_linear_attention_naive_reference():
     for fn in (naive.naive_hybrid_attention, chunked.chunk_hybrid_attention, kernels.triton_hybrid_attention):
         y = fn(*args, window=8, mode="la_only")
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6, msg=fn.__name__)
-
-
-@pytest.mark.parametrize("mode", ["swa_sinks", "sinks_only", HYBRID_SINKS])
-def test_the_sinks_gradient_summed_over_parallel_splits(mode, monkeypatch):
-    """The sinks' dk and dv are computed by splits of the query tiles in parallel and summed: 2 tiles per split
-    here, so 45 rows in tiles of 16 make 2 splits, one of them partial; a left-padded row and GQA 3:1."""
-    monkeypatch.setattr(kernels.hybrid_attention, "SINK_TILES", 2)
-    check(make(45, seed=4), left_padded(45), window=4, **variant(mode), sinks=3)

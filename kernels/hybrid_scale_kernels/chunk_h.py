@@ -1,9 +1,11 @@
-"""The chunked prefill's state scan (chunk_prefill.py, chunk_backward.py): the LA state before every 64-token chunk,
-per KV head, optionally split over the sequence.
+"""The state scans of the chunked hybrid attention (fla's `chunk_h`): forward, the LA state before every 64-token
+chunk per KV head (optionally split over the sequence, and from an initial state); backward, the gradient of every
+state in reverse (`_chunk_dstates`, launched by `dstates`).
 
 The state before chunk c is h_c = sum over the LA keys j < 64 c of alpha^(64 c - 1 - j) phi_k(k_j) v_j^T [F, D] and
 z_c the same sum of phi_k(k_j) [F] (kept as key 64 c - 1 sees them: every weight alpha^(>= 0), the carry from one
-chunk to the next one multiply by alpha^64); the hybrid with its own sinks leaves the first S keys out. `_chunk_states`
+chunk to the next one multiply by alpha^64); the hybrid with its own sinks leaves the first S keys out. An initial
+state (the keys before the sequence, as key -1 sees them) is h_0, and every later state carries it. `_chunk_states`
 walks the chunks in order, one program per (64-feature block, 32-value block, batch x KV head): (F / 64) (D / 32) B
 Hkv programs, 128 at Llama-3-8B's shape and batch 1, each a chain of T / 64 dependent steps (256 at 16k tokens). Its
 products are tl.dot of [64 features, 64 keys] x [64 keys, BLOCK_DV values] with fp32 accumulation (wgmma on sm_90);
@@ -28,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64  # tokens per chunk (chunk_prefill.CHUNK)
+from .utils import CHUNK, pow2, state_lag
+
 # The SM count `states` plans for where the tensors are not on a GPU: 0 = never split (Triton's interpreter); the
 # compile gate (tools/kernel_compile.py) sets an H100/H200's 132, so it records the launches a GPU makes.
 SMS_OFF_GPU = 0
@@ -36,12 +39,12 @@ SMS_OFF_GPU = 0
 
 @triton.jit
 def _chunk_states(
-    FK, V, RHO,  # inputs: phi_k [B, Hkv, T, F], v [B, Hkv, T, D], rho [Hkv]
+    FK, V, RHO, H0, Z0,  # inputs: phi_k [B, Hkv, T, F], v [B, Hkv, T, D], rho [Hkv]; (HAS_INIT) h_0, z_0 (fp32)
     HKV, HK,  # outputs: h [B, Hkv, NS, F, D] (bf16 or fp32), z [B, Hkv, NS, F] (fp32)
     END, ZEND,  # with segments (P > 1): each segment's whole sum [B Hkv, P, F, D] and [B Hkv, P, F] (fp32)
     T, F, D, NS, Hkv, n_excl, L, P,
     DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
 ):  # fmt: skip
     """The LA state before each chunk c of one segment (chunks seg L .. seg L + L - 1; one segment of NS chunks
     without a split), one program per (feature block, value block, batch x KV head x segment): h_c[f, d] = sum over
@@ -49,7 +52,8 @@ def _chunk_states(
     of phi_k(k_j)[f] (only the programs of the first value block store z). n_excl = S when the hybrid has its own
     sinks (the LA leaves them out), else 0; alpha = exp(-rho) of the KV head (DECAY), else 1. Each chunk adds one
     product phi_k^T [BLOCK_F, CHUNK] x v [CHUNK, BLOCK_DV] in DT with fp32 accumulation; the state goes to memory in
-    HKV's dtype. With P > 1 the segment's whole sum also goes to END / ZEND (fp32)."""
+    HKV's dtype. With P > 1 the segment's whole sum also goes to END / ZEND (fp32). HAS_INIT: the first segment
+    starts from the initial state [B Hkv, F, D] and [B Hkv, F] (fp32) instead of zero."""
     f0 = tl.program_id(0) * BLOCK_F
     d0 = tl.program_id(1) * BLOCK_DV
     bh = tl.program_id(2) // P
@@ -61,6 +65,10 @@ def _chunk_states(
     z_lim = tl.where(tl.program_id(1) == 0, F, 0)  # (z: stored by the first value block's programs only)
     h = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
     z = tl.zeros([BLOCK_F], tl.float32)
+    if HAS_INIT:
+        if seg == 0:
+            h += tl.load(H0 + (base * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)
+            z += tl.load(Z0 + base * F + of, mask=of < F, other=0.0)
     if DECAY:
         rho = tl.load(RHO + bh % Hkv).to(tl.float32)
         carry = tl.exp(-rho * CHUNK)
@@ -129,6 +137,79 @@ def _segment_fix(
             tl.store(zp, tl.load(zp, mask=of < z_lim, other=0.0) + w * z0, mask=of < z_lim)
 
 
+@triton.jit
+def _chunk_dstates(
+    FQ, DY, ZS, DLZ, RHO, HKV, HK,  # inputs (HKV, HK: the forward's states, read for rho's gradient)
+    DHKV, DHK, DH0, DZ0, RSCAN,  # outputs: dh [B, Hkv, NS, F, D] (HKV's dtype), dz [B, Hkv, NS, F] (fp32); (HAS_INIT)
+    # the initial state's gradient [B Hkv, F, D] and [B Hkv, F] (fp32); (DECAY) rho's partial sums
+    T, H, G, D, F, NS, Hkv, window, NB,
+    DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
+):  # fmt: skip
+    """The gradient of every state h_s, z_s (s = NS - 1 .. 1, and 0 with an initial state; without one h_0 is
+    empty), one program per (feature block, value block, batch x KV head), in reverse: dh_s = sum over the G query
+    heads and the queries n that read h_s (chunk s + NB; chunks 0 .. NB for h_0) of lag_n phi_q(q_n) do_n^T, lag_n =
+    alpha^(n - window - (CHUNK s - 1)), plus alpha^CHUNK dh_{s+1} (h_{s+1} = alpha^CHUNK h_s + chunk s's keys); dz_s
+    the same with -dlz_n. With DECAY, RSCAN gets each program's share of rho's gradient through the carries:
+    -CHUNK alpha^CHUNK <dh_{s+1}, h_s> (and z's)."""
+    pf = tl.program_id(0)
+    pd = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+    of = pf * BLOCK_F + tl.arange(0, BLOCK_F)
+    od = pd * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    fm = of < F
+    both = fm[:, None] & (od < D)[None, :]
+    z_lim = tl.where(pd == 0, F, 0)  # (z: the first value block's programs)
+    dh = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
+    dz = tl.zeros([BLOCK_F], tl.float32)
+    racc = tl.zeros([BLOCK_F], tl.float32)
+    rho = 0.0
+    carry = 1.0
+    if DECAY:
+        rho = tl.load(RHO + kvh).to(tl.float32)
+        carry = tl.exp(-rho * CHUNK)
+    last = 1
+    if HAS_INIT:
+        last = 0
+    for i in range(0, NS - last):
+        s = NS - 1 - i
+        st = pid_bh.to(tl.int64) * NS + s
+        if DECAY:  # dh, dz hold dh_{s+1}, dz_{s+1}: h_{s+1} = alpha^CHUNK h_s + ...
+            h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
+            z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
+            racc += tl.sum(dh * h, 1) + dz * z
+            dh = dh * carry
+            dz = dz * carry
+        for qc in range(tl.where(s > 0, s + NB, 0), s + NB + 1):
+            n = qc * CHUNK + tl.arange(0, CHUNK)
+            row_ok = n < T
+            lag = tl.where(row_ok, 1.0, 0.0)
+            if DECAY:
+                lag = lag * state_lag(rho, n, window, s, CHUNK)
+            for hh in range(0, G):
+                rows = (b * H + kvh * G + hh).to(tl.int64) * T + n
+                fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+                dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=row_ok[:, None] & (od < D)[None, :],
+                             other=0.0)  # fmt: skip
+                zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
+                dlz = tl.load(DLZ + rows, mask=row_ok, other=0.0)
+                do = (dy.to(tl.float32) / zs[:, None]).to(DT)
+                fql = fq.to(tl.float32) * lag[:, None]
+                dh += tl.dot(tl.trans(fql.to(DT)), do, input_precision=PREC)
+                dz -= tl.sum(fql * dlz[:, None], 0)
+        if s > 0:
+            tl.store(DHKV + (st * F + of)[:, None] * D + od[None, :], dh.to(DHKV.dtype.element_ty), mask=both)
+            tl.store(DHK + st * F + of, dz, mask=of < z_lim)
+        else:
+            tl.store(DH0 + (pid_bh.to(tl.int64) * F + of)[:, None] * D + od[None, :], dh, mask=both)
+            tl.store(DZ0 + pid_bh.to(tl.int64) * F + of, dz, mask=of < z_lim)
+    if DECAY:
+        pid = (pid_bh * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
+        tl.store(RSCAN + pid, -CHUNK * carry * tl.sum(racc, 0))
+
+
 def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
     """Segments to cut a scan of `chunks` chunks into, given `programs` programs without a split and `sms` SMs:
     enough that programs x segments fills the SMs twice, none shorter than `least` chunks; 1 = no split."""
@@ -138,12 +219,13 @@ def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
     return max(1, min(want, chunks // least))
 
 
-def states(fk, v, rho, n_excl, ns, *, block_f, block_dv, warps, dt, prec, segments=None, options=None):
+def states(fk, v, rho, n_excl, ns, *, block_f, block_dv, warps, dt, prec, segments=None, options=None, init=None):
     """h [B, Hkv, ns, F, D] (bf16 for bf16 inputs, else fp32) and z [B, Hkv, ns, F] (fp32): the states before chunks
     0..ns-1 of phi_k fk [B, Hkv, T, F] and v [B, Hkv, T, D], rho [Hkv] (fp32) or None, the first n_excl keys left
-    out. `segments`: how many to cut the scan into (None: `plan` for the device's SMs; three launches when more than
-    one, fp32 scratch of B x Hkv x segments x F x (D + 1)). `options`: more launch options of _chunk_states (its
-    register cap)."""
+    out; init None or (h_0 [B, Hkv, F, D], z_0 [B, Hkv, F]) fp32 contiguous, the keys before the sequence.
+    `segments`: how many to cut the scan into (None: `plan` for the device's SMs; three launches when more than one,
+    fp32 scratch of B x Hkv x segments x F x (D + 1)). `options`: more launch options of _chunk_states (its register
+    cap)."""
     B, Hkv, T, F = fk.shape
     D = v.shape[-1]
     state_dtype = torch.bfloat16 if fk.dtype == torch.bfloat16 else torch.float32
@@ -164,10 +246,34 @@ def states(fk, v, rho, n_excl, ns, *, block_f, block_dv, warps, dt, prec, segmen
     if P > 1:
         scratch = dict(dtype=torch.float32, device=fk.device)
         end, zend = torch.empty(B * Hkv, P, F, D, **scratch), torch.empty(B * Hkv, P, F, **scratch)
+    h0, z0 = init if init is not None else (hk, hk)
     _chunk_states[(*grid, B * Hkv * P)](
-        fk, v, r, hkv, hk, end, zend, T, F, D, ns, Hkv, n_excl, L, P, **tiles, DT=dt, PREC=prec, num_warps=warps,
-        **(options or {})
+        fk, v, r, h0, z0, hkv, hk, end, zend, T, F, D, ns, Hkv, n_excl, L, P, **tiles, DT=dt, PREC=prec,
+        HAS_INIT=init is not None, num_warps=warps, **(options or {})
     )  # fmt: skip
     if P > 1:
         _segment_fix[(*grid, B * Hkv * P)](r, end, zend, hkv, hk, ns, F, D, Hkv, L, P, **tiles, num_warps=warps)
     return hkv, hk
+
+
+def dstates(fq, dy, zs, dlz, rho, state, case):
+    """The reverse scan (`_chunk_dstates`) of the call `case` (chunk.Case): (dh, dz) of the states h_1.. (h_0's slot
+    unused), and with an initial state its gradient (dh_0, dz_0) fp32, else (None, None); and rho's partial sums
+    through the carries (DECAY) or None. state: the forward's (h, z) (chunk_h.states)."""
+    hkv, hk = state
+    B, Hkv, ns, F, D = hkv.shape
+    H, T = fq.shape[1], fq.shape[2]
+    cfg = case.cfg
+    bf, bdv = cfg["block_f"], min(cfg["block_dv"], pow2(D))
+    grid = (triton.cdiv(F, bf), triton.cdiv(D, bdv), B * Hkv)
+    f32 = dict(dtype=torch.float32, device=fq.device)
+    dhkv, dhk = torch.empty_like(hkv), torch.empty_like(hk)
+    dh0, dz0 = (torch.empty(B, Hkv, F, D, **f32), torch.empty(B, Hkv, F, **f32)) if case.has_init else (dhk, dhk)
+    rscan = torch.zeros(grid[0] * grid[1] * grid[2], **f32) if case.decay else None
+    _chunk_dstates[grid](
+        fq, dy, zs, dlz, hk if rho is None else rho, hkv, hk, dhkv, dhk, dh0, dz0, dhk if rscan is None else rscan,
+        T, H, H // Hkv, D, F, ns, Hkv, case.window, case.nb, DECAY=case.decay, CHUNK=CHUNK, BLOCK_F=bf,
+        BLOCK_DV=bdv, DT=case.dt, PREC=case.prec, HAS_INIT=case.has_init, num_warps=cfg["state_warps"],
+    )  # fmt: skip
+    init = (dh0, dz0) if case.has_init else (None, None)
+    return (dhkv, dhk), init, rscan

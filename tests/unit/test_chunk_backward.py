@@ -1,5 +1,5 @@
-"""The chunked backward (kernels/hybrid_scale_kernels/chunk_backward.py: `ChunkAttention`, `_chunk_bwd_dq`,
-`_chunk_dstates`, `_chunk_bwd_dkv`) against the naive spec's fp64 autograd.
+"""The chunked backward (kernels/hybrid_scale_kernels/chunk.py: `ChunkAttention`; chunk_bwd.py: `_chunk_bwd_dq`,
+`_chunk_bwd_dkv`, `_chunk_bwd_dfk`; chunk_h.py: `_chunk_dstates`) against the naive spec's fp64 autograd.
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32, with the 64-token chunks
 they have on a GPU. Every gradient (q, k, v, phi_q, phi_k, gamma and the decay rho) of every mode the path takes, at
@@ -17,8 +17,6 @@ from kernel_inputs import make
 from hybrid_scale.attention import naive
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
-from hybrid_scale_kernels import chunk_backward as cp  # noqa: E402
-
 RHO = (0.02, 0.3)  # the LA's decay per KV head: a slow and a fast one
 GRADS = ("q", "k", "v", "fq", "fk", "gamma", "rho")
 
@@ -40,10 +38,10 @@ def gradients(fn, x, dy, rho, dtype):
 
 
 def check(x, dy, decay=False, **options):
-    """chunk_attention's y and gradients against the fp64 spec's autograd on the same inputs."""
+    """The entry's y and gradients against the fp64 spec's autograd on the same inputs."""
     hkv = x["k"].shape[1]
     rho = torch.tensor(RHO * (hkv // 2) + RHO[:1] * (hkv % 2)) if decay else None
-    y, got = gradients(lambda **a: cp.chunk_attention(**a, **options), x, dy, rho, torch.float32)
+    y, got = gradients(lambda **a: kernels.triton_hybrid_attention(**a, **options), x, dy, rho, torch.float32)
     ref_y, want = gradients(lambda **a: naive.naive_hybrid_attention(**a, **options), x, dy, rho, torch.float64)
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-5, atol=2e-5)
     for name in GRADS:
@@ -62,6 +60,8 @@ CASES = [
     *[("swa_only", w, False) for w in (16, 64)],
     *[("swa_sinks", w, False) for w in (1, 16)],
     ("sinks_only", 16, False),
+    *[("hybrid", 100, d) for d in (False, True)],  # (two chunks back: dq summed over three key blocks)
+    ("swa_sinks", 100, False),
 ]
 
 
@@ -96,10 +96,3 @@ def test_the_argmax_key_takes_c_s_gradient():
     scores = x["q"] @ x["k"].repeat_interleave(2, 1).transpose(-1, -2)
     assert (scores[..., 40:, 1] > scores[..., 40:, :].diagonal(0, -2, -1)).float().mean() > 0.9
     check(x, dy, decay=True, window=4, mode="hybrid", hybrid_sinks=True, sinks=4)
-
-
-def test_none_and_refused():
-    x, _ = inputs(20)
-    y = cp.chunk_attention(**x, window=8, mode="none", sinks=4)
-    assert not y.any() and y.shape == x["q"].shape
-    assert cp.chunk_attention(**x, window=65, mode="hybrid", sinks=4) is None

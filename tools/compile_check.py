@@ -35,10 +35,19 @@ class Launch:
     kernel: JITFunction
     args: tuple
     kwargs: dict
+    grid: tuple = ()  # the launch's grid (a callable grid is called with the launch's keyword arguments)
 
     @property
     def name(self) -> str:
-        return self.kernel.__name__
+        return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
+
+    @property
+    def programs(self) -> int:
+        grid = self.grid(self.kwargs) if callable(self.grid) else self.grid
+        n = 1
+        for g in grid:
+            n *= int(g)
+        return n
 
 
 @dataclass(frozen=True)
@@ -72,18 +81,26 @@ class Compiled:
 
 @contextlib.contextmanager
 def record_launches():
-    """Within the block, `kernel[grid](...)` records a Launch instead of running; yields the list they go to."""
+    """Within the block, `kernel[grid](...)` records a Launch instead of running (compiled kernels, and the
+    interpreter's under TRITON_INTERPRET=1: those Launches can be counted, not compiled); yields the list they go to."""
     launches: list[Launch] = []
-    run = JITFunction.run
+    classes = [JITFunction]
+    with contextlib.suppress(ImportError):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    runs = [cls.run for cls in classes]
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, args, dict(kwargs)))
+        launches.append(Launch(self, args, dict(kwargs), tuple(grid) if not callable(grid) else grid))
 
-    JITFunction.run = record
+    for cls in classes:
+        cls.run = record
     try:
         yield launches
     finally:
-        JITFunction.run = run
+        for cls, run in zip(classes, runs, strict=True):
+            cls.run = run
 
 
 def _target(arch: int):

@@ -1,9 +1,15 @@
-"""The chunked backward's Triton kernels (chunk_backward.py launches them; what they compute is in its docstring)."""
+"""The chunked hybrid attention's backward kernels (chunk.py launches them; what they compute is in its docstring):
+`_chunk_bwd_dq` per query chunk, `_chunk_bwd_dkv` and `_chunk_bwd_dfk` per key chunk. The reverse state scan is
+chunk_h.py's `_chunk_dstates`."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .settings import regs
+from .utils import pow2, state_lag
 
 
 @triton.jit
@@ -49,20 +55,24 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 def _chunk_bwd_dq(
     Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, YF, M, ZS, IDX,  # inputs (YF: y in fp32; M, ZS, IDX: the forward's)
     DQ, DFQ, DLZ, RSUM, RROW, DKS, DVS,  # outputs
-    T, H, G, D, F, NS, NC, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
+    T, H, G, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
 ):  # fmt: skip
     """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
     H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
     the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
-    lag on the state; DKS, DVS [B, H, T, BLOCK_S] (SINKS): the sinks' ds (c_n's gradient in) and E terms per row,
-    which the host turns into their dk, dv. The keys are chunks c - 1 and c (`_bwd_q_block` each, the first empty for
-    c = 0) and the sinks: their ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
+    lag on the state; DKS, DVS [B H, NC, BLOCK_S, BLOCK_D] (SINKS, fp32): this chunk's share of the sinks' dk
+    (unscaled: ds^T q, c_n's gradient in) and dv (E^T do), which the host sums over the chunks and query heads. The
+    keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the sinks. NB = 1 (windows up to
+    CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
     head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
-    the features in chunks of BLOCK_FC: the two blocks' dp times the L weights against phi_k, plus the state before
-    chunk c - 1 (c >= 2, its product with do over head-dim chunks)."""
+    the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the state before
+    chunk c - NB (its product with do over head-dim chunks; state 0 is the initial state with HAS_INIT). MULTI (NB >
+    1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch rows that only this program
+    touches, and read back for the rest."""
     pid_bh = tl.program_id(0)
     c = tl.program_id(1)
     head = pid_bh % H
@@ -89,13 +99,43 @@ def _chunk_bwd_dq(
     rho = 0.0
     if DECAY:
         rho = tl.load(RHO + head // G).to(tl.float32)
-    j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
-    j1 = c * CHUNK + tl.arange(0, CHUNK)
-    ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window, lin_off,
-                                  n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
-    ds1, rs1, dpw1 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j1, kv_base, q_base, T, D, window, lin_off,
-                                  n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
-    rsum = rs0 + rs1
+    if MULTI:  # each key block's dq and dphi_q added to this program's own fp32 rows
+        rsum = tl.zeros([CHUNK], tl.float32)
+        for kb in range(0, NB + 1):
+            jb = (c - NB + kb) * CHUNK + tl.arange(0, CHUNK)
+            jb_ok = (jb >= 0) & (jb < T)
+            dsb, rsb, dpwb = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, jb, kv_base, q_base, T, D, window,
+                                          lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
+                                          PREC)  # fmt: skip
+            rsum += rsb
+            for d0 in range(0, D, BLOCK_DK):
+                od = d0 + tl.arange(0, BLOCK_DK)
+                dm = od < D
+                kx = tl.load(K + kv_base * D + jb[:, None] * D + od[None, :], mask=jb_ok[:, None] & dm[None, :],
+                             other=0.0)  # fmt: skip
+                ptr = DQ32 + q_base * D + n[:, None] * D + od[None, :]
+                rm = row_ok[:, None] & dm[None, :]
+                part = tl.dot(dsb, kx.to(DT), input_precision=PREC)
+                tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
+            if LIN:
+                for f0 in range(0, F, BLOCK_FC):
+                    of = f0 + tl.arange(0, BLOCK_FC)
+                    fm = of < F
+                    fkx = tl.load(FK + kv_base * F + jb[:, None] * F + of[None, :], mask=jb_ok[:, None] & fm[None, :],
+                                  other=0.0)  # fmt: skip
+                    ptr = DFQ32 + q_base * F + n[:, None] * F + of[None, :]
+                    rm = row_ok[:, None] & fm[None, :]
+                    part = tl.dot(dpwb, fkx.to(DT), input_precision=PREC)
+                    tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
+            tl.debug_barrier()  # (the next block reads these rows back)
+    else:
+        j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
+        j1 = c * CHUNK + tl.arange(0, CHUNK)
+        ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window, lin_off,
+                                      n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
+        ds1, rs1, dpw1 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j1, kv_base, q_base, T, D, window, lin_off,
+                                      n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
+        rsum = rs0 + rs1
     rrow = tl.zeros([CHUNK], tl.float32)
     js = tl.arange(0, BLOCK_S)
     s_ok = (js < n_sinks) & (js < T)
@@ -125,19 +165,27 @@ def _chunk_bwd_dq(
         if SINKS:
             dsk = dss - tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
             rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
-    if SINKS:  # the sinks' ds and E [rows, BLOCK_S] (the host makes their dk, dv: products over every row)
-        part = rows[:, None] * BLOCK_S + js[None, :]
-        tl.store(DKS + part, dsk, mask=row_ok[:, None])
-        tl.store(DVS + part, ps, mask=row_ok[:, None])
+    if SINKS:
+        part = ((pid_bh.to(tl.int64) * NC + c) * BLOCK_S + js)[:, None] * BLOCK_D
     for d0 in range(0, D, BLOCK_DK):  # dq (and the sinks' dk, dv) a head-dim chunk at a time
         od = d0 + tl.arange(0, BLOCK_DK)
         dm = od < D
         rm = row_ok[:, None] & dm[None, :]
-        k0 = tl.load(K + kv_base * D + j0[:, None] * D + od[None, :], mask=(j0 >= 0)[:, None] & dm[None, :], other=0.0)
-        k1 = tl.load(K + kv_base * D + j1[:, None] * D + od[None, :], mask=(j1 < T)[:, None] & dm[None, :], other=0.0)
-        dq = tl.dot(ds0, k0.to(DT), input_precision=PREC)
-        dq += tl.dot(ds1, k1.to(DT), input_precision=PREC)
-        if SINKS:
+        if MULTI:
+            dq = tl.load(DQ32 + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+        else:
+            k0 = tl.load(K + kv_base * D + j0[:, None] * D + od[None, :], mask=(j0 >= 0)[:, None] & dm[None, :],
+                         other=0.0)  # fmt: skip
+            k1 = tl.load(K + kv_base * D + j1[:, None] * D + od[None, :], mask=(j1 < T)[:, None] & dm[None, :],
+                         other=0.0)  # fmt: skip
+            dq = tl.dot(ds0, k0.to(DT), input_precision=PREC)
+            dq += tl.dot(ds1, k1.to(DT), input_precision=PREC)
+        if SINKS:  # (and this chunk's share of the sinks' dk, dv: ds^T q, E^T do)
+            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
+            tl.store(DKS + part + od[None, :], tl.dot(tl.trans(dsk.to(DT)), q.to(DT), input_precision=PREC))
+            tl.store(DVS + part + od[None, :], tl.dot(tl.trans(ps.to(DT)), do, input_precision=PREC))
             ks = tl.load(K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
             dq += tl.dot(dsk.to(DT), ks.to(DT), input_precision=PREC)
         if HYBRID:
@@ -145,19 +193,23 @@ def _chunk_bwd_dq(
             dq -= rwin[:, None] * kx.to(tl.float32)
         tl.store(DQ + q_base * D + n[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
     if LIN:
-        lo = (c - 1) * CHUNK
-        lag = tl.exp(-rho * tl.maximum(n - window - (lo - 1), 0).to(tl.float32))
-        st = bk.to(tl.int64) * NS + c - 1
+        st0 = tl.maximum(c - NB, 0)
+        lag = state_lag(rho, n, window, st0, CHUNK)
+        st = bk.to(tl.int64) * NS + st0
         for f0 in range(0, F, BLOCK_FC):
             of = f0 + tl.arange(0, BLOCK_FC)
             fm = of < F
-            fk0 = tl.load(FK + kv_base * F + j0[:, None] * F + of[None, :], mask=(j0 >= 0)[:, None] & fm[None, :],
-                          other=0.0)  # fmt: skip
-            fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :], mask=(j1 < T)[:, None] & fm[None, :],
-                          other=0.0)  # fmt: skip
-            acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
-            acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
-            if c >= 2:  # the state h_{c-1}: phi_q's gradient lag (h do - z dlz)
+            if MULTI:
+                acc = tl.load(DFQ32 + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                              other=0.0)  # fmt: skip
+            else:
+                fk0 = tl.load(FK + kv_base * F + j0[:, None] * F + of[None, :],
+                              mask=(j0 >= 0)[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :],
+                              mask=(j1 < T)[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
+                acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
+            if HAS_INIT or c >= NB + 1:  # the state before chunk c - NB: phi_q's gradient lag (h do - z dlz)
                 sp = tl.zeros([CHUNK, BLOCK_FC], tl.float32)
                 for d0 in range(0, D, BLOCK_DK):
                     od = d0 + tl.arange(0, BLOCK_DK)
@@ -174,76 +226,15 @@ def _chunk_bwd_dq(
                 z = tl.load(HK + st * F + of, mask=fm, other=0.0)
                 sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
                 acc += sp
-                if DECAY:  # d lag / d rho = -(n - window - lo + 1) lag
+                if DECAY:  # d lag / d rho = -max(n - window - lo + 1, 0) lag
                     fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
                                  other=0.0)  # fmt: skip
-                    rrow -= (n - window - lo + 1).to(tl.float32) * tl.sum(fq.to(tl.float32) * sp, 1)
+                    e = tl.maximum(n - window - st0 * CHUNK + 1, 0).to(tl.float32)
+                    rrow -= e * tl.sum(fq.to(tl.float32) * sp, 1)
             tl.store(DFQ + q_base * F + n[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
                      mask=row_ok[:, None] & fm[None, :])  # fmt: skip
         if DECAY:
             tl.store(RROW + rows, rrow, mask=row_ok)
-
-
-@triton.jit
-def _chunk_dstates(
-    FQ, DY, ZS, DLZ, RHO, HKV, HK,  # inputs (HKV, HK: the forward's states, read for rho's gradient)
-    DHKV, DHK, RSCAN,  # outputs: dh [B, Hkv, NS, F, D] (HKV's dtype), dz [B, Hkv, NS, F] (fp32), rho's partial sums
-    T, H, G, D, F, NS, Hkv, window,
-    DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
-):  # fmt: skip
-    """The gradient of every state h_s, z_s (s = NS - 1 .. 1; h_0 is empty), one program per (feature block, value
-    block, batch x KV head), in reverse: dh_s = sum over the G query heads and the queries n of chunk s + 1 (which
-    read h_s times lag_n = alpha^(n - window - (CHUNK s - 1))) of lag_n phi_q(q_n) do_n^T, plus alpha^CHUNK dh_{s+1}
-    (h_{s+1} = alpha^CHUNK h_s + chunk s's keys); dz_s the same with -dlz_n. With DECAY, RSCAN gets each program's
-    share of rho's gradient through the carries: -CHUNK alpha^CHUNK <dh_{s+1}, h_s> (and z's)."""
-    pf = tl.program_id(0)
-    pd = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = pid_bh // Hkv
-    kvh = pid_bh % Hkv
-    of = pf * BLOCK_F + tl.arange(0, BLOCK_F)
-    od = pd * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    fm = of < F
-    both = fm[:, None] & (od < D)[None, :]
-    z_lim = tl.where(pd == 0, F, 0)  # (z: the first value block's programs)
-    dh = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
-    dz = tl.zeros([BLOCK_F], tl.float32)
-    racc = tl.zeros([BLOCK_F], tl.float32)
-    rho = 0.0
-    carry = 1.0
-    if DECAY:
-        rho = tl.load(RHO + kvh).to(tl.float32)
-        carry = tl.exp(-rho * CHUNK)
-    for i in range(0, NS - 1):
-        s = NS - 1 - i
-        st = pid_bh.to(tl.int64) * NS + s
-        if DECAY:  # dh, dz hold dh_{s+1}, dz_{s+1}: h_{s+1} = alpha^CHUNK h_s + ...
-            h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
-            z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
-            racc += tl.sum(dh * h, 1) + dz * z
-            dh = dh * carry
-            dz = dz * carry
-        n = (s + 1) * CHUNK + tl.arange(0, CHUNK)
-        row_ok = n < T
-        lag = tl.where(row_ok, 1.0, 0.0)
-        if DECAY:
-            lag = lag * tl.exp(-rho * (n - window - s * CHUNK + 1).to(tl.float32))
-        for hh in range(0, G):
-            rows = (b * H + kvh * G + hh).to(tl.int64) * T + n
-            fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
-            dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=row_ok[:, None] & (od < D)[None, :], other=0.0)
-            zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
-            dlz = tl.load(DLZ + rows, mask=row_ok, other=0.0)
-            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-            fql = fq.to(tl.float32) * lag[:, None]
-            dh += tl.dot(tl.trans(fql.to(DT)), do, input_precision=PREC)
-            dz -= tl.sum(fql * dlz[:, None], 0)
-        tl.store(DHKV + (st * F + of)[:, None] * D + od[None, :], dh.to(DHKV.dtype.element_ty), mask=both)
-        tl.store(DHK + st * F + of, dz, mask=of < z_lim)
-    if DECAY:
-        pid = (pid_bh * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
-        tl.store(RSCAN + pid, -CHUNK * carry * tl.sum(racc, 0))
 
 
 @triton.jit
@@ -273,14 +264,14 @@ def _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK
 def _chunk_bwd_dkv(
     Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DKS, DVS,  # inputs
     DK, DV,  # outputs
-    T, H, G, D, F, NS, NC, window, lin_off, n_sinks, n_excl, scale,
+    T, H, G, D, F, NS, NC, NB, window, lin_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr,
     HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, DV_PASS: tl.constexpr,
 ):  # fmt: skip
     """dk (DV_PASS false: the window terms only) or dv (DV_PASS: window and L terms, and the state), in the inputs'
     dtype, of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), head-dim columns BLOCK_DO
-    (axis 2) of them, summed over its G query heads: for each, the query chunks c and c + 1 (the only ones whose
+    (axis 2) of them, summed over its G query heads: for each, the query chunks c .. c + NB (the only ones whose
     window or intra-chunk L terms reach chunk c), in tiles [keys, queries] (their products over the whole head dim,
     in chunks of BLOCK_DK); c_n's gradient where its argmax is one of these keys in the row's window; then (c <= NS
     - 2) dv's share of the state h_{c+1} that holds these keys, from dh_{c+1} (each key's weight alpha^(CHUNK c +
@@ -306,7 +297,7 @@ def _chunk_bwd_dkv(
             g = tl.load(GAMMA + head).to(tl.float32)
         else:
             g = 1.0
-        for qb in range(c, tl.minimum(c + 2, NC)):
+        for qb in range(c, tl.minimum(c + NB + 1, NC)):
             n = qb * CHUNK + tl.arange(0, CHUNK)
             q_ok = n < T
             rows = q_base + n
@@ -381,12 +372,12 @@ def _chunk_bwd_dkv(
 def _chunk_bwd_dfk(
     FQ, FK, V, RHO, DY, ZS, DLZ, DHKV, DHK,  # inputs
     DFK, RKEY,  # outputs (DFK: fp32, zeroed, added to)
-    T, H, G, D, F, NS, NC, window, lin_off, n_excl,
+    T, H, G, D, F, NS, NC, NB, window, lin_off, n_excl,
     CHUNK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     """dphi_k (fp32, added) of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), the LA
-    modes only: per query head of the KV head and query chunk c, c + 1, dp^T [keys, queries] (over head-dim chunks)
+    modes only: per query head of the KV head and query chunk c .. c + NB, dp^T [keys, queries] (over head-dim chunks)
     times the L weights, against phi_q a feature chunk at a time; then (c <= NS - 2) the state h_{c+1} that holds
     these keys, v dh_{c+1}^T + dz_{c+1} times each key's weight. RKEY (DECAY): rho's share through those weights."""
     pid_bk = tl.program_id(0)
@@ -401,7 +392,7 @@ def _chunk_bwd_dfk(
     rkey = tl.zeros([CHUNK], tl.float32)
     for hh in range(0, G):
         q_base = ((pid_bk // Hkv) * H + (pid_bk % Hkv) * G + hh).to(tl.int64) * T
-        for qb in range(c, tl.minimum(c + 2, NC)):
+        for qb in range(c, tl.minimum(c + NB + 1, NC)):
             n = qb * CHUNK + tl.arange(0, CHUNK)
             q_ok = n < T
             rows = q_base + n
@@ -462,3 +453,83 @@ def _chunk_bwd_dfk(
                 rkey -= (e - j).to(tl.float32) * tl.sum(fk * dfs, 1)
     if DECAY:
         tl.store(RKEY + pid_bk * NC + c, tl.sum(rkey, 0))
+
+
+def _common(case) -> dict:
+    """The constants every backward launch of the call shares."""
+    cfg = case.cfg
+    return dict(CHUNK=case.chunk, BLOCK_D=pow2(case.head_dim), BLOCK_DK=min(pow2(case.head_dim), cfg["bwd_dchunk"]),
+                BLOCK_FC=cfg["bwd_fchunk"], SOFT=case.soft, LIN=case.lin, SINKS=case.sink, HYBRID=case.gamma_on,
+                DECAY=case.decay, DT=case.dt, PREC=case.prec, num_stages=cfg["stages"])  # fmt: skip
+
+
+def bwd_dq(saved, dy, state, case):
+    """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, y fp32, (c_n, Z_n, argmax)). Returns dict(dq, dfq
+    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), dks, dvs (SINKS: per query head and chunk, for the host's
+    sums))."""
+    q, k, v, fq, fk, g, rho, y, (m, zs, idx) = saved
+    B, H, T, D = q.shape
+    F = fq.shape[-1]
+    nc = triton.cdiv(T, case.chunk)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    hkv, hk = state if state is not None else (g.to(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32), g)
+    out = dict(dq=torch.empty_like(q), dfq=torch.empty_like(fq) if case.lin else torch.zeros_like(fq))
+    out["dlz"] = torch.empty(B, H, T, **f32)
+    out["rsum"] = torch.empty(B, H, T, **f32) if case.gamma_on else g
+    out["rrow"] = torch.zeros(B, H, T, **f32) if case.decay else g
+    shares = (B * H, nc, case.block_s, pow2(D))
+    out["dks"], out["dvs"] = (torch.empty(shares, **f32) for _ in range(2)) if case.sink else (g, g)
+    multi = case.nb > 1
+    scratch = (torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, F, **f32)) if multi else (g, g)
+    _chunk_bwd_dq[(B * H, nc)](
+        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, m, zs, idx, out["dq"], out["dfq"], out["dlz"],
+        out["rsum"], out["rrow"], out["dks"], out["dvs"], *scratch,
+        T, H, H // k.shape[1], D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
+        case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale, BLOCK_S=case.block_s,
+        HAS_INIT=case.has_init, MULTI=multi, num_warps=case.cfg["dq_warps"], **regs(case.cfg, "dq"), **_common(case),
+    )  # fmt: skip
+    return out
+
+
+def bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case):
+    """dk and dv (the inputs' dtype): `_chunk_bwd_dkv` once for dk (the window terms) and once for dv (window, L terms
+    and the state), over the KV heads' key chunks. grads: bwd_dq's dict; dstate (dh, dz) or None; sinks_dkv: the
+    sinks' dk, dv summed on the host [B Hkv, BLOCK_S, BLOCK_D] fp32 (SINKS)."""
+    q, k, v, fq, fk, g, rho, _, (m, zs, idx) = saved
+    B, Hkv, T, D = k.shape
+    nc = triton.cdiv(T, case.chunk)
+    dk = torch.empty_like(k) if case.soft else torch.zeros_like(k)  # (no window term: no dk but the sinks')
+    dv = torch.empty_like(v) if case.soft or case.lin else torch.zeros_like(v)
+    dhkv = dstate[0] if dstate is not None else g
+    dks, dvs = sinks_dkv if sinks_dkv is not None else (g, g)
+    bdo = min(pow2(D), case.cfg["bwd_dout"])
+    passes = ((False,) if case.soft else ()) + ((True,) if case.soft or case.lin else ())  # (dk: window terms only)
+    for dv_pass in passes:
+        _chunk_bwd_dkv[(B * Hkv, nc, triton.cdiv(D, bdo))](
+            q, k, v, fq, fk, g, g if rho is None else rho, dy, m, zs, grads["dlz"], idx, grads["rsum"], dhkv, dks,
+            dvs, dk, dv, T, q.shape[1], q.shape[1] // Hkv, D, fq.shape[-1], dstate[0].shape[2] if dstate else 0, nc,
+            case.nb, case.window, case.lin_off, case.n_sinks, case.n_excl, case.scale, BLOCK_DO=bdo,
+            BLOCK_S=case.block_s, DV_PASS=dv_pass, num_warps=case.cfg["dkv_warps"], **regs(case.cfg, "dkv"),
+            **_common(case),
+        )  # fmt: skip
+    return dk, dv
+
+
+def bwd_dfk(saved, dy, grads, dstate, case):
+    """dphi_k (fp32) and rho's share through the keys' weights (DECAY, else None): `_chunk_bwd_dfk`."""
+    q, k, v, fq, fk, g, rho, _, (_, zs, _) = saved
+    B, Hkv, T, F = fk.shape
+    nc = triton.cdiv(T, case.chunk)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dfk = torch.zeros(B, Hkv, T, F, **f32)
+    rkey = torch.zeros(B * Hkv * nc, **f32) if case.decay else None
+    dhkv, dhk = dstate if dstate is not None else (g, g)
+    cfg = case.cfg
+    _chunk_bwd_dfk[(B * Hkv, nc)](
+        fq, fk, v, g if rho is None else rho, dy, zs, grads["dlz"], dhkv, dhk, dfk, g if rkey is None else rkey,
+        T, q.shape[1], q.shape[1] // Hkv, k.shape[-1], F, dstate[0].shape[2] if dstate else 0, nc, case.nb,
+        case.window, case.lin_off, case.n_excl, CHUNK=case.chunk, BLOCK_DK=min(pow2(k.shape[-1]), cfg["bwd_dchunk"]),
+        BLOCK_FC=cfg["bwd_fchunk"], DECAY=case.decay, DT=case.dt, PREC=case.prec, num_warps=cfg["dfk_warps"],
+        num_stages=cfg["stages"], **regs(cfg, "dfk"),
+    )  # fmt: skip
+    return dfk, rkey

@@ -1,0 +1,255 @@
+"""The hybrid attention on the chunked kernels: the entry the backend calls (`triton_hybrid_attention`), the switches
+of a call (`Case`) and the autograd Function (`ChunkAttention`). Every path runs these kernels: training and prefill,
+padded or not, with or without an initial state, any window, with the denominators, bf16 / fp16 (and fp32, see
+below).
+
+The launches of a forward: `chunk_h.states` (the LA state before every chunk, modes with an LA) and
+`chunk_o.chunk_fwd_o` (the output). Of a backward (ChunkAttention.backward): the states again, `chunk_bwd.bwd_dq`
+(per query chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' ds and E per row), `chunk_h.dstates` (the reverse
+state scan, and the initial state's gradient), `chunk_bwd.bwd_dkv` (dk, then dv, per key chunk) and
+`chunk_bwd.bwd_dfk` (dphi_k).
+
+The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (rounded to the inputs' dtype for the
+products), and dlz_n = do_n . y_n (y the forward's fp32 output); every term p_nj of the numerator (g E or L) has
+dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
+through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken
+term by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp,
+in `_chunk_bwd_dfk`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight
+inside its chunk.
+
+Padding: the real tokens of each row are moved to its front (a stable sort of the mask), the kernels run on the
+packed rows (each row's real tokens are positions 0..n-1, the padding after them, where no real query sees it),
+and the outputs go back to their places, zero on padding. fp32 inputs on a GPU (stage 1 passes fp32 queries) run
+in bf16 with fp32 accumulation and give y in fp32: the inputs of a bf16 model are exact in bf16, and 64-row fp32
+products on FMAs spill kilobytes. In Triton's interpreter (CPU tensors: the tests) fp32 runs as fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch.autograd.function import once_differentiable
+
+from .chunk_bwd import bwd_dfk, bwd_dkv, bwd_dq
+from .chunk_h import dstates, states
+from .chunk_o import chunk_fwd_o
+from .settings import regs, settings_for
+from .utils import CHUNK, MODES, TL_DTYPE, blocks_back, mode_parts, pow2, precision
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """The switches of one call, which every launch of it shares."""
+
+    soft: bool  # the window softmax
+    lin: bool  # the linear attention
+    sink: bool  # the sinks (swa_sinks, sinks_only, the hybrid with its own)
+    gamma_on: bool  # gamma weighs the window (the hybrid)
+    decay: bool  # the LA decays (la_decay given, a mode with an LA)
+    has_init: bool  # an initial LA state (a mode with an LA)
+    window: int
+    nb: int  # chunks before its own that a query chunk streams (utils.blocks_back)
+    lin_off: int  # an L term needs j <= n - lin_off (the hybrid: the window; la_only: 0)
+    sink_off: int  # a sink term needs j <= n - sink_off
+    n_sinks: int
+    n_excl: int  # the first keys the LA leaves out (the hybrid's own sinks)
+    scale: float
+    head_dim: int
+    dt: object  # the inputs' Triton dtype
+    prec: str  # tl.dot's input precision
+    cfg: dict  # the launch settings (settings.py)
+    chunk: int = CHUNK
+
+    @property
+    def block_s(self) -> int:
+        return pow2(max(self.n_sinks, 1)) if self.sink else 16
+
+    @staticmethod
+    def of(q, fq, *, window, mode, sinks, hybrid_sinks, scale, decay, init) -> Case:
+        soft, lin, sink, gamma_on = mode_parts(mode, hybrid_sinks)
+        decay = lin and decay
+        D = q.shape[-1]
+        return Case(
+            soft=soft, lin=lin, sink=sink, gamma_on=gamma_on, decay=decay, has_init=lin and init,
+            window=int(window), nb=blocks_back(window, soft, decay), lin_off=int(window) if mode == "hybrid" else 0,
+            sink_off=int(window) if soft else 0, n_sinks=int(sinks) if sink else 0,
+            n_excl=int(sinks) if mode == "hybrid" and hybrid_sinks else 0, scale=scale, head_dim=D,
+            dt=TL_DTYPE[q.dtype], prec=precision(q.dtype), cfg=settings_for(q, D, fq.shape[-1]),
+        )  # fmt: skip
+
+
+def _states(fk, v, rho, init, case, T):
+    """The LA states before chunks 0..NS-1 (None without an LA or without a state anyone reads)."""
+    ns = triton.cdiv(T, CHUNK) - case.nb
+    ns = max(ns, 1) if case.has_init else ns
+    if not case.lin or ns <= 0:
+        return None
+    cfg = case.cfg
+    return states(fk, v, rho, case.n_excl, ns, block_f=cfg["block_f"], block_dv=min(cfg["block_dv"], pow2(v.shape[-1])),
+                  warps=cfg["state_warps"], dt=case.dt, prec=case.prec, options=regs(cfg, "state"),
+                  init=init if case.has_init else None)  # fmt: skip
+
+
+class ChunkAttention(torch.autograd.Function):
+    """The chunked forward with a backward (training): the forward keeps y in fp32 (for dlz) and c_n, Z_n and c_n's
+    argmax per row; the backward recomputes the states and every score tile. Gradients of q, k, v, phi_q, phi_k in
+    their dtype, of gamma (the hybrid's only), of rho (the decay) and of the initial state (fp32). Returns (y in
+    out_dtype, sum of gamma E, sum of L): the two sums (not differentiable) are empty unless dens."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fq, fk, gamma, rho, init_kv, init_k, case, out_dtype, dens):
+        r = None if rho is None else rho.detach().float().contiguous()
+        init = (init_kv, init_k) if case.has_init else None
+        state = _states(fk, v, r, init, case, q.shape[2])
+        y, stats, parts, y_out = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, stats=True, dens=dens,
+                                             out_dtype=out_dtype)  # fmt: skip
+        ctx.save_for_backward(q, k, v, fq, fk, gamma, rho, init_kv, init_k, y, *stats)
+        ctx.case = case
+        de, dl = parts if dens else (y.new_empty(0), y.new_empty(0))
+        ctx.mark_non_differentiable(de, dl)
+        return y_out, de, dl
+
+    @staticmethod
+    @once_differentiable  # (a second derivative would need kernels of its own: refused, not silently partial)
+    def backward(ctx, dy, _de, _dl):
+        q, k, v, fq, fk, gamma, rho, init_kv, init_k, y, m, zs, idx = ctx.saved_tensors
+        case = ctx.case
+        B, H, T, D = q.shape
+        Hkv, G = k.shape[1], H // k.shape[1]
+        r = rho.detach().float().contiguous() if case.decay else None
+        g = gamma.detach().float().contiguous()
+        dy = dy.to(q.dtype).contiguous()
+        init = (init_kv, init_k) if case.has_init else None
+        state = _states(fk, v, r, init, case, T)
+        saved = (q, k, v, fq, fk, g, r, y, (m, zs, idx))
+        grads = bwd_dq(saved, dy, state, case)
+        dstate, dinit, rscan = None, (None, None), None
+        if state is not None and (state[0].shape[2] > 1 or case.has_init):  # (some state has a gradient)
+            dstate, dinit, rscan = dstates(fq, dy, zs, grads["dlz"], r, state, case)
+        del state
+        sinks_dkv = None
+        if case.sink:  # the sinks' dk (unscaled), dv: the query chunks' shares summed over a KV head's query heads
+            bs, bd = case.block_s, pow2(D)
+            sinks_dkv = tuple(grads[n].view(B * Hkv, -1, bs, bd).sum(1) for n in ("dks", "dvs"))
+        dk, dv = bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case)
+        if case.sink and not (case.soft or case.lin):  # sinks_only: the sinks' dk, dv are the host's sums
+            s_eff, bs, bd = min(case.n_sinks, T), case.block_s, pow2(D)
+            dk[:, :, :s_eff] = (sinks_dkv[0].view(B, Hkv, bs, bd)[:, :, :s_eff, :D] * case.scale).to(k.dtype)
+            dv[:, :, :s_eff] = sinks_dkv[1].view(B, Hkv, bs, bd)[:, :, :s_eff, :D].to(v.dtype)
+        dfk, rkey = bwd_dfk(saved, dy, grads, dstate, case) if case.lin else (torch.zeros_like(fk), None)
+        dgamma = drho = None
+        if ctx.needs_input_grad[5]:
+            dgamma = torch.zeros_like(gamma)
+            if case.gamma_on:  # d/dgamma of every E term g exp(.): ds / g
+                dgamma = (grads["rsum"].sum((0, 2)) / g).to(gamma.dtype)
+        if rho is not None and ctx.needs_input_grad[6]:
+            drho = torch.zeros_like(rho)
+            if case.decay:
+                f64 = torch.float64
+                total = grads["rrow"].to(f64).view(B, Hkv, G * T).sum((0, 2)) + rkey.to(f64).view(B, Hkv, -1).sum(
+                    (0, 2)
+                )
+                if rscan is not None:
+                    total = total + rscan.to(f64).view(B, Hkv, -1).sum((0, 2))
+                drho = total.to(rho.dtype)
+        dinit_kv, dinit_k = dinit
+        return (grads["dq"], dk, dv, grads["dfq"], dfk.to(fk.dtype), dgamma, drho, dinit_kv, dinit_k, None, None,
+                None)  # fmt: skip
+
+
+def _pack(attention_mask):
+    """(order, inverse, real) that move each row's real tokens to its front (stable) and back; None when the mask
+    holds no padding."""
+    if attention_mask is None:
+        return None
+    real = attention_mask.bool()
+    if bool(real.all()):
+        return None
+    order = torch.argsort((~real).to(torch.int8), dim=-1, stable=True)
+    return order, torch.argsort(order, dim=-1), real
+
+
+def _gather(x, index):
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+
+
+def _check(q, k, v, fq, *, window, mode, sinks, hybrid_sinks, la_decay):
+    if mode not in MODES:
+        raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"the triton backend needs value dim == head dim, got {v.shape[-1]} and {q.shape[-1]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if q.dtype not in TL_DTYPE:
+        raise ValueError(f"the triton backend takes bfloat16, float16 and float32, got {q.dtype}")
+    if sinks > 64 and (mode in ("swa_sinks", "sinks_only") or (hybrid_sinks and mode == "hybrid")):
+        raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {sinks}")
+    if la_decay is not None and tuple(la_decay.shape) != (k.shape[1],):
+        raise ValueError(f"la_decay must hold one rho per KV head ({k.shape[1]}), got shape {tuple(la_decay.shape)}")
+
+
+def triton_hybrid_attention(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    gamma,
+    *,
+    window,
+    mode="hybrid",
+    sinks=8,
+    hybrid_sinks=False,
+    scale=None,
+    attention_mask=None,
+    chunk_size=None,
+    initial_state=None,
+    return_denominators=False,
+    la_decay=None,
+):
+    """The attention backend contract of hybrid_scale/attention/backends.py, computed by the chunked kernels.
+    chunk_size is ignored (the kernels' chunk is CHUNK). initial_state: optional (kv [B,Hkv,F,D], k [B,Hkv,F]) sums
+    over keys that precede the sequence by more than the window (differentiable; with la_decay as query w - 1 of the
+    sequence sees them). la_decay: rho [Hkv] >= 0, the LA's decay (naive.py's spec; differentiable), None = off."""
+    _check(q, k, v, fq, window=window, mode=mode, sinks=sinks, hybrid_sinks=hybrid_sinks, la_decay=la_decay)
+    hybrid_sinks = bool(hybrid_sinks) and mode == "hybrid"
+    B, H, T, D = q.shape
+    if mode == "none" or T == 0:
+        y = q.new_zeros(B, H, T, D)
+        zero = q.new_zeros(B, H, T, dtype=torch.float32)
+        return (y, zero, zero.clone()) if return_denominators else y
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out_dtype = q.dtype
+    dtype = torch.bfloat16 if (q.dtype == torch.float32 and q.device.type != "cpu") else q.dtype
+    q, k, v, fq, fk = (t.to(dtype) for t in (q, k, v, fq, fk))
+    packed = _pack(attention_mask)
+    if packed is not None:
+        q, k, v, fq, fk = (_gather(t, packed[0]) for t in (q, k, v, fq, fk))
+    q, k, v, fq, fk = (t.contiguous() for t in (q, k, v, fq, fk))
+    case = Case.of(q, fq, window=window, mode=mode, sinks=sinks, hybrid_sinks=hybrid_sinks, scale=scale,
+                   decay=la_decay is not None, init=initial_state is not None)  # fmt: skip
+    rho = la_decay if case.decay else None
+    init = (None, None)
+    if case.has_init:
+        init = tuple(t.float().contiguous() for t in initial_state)
+    inputs = (q, k, v, fq, fk, gamma, rho, *init)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        y, de, dl = ChunkAttention.apply(*inputs, case, out_dtype, return_denominators)
+    else:
+        with torch.no_grad():
+            r = None if rho is None else rho.detach().float().contiguous()
+            state = _states(fk, v, r, init if case.has_init else None, case, T)
+            y, _, parts, _ = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, dens=return_denominators,
+                                      out_dtype=out_dtype)  # fmt: skip
+            de, dl = parts if return_denominators else (None, None)
+    if packed is not None:
+        _, inverse, real = packed
+        y = _gather(y, inverse) * real[:, None, :, None].to(y.dtype)
+        if return_denominators:
+            de, dl = (_gather(t[..., None], inverse)[..., 0] * real[:, None] for t in (de, dl))
+    return (y, de, dl) if return_denominators else y

@@ -1,0 +1,49 @@
+"""The launch settings of the chunked kernels: per head dim on a GPU (`GPU_SETTINGS`, which the compile gate
+tools/kernel_compile.py checks for sm_80 and sm_90 and benchmarks/device_speed.py's DEVICE_SPEED_TILES varies), and
+small fast ones for Triton's interpreter (CPU tensors, the tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from .utils import pow2
+
+# Launch settings on a GPU (and on the meta device, which stands for one in the compile gate), half precision, by
+# head dim (<= 64, <= 128): _chunk_states' feature and value blocks and warps; _chunk_output's head-dim chunk of the
+# q.k products, feature chunk, warps and pipeline stages. Found with tools/kernel_compile.py at the presets'
+# shapes, every mode, bf16 and fp16: 4 warps (one warpgroup on the 64 rows; with 8, Triton's layouts replicate the
+# rows or the operands and spill), one stage (2 spilled on sm_80 at head dim 128), head-dim chunks of 32 at 128 (64
+# spilled 60-300 bytes: a [64, 64] q operand in registers) and 16 at 64 (64 and 32 spilled 8-16 bytes on sm_80).
+# The backward's (ChunkAttention), found the same way (tools/kernel_compile.py, and a script that compiles only
+# the backward's launches): head-dim chunks of 16 (bwd_dchunk: at 32 the operands of mma.sync's B, whole in every warp
+# on sm_80, spilled 40-160 bytes), feature chunks of 16 (bwd_fchunk: 32 spilled 40-160 bytes in dq with the sinks),
+# _chunk_bwd_dkv over head-dim blocks of 64 (bwd_dout) with 8 warps (4 warps spilled 24-56 bytes on sm_80 at 64, none
+# at 32 but with twice the recomputed scores), 4 warps for _chunk_bwd_dq and _chunk_bwd_dfk, and maxnreg=255 for all
+# three (ptxas otherwise caps some at 128-160 registers and spills, as in decode.py). Every backward kernel then uses
+# 0 spill bytes in bf16 and fp16 on sm_80 and sm_90 at both presets' head dims, every mode, with wgmma on sm_90.
+# The state scan split over the sequence (chunk_h.py, its segments' sums stored) spilled 8 bytes at 96 registers
+# on sm_80 in bf16 without decay; maxnreg=128 (state_maxnreg) lets it use 127 and spill none.
+GPU_SETTINGS = {
+    64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=4, dkv_warps=8,
+             dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=64, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
+             state_maxnreg=128),
+    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=4, stages=1, dq_warps=4, dkv_warps=8,
+              dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=64, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
+             state_maxnreg=128),
+}  # fmt: skip
+
+
+def settings_for(x: torch.Tensor, head_dim: int, features: int) -> dict:
+    """The settings of a call on x's device: the interpreter's on CPU, GPU_SETTINGS by head dim elsewhere (a GPU, or
+    the meta device, which stands for one in the compile gate)."""
+    if x.device.type == "cpu":  # Triton's interpreter (tests): any tile works, these are fast there
+        fchunk = min(pow2(features), 64)
+        return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
+                    dkv_warps=4, dfk_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, bwd_dout=64)  # fmt: skip
+    return GPU_SETTINGS[64 if head_dim <= 64 else 128]
+
+
+def regs(cfg: dict, kernel: str) -> dict:
+    """The register cap (maxnreg) of a kernel (a backward one, or the state scan) where its settings name one."""
+    cap = cfg.get(kernel + "_maxnreg")
+    return {"maxnreg": cap} if cap else {}
