@@ -23,13 +23,20 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The same gate under the device image's Triton (torch 2.11 / triton 3.6: its register allocation differs), the
+# triton 3.6 wheel from PyPI put in .triton36/ ahead of the project's on the path (torch and the rest: .venv's)
+TRITON36 := .triton36
+$(TRITON36)/.installed: $(STAMP)
+	rm -rf $(TRITON36) && $(PY) -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0
+	touch $@
+
 # pytest-xdist workers, whole files per worker (their module fixtures are built once), handed out longest first
 # (tests/conftest.py LONGEST_FIRST; xdist would otherwise order files by their number of tests). Three on CI's two
 # cores: with two, the cores idled while tests wait (Slurm's requeue delay, paused runs, signals); with three they
 # do not (docs/results/test_time.md). On a bigger machine: make test TEST_WORKERS=8.
 TEST_WORKERS ?= 3
 SUITE := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-test: lint
+test: lint $(TRITON36)/.installed
 	$(VENV)/bin/pytest $(SUITE)
 
 # The inner loop: tests/unit and the integration checks marked `fast` (tests/conftest.py), 3-minute target
@@ -90,13 +97,6 @@ device-speed: $(STAMP)
 # tests/unit/test_kernel_compile.py checks against the kernels (it compiles what changed since)
 kernel-compile: $(STAMP)
 	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 $(PY) -m tools.kernel_compile --out docs/results/kernel_compile.md
-
-# The same gate under the device image's Triton (torch 2.11 / triton 3.6: its register allocation differs), the
-# triton 3.6 wheel from PyPI put in .triton36/ ahead of the project's on the path (the gate needs no torch from it)
-TRITON36 := .triton36
-$(TRITON36)/.installed: $(STAMP)
-	rm -rf $(TRITON36) && $(PY) -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0
-	touch $@
 
 kernel-compile-triton36: $(TRITON36)/.installed
 	env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=$(TRITON36) $(PY) -m tools.kernel_compile \

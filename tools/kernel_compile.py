@@ -79,6 +79,11 @@ class Shape:
     window: int
     sinks: int
     length: int  # T of the training kernels: the preset's training length, or one that is not a multiple of the chunk
+    label: str = ""  # the table's name for a shape other than the preset's own: preset@w<window>@T<length>
+
+    @property
+    def name(self) -> str:
+        return self.label or self.preset
 
 
 ODD_LENGTHS = (96, 100)  # not a multiple of the chunk: one state (Triton specialises NS = 1), and not a multiple of 16
@@ -112,12 +117,13 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
                     cfg.finetune.seq_len)  # fmt: skip
         shapes.append(own)
         for window in sorted(windows - {a.window}):
-            shapes.append(dataclasses.replace(own, window=window, length=ODD_LENGTHS[0]))
-        shapes += [dataclasses.replace(own, length=length) for length in ODD_LENGTHS]
+            label = f"{path.stem}@w{window}@T{ODD_LENGTHS[0]}"
+            shapes.append(dataclasses.replace(own, window=window, length=ODD_LENGTHS[0], label=label))
+        shapes += [dataclasses.replace(own, length=t, label=f"{path.stem}@T{t}") for t in ODD_LENGTHS]
     return shapes
 
 
-LONG = 16384  # tokens of a prefill whose state scan a GPU splits (chunk_scan.plan; the presets' lengths are not)
+LONG = 16384  # tokens of a prefill whose state scan a GPU splits (chunk_h.plan; the presets' lengths are not)
 SMS = 132  # an H100's / H200's SMs: the state scan is split as on such a GPU (chunk_h.plan)
 
 
@@ -204,8 +210,8 @@ def compile_matrix(
                     done = {arch: cache(launch, arch) for arch in compile_check.ARCHS}
                     row_key = (launch.name, mode, name, compile_check.key(launch, 90))
                     row = rows.setdefault(row_key, Row(launch.name, mode, name, [], done))
-                    if shape.preset not in row.presets:  # (the forward's states are launched again in the backward)
-                        row.presets.append(shape.preset)
+                    if shape.name not in row.presets:  # (the forward's states are launched again in the backward)
+                        row.presets.append(shape.name)
                     if progress:
                         progress(len(cache))
     return list(rows.values())

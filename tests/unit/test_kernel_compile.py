@@ -1,8 +1,10 @@
 """The compile gate: every Triton kernel compiled for sm_80 and sm_90 on this CPU machine (triton.compile with a
 GPUTarget, then the ptxas in the triton wheel), every mode, bf16 / fp16 / fp32, at every model preset's head shapes,
-with the tiles the kernels choose on a GPU: no compile error, shared memory within the architecture's limit, no
-register spills (tools/kernel_compile.py, SPILL_BUDGET). The table it makes is docs/results/kernel_compile.md
-(`make kernel-compile`); a test fails when that page no longer matches the kernels.
+every shipped window and lengths that are not a multiple of the chunk, with the settings the kernels choose on a GPU:
+no compile error, shared memory within the architecture's limit, no register spills (tools/kernel_compile.py,
+SPILL_BUDGET). The tables it makes are docs/results/kernel_compile.md (`make kernel-compile`, the project's Triton)
+and kernel_compile_triton36.md (`make kernel-compile-triton36`, the device image's Triton 3.6, whose wheel `make
+test` puts in .triton36/); a test fails when a page no longer matches the kernels.
 
 The tests run in child processes: this suite runs Triton's interpreter (conftest sets TRITON_INTERPRET=1), under
 which @triton.jit makes interpreted functions that cannot be compiled.
@@ -20,6 +22,8 @@ pytest.importorskip("triton", reason="the kernels need triton: pip install -e '.
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ["-m", "tools.kernel_compile"]  # from the repository root
 PAGE = ROOT / "docs" / "results" / "kernel_compile.md"
+PAGE36 = ROOT / "docs" / "results" / "kernel_compile_triton36.md"
+TRITON36 = ROOT / ".triton36"  # the device image's Triton (make .triton36/.installed; `make test` makes it)
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +33,15 @@ def _compiling_env() -> dict:
     return {**env, "TRITON_DEFAULT_FP_FUSION": "1"}
 
 
-@pytest.fixture(scope="module")
-def gate(tmp_path_factory):
+def _run_gate(tmp_path_factory, page, env):
     """The whole matrix: each launch whose key (kernel source, launch, Triton version) the committed results hold
     is taken from them, 8 of those (chosen at random each run) compiled again and compared, every other launch
     compiled: a changed kernel is always compiled."""
-    out = tmp_path_factory.mktemp("compile") / "kernel_compile.md"
+    out = tmp_path_factory.mktemp("compile") / page.name
     proc = subprocess.run(
-        [sys.executable, *SCRIPT, "--out", str(out), "--reuse", str(PAGE.with_suffix(".json")), "--verify", "8"],
+        [sys.executable, *SCRIPT, "--out", str(out), "--reuse", str(page.with_suffix(".json")), "--verify", "8"],
         cwd=ROOT,
-        env=_compiling_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=1800,
@@ -46,14 +49,28 @@ def gate(tmp_path_factory):
     return proc, out
 
 
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory):
+    return _run_gate(tmp_path_factory, PAGE, _compiling_env())
+
+
+@pytest.fixture(scope="module")
+def gate36(tmp_path_factory):
+    if not (TRITON36 / "triton").is_dir():
+        pytest.skip("the device image's Triton is not in .triton36/: make .triton36/.installed (make test makes it)")
+    return _run_gate(tmp_path_factory, PAGE36, {**_compiling_env(), "PYTHONPATH": str(TRITON36)})
+
+
 def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory_and_without_spills(gate):
     proc, out = gate
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 over budget" in proc.stdout
     table = out.read_text()
-    for kernel in ("_fwd", "_states_fwd", "_bwd_dq", "_bwd_dfq", "_states_bwd", "_bwd_dkv", "_bwd_dfk", "_bwd_sinks",
-                   "_decode", "_chunk_states", "_chunk_output"):  # fmt: skip
+    for kernel in ("_chunk_states", "_segment_fix", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates",
+                   "_chunk_bwd_dkv", "_chunk_bwd_dfk", "_decode"):  # fmt: skip
         assert f"| `{kernel}` |" in table, kernel
+    # fp32 calls run the chunked kernels in bf16 on a GPU: the decode step is the one fp32 compile
+    assert not [line for line in table.splitlines() if line.startswith("| `_chunk") and "| fp32 |" in line]
     # the chunked prefill's products are wgmma on sm_90 in half precision, at every preset (the script also fails
     # without it: tools/kernel_compile.py WGMMA)
     rows = [line for line in table.splitlines() if line.startswith(("| `_chunk_states` |", "| `_chunk_output` |"))]
@@ -64,6 +81,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory_and_withou
         assert preset in table
     for dtype in ("bf16", "fp16", "fp32"):
         assert f"| {dtype} |" in table
+    assert "llama3-8b@w16@T96" in table and "llama3-8b@T100" in table  # (the quickstart's window; off the chunk)
 
 
 def test_the_committed_table_is_what_the_kernels_compile_to(gate):
@@ -99,6 +117,16 @@ with compile_check.record_launches() as launches:
 bad = compile_check.compile_launch(launches[0], 90)
 print("loop_carried:", "refused" if bad.error else "compiled", bad.error)
 """
+
+
+def test_the_device_images_triton_compiles_them_too(gate36):
+    """Triton 3.6 (torch 2.11's, on the device image) allocates registers its own way: the same gate, the same
+    budget, and its committed page matches."""
+    proc, out = gate36
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "0 over budget" in proc.stdout and "(0 compiled, " in proc.stdout, proc.stdout[-2000:]
+    assert "with triton 3.6.0" in out.read_text()
+    assert PAGE36.read_text() == out.read_text(), "kernel_compile_triton36.md is stale: make kernel-compile-triton36"
 
 
 def test_the_gate_catches_what_the_interpreter_lets_through(tmp_path):
