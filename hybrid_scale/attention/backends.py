@@ -162,7 +162,8 @@ def _passes(name: str, device: torch.device, shape: Shape) -> bool:
 
 def self_check(name: str, device, dtype: torch.dtype = torch.bfloat16, shape: Shape | None = None) -> str | None:
     """Backend `name` on `device` at `shape` (default: a small one in `dtype`) against the chunked torch path: a
-    forward whose 2 rows (one left-padded) cross several tiles, in hybrid mode (with its sinks if the shape's hybrid
+    forward of 2 rows across several tiles, unpadded (training's and a prefill's path) and with one row left-padded,
+    in hybrid mode (with its sinks if the shape's hybrid
     keeps them), the output and the gradients of q, k, v, phi_q, phi_k and gamma (and of the LA's decay rho, if the
     shape has one); and (if it has a fused decode step) 20 decode steps past the window against recurrent.extend.
     None when it agrees, else what differed, failed, or the shape the backend cannot take.
@@ -222,20 +223,21 @@ def _self_check_here(name: str, device: torch.device, dtype: torch.dtype, shape:
             x += [make(B, Hkv, T, F, positive=True), torch.full((H,), 0.3, device=device)]
             mask = torch.ones(B, T, dtype=torch.long, device=device)
             mask[1, :7] = 0
-            opts = dict(window=w, mode="hybrid", sinks=S, hybrid_sinks=shape.hybrid_sinks, scale=None)
-            opts |= dict(attention_mask=mask, chunk_size=16)
+            opts = dict(window=w, mode="hybrid", sinks=S, hybrid_sinks=shape.hybrid_sinks, scale=None, chunk_size=16)
             rho = torch.linspace(0.01, 0.2, Hkv, device=device)
             decay = {"la_decay": rho} if shape.la_decay else {}
-            results = []
-            for fn in (get_backend(name), chunk_hybrid_attention):
-                inputs = [t.detach().requires_grad_() for t in (*x, *decay.values())]
-                extra = {"la_decay": inputs[-1]} if decay else {}
-                y = fn(*inputs[:6], **opts, **extra, initial_state=None, return_denominators=False)
-                results.append([y, *torch.autograd.grad(y.float().square().sum(), inputs)])
-            names = ("output", "dq", "dk", "dv", "dphi_q", "dphi_k", "dgamma", "drho")
-            for what, a, b in zip(names[: len(results[0])], *results, strict=True):  # (drho with a decay)
-                if (why := differs(what, a, b)) is not None:
-                    return why
+            for batch, attention_mask in (("unpadded", None), ("padded", mask)):
+                results = []
+                for fn in (get_backend(name), chunk_hybrid_attention):
+                    inputs = [t.detach().requires_grad_() for t in (*x, *decay.values())]
+                    extra = {"la_decay": inputs[-1]} if decay else {}
+                    y = fn(*inputs[:6], **opts, **extra, attention_mask=attention_mask, initial_state=None,
+                           return_denominators=False)  # fmt: skip
+                    results.append([y, *torch.autograd.grad(y.float().square().sum(), inputs)])
+                names = ("output", "dq", "dk", "dv", "dphi_q", "dphi_k", "dgamma", "drho")
+                for what, a, b in zip(names[: len(results[0])], *results, strict=True):  # (drho with a decay)
+                    if (why := differs(f"{what} ({batch} batch)", a, b)) is not None:
+                        return why
         step = _DECODERS.get(name)
         if step is not None:
             with torch.no_grad():

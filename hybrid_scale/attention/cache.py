@@ -22,6 +22,16 @@ from .naive import own_mode
 from .recurrent import DecodeState, extend, step
 
 
+def static(state: DecodeState) -> DecodeState:
+    """Marks the state's tensors as static inputs of a compiled step (as transformers' StaticCache marks its keys and
+    values): they are updated in place, so a CUDA graph of the step can read them where they are instead of copying
+    them in at every replay, or skipping the graph."""
+    if not torch.compiler.is_compiling():
+        for t in state.tensors():
+            torch._dynamo.mark_static_address(t)
+    return state
+
+
 class HybridCacheLayer(CacheLayerMixin):
     """Decode state of one hybrid layer (see recurrent.DecodeState): a ring of min(window, max_length) keys, the sink
     buffer and the LA state, allocated at the first call and then updated in place; the step counters live on the
@@ -63,7 +73,7 @@ class HybridCacheLayer(CacheLayerMixin):
         backend = resolve(module.backend, q.device, shape)
         if self.state is None:
             self._check(module)
-            self.state = DecodeState.empty(shape, k.shape[0], self.capacity, k.device)
+            self.state = static(DecodeState.empty(shape, k.shape[0], self.capacity, k.device))
             self._step = get_decode(backend) or step
             self.is_initialized = True
         return extend(
@@ -92,8 +102,8 @@ class HybridCacheLayer(CacheLayerMixin):
         the layer's `project` continues from them and updates them in place."""
         if self.state is None:
             self._check(module)
-            self.state = DecodeState.empty(self._delta_shape(module, hidden.dtype), hidden.shape[0], self.capacity,
-                                           hidden.device)  # fmt: skip
+            shape = self._delta_shape(module, hidden.dtype)
+            self.state = static(DecodeState.empty(shape, hidden.shape[0], self.capacity, hidden.device))
             self.is_initialized = True
         return self.state.conv_q, self.state.conv_k
 
@@ -105,7 +115,8 @@ class HybridCacheLayer(CacheLayerMixin):
         opts |= dict(la_combine=module.la_combine, attention_mask=mask, scale=module.scaling)
         if self.state is None:
             self._check(module)
-            self.state = DecodeState.empty(self._delta_shape(module, q.dtype), q.shape[0], self.capacity, q.device)
+            shape = self._delta_shape(module, q.dtype)
+            self.state = static(DecodeState.empty(shape, q.shape[0], self.capacity, q.device))
             self.is_initialized = True
         self._check(module)
         if q.shape[2] == 1 and self.is_compileable:

@@ -2,7 +2,8 @@
 pre-hook on the decoder, creates a `HybridCache` (cache.py) when `use_cache` is on and none was given (also replacing
 the empty `DynamicCache` that `generate()` makes), derives `position_ids` from a 2D `attention_mask` and hands the
 layers that mask; `generation_inputs`, the model's prepare_inputs_for_generation, keeps the compiled decode step's
-shapes fixed.
+shapes fixed; `prepare_cache`, the model's _prepare_cache_for_generation, gives `generate` a HybridCache from the
+start when every layer is hybrid, so that on a GPU it compiles and graph-captures the decode step with no argument.
 
 This file imports only torch, transformers and its siblings (remote code: see hybrid.py).
 """
@@ -22,6 +23,21 @@ def attach(model: nn.Module) -> None:
     binds its own)."""
     model.get_decoder().register_forward_pre_hook(prepare_inputs, with_kwargs=True)
     model.prepare_inputs_for_generation = generation_inputs.__get__(model)  # (a method of this model)
+    model._prepare_cache_for_generation = prepare_cache.__get__(model)
+
+
+def prepare_cache(model: nn.Module, generation_config, model_kwargs: dict, *args, **kwargs):
+    """The model class's own _prepare_cache_for_generation; then, where it made a DynamicCache (no cache given, no
+    other cache asked for) and every layer is hybrid, a HybridCache in its place. That cache is compileable, so
+    transformers' `generate` compiles and graph-captures the decode step on a GPU with no extra argument, as it does
+    for a static cache (generation_config.disable_compile turns that off). A model with softmax layers left keeps the
+    DynamicCache (prepare_inputs replaces it at the first forward, and decodes eagerly)."""
+    out = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+    if type(model_kwargs.get("cache")) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
+        cache = HybridCache(model)
+        if all(cache.is_linear):
+            model_kwargs["cache"] = cache
+    return out
 
 
 def generation_inputs(model: nn.Module, *args, **kwargs) -> dict:

@@ -54,14 +54,34 @@ def test_compiled_generate_gives_the_eager_tokens_with_one_graph_and_no_recompil
     config._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
     torch._dynamo.reset()
     counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = model.generate(ids, **greedy, cache=HybridCache(model), compile_config=config)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # (no cache given: generate's own is a HybridCache)
+        compiled = model.generate(ids, **greedy, compile_config=config)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the decode step was compiled, once
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert compiled.shape == (2, 12 + new)
     assert torch.equal(compiled, eager), (compiled, eager)
     if backend == "triton":  # the fused step gives the torch step's tokens
         assert torch.equal(compiled, _model("torch").generate(ids, **greedy, disable_compile=True))
+
+
+def test_generate_with_no_arguments_gets_a_compileable_cache_with_static_state():
+    """`generate(ids)` makes a HybridCache before its prefill (so transformers compiles and graph-captures the decode
+    step on a GPU, as for a static cache), and the state's tensors are marked as static inputs (their addresses do
+    not change: a CUDA graph reads them in place). A partly converted model keeps transformers' DynamicCache."""
+    model = _model()
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(2))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, HybridCache) and cache.is_compileable
+    state = cache.layers[0].state
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in state.tensors())
+    kwargs = {}
+    model._prepare_cache_for_generation(model.generation_config, kwargs, None, 1, 20)
+    assert isinstance(kwargs["cache"], HybridCache)
+    partial = hs.convert_model(tiny_model(), {**ATTENTION, "layers": [1]})
+    kwargs = {}
+    partial._prepare_cache_for_generation(partial.generation_config, kwargs, None, 1, 20)
+    assert type(kwargs["cache"]).__name__ == "DynamicCache"
 
 
 def test_a_model_with_softmax_layers_left_generates_eagerly_with_its_cache():
