@@ -84,7 +84,7 @@ FAULTS = {
     "kernel_decay_ignored": (
         "kernels/hybrid_scale_kernels/chunk_o.py",
         "                    s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))\n",
-        "",
+        "                    s = s * 1.0\n",
     ),
     "kernel_decay_gradient_dropped": (
         "kernels/hybrid_scale_kernels/chunk.py",

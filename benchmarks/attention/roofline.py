@@ -111,11 +111,10 @@ def _dstates(a, grid, s) -> tuple[float, float]:
 
 def _bwd_dkv(a, grid, s) -> tuple[float, float]:
     C, D, F, q_blocks, bdo = CHUNK, a["D"], a["F"], (a["NB"] + 1) * a["G"], a["BLOCK_DO"]
-    dk = not a["DV_PASS"]
-    per = 2 * C * D * E + C * bdo * E  # this chunk's k and v; dk or dv
-    per += q_blocks * (C * D * E * (1 + dk) + 3 * C * F32)  # each query block's dy (and q), its row stats
-    flops = q_blocks * (2 * C * C * D * (1 + dk) + 2 * C * C * bdo) if a["SOFT"] else 0.0
-    if a["LIN"] and a["DV_PASS"]:
+    per = 2 * C * D * E + 2 * C * bdo * E  # this chunk's k and v; dk and dv
+    per += q_blocks * (C * D * E * (1 + a["SOFT"]) + 3 * C * F32)  # each query block's dy (and q), its row stats
+    flops = q_blocks * (2 * 2 * C * C * D + 2 * 2 * C * C * bdo) if a["SOFT"] else 0.0  # scores, dp; ds^T q, E^T do
+    if a["LIN"]:
         per += C * F * E + q_blocks * C * F * E + F * bdo * s["h_bytes"]  # phi_k; each block's phi_q; dh
         flops += q_blocks * (2 * C * C * F + 2 * C * C * bdo) + 2 * C * F * bdo
     return grid[0] * grid[1] * grid[2] * flops, grid[0] * grid[1] * grid[2] * per

@@ -167,7 +167,7 @@ def _chunk_bwd_dq(
             rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
     if SINKS:
         part = ((pid_bh.to(tl.int64) * NC + c) * BLOCK_S + js)[:, None] * BLOCK_D
-    for d0 in range(0, D, BLOCK_DK):  # dq (and the sinks' dk, dv) a head-dim chunk at a time
+    for d0 in range(0, D, BLOCK_DK):  # dq a head-dim chunk at a time
         od = d0 + tl.arange(0, BLOCK_DK)
         dm = od < D
         rm = row_ok[:, None] & dm[None, :]
@@ -180,18 +180,22 @@ def _chunk_bwd_dq(
                          other=0.0)  # fmt: skip
             dq = tl.dot(ds0, k0.to(DT), input_precision=PREC)
             dq += tl.dot(ds1, k1.to(DT), input_precision=PREC)
-        if SINKS:  # (and this chunk's share of the sinks' dk, dv: ds^T q, E^T do)
-            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-            tl.store(DKS + part + od[None, :], tl.dot(tl.trans(dsk.to(DT)), q.to(DT), input_precision=PREC))
-            tl.store(DVS + part + od[None, :], tl.dot(tl.trans(ps.to(DT)), do, input_precision=PREC))
+        if SINKS:
             ks = tl.load(K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
             dq += tl.dot(dsk.to(DT), ks.to(DT), input_precision=PREC)
         if HYBRID:
             kx = tl.load(K + kv_base * D + idx[:, None] * D + od[None, :], mask=rm, other=0.0)
             dq -= rwin[:, None] * kx.to(tl.float32)
         tl.store(DQ + q_base * D + n[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
+    if SINKS:  # this chunk's share of the sinks' dk, dv (ds^T q, E^T do), in a loop of its own (fewer live registers)
+        for d0 in range(0, D, BLOCK_DK):
+            od = d0 + tl.arange(0, BLOCK_DK)
+            rm = row_ok[:, None] & (od < D)[None, :]
+            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
+            tl.store(DKS + part + od[None, :], tl.dot(tl.trans(dsk.to(DT)), q.to(DT), input_precision=PREC))
+            tl.store(DVS + part + od[None, :], tl.dot(tl.trans(ps.to(DT)), do, input_precision=PREC))
     if LIN:
         st0 = tl.maximum(c - NB, 0)
         lag = state_lag(rho, n, window, st0, CHUNK)
@@ -267,16 +271,16 @@ def _chunk_bwd_dkv(
     T, H, G, D, F, NS, NC, NB, window, lin_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr,
-    HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, DV_PASS: tl.constexpr,
+    HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dk (DV_PASS false: the window terms only) or dv (DV_PASS: window and L terms, and the state), in the inputs'
-    dtype, of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), head-dim columns BLOCK_DO
-    (axis 2) of them, summed over its G query heads: for each, the query chunks c .. c + NB (the only ones whose
-    window or intra-chunk L terms reach chunk c), in tiles [keys, queries] (their products over the whole head dim,
-    in chunks of BLOCK_DK); c_n's gradient where its argmax is one of these keys in the row's window; then (c <= NS
-    - 2) dv's share of the state h_{c+1} that holds these keys, from dh_{c+1} (each key's weight alpha^(CHUNK c +
-    CHUNK - 1 - j)); then (c = 0) the sinks' dk, dv (the host's sums). Two launches (one accumulator each: the
-    scores are recomputed); dphi_k is `_chunk_bwd_dfk`'s."""
+    """dk (the window terms; SOFT) and dv (window and L terms, and the state), in the inputs' dtype, of the CHUNK keys
+    j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), head-dim columns BLOCK_DO (axis 2) of them, summed
+    over its G query heads: for each, the query chunks c .. c + NB (the only ones whose window or intra-chunk L terms
+    reach chunk c), in tiles [keys, queries] (their products over the whole head dim, in chunks of BLOCK_DK): ds^T q
+    into dk and E^T do into dv from one computation of the scores and dp; c_n's gradient where its argmax is one of
+    these keys in the row's window; then (c <= NS - 2) dv's share of the state h_{c+1} that holds these keys, from
+    dh_{c+1} (each key's weight alpha^(CHUNK c + CHUNK - 1 - j)); then (c = 0) the sinks' dk, dv (the host's sums).
+    One launch, two accumulators; dphi_k is `_chunk_bwd_dfk`'s."""
     pid_bk = tl.program_id(0)
     c = tl.program_id(1)
     Hkv = H // G
@@ -286,7 +290,8 @@ def _chunk_bwd_dkv(
     od = tl.program_id(2) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dm = od < D
     km = k_ok[:, None] & dm[None, :]
-    acc = tl.zeros([CHUNK, BLOCK_DO], tl.float32)
+    acc_k = tl.zeros([CHUNK, BLOCK_DO], tl.float32)
+    acc_v = tl.zeros([CHUNK, BLOCK_DO], tl.float32)
     rho = 0.0
     if DECAY:
         rho = tl.load(RHO + pid_bk % Hkv).to(tl.float32)
@@ -304,26 +309,25 @@ def _chunk_bwd_dkv(
             qm = q_ok[:, None] & dm[None, :]
             zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
             both = k_ok[:, None] & q_ok[None, :]
+            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
+            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
             if SOFT:  # the window terms: dk from ds^T, dv from E^T
                 dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
                 dpt, at = _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, True,
-                                     not DV_PASS, DT, PREC)  # fmt: skip
+                                     True, DT, PREC)  # fmt: skip
                 m = tl.load(M + rows, mask=q_ok, other=0.0)
                 win = both & (j[:, None] <= n[None, :]) & (j[:, None] > n[None, :] - window)
                 pt = tl.where(win, g * tl.exp(at * scale - m[None, :]), 0.0)
-                if DV_PASS:
-                    dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
-                    acc += tl.dot(pt.to(DT), (dy.to(tl.float32) / zs[:, None]).to(DT), input_precision=PREC)
-                else:
-                    dst = pt * dpt
-                    if HYBRID:  # (c_n's argmax key: a window key where it is past n - window, else a sink)
-                        idx = tl.load(IDX + rows, mask=q_ok, other=-1)
-                        idx = tl.where(idx > n - window, idx, -1)
-                        rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
-                        dst -= tl.where(j[:, None] == idx[None, :], rsum[None, :], 0.0)
-                    q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
-                    acc += tl.dot(dst.to(DT), q.to(DT), input_precision=PREC)
-            if LIN and DV_PASS:
+                acc_v += tl.dot(pt.to(DT), do, input_precision=PREC)
+                dst = pt * dpt
+                if HYBRID:  # (c_n's argmax key: a window key where it is past n - window, else a sink)
+                    idx = tl.load(IDX + rows, mask=q_ok, other=-1)
+                    idx = tl.where(idx > n - window, idx, -1)
+                    rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
+                    dst -= tl.where(j[:, None] == idx[None, :], rsum[None, :], 0.0)
+                q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
+                acc_k += tl.dot(dst.to(DT), q.to(DT), input_precision=PREC)
+            if LIN:
                 st_ = tl.zeros([CHUNK, CHUNK], tl.float32)
                 for f0 in range(0, F, BLOCK_FC):
                     of = f0 + tl.arange(0, BLOCK_FC)
@@ -337,9 +341,8 @@ def _chunk_bwd_dkv(
                 wt = tl.where(lin, 1.0, 0.0)
                 if DECAY:
                     wt = wt * tl.exp(-rho * tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32))
-                dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
-                acc += tl.dot((st_ * wt).to(DT), (dy.to(tl.float32) / zs[:, None]).to(DT), input_precision=PREC)
-    if LIN and DV_PASS:
+                acc_v += tl.dot((st_ * wt).to(DT), do, input_precision=PREC)
+    if LIN:
         if c <= NS - 2:  # these keys' share of h_{c+1}: weight alpha^(e - j), e the chunk's last key
             st = pid_bk.to(tl.int64) * NS + c + 1
             wk = tl.where(k_ok & (j >= n_excl), 1.0, 0.0)
@@ -353,19 +356,17 @@ def _chunk_bwd_dkv(
                 dh = tl.load(DHKV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :],
                              other=0.0)  # fmt: skip
                 if DHKV.dtype.element_ty == DT:
-                    acc += tl.dot((fk * wk[:, None]).to(DT), dh, input_precision=PREC)
+                    acc_v += tl.dot((fk * wk[:, None]).to(DT), dh, input_precision=PREC)
                 else:
-                    acc += tl.dot(fk * wk[:, None], dh.to(tl.float32), input_precision=PREC)
+                    acc_v += tl.dot(fk * wk[:, None], dh.to(tl.float32), input_precision=PREC)
     part = (pid_bk.to(tl.int64) * BLOCK_S + j)[:, None] * BLOCK_D + od[None, :]
     out = (kv_base + j)[:, None] * D + od[None, :]
-    if DV_PASS:
-        if SINKS:  # (chunk 0: the sinks' shares from every query, summed on the host; n_sinks <= CHUNK)
-            acc += tl.load(DVS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
-        tl.store(DV + out, acc.to(DV.dtype.element_ty), mask=km)
-    else:
-        if SINKS:
-            acc += tl.load(DKS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
-        tl.store(DK + out, (acc * scale).to(DK.dtype.element_ty), mask=km)
+    if SINKS:  # (chunk 0: the sinks' shares from every query, summed on the host; n_sinks <= CHUNK)
+        acc_v += tl.load(DVS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
+        acc_k += tl.load(DKS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
+    tl.store(DV + out, acc_v.to(DV.dtype.element_ty), mask=km)
+    if SOFT:
+        tl.store(DK + out, (acc_k * scale).to(DK.dtype.element_ty), mask=km)
 
 
 @triton.jit
@@ -492,8 +493,8 @@ def bwd_dq(saved, dy, state, case):
 
 
 def bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case):
-    """dk and dv (the inputs' dtype): `_chunk_bwd_dkv` once for dk (the window terms) and once for dv (window, L terms
-    and the state), over the KV heads' key chunks. grads: bwd_dq's dict; dstate (dh, dz) or None; sinks_dkv: the
+    """dk and dv (the inputs' dtype): one `_chunk_bwd_dkv` launch over the KV heads' key chunks (dk of the window
+    terms; dv of the window and L terms and the state). grads: bwd_dq's dict; dstate (dh, dz) or None; sinks_dkv: the
     sinks' dk, dv summed on the host [B Hkv, BLOCK_S, BLOCK_D] fp32 (SINKS)."""
     q, k, v, fq, fk, g, rho, _, (m, zs, idx) = saved
     B, Hkv, T, D = k.shape
@@ -503,14 +504,12 @@ def bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case):
     dhkv = dstate[0] if dstate is not None else g
     dks, dvs = sinks_dkv if sinks_dkv is not None else (g, g)
     bdo = min(pow2(D), case.cfg["bwd_dout"])
-    passes = ((False,) if case.soft else ()) + ((True,) if case.soft or case.lin else ())  # (dk: window terms only)
-    for dv_pass in passes:
+    if case.soft or case.lin:  # (sinks_only: the host's sums are all there is)
         _chunk_bwd_dkv[(B * Hkv, nc, triton.cdiv(D, bdo))](
             q, k, v, fq, fk, g, g if rho is None else rho, dy, m, zs, grads["dlz"], idx, grads["rsum"], dhkv, dks,
             dvs, dk, dv, T, q.shape[1], q.shape[1] // Hkv, D, fq.shape[-1], dstate[0].shape[2] if dstate else 0, nc,
             case.nb, case.window, case.lin_off, case.n_sinks, case.n_excl, case.scale, BLOCK_DO=bdo,
-            BLOCK_S=case.block_s, DV_PASS=dv_pass, num_warps=case.cfg["dkv_warps"], **regs(case.cfg, "dkv"),
-            **_common(case),
+            BLOCK_S=case.block_s, num_warps=case.cfg["dkv_warps"], **regs(case.cfg, "dkv"), **_common(case),
         )  # fmt: skip
     return dk, dv
 
