@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# benchmarks/device_speed.py (issue 51's device benchmark: prefill, per-layer and whole-model decode against SDPA, a
-# static KV cache and fla; the 8B-shaped stages; the bf16 kernel tests) in one call on a machine without network: the
-# wheels that `make gpu-wheels` put into .whl/ (fla-core among them) are installed into /tmp/site first, as
+# benchmarks/device_speed.py (issues 51 and 60: every number of a GPU run in at most 5 minutes) in one call on a machine
+# without network: the bf16 gradient test of the kernels, prefill against SDPA and fla, a profiler pass, per-layer and
+# whole-model decode against a static KV cache, the 8B-shaped stages, then the gpu-marked tests. The wheels that
+# `make gpu-wheels` put into .whl/ (fla-core among them) are installed into /tmp/site first, as
 # benchmarks/gpu_check.sh does.
 #
 #   here:            make gpu-wheels
-#   on the device:   bash benchmarks/device_speed.sh          (device tool: run, carry [".whl"], timeout_s 400)
+#   on the device:   bash benchmarks/device_speed.sh          (device tool: run, carry [".whl"], timeout_s 340)
 #
 # Writes device_speed.md, device_speed.json, device_speed_children.log and device_speed.log (this output) into $OUT
-# when set, else docs/results/. The script stops starting work DEVICE_SPEED_DEADLINE (285) s after this script's
-# start. Arguments go to device_speed.py. Exit status: 0 when every part ran and the tests passed, 1 when not, 2 without
-# a GPU, 3 when the wheels could not be installed.
+# when set, else docs/results/. No part or row starts DEVICE_SPEED_DEADLINE (285) s after this script's start; the
+# row running then ends (the child processes are cut at it). Arguments go to device_speed.py; DEVICE_SPEED_PARTS,
+# _BUDGETS, _TILES, _FLA_CONFIGS change it (benchmarks/device/settings.py). Exit status: 0 when every part ran and the
+# gradient check and the tests passed, 1 when not, 2 without a GPU, 3 when the wheels could not be installed.
 set -uo pipefail
 export DEVICE_SPEED_STARTED="${DEVICE_SPEED_STARTED:-$(date +%s)}"  # DEVICE_SPEED_DEADLINE counts from here
 cd "$(dirname "$0")/.."

@@ -3,8 +3,8 @@ configs/models/), the inputs built at a shape, and the backends to time, each a 
 
 - PREFILL: the hybrid's own backends (`naive`, the spec; `torch`, the chunked path; `triton`, the fused kernels when
   installed), which `python -m benchmarks.run --verify` checks against `naive` before anything is timed;
-- BASELINES: what the hybrid is compared with (SDPA; FlashAttention and fla-core's chunk_linear_attn when they
-  import), never checked against the spec (they compute other attentions);
+- BASELINES: what the hybrid is compared with (SDPA, benchmarks/baselines.py's; FlashAttention and fla-core's
+  chunk_linear_attn when they import), never checked against the spec (they compute other attentions);
 - DECODE: one token per step after a prefill (`torch`: recurrent.extend; `triton`: the fused decode step), also
   checked against the spec, and the softmax KV-cache step it replaces (`kv_cache`, a baseline).
 
@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.baselines import sdpa_gqa, sdpa_prefill
 from hybrid_scale.attention import backends, hybrid, naive
 from hybrid_scale.attention.feature_maps import make_feature_map
 from hybrid_scale.attention.recurrent import DecodeState, extend
@@ -123,13 +123,13 @@ def fla_chunk_linear_attn():
     return chunk_linear_attn
 
 
-def sdpa(x):
-    return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True, enable_gqa=True)
+sdpa = sdpa_gqa  # (causal, enable_gqa, the backend torch chooses: benchmarks/attention/scaling.py's)
 
 
-def baselines(device="cpu") -> dict[str, Callable]:
-    """What the hybrid is timed against: SDPA, FlashAttention (if importable), fla's la_only part (on CUDA)."""
-    out = {"sdpa": sdpa}
+def baselines(device="cpu", shape: dict | None = None, dtype=torch.float32) -> dict[str, Callable]:
+    """What the hybrid is timed against: SDPA (benchmarks/baselines.py's sdpa_prefill at `shape`: flash with
+    enable_gqa on CUDA where it runs), FlashAttention (if importable), fla's la_only part (on CUDA)."""
+    out = {"sdpa": sdpa_prefill(shape, device, dtype)[0] if shape else sdpa}
     fa = flash_attn_func()
     if fa is not None:
         out["flash_attn"] = lambda x: fa(*(x[n].transpose(1, 2) for n in "qkv"), causal=True).transpose(1, 2)

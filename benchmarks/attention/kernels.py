@@ -11,8 +11,8 @@ forwards, the usual convention for attention kernels).
 
 Decode (one new token per step after a --contexts long prompt, the same shapes): time per step and tokens/s of one
 layer's attention, and the bytes one step reads, for the fused decode step (ring buffer of w keys + the fp32 state:
-independent of the context) against a KV-cache decode (SDPA of one query over the whole cache) and the torch decode
-step (recurrent.extend).
+independent of the context) against a KV-cache decode (benchmarks/baselines.py's kv_cache_step: the new token's k/v
+written into a static cache, SDPA of its query over it) and the torch decode step (recurrent.extend).
 
     python -m benchmarks.run kernels [--budget 150] [--out docs/results] [--verify]    # a CUDA machine, triton
 
@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import registry
+from benchmarks.baselines import kv_cache_step
 from benchmarks.registry import Clock, inputs
+from benchmarks.report_table import fmt, one_line, skipped_row, table
 from hybrid_scale.attention import backends
 
 
@@ -46,10 +47,10 @@ def flops(method, shape, T, window):
     return 4 * H * D * T * w + 2 * H * Fd * D * T + 2 * Hkv * Fd * D * T
 
 
-def prefill_methods(window, device="cuda"):
+def prefill_methods(window, device, shape, dtype):
     """The hybrid's fast backends and the baselines (the spec, `naive`, is only for --verify: O(T^2) memory)."""
     fast = {k: v for k, v in registry.prefill(window, device).items() if k != "naive"}
-    return fast | registry.baselines(device)
+    return fast | registry.baselines(device, shape, dtype)
 
 
 def prefill_rows(args, shapes, clock, deadline):
@@ -58,7 +59,7 @@ def prefill_rows(args, shapes, clock, deadline):
         for T in args.lengths:
             x = inputs(shape, T, args.device, args.dtype, seed=T)
             gy = torch.randn_like(x["q"])
-            for method, fn in prefill_methods(args.window, args.device).items():
+            for method, fn in prefill_methods(args.window, args.device, shape, args.dtype).items():
                 row = dict(shape=shape_name, T=T, method=method)
                 if time.monotonic() > deadline:
                     rows.append(row | {"skipped": "--budget reached"})
@@ -85,7 +86,7 @@ def prefill_rows(args, shapes, clock, deadline):
                 except torch.cuda.OutOfMemoryError:
                     row["skipped"] = "out of memory"
                 except Exception as e:  # noqa: BLE001  (one method failing must not lose the other rows)
-                    row["skipped"] = row["error"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                    row["skipped"] = row["error"] = one_line(e, 200)
                 for t in xg.values():
                     t.grad = None
                 if clock.cuda:
@@ -112,14 +113,8 @@ def decode_rows(args, shapes, clock, deadline):
                     rows.append(row | {"skipped": "--budget reached"})
                     continue
                 try:
-                    if method == "kv_cache":
-                        k_cache, v_cache = x["k"][:, :, :ctx].clone(), x["v"][:, :, :ctx].clone()
-                        q1 = x["q"][:, :, ctx : ctx + 1]
-
-                        def one(q1=q1, k_cache=k_cache, v_cache=v_cache):
-                            return F.scaled_dot_product_attention(q1, k_cache, v_cache, enable_gqa=True)
-
-                        row["bytes_per_step"] = (k_cache.numel() + v_cache.numel()) * k_cache.element_size()
+                    if method == "kv_cache":  # a static cache of ctx slots, the new token written into the last
+                        one, row["bytes_per_step"] = kv_cache_step(x, ctx)
                     else:
                         state = registry.decode_state(shape, x, ctx, args.window, args.device, args.dtype, method)
                         pos = [ctx]
@@ -135,18 +130,10 @@ def decode_rows(args, shapes, clock, deadline):
                 except torch.cuda.OutOfMemoryError:
                     row["skipped"] = "out of memory"
                 except Exception as e:  # noqa: BLE001
-                    row["skipped"] = row["error"] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                    row["skipped"] = row["error"] = one_line(e, 200)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
-
-
-def fmt(x, digits=3):
-    if x is None:
-        return "n/a"
-    if isinstance(x, float):
-        return f"{x:.{digits}g}"
-    return str(x)
 
 
 def markdown(result) -> str:
@@ -168,34 +155,25 @@ def markdown(result) -> str:
         "",
         "## Prefill: forward and forward+backward",
         "",
-        "| shape | T | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak MiB (fwd+bwd) | "
-        "fwd+bwd speed-up vs SDPA |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for r in result["prefill"]:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['T']} | {r['method']} | {r['skipped']} | | | | | |")
+            rows.append(skipped_row([r["shape"], r["T"], r["method"]], r["skipped"]))
             continue
-        lines.append(
-            f"| {r['shape']} | {r['T']} | {r['method']} | {fmt(r['fwd_ms'])} | {fmt(r['fwd_tflops'])} | "
-            f"{fmt(r['fwd_bwd_ms'])} | {fmt(r['fwd_bwd_tflops'])} | {fmt(r['fwd_bwd_peak_mib'])} | "
-            f"{fmt(r.get('fwd_bwd_speedup_vs_sdpa'))}x |"
-        )
-    lines += [
-        "",
-        "## Decode: one token per step, one layer",
-        "",
-        "| shape | context | method | ms per step | tokens/s | bytes per step |",
-        "|---|---|---|---|---|---|",
-    ]
+        rows.append([r["shape"], r["T"], r["method"], *(fmt(r.get(k)) for k in ("fwd_ms", "fwd_tflops", "fwd_bwd_ms",
+                     "fwd_bwd_tflops", "fwd_bwd_peak_mib")), f"{fmt(r.get('fwd_bwd_speedup_vs_sdpa'))}x"])  # fmt: skip
+    lines += table(["shape", "T", "method", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
+                    "peak MiB (fwd+bwd)", "fwd+bwd speed-up vs SDPA"], rows)  # fmt: skip
+    lines += ["", "## Decode: one token per step, one layer", ""]
+    rows = []
     for r in result["decode"]:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['context']} | {r['method']} | {r['skipped']} | | |")
+            rows.append(skipped_row([r["shape"], r["context"], r["method"]], r["skipped"]))
             continue
-        lines.append(
-            f"| {r['shape']} | {r['context']} | {r['method']} | {fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], 4)} | "
-            f"{r['bytes_per_step']:,} |"
-        )
+        rows.append([r["shape"], r["context"], r["method"], fmt(r["step_ms"]), fmt(r["tokens_per_s"], 4),
+                     f"{r['bytes_per_step']:,}"])  # fmt: skip
+    lines += table(["shape", "context", "method", "ms per step", "tokens/s", "bytes per step"], rows)
     lines += [
         "",
         f"FLOP counts: see the docstring of benchmarks/attention/kernels.py. Wall time {result['seconds']:.0f} s.",

@@ -15,53 +15,23 @@ GRAD_KEYS = ("q", "k", "v", "fq", "fk")  # the inputs the attention benchmark di
 
 def part_attention(s: dict, work: Path) -> dict:
     import torch
-    import torch.nn.functional as F
 
+    from benchmarks.baselines import sdpa_prefill
     from benchmarks.registry import Clock
+    from benchmarks.registry import inputs as attention_inputs
+    from benchmarks.report_table import one_line
     from hybrid_scale.attention import backends, hybrid
 
     a, device, dtype = s["attn"], s["device"], getattr(torch, s["dtype"])
     cuda = torch.device(device).type == "cuda"
     H, Hkv, D, Fdim = a["heads"], a["kv"], a["head_dim"], a["feature"]
+    shape = dict(H=H, Hkv=Hkv, D=D, F=Fdim)
 
-    def inputs(T):
-        g = torch.Generator(device=device).manual_seed(T)
+    def inputs(T):  # (hedgehog-like features: two softmaxes over F/2 features each; gamma 0.1)
+        return attention_inputs(shape, T, device, dtype, seed=T)
 
-        def r(*shape):
-            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
-
-        def features(heads):  # hedgehog-like: two softmaxes over F/2 features each
-            x = torch.randn(1, heads, T, Fdim // 2, generator=g, device=device, dtype=torch.float32)
-            return torch.cat([x.softmax(-1), (-x).softmax(-1)], -1).to(dtype)
-
-        return dict(
-            q=r(1, H, T, D),
-            k=r(1, Hkv, T, D),
-            v=r(1, Hkv, T, D),
-            fq=features(H),
-            fk=features(Hkv),
-            gamma=torch.full((H,), 0.1, device=device, dtype=torch.float32),
-        )
-
-    def sdpa_flash_gqa(x):  # the flash kernel with grouped KV heads as they are
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True, enable_gqa=True)
-
-    def sdpa_repeat(x):  # KV heads repeated to the query heads (what Llama's SDPA path does without enable_gqa)
-        rep = H // Hkv
-        k, v = x["k"].repeat_interleave(rep, 1), x["v"].repeat_interleave(rep, 1)
-        return F.scaled_dot_product_attention(x["q"], k, v, is_causal=True)
-
-    sdpa, sdpa_kind = sdpa_repeat, "k/v repeated to the query heads, backend chosen by torch"
-    if cuda:  # native GQA in the flash kernel when this torch has it (forward and backward), else k/v repeated
-        try:
-            probe = {k: v.detach().requires_grad_(k in ("q", "k", "v")) for k, v in inputs(256).items()}
-            sdpa_flash_gqa(probe).sum().backward()
-            sdpa, sdpa_kind = sdpa_flash_gqa, "flash kernel, enable_gqa (KV heads not repeated)"
-        except RuntimeError as e:
-            print(f"gpu_check: SDPA flash with enable_gqa unavailable ({str(e).splitlines()[0][:200]}); k/v repeated")
+    # native GQA in the flash kernel when this torch has it (forward and backward), else k/v repeated
+    sdpa, sdpa_kind = sdpa_prefill(shape, device, dtype)
 
     def call(name, x):
         if name == "sdpa":
@@ -116,8 +86,7 @@ def part_attention(s: dict, work: Path) -> dict:
             except torch.cuda.OutOfMemoryError:  # what was measured before stays in the JSON; the table skips it
                 row["skipped"] = "out of memory" + (" in fwd+bwd" if "fwd_ms" in row else "")
             except Exception as e:  # one backend failing at one length must not lose the other rows
-                first = (str(e).strip().splitlines() or [""])[0][:200].replace("|", "/")
-                row["skipped"] = row["error"] = f"{type(e).__name__}: {first}"
+                row["skipped"] = row["error"] = one_line(e, 200)
             for k in GRAD_KEYS:
                 xg[k].grad = None
             if cuda:

@@ -16,6 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.report_table import fmt
+
 from . import __doc__ as HELP  # the package's docstring: what --help prints
 from .attention import part_attention
 from .big import part_big
@@ -23,7 +25,7 @@ from .build import part_build
 from .common import B_RESERVE, DEADLINE, Log, run_child
 from .kernel_bench import kernel_speed
 from .pipeline import compare_pipelines, own_checks, part_export_check, run_pipeline
-from .report import Report, fmt
+from .report import Report
 from .settings import ROOT, settings
 
 PACKAGE = "benchmarks.gpu_check"  # what run_part starts again, as `python -m benchmarks.gpu_check` (cwd: the root)
@@ -80,7 +82,7 @@ def step_pipeline(s: dict, report: Report, work: Path, log: Log, ref_job: concur
         report.data["pipeline_info"] = {"run": run["task_avg"], "ref": ref["task_avg"]}
         report.compare = compare_pipelines(run, ref)
     for r in report.compare:
-        print(f"  {r['status']:>6}  {r['figure']}: {fmt(r['value'])} vs {fmt(r['ref'])} (rel {fmt(r['rel'], 2)})")
+        print(f"  {r['status']:>6}  {r['figure']}: {fmt(r['value'], 4)} vs {fmt(r['ref'], 4)} (rel {fmt(r['rel'], 2)})")
     for r in report.checks:
         print(f"  {r['status']:>6}  {r['check']}: {fmt(r['value'], 3)} (limit {r['limit']})")
     problems = [f"{tags[key]}: {r['failed']}" for key, r in (("run", run), ("ref", ref)) if r["failed"]]

@@ -1,28 +1,19 @@
-"""Step f, the report: fmt (a figure as the table prints it) and Report, which holds every step's status and
-figures and writes them, after each step, as the table gpu_check.md and as gpu_check.json (every figure) into
+"""Step f, the report: Report, which holds every step's status and figures and writes them, after each step, as the
+table gpu_check.md (its figures and tables by benchmarks/report_table.py) and as gpu_check.json (every figure) into
 GPU_CHECK_OUT; its summary() is the one line the check ends with."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import math
 import statistics
 import threading
 import traceback
 from pathlib import Path
 
+from benchmarks.report_table import fmt, skipped_row, table
+
 from .settings import DECODE_TOL, MODES, TOL
-
-
-def fmt(x, digits=4) -> str:
-    if x is None:
-        return "n/a"
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            return str(x)
-        return f"{x:.{digits}g}" if abs(x) < 1e5 else f"{x:.3e}"
-    return str(x)
 
 
 class Report:
@@ -95,23 +86,12 @@ class Report:
                     lines.append(f"| {st} | {fmt(a_, 3)} | {fmt(b_, 3)} |")
                 lines.append("")
             if self.compare:
-                lines += [
-                    f"| figure | {tag} | {ref} | rel. diff | tolerance | status |",
-                    "|---|---|---|---|---|---|",
-                ]
-                for r in self.compare:
-                    lines.append(
-                        f"| {r['figure']} | {fmt(r['value'])} | {fmt(r['ref'])} | {fmt(r['rel'], 2)} | {r['tol']} | "
-                        f"{r['status']} |"
-                    )
-                lines.append("")
+                rows = [[r["figure"], fmt(r["value"], 4), fmt(r["ref"], 4), fmt(r["rel"], 2), str(r["tol"]),
+                         r["status"]] for r in self.compare]  # fmt: skip
+                lines += table(["figure", tag, ref, "rel. diff", "tolerance", "status"], rows) + [""]
             if self.checks:
-                lines += ["| check | value | limit | status | note |", "|---|---|---|---|---|"]
-                for r in self.checks:
-                    lines.append(
-                        f"| {r['check']} | {fmt(r['value'], 3)} | {r['limit']} | {r['status']} | {r['note']} |"
-                    )
-                lines.append("")
+                rows = [[r["check"], fmt(r["value"], 3), str(r["limit"]), r["status"], r["note"]] for r in self.checks]
+                lines += table(["check", "value", "limit", "status", "note"], rows) + [""]
             extra = d.get("pipeline_info")
             if extra:
                 lines += [f"Task accuracy (info, {s['pipe']['limit']} synthetic items per task, random labels):", ""]
@@ -164,19 +144,17 @@ class Report:
                 f"the inputs. SDPA: is_causal, {att.get('sdpa', '?')}. Hybrid: phi inputs given (hedgehog-like "
                 "features), the feature maps themselves not timed.",
                 "",
-                "| T | backend | fwd ms | fwd+bwd ms | fwd peak MiB | fwd+bwd peak MiB | fwd x SDPA | fwd+bwd x SDPA "
-                "| mem x SDPA |",
-                "|---|---|---|---|---|---|---|---|---|",
             ]
+            rows = []
             for r in att["rows"]:
                 if "skipped" in r:
-                    lines.append(f"| {r['T']} | {r['backend']} | {r['skipped']} | | | | | | |")
+                    rows.append(skipped_row([r["T"], r["backend"]], r["skipped"]))
                     continue
-                lines.append(
-                    f"| {r['T']} | {r['backend']} | {fmt(r['fwd_ms'], 4)} | {fmt(r['fwd_bwd_ms'], 4)} | "
-                    f"{fmt(r['fwd_peak_mib'], 4)} | {fmt(r['fwd_bwd_peak_mib'], 4)} | {fmt(r.get('fwd_x_sdpa'), 3)} | "
-                    f"{fmt(r.get('fwd_bwd_x_sdpa'), 3)} | {fmt(r.get('mem_x_sdpa'), 3)} |"
-                )
+                rows.append([r["T"], r["backend"], *(fmt(r[k], 4) for k in ("fwd_ms", "fwd_bwd_ms", "fwd_peak_mib",
+                             "fwd_bwd_peak_mib")), *(fmt(r.get(k), 3) for k in ("fwd_x_sdpa", "fwd_bwd_x_sdpa",
+                             "mem_x_sdpa"))])  # fmt: skip
+            lines += table(["T", "backend", "fwd ms", "fwd+bwd ms", "fwd peak MiB", "fwd+bwd peak MiB", "fwd x SDPA",
+                            "fwd+bwd x SDPA", "mem x SDPA"], rows)  # fmt: skip
             lines.append("")
         kernel_md = self.out / "kernel_speed.md"
         if d.get("kernel_speed") and kernel_md.is_file():  # its own tables, under this report's heading

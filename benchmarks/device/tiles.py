@@ -1,0 +1,79 @@
+"""Part 2c, tiles: DEVICE_SPEED_TILES="a:warps=8,stages=2;b:dchunk=64" times 2-3 tile variants of the heaviest
+kernels in one call. The kernels' launch settings are a dict by head dim (64, 128) of settings such as dchunk, fchunk,
+warps, stages, dq_warps, dkv_warps, bwd_dchunk, bwd_fchunk, bwd_dout: `hybrid_scale_kernels.GPU_SETTINGS`
+(kernels/hybrid_scale_kernels/settings.py; `python -m tools.kernel_compile --settings` compiles a variant first, to
+see whether it spills). Each variant is applied with unittest.mock.patch.dict on
+the head-dim-128 entry, warmed (compiled) at warm_T, then the hybrid's fwd and fwd+bwd at T = 4096 are timed beside
+the default settings' in one table. Unset: the part is skipped. In the dry run the torch path ignores the settings
+(the table's code runs; its figures mean nothing)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from unittest import mock
+
+from benchmarks.device import prefill
+from benchmarks.device.run import Run, out_of_time
+from benchmarks.report_table import one_line
+
+HEAD_DIM = 128  # Llama-3-8B's: the entry each variant patches
+
+
+def gpu_settings() -> tuple[dict | None, str]:
+    """(the kernels' GPU_SETTINGS, where it was found) or (None, why not)."""
+    try:
+        kernels = importlib.import_module("hybrid_scale_kernels")
+    except Exception as e:  # noqa: BLE001  (triton missing or broken)
+        return None, f"hybrid_scale_kernels does not import: {one_line(e)}"
+    return kernels.GPU_SETTINGS, "hybrid_scale_kernels.GPU_SETTINGS"
+
+
+def part_tiles(run: Run) -> dict:
+    cfg = run.cfg
+    variants = cfg["tiles"]
+    if not variants:
+        return dict(rows=[], skipped_part="DEVICE_SPEED_TILES is not set")
+    table, where = gpu_settings()
+    if table is None or HEAD_DIM not in table:
+        why = where if table is None else f"{where} has no head-dim-{HEAD_DIM} entry"
+        print(f"device_speed: tiles: no tile variants timed: {why}", flush=True)
+        return dict(rows=[], skipped_part=why)
+    end = run.part_deadline("tiles")
+    base = dict(table[HEAD_DIM])
+    T, warm_T = cfg["tiles_T"], cfg["warm_T"]
+    method = prefill.hybrid_method(run, "hybrid")
+    warm_x, warm_gy = prefill.prefill_inputs(run, warm_T)
+    x, gy = prefill.prefill_inputs(run, T)
+    rows = []
+    for name, changes in [("default", {}), *variants.items()]:
+        row = dict(variant=name, settings=changes, T=T)
+        unknown = sorted(set(changes) - set(base))
+        took = max((r.get("seconds", 0.0) for r in rows[1:]), default=0.0)  # (each variant compiles anew)
+        why = (unknown and f"unknown settings {', '.join(unknown)} (known: {', '.join(sorted(base))})") or out_of_time(
+            end, f"the tiles budget ({cfg['budgets']['tiles']:.0f} s)", took
+        )
+        if why:
+            rows.append(row | {"skipped": why})
+            continue
+        t0 = time.perf_counter()
+        with mock.patch.dict(table[HEAD_DIM], changes):
+            warm = prefill.warm_up(run, method, warm_x, warm_gy)
+            row["compile_s"] = warm["seconds"]
+            if "error" in warm:
+                row["skipped"] = row["error"] = f"warm-up failed: {warm['error']}"
+            else:
+                row |= {"bwd_error": warm["bwd_error"]} if "bwd_error" in warm else {}
+                prefill.measure(run, method, x, gy, row)
+        row["seconds"] = time.perf_counter() - t0
+        run.free()
+        rows.append(row)
+        print(f"device_speed: tiles {json.dumps(row)}", flush=True)
+    default = rows[0]
+    for r in rows:
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            if r.get(key) and default.get(key):
+                r[f"{key[:-3]}_x_default"] = r[key] / default[key]
+    note = "" if run.cuda else "dry run: the torch path does not use the kernels' settings"
+    return dict(rows=rows, where=where, head_dim=HEAD_DIM, default=base, note=note)
