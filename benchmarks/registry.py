@@ -1,7 +1,7 @@
 """The attention benchmarks' one registry: the head shapes they time (the model presets' own, read from
 configs/models/), the inputs built at a shape, and the backends to time, each a function of those inputs.
 
-- PREFILL: the hybrid's own backends (`naive`, the spec; `torch`, the chunked path; `triton`, the fused kernels when
+- PREFILL: the hybrid's own backends (`naive`, the spec; `torch`, the chunked path; `triton`, the Triton kernels when
   installed), which `python -m benchmarks.run --verify` checks against `naive` before anything is timed;
 - BASELINES: what the hybrid is compared with (SDPA, benchmarks/baselines.py's; FlashAttention and fla-core's
   chunk_linear_attn when they import), never checked against the spec (they compute other attentions);
@@ -89,7 +89,7 @@ def _hybrid_on(backend: str, window: int) -> Callable:
 
 
 def triton_runs_on(device) -> bool:
-    """The fused kernels are installed and can run here (a CUDA device, or the Triton interpreter on a CPU)."""
+    """The Triton kernels are installed and can run here (a CUDA device, or the Triton interpreter on a CPU)."""
     import os  # noqa: PLC0415
 
     if "triton" not in backends.available():

@@ -1,7 +1,7 @@
 """The attention benchmarks' one runner, over benchmarks/registry.py's shapes and backends:
 
     python -m benchmarks.run scaling [--verify] [--max-len 32768]    # make bench: chunked vs naive vs SDPA on a CPU
-    python -m benchmarks.run kernels [--verify] [--budget 150]       # make kernel-speed: the fused kernels, a GPU
+    python -m benchmarks.run kernels [--verify] [--budget 150]       # make kernel-speed: the Triton kernels, a GPU
     python -m benchmarks.run roofline [--out docs/results/kernel_roofline.md]   # the kernels' roofline estimate
     python -m benchmarks.run verify [--device cuda] [--shapes llama3-8b]        # only the check below
 

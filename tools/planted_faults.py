@@ -128,8 +128,8 @@ FAULTS = {
     ),
     "kernel_denominators_swapped": (
         "kernels/hybrid_scale_kernels/chunk_o.py",
-        "        tl.store(DE + q_base + n, den_e, mask=row_ok)",
-        "        tl.store(DE + q_base + n, den - den_e, mask=row_ok)",
+        "        tl.store(DE + q_base + n, den - den_l, mask=row_ok)",
+        "        tl.store(DE + q_base + n, den_l, mask=row_ok)",
     ),
     "kernel_decode_state_not_carried": (
         "kernels/hybrid_scale_kernels/decode.py",

@@ -1,4 +1,4 @@
-"""The fused Triton hybrid attention against SDPA, FlashAttention (if importable), flash-linear-attention's
+"""The Triton hybrid attention against SDPA, FlashAttention (if importable), flash-linear-attention's
 chunk_linear_attn (fla-core, if importable: the la_only part alone) and the torch chunked path.
 
 Prefill (hybrid mode, window --window, batch 1, every length in --lengths, the SmolLM2-135M and Llama-3-8B head

@@ -17,7 +17,7 @@ Steps (each guarded: a failing step is reported with its traceback and FAILED in
   d. attention: hybrid attention (every registered backend, the Triton kernels on CUDA only; naive only up to
      GPU_CHECK_NAIVE_MAX) vs SDPA (is_causal, GQA) at 4k and 16k tokens, batch 1, the 1B head shape: forward and
      forward+backward time (CUDA events, after warm-up) and peak memory, with the ratios to SDPA;
-  e. kernels: benchmarks/attention/kernels.py (the fused Triton kernels vs SDPA, FlashAttention if importable and the
+  e. kernels: benchmarks/attention/kernels.py (the Triton kernels vs SDPA, FlashAttention if importable and the
      torch path, T = 1k..64k, SmolLM2 and Llama-3-8B head shapes; decode at 1k/8k/32k context vs a KV-cache decode)
      within GPU_CHECK_KERNEL_BUDGET seconds; its kernel_speed.md/json land beside the report;
   f. the table (gpu_check.md) and every figure (gpu_check.json) in GPU_CHECK_OUT (default $OUT, else docs/results),

@@ -1,4 +1,4 @@
-"""Step e, the kernels' own benchmark: benchmarks/attention/kernels.py (the fused Triton kernels vs SDPA, FlashAttention
+"""Step e, the kernels' own benchmark: benchmarks/attention/kernels.py (the Triton kernels vs SDPA, FlashAttention
 and the torch path; prefill and decode) run as a child within GPU_CHECK_KERNEL_BUDGET seconds; its
 kernel_speed.md/json land beside the report, whose section e quotes its tables."""
 

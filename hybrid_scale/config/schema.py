@@ -68,7 +68,7 @@ class AttentionConfig:
     mode: str = "hybrid"
     layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)
     chunk_size: int = 64  # query block of the torch path (the Triton kernels pick their own tile)
-    # what computes the attention in every stage: auto = the fused Triton kernels (kernels/, `pip install
+    # what computes the attention in every stage: auto = the Triton kernels (kernels/, `pip install
     # hybrid_scale[triton]`) for CUDA tensors when installed, the chunked torch path elsewhere; torch; triton (CUDA)
     backend: str = "auto"
 

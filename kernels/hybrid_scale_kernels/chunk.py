@@ -88,6 +88,9 @@ def _states(fk, v, rho, init, case, T):
     ns = max(ns, 1) if case.has_init else ns
     if not case.lin or ns <= 0 or (ns == 1 and not case.has_init):
         return None
+    if ns == 1:  # state 0 is the initial state itself: nothing to scan
+        dtype = torch.bfloat16 if fk.dtype == torch.bfloat16 else torch.float32
+        return init[0].to(dtype)[:, :, None].contiguous(), init[1][:, :, None].contiguous()
     cfg = case.cfg
     return states(fk, v, rho, case.n_excl, ns, block_f=cfg["block_f"], block_dv=min(cfg["block_dv"], pow2(v.shape[-1])),
                   warps=cfg["state_warps"], dt=case.dt, prec=case.prec, options=regs(cfg, "state"),
@@ -133,9 +136,14 @@ class ChunkAttention(torch.autograd.Function):
             dstate, dinit, rscan = dstates(fq, dy, zs, grads["dlz"], r, state, case)
         del state
         sinks_dkv = None
-        if case.sink:  # the sinks' dk (unscaled), dv: the query chunks' shares summed over a KV head's query heads
-            bs, bd = case.block_s, pow2(D)
-            sinks_dkv = tuple(grads[n].view(B * Hkv, -1, bs, bd).sum(1) for n in ("dks", "dvs"))
+        if case.sink:  # the sinks' dk (unscaled), dv: ds^T q and E^T do over every row of a KV head's query heads
+            bs, bd = case.block_s, pow2(D)  # (products in the inputs' dtype, fp32 out: no fp32 copy of q or do)
+            do = dy / zs[..., None].to(dy.dtype)  # (do's rounding as the kernels', to the ulp of zs)
+            dks, dvs = (torch.matmul(grads[n].to(q.dtype).transpose(-1, -2), x).float().view(B, Hkv, G, bs, D).sum(2)
+                        for n, x in (("dks", q), ("dvs", do)))  # fmt: skip
+            if D != bd:
+                dks, dvs = (torch.nn.functional.pad(t, (0, bd - D)) for t in (dks, dvs))
+            sinks_dkv = tuple(t.reshape(B * Hkv, bs, bd).contiguous() for t in (dks, dvs))
         dk, dv = bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case)
         if case.sink and not (case.soft or case.lin):  # sinks_only: the sinks' dk, dv are the host's sums
             s_eff, bs, bd = min(case.n_sinks, T), case.block_s, pow2(D)

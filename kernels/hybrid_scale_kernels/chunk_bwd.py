@@ -64,8 +64,9 @@ def _chunk_bwd_dq(
     """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
     H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
     the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
-    lag on the state; DKS, DVS [B H, NC, BLOCK_S, BLOCK_D] (SINKS, fp32): this chunk's share of the sinks' dk
-    (unscaled: ds^T q, c_n's gradient in) and dv (E^T do), which the host sums over the chunks and query heads. The
+    lag on the state; DKS, DVS [B, H, T, BLOCK_S] (SINKS, fp32): the sinks' ds (c_n's gradient in) and E terms per
+    row, which the host turns into their dk, dv (products over every row, in the inputs' dtype: keeping the [BLOCK_S,
+    D] products in this kernel spilled on sm_80). The
     keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the sinks. NB = 1 (windows up to
     CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
     head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
@@ -165,8 +166,10 @@ def _chunk_bwd_dq(
         if SINKS:
             dsk = dss - tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
             rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
-    if SINKS:
-        part = ((pid_bh.to(tl.int64) * NC + c) * BLOCK_S + js)[:, None] * BLOCK_D
+    if SINKS:  # the sinks' ds and E [rows, BLOCK_S] (the host makes their dk, dv: products over every row)
+        part = rows[:, None] * BLOCK_S + js[None, :]
+        tl.store(DKS + part, dsk, mask=row_ok[:, None])
+        tl.store(DVS + part, ps, mask=row_ok[:, None])
     for d0 in range(0, D, BLOCK_DK):  # dq a head-dim chunk at a time
         od = d0 + tl.arange(0, BLOCK_DK)
         dm = od < D
@@ -187,15 +190,6 @@ def _chunk_bwd_dq(
             kx = tl.load(K + kv_base * D + idx[:, None] * D + od[None, :], mask=rm, other=0.0)
             dq -= rwin[:, None] * kx.to(tl.float32)
         tl.store(DQ + q_base * D + n[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
-    if SINKS:  # this chunk's share of the sinks' dk, dv (ds^T q, E^T do), in a loop of its own (fewer live registers)
-        for d0 in range(0, D, BLOCK_DK):
-            od = d0 + tl.arange(0, BLOCK_DK)
-            rm = row_ok[:, None] & (od < D)[None, :]
-            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-            tl.store(DKS + part + od[None, :], tl.dot(tl.trans(dsk.to(DT)), q.to(DT), input_precision=PREC))
-            tl.store(DVS + part + od[None, :], tl.dot(tl.trans(ps.to(DT)), do, input_precision=PREC))
     if LIN:
         st0 = tl.maximum(c - NB, 0)
         lag = state_lag(rho, n, window, st0, CHUNK)
@@ -311,14 +305,16 @@ def _chunk_bwd_dkv(
             both = k_ok[:, None] & q_ok[None, :]
             dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
             do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-            if SOFT:  # the window terms: dk from ds^T, dv from E^T
+            if SOFT:  # the window terms: dv from E^T, then dk from ds^T (one [keys, queries] product live at a time)
                 dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
-                dpt, at = _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, True,
-                                     True, DT, PREC)  # fmt: skip
+                _, at = _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, True,
+                                   False, DT, PREC)  # fmt: skip
                 m = tl.load(M + rows, mask=q_ok, other=0.0)
                 win = both & (j[:, None] <= n[None, :]) & (j[:, None] > n[None, :] - window)
                 pt = tl.where(win, g * tl.exp(at * scale - m[None, :]), 0.0)
                 acc_v += tl.dot(pt.to(DT), do, input_precision=PREC)
+                dpt, _ = _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, False,
+                                    True, DT, PREC)  # fmt: skip
                 dst = pt * dpt
                 if HYBRID:  # (c_n's argmax key: a window key where it is past n - window, else a sink)
                     idx = tl.load(IDX + rows, mask=q_ok, other=-1)
@@ -466,8 +462,7 @@ def _common(case) -> dict:
 
 def bwd_dq(saved, dy, state, case):
     """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, y fp32, (c_n, Z_n, argmax)). Returns dict(dq, dfq
-    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), dks, dvs (SINKS: per query head and chunk, for the host's
-    sums))."""
+    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), dks, dvs (SINKS: per row, for the host's sums))."""
     q, k, v, fq, fk, g, rho, y, (m, zs, idx) = saved
     B, H, T, D = q.shape
     F = fq.shape[-1]
@@ -478,8 +473,7 @@ def bwd_dq(saved, dy, state, case):
     out["dlz"] = torch.empty(B, H, T, **f32)
     out["rsum"] = torch.empty(B, H, T, **f32) if case.gamma_on else g
     out["rrow"] = torch.zeros(B, H, T, **f32) if case.decay else g
-    shares = (B * H, nc, case.block_s, pow2(D))
-    out["dks"], out["dvs"] = (torch.empty(shares, **f32) for _ in range(2)) if case.sink else (g, g)
+    out["dks"], out["dvs"] = (torch.empty(B, H, T, case.block_s, **f32) for _ in range(2)) if case.sink else (g, g)
     multi = case.nb > 1
     scratch = (torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, F, **f32)) if multi else (g, g)
     _chunk_bwd_dq[(B * H, nc)](

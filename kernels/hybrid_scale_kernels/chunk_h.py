@@ -273,7 +273,7 @@ def dstates(fq, dy, zs, dlz, rho, state, case):
     _chunk_dstates[grid](
         fq, dy, zs, dlz, hk if rho is None else rho, hkv, hk, dhkv, dhk, dh0, dz0, dhk if rscan is None else rscan,
         T, H, H // Hkv, D, F, ns, Hkv, case.window, case.nb, DECAY=case.decay, CHUNK=CHUNK, BLOCK_F=bf,
-        BLOCK_DV=bdv, DT=case.dt, PREC=case.prec, HAS_INIT=case.has_init, num_warps=cfg["state_warps"],
+        BLOCK_DV=bdv, DT=case.dt, PREC=case.prec, HAS_INIT=case.has_init, num_warps=cfg["dstates_warps"],
     )  # fmt: skip
     init = (dh0, dz0) if case.has_init else (None, None)
     return (dhkv, dhk), init, rscan

@@ -16,7 +16,8 @@ of the first S keys, those that have left the window, or all of them for sinks_o
 scores of each block and sums, in one [64, 64] tile, gamma E on the window keys and L = phi_q phi_k^T (masked,
 decayed) on the LA keys (they never share a key), then multiplies it by the block's values. The state is read as
 phi_q h times alpha^(n - w - (lo - 1)). The row sums of gamma E and L make the one normaliser, and (DENS) are
-stored apart: the denominators of `return_denominators`.
+stored apart: the denominators of `return_denominators` (the sum of gamma E as the normaliser less the L sum:
+exact to fp32's rounding of the normaliser; summing it apart spilled).
 
 A query head reads its KV head's keys, values, phi_k and state (GQA); the query heads of a KV head are adjacent
 programs, so they read the same tiles from L2. Every product is a tl.dot with 64 rows (wgmma on sm_90 in half
@@ -71,7 +72,6 @@ def _chunk_output(
     dm = od < D
     num = tl.zeros([CHUNK, BLOCK_D], tl.float32)
     den = tl.zeros([CHUNK], tl.float32)
-    den_e = tl.zeros([CHUNK], tl.float32)
     if LIN:
         rho = 0.0
         if DECAY:
@@ -94,6 +94,7 @@ def _chunk_output(
                 lag = state_lag(rho, n, window, st0, CHUNK)
                 num = num * lag[:, None]
                 den = den * lag
+    den_l = den  # (DENS: the L terms' sum, the state's so far)
     if HYBRID:
         g = tl.load(GAMMA + head).to(tl.float32)
     else:
@@ -121,7 +122,6 @@ def _chunk_output(
         vs = tl.load(V + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
         num += tl.dot(p_s.to(DT), vs.to(DT), input_precision=PREC)
         den += tl.sum(p_s, 1)
-        den_e += tl.sum(p_s, 1)
     else:
         m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: la_only, and rows past T)
     if SOFT or LIN:  # the second pass: g E + L per key block, times v
@@ -143,12 +143,12 @@ def _chunk_output(
                 if DECAY:
                     s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
                 p = tl.where(lin, s, 0.0)
+                if DENS:
+                    den_l += tl.sum(p, 1)
             if SOFT:
                 a = scores(Q, K, q_base + n, row_ok, kv_base + j, k_ok, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
                 win = (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
                 p = tl.where(win, g * tl.exp(a - m[:, None]), p)
-                if DENS:
-                    den_e += tl.sum(tl.where(win, p, 0.0), 1)
             v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
             num += tl.dot(p.to(DT), v.to(DT), input_precision=PREC)
             den += tl.sum(p, 1)
@@ -158,8 +158,8 @@ def _chunk_output(
         tl.store(YO + (q_base + n)[:, None] * D + od[None, :], y.to(YO.dtype.element_ty),
                  mask=row_ok[:, None] & dm[None, :])  # fmt: skip
     if DENS:
-        tl.store(DE + q_base + n, den_e, mask=row_ok)
-        tl.store(DL + q_base + n, den - den_e, mask=row_ok)
+        tl.store(DE + q_base + n, den - den_l, mask=row_ok)
+        tl.store(DL + q_base + n, den_l, mask=row_ok)
     if STATS:
         tl.store(M + q_base + n, m, mask=row_ok)
         tl.store(ZS + q_base + n, den + TL_EPS, mask=row_ok)

@@ -23,13 +23,18 @@ from .utils import pow2
 # 0 spill bytes in bf16 and fp16 on sm_80 and sm_90 at both presets' head dims, every mode, with wgmma on sm_90.
 # The state scan split over the sequence (chunk_h.py, its segments' sums stored) spilled 8 bytes at 96 registers
 # on sm_80 in bf16 without decay; maxnreg=128 (state_maxnreg) lets it use 127 and spill none.
+# Issue 60 (the gate compiles what the wrappers launch under the project's Triton and the device image's 3.6, at the
+# shipped windows and at lengths off the chunk): 8 warps for _chunk_output at head dim 128 (4 spilled 12-136 bytes on
+# sm_80 with the denominators or the sinks; 8 use 150-210 registers, wgmma on sm_90), dk and dv of _chunk_bwd_dkv in
+# one launch over head-dim blocks of 32 (64 spilled 36-784 bytes on sm_80 in swa_only with two accumulators), and 8
+# warps for the reverse scan _chunk_dstates (4 spilled 24 bytes on sm_80 at 168 registers with the decay).
 GPU_SETTINGS = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=4, dkv_warps=8,
              dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=64, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
-             state_maxnreg=128),
-    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=4, stages=1, dq_warps=4, dkv_warps=8,
-              dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=64, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
-             state_maxnreg=128),
+             state_maxnreg=128, dstates_warps=8),
+    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=4, dkv_warps=8,
+              dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=32, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
+              state_maxnreg=128, dstates_warps=8),
 }  # fmt: skip
 
 
@@ -39,7 +44,8 @@ def settings_for(x: torch.Tensor, head_dim: int, features: int) -> dict:
     if x.device.type == "cpu":  # Triton's interpreter (tests): any tile works, these are fast there
         fchunk = min(pow2(features), 64)
         return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
-                    dkv_warps=4, dfk_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, bwd_dout=64)  # fmt: skip
+                    dkv_warps=4, dfk_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, bwd_dout=64,
+                    dstates_warps=4)  # fmt: skip
     return GPU_SETTINGS[64 if head_dim <= 64 else 128]
 
 

@@ -120,7 +120,7 @@ def test_each_part_keeps_its_figures(whole):
     assert (p["stage1_tokens_per_layer"], p["stage2_tokens"], p["layers"]) == (4194304, 131072000, 32)
     tests = data["tests"]
     assert tests["counts"].get("skipped", 0) > 0  # the gpu-marked tests: collected, skipped on a CPU
-    order = tests["order"]  # the chunked path's first, fla's gated delta rule, the fused kernels' last
+    order = tests["order"]  # the chunked kernels' first, fla's gated delta rule, the bf16 file last
     assert "test_chunk" in order[0] and order[-2:] == [
         "tests/unit/test_gated_delta.py::test_fla_kernel_equals_the_spec_on_a_gpu",
         "tests/unit/test_triton_kernels_bf16.py",

@@ -2,7 +2,7 @@
 scalar loops over the formula; at rho = 0 the spec is the formula without it bit for bit and every fast path equal
 within rounding; the chunked path and every decode split equal the spec in outputs and gradients (rho's included)
 with padding and GQA; the sinks are never decayed; a converted model saves, loads, splits its heads and decodes with
-it; the fused kernels refuse it by name until they implement it."""
+it; the Triton kernels take it too (test_triton_kernels.py)."""
 
 import json
 import math
