@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .settings import regs
 from .utils import CHUNK, pow2, state_lag
 
 # The SM count `states` plans for where the tensors are not on a GPU: 0 = never split (Triton's interpreter); the
@@ -274,6 +275,7 @@ def dstates(fq, dy, zs, dlz, rho, state, case):
         fq, dy, zs, dlz, hk if rho is None else rho, hkv, hk, dhkv, dhk, dh0, dz0, dhk if rscan is None else rscan,
         T, H, H // Hkv, D, F, ns, Hkv, case.window, case.nb, DECAY=case.decay, CHUNK=CHUNK, BLOCK_F=bf,
         BLOCK_DV=bdv, DT=case.dt, PREC=case.prec, HAS_INIT=case.has_init, num_warps=cfg["dstates_warps"],
+        **regs(cfg, "dstates"),
     )  # fmt: skip
     init = (dh0, dz0) if case.has_init else (None, None)
     return (dhkv, dhk), init, rscan

@@ -27,14 +27,16 @@ from .utils import pow2
 # shipped windows and at lengths off the chunk): 8 warps for _chunk_output at head dim 128 (4 spilled 12-136 bytes on
 # sm_80 with the denominators or the sinks; 8 use 150-210 registers, wgmma on sm_90), dk and dv of _chunk_bwd_dkv in
 # one launch over head-dim blocks of 32 (64 spilled 36-784 bytes on sm_80 in swa_only with two accumulators), and 8
-# warps for the reverse scan _chunk_dstates (4 spilled 24 bytes on sm_80 at 168 registers with the decay).
+# warps for the reverse scan _chunk_dstates with a register cap of 255 (4 warps spilled 24 bytes on sm_80 at 168
+# registers with the decay; 8 warps, 24-32 bytes at 128 in fp16 under 3.6), and 8 warps for _chunk_bwd_dq (4 spilled
+# 8 bytes on sm_80 at T = 100 with the sinks and the decay); dk and dv over blocks of 32 at head dim 64 too.
 GPU_SETTINGS = {
-    64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=4, dkv_warps=8,
-             dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=64, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
-             state_maxnreg=128, dstates_warps=8),
-    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=4, dkv_warps=8,
+    64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
+             dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=32, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
+             state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
+    128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=8, dkv_warps=8,
               dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=32, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
-              state_maxnreg=128, dstates_warps=8),
+              state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
 }  # fmt: skip
 
 
