@@ -1,4 +1,5 @@
-"""Reproduce the paper's Table 1 on SmolLM2 (the embedded default), one row at a time.
+"""Reproduce the paper's Table 1 on SmolLM2 (the embedded default), one row at a time. (Over 500 lines: SAME_NUMBERS,
+its append-only ledger of code hashes, grows with every change to the measured code.)
 
     make reproduce ROW=lolcats+sinks      # one row end to end: stage 1, stage 2, the evaluation (resumable)
     make reproduce                        # every row that is missing or stale, then the table

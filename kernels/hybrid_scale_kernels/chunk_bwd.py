@@ -1,6 +1,7 @@
 """The chunked hybrid attention's backward kernels (chunk.py launches them; what they compute is in its docstring):
 `_chunk_bwd_dq` per query chunk, `_chunk_bwd_dkv` and `_chunk_bwd_dfk` per key chunk. The reverse state scan is
-chunk_h.py's `_chunk_dstates`."""
+chunk_h.py's `_chunk_dstates`. (Over 500 lines: the three kernels share `_bwd_q_block` and `_bwd_kv_dp`, which must
+recompute exactly what each other does; splitting them would cross private jit helpers between modules.)"""
 
 from __future__ import annotations
 
