@@ -17,6 +17,7 @@ import hashlib
 import io
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -125,10 +126,35 @@ def key(launch: Launch, arch: int) -> str:
     cache_key), the signature, constexprs, specialisations, options, target and Triton's version. Equal keys
     compile to the same code."""
     options, signature, constexprs, attrs = _bind(launch, arch)
-    text = repr((launch.name, launch.kernel.cache_key, triton.__version__, arch))
+    text = repr((launch.name, source_key(launch.kernel), triton.__version__, arch))
     text += repr((sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items())))
     text += repr(sorted((k, _portable(k, v)) for k, v in options.__dict__.items()))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def source_key(kernel: JITFunction) -> str:
+    """Triton's cache_key (the source of the kernel and of every jit function it calls, and the global values they
+    read) without the line each function starts on: a docstring or a kernel added above moves the lines, and
+    registers, spills and shared memory do not depend on them, so such an edit keeps every stored result."""
+    if kernel not in _SOURCE_KEYS:
+        _SOURCE_KEYS[kernel] = _line_free_cache_key(kernel)
+    return _SOURCE_KEYS[kernel]
+
+
+_SOURCE_KEYS: dict[JITFunction, str] = {}
+
+
+def _line_free_cache_key(kernel: JITFunction) -> str:
+    mods = [m for name, m in list(sys.modules.items()) if name.startswith("hybrid_scale_kernels")]
+    fns = [f for mod in mods for f in vars(mod).values() if isinstance(f, JITFunction)] + [kernel]
+    saved = [(f, f.starting_line_number, f.hash) for f in fns]
+    try:
+        for f in fns:
+            f.starting_line_number, f.hash = 0, None
+        return kernel.cache_key
+    finally:
+        for f, line, h in saved:
+            f.starting_line_number, f.hash = line, h
 
 
 def _portable(name: str, value) -> str:
