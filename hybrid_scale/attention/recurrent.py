@@ -36,10 +36,10 @@ from .shape import Shape
 class DecodeState:
     k: torch.Tensor  # [B, Hkv, R, D] ring keys
     v: torch.Tensor  # [B, Hkv, R, Dv]
-    fk: torch.Tensor  # [B, Hkv, R, F] phi_k of the ring keys (fp32)
+    fk: torch.Tensor  # [B, Hkv, R, F] phi_k of the ring keys (the inputs' dtype; gated_delta: fp32)
     sink_k: torch.Tensor  # [B, Hkv, S, D]
     sink_v: torch.Tensor  # [B, Hkv, S, Dv]
-    sink_fk: torch.Tensor  # [B, Hkv, S, F] fp32
+    sink_fk: torch.Tensor  # [B, Hkv, S, F] (as fk)
     kv: torch.Tensor  # [B, Hkv, F, Dv] fp32
     ksum: torch.Tensor  # [B, Hkv, F] fp32
     count: torch.Tensor  # [B] real tokens seen
@@ -59,6 +59,9 @@ class DecodeState:
         window, sinks, dtype = shape.window, shape.sinks, shape.dtype
         kv_heads, head_dim, value_dim, feature_dim = shape.kv_heads, shape.head_dim, shape.value_dim, shape.features
         acc = torch.promote_types(dtype, torch.float32)
+        # phi_k is kept as it came (every value the rings hold is an input's phi_k, unchanged: bf16 rings lose
+        # nothing and halve the bytes a decode step reads); gated_delta's keys are kept in fp32
+        ring_f = acc if shape.la_kind == "gated_delta" else dtype
         capacity = min(capacity, window)
         ring = capacity if ring is None else ring
 
@@ -68,10 +71,10 @@ class DecodeState:
         return cls(
             k=z(batch, kv_heads, ring, head_dim),
             v=z(batch, kv_heads, ring, value_dim),
-            fk=z(batch, kv_heads, ring, feature_dim, dt=acc),
+            fk=z(batch, kv_heads, ring, feature_dim, dt=ring_f),
             sink_k=z(batch, kv_heads, sinks, head_dim),
             sink_v=z(batch, kv_heads, sinks, value_dim),
-            sink_fk=z(batch, kv_heads, sinks, feature_dim, dt=acc),
+            sink_fk=z(batch, kv_heads, sinks, feature_dim, dt=ring_f),
             kv=z(batch, kv_heads, feature_dim, value_dim, dt=acc),
             ksum=z(batch, kv_heads, feature_dim, dt=acc),
             count=torch.zeros(batch, dtype=torch.long, device=device),
@@ -200,7 +203,7 @@ def extend(
     rho = None if la_decay is None else la_decay.to(acc).view(1, -1, 1)  # [1, Hkv, 1] against [B, Hkv, keys]
     decay = {"la_decay": la_decay} if la_decay is not None else {}
     if not hybrid_sinks:  # an LA that covers the sinks: those that have left the ring join the state's sums
-        fold = state.sink_fk * folded_sinks[:, None, :, None].to(acc)
+        fold = state.sink_fk.to(acc) * folded_sinks[:, None, :, None].to(acc)
         if rho is not None:  # as the last token sees sink j: alpha^(count - 1 - w - j)
             fold = fold * decay_weight(rho, (last - window - sink_slots[None])[:, None])[..., None]
         lin_state = (state.kv + fold.transpose(-1, -2) @ state.sink_v.to(acc), state.ksum + fold.sum(2))
@@ -239,12 +242,12 @@ def extend(
     elif T <= chunk_size or mode == "none" or (own_sinks and bool(state.count.any())):
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
         vals = torch.cat([state.v, v.to(state.v.dtype)], 2)
-        fks = torch.cat([state.fk, fk.to(acc)], 2)
+        fks = torch.cat([state.fk.to(acc), fk.to(acc)], 2)
         pos_keys = torch.cat([pos_ring, pos_new], 1)
         if own_sinks:  # the sinks that have left the ring (the ring holds real tokens count-R .. count-1)
             pos_sink = torch.where(folded_sinks, sink_slots[None], -1)
             keys, vals = torch.cat([state.sink_k, keys], 2), torch.cat([state.sink_v, vals], 2)
-            fks = torch.cat([state.sink_fk, fks], 2)  # (never L terms: the hybrid's LA leaves its sinks out)
+            fks = torch.cat([state.sink_fk.to(acc), fks], 2)  # (never L terms: the hybrid's LA leaves its sinks out)
             pos_keys = torch.cat([pos_sink, pos_keys], 1)
         y = masked_attention(
             q,
@@ -304,9 +307,10 @@ def extend(
         kv, ksum = kv * carry[..., None], ksum * carry
         fold_ring = fold_ring * decay_weight(rho, (now - window - pos_ring)[:, None])[..., None]
         fold_new = fold_new * decay_weight(rho, (now - window - pos_new)[:, None])[..., None]
-    kv = kv + (state.fk * fold_ring).transpose(-1, -2) @ state.v.to(acc)
+    fk_ring = state.fk.to(acc) * fold_ring
+    kv = kv + fk_ring.transpose(-1, -2) @ state.v.to(acc)
     kv = kv + (fk_new * fold_new).transpose(-1, -2) @ v_new
-    ksum = ksum + (state.fk * fold_ring).sum(2) + (fk_new * fold_new).sum(2)
+    ksum = ksum + fk_ring.sum(2) + (fk_new * fold_new).sum(2)
     state.assign("kv", kv)
     state.assign("ksum", ksum)
     # write the new keys that stay into the ring

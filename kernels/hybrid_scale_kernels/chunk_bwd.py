@@ -369,8 +369,8 @@ def _chunk_bwd_dkv(
 @triton.jit
 def _chunk_bwd_dfk(
     FQ, FK, V, RHO, DY, ZS, DLZ, DHKV, DHK,  # inputs
-    DFK, RKEY,  # outputs (DFK: fp32, zeroed, added to)
-    T, H, G, D, F, NS, NC, NB, window, lin_off, n_excl,
+    DFK, RKEY,  # outputs (DFK: fp32, zeroed; its rows of these keys are this program's alone: added to, no atomics)
+    T, H, G, D: tl.constexpr, F: tl.constexpr, NS, NC, NB, window, lin_off, n_excl,
     CHUNK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
@@ -409,9 +409,10 @@ def _chunk_bwd_dfk(
                 fm = of < F
                 fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :],
                              other=0.0)  # fmt: skip
-                tl.atomic_add(DFK + kv_base * F + j[:, None] * F + of[None, :],
-                              tl.dot(dpw.to(DT), fq.to(DT), input_precision=PREC), mask=k_ok[:, None] & fm[None, :],
-                              sem="relaxed")  # fmt: skip
+                ptr = DFK + kv_base * F + j[:, None] * F + of[None, :]
+                km = k_ok[:, None] & fm[None, :]
+                part = tl.dot(dpw.to(DT), fq.to(DT), input_precision=PREC)
+                tl.store(ptr, tl.load(ptr, mask=km, other=0.0) + part, mask=km)
                 if DECAY:  # (phi_k . phi_q of the L terms, for rho's share: -e L dp)
                     fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
                                  other=0.0)  # fmt: skip
@@ -421,6 +422,7 @@ def _chunk_bwd_dfk(
             if DECAY:
                 e = tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32)
                 rkey -= tl.sum(st_ * dpw * e, 1)
+            tl.debug_barrier()  # (the next query block reads these rows back)
     if c <= NS - 2:  # these keys' share of h_{c+1}: weight alpha^(e - j), e the chunk's last key
         st = pid_bk.to(tl.int64) * NS + c + 1
         e = c * CHUNK + CHUNK - 1
@@ -443,8 +445,9 @@ def _chunk_bwd_dfk(
                     dfs += tl.dot(v.to(tl.float32), dht.to(tl.float32), input_precision=PREC)
             dz = tl.load(DHK + st * F + of, mask=fm, other=0.0)
             dfs = (dfs + dz[None, :]) * wk[:, None]
-            tl.atomic_add(DFK + kv_base * F + j[:, None] * F + of[None, :], dfs, mask=k_ok[:, None] & fm[None, :],
-                          sem="relaxed")  # fmt: skip
+            ptr = DFK + kv_base * F + j[:, None] * F + of[None, :]
+            km = k_ok[:, None] & fm[None, :]
+            tl.store(ptr, tl.load(ptr, mask=km, other=0.0) + dfs, mask=km)
             if DECAY:
                 fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
                              other=0.0).to(tl.float32)  # fmt: skip

@@ -43,7 +43,7 @@ def _chunk_states(
     FK, V, RHO, H0, Z0,  # inputs: phi_k [B, Hkv, T, F], v [B, Hkv, T, D], rho [Hkv]; (HAS_INIT) h_0, z_0 (fp32)
     HKV, HK,  # outputs: h [B, Hkv, NS, F, D] (bf16 or fp32), z [B, Hkv, NS, F] (fp32)
     END, ZEND,  # with segments (P > 1): each segment's whole sum [B Hkv, P, F, D] and [B Hkv, P, F] (fp32)
-    T, F, D, NS, Hkv, n_excl, L, P,
+    T, F: tl.constexpr, D: tl.constexpr, NS, Hkv, n_excl, L, P,
     DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
 ):  # fmt: skip
@@ -143,7 +143,7 @@ def _chunk_dstates(
     FQ, DY, ZS, DLZ, RHO, HKV, HK,  # inputs (HKV, HK: the forward's states, read for rho's gradient)
     DHKV, DHK, DH0, DZ0, RSCAN,  # outputs: dh [B, Hkv, NS, F, D] (HKV's dtype), dz [B, Hkv, NS, F] (fp32); (HAS_INIT)
     # the initial state's gradient [B Hkv, F, D] and [B Hkv, F] (fp32); (DECAY) rho's partial sums
-    T, H, G, D, F, NS, Hkv, window, NB,
+    T, H, G, D: tl.constexpr, F: tl.constexpr, NS, Hkv, window, NB,
     DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
 ):  # fmt: skip

@@ -43,7 +43,7 @@ def _decode(
     Q, K, V, FQ, FK, GAMMA, RHO, MASK,
     RING_K, RING_V, RING_FK, SINK_K, SINK_V, SINK_FK, KV, KSUM, COUNT, SEEN, LOCK,  # (the state, updated in place)
     Y,
-    B, H, G, D, F, R, S, window, lin_off, sink_off, n_sinks, scale,
+    B, H, G, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr, S, window, lin_off, sink_off, n_sinks, scale,
     NSPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_FS: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, LA_ONLY: tl.constexpr,

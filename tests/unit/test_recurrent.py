@@ -117,3 +117,23 @@ def test_overflowing_a_short_ring_is_an_error():
     recurrent.extend(state, **slices(x, 0, 10), window=64, sinks=4)
     with pytest.raises(ValueError, match="create the cache with a larger max_length"):
         recurrent.extend(state, **slices(x, 10, 12), window=64, sinks=4)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "la_only", HYBRID_SINKS])
+def test_a_half_precision_state_keeps_phi_k_in_its_dtype_and_loses_nothing(mode):
+    """A bf16 model's rings keep phi_k in bf16 (half the bytes of fp32; every value they hold is an input's phi_k),
+    and a prefill and single-token steps give exactly what rings of fp32 give."""
+    T, window = 40, 9
+    x = {n: t.to(torch.bfloat16) for n, t in attention_inputs(B=1, H=4, Hkv=2, T=T, D=8, F=6, seed=1).items()}
+    shape = Shape(kv_heads=2, head_dim=8, value_dim=8, features=6, window=window, sinks=3, dtype=torch.bfloat16)
+    half, wide = (recurrent.DecodeState.empty(shape, 1, window, "cpu") for _ in range(2))
+    assert half.fk.dtype == half.sink_fk.dtype == torch.bfloat16 and half.kv.dtype == torch.float32
+    wide.fk, wide.sink_fk = wide.fk.float(), wide.sink_fk.float()
+    outs = {}
+    for name, state in (("half", half), ("wide", wide)):
+        steps = [recurrent.extend(state, **slices(x, 0, 20), window=window, **variant(mode), sinks=3, chunk_size=8)]
+        for t in range(20, T):
+            steps.append(recurrent.extend(state, **slices(x, t, t + 1), window=window, **variant(mode), sinks=3))
+        outs[name] = torch.cat(steps, 2)
+    assert torch.equal(outs["half"], outs["wide"])
+    assert half.fk.nbytes * 2 == wide.fk.nbytes
