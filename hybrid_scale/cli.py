@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_launcher_args(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "config", None) and "=" in args.config:  # only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], None
+    from .distributed.deepspeed import name_accelerator
+
+    name_accelerator()
     try:
         return args.fn(args)
     except Requeue as e:  # finetune, pipeline, quickstart: saved on a signal; the batch script requeues on this code

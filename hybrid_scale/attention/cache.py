@@ -35,19 +35,21 @@ def static(state: DecodeState) -> DecodeState:
 class HybridCacheLayer(CacheLayerMixin):
     """Decode state of one hybrid layer (see recurrent.DecodeState): a ring of min(window, max_length) keys, the sink
     buffer and the LA state, allocated at the first call and then updated in place; the step counters live on the
-    device. With a ring of the whole window (no max_length below it) a one-token step is compileable: it runs the
-    backend's fused decode step, or recurrent.step (fixed shapes, no host sync), chosen at the first call; so
-    transformers' `generate` compiles and graph-captures the decode steps of a model whose layers are all hybrid."""
+    device. With a ring of the whole window, or one bounded by its caller (generate's max_length), a one-token step
+    is compileable: it runs the backend's fused decode step, or recurrent.step (fixed shapes, no host sync), chosen
+    at the first call; so transformers' `generate` compiles and graph-captures the decode steps of a model whose
+    layers are all hybrid."""
 
     is_sliding = False
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, window: int, sinks: int, max_length: int | None = None):
+    def __init__(self, window: int, sinks: int, max_length: int | None = None, bounded: bool = False):
         super().__init__()
         self.window, self.sinks = window, sinks
         self.capacity = window if max_length is None else min(window, max_length)
-        self.is_compileable = self.capacity == window  # (a shorter ring checks its bound on the host: extend)
+        # a shorter ring checks its bound on the host (extend), unless the caller bounds the tokens itself
+        self.is_compileable = self.capacity == window or bounded
         self.state: DecodeState | None = None
         self._step = None  # the one-token step: the backend's fused decode step or recurrent.step
 
@@ -190,15 +192,16 @@ class HybridCache(Cache):
     Each ring holds min(window, max_length) keys (max_length optional), allocated at the first call. Hybrid layers
     count as linear-attention layers for transformers (`is_linear`): masks are sized by the softmax layers, and
     `generate` with this cache on a model whose layers are all hybrid passes its 2D mask through and compiles the
-    decode step (`is_compileable`, torch.compile and CUDA graphs)."""
+    decode step (`is_compileable`, torch.compile and CUDA graphs). `bounded`: the caller never brings a row past
+    max_length (generate stops there), so a ring shorter than the window is compileable too."""
 
-    def __init__(self, model: nn.Module, max_length: int | None = None):
+    def __init__(self, model: nn.Module, max_length: int | None = None, *, bounded: bool = False):
         hybrid = hybrid_layers(model)
         if not hybrid:
             raise ValueError("HybridCache needs a converted model (no HybridAttention layer found)")
         n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         layers = [
-            HybridCacheLayer(hybrid[i].window, hybrid[i].sinks, max_length) if i in hybrid else DynamicLayer()
+            HybridCacheLayer(hybrid[i].window, hybrid[i].sinks, max_length, bounded) if i in hybrid else DynamicLayer()
             for i in range(n_layers)
         ]
         super().__init__(layers=layers)

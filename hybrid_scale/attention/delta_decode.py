@@ -182,13 +182,17 @@ def step(
     scale=None,
 ) -> torch.Tensor:
     """`extend` by one token per row, for compiled decoding: the shapes are the state's, no value is read back to the
-    host, every tensor of the state is updated in place; needs a ring of the whole window. The key leaving the ring
+    host, every tensor of the state is updated in place; needs a ring of its whole capacity (the window, or a
+    max_length below it that the caller does not pass: generate stops there). The key leaving the ring
     (index p - R, slot p mod R) is run into S first (unless it is an own sink or there is none), so that token p
     reads S_(p-w); la_only then runs the ring's keys and the new one through a copy of it."""
     check_mode(mode)
     _check(state, window=window, sinks=sinks)
-    if state.ring != window or q.shape[2] != 1:
-        raise ValueError(f"delta_decode.step takes one token on a ring of the whole window ({window}); use extend")
+    if state.ring != state.capacity or q.shape[2] != 1:
+        raise ValueError(
+            f"delta_decode.step takes one token on a ring of its whole capacity ({state.ring} of {state.capacity}, "
+            f"window {window}); use extend"
+        )
     B, R, S = q.shape[0], state.ring, state.sink_k.shape[2]
     acc = state.kv.dtype
     real = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, 0].bool()

@@ -28,13 +28,16 @@ def attach(model: nn.Module) -> None:
 
 def prepare_cache(model: nn.Module, generation_config, model_kwargs: dict, *args, **kwargs):
     """The model class's own _prepare_cache_for_generation; then, where it made a DynamicCache (no cache given, no
-    other cache asked for) and every layer is hybrid, a HybridCache in its place. That cache is compileable, so
-    transformers' `generate` compiles and graph-captures the decode step on a GPU with no extra argument, as it does
-    for a static cache (generation_config.disable_compile turns that off). A model with softmax layers left keeps the
-    DynamicCache (prepare_inputs replaces it at the first forward, and decodes eagerly)."""
+    other cache asked for) and every layer is hybrid, a HybridCache in its place, its rings no longer than the
+    generate's max_length. That cache is compileable, so transformers' `generate` compiles and graph-captures the
+    decode step on a GPU with no extra argument, as it does for a static cache (generation_config.disable_compile
+    turns that off). A model with softmax layers left keeps the DynamicCache (prepare_inputs replaces it at the first
+    forward, and decodes eagerly)."""
     out = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
     if type(model_kwargs.get("cache")) is DynamicCache and generation_config.cache_implementation in (None, "dynamic"):
-        cache = HybridCache(model)
+        # rings of at most the longest context this generate makes (generate stops at max_length: one fixed size,
+        # still compileable), not the whole window
+        cache = HybridCache(model, max_length=getattr(generation_config, "max_length", None), bounded=True)
         if all(cache.is_linear):
             model_kwargs["cache"] = cache
     return out

@@ -341,8 +341,9 @@ def step(
 ) -> torch.Tensor:
     """`extend` by one token per row (q [B,H,1,D], k/v [B,Hkv,1,D], fq, fk; attention_mask [B,1] or None), written
     for compiled decoding: the shapes are the state's whatever it holds, no value is read back to the host, and
-    every tensor of the state is updated in place. Needs a ring of the whole window (state.ring == window, the
-    cache's default); returns y [B,H,1,D].
+    every tensor of the state is updated in place. Needs a ring of its whole capacity (state.ring == state.capacity:
+    the window, the cache's default, or a max_length below it, which the caller must not pass: generate stops
+    there); returns y [B,H,1,D].
 
     The new token p = count attends densely to the sink buffer, the ring and itself, each key carrying its real
     index (-1 where it takes no part): a sink is a key of its own only once it has left the ring (before, the ring
@@ -351,11 +352,11 @@ def step(
     (index p - R, slot p mod R) is folded into the state unless it is a sink, the new key takes its slot, and a new
     key with p < S is written to the sinks."""
     check_mode(mode)
-    if window != state.window or sinks != state.sink_k.shape[2] or state.ring != window or q.shape[2] != 1:
+    if window != state.window or sinks != state.sink_k.shape[2] or state.ring != state.capacity or q.shape[2] != 1:
         raise ValueError(
-            f"recurrent.step takes one token on a state with a ring of the whole window; got {q.shape[2]} tokens, a "
-            f"ring of {state.ring} for window {window} (state: window {state.window}, {state.sink_k.shape[2]} sinks, "
-            f"layer: {sinks} sinks): use extend"
+            f"recurrent.step takes one token on a state with a ring of its whole capacity; got {q.shape[2]} tokens, a "
+            f"ring of {state.ring} of {state.capacity} for window {window} (state: window {state.window}, "
+            f"{state.sink_k.shape[2]} sinks, layer: {sinks} sinks): use extend"
         )
     B, R, S = q.shape[0], state.ring, state.sink_k.shape[2]
     acc = compute_dtype(q)

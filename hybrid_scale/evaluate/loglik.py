@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from ..attention.cache import HybridCache
+from ..attention.hybrid import hybrid_layers
 from ..distributed.runtime import Runtime
 
 
@@ -78,7 +80,12 @@ def score_batch(model, groups: list[Group], pad_id: int, device) -> list[tuple[i
         ids[b, Lc - len(g.context) :] = torch.tensor(g.context)
         mask[b, Lc - len(g.context) :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    out = model(ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True, logits_to_keep=1)
+    # a converted model's decode rings hold the longest context this batch will see, not the whole window (at a
+    # 4096 window they took gigabytes for every continuation row)
+    longest = Lc + max(max(len(c) for g in groups for c in g.continuations) - 1, 1)
+    inner = getattr(model, "module", model)  # (an engine's or DDP's model)
+    cache = HybridCache(inner, max_length=longest) if hybrid_layers(inner) else None
+    out = model(ids, attention_mask=mask, position_ids=_positions(mask), cache=cache, use_cache=True, logits_to_keep=1)
     first = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
     cache = out.cache
 

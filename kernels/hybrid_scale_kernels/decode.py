@@ -273,13 +273,20 @@ def triton_decode_step(
     y [B,H,1,D] and advances `state` (a recurrent.DecodeState) in place, in one launch (no other op: CUDA graphs
     capture it as one node). la_decay: rho [Hkv], the LA's decay (None = off). Returns None when the step is not one
     the kernel takes (then the caller runs recurrent.step or extend): not one token, mode none, a value dim other
-    than the head dim, a state for another window or number of sinks, or a ring shorter than the window (a cache
-    with a max_length below it, whose bound extend checks)."""
+    than the head dim, a state for another window or number of sinks, or a ring not yet at its capacity (a ring
+    shorter than the window, a cache's max_length, serves only that many tokens: generate stops there)."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     B, H, T, D = q.shape
     S = state.sink_k.shape[2]
-    if T != 1 or mode == "none" or v.shape[-1] != D or window != state.window or sinks != S or state.ring != window:
+    if (
+        T != 1
+        or mode == "none"
+        or v.shape[-1] != D
+        or window != state.window
+        or sinks != S
+        or state.ring != state.capacity
+    ):
         return None
     state_tensors = (state.k, state.v, state.fk, state.sink_k, state.sink_v, state.sink_fk, state.kv, state.ksum,
                      state.count)  # fmt: skip

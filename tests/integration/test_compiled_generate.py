@@ -97,3 +97,25 @@ def test_a_model_with_softmax_layers_left_generates_eagerly_with_its_cache():
         logits = model(ref, use_cache=False).logits[:, -1]
         ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", TRITON])
+def test_generate_keeps_rings_no_longer_than_its_own_length_and_still_compiles(backend):
+    """A generate shorter than the window gets rings of its max_length (prompt + new tokens), not the window's: the
+    same tokens as a cache of the whole window, a smaller cache, and the decode step still compiles to one graph.
+    The evaluation's scoring bounds its rings the same way (to the batch's longest context)."""
+    model = perturb_hybrid(hs.convert_model(tiny_model(), {**ATTENTION, "window": 64, "backend": backend}))
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    greedy = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+    whole = model.generate(ids, **greedy, cache=HybridCache(model), disable_compile=True)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        bounded = model.generate(ids, **greedy, compile_config=config)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert torch.equal(bounded.sequences, whole.sequences)
+    layer = bounded.past_key_values.layers[0]
+    assert layer.is_compileable and layer.state.ring == 32 and whole.past_key_values.layers[0].state.ring == 64
+    assert bounded.past_key_values.nbytes < whole.past_key_values.nbytes
