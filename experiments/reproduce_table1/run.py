@@ -108,11 +108,12 @@ CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/
 # (tests/integration/test_same_numbers.py) checks both hashes against their commits and runs stage 1, stage 2 and the
 # evaluation of both on a tiny model: every tensor and figure must be equal to the bit.
 SAME_NUMBERS: dict[str, tuple[str, str, str, str]] = {
-    "657f0832c9f3dd5b0fb9eecadde91c928a04f780f8e9362945e550a87dd206f5": (
+    "22c37f8e3ab2c845533eaca5f80972d639dd5d49e7e9ea8d78de454d954ade35": (
         "a26cc4ffe8a3da29d3586db1c256a85e674406a7385d62179703074ab5d31dc5",
         "81536db6ce580ff1173c5276f993177ccb7d3ae0",
-        "a13a8f234309157e93f124c3c645734af1a34149",
-        "issue 60: a half-precision decode state keeps phi_k in its dtype (fp32 runs, as the rows, are unchanged)",
+        "e09e19a0d122af58ad4cbc16d8b8d5a5ee5f363f",
+        "issues 60-61: a half-precision decode state keeps phi_k in its dtype (fp32 runs, as the rows, are unchanged); "
+        "decode rings no longer than the longest context they see (generate's max_length, the scoring's batch)",
     ),
     "a26cc4ffe8a3da29d3586db1c256a85e674406a7385d62179703074ab5d31dc5": (
         "6793ac6d2c5c7e8f384350dd646af1cb8fcc8dc738b7fa831d5f4f46ba734736",
@@ -445,6 +446,21 @@ def _beats(d: dict | None) -> str:
     if not d:
         return ""
     return "yes" if d["lo"] > 0 else ("no" if d["hi"] < 0 else "~")
+
+
+def quoted_cells(name: str, budget: str) -> tuple[str, str, str]:
+    """What the README quotes of a committed row, as its table prints it: (hybrid / swa_sinks perplexity past the
+    window with the ratio, the NLL gain over swa_sinks [95% CI], beats swa_sinks). Raises if the row is stale: the
+    README quotes only current rows (tests/unit/test_readme.py)."""
+    r = load_rows(rows_dir_of(budget), switched="@" in name).get(name)
+    if r is None:
+        raise ValueError(f"no committed row {name} at budget {budget}")
+    why = stale(r, r.get("base_budget", BUDGETS[budget]), code_hash())
+    if why:
+        raise ValueError(f"row {name} (budget {budget}) is stale: {'; '.join(why)}")
+    res = r["results"]
+    sinks, ppl = against_sinks(res), (res.get("beyond_window") or {}).get("perplexity", {})
+    return f"{ppl['hybrid']:.1f} / {ppl['swa_sinks']:.1f} ({sinks['ratio']:.2f}x)", _nats(sinks), _beats(sinks)
 
 
 def against_sinks(r: dict) -> dict | None:

@@ -257,3 +257,24 @@ def test_every_cited_design_section_exists():
     assert not stale, f"cite docs/design.md, not the design file outside the repository, in {stale}"
     assert cited, "nothing cites docs/design.md"
     assert {n for _, n in cited} <= sections, sorted((f, n) for f, n in cited if n not in sections)
+
+
+def test_the_reproduce_figures_the_readme_quotes_are_current_rows_as_their_table_prints_them():
+    """Every row of the README's reproduce table is a committed row that stale() calls current, and its cells are
+    the row file's figures as the reproduce table prints them; the 256-token table (all rows stale) is not quoted."""
+    from experiments.reproduce_table1 import run as reproduce
+
+    text = (ROOT / "README.md").read_text()
+    head = "| row (budget long) | hybrid / swa_sinks perplexity past the window | NLL gain over swa_sinks [95% CI] |"
+    assert head in text
+    rows = text.split(head, 1)[1].split("\n\n", 1)[0].strip().splitlines()[2:]  # (the header's end, |---|)
+    assert len(rows) == 3
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = cells[0].split(" (")[0]
+        assert tuple(cells[1:]) == reproduce.quoted_cells(name, "long"), name
+    # prose quotes of current rows (row, budget, the figures as the README writes them, its minus signs typographic)
+    for name, budget, quote in (("lolcats+sinks+decay@delta_mix", "long", "+0.008 [−0.003, +0.019]"),):
+        gain = reproduce.quoted_cells(name, budget)[1]
+        assert quote.replace("−", "-") == gain and quote in text, (name, gain)
+    assert "−2.27 (la_only" not in text and "from −0.011" not in text  # the stale 256-token rows' figures
