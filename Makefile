@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-roofline device-speed
-.PHONY: kernel-compile kernel-compile-triton36 reproduce clean bench-memory metrics-overhead test-time planted-faults grad-precision
+.PHONY: kernel-compile kernel-compile-triton36 test-ledger reproduce clean bench-memory metrics-overhead test-time planted-faults grad-precision
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -117,6 +117,10 @@ test-time: $(STAMP)
 	$(VENV)/bin/pytest $(SUITE) -p no:cacheprovider --durations=0 > runs/test_time/after.log || true
 	$(PY) -m tools.test_time $(BEFORE) runs/test_time/after.log > runs/test_time/test_time.md
 	@echo "wrote runs/test_time/test_time.md"
+
+# Every SAME_NUMBERS entry's stages run again, both commits of each (make test runs the newest two; ~3 min an entry)
+test-ledger: $(STAMP)
+	SAME_NUMBERS_ALL=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) tests/integration/test_same_numbers.py
 
 # Each planted fault alone in a clean tree against the fast tier (tools/planted_faults.py; ~3 minutes a fault)
 planted-faults: $(STAMP)
