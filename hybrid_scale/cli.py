@@ -297,12 +297,21 @@ def _launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+NVIDIA_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0")
+
+
+def name_accelerator() -> None:
+    """On a machine with no NVIDIA device, name DeepSpeed's accelerator (DS_ACCELERATOR=cpu, unless set): its
+    detection, which transformers reaches through accelerate while it loads any model, logs '[WARNING] Setting
+    accelerator to CPU' otherwise. Reads no torch (a command that only parses a config imports none)."""
+    if "DS_ACCELERATOR" not in os.environ and not any(Path(p).exists() for p in NVIDIA_DEVICES):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_launcher_args(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "config", None) and "=" in args.config:  # only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], None
-    from .distributed.deepspeed import name_accelerator
-
     name_accelerator()
     try:
         return args.fn(args)

@@ -1,10 +1,44 @@
 """The values the `attention` config keys take, without torch: the config and the command line read them here, so a
 process that only parses a config (`hybrid-scale launch`, `submit`, `--help`) never imports torch. The code behind
-each value is in naive.py (MODES), feature_maps.py (FEATURE_MAPS: a test checks that the two lists agree) and
+each value is in naive.py (MODES), feature_maps.py (FEATURE_MAP_SPECS: each map's class reads its spec) and
 backends.py (BACKENDS)."""
 
+from dataclasses import dataclass
+
 MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
-FEATURE_MAPS = ("hedgehog", "exp", "t2r", "relu", "elu1")
+
+
+@dataclass(frozen=True)
+class FeatureMapSpec:
+    """What a feature map is, read without torch: its size and its parameters (preflight's counts, the config's
+    choices) and the module's own shape (feature_maps.py, which holds the math, takes `learnable` and `out_dim` from
+    here). A new map is a spec here and a class there (tests/unit/test_feature_maps.py checks the two agree)."""
+
+    name: str
+    learnable: bool  # a per-head projection u = x W_h + b_h, head_dim -> feature_dim
+    widen: int = 1  # phi's width per feature: hedgehog's [softmax(u), softmax(-u)] is 2
+
+    def out_dim(self, head_dim: int, feature_dim: int | None = None) -> int:
+        """The size phi returns (feature_dim None: head_dim)."""
+        return self.widen * (head_dim if feature_dim is None else int(feature_dim))
+
+    def params(self, heads: int, head_dim: int, feature_dim: int | None = None) -> int:
+        """Its parameters over `heads` heads: a weight [head_dim, feature_dim] and a bias per head, if learnable."""
+        f = head_dim if feature_dim is None else int(feature_dim)
+        return heads * (head_dim * f + f) if self.learnable else 0
+
+
+FEATURE_MAP_SPECS = {
+    s.name: s
+    for s in (
+        FeatureMapSpec("hedgehog", learnable=True, widen=2),
+        FeatureMapSpec("exp", learnable=True),
+        FeatureMapSpec("t2r", learnable=True),
+        FeatureMapSpec("relu", learnable=False),
+        FeatureMapSpec("elu1", learnable=False),
+    )
+}
+FEATURE_MAPS = tuple(FEATURE_MAP_SPECS)
 BACKENDS = ("auto", "torch", "triton")  # the values of attention.backend
 LA_KINDS = ("hedgehog", "gated_delta")  # attention.la_kind: the linear part (feature_maps.py; delta.py)
 LA_COMBINES = ("normaliser", "mix")  # attention.la_combine: how gated_delta joins the window (delta.COMBINES)

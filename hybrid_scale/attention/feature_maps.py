@@ -4,7 +4,9 @@ Every map works per head on [B, heads, T, head_dim] and returns [B, heads, T, ou
 projection u = x W_h + b_h (one W_h per head) are identity-initialised when feature_dim == head_dim, so a freshly
 converted model starts from phi(x) = act(x). q and k get separate maps: q has one per query head, k one per KV head.
 
-This file imports only torch (the export copies it next to a modeling file).
+Each map's size and parameters are its spec (choices.FEATURE_MAP_SPECS, read without torch by preflight and the
+config); this file holds the math. It imports only torch and its sibling choices.py (the export copies both next to a
+modeling file).
 """
 
 from __future__ import annotations
@@ -15,11 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .choices import FEATURE_MAP_SPECS, FeatureMapSpec
+
 
 class FeatureMap(nn.Module):
-    """Base class: `learnable` maps own a per-head projection; `out_dim` is the size phi returns."""
+    """Base class: a subclass names its spec (`spec`: choices.FeatureMapSpec); `learnable` maps own a per-head
+    projection, `out_dim` is the size phi returns."""
 
+    spec: FeatureMapSpec
+    name = "base"
     learnable = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.learnable = cls.spec.name, cls.spec.learnable
 
     def __init__(self, num_heads: int, head_dim: int, feature_dim: int | None = None):
         super().__init__()
@@ -37,11 +48,9 @@ class FeatureMap(nn.Module):
             self.bias = nn.Parameter(torch.zeros(num_heads, feature_dim))
             self.reset_parameters()
 
-    name = "base"
-
     @property
     def out_dim(self) -> int:
-        return self.feature_dim
+        return self.spec.out_dim(self.head_dim, self.feature_dim)
 
     def reset_parameters(self) -> None:
         if not self.learnable:
@@ -79,11 +88,7 @@ class FeatureMap(nn.Module):
 class Hedgehog(FeatureMap):
     """Hedgehog: [softmax(u), softmax(-u)] over the feature axis; output 2 * feature_dim."""
 
-    name = "hedgehog"
-
-    @property
-    def out_dim(self) -> int:
-        return 2 * self.feature_dim
+    spec = FEATURE_MAP_SPECS["hedgehog"]
 
     def activate(self, u):
         return torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
@@ -92,7 +97,7 @@ class Hedgehog(FeatureMap):
 class Exp(FeatureMap):
     """exp(u - max_f u): the exponential map with a per-row stabiliser."""
 
-    name = "exp"
+    spec = FEATURE_MAP_SPECS["exp"]
 
     def activate(self, u):
         return torch.exp(u - u.amax(dim=-1, keepdim=True))
@@ -101,7 +106,7 @@ class Exp(FeatureMap):
 class T2R(FeatureMap):
     """T2R (Kasai et al. 2021): relu of a learned projection."""
 
-    name = "t2r"
+    spec = FEATURE_MAP_SPECS["t2r"]
 
     def activate(self, u):
         return F.relu(u)
@@ -110,8 +115,7 @@ class T2R(FeatureMap):
 class ReLU(FeatureMap):
     """relu(x), no parameters."""
 
-    name = "relu"
-    learnable = False
+    spec = FEATURE_MAP_SPECS["relu"]
 
     def activate(self, u):
         return F.relu(u)
@@ -120,14 +124,14 @@ class ReLU(FeatureMap):
 class Elu1(FeatureMap):
     """1 + elu(x) (Katharopoulos et al. 2020), no parameters."""
 
-    name = "elu1"
-    learnable = False
+    spec = FEATURE_MAP_SPECS["elu1"]
 
     def activate(self, u):
         return 1.0 + F.elu(u)
 
 
 FEATURE_MAPS: dict[str, type[FeatureMap]] = {cls.name: cls for cls in (Hedgehog, Exp, T2R, ReLU, Elu1)}
+assert list(FEATURE_MAPS) == list(FEATURE_MAP_SPECS), "every spec has its class (choices.FEATURE_MAP_SPECS)"
 
 
 def make_feature_map(name: str, num_heads: int, head_dim: int, feature_dim: int | None = None) -> FeatureMap:

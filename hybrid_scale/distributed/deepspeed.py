@@ -21,16 +21,10 @@ from torch import nn
 SHM_OP = "deepspeed_shm_comm"  # the name of DeepSpeed's shared-memory all-reduce op (ShareMemCommBuilder.NAME)
 
 
-def name_accelerator() -> None:
-    """Name the accelerator DeepSpeed would detect (DS_ACCELERATOR, unless set): on a CPU-only machine its detection
-    logs a WARNING to stderr, and transformers' loading reaches it through accelerate even where nothing here uses
-    DeepSpeed (the command line calls this before any command)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-
-
 def import_deepspeed():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    name_accelerator()
+    # the accelerator DeepSpeed would detect, named: on a CPU-only machine its detection logs a WARNING to stderr
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     try:
         import deepspeed
         import deepspeed.ops

@@ -47,7 +47,7 @@ def stage1(p: Plan, cfg: Config, sh: Shape, r: Resolved) -> tuple[float, float, 
     s1_mem = c["layer"] * sh.wbytes / tp + c["V"] * c["D"] * sh.wbytes + batch + acts + block
     s1_disk = 2 * n_local * T * c["D"] * DTYPE_BYTES[distill.buffer_dtype]
     weights = r.derived.objectives
-    maps = la_params(cfg, c, sh.fdim)
+    maps = la_params(cfg, c)
     trained = (maps if distill.train_feature_maps else 0) + (c["H"] if r.derived.train_gamma else 0)
     if weights.get("hybrid_output_mse") or weights.get("output_mse"):  # the LA's decay (distill.step.trainable)
         trained += decay_params(cfg, c)
@@ -115,7 +115,7 @@ def stage2(p: Plan, cfg: Config, sh: Shape, r: Resolved) -> tuple[float, float, 
         n_in, n_out, split = shapes.get(t, (D, D, "out"))
         lora += c["L"] * finetune.lora_r * (n_in + n_out)
         lora_rank += c["L"] * finetune.lora_r * ((n_in + n_out // tp) if split == "out" else (n_in // tp + n_out))
-    phi = c["L"] * la_params(cfg, c, sh.fdim)
+    phi = c["L"] * la_params(cfg, c)
     hybrid = (phi if finetune.train_feature_maps else 0) + (c["L"] * c["H"] if finetune.train_gamma else 0)
     hybrid += c["L"] * decay_params(cfg, c) if finetune.train_decay else 0
     trainable = lora + hybrid

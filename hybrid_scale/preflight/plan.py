@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..attention.choices import FEATURE_MAP_SPECS
 from ..config import on_gpus
 from ..config.schema import Config
 from ..distributed import tensor_parallel
@@ -44,7 +45,7 @@ def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None
     if a_cfg.la_kind == "gated_delta":  # the delta rule's queries and keys are head_dim wide
         fdim = c["hd"]
     else:
-        fdim = (2 if a_cfg.feature_map == "hedgehog" else 1) * (a_cfg.feature_dim or c["hd"])
+        fdim = FEATURE_MAP_SPECS[a_cfg.feature_map].out_dim(c["hd"], a_cfg.feature_dim)
     sh = Shape(a, c, launch.nodes * launch.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim, launch.tensor_parallel)
     _check_shape_and_path(p, cfg, sh)
     p.rows += [

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..attention.architectures import BY_MODEL_TYPE, base_model_type
+from ..attention.choices import FEATURE_MAP_SPECS
 from ..config.schema import Config
 from ..data import assets
 from ..models import streaming
@@ -25,7 +26,7 @@ READ_BYTES_PER_S = 2e9  # assumed checkpoint read rate per node at start-up (sha
 CPU_FLOPS = 1e11  # assumed forward rate on CPU (SmolLM2-135M's passkey probe: ~3.3 min per mode on 2 cores)
 
 
-def la_params(cfg: Config, c: dict, fdim: int) -> int:
+def la_params(cfg: Config, c: dict) -> int:
     """One layer's LA parameters that train as its feature maps: Hedgehog's phi_q and phi_k (the other maps' too), or
     gated_delta's gates (beta and alpha per KV head, the mix gate per query head; a weight over the hidden size and a
     bias each), its short convolutions and its q/k maps (attention/delta_modules.py)."""
@@ -33,10 +34,7 @@ def la_params(cfg: Config, c: dict, fdim: int) -> int:
     if a.la_kind == "gated_delta":
         gates = (2 * c["K"] + (c["H"] if a.la_combine == "mix" else 0)) * (c["D"] + 1)
         return gates + heads * c["hd"] * (a.la_conv + (c["hd"] if a.la_qk_map else 0))
-    if a.feature_map in ("relu", "elu1"):  # no projection
-        return 0
-    f = fdim // 2 if a.feature_map == "hedgehog" else fdim
-    return heads * (c["hd"] * f + f)
+    return FEATURE_MAP_SPECS[a.feature_map].params(heads, c["hd"], a.feature_dim)
 
 
 def decay_params(cfg: Config, c: dict) -> int:

@@ -42,3 +42,18 @@ def test_errors_name_the_fix():
         make_feature_map("cosine", 2, 8)
     with pytest.raises(ValueError, match="feature_dim must equal head_dim"):
         make_feature_map("relu", 2, 8, feature_dim=4)
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+@pytest.mark.parametrize("feature_dim", [None, 6])
+def test_every_map_has_the_size_and_parameters_its_spec_declares(name, feature_dim):
+    """choices.FEATURE_MAP_SPECS (what preflight and the config read, without torch) agrees with each module: the size
+    phi returns and the parameters it owns."""
+    from hybrid_scale.attention.choices import FEATURE_MAP_SPECS
+
+    spec = FEATURE_MAP_SPECS[name]
+    if not spec.learnable and feature_dim is not None:
+        pytest.skip("a map without a projection keeps head_dim")
+    fmap = make_feature_map(name, num_heads=3, head_dim=8, feature_dim=feature_dim)
+    assert fmap(torch.randn(1, 3, 2, 8)).shape[-1] == fmap.out_dim == spec.out_dim(8, feature_dim)
+    assert sum(p.numel() for p in fmap.parameters()) == spec.params(3, 8, feature_dim)

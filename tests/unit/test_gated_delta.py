@@ -336,12 +336,16 @@ def test_gamma_fit_scales_the_delta_rules_mass_and_refuses_the_mix():
     "attention",
     [
         {"feature_map": "hedgehog"},
+        {"feature_map": "hedgehog", "feature_dim": 4},
         {"feature_map": "exp", "feature_dim": 8},
+        {"feature_map": "t2r"},
+        {"feature_map": "t2r", "feature_dim": 12},
         {"feature_map": "relu"},
+        {"feature_map": "elu1"},
         {"la_kind": "gated_delta", "la_combine": "normaliser"},
         {"la_kind": "gated_delta", "la_combine": "mix", "la_conv": 4, "la_qk_map": True},
     ],
-    ids=["hedgehog", "exp8", "relu", "delta", "delta_mix_conv_map"],
+    ids=["hedgehog", "hedgehog4", "exp8", "t2r", "t2r12", "relu", "elu1", "delta", "delta_mix_conv_map"],
 )
 def test_plan_counts_the_la_parameters_the_model_has(attention):
     """preflight's count of what trains as a layer's feature maps equals the converted layer's own."""
@@ -354,5 +358,4 @@ def test_plan_counts_the_la_parameters_the_model_has(attention):
     cfg = load_config(None, [f"attention.{k}={str(v).lower()}" for k, v in attention.items()]
                       + ["distill.objectives={output_mse: 1.0}"])  # fmt: skip
     c = {"H": m.num_heads, "K": m.num_key_value_heads, "hd": m.head_dim, "D": model.config.hidden_size}
-    fdim = m.feature_map_q.out_dim if hasattr(m, "feature_map_q") else m.head_dim
-    assert la_params(cfg, c, fdim) == sum(p.numel() for p in m.la_parameters())
+    assert la_params(cfg, c) == sum(p.numel() for p in m.la_parameters())
