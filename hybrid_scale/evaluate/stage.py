@@ -35,9 +35,9 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .. import measure
+from .. import measure, tasks
 from ..config.schema import Config
-from ..data import assets, corpus, passkey, tasks
+from ..data import assets, corpus, passkey
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import init_comm, zero3_config
 from ..distributed.parallelize import Zero3, parallelize
@@ -295,7 +295,7 @@ class Requests:
         scored = [self.lengths[r] for r in range(len(self.lengths))]
         total = sum(k for _, k in scored)
         beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
-        return {"metric": tasks.REPORTED[self.task], "n": len(self.items), "beyond_window": beyond}
+        return {"metric": tasks.TASKS[self.task].reported, "n": len(self.items), "beyond_window": beyond}
 
     def result(self, scores: dict[int, tuple[float, bool]]) -> dict:
         """The reported metric and its stderr, acc, acc_norm, per-item correctness and log-likelihoods."""
@@ -306,7 +306,7 @@ class Requests:
             lls.append(ll)
             acc.append(c["acc"])
             acc_norm.append(c["acc_norm"])
-        per_item = acc if tasks.REPORTED[self.task] == "acc" else acc_norm
+        per_item = acc if tasks.TASKS[self.task].reported == "acc" else acc_norm
         value, stderr = tasks.mean_stderr(per_item)
         return {
             "metric": value,

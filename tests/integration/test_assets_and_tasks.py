@@ -1,11 +1,13 @@
-"""The embedded default's assets and the six tasks as lm-evaluation-harness builds them."""
+"""The embedded default's assets and the tasks as lm-evaluation-harness builds them."""
 
 import importlib.util
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from hybrid_scale.data import assets, tasks
+from hybrid_scale import tasks
+from hybrid_scale.data import assets
 
 
 def test_assets_are_cached_and_loadable(smollm2):
@@ -68,3 +70,32 @@ def test_metrics_follow_lm_eval():
     assert mean == 0.6 and stderr == pytest.approx(0.2449489743)  # lm-eval's value for n = 5
     with pytest.raises(tasks.TaskError, match="unknown task 'boolq'; available: piqa, arc_easy"):
         tasks.check_tasks(["boolq"])
+
+
+def test_openbookqa_is_lm_evals_openbookqa(smollm2, tmp_path, monkeypatch):
+    """The task added as one record (hybrid_scale/tasks.py): lm-eval's own openbookqa.yaml (its text, choices and
+    target), pointed at the shipped validation split, gives our items' contexts, continuations and labels."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    spec = tasks.TASKS["openbookqa"]
+    assert (spec.reported, spec.chance, spec.display) == ("acc_norm", 0.25, "OBQA")
+    theirs = (Path(lm_eval.__file__).parent / "tasks" / "openbookqa" / "openbookqa.yaml").read_text()
+    fields = [
+        line for line in theirs.splitlines() if line.startswith(("doc_to_text:", "doc_to_target:", "doc_to_choice:"))
+    ]
+    arrow = smollm2.datasets / "openbookqa" / "data-00000-of-00001.arrow"
+    (tmp_path / "obqa_local.yaml").write_text(
+        f"task: obqa_local\ndataset_path: arrow\ndataset_kwargs:\n  data_files:\n    validation: {arrow}\n"
+        "output_type: multiple_choice\nvalidation_split: validation\n" + "\n".join(fields) + "\n"
+    )
+    task = get_task_dict(["obqa_local"], TaskManager(include_path=str(tmp_path)))["obqa_local"]
+    docs = list(task.validation_docs())[:30]
+    items = tasks.build("openbookqa", smollm2.datasets, 30)
+    assert len(items) == len(docs) == 30 and {i.task for i in items} == {"openbookqa"}
+    for item, doc in zip(items, docs, strict=True):
+        assert item.contexts == [task.doc_to_text(doc)]
+        assert item.continuations == [" " + c for c in task.doc_to_choice(doc)]
+        assert item.label == task.doc_to_target(doc)

