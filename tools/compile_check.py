@@ -145,7 +145,8 @@ _SOURCE_KEYS: dict[JITFunction, str] = {}
 
 
 def _line_free_cache_key(kernel: JITFunction) -> str:
-    mods = [m for name, m in list(sys.modules.items()) if name.startswith("hybrid_scale_kernels")]
+    own = kernel.fn.__module__
+    mods = [m for name, m in list(sys.modules.items()) if name.startswith("hybrid_scale_kernels") or name == own]
     fns = [f for mod in mods for f in vars(mod).values() if isinstance(f, JITFunction)] + [kernel]
     saved = [(f, f.starting_line_number, f.hash) for f in fns]
     try:

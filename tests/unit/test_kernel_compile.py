@@ -160,3 +160,39 @@ def test_the_gate_fails_on_errors_spills_and_shared_memory_over_the_limit():
     assert "_fwd hybrid bf16 sm_80 (llama3-8b): 167936 bytes of shared memory, over the 166912" in over
     assert kernel_compile.failures([row(90, shared=164 * 1024)]) == []  # sm_90 allows 227 KiB
     assert "does not compile: CompilationError" in kernel_compile.failures([row(90, error="CompilationError: x")])[0]
+
+
+KERNEL_SOURCE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def helper(x):
+    return x * 2
+
+
+@triton.jit
+def kernel(X, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(X + o, helper(tl.load(X + o)))
+"""
+
+
+def test_a_compile_key_does_not_move_with_the_lines_above_the_kernels(tmp_path, monkeypatch):
+    """The gate's results are keyed by the kernels' source, not by the line each jit function starts on (Triton's own
+    cache_key appends it): a docstring grown by a line above the kernels made CI compile 1128 launches again."""
+    import importlib
+
+    from tools import compile_check
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (jit functions, as the gate compiles them)
+    (tmp_path / "shifted_a.py").write_text(KERNEL_SOURCE)
+    (tmp_path / "shifted_b.py").write_text('"""Three more lines\nabove the kernels.\n"""\n' + KERNEL_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a, b = importlib.import_module("shifted_a"), importlib.import_module("shifted_b")
+    assert a.kernel.cache_key != b.kernel.cache_key  # (Triton's: the lines differ)
+    assert compile_check.source_key(a.kernel) == compile_check.source_key(b.kernel)
+    assert a.kernel.starting_line_number != b.kernel.starting_line_number  # (put back as they were)
+    (tmp_path / "shifted_c.py").write_text(KERNEL_SOURCE.replace("x * 2", "x * 3"))
+    assert compile_check.source_key(importlib.import_module("shifted_c").kernel) != compile_check.source_key(a.kernel)
