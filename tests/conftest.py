@@ -15,6 +15,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per cor
     torch.set_num_threads(1)  # uses one thread (tiny models gain nothing from more; the workers would oversubscribe)
     os.environ["OMP_NUM_THREADS"] = "1"
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -49,6 +51,12 @@ ARCHS = {
     "llama3_rope_headdim": (LlamaConfig, LlamaForCausalLM, {"rope_parameters": LLAMA3_ROPE, "head_dim": 24}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    # (multipliers away from 1, and a scores' scale other than 1/sqrt(head_dim), so that dropping any one shows)
+    "granite": (
+        GraniteConfig,
+        GraniteForCausalLM,
+        dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
+    ),  # fmt: skip
 }
 
 

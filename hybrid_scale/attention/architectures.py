@@ -1,5 +1,9 @@
-"""The architectures hybrid_scale converts, in one registry: the Hugging Face causal-LM class, its model_type, the
-class-name prefix, the model_type of an export made from it, and what differs. The attention module of all of them
+"""The architectures hybrid_scale converts, one record each: the Hugging Face causal-LM class, its model_type, the
+class-name prefix (transformers' {prefix}Config and {prefix}ForCausalLM; an export's HybridScale{prefix}Config and
+HybridScale{prefix}ForCausalLM, made from the record by configuration_/modeling_hybrid_scale.py), its tensor-parallel
+plan (distributed/tensor_parallel.py's TP_PLANS), the model_type of an export made from it, and what differs. Adding
+an architecture is one record here and its tiny model in tests/conftest.py's ARCHS (conversion, export and the TP
+plan's tests run over them). The attention module of all of them
 has q/k/v/o_proj, scaling and head_dim and takes the model's rotary embeddings, so one conversion serves them all.
 (Inside attention/ so that an export, which copies this folder, knows the same table.)"""
 
@@ -14,6 +18,7 @@ class Architecture:
     model_type: str  # config.json's model_type, e.g. llama
     prefix: str  # class-name prefix: LlamaDecoderLayer, LlamaRotaryEmbedding, HybridScaleLlamaConfig
     note: str  # what differs
+    tp_plan: str = "llama_like"  # its tensor-parallel plan (distributed/tensor_parallel.py TP_PLANS)
 
     @property
     def export_type(self) -> str:
@@ -32,6 +37,13 @@ ARCHITECTURES = {
             "Mistral (its own sliding_window applies only to layers left unconverted)",
         ),
         Architecture("Qwen2ForCausalLM", "qwen2", "Qwen2", "Qwen2 (q/k/v biases)"),
+        Architecture(
+            "GraniteForCausalLM",
+            "granite",
+            "Granite",
+            "IBM Granite 3 (attention_multiplier as the scores' scale; the embedding, residual and logits multipliers "
+            "stay in the model)",
+        ),
     )
 }
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}

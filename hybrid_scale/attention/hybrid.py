@@ -7,10 +7,11 @@ installed, the chunked torch path elsewhere; "torch", "triton", or a backend nam
 `HybridAttention.attend` is the same with the layer's own settings (its `backend` included) as defaults; its forward,
 stage 1, gamma calibration and the LA-share diagnostic call it.
 
-`HybridAttention` takes the place of a Llama/Mistral/Qwen2 attention module and adopts its q/k/v/o projections (same
-names, so PEFT targets them as before), its scaling and the model's rotary embeddings; it adds phi_q (per query head),
-phi_k (per KV head) and gamma per query head from a learnable theta: sigmoid(theta) in (0, 1) as LoLCATs, or
-exp(theta) in (0, inf), which can weight the window above a weak LA (`gamma_param`). Its `mode` is one of naive.MODES
+`HybridAttention` takes the place of the attention module of an architecture in architectures.py (Llama, Mistral,
+Qwen2, Granite) and adopts its q/k/v/o projections (same names, so PEFT targets them as before), its scaling and the
+model's rotary embeddings; it adds phi_q (per query head), phi_k (per KV head) and gamma per query head from a
+learnable theta: sigmoid(theta) in (0, 1) as LoLCATs, or exp(theta) in (0, inf), which can weight the window above a
+weak LA (`gamma_param`). Its `mode` is one of naive.MODES
 and can be switched at any time; with a cache its forward hands the decode to the cache's layer (cache.py), whose
 state is kept in every mode. What a converted model needs around its layers (the decoder's pre-hook, generation's
 inputs) is generation.py.
@@ -263,7 +264,7 @@ class HybridAttention(nn.Module):
 
     @classmethod
     def from_softmax(cls, base: nn.Module, config, layer_idx: int, settings, param_dtype=None) -> HybridAttention:
-        """Take the place of a Llama/Mistral/Qwen2 attention module; settings maps the names in SETTINGS.
+        """Take the place of an attention module of an ARCHITECTURES model; settings maps the names in SETTINGS.
         param_dtype: of phi/gamma (default: the projections' dtype)."""
         return cls(
             base,

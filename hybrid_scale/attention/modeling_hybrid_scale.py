@@ -3,13 +3,15 @@ the attention of the layers in `config.hybrid["layers"]` replaced by HybridAtten
 the same code hybrid_scale trains with). Chunked hybrid attention for prompts, constant-memory decode with
 `generate()`, padding handled from the 2D attention mask. Imports only torch, transformers and its siblings.
 
-Switch components at run time with `model.set_hybrid_mode("la_only")` (or a {layer: mode} dict); the mode in
-config.hybrid["mode"] is the one the model was exported with.
+One class per architecture record (architectures.py), HybridScale{prefix}ForCausalLM. Switch components at run time
+with `model.set_hybrid_mode("la_only")` (or a {layer: mode} dict); the mode in config.hybrid["mode"] is the one the
+model was exported with.
 """
 
-from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+import transformers
 
-from .configuration_hybrid_scale import HybridScaleLlamaConfig, HybridScaleMistralConfig, HybridScaleQwen2Config
+from .architectures import ARCHITECTURES
+from .configuration_hybrid_scale import CONFIGS
 from .generation import attach
 from .hybrid import HybridAttention, hybrid_layers
 from .naive import check_mode
@@ -37,25 +39,21 @@ class HybridScaleMixin:
             layers[i].mode = m
 
 
-class HybridScaleLlamaForCausalLM(HybridScaleMixin, LlamaForCausalLM):
-    config_class = HybridScaleLlamaConfig
+def hybrid_causal_lm(base: type, config_class: type, name: str) -> type:
+    """`base` (a transformers causal LM class) whose converted layers' attention is HybridAttention, as `name`."""
 
     def __init__(self, config):
-        super().__init__(config)
+        base.__init__(self, config)
         self._convert_attention()
 
-
-class HybridScaleMistralForCausalLM(HybridScaleMixin, MistralForCausalLM):
-    config_class = HybridScaleMistralConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        self._convert_attention()
+    return type(name, (HybridScaleMixin, base), {"__init__": __init__, "config_class": config_class,
+                                                  "__module__": __name__})  # fmt: skip
 
 
-class HybridScaleQwen2ForCausalLM(HybridScaleMixin, Qwen2ForCausalLM):
-    config_class = HybridScaleQwen2Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        self._convert_attention()
+MODELS: dict[str, type] = {  # by prefix; each also a name of this module (an export's auto_map names it)
+    a.prefix: hybrid_causal_lm(
+        getattr(transformers, f"{a.prefix}ForCausalLM"), CONFIGS[a.prefix], f"HybridScale{a.prefix}ForCausalLM"
+    )
+    for a in ARCHITECTURES.values()
+}
+globals().update({cls.__name__: cls for cls in MODELS.values()})

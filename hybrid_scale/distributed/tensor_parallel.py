@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..attention.architectures import ARCHITECTURES
 from ..attention.hybrid import HybridAttention
 from ..errors import ConfigError
 from . import runtime
@@ -71,11 +72,8 @@ _LLAMA_LIKE = {
     **{rf"model\.layers\.\d+\.{pattern}": kind for pattern, kind in BLOCK_PLAN.items()},
     r"lm_head": "vocab_columns",
 }
-PLANS: dict[str, dict[str, str]] = {
-    "LlamaForCausalLM": _LLAMA_LIKE,
-    "MistralForCausalLM": _LLAMA_LIKE,
-    "Qwen2ForCausalLM": _LLAMA_LIKE,
-}
+TP_PLANS: dict[str, dict[str, str]] = {"llama_like": _LLAMA_LIKE}  # by name: an architecture record's tp_plan
+PLANS: dict[str, dict[str, str]] = {name: TP_PLANS[a.tp_plan] for name, a in ARCHITECTURES.items()}
 _PEFT_PREFIX = "base_model.model."  # where PEFT puts the wrapped model in parameter and module names
 
 

@@ -15,12 +15,12 @@ SCRIPT = "benchmarks/memory/tensor_parallel.py"
 
 @pytest.fixture(scope="module")
 def split_models():
-    proc = procs.run(["llama", "qwen2"], ranks=2, script=HERE / "tp_model.py", timeout=300)
+    proc = procs.run(["llama", "qwen2", "granite"], ranks=2, script=HERE / "tp_model.py", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["arch"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "granite"])
 def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_models, arch):
     out = split_models[arch]
     modes = {"hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none", "hybrid+sinks", "hybrid+decay"}

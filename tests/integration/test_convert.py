@@ -114,8 +114,9 @@ def test_generate_without_cache_and_beam_search():
 
 
 def cache_formula(batch, layers, kv_heads, head_dim, feature_out, window, sinks, elem=4):
-    ring = kv_heads * window * (2 * head_dim * elem + feature_out * 4)  # k, v in model dtype, phi_k in fp32
-    sink = kv_heads * sinks * (2 * head_dim * elem + feature_out * 4)  # k, v and (fp32) phi_k of the first S keys
+    """Its bytes: `window` the ring's slots (the window, or the generate's max_length below it)."""
+    ring = kv_heads * window * (2 * head_dim + feature_out) * elem  # k, v and phi_k in the model's dtype
+    sink = kv_heads * sinks * (2 * head_dim + feature_out) * elem  # k, v and phi_k of the first S keys
     state = kv_heads * (feature_out * head_dim + feature_out) * 4  # fp32 LA state
     # + one int64 count per row, one int64 position count, and int32 step counts per (row, KV head) and per row
     return layers * (batch * (ring + sink + state + 8) + 8 + batch * (kv_heads + 1) * 4)
@@ -124,8 +125,9 @@ def cache_formula(batch, layers, kv_heads, head_dim, feature_out, window, sinks,
 def test_decode_cache_bytes_do_not_grow():
     model = hs.convert_model(tiny_model("llama"), {"window": 16, "sinks": 4})
     ids = torch.randint(3, 128, (2, 5))
-    expect = cache_formula(batch=2, layers=2, kv_heads=2, head_dim=16, feature_out=32, window=16, sinks=4)
-    for new in (10, 200):
+    for new in (10, 200):  # (a generate shorter than the window keeps rings of its own length: 15 slots, then 16)
+        expect = cache_formula(batch=2, layers=2, kv_heads=2, head_dim=16, feature_out=32, window=min(16, 5 + new),
+                               sinks=4)  # fmt: skip
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
         assert out.sequences.shape[1] == 5 + new
         assert out.cache.nbytes == expect
@@ -166,7 +168,7 @@ def test_clear_errors(tmp_path):
         hs.convert_model(gpt2, {})
     assert str(e.value) == (
         "hybrid_scale cannot convert GPT2LMHeadModel: supported architectures are "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, GraniteForCausalLM"
     )
     with pytest.raises(hs.ConfigError, match="config key 'attention.feature_map': 'cos' is not allowed"):
         hs.convert_model(tiny_model(), {"feature_map": "cos"})

@@ -427,3 +427,47 @@ def test_gated_delta_export_runs_its_remote_code_alone_and_matches_the_toolkit(t
             assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
     assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
     assert torch.equal(got["compiled"], got["gen"])
+
+
+@pytest.fixture(scope="module")
+def trained_granite(smollm2, trained, tmp_path_factory):
+    """A stage-2-like Granite model (the architecture added as one record: attention/architectures.py), its own
+    multipliers and scores' scale away from Llama's (tests/conftest.py ARCHS)."""
+    root = tmp_path_factory.mktemp("export_granite")
+    model = tiny_model("granite", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)
+    model.save_pretrained(root / "base")
+    AutoTokenizer.from_pretrained(smollm2.model).save_pretrained(root / "base")
+    save_stage2_like(model, root / "stage2_best", root / "base", hybrid_sinks=True, la_decay=True)
+    shutil.copy(trained / "text.txt", root / "text.txt")
+    return root
+
+
+def test_a_granite_export_runs_its_remote_code_alone_and_matches_the_toolkit(trained_granite, tmp_path):
+    """An architecture added as one record converts, trains (a LoRA adapter), exports and loads alone: the export's
+    classes are made from the record, and logits, padding, la_only and generation equal the toolkit's model."""
+    out = tmp_path / "export"
+    export(cfg(trained_granite, out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "hybrid_scale_granite" and config["attention_multiplier"] == 0.2
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_hybrid_scale.HybridScaleGraniteForCausalLM"
+    torch.save(ids(), tmp_path / "ids.pt")
+    (tmp_path / "load.py").write_text(ISOLATED)
+    proc = subprocess.run(
+        [sys.executable, "-I", "load.py", str(out), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert info["class"] == "HybridScaleGraniteForCausalLM" and info["imported"] == []
+    got = torch.load(tmp_path / "out.pt")
+    ref = hs.load_converted(trained_granite / "stage2_best", dtype=torch.float32)
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
+        assert torch.allclose(got["padded"], ref(x, attention_mask=mask).logits, atol=1e-5)
+        with hs.components(ref, "la_only"):
+            assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
+    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
