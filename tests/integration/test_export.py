@@ -389,6 +389,32 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
     assert torch.allclose(torch.tensor([theirs[i] for i in range(n)]), torch.tensor(ours), atol=1e-3, rtol=0)
 
 
+def load_alone(export_dir: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """ISOLATED run on an export in a process of its own: (its RESULT line, the tensors it saved)."""
+    torch.save(ids(), tmp_path / "ids.pt")
+    (tmp_path / "load.py").write_text(ISOLATED)
+    proc = subprocess.run(
+        [sys.executable, "-I", "load.py", str(export_dir), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1]), torch.load(tmp_path / "out.pt")
+
+
+def assert_matches(got: dict, ref) -> None:
+    """An export's results (load_alone) equal the toolkit's model `ref`: logits, padding, la_only, greedy tokens."""
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
+        assert torch.allclose(got["padded"], ref(x, attention_mask=mask).logits, atol=1e-5)
+        with hs.components(ref, "la_only"):
+            assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
+    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+
+
 @pytest.fixture(scope="module")
 def trained_delta(smollm2, trained, tmp_path_factory):
     """The same stage-2-like model with the gated delta-rule LA (its gates and a short convolution, the own sinks)."""
@@ -407,25 +433,8 @@ def test_gated_delta_export_runs_its_remote_code_alone_and_matches_the_toolkit(t
     export(cfg(trained_delta, out))
     config = json.loads((out / "config.json").read_text())["hybrid"]
     assert (config["la_kind"], config["la_combine"], config["la_conv"]) == ("gated_delta", "mix", 4)
-    torch.save(ids(), tmp_path / "ids.pt")
-    (tmp_path / "load.py").write_text(ISOLATED)
-    proc = subprocess.run(
-        [sys.executable, "-I", "load.py", str(out), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
-    ref = hs.load_converted(trained_delta / "stage2_best", dtype=torch.float32)
-    x = ids()
-    mask = torch.ones_like(x)
-    mask[1, :5] = 0
-    with torch.no_grad():
-        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
-        assert torch.allclose(got["padded"], ref(x, attention_mask=mask).logits, atol=1e-5)
-        with hs.components(ref, "la_only"):
-            assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
-    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    _, got = load_alone(out, tmp_path)
+    assert_matches(got, hs.load_converted(trained_delta / "stage2_best", dtype=torch.float32))
     assert torch.equal(got["compiled"], got["gen"])
 
 
@@ -450,24 +459,6 @@ def test_a_granite_export_runs_its_remote_code_alone_and_matches_the_toolkit(tra
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "hybrid_scale_granite" and config["attention_multiplier"] == 0.2
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_hybrid_scale.HybridScaleGraniteForCausalLM"
-    torch.save(ids(), tmp_path / "ids.pt")
-    (tmp_path / "load.py").write_text(ISOLATED)
-    proc = subprocess.run(
-        [sys.executable, "-I", "load.py", str(out), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.split("RESULT", 1)[1])
+    info, got = load_alone(out, tmp_path)
     assert info["class"] == "HybridScaleGraniteForCausalLM" and info["imported"] == []
-    got = torch.load(tmp_path / "out.pt")
-    ref = hs.load_converted(trained_granite / "stage2_best", dtype=torch.float32)
-    x = ids()
-    mask = torch.ones_like(x)
-    mask[1, :5] = 0
-    with torch.no_grad():
-        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
-        assert torch.allclose(got["padded"], ref(x, attention_mask=mask).logits, atol=1e-5)
-        with hs.components(ref, "la_only"):
-            assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
-    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    assert_matches(got, hs.load_converted(trained_granite / "stage2_best", dtype=torch.float32))
