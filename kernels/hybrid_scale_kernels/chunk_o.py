@@ -39,7 +39,7 @@ def _chunk_output(
     Y, YO,  # output [B, H, T, D] in Y's dtype (fp32 for a backward); TWO_OUT: the same again in YO's (the output's)
     M, ZS, IDX,  # with STATS (for the backward), per row [B, H, T]: c_n, the normaliser Z_n (EPS in), c_n's argmax key
     DE, DL,  # with DENS, per row [B, H, T] (fp32): the sums of gamma E (sinks in) and of L (the state's in)
-    T, H, G, D: tl.constexpr, F: tl.constexpr, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False, HAS_INIT: tl.constexpr = False,

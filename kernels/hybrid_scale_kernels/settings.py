@@ -30,6 +30,10 @@ from .utils import pow2
 # warps for the reverse scan _chunk_dstates with a register cap of 255 (4 warps spilled 24 bytes on sm_80 at 168
 # registers with the decay; 8 warps, 24-32 bytes at 128 in fp16 under 3.6), and 8 warps for _chunk_bwd_dq (4 spilled
 # 8 bytes on sm_80 at T = 100 with the sinks and the decay); dk and dv over blocks of 32 at head dim 64 too.
+# Head and feature dims as constexprs (static loop bounds): _chunk_states, _chunk_dstates, _chunk_bwd_dfk and _decode
+# (its ring length too) take them with no spill under triton 3.9 and 3.6; _chunk_output with them spilled 8-136 bytes
+# on sm_80 under both (81 and 114 compiles, head dim 64 mostly; 8 warps there cured 3.6's at 64 but not the fp32
+# launches' at 128), _chunk_bwd_dq and _chunk_bwd_dkv 12-168 bytes under 3.9: those three keep runtime dims.
 GPU_SETTINGS = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
              dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=32, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
