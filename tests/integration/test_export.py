@@ -139,36 +139,14 @@ def test_export_holds_the_attention_folder(exported):
 
 def test_isolated_process_loads_it_and_matches_the_toolkit(trained, exported, tmp_path):
     copy = shutil.copytree(exported, tmp_path / "moved")  # nothing points back at the run
-    torch.save(ids(), tmp_path / "ids.pt")
-    (tmp_path / "load.py").write_text(ISOLATED)
-    proc = subprocess.run(
-        [sys.executable, "-I", "load.py", str(copy), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.split("RESULT", 1)[1])
+    info, got = load_alone(copy, tmp_path)
     assert info["class"] == "HybridScaleLlamaForCausalLM" and info["imported"] == []
     assert "trust_remote_code" in info["refused"]  # no silent softmax model
-    got = torch.load(tmp_path / "out.pt")
-
-    ref = hs.load_converted(trained / "stage2_best", dtype=torch.float32)  # base + phi/gamma + adapter (PEFT merge)
-    x = ids()
-    mask = torch.ones_like(x)
-    mask[1, :5] = 0
-    with torch.no_grad():
-        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
-        assert torch.allclose(got["padded"], ref(x, attention_mask=mask).logits, atol=1e-5)
-        with hs.components(ref, "la_only"):
-            assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
-    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    assert_matches(got, hs.load_converted(trained / "stage2_best", dtype=torch.float32))  # base + phi/gamma + LoRA
     assert torch.equal(got["compiled"], got["gen"]) and got["graphs"] == 1  # compiled decoding of the export
     # the tokenizer: the base model's, loaded without remote code and without transformers asking about it
     assert got["tokens"] == AutoTokenizer.from_pretrained(trained / "base")("The hybrid model reads this.")["input_ids"]
-    assert "Do you wish to run the custom code" not in proc.stdout.split("TOKENIZER LOADED")[0]  # no prompt
+    assert "Do you wish to run the custom code" not in info["stdout"].split("TOKENIZER LOADED")[0]  # no prompt
 
 
 def test_streamed_merge_equals_peft_merge_and_unload(trained, exported):
@@ -390,7 +368,8 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
 
 
 def load_alone(export_dir: Path, tmp_path: Path) -> tuple[dict, dict]:
-    """ISOLATED run on an export in a process of its own: (its RESULT line, the tensors it saved)."""
+    """ISOLATED run on an export in a process of its own: (its RESULT line with its whole stdout, the tensors it
+    saved)."""
     torch.save(ids(), tmp_path / "ids.pt")
     (tmp_path / "load.py").write_text(ISOLATED)
     proc = subprocess.run(
@@ -399,7 +378,8 @@ def load_alone(export_dir: Path, tmp_path: Path) -> tuple[dict, dict]:
         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1]), torch.load(tmp_path / "out.pt")
+    info = {**json.loads(proc.stdout.split("RESULT", 1)[1]), "stdout": proc.stdout}
+    return info, torch.load(tmp_path / "out.pt")
 
 
 def assert_matches(got: dict, ref) -> None:
