@@ -39,6 +39,9 @@ METHODS = ("triton", "torch", "sdpa")  # kernel_speed's prefill methods here (fl
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """About 70 s: the device script runs as one program on a device machine with a short, costly budget, so every
+    part of it (the pipeline through the CLI, the shaped timings, the comparisons, the report) must run here first,
+    in one process as it will there; the parts alone are tested faster elsewhere, their wiring only here."""
     env = {
         **os.environ,
         "GPU_CHECK_DEVICE": "cpu",

@@ -47,6 +47,8 @@ def params(run: Path) -> dict:
 
 
 def test_two_nodes_rendezvous_from_the_slurm_environment_and_the_deepspeed_launcher(tiny_run_model, tmp_path):
+    """About 60 s (two torchrun "nodes" and the DeepSpeed launcher, each a stage 1): the wrappers are shell scripts
+    that derive the rendezvous from Slurm's environment; only starting them for real shows that the ranks meet."""
     port = procs.free_port()
     two_nodes = tmp_path / "two_nodes"
     args = ["distill", *tiny_run_overrides(tiny_run_model, two_nodes, "distill.epochs=2")]

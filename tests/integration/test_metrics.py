@@ -58,6 +58,9 @@ def wandb_history(directory):
 
 
 def test_stage_metrics_reach_every_sink_once_per_step_through_a_kill_and_resume(tiny_run_model, tmp_path):
+    """About 90 s (five CLI runs, two of them 2-rank torchruns): the only test where a real SIGKILL lands between a
+    logged step and its commit, for each stage, with all three sinks on; the resumed run must purge what the killed
+    one logged past the commit (TensorBoard and W&B included), which no in-process test of the sinks can show."""
     run = tmp_path / "run"
     args = [*tiny_run_overrides(tiny_run_model, run), "log.tensorboard=true", "log.wandb=hybrid-scale-test"]
     # stage 1, SIGKILLed after its step 3 (layer 1's first, logged but not committed), then resumed at layer 1

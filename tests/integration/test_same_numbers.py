@@ -86,6 +86,9 @@ def test_every_declared_refactor_is_checked(tmp_path):
 
 @pytest.mark.parametrize("after", CHECKED)
 def test_a_declared_refactor_computes_the_same_numbers(after, tiny_run_model, tmp_path):
+    """About 80 s an entry (three stages of two checkouts, each run as a user runs it): a change declared to keep the
+    reproduce rows current must give every tensor and figure equal to the bit, which only running both commits'
+    code shows."""
     before, old, new, _ = reproduce.SAME_NUMBERS[after]
     outputs = []
     for name, commit, code in (("before", old, before), ("after", new, after)):
