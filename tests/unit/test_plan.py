@@ -236,9 +236,13 @@ def test_plan_dry_run_exits_1_while_plan_lists_a_blocking_problem(smollm2, tmp_p
     """`plan --dry-run && sbatch ...` must not submit a run that plan says cannot start: the dry run (stubbed here:
     its own tests are in tests/distributed) agreeing with plan's figures does not unblock a missing model.path."""
     from hybrid_scale import dry_run
+    from hybrid_scale.preflight import costs, plan
 
     monkeypatch.setattr(dry_run, "dry_run", lambda cfg: {"stage 2": {"rows": [{"ok": True}]}})
     monkeypatch.setattr(dry_run, "table", lambda checked: "dry run: plan agrees within 10%")
+    roomy = lambda path: (tmp_path, 10**15)  # noqa: E731 -- the CI machine's /tmp is too small for an 8B's export
+    monkeypatch.setattr(plan, "free_at", roomy)
+    monkeypatch.setattr(costs, "free_at", roomy)
     args = ["plan", "models/llama3-8b.yaml", f"run_dir={tmp_path}", "--dry-run"]
     assert main(args) == 1
     captured = capsys.readouterr()
