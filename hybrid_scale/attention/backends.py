@@ -15,21 +15,23 @@ dtype: a forward, backward and 20 decode steps against the chunked path; a shape
 take is refused by name; on failure a warning names what failed and "chunk" is used), else "chunk". A backend asked
 for by name on CUDA runs the same check first and raises its failure there, so it never fails later than that.
 
-A backend is called with the tensors positionally and everything else by keyword:
+A backend is called with the tensors positionally, then the call's settings as one options.AttentionOptions, then
+the optional tensors by keyword:
 
-    fn(q, k, v, fq, fk, gamma, *, window, mode, sinks, hybrid_sinks, scale, attention_mask, chunk_size,
-       initial_state, return_denominators, la_decay)
+    fn(q, k, v, fq, fk, gamma, opts, *, attention_mask, initial_state, la_decay)
 
-q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F], fk [B,Hkv,T,F], gamma [H] > 0, window >= 1, mode one of
-naive.MODES, sinks S, hybrid_sinks (hybrid mode: its softmax also covers the first S real tokens and its LA leaves
-them out; naive.py; passed only when true, so a backend written before it still runs everything else), scale
-(None = 1/sqrt(D)), attention_mask [B,T] or None (1 = token, 0 = padding), chunk_size (a hint; a backend without
-chunks ignores it), initial_state None or (kv [B,Hkv,F,D], k [B,Hkv,F]): the LA sums of keys that precede the sequence
-by more than the window (stage 1 attends a block of rows with the keys before it folded in; gradients flow into it).
-la_decay (rho [Hkv] >= 0: the LA's decay per KV head, naive.py) is passed only when set (a backend that does not
-know it fails on the keyword instead of ignoring it); with it an initial state is as the row's query w-1 sees it.
-It returns y [B,H,T,D] in q's dtype, or with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), and must
-equal the naive backend in outputs and gradients (docs/design.md §7); what it cannot do it refuses with a ValueError.
+q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F], fk [B,Hkv,T,F], gamma [H] > 0; opts (options.py) as the
+layer computes it (`own()`: hybrid_sinks only in hybrid mode): window, mode, sinks, hybrid_sinks (its softmax also
+covers the first S real tokens and its LA leaves them out; naive.py), scale (None = 1/sqrt(D)), chunk_size (a hint; a
+backend without chunks ignores it), return_denominators; a backend reads the fields by name and ignores one it does not
+know (la_combine is the gated delta rule's). attention_mask [B,T] or None (1 = token, 0 = padding), initial_state
+None or (kv [B,Hkv,F,D], k [B,Hkv,F]): the LA sums of keys that precede the sequence by more than the window (stage 1
+attends a block of rows with the keys before it folded in; gradients flow into it), la_decay None or rho [Hkv] >= 0
+(the LA's decay per KV head, naive.py; with it an initial state is as the row's query w-1 sees it).
+It returns y [B,H,T,D] in q's dtype, or with opts.return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), and
+must equal the naive backend in outputs and gradients (docs/design.md §7); what it cannot do it refuses with a
+ValueError. A backend written for the keyword contract before AttentionOptions fails its self-check on the positional
+options (a TypeError it reports), so "auto" runs the torch path instead.
 
 This file imports only torch, importlib.metadata and its siblings (the export copies it next to a modeling file).
 """
@@ -48,6 +50,7 @@ import torch
 from .choices import BACKENDS
 from .chunked import chunk_hybrid_attention
 from .naive import masked_attention, naive_hybrid_attention, real_positions
+from .options import AttentionOptions
 from .recurrent import DecodeState, extend
 from .shape import Shape
 
@@ -63,21 +66,24 @@ _DELTA_IMPLS: dict[str, Callable] = {}  # gated delta-rule implementations regis
 _CHECKED: dict[tuple, str | None] = {}  # (backend, device, shape) -> None when it passed its self-check, else why
 
 
-def _naive(q, k, v, fq, fk, gamma, *, chunk_size, initial_state=None, **options):
+def _naive(q, k, v, fq, fk, gamma, opts=None, *, attention_mask=None, initial_state=None, la_decay=None, **settings):
+    opts = AttentionOptions.of(opts, **settings)
     if initial_state is None:
-        return naive_hybrid_attention(q, k, v, fq, fk, gamma, **options)  # the spec has no chunks
-    pos = real_positions(options.pop("attention_mask"), q.shape[0], q.shape[2], q.device)
-    ref = options["window"] - 1  # with a decay, an initial state is as the row's query w-1 sees it
-    return masked_attention(q, k, v, fq, fk, gamma, pos, pos, state=initial_state, state_ref=ref, **options)
+        return naive_hybrid_attention(q, k, v, fq, fk, gamma, opts, attention_mask=attention_mask, la_decay=la_decay)
+    pos = real_positions(attention_mask, q.shape[0], q.shape[2], q.device)
+    ref = opts.window - 1  # with a decay, an initial state is as the row's query w-1 sees it
+    return masked_attention(
+        q, k, v, fq, fk, gamma, pos, pos, opts, state=initial_state, state_ref=ref, la_decay=la_decay
+    )
 
 
 def register_backend(
     name: str, fn: Callable, decode: Callable | None = None, supports: Callable | None = None, kind: str = "hybrid"
 ) -> Callable:
     """Make `fn` the backend called `name` (registering a name again replaces it; the built-ins cannot be).
-    `decode`, optional: a fused one-token decode step, called as decode(state, q, k, v, fq, fk, gamma, *, window,
-    mode, sinks, attention_mask, scale) with a recurrent.DecodeState that it advances in place; it returns y, or None
-    for a step it does not take (then recurrent.extend runs). `supports`, optional: supports(head_dim, value_dim,
+    `decode`, optional: a fused one-token decode step, called as decode(state, q, k, v, fq, fk, gamma, opts, *,
+    attention_mask, la_decay) with a recurrent.DecodeState that it advances in place; it returns y, or None for a step
+    it does not take (then recurrent.step runs). `supports`, optional: supports(head_dim, value_dim,
     features, sinks, dtype) -> None, or why the backend cannot take that shape (its self-check then fails with it).
     kind="gated_delta": `fn` is instead an implementation of the gated delta rule (delta.chunk_gated_delta's
     contract), found by delta_impl(name): fla-core's kernel, which the kernels package registers as "fla"."""
@@ -223,16 +229,14 @@ def _self_check_here(name: str, device: torch.device, dtype: torch.dtype, shape:
             x += [make(B, Hkv, T, F, positive=True), torch.full((H,), 0.3, device=device)]
             mask = torch.ones(B, T, dtype=torch.long, device=device)
             mask[1, :7] = 0
-            opts = dict(window=w, mode="hybrid", sinks=S, hybrid_sinks=shape.hybrid_sinks, scale=None, chunk_size=16)
-            rho = torch.linspace(0.01, 0.2, Hkv, device=device)
-            decay = {"la_decay": rho} if shape.la_decay else {}
+            opts = AttentionOptions(window=w, mode="hybrid", sinks=S, hybrid_sinks=shape.hybrid_sinks, chunk_size=16)
+            rho = torch.linspace(0.01, 0.2, Hkv, device=device) if shape.la_decay else None
             for batch, attention_mask in (("unpadded", None), ("padded", mask)):
                 results = []
                 for fn in (get_backend(name), chunk_hybrid_attention):
-                    inputs = [t.detach().requires_grad_() for t in (*x, *decay.values())]
-                    extra = {"la_decay": inputs[-1]} if decay else {}
-                    y = fn(*inputs[:6], **opts, **extra, attention_mask=attention_mask, initial_state=None,
-                           return_denominators=False)  # fmt: skip
+                    inputs = [t.detach().requires_grad_() for t in (*x, *([rho] if shape.la_decay else []))]
+                    decay = inputs[6] if shape.la_decay else None
+                    y = fn(*inputs[:6], opts, attention_mask=attention_mask, initial_state=None, la_decay=decay)
                     results.append([y, *torch.autograd.grad(y.float().square().sum(), inputs)])
                 names = ("output", "dq", "dk", "dv", "dphi_q", "dphi_k", "dgamma", "drho")
                 for what, a, b in zip(names[: len(results[0])], *results, strict=True):  # (drho with a decay)
@@ -243,13 +247,12 @@ def _self_check_here(name: str, device: torch.device, dtype: torch.dtype, shape:
             with torch.no_grad():
                 fused = DecodeState.empty(shape, B, w, device)
                 t0 = T - 20
-                own = dict(window=w, sinks=S, hybrid_sinks=shape.hybrid_sinks, **decay)
-                extend(fused, *(t[:, :, :t0] for t in x[:5]), x[5], **own, attention_mask=mask[:, :t0])
+                extend(fused, *(t[:, :, :t0] for t in x[:5]), x[5], opts, attention_mask=mask[:, :t0], la_decay=rho)
                 ref = copy.deepcopy(fused)
                 for t in range(t0, T):
                     token = [u[:, :, t : t + 1] for u in x[:5]]
-                    got = step(fused, *token, x[5], **own, mode="hybrid", attention_mask=None, scale=None)
-                    want = extend(ref, *token, x[5], **own)
+                    got = step(fused, *token, x[5], opts, attention_mask=None, la_decay=rho)
+                    want = extend(ref, *token, x[5], opts, la_decay=rho)
                     if got is None or (why := differs(f"decode step {t}", got, want)) is not None:
                         return why or "the decode step declined a plain one-token step"
     except Exception as e:  # noqa: BLE001  (a kernel that does not compile or launch here: reported, not raised)

@@ -18,7 +18,6 @@ from .backends import Shape, get_backend, get_decode, resolve
 from .delta_decode import extend as delta_extend
 from .delta_decode import step as delta_step
 from .hybrid import HybridAttention, Projections, hybrid_layers
-from .naive import own_mode
 from .recurrent import DecodeState, extend, step
 
 
@@ -58,39 +57,23 @@ class HybridCacheLayer(CacheLayerMixin):
         if module.la_kind == "gated_delta":
             return self._delta_attend(module, x, mask)
         q, k, v, fq, fk = x[:5]
-        mode, hybrid_sinks = own_mode(module.mode, module.hybrid_sinks)
-        rho = module.la_decay
-        options = dict(window=module.window, mode=mode, sinks=module.sinks, attention_mask=mask)
-        options |= {"hybrid_sinks": True} if hybrid_sinks else {}
-        options |= {"la_decay": rho} if rho is not None else {}
+        o, rho = module.options().own(), module.la_decay
         if self.state is not None and q.shape[2] == 1 and self.is_compileable:  # (the compiled decode step)
             self._check(module)
-            y = self._step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
+            y = self._step(self.state, q, k, v, fq, fk, module.gamma, o, attention_mask=mask, la_decay=rho)
             if y is not None:
                 return y
-            return step(self.state, q, k, v, fq, fk, module.gamma, scale=module.scaling, **options)
-        shape = Shape.of(
-            q, k, v, fq, window=module.window, sinks=module.sinks, hybrid_sinks=hybrid_sinks, la_decay=rho is not None
-        )
+            return step(self.state, q, k, v, fq, fk, module.gamma, o, attention_mask=mask, la_decay=rho)
+        shape = Shape.of(q, k, v, fq, window=o.window, sinks=o.sinks, hybrid_sinks=o.hybrid_sinks,
+                         la_decay=rho is not None)  # fmt: skip
         backend = resolve(module.backend, q.device, shape)
         if self.state is None:
             self._check(module)
             self.state = static(DecodeState.empty(shape, k.shape[0], self.capacity, k.device))
             self._step = get_decode(backend) or step
             self.is_initialized = True
-        return extend(
-            self.state,
-            q,
-            k,
-            v,
-            fq,
-            fk,
-            module.gamma,
-            scale=module.scaling,
-            chunk_size=module.chunk_size,
-            prefill=get_backend(backend),
-            **options,
-        )
+        return extend(self.state, q, k, v, fq, fk, module.gamma, o, attention_mask=mask, la_decay=rho,
+                      prefill=get_backend(backend))  # fmt: skip
 
     def _delta_shape(self, module: HybridAttention, dtype: torch.dtype) -> Shape:
         d = module.head_dim
@@ -113,8 +96,7 @@ class HybridCacheLayer(CacheLayerMixin):
         """The gated delta-rule hybrid over this layer's state (delta_decode.py): its compileable one-token step, or
         extend."""
         q, k, v, fq, fk, gates = x
-        opts = dict(window=module.window, mode=module.mode, sinks=module.sinks, hybrid_sinks=module.hybrid_sinks)
-        opts |= dict(la_combine=module.la_combine, attention_mask=mask, scale=module.scaling)
+        o = module.options()
         if self.state is None:
             self._check(module)
             shape = self._delta_shape(module, q.dtype)
@@ -122,9 +104,8 @@ class HybridCacheLayer(CacheLayerMixin):
             self.is_initialized = True
         self._check(module)
         if q.shape[2] == 1 and self.is_compileable:
-            return delta_step(self.state, q, k, v, fq, fk, gates, module.gamma, **opts)
-        return delta_extend(self.state, q, k, v, fq, fk, gates, module.gamma, chunk_size=module.chunk_size,
-                                   **opts)  # fmt: skip
+            return delta_step(self.state, q, k, v, fq, fk, gates, module.gamma, o, attention_mask=mask)
+        return delta_extend(self.state, q, k, v, fq, fk, gates, module.gamma, o, attention_mask=mask)
 
     def _check(self, module: HybridAttention) -> None:
         if module.window != self.window or module.sinks != self.sinks:

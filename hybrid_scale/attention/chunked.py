@@ -22,7 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .naive import EPS, check_mode, compute_dtype, decay_weight, real_positions
+from .naive import EPS, compute_dtype, decay_weight, real_positions
+from .options import AttentionOptions
 
 
 def pack_real(attention_mask: torch.Tensor):
@@ -212,23 +213,7 @@ def _decayed_terms(lin, fqg, vg, kv, ksum, lag_in, *, rho, state, sl, chunk, win
 
 
 def chunk_hybrid_attention(
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gamma,
-    *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    attention_mask=None,
-    scale=None,
-    chunk_size=64,
-    initial_state=None,
-    la_decay=None,
-    return_denominators=False,
+    q, k, v, fq, fk, gamma, opts=None, *, attention_mask=None, initial_state=None, la_decay=None, **settings
 ):
     """Same contract as naive.naive_hybrid_attention, plus chunk_size and an optional initial LA state
     (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys that precede the sequence by more than the window (decode extension; with
@@ -236,9 +221,8 @@ def chunk_hybrid_attention(
     of the sequence sees it), and la_decay (rho [Hkv], the LA's decay).
     With return_denominators (hybrid / swa_only / la_only / none, no padding): (y, sum of E [B,H,T], sum of L
     [B,H,T]), the two parts of the shared normaliser, for the LA-share diagnostic."""
-    check_mode(mode)
-    if window < 1 or chunk_size < 1:
-        raise ValueError(f"window and chunk_size must be >= 1, got window={window}, chunk_size={chunk_size}")
+    o = AttentionOptions.of(opts, **settings)
+    mode, sinks, return_denominators = o.mode, o.sinks, o.return_denominators
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if mode == "none" or T == 0:
@@ -248,7 +232,7 @@ def chunk_hybrid_attention(
             return y, zero, zero.clone()
         return y
     out_dtype = q.dtype
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scale = 1.0 / math.sqrt(D) if o.scale is None else o.scale
     real = real_positions(attention_mask, B, T, q.device) >= 0
     packed = attention_mask is not None and not bool(real.all())
     acc = compute_dtype(q)
@@ -266,12 +250,12 @@ def chunk_hybrid_attention(
         g = gamma.to(q.dtype).view(Hkv, H // Hkv)
         if mode == "swa_sinks":  # no L: plain softmax, gamma does not enter (as in naive)
             g = torch.ones_like(g)
-        own = mode == "swa_sinks" or (mode == "hybrid" and hybrid_sinks)  # the modes whose softmax keeps sinks
-        if mode == "hybrid" and hybrid_sinks:  # the sinks are E terms, never L terms (real tokens come first here)
+        own = o.keeps_sinks  # the modes whose softmax keeps sinks
+        if mode == "hybrid" and o.hybrid_sinks:  # the sinks are E terms, never L terms (real tokens come first here)
             fk = torch.cat([torch.zeros_like(fk[:, :, :sinks]), fk[:, :, sinks:]], 2)
         rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None
         y = _windowed(
-            q, k, v, fq, fk, g, window=window, mode=mode, chunk=chunk_size, scale=scale, state=initial_state,
+            q, k, v, fq, fk, g, window=o.window, mode=mode, chunk=o.chunk_size, scale=scale, state=initial_state,
             parts=return_denominators, sinks=sinks if own else 0, rho=rho,
         )  # fmt: skip
         if return_denominators:

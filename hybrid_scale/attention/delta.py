@@ -29,16 +29,19 @@ This file imports only torch and its siblings (the export copies it next to a mo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .backends import delta_impl
+from .choices import LA_COMBINES
 from .chunked import chunk_hybrid_attention, gather_time, pack_real
-from .naive import EPS, check_mode, compute_dtype, masked_attention, naive_hybrid_attention, own_mode, real_positions
+from .naive import EPS, compute_dtype, masked_attention, naive_hybrid_attention, real_positions
+from .options import AttentionOptions
 
-COMBINES = ("normaliser", "mix")  # the values of attention.la_combine
+COMBINES = LA_COMBINES  # the values of attention.la_combine
 
 
 class DeltaGates(NamedTuple):
@@ -204,9 +207,9 @@ def recurrence_gates(gates: DeltaGates, pos: torch.Tensor, *, sinks: int, hybrid
     return torch.where(keep, gates.beta, 0.0), torch.where(keep, gates.g, 0.0)
 
 
-def has_past(pos: torch.Tensor, *, window: int, sinks: int, hybrid_sinks: bool) -> torch.Tensor:
+def has_past(pos: torch.Tensor, o: AttentionOptions) -> torch.Tensor:
     """[B,T] bool: the LA holds a key for this query (some real key j <= n - w outside the own sinks)."""
-    return pos - window >= (sinks if hybrid_sinks else 0)
+    return pos - o.window >= (o.sinks if o.hybrid_sinks else 0)
 
 
 def combine(y_soft, den_soft, o, gamma, mix, has, *, how: str):
@@ -224,42 +227,23 @@ def combine(y_soft, den_soft, o, gamma, mix, has, *, how: str):
     raise ValueError(f"unknown attention.la_combine '{how}'; available: {', '.join(COMBINES)}")
 
 
-def _soft_part(q, k, v, *, window, sinks, hybrid_sinks, scale, impl, chunk_size):
+def _soft_part(q, k, v, o: AttentionOptions, impl: str):
     """The hybrid's softmax terms alone on unpadded input: (y_soft, sum of E), E = exp(a - c) (gamma 1) over the window
     and, with the own sinks, the first S tokens. The Hedgehog path's hybrid with all-zero features is exactly that."""
     B, H, T, _ = q.shape
     zq, zk = q.new_zeros(B, H, T, 1), k.new_zeros(B, k.shape[1], T, 1)
     ones = torch.ones(H, dtype=compute_dtype(q), device=q.device)
-    opts = dict(window=window, mode="hybrid", sinks=sinks, hybrid_sinks=hybrid_sinks, scale=scale)
+    soft = replace(o, mode="hybrid", return_denominators=True)
     if impl == "naive":
         pos = real_positions(None, B, T, q.device)
-        y, den, _ = masked_attention(q, k, v, zq, zk, ones, pos, pos, **opts, return_denominators=True)
+        y, den, _ = masked_attention(q, k, v, zq, zk, ones, pos, pos, soft)
     else:
-        y, den, _ = chunk_hybrid_attention(
-            q, k, v, zq, zk, ones, **opts, chunk_size=chunk_size, return_denominators=True
-        )
+        y, den, _ = chunk_hybrid_attention(q, k, v, zq, zk, ones, soft)
     return y, den
 
 
 def delta_hybrid_attention(
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gamma,
-    gates: DeltaGates,
-    *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    la_combine="normaliser",
-    scale=None,
-    attention_mask=None,
-    chunk_size=64,
-    impl="chunk",
-    return_denominators=False,
+    q, k, v, fq, fk, gamma, gates: DeltaGates, opts=None, *, attention_mask=None, impl="chunk", **settings
 ):
     """The hybrid with a gated delta-rule LA (module doc). q/k/v [B,*,T,D] after RoPE (the softmax part's),
     fq [B,H,T,Dk] and fk [B,Hkv,T,Dk] the delta rule's queries and keys (L2-normalised here), gamma [H] > 0
@@ -267,19 +251,18 @@ def delta_hybrid_attention(
     loop) or "chunk" (O(T (w + C)) softmax, the WY chunks). Padding anywhere: each row's real tokens are moved to the
     front, computed, moved back (padded query rows give 0). Returns y [B,H,T,Dv] in q's dtype; with
     return_denominators (y, soft weight, LA
-    weight), each [B,H,T] (module doc: the LA share is LA / (soft + LA))."""
-    check_mode(mode)
-    if la_combine not in COMBINES:
-        raise ValueError(f"unknown attention.la_combine '{la_combine}'; available: {', '.join(COMBINES)}")
+    weight), each [B,H,T] (module doc: the LA share is LA / (soft + LA)). opts: the call's AttentionOptions
+    (options.py; or its fields as keywords); hybrid_sinks is the model's (its recurrence skips the sinks in every
+    mode)."""
+    o = AttentionOptions.of(opts, **settings)
+    mode, window, sinks, hybrid_sinks = o.mode, o.window, o.sinks, o.hybrid_sinks
     B, H, T, _ = q.shape
     out_dtype, acc = q.dtype, compute_dtype(q)
     if mode not in ("hybrid", "la_only"):  # no LA: the Hedgehog kind's modes, the same math
         zq, zk = q.new_zeros(B, H, T, 1), k.new_zeros(B, k.shape[1], T, 1)
-        mode = own_mode(mode, hybrid_sinks)[0]  # (swa_only of a hybrid with its own sinks is swa_sinks)
-        opts = dict(window=window, mode=mode, sinks=sinks, attention_mask=attention_mask, scale=scale)
-        if impl == "naive" or return_denominators:
-            return naive_hybrid_attention(q, k, v, zq, zk, gamma, **opts, return_denominators=return_denominators)
-        return chunk_hybrid_attention(q, k, v, zq, zk, gamma, **opts, chunk_size=chunk_size)
+        if impl == "naive" or o.return_denominators:
+            return naive_hybrid_attention(q, k, v, zq, zk, gamma, o.own(), attention_mask=attention_mask)
+        return chunk_hybrid_attention(q, k, v, zq, zk, gamma, o.own(), attention_mask=attention_mask)
     pos = real_positions(attention_mask, B, T, q.device)
     real = pos >= 0
     packed = attention_mask is not None and not bool(real.all())
@@ -292,23 +275,20 @@ def delta_hybrid_attention(
         pos = pos.gather(1, order)
     beta, g = recurrence_gates(gates, pos, sinks=sinks, hybrid_sinks=hybrid_sinks)
     lag = window if mode == "hybrid" else 0
-    o = lagged_delta(
-        l2norm(fq.to(acc)), l2norm(fk.to(acc)), v.to(acc), beta, g, lag=lag, impl=impl, chunk_size=chunk_size
+    read = lagged_delta(
+        l2norm(fq.to(acc)), l2norm(fk.to(acc)), v.to(acc), beta, g, lag=lag, impl=impl, chunk_size=o.chunk_size
     )
     if mode == "la_only":
-        y, soft_w, lin_w = o, o.new_zeros(B, H, T), o.new_ones(B, H, T)
+        y, soft_w, lin_w = read, read.new_zeros(B, H, T), read.new_ones(B, H, T)
     else:
-        y_soft, den_soft = _soft_part(
-            q, k, v, window=window, sinks=sinks, hybrid_sinks=hybrid_sinks, scale=scale, impl=impl,
-            chunk_size=chunk_size,
-        )  # fmt: skip
-        has = has_past(pos, window=window, sinks=sinks, hybrid_sinks=hybrid_sinks)
-        y, soft_w, lin_w = combine(y_soft, den_soft, o, gamma, gates.mix, has, how=la_combine)
+        y_soft, den_soft = _soft_part(q, k, v, o, impl)
+        has = has_past(pos, o)
+        y, soft_w, lin_w = combine(y_soft, den_soft, read, gamma, gates.mix, has, how=o.la_combine)
     if packed:
         y = gather_time(y, inverse)
         soft_w, lin_w = (t.gather(2, inverse[:, None].expand(-1, H, -1)) for t in (soft_w, lin_w))
     keep = (pos >= 0) if not packed else real
     y = torch.where(keep[:, None, :, None], y, 0.0).to(out_dtype)
-    if return_denominators:
+    if o.return_denominators:
         return y, torch.where(keep[:, None], soft_w, 0.0), torch.where(keep[:, None], lin_w, 0.0)
     return y

@@ -15,11 +15,14 @@ This file imports only torch and its siblings (the export copies it next to a mo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .chunked import gather_time
 from .delta import DeltaGates, chunk_gated_delta, combine, delta_hybrid_attention, has_past, l2norm, lagged_delta
-from .naive import check_mode, compute_dtype, masked_attention, own_mode
+from .naive import compute_dtype, masked_attention
+from .options import AttentionOptions
 from .recurrent import DecodeState, scatter_slots
 
 
@@ -33,20 +36,16 @@ def _check(state: DecodeState, *, window: int, sinks: int) -> None:
         raise ValueError("this cache was built for a Hedgehog LA; a gated_delta layer needs a cache of its own")
 
 
-def _soft(q, keys, vals, pos_q, pos_k, *, window, mode, sinks, hybrid_sinks, scale, gamma):
+def _soft(q, keys, vals, pos_q, pos_k, o: AttentionOptions, gamma):
     """The softmax part over explicit keys: (y, sum of E) for the hybrid (gamma 1, zero features: no L term), the
     Hedgehog kind's own output for a mode without LA (sum of E unused)."""
     B, H, Tq, _ = q.shape
     zq, zk = q.new_zeros(B, H, Tq, 1), keys.new_zeros(*keys.shape[:3], 1)
-    if mode == "hybrid":
+    if o.mode == "hybrid":
         ones = torch.ones(H, dtype=compute_dtype(q), device=q.device)
-        opts = dict(window=window, mode="hybrid", sinks=sinks, hybrid_sinks=hybrid_sinks, scale=scale)
-        y, den, _ = masked_attention(q, keys, vals, zq, zk, ones, pos_q, pos_k, **opts, return_denominators=True)
+        y, den, _ = masked_attention(q, keys, vals, zq, zk, ones, pos_q, pos_k, replace(o, return_denominators=True))
         return y, den
-    soft_mode = own_mode(mode, hybrid_sinks)[0]
-    y = masked_attention(q, keys, vals, zq, zk, gamma, pos_q, pos_k, window=window, mode=soft_mode, sinks=sinks,
-                         scale=scale)  # fmt: skip
-    return y, None
+    return masked_attention(q, keys, vals, zq, zk, gamma, pos_q, pos_k, o.own()), None
 
 
 def _sink_positions(state: DecodeState, count: torch.Tensor, mode: str) -> torch.Tensor:
@@ -75,28 +74,14 @@ def _ordered(state: DecodeState, pos_ring, k, v, fk, gates: DeltaGates, pos_new,
 
 
 def extend(
-    state: DecodeState,
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gates: DeltaGates,
-    gamma,
-    *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    la_combine="normaliser",
-    attention_mask=None,
-    scale=None,
-    chunk_size=64,
+    state: DecodeState, q, k, v, fq, fk, gates: DeltaGates, gamma, opts=None, *, attention_mask=None, **settings
 ) -> torch.Tensor:
     """Attend the new tokens (q [B,H,T,D], k/v [B,Hkv,T,D], fq/fk the delta rule's queries and keys, gates) to
     everything the state has seen, then fold them into it; attention_mask [B,T] marks the new real tokens.
-    hybrid_sinks: the model's (its recurrence skips the sinks in every mode). Returns y [B,H,T,Dv]."""
-    check_mode(mode)
+    opts: the call's AttentionOptions (options.py; or its fields as keywords); hybrid_sinks is the model's (its
+    recurrence skips the sinks in every mode). Returns y [B,H,T,Dv]."""
+    o = AttentionOptions.of(opts, **settings)
+    mode, window, sinks, hybrid_sinks, chunk_size = o.mode, o.window, o.sinks, o.hybrid_sinks, o.chunk_size
     _check(state, window=window, sinks=sinks)
     B, H, T, _ = q.shape
     real = torch.ones(B, T, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.bool()
@@ -112,32 +97,30 @@ def extend(
     R, S = state.ring, state.sink_k.shape[2]
     pos_new = torch.where(real, state.count[:, None] + real.long().cumsum(-1) - 1, -1)
     pos_ring = state.ring_positions()
-    opts = dict(window=window, sinks=sinks, hybrid_sinks=hybrid_sinks)
     qs, keys, vals, beta, g, pos, order = _ordered(state, pos_ring, k, v, fk, gates, pos_new, fq)
     skip = (pos < 0) | ((pos < S) if hybrid_sinks else torch.zeros_like(real[:, :1]))
     beta, g = torch.where(skip[:, None], 0.0, beta), torch.where(skip[:, None], 0.0, g)
     where_new = torch.argsort(order, dim=-1)[:, R:]  # index of each new token in the ordered keys
 
     if T > chunk_size and not bool(state.count.any()):  # a prompt: the full forward
-        y = delta_hybrid_attention(q, k, v, fq, fk, gamma, gates, mode=mode, la_combine=la_combine, scale=scale,
-                                   attention_mask=attention_mask, chunk_size=chunk_size, **opts)  # fmt: skip
+        y = delta_hybrid_attention(q, k, v, fq, fk, gamma, gates, o, attention_mask=attention_mask)
     else:
         ring_keys = torch.cat([state.sink_k, state.k, k.to(state.k.dtype)], 2)
         ring_vals = torch.cat([state.sink_v, state.v, v.to(state.v.dtype)], 2)
         pos_keys = torch.cat([_sink_positions(state, state.count, mode), pos_ring, pos_new], 1)
         if mode == "sinks_only":
             pos_keys[:, S : S + R] = -1
-        y_soft, den = _soft(q, ring_keys, ring_vals, pos_new, pos_keys, mode=mode, scale=scale, gamma=gamma, **opts)
+        y_soft, den = _soft(q, ring_keys, ring_vals, pos_new, pos_keys, o, gamma)
         if mode in ("hybrid", "la_only"):
             lag = window if mode == "hybrid" else 0
-            o = lagged_delta(l2norm(qs), l2norm(keys), vals, beta, g, lag=lag, initial_state=state.kv,
-                             chunk_size=chunk_size)  # fmt: skip
-            o = gather_time(o, where_new)
+            read = lagged_delta(l2norm(qs), l2norm(keys), vals, beta, g, lag=lag, initial_state=state.kv,
+                                chunk_size=chunk_size)  # fmt: skip
+            read = gather_time(read, where_new)
             if mode == "la_only":
-                y = o
+                y = read
             else:
-                has = has_past(pos_new, **opts) & real
-                y = combine(y_soft, den, o, gamma, gates.mix, has, how=la_combine)[0]
+                has = has_past(pos_new, o) & real
+                y = combine(y_soft, den, read, gamma, gates.mix, has, how=o.la_combine)[0]
         else:
             y = y_soft
         y = torch.where(real[:, None, :, None], y, 0.0).to(q.dtype)
@@ -164,29 +147,15 @@ def extend(
 
 
 def step(
-    state: DecodeState,
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gates: DeltaGates,
-    gamma,
-    *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    la_combine="normaliser",
-    attention_mask=None,
-    scale=None,
+    state: DecodeState, q, k, v, fq, fk, gates: DeltaGates, gamma, opts=None, *, attention_mask=None, **settings
 ) -> torch.Tensor:
     """`extend` by one token per row, for compiled decoding: the shapes are the state's, no value is read back to the
     host, every tensor of the state is updated in place; needs a ring of its whole capacity (the window, or a
     max_length below it that the caller does not pass: generate stops there). The key leaving the ring
     (index p - R, slot p mod R) is run into S first (unless it is an own sink or there is none), so that token p
     reads S_(p-w); la_only then runs the ring's keys and the new one through a copy of it."""
-    check_mode(mode)
+    o = AttentionOptions.of(opts, **settings)
+    mode, window, sinks, hybrid_sinks = o.mode, o.window, o.sinks, o.hybrid_sinks
     _check(state, window=window, sinks=sinks)
     if state.ring != state.capacity or q.shape[2] != 1:
         raise ValueError(
@@ -197,7 +166,6 @@ def step(
     acc = state.kv.dtype
     real = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, 0].bool()
     p = state.count
-    opts = dict(window=window, sinks=sinks, hybrid_sinks=hybrid_sinks)
     pos_new = torch.where(real, p, -1)[:, None]
     pos_ring = state.ring_positions()
     pos_sink = _sink_positions(state, p, mode)
@@ -205,8 +173,7 @@ def step(
         pos_ring = torch.full_like(pos_ring, -1)
     keys = torch.cat([state.sink_k, state.k, k.to(state.k.dtype)], 2)
     vals = torch.cat([state.sink_v, state.v, v.to(state.v.dtype)], 2)
-    y_soft, den = _soft(q, keys, vals, pos_new, torch.cat([pos_sink, pos_ring, pos_new], 1), mode=mode, scale=scale,
-                        gamma=gamma, **opts)  # fmt: skip
+    y_soft, den = _soft(q, keys, vals, pos_new, torch.cat([pos_sink, pos_ring, pos_new], 1), o, gamma)
     # the key leaving the ring: index p - R in slot p mod R
     evict = (torch.arange(R, device=q.device)[None] == torch.remainder(p, R)[:, None]) & real[:, None]  # [B, R]
     gone = evict[:, None, :, None].to(acc)
@@ -224,10 +191,10 @@ def step(
     if mode in ("hybrid", "la_only"):
         qn = l2norm(fq.to(acc))
         if mode == "hybrid":
-            o = torch.einsum("bhgk,bhkv->bhgv", qn.view(B, S_state.shape[1], -1, qn.shape[-1]), S_state)
-            o = o.reshape(B, -1, 1, o.shape[-1])
-            has = has_past(pos_new, **opts) & real[:, None]
-            y = combine(y_soft, den, o, gamma, gates.mix, has, how=la_combine)[0]
+            read = torch.einsum("bhgk,bhkv->bhgv", qn.view(B, S_state.shape[1], -1, qn.shape[-1]), S_state)
+            read = read.reshape(B, -1, 1, read.shape[-1])
+            has = has_past(pos_new, o) & real[:, None]
+            y = combine(y_soft, den, read, gamma, gates.mix, has, how=o.la_combine)[0]
         else:  # the ring (now ending with the new key) run through a copy of S, oldest first
             pos_after = torch.where(evict, p[:, None], pos_ring.clamp(min=-1))
             order = torch.argsort(torch.where(pos_after >= 0, pos_after, -1), dim=-1)
@@ -236,12 +203,12 @@ def step(
             skip = (ring_pos < 0) | ((ring_pos < S) if hybrid_sinks else torch.zeros_like(ring_pos, dtype=torch.bool))
             qs = torch.zeros(B, qn.shape[1], R, qn.shape[-1], dtype=acc, device=q.device)
             qs[:, :, -1:] = qn
-            o = chunk_gated_delta(
+            read = chunk_gated_delta(
                 qs, l2norm(gather_time(state.fk.to(acc), order)), gather_time(state.v.to(acc), order),
                 torch.where(skip[:, None], 0.0, bg_ring[..., 0]), torch.where(skip[:, None], 0.0, bg_ring[..., 1]),
                 initial_state=S_state, chunk_size=R,
             )[0]  # fmt: skip
-            y = o[:, :, -1:]
+            y = read[:, :, -1:]
         y = torch.where(real[:, None, None, None], y, 0.0).to(q.dtype)
     else:
         y = y_soft

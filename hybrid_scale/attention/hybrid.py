@@ -34,7 +34,8 @@ from .choices import LA_COMBINES, LA_KINDS
 from .delta import DeltaGates, delta_hybrid_attention
 from .delta_modules import HORIZON_WINDOWS, DeltaGateProjection, HeadLinear, ShortConv
 from .feature_maps import make_feature_map
-from .naive import check_mode, own_mode
+from .naive import check_mode
+from .options import AttentionOptions
 
 # gamma_param -> (theta -> gamma, gamma -> theta): LoLCATs' sigmoid caps the window's weight at 1, exp does not
 GAMMA_PARAMS = {
@@ -98,64 +99,40 @@ def attend(
     v,
     fq,
     fk,
+    gamma,
+    opts=None,
     *,
     gates=None,
-    gamma,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    scale=None,
     attention_mask=None,
-    chunk_size=64,
-    backend="auto",
     initial_state=None,
     la_decay=None,
-    la_combine="normaliser",
-    return_denominators=False,
+    backend="auto",
+    **settings,
 ):
     """Hybrid attention (docs/design.md §2) computed by the backend `backend` resolves to for q's device (see
     backends.py: auto, torch, triton, or a registered name).
 
     q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq [B,H,T,F] = phi_q(q), fk [B,Hkv,T,F] = phi_k(k), gamma [H] > 0;
-    mode one of naive.MODES; sinks S; hybrid_sinks: the hybrid's softmax also covers the first S real tokens and its LA
-    leaves them out (naive.py; swa_only is then passed as swa_sinks, naive.own_mode); scale None = 1/sqrt(D);
-    attention_mask [B,T] (1 = token, 0 = padding) or None;
+    opts the call's AttentionOptions (options.py; or its fields as keywords), taken as the layer computes it
+    (`own()`: with hybrid_sinks, swa_only is swa_sinks); attention_mask [B,T] (1 = token, 0 = padding) or None;
     initial_state None or the LA sums (kv [B,Hkv,F,D], k [B,Hkv,F]) of keys before the sequence (see backends.py).
     la_decay rho [Hkv]: the LA's decay per KV head (naive.py; None = off).
     gates (delta.DeltaGates): the LA is the gated delta rule (la_kind gated_delta) on fq/fk, joined to the window as
-    la_combine says (delta.py); it runs the spec with backend "naive", else the chunked torch form (no initial state,
-    no la_decay: its gates decay it).
-    Returns y [B,H,T,D] in q's dtype; with return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts
-    of the shared normaliser (unpadded input; the LA-share diagnostic; with gates the soft and the LA weight)."""
+    opts.la_combine says (delta.py); it runs the spec with backend "naive", else the chunked torch form (no initial
+    state, no la_decay: its gates decay it).
+    Returns y [B,H,T,D] in q's dtype; with opts.return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two
+    parts of the shared normaliser (unpadded input; the LA-share diagnostic; with gates the soft and the LA weight)."""
+    o = AttentionOptions.of(opts, **settings)
     if gates is not None:
         if initial_state is not None or la_decay is not None:
             raise ValueError("the gated delta-rule LA takes no initial_state and no la_decay (its gates decay it)")
-        return delta_hybrid_attention(
-            q, k, v, fq, fk, gamma, gates, window=window, mode=mode, sinks=sinks, hybrid_sinks=hybrid_sinks,
-            la_combine=la_combine, scale=scale, attention_mask=attention_mask, chunk_size=chunk_size,
-            impl="naive" if backend == "naive" else "chunk", return_denominators=return_denominators,
-        )  # fmt: skip
-    mode, hybrid_sinks = own_mode(mode, hybrid_sinks)
-    shape = Shape.of(q, k, v, fq, window=window, sinks=sinks, hybrid_sinks=hybrid_sinks, la_decay=la_decay is not None)
-    return get_backend(resolve(backend, q.device, shape))(
-        q,
-        k,
-        v,
-        fq,
-        fk,
-        gamma,
-        window=window,
-        mode=mode,
-        sinks=sinks,
-        scale=scale,
-        attention_mask=attention_mask,
-        chunk_size=chunk_size,
-        initial_state=initial_state,
-        return_denominators=return_denominators,
-        **({"hybrid_sinks": True} if hybrid_sinks else {}),  # (a backend written before the option still runs)
-        **({"la_decay": la_decay} if la_decay is not None else {}),  # (passed only when set, like the sinks)
-    )
+        impl = "naive" if backend == "naive" else "chunk"
+        return delta_hybrid_attention(q, k, v, fq, fk, gamma, gates, o, attention_mask=attention_mask, impl=impl)
+    o = o.own()
+    shape = Shape.of(q, k, v, fq, window=o.window, sinks=o.sinks, hybrid_sinks=o.hybrid_sinks,
+                     la_decay=la_decay is not None)  # fmt: skip
+    fn = get_backend(resolve(backend, q.device, shape))
+    return fn(q, k, v, fq, fk, gamma, o, attention_mask=attention_mask, initial_state=initial_state, la_decay=la_decay)
 
 
 class HybridAttention(nn.Module):
@@ -340,59 +317,26 @@ class HybridAttention(nn.Module):
             )
         return f"layer={self.layer_idx}, window={self.window}, sinks={self.sinks}{own}, mode={self.mode}{heads}"
 
-    def attend(
-        self,
-        q,
-        k,
-        v,
-        fq,
-        fk,
-        *,
-        gates=None,
-        mode=None,
-        gamma=None,
-        window=None,
-        sinks=None,
-        scale=None,
-        chunk_size=None,
-        attention_mask=None,
-        backend=None,
-        initial_state=None,
-        la_decay=None,
-        return_denominators=False,
-    ):
-        """`attend` with this layer's mode, gamma, window, sinks (and its hybrid's own), LA decay, scaling, chunk_size
-        and backend; a keyword given
-        (not None) replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
-        if gates is not None:  # (the gated delta rule: no decay of the Hedgehog kind)
-            return attend(
-                q, k, v, fq, fk, gates=gates, gamma=self.gamma if gamma is None else gamma,
-                window=self.window if window is None else window, mode=self.mode if mode is None else mode,
-                sinks=self.sinks if sinks is None else sinks, hybrid_sinks=self.hybrid_sinks,
-                scale=self.scaling if scale is None else scale, attention_mask=attention_mask,
-                chunk_size=self.chunk_size if chunk_size is None else chunk_size,
-                backend=self.backend if backend is None else backend, initial_state=initial_state,
-                la_combine=self.la_combine, return_denominators=return_denominators,
-            )  # fmt: skip
+    def options(self, **settings) -> AttentionOptions:
+        """This layer's AttentionOptions (its window, mode, sinks and its hybrid's own, scaling, chunk_size and
+        la_combine); a keyword given (not None) replaces the layer's own for this call only."""
+        o = AttentionOptions(
+            window=self.window, mode=self.mode, sinks=self.sinks, hybrid_sinks=self.hybrid_sinks, scale=self.scaling,
+            chunk_size=self.chunk_size, la_combine=self.la_combine,
+        )  # fmt: skip
+        given = {name: value for name, value in settings.items() if value is not None}
+        return AttentionOptions.of(o, **given)
+
+    def attend(self, q, k, v, fq, fk, *, gates=None, gamma=None, attention_mask=None, backend=None,
+               initial_state=None, la_decay=None, **settings):  # fmt: skip
+        """`attend` with this layer's gamma, LA decay, backend and `options(**settings)`; a keyword given (not None)
+        replaces the layer's own for this call only. q, k, v, fq, fk as `project` returns them."""
         return attend(
-            q,
-            k,
-            v,
-            fq,
-            fk,
-            gamma=self.gamma if gamma is None else gamma,
-            window=self.window if window is None else window,
-            mode=self.mode if mode is None else mode,
-            sinks=self.sinks if sinks is None else sinks,
-            hybrid_sinks=self.hybrid_sinks,
-            scale=self.scaling if scale is None else scale,
-            attention_mask=attention_mask,
-            chunk_size=self.chunk_size if chunk_size is None else chunk_size,
+            q, k, v, fq, fk, self.gamma if gamma is None else gamma, self.options(**settings), gates=gates,
+            attention_mask=attention_mask, initial_state=initial_state,
+            la_decay=None if gates is not None else self.la_decay if la_decay is None else la_decay,
             backend=self.backend if backend is None else backend,
-            initial_state=initial_state,
-            return_denominators=return_denominators,
-            la_decay=self.la_decay if la_decay is None else la_decay,
-        )
+        )  # fmt: skip
 
     def project(self, hidden_states, position_embeddings, attention_mask=None, conv_tails=None) -> Projections:
         """q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, and their feature maps (gated_delta: the delta rule's q and k,

@@ -16,7 +16,7 @@ Other modes: swa_only (E on W only), swa_sinks (softmax over W(n) and the first 
 sliding-window + attention-sinks baseline), la_only (L on all j <= n), sinks_only (causal softmax over the first S
 real tokens), none (zeros). Padded query rows give exactly 0. All arithmetic is fp32; the output has q's dtype.
 
-This file imports only torch and choices.py (the export copies both next to a modeling file).
+This file imports only torch, choices.py and options.py (the export copies both next to a modeling file).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import math
 import torch
 
 from .choices import MODES
+from .options import AttentionOptions
 
 EPS = 1e-12  # the one denominator eps shared by every path (only guards 0/0: all-zero feature rows)
 
@@ -46,15 +47,6 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
 
 
-def own_mode(mode: str, hybrid_sinks: bool) -> tuple[str, bool]:
-    """What a layer in `mode` computes when its hybrid has its own sinks or not: (backend mode, hybrid_sinks). The
-    no-LA ablation of a hybrid with S sinks (swa_only) is its window plus the same S sinks, i.e. swa_sinks."""
-    check_mode(mode)
-    if hybrid_sinks and mode == "swa_only":
-        return "swa_sinks", False
-    return mode, bool(hybrid_sinks) and mode == "hybrid"
-
-
 def real_positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
     """Index of each token among its row's real tokens, -1 for padding. Shape [B, T]."""
     if attention_mask is None:
@@ -65,26 +57,8 @@ def real_positions(attention_mask: torch.Tensor | None, batch: int, length: int,
     return torch.where(real, real.long().cumsum(-1) - 1, -1)
 
 
-def masked_attention(
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gamma,
-    pos_q,
-    pos_k,
-    *,
-    window,
-    mode,
-    sinks,
-    hybrid_sinks=False,
-    scale=None,
-    state=None,
-    state_ref=None,
-    la_decay=None,
-    return_denominators=False,
-):
+def masked_attention(q, k, v, fq, fk, gamma, pos_q, pos_k, opts=None, *, state=None, state_ref=None, la_decay=None,
+                     **settings):  # fmt: skip
     """Dense hybrid attention between queries and keys that carry explicit real-token positions.
 
     q [B,H,Tq,D], k/v [B,Hkv,Tk,D], fq [B,H,Tq,F], fk [B,Hkv,Tk,F], gamma [H];
@@ -94,9 +68,10 @@ def masked_attention(
     query state_ref ([B] or int: each key j in it weighted alpha^(state_ref - w - j)); query n takes it times
     alpha^(n - state_ref) (exponent clamped at 0). la_decay [Hkv]: the LA's decay above.
     Returns [B,H,Tq,D] in q's dtype; with return_denominators (y, sum of E [B,H,Tq], sum of L [B,H,Tq]), the two
-    parts of the shared normaliser (fp32 or fp64).
+    parts of the shared normaliser (fp32 or fp64). opts: the call's AttentionOptions (options.py; chunk_size unused).
     """
-    check_mode(mode)
+    o = AttentionOptions.of(opts, **settings)
+    mode, window, sinks, return_denominators = o.mode, o.window, o.sinks, o.return_denominators
     B, H, Tq, D = q.shape
     out_dtype = q.dtype
     if mode == "none":
@@ -106,7 +81,7 @@ def masked_attention(
             return y, zero, zero.clone()
         return y
     group = H // k.shape[1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scale = 1.0 / math.sqrt(D) if o.scale is None else o.scale
     acc = compute_dtype(q)
     q, k, v, fq, fk = (t.to(acc) for t in (q, k, v, fq, fk))
     k, v, fk = (t.repeat_interleave(group, dim=1) for t in (k, v, fk))
@@ -117,7 +92,7 @@ def masked_attention(
     in_window = causal & (pk > pq - window)
     in_past = causal & (pk <= pq - window)
     sink = causal & (pk < sinks)
-    if mode == "hybrid" and hybrid_sinks:
+    if mode == "hybrid" and o.hybrid_sinks:
         soft, in_past = in_window | sink, in_past & ~sink
     elif mode == "swa_only" or mode == "hybrid":
         soft = in_window
@@ -164,44 +139,11 @@ def masked_attention(
     return y
 
 
-def naive_hybrid_attention(
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gamma,
-    *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    attention_mask=None,
-    scale=None,
-    la_decay=None,
-    return_denominators=False,
-):
-    """The spec. q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq/fk feature-mapped, gamma [H] > 0,
-    sinks S (swa_sinks, sinks_only; and the hybrid's own when hybrid_sinks), attention_mask [B,T] (1 = token,
-    0 = padding), scale None = 1/sqrt(D), la_decay rho [Hkv] the LA's decay (None = off).
-    Returns [B,H,T,D]; with
-    return_denominators (y, sum of E [B,H,T], sum of L [B,H,T]), the two parts of the shared normaliser."""
+def naive_hybrid_attention(q, k, v, fq, fk, gamma, opts=None, *, attention_mask=None, la_decay=None, **settings):
+    """The spec. q [B,H,T,D], k/v [B,Hkv,T,D] after RoPE, fq/fk feature-mapped, gamma [H] > 0, opts the call's
+    AttentionOptions (options.py; or its fields as keywords), attention_mask [B,T] (1 = token, 0 = padding),
+    la_decay rho [Hkv] the LA's decay (None = off). Returns [B,H,T,D]; with opts.return_denominators (y, sum of E
+    [B,H,T], sum of L [B,H,T]), the two parts of the shared normaliser."""
     B, _, T, _ = q.shape
     pos = real_positions(attention_mask, B, T, q.device)
-    return masked_attention(
-        q,
-        k,
-        v,
-        fq,
-        fk,
-        gamma,
-        pos,
-        pos,
-        window=window,
-        mode=mode,
-        sinks=sinks,
-        hybrid_sinks=hybrid_sinks,
-        scale=scale,
-        la_decay=la_decay,
-        return_denominators=return_denominators,
-    )
+    return masked_attention(q, k, v, fq, fk, gamma, pos, pos, AttentionOptions.of(opts, **settings), la_decay=la_decay)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from .chunked import chunk_hybrid_attention, gather_time
-from .naive import check_mode, compute_dtype, decay_weight, masked_attention
+from .naive import compute_dtype, decay_weight, masked_attention
+from .options import AttentionOptions
 from .shape import Shape
 
 
@@ -150,16 +151,12 @@ def extend(
     fq,
     fk,
     gamma,
+    opts=None,
     *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
     attention_mask=None,
-    scale=None,
-    chunk_size=64,
-    prefill=None,
     la_decay=None,
+    prefill=None,
+    **settings,
 ) -> torch.Tensor:
     """Attend k new tokens (q [B,H,k,D], k/v [B,Hkv,k,D], fq, fk) to everything the state has seen, then fold
     them into the state. attention_mask [B,k] marks the new tokens' real ones. Returns [B,H,k,D].
@@ -169,8 +166,10 @@ def extend(
 
     Longer than the rest on purpose: the ring buffer's bookkeeping (positions, real-token counts, what leaves the
     window and is folded into the LA state, the sink buffer) is one sequence of steps that reads top to bottom
-    against the spec in naive.py; split up, each piece would need the whole state passed around."""
-    check_mode(mode)
+    against the spec in naive.py; split up, each piece would need the whole state passed around.
+    opts: the call's AttentionOptions (options.py; or its fields as keywords), as a layer computes it (`own()`)."""
+    o = AttentionOptions.of(opts, **settings).own()
+    mode, window, sinks, hybrid_sinks, chunk_size = o.mode, o.window, o.sinks, o.hybrid_sinks, o.chunk_size
     if window != state.window:
         raise ValueError(
             f"this cache was built for window {state.window}, the layer now has window {window}; "
@@ -195,19 +194,17 @@ def extend(
     pos_new = torch.where(real, state.count[:, None] + real.long().cumsum(-1) - 1, -1)
     pos_ring = state.ring_positions()
     acc = compute_dtype(q)
-    hybrid_sinks = bool(hybrid_sinks) and mode == "hybrid"
     sink_slots = torch.arange(S, device=q.device)
     folded_sinks = sink_slots[None] < (state.count - R)[:, None]  # sinks that have left the ring (not in the state)
     lin_state = (state.kv, state.ksum)
     last = (state.count - 1)[:, None]  # the query the state's sums are kept for
     rho = None if la_decay is None else la_decay.to(acc).view(1, -1, 1)  # [1, Hkv, 1] against [B, Hkv, keys]
-    decay = {"la_decay": la_decay} if la_decay is not None else {}
     if not hybrid_sinks:  # an LA that covers the sinks: those that have left the ring join the state's sums
         fold = state.sink_fk.to(acc) * folded_sinks[:, None, :, None].to(acc)
         if rho is not None:  # as the last token sees sink j: alpha^(count - 1 - w - j)
             fold = fold * decay_weight(rho, (last - window - sink_slots[None])[:, None])[..., None]
         lin_state = (state.kv + fold.transpose(-1, -2) @ state.sink_v.to(acc), state.ksum + fold.sum(2))
-    own_sinks = mode == "swa_sinks" or hybrid_sinks  # the modes whose softmax keeps the sinks besides the window
+    own_sinks = o.keeps_sinks  # the modes whose softmax keeps the sinks besides the window
 
     if mode == "sinks_only":
         n = min(S, T)
@@ -218,27 +215,9 @@ def extend(
         vals = torch.cat([state.sink_v, gather_time(v, pick).to(state.sink_v.dtype)], 2)
         dummy = fk.new_zeros(*keys.shape[:3], fk.shape[-1])
         pos_keys = torch.cat([pos_sink, pos_new.gather(1, pick)], 1)
-        y = masked_attention(
-            q, keys, vals, fq, dummy, gamma, pos_new, pos_keys, window=window, mode=mode, sinks=sinks, scale=scale
-        )
+        y = masked_attention(q, keys, vals, fq, dummy, gamma, pos_new, pos_keys, o)
     elif prefill is not None and T > chunk_size and not bool(state.count.any()):  # a prompt: nothing seen yet
-        y = prefill(
-            q,
-            k,
-            v,
-            fq,
-            fk,
-            gamma,
-            window=window,
-            mode=mode,
-            sinks=sinks,
-            scale=scale,
-            attention_mask=attention_mask,
-            chunk_size=chunk_size,
-            return_denominators=False,
-            **({"hybrid_sinks": True} if hybrid_sinks else {}),
-            **decay,
-        )
+        y = prefill(q, k, v, fq, fk, gamma, o, attention_mask=attention_mask, la_decay=la_decay)
     elif T <= chunk_size or mode == "none" or (own_sinks and bool(state.count.any())):
         keys = torch.cat([state.k, k.to(state.k.dtype)], 2)
         vals = torch.cat([state.v, v.to(state.v.dtype)], 2)
@@ -250,23 +229,9 @@ def extend(
             fks = torch.cat([state.sink_fk.to(acc), fks], 2)  # (never L terms: the hybrid's LA leaves its sinks out)
             pos_keys = torch.cat([pos_sink, pos_keys], 1)
         y = masked_attention(
-            q,
-            keys,
-            vals,
-            fq,
-            fks,
-            gamma,
-            pos_new,
-            pos_keys,
-            window=window,
-            mode=mode,
-            sinks=sinks,
-            hybrid_sinks=hybrid_sinks,
-            scale=scale,
-            state=lin_state,
-            state_ref=state.count - 1,
-            **decay,
-        )
+            q, keys, vals, fq, fks, gamma, pos_new, pos_keys, o, state=lin_state, state_ref=state.count - 1,
+            la_decay=la_decay,
+        )  # fmt: skip
     else:
         order = torch.argsort(pos_ring, dim=-1)  # empty slots (-1) first, then oldest to newest
 
@@ -280,15 +245,10 @@ def extend(
             fq_all,
             torch.cat([gather_time(state.fk, order).to(fk.dtype), fk], 2),
             gamma,
-            window=window,
-            mode=mode,
-            sinks=sinks,
-            hybrid_sinks=hybrid_sinks,  # (here nothing has been seen yet when own_sinks: the rows start at token 0)
+            o,  # (with own sinks nothing has been seen yet here: the rows start at token 0)
             attention_mask=torch.cat([ring_real, real], 1),
-            scale=scale,
-            chunk_size=chunk_size,
             initial_state=lin_state,  # (as query count - 1 = the row's first + w - 1 sees it: the ring is full)
-            **decay,
+            la_decay=la_decay,
         )[:, :, R:]
 
     # sinks: new real tokens with index < S
@@ -323,21 +283,7 @@ def extend(
 
 
 def step(
-    state: DecodeState,
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gamma,
-    *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    attention_mask=None,
-    scale=None,
-    la_decay=None,
+    state: DecodeState, q, k, v, fq, fk, gamma, opts=None, *, attention_mask=None, la_decay=None, **settings
 ) -> torch.Tensor:
     """`extend` by one token per row (q [B,H,1,D], k/v [B,Hkv,1,D], fq, fk; attention_mask [B,1] or None), written
     for compiled decoding: the shapes are the state's whatever it holds, no value is read back to the host, and
@@ -351,7 +297,8 @@ def step(
     rest, as in the spec, with the LA state as the keys folded before the ring. Then the key leaving the ring
     (index p - R, slot p mod R) is folded into the state unless it is a sink, the new key takes its slot, and a new
     key with p < S is written to the sinks."""
-    check_mode(mode)
+    o = AttentionOptions.of(opts, **settings).own()
+    mode, window, sinks = o.mode, o.window, o.sinks
     if window != state.window or sinks != state.sink_k.shape[2] or state.ring != state.capacity or q.shape[2] != 1:
         raise ValueError(
             f"recurrent.step takes one token on a state with a ring of its whole capacity; got {q.shape[2]} tokens, a "
@@ -379,11 +326,7 @@ def step(
         gamma,
         pos_new,
         torch.cat([pos_sink, pos_ring, pos_new], 1),
-        window=window,
-        mode=mode,
-        sinks=sinks,
-        hybrid_sinks=bool(hybrid_sinks) and mode == "hybrid",
-        scale=scale,
+        o,
         state=(state.kv, state.ksum),
         state_ref=p - 1,
         la_decay=la_decay,

@@ -36,16 +36,16 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
-def forward(q, k, v, fq, fk, gamma, **options):
+def forward(q, k, v, fq, fk, gamma, opts=None, **tensors):
     """The backend function registered as "triton" (the contract of hybrid_scale/attention/backends.py)."""
     _check_device(q)
-    return triton_hybrid_attention(q, k, v, fq, fk, gamma, **options)
+    return triton_hybrid_attention(q, k, v, fq, fk, gamma, opts, **tensors)
 
 
-def decode(state, q, k, v, fq, fk, gamma, **options):
+def decode(state, q, k, v, fq, fk, gamma, opts=None, **tensors):
     """The fused decode step registered with it (None = not a step it takes: the caller extends in torch)."""
     _check_device(q)
-    return triton_decode_step(state, q, k, v, fq, fk, gamma, **options)
+    return triton_decode_step(state, q, k, v, fq, fk, gamma, opts, **tensors)
 
 
 def supports(head_dim: int, value_dim: int, features: int, sinks: int, dtype: torch.dtype) -> str | None:

@@ -37,7 +37,7 @@ from .chunk_bwd import bwd_dfk, bwd_dkv, bwd_dq
 from .chunk_h import dstates, states
 from .chunk_o import chunk_fwd_o
 from .settings import regs, settings_for
-from .utils import CHUNK, MODES, TL_DTYPE, blocks_back, mode_parts, pow2, precision
+from .utils import CHUNK, MODES, TL_DTYPE, blocks_back, mode_parts, options, pow2, precision
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,48 +186,36 @@ def _gather(x, index):
     return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
 
 
-def _check(q, k, v, fq, *, window, mode, sinks, hybrid_sinks, la_decay):
-    if mode not in MODES:
-        raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+def _check(q, k, v, fq, o, la_decay):
+    if o.mode not in MODES:
+        raise ValueError(f"unknown attention mode '{o.mode}'; available: {', '.join(MODES)}")
+    if o.window < 1:
+        raise ValueError(f"window must be >= 1, got {o.window}")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"the triton backend needs value dim == head dim, got {v.shape[-1]} and {q.shape[-1]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if q.dtype not in TL_DTYPE:
         raise ValueError(f"the triton backend takes bfloat16, float16 and float32, got {q.dtype}")
-    if sinks > 64 and (mode in ("swa_sinks", "sinks_only") or (hybrid_sinks and mode == "hybrid")):
-        raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {sinks}")
+    if o.sinks > 64 and (o.mode in ("swa_sinks", "sinks_only") or (o.hybrid_sinks and o.mode == "hybrid")):
+        raise ValueError(f"the triton backend keeps at most 64 sinks in one tile, got {o.sinks}")
     if la_decay is not None and tuple(la_decay.shape) != (k.shape[1],):
         raise ValueError(f"la_decay must hold one rho per KV head ({k.shape[1]}), got shape {tuple(la_decay.shape)}")
 
 
 def triton_hybrid_attention(
-    q,
-    k,
-    v,
-    fq,
-    fk,
-    gamma,
-    *,
-    window,
-    mode="hybrid",
-    sinks=8,
-    hybrid_sinks=False,
-    scale=None,
-    attention_mask=None,
-    chunk_size=None,
-    initial_state=None,
-    return_denominators=False,
-    la_decay=None,
+    q, k, v, fq, fk, gamma, opts=None, *, attention_mask=None, initial_state=None, la_decay=None, **given
 ):
     """The attention backend contract of hybrid_scale/attention/backends.py, computed by the chunked kernels.
-    chunk_size is ignored (the kernels' chunk is CHUNK). initial_state: optional (kv [B,Hkv,F,D], k [B,Hkv,F]) sums
-    over keys that precede the sequence by more than the window (differentiable; with la_decay as query w - 1 of the
-    sequence sees them). la_decay: rho [Hkv] >= 0, the LA's decay (naive.py's spec; differentiable), None = off."""
-    _check(q, k, v, fq, window=window, mode=mode, sinks=sinks, hybrid_sinks=hybrid_sinks, la_decay=la_decay)
-    hybrid_sinks = bool(hybrid_sinks) and mode == "hybrid"
+    opts: the call's AttentionOptions (its chunk_size is ignored: the kernels' chunk is CHUNK). initial_state: optional
+    (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable;
+    with la_decay as query w - 1 of the sequence sees them). la_decay: rho [Hkv] >= 0, the LA's decay (naive.py's
+    spec; differentiable), None = off."""
+    o = options(opts, given)
+    _check(q, k, v, fq, o, la_decay)
+    mode, window, sinks, return_denominators = o.mode, int(o.window), int(o.sinks), bool(o.return_denominators)
+    hybrid_sinks = bool(o.hybrid_sinks) and mode == "hybrid"
+    scale = o.scale
     B, H, T, D = q.shape
     if mode == "none" or T == 0:
         y = q.new_zeros(B, H, T, D)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import MODES, TL_EPS, mode_parts
+from .utils import MODES, TL_EPS, mode_parts, options
 
 
 @triton.jit
@@ -265,16 +265,16 @@ def _lock(state, rows: int, batch: int) -> torch.Tensor:
     return lock
 
 
-def triton_decode_step(
-    state, q, k, v, fq, fk, gamma, *, window, mode="hybrid", sinks=8, hybrid_sinks=False, attention_mask=None,
-    scale=None, block=None, la_decay=None,
-):  # fmt: skip
+def triton_decode_step(state, q, k, v, fq, fk, gamma, opts=None, *, attention_mask=None, la_decay=None, **given):
     """One token per row (q [B,H,1,D], k/v [B,Hkv,1,D], fq, fk), the contract of recurrent.extend for T = 1: returns
     y [B,H,1,D] and advances `state` (a recurrent.DecodeState) in place, in one launch (no other op: CUDA graphs
-    capture it as one node). la_decay: rho [Hkv], the LA's decay (None = off). Returns None when the step is not one
-    the kernel takes (then the caller runs recurrent.step or extend): not one token, mode none, a value dim other
-    than the head dim, a state for another window or number of sinks, or a ring not yet at its capacity (a ring
-    shorter than the window, a cache's max_length, serves only that many tokens: generate stops there)."""
+    capture it as one node). opts: the call's AttentionOptions (chunk.options); la_decay: rho [Hkv], the LA's decay
+    (None = off). Returns None when the step is not one the kernel takes (then the caller runs recurrent.step or
+    extend): not one token, mode none, a value dim other than the head dim, a state for another window or number of
+    sinks, or a ring not yet at its capacity (a ring shorter than the window, a cache's max_length, serves only that
+    many tokens: generate stops there)."""
+    o = options(opts, given)
+    mode, window, sinks, scale = o.mode, o.window, o.sinks, o.scale
     if mode not in MODES:
         raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
     B, H, T, D = q.shape
@@ -300,7 +300,7 @@ def triton_decode_step(
     return torch.ops.hybrid_scale_kernels.decode_step(
         q, k, v, fq, fk, gamma.detach(), None if la_decay is None else la_decay.detach(), attention_mask,
         state.k, state.v, state.fk, state.sink_k, state.sink_v, state.sink_fk, state.kv, state.ksum, state.count,
-        state.seen, lock, int(window), mode, int(sinks), bool(hybrid_sinks), 1.0 / math.sqrt(D) if scale is None else
+        state.seen, lock, int(window), mode, int(sinks), bool(o.hybrid_sinks), 1.0 / math.sqrt(D) if scale is None else
         float(scale),
     )  # fmt: skip
 

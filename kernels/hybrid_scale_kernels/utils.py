@@ -76,3 +76,15 @@ def state_lag(rho, n, window, st, CHUNK: tl.constexpr):
     """alpha^(n - window - (CHUNK st - 1)): how query n sees the state st, kept as its last key CHUNK st - 1 sees it
     (the initial state is state 0, kept as key -1 sees it)."""
     return tl.exp(-rho * tl.maximum(n - window - (st * CHUNK - 1), 0).to(tl.float32))
+
+
+def options(opts, given: dict):
+    """The call's settings: an AttentionOptions of hybrid_scale's attention package (read by attribute: this package
+    imports none of it), or a clear error for a call in the keyword contract that came before it."""
+    if given or opts is None or not hasattr(opts, "window"):
+        raise TypeError(
+            "the triton backend takes the call's settings as one AttentionOptions (hybrid_scale.attention.options) "
+            f"after gamma, got {type(opts).__name__} and keywords {sorted(given)}: call it with AttentionOptions("
+            "window=..., ...); an export made before it runs on attention.backend=torch"
+        )
+    return opts

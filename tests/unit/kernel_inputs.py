@@ -3,6 +3,8 @@
 
 import torch
 
+from hybrid_scale.attention.options import AttentionOptions
+
 MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only")
 NAMES = ("q", "k", "v", "fq", "fk", "gamma")
 
@@ -32,3 +34,15 @@ def run(fn, x, mask, **options):
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y)
     grads = torch.autograd.grad(y, [x[n] for n in NAMES], dy, allow_unused=True)
     return y, {n: torch.zeros_like(x[n]) if g is None else g for n, g in zip(NAMES, grads, strict=True)}
+
+
+def with_keywords(fn, tensors=NAMES):
+    """`fn` (the backends' contract: its tensors, then one AttentionOptions, then the optional tensors by keyword)
+    called the way the torch ops may be: the tensors by position or name, the settings as keywords."""
+
+    def call(*args, **kw):
+        args = [*args, *(kw.pop(n) for n in tensors[len(args) :] if n in kw)]
+        optional = {n: kw.pop(n) for n in ("attention_mask", "initial_state", "la_decay") if n in kw}
+        return fn(*args, AttentionOptions(**kw), **optional)
+
+    return call

@@ -10,6 +10,7 @@ from torch import nn
 from hybrid_scale.attention import backends, chunked, naive
 from hybrid_scale.attention.hybrid import HybridAttention, attend
 from hybrid_scale.attention.naive import MODES
+from hybrid_scale.attention.options import AttentionOptions
 
 NAMES = ("q", "k", "v", "fq", "fk", "gamma")
 
@@ -95,33 +96,17 @@ def test_unknown_backend_is_a_clear_error(registry):
     with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
         attend(*tensors(x), gamma=x["gamma"], window=2, mode="mixed")
     with pytest.raises(TypeError):
-        attend(*tensors(x), x["gamma"], 2)  # everything after the tensors is keyword-only
+        attend(*tensors(x), x["gamma"], 2)  # the settings are one AttentionOptions (or keywords)
 
 
 def test_a_backend_registered_from_outside_is_used_when_asked(registry):
     calls = []
 
-    def spy(
-        q,
-        k,
-        v,
-        fq,
-        fk,
-        gamma,
-        *,
-        window,
-        mode,
-        sinks,
-        scale,
-        attention_mask,
-        chunk_size,
-        initial_state,
-        return_denominators,
-    ):
-        calls.append(dict(window=window, mode=mode, sinks=sinks, scale=scale, chunk_size=chunk_size))
-        return 2 * naive.naive_hybrid_attention(
-            q, k, v, fq, fk, gamma, window=window, mode=mode, sinks=sinks, attention_mask=attention_mask, scale=scale
-        )
+    def spy(q, k, v, fq, fk, gamma, opts, *, attention_mask, initial_state, la_decay):
+        assert isinstance(opts, AttentionOptions) and initial_state is None and la_decay is None
+        calls.append(dict(window=opts.window, mode=opts.mode, sinks=opts.sinks, scale=opts.scale,
+                          chunk_size=opts.chunk_size))  # fmt: skip
+        return 2 * naive.naive_hybrid_attention(q, k, v, fq, fk, gamma, opts, attention_mask=attention_mask)
 
     assert registry.register_backend("spy", spy) is spy
     assert "spy" in registry.available()

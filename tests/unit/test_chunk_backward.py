@@ -12,11 +12,12 @@ sinks, GQA 4:2 and 6:2, T = 200 (four chunks, so the reverse state scan carries 
 import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
-from kernel_inputs import make
+from kernel_inputs import make, with_keywords
 
 from hybrid_scale.attention import naive
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
+triton_attention = with_keywords(kernels.triton_hybrid_attention)
 RHO = (0.02, 0.3)  # the LA's decay per KV head: a slow and a fast one
 GRADS = ("q", "k", "v", "fq", "fk", "gamma", "rho")
 
@@ -41,7 +42,7 @@ def check(x, dy, decay=False, **options):
     """The entry's y and gradients against the fp64 spec's autograd on the same inputs."""
     hkv = x["k"].shape[1]
     rho = torch.tensor(RHO * (hkv // 2) + RHO[:1] * (hkv % 2)) if decay else None
-    y, got = gradients(lambda **a: kernels.triton_hybrid_attention(**a, **options), x, dy, rho, torch.float32)
+    y, got = gradients(lambda **a: triton_attention(**a, **options), x, dy, rho, torch.float32)
     ref_y, want = gradients(lambda **a: naive.naive_hybrid_attention(**a, **options), x, dy, rho, torch.float64)
     torch.testing.assert_close(y.double(), ref_y, rtol=1e-5, atol=2e-5)
     for name in GRADS:

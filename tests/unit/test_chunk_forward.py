@@ -12,11 +12,12 @@ exactly one and two chunks. The compiled bf16 check (marked `gpu`) runs at a Lla
 import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
-from kernel_inputs import make
+from kernel_inputs import make, with_keywords
 
 from hybrid_scale.attention import naive
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
+triton_attention = with_keywords(kernels.triton_hybrid_attention)
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 RHO = (0.02, 0.3)  # the LA's decay per KV head: a slow and a fast one (alpha^64 = 0.28 and 5e-9)
@@ -31,7 +32,7 @@ def check(x, atol=2e-5, decay=False, **options):
     hkv = x["k"].shape[1]
     rho = torch.tensor(RHO * (hkv // 2) + RHO[:1] * (hkv % 2)) if decay else None
     with torch.no_grad():
-        y = kernels.triton_hybrid_attention(**x, **options, la_decay=None if rho is None else rho.to(x["q"].device))
+        y = triton_attention(**x, **options, la_decay=None if rho is None else rho.to(x["q"].device))
     ref = naive.naive_hybrid_attention(
         **{n: t.double() for n, t in x.items()}, **options, la_decay=None if rho is None else rho.double()
     )
@@ -80,17 +81,17 @@ def test_the_hybrid_sinks_leave_the_state():
 def test_what_it_refuses_and_none():
     x = inputs(20, B=1)
     for options, why in (
-        (dict(window=0, mode="hybrid"), "window must be >= 1"),
+        (dict(window=0, mode="hybrid"), "window >= 1"),
         (dict(window=8, mode="swa_sinks", sinks=65), "at most 64 sinks"),
         (dict(window=8, mode="hybrid", hybrid_sinks=True, sinks=65), "at most 64 sinks"),
         (dict(window=8, mode="nope"), "unknown attention mode"),
         (dict(window=8, mode="hybrid", la_decay=torch.zeros(3)), "one rho per KV head"),
     ):
         with pytest.raises(ValueError, match=why):
-            kernels.triton_hybrid_attention(**{**x, "sinks": 4, **options})
+            triton_attention(**{**x, "sinks": 4, **options})
     with pytest.raises(ValueError, match="value dim"):
-        kernels.triton_hybrid_attention(**{**x, "v": x["v"][..., :8]}, window=8)
-    y = kernels.triton_hybrid_attention(**x, window=8, mode="none", sinks=4)
+        triton_attention(**{**x, "v": x["v"][..., :8]}, window=8)
+    y = triton_attention(**x, window=8, mode="none", sinks=4)
     assert y.shape == x["q"].shape and not y.any()
 
 
@@ -128,16 +129,16 @@ def test_every_path_runs_the_chunked_kernels(launched):
         launched.clear()
         opts = dict(window=16, mode="hybrid", sinks=3) | extra
         with torch.no_grad():
-            y = kernels.triton_hybrid_attention(**x, **opts)
+            y = triton_attention(**x, **opts)
         ref = naive.naive_hybrid_attention(**{n: t.double() for n, t in x.items()}, **opts)
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-5, msg=name)
         assert set(launched) <= CHUNKED and "_chunk_output" in launched, (name, launched)
     launched.clear()
     leaf = {n: t.clone().requires_grad_() for n, t in x.items()}
-    kernels.triton_hybrid_attention(**leaf, window=16, attention_mask=mask, initial_state=state).sum().backward()
+    triton_attention(**leaf, window=16, attention_mask=mask, initial_state=state).sum().backward()
     assert set(launched) == CHUNKED - {"_segment_fix"}, launched
     launched.clear()
-    y, den_e, den_l = kernels.triton_hybrid_attention(**x, window=16, attention_mask=mask, return_denominators=True)
+    y, den_e, den_l = triton_attention(**x, window=16, attention_mask=mask, return_denominators=True)
     ref = naive.naive_hybrid_attention(**{n: t.double() for n, t in x.items()}, window=16, attention_mask=mask,
                                        return_denominators=True)  # fmt: skip
     torch.testing.assert_close(y.double(), ref[0].double(), rtol=1e-5, atol=2e-5)

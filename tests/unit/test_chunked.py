@@ -57,7 +57,7 @@ def test_none_mode_is_zero_and_fp32_accumulation_for_bf16():
 
 def test_bad_window_is_a_clear_error():
     x = attention_inputs(T=4)
-    with pytest.raises(ValueError, match="window and chunk_size must be >= 1"):
+    with pytest.raises(ValueError, match="attention needs window >= 1, chunk_size >= 1"):
         chunked.chunk_hybrid_attention(**x, window=0)
     with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
         chunked.chunk_hybrid_attention(**x, window=2, mode="mixed")

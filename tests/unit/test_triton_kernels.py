@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
-from kernel_inputs import MODES, NAMES, left_padded, make, run
+from kernel_inputs import MODES, NAMES, left_padded, make, run, with_keywords
 
 import hybrid_scale as hs
 from hybrid_scale.attention import backends, chunked, naive
@@ -29,6 +29,8 @@ from hybrid_scale.attention.shape import Shape
 from hybrid_scale.config import ConfigError, load_config
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
+triton_attention = with_keywords(kernels.triton_hybrid_attention)
+triton_decode = with_keywords(kernels.triton_decode_step, ("state", *NAMES))
 
 
 @pytest.fixture
@@ -44,7 +46,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 def check(x, mask, atol=2e-5, **options):
-    y, grads = run(kernels.triton_hybrid_attention, x, mask, **options)
+    y, grads = run(triton_attention, x, mask, **options)
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     y_ref, grads_ref = run(naive.naive_hybrid_attention, ref, mask, **options)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=atol)
@@ -107,7 +109,7 @@ def test_an_initial_state_counts_as_keys_before_the_sequence(mode):
     fk0, v0 = x["fk"][:, :, :T0], x["v"][:, :, :T0]
     state = (fk0.transpose(-1, -2) @ v0, fk0.sum(2))
     part = {n: t[:, :, T0:] if n != "gamma" else t for n, t in x.items()}
-    y = kernels.triton_hybrid_attention(*(part[n] for n in NAMES), window=16, mode=mode, initial_state=state)
+    y = triton_attention(*(part[n] for n in NAMES), window=16, mode=mode, initial_state=state)
     full = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=16, mode=mode)
     # rows T0.. see keys T0-15.. in their window: the test folds only keys that every row has left (T0 <= n - 16)
     torch.testing.assert_close(y[:, :, 16:], full[:, :, T0 + 16 :], rtol=1e-5, atol=2e-6)
@@ -201,7 +203,7 @@ def test_a_decay_equals_the_spec(mode, window):
     it 1, the sinks never. Outputs and gradients (rho's too) against the spec, across several tiles and states, a
     left-padded row, GQA with a slow and a fast head."""
     T = window + 130
-    grads = check_decay(kernels.triton_hybrid_attention, with_decay(T, seed=window), left_padded(T), window=window,
+    grads = check_decay(triton_attention, with_decay(T, seed=window), left_padded(T), window=window,
                         **variant(mode), sinks=3)  # fmt: skip
     assert grads[-1].abs().min() > 0  # rho's gradient reaches both heads
 
@@ -215,7 +217,7 @@ def test_a_decay_with_holes_and_feature_chunks(mode):
     mask[0, -5:] = 0
     mask[1, :3] = 0
     mask[1, 20:24] = 0
-    check_decay(kernels.triton_hybrid_attention, with_decay(T, seed=8, F=80), mask, window=16, mode=mode, sinks=3)
+    check_decay(triton_attention, with_decay(T, seed=8, F=80), mask, window=16, mode=mode, sinks=3)
 
 
 @pytest.mark.parametrize(("mode", "window"), [("hybrid", 16), ("la_only", 16), (HYBRID_SINKS, 16), ("hybrid", 100)])
@@ -227,18 +229,18 @@ def test_a_decayed_initial_state_equals_the_chunked_path(mode, window):
     x = with_decay(T, seed=12, F=F)
     g = torch.Generator().manual_seed(3)
     state = (torch.rand(2, 2, F, 16, generator=g), torch.rand(2, 2, F, generator=g))
-    check_decay(kernels.triton_hybrid_attention, x, left_padded(T), ref_fn=chunked.chunk_hybrid_attention,
+    check_decay(triton_attention, x, left_padded(T), ref_fn=chunked.chunk_hybrid_attention,
                 initial_state=state, window=window, **variant(mode), sinks=3, chunk_size=8)  # fmt: skip
 
 
 def test_denominators_and_none_mode():
     x = make(40)
-    y, den_e, den_l = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=16, return_denominators=True)
+    y, den_e, den_l = triton_attention(*(x[n] for n in NAMES), window=16, return_denominators=True)
     ref = naive.naive_hybrid_attention(*(x[n] for n in NAMES), window=16, return_denominators=True)
     for a, b in zip((y, den_e, den_l), ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert kernels.EPS == naive.EPS
-    zero = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=16, mode="none")
+    zero = triton_attention(*(x[n] for n in NAMES), window=16, mode="none")
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
@@ -279,7 +281,7 @@ def test_fused_decode_step_equals_the_full_forward_and_extend(mode, window, deca
     for state in (fused, ref):
         extend(state, *step(0, P).values(), attention_mask=mask[:, :P], **options)
     for t in range(P, 40):
-        y = kernels.triton_decode_step(fused, *step(t, t + 1).values(), attention_mask=mask[:, t : t + 1], **options)
+        y = triton_decode(fused, *step(t, t + 1).values(), attention_mask=mask[:, t : t + 1], **options)
         y_ref = extend(ref, *step(t, t + 1).values(), attention_mask=mask[:, t : t + 1], **options)
         torch.testing.assert_close(y, full[:, :, t : t + 1], rtol=1e-5, atol=2e-6)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=2e-6)
@@ -321,9 +323,9 @@ def test_the_decode_step_is_one_launch_of_at_least_32_programs_and_no_other_op(m
     inputs = (one(B, H, 1, D), one(B, Hkv, 1, D), one(B, Hkv, 1, D), one(B, H, 1, F), one(B, Hkv, 1, F), one(H))
     options = dict(window=w, sinks=8, hybrid_sinks=True, la_decay=one(Hkv, dtype=torch.float32),
                    attention_mask=one(B, 1, dtype=torch.long))  # fmt: skip
-    kernels.triton_decode_step(state, *inputs, **options)
+    triton_decode(state, *inputs, **options)
     with Ops() as mode:
-        kernels.triton_decode_step(state, *inputs, **options)
+        triton_decode(state, *inputs, **options)
     # one operator (the launch: an opaque node for torch.compile), and detach (a view: no kernel)
     assert set(mode.ops) == {"hybrid_scale_kernels.decode_step.default", "aten.detach.default"}, mode.ops
     assert len(launches) == 2 and {k.fn.__name__ if hasattr(k, "fn") else k.__name__ for k, _, _ in launches} == {
@@ -461,6 +463,6 @@ def test_la_only_equals_flash_linear_attention_naive_reference():
     ref, _ = fla_naive(*(x[n].detach().double().transpose(1, 2) for n in ("fq", "fk", "v")), scale=1.0, normalize=True)
     ref = ref.transpose(1, 2)
     args = [x[n].detach() for n in NAMES]
-    for fn in (naive.naive_hybrid_attention, chunked.chunk_hybrid_attention, kernels.triton_hybrid_attention):
+    for fn in (naive.naive_hybrid_attention, chunked.chunk_hybrid_attention, triton_attention):
         y = fn(*args, window=8, mode="la_only")
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6, msg=fn.__name__)

@@ -5,13 +5,15 @@ backward's precision contract, dlz rounded as its dots round dy/Z, is modelled b
 import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
-from kernel_inputs import MODES, NAMES, left_padded, make, run
+from kernel_inputs import MODES, NAMES, left_padded, make, run, with_keywords
 
 from hybrid_scale.attention import chunked, naive
 from hybrid_scale.attention.recurrent import DecodeState
 from hybrid_scale.attention.shape import Shape
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
+triton_attention = with_keywords(kernels.triton_hybrid_attention)
+triton_decode = with_keywords(kernels.triton_decode_step, ("state", *NAMES))
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,7 +47,7 @@ def test_bf16_on_gpu_against_the_spec(mode, window):
     x = make(T, B=2, H=6, Hkv=2, D=64, F=128, dtype=torch.bfloat16, device="cuda", seed=window)
     mask = left_padded(T, pad=37).cuda()
     opts = dict(window=window, **variant(mode), sinks=4)
-    y, grads = run(kernels.triton_hybrid_attention, x, mask, **opts)
+    y, grads = run(triton_attention, x, mask, **opts)
     own = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     y_torch, grads_torch = run(chunked.chunk_hybrid_attention, own, mask, **opts)
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
@@ -75,7 +77,7 @@ def test_bf16_decode_on_gpu(mode):
         "cuda",
     )
     for t in range(300):
-        y = kernels.triton_decode_step(
+        y = triton_decode(
             state, *(x[n][:, :, t : t + 1] for n in NAMES[:5]), x["gamma"], window=64, **variant(mode), sinks=4
         )
         torch.testing.assert_close(y.float(), full[:, :, t : t + 1].float(), rtol=0, atol=3e-2)
@@ -83,7 +85,7 @@ def test_bf16_decode_on_gpu(mode):
 
 def test_a_second_derivative_through_the_kernels_is_refused_not_silently_partial():
     x = make(40, D=16, F=16)
-    y = kernels.triton_hybrid_attention(*(x[n] for n in NAMES), window=8)
+    y = triton_attention(*(x[n] for n in NAMES), window=8)
     (dq,) = torch.autograd.grad(y.square().sum(), x["q"], create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dq.sum().backward()
