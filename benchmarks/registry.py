@@ -23,6 +23,7 @@ import torch
 from benchmarks.baselines import sdpa_gqa, sdpa_prefill
 from hybrid_scale.attention import backends, hybrid, naive
 from hybrid_scale.attention.feature_maps import make_feature_map
+from hybrid_scale.attention.options import AttentionOptions
 from hybrid_scale.attention.recurrent import DecodeState, extend
 from hybrid_scale.attention.shape import Shape
 from hybrid_scale.config import load_config
@@ -181,7 +182,7 @@ def decode_step(state: DecodeState, x: dict, t: int, window: int, backend: str):
     token = (x[k][:, :, t : t + 1] for k in ("q", "k", "v", "fq", "fk"))
     with torch.no_grad():
         if backend == "triton":
-            return backends.get_decode("triton")(state, *token, x["gamma"], window=window)
+            return backends.get_decode("triton")(state, *token, x["gamma"], AttentionOptions(window=window))
         return extend(state, *token, x["gamma"], window=window)
 
 

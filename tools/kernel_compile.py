@@ -49,6 +49,7 @@ from hybrid_scale_kernels.decode import triton_decode_step
 from hybrid_scale_kernels.utils import MODE_PARTS
 
 from hybrid_scale.attention.feature_maps import make_feature_map
+from hybrid_scale.attention.options import AttentionOptions
 from hybrid_scale.attention.recurrent import DecodeState
 from hybrid_scale.attention.shape import Shape as CallShape
 from hybrid_scale.config import PRESETS, load_config
@@ -151,24 +152,23 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
     gamma = torch.empty(h, device="meta", requires_grad=True)
     decay = mode.endswith(DECAY)
     mode = mode.removesuffix(DECAY)
-    options = dict(window=shape.window, mode=mode, sinks=shape.sinks)
-    if mode == HYBRID_SINKS:
-        options |= dict(mode="hybrid", hybrid_sinks=True)
+    own = mode == HYBRID_SINKS
+    o = AttentionOptions(window=shape.window, mode="hybrid" if own else mode, sinks=shape.sinks, hybrid_sinks=own)
     rho = torch.empty(hkv, device="meta", requires_grad=True)
     init = (torch.empty(b, hkv, f, d, device="meta", requires_grad=True),
             torch.empty(b, hkv, f, device="meta", requires_grad=True))  # fmt: skip
     with compile_check.record_launches() as recorded, _as_on_a_gpu():
         extra = {"la_decay": rho} if decay else {}
-        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **extra)
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, o, **extra)
         y.backward(torch.empty_like(y))  # training
-        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, **options, **extra, initial_state=init)
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, o, **extra, initial_state=init)
         y.backward(torch.empty_like(y))  # stage 1's units: an initial state
         plain = [t.detach() for t in (q, k, v, fq, fk, gamma)]  # generation's prefill: no gradient, y in q's dtype
         extra = {"la_decay": rho.detach()} if decay else {}
-        triton_hybrid_attention(*plain, **options, **extra)
+        triton_hybrid_attention(*plain, o, **extra)
         long = [x.new_empty(*x.shape[:2], LONG, x.shape[3]) if x.dim() == 4 else x for x in plain]
-        triton_hybrid_attention(*long, **options, **extra)  # a state scan split over the sequence, as on a GPU
-        triton_hybrid_attention(*plain, **options, **extra, return_denominators=True)  # the balance report
+        triton_hybrid_attention(*long, o, **extra)  # a state scan split over the sequence, as on a GPU
+        triton_hybrid_attention(*plain, dataclasses.replace(o, return_denominators=True), **extra)  # the balance report
         state = DecodeState.empty(
             CallShape(
                 kv_heads=hkv, head_dim=d, value_dim=d, features=f, window=shape.window, sinks=shape.sinks, dtype=dtype
@@ -182,7 +182,7 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
             return torch.zeros(*size, dtype=dtype)
 
         triton_decode_step(state, one(b, h, 1, d), one(b, hkv, 1, d), one(b, hkv, 1, d), one(b, h, 1, f),
-                           one(b, hkv, 1, f), torch.ones(h), **options,
+                           one(b, hkv, 1, f), torch.ones(h), o,
                            **({"la_decay": torch.zeros(hkv)} if decay else {}))  # fmt: skip
     return list(recorded)
 

@@ -30,6 +30,8 @@ from hybrid_scale_kernels.chunk import triton_hybrid_attention
 from hybrid_scale_kernels.utils import CHUNK
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hybrid_scale.attention.options import AttentionOptions
+
 PEAK_FLOPS = 790e12  # bf16 dense matrix products, H200 (measured ceiling)
 PEAK_BYTES = 4.3e12  # HBM copy bandwidth, H200 (measured ceiling)
 SHAPE = dict(H=32, Hkv=8, D=128, F=256, w=64, sinks=8)  # Llama-3-8B, Hedgehog, its preset's window and sinks
@@ -180,8 +182,8 @@ def count(T: int) -> tuple[list[Cost], _Glue, float]:
     rho = torch.empty(Hkv, device="meta", requires_grad=True)
     glue = _Glue(big=T * F)
     with record_launches() as recorded, glue:
-        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, window=SHAPE["w"], sinks=SHAPE["sinks"],
-                                    hybrid_sinks=True, la_decay=rho)  # fmt: skip
+        o = AttentionOptions(window=SHAPE["w"], sinks=SHAPE["sinks"], hybrid_sinks=True)
+        y = triton_hybrid_attention(q, k, v, fq, fk, gamma, o, la_decay=rho)
         torch.autograd.grad(y, (q, k, v, fq, fk, gamma, rho), torch.empty_like(y))  # (no .grad to accumulate into)
     costs: dict[str, Cost] = {}
     s = dict(h_bytes=E)

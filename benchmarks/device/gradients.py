@@ -18,6 +18,7 @@ import torch
 from benchmarks.device.run import Run, out_of_time
 from benchmarks.registry import inputs as attention_inputs
 from benchmarks.report_table import one_line
+from hybrid_scale.attention.options import AttentionOptions
 
 TOL = {"y": 2e-2, "q": 5e-2, "k": 5e-2, "v": 5e-2, "fq": 5e-2, "fk": 5e-2, "gamma": 5e-2, "rho": 5e-2}
 LEAVES = ("q", "k", "v", "fq", "fk", "gamma", "rho")
@@ -38,7 +39,7 @@ def tested(run: Run):
 def value_and_grads(fn, x: dict, gy: torch.Tensor, opts: dict) -> dict:
     """{y, and each leaf's gradient (None: the function gave it none)} of fn at x, backward from gy."""
     leaves = {n: x[n].detach().clone().requires_grad_() for n in LEAVES}
-    y = fn(*(leaves[n] for n in LEAVES[:6]), la_decay=leaves["rho"], **opts)
+    y = fn(*(leaves[n] for n in LEAVES[:6]), AttentionOptions(**opts), la_decay=leaves["rho"])
     grads = torch.autograd.grad(y, list(leaves.values()), gy, allow_unused=True)
     return {"y": y.detach(), **dict(zip(LEAVES, grads, strict=True))}
 

@@ -91,19 +91,19 @@ def _decayed_states(fk_c, v_c, rho, chunk):
     return kv.reshape(B, Hkv, nb, Fd, -1), scan(fk_w.sum(3))
 
 
-def _windowed(q, k, v, fq, fk, gamma, *, window, mode, chunk, scale, state, parts=False, sinks=0, rho=None):
+def _windowed(q, k, v, fq, fk, gamma, o: AttentionOptions, *, scale, state, rho=None):
     """hybrid / swa_only / swa_sinks / la_only on unpadded rows. q [B,Hkv,G,T,D], fq [B,Hkv,G,T,F],
-    k/v/fk [B,Hkv,T,*]. With sinks > 0 (swa_sinks, or the hybrid with its sinks) the first `sinks` keys that have
-    left a query's window join its softmax (gamma weights them as it weights the window); the hybrid's LA then leaves
-    them out (the caller zeroes their phi_k, and an initial state holds no sink). rho [Hkv]: the LA's decay (an initial
-    state is then as query w-1 sees it)."""
-    T = q.shape[-2]
+    k/v/fk [B,Hkv,T,*]; scale resolved. In swa_sinks, or the hybrid with its sinks (o.keeps_sinks), the first
+    o.sinks keys that have left a query's window join its softmax (gamma weights them as it weights the window); the
+    hybrid's LA then leaves them out (the caller zeroes their phi_k, and an initial state holds no sink). rho [Hkv]:
+    the LA's decay (an initial state is then as query w-1 sees it)."""
+    T, window, mode, chunk, parts = q.shape[-2], o.window, o.mode, o.chunk_size, o.return_denominators
     w = min(window, T)  # a window >= T makes P(n) empty: identical to w = T
     nb = -(-T // chunk)
     Tp = nb * chunk
     span = w + chunk - 1
     softmax, linear = mode in ("hybrid", "swa_only", "swa_sinks"), mode in ("hybrid", "la_only")
-    S = min(sinks, T) if mode in ("swa_sinks", "hybrid") else 0
+    S = min(o.sinks, T) if o.keeps_sinks else 0
 
     def blocks(x):  # [..., T, d] -> [..., nb, C, d]
         x = F.pad(x, (0, 0, 0, Tp - T))
@@ -250,14 +250,10 @@ def chunk_hybrid_attention(
         g = gamma.to(q.dtype).view(Hkv, H // Hkv)
         if mode == "swa_sinks":  # no L: plain softmax, gamma does not enter (as in naive)
             g = torch.ones_like(g)
-        own = o.keeps_sinks  # the modes whose softmax keeps sinks
         if mode == "hybrid" and o.hybrid_sinks:  # the sinks are E terms, never L terms (real tokens come first here)
             fk = torch.cat([torch.zeros_like(fk[:, :, :sinks]), fk[:, :, sinks:]], 2)
         rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None
-        y = _windowed(
-            q, k, v, fq, fk, g, window=o.window, mode=mode, chunk=o.chunk_size, scale=scale, state=initial_state,
-            parts=return_denominators, sinks=sinks if own else 0, rho=rho,
-        )  # fmt: skip
+        y = _windowed(q, k, v, fq, fk, g, o, scale=scale, state=initial_state, rho=rho)
         if return_denominators:
             y, den_soft, den_lin = y
             return (y.reshape(B, H, T, -1).to(out_dtype), den_soft.reshape(B, H, T), den_lin.reshape(B, H, T))

@@ -84,18 +84,8 @@ def extend(
     mode, window, sinks, hybrid_sinks, chunk_size = o.mode, o.window, o.sinks, o.hybrid_sinks, o.chunk_size
     _check(state, window=window, sinks=sinks)
     B, H, T, _ = q.shape
-    real = torch.ones(B, T, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.bool()
-    new_count = state.count + real.sum(-1)
-    needed = int(new_count.max())
-    if needed > state.ring and state.ring < state.capacity:
-        state.grow(min(state.capacity, max(needed, 2 * state.ring)))
-    if needed > state.capacity and state.capacity < window:
-        raise ValueError(
-            f"the cache holds at most {state.capacity} tokens (max_length) but this call brings a row to {needed}; "
-            "create the cache with a larger max_length"
-        )
+    real, new_count, pos_new = state.make_room(attention_mask, B, T, q.device)
     R, S = state.ring, state.sink_k.shape[2]
-    pos_new = torch.where(real, state.count[:, None] + real.long().cumsum(-1) - 1, -1)
     pos_ring = state.ring_positions()
     qs, keys, vals, beta, g, pos, order = _ordered(state, pos_ring, k, v, fk, gates, pos_new, fq)
     skip = (pos < 0) | ((pos < S) if hybrid_sinks else torch.zeros_like(real[:, :1]))

@@ -129,8 +129,7 @@ def attend(
         impl = "naive" if backend == "naive" else "chunk"
         return delta_hybrid_attention(q, k, v, fq, fk, gamma, gates, o, attention_mask=attention_mask, impl=impl)
     o = o.own()
-    shape = Shape.of(q, k, v, fq, window=o.window, sinks=o.sinks, hybrid_sinks=o.hybrid_sinks,
-                     la_decay=la_decay is not None)  # fmt: skip
+    shape = Shape.of(q, k, v, fq, o, la_decay=la_decay is not None)  # fmt: skip
     fn = get_backend(resolve(backend, q.device, shape))
     return fn(q, k, v, fq, fk, gamma, o, attention_mask=attention_mask, initial_state=initial_state, la_decay=la_decay)
 

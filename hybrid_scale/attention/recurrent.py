@@ -125,6 +125,25 @@ class DecodeState:
             new = old.new_zeros(*old.shape[:2], size, old.shape[-1])
             setattr(self, name, scatter_slots(new, slot, old).contiguous())
 
+    def make_room(self, attention_mask, batch: int, length: int, device) -> tuple[torch.Tensor, ...]:
+        """Before an extension by `length` tokens (attention_mask [B,T] marks the real ones, None: all): grow the ring
+        toward its capacity if the new real tokens need it. Returns (real [B,T] bool, the new count [B], each new
+        token's real index [B,T], -1 for padding); raises where a row would pass a max_length below the window."""
+        if attention_mask is None:
+            real = torch.ones(batch, length, dtype=torch.bool, device=device)
+        else:
+            real = attention_mask.bool()
+        new_count = self.count + real.sum(-1)
+        needed = int(new_count.max())
+        if needed > self.ring and self.ring < self.capacity:
+            self.grow(min(self.capacity, max(needed, 2 * self.ring)))
+        if needed > self.capacity and self.capacity < self.window:
+            raise ValueError(
+                f"the cache holds at most {self.capacity} tokens (max_length) but this call brings a row to {needed}; "
+                "create the cache with a larger max_length"
+            )
+        return real, new_count, torch.where(real, self.count[:, None] + real.long().cumsum(-1) - 1, -1)
+
     def ring_positions(self) -> torch.Tensor:
         """Real-token index held by each ring slot, -1 where empty. [B, R]."""
         R = self.ring
@@ -180,18 +199,8 @@ def extend(
             f"this cache keeps {state.sink_k.shape[2]} sinks, the layer now has {sinks}; start a new cache"
         )
     B, _, T, _ = q.shape
-    real = torch.ones(B, T, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask.bool()
-    new_count = state.count + real.sum(-1)
-    needed = int(new_count.max())
-    if needed > state.ring and state.ring < state.capacity:
-        state.grow(min(state.capacity, max(needed, 2 * state.ring)))
-    if needed > state.capacity and state.capacity < window:
-        raise ValueError(
-            f"the cache holds at most {state.capacity} tokens (max_length) but this call brings a row to {needed}; "
-            "create the cache with a larger max_length"
-        )
+    real, new_count, pos_new = state.make_room(attention_mask, B, T, q.device)
     R, S = state.ring, state.sink_k.shape[2]
-    pos_new = torch.where(real, state.count[:, None] + real.long().cumsum(-1) - 1, -1)
     pos_ring = state.ring_positions()
     acc = compute_dtype(q)
     sink_slots = torch.arange(S, device=q.device)

@@ -2,7 +2,7 @@
 dtype, the hybrid's own sinks, the LA decay): what a backend's self-check runs at (backends.py) and what a decode
 state is allocated for (recurrent.DecodeState.empty).
 
-This file imports only torch (the export copies it next to a modeling file).
+This file imports only torch and options.py (the export copies it next to a modeling file).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .options import AttentionOptions
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,10 @@ class Shape:
     conv: int = 0  # gated_delta's short convolution on q and k (taps; 0 = none): the decode state keeps its last inputs
 
     @classmethod
-    def of(cls, q, k, v, fq, *, window, sinks, hybrid_sinks=False, la_decay=False) -> Shape:
-        """The shape of a call on q [B,H,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv], fq [B,H,T,F] with these settings."""
+    def of(cls, q, k, v, fq, opts: AttentionOptions, la_decay: bool = False) -> Shape:
+        """The shape of a call on q [B,H,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv], fq [B,H,T,F] with these options."""
         dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], fq.shape[-1])
-        return cls(*dims, int(window), int(sinks), q.dtype, bool(hybrid_sinks), bool(la_decay))
+        return cls(*dims, int(opts.window), int(opts.sinks), q.dtype, bool(opts.hybrid_sinks), bool(la_decay))
 
     def __str__(self) -> str:
         own = " (the hybrid's own)" if self.hybrid_sinks else ""

@@ -24,6 +24,7 @@ from kernel_inputs import MODES, NAMES, left_padded, make, run, with_keywords
 
 import hybrid_scale as hs
 from hybrid_scale.attention import backends, chunked, naive
+from hybrid_scale.attention.options import AttentionOptions
 from hybrid_scale.attention.recurrent import DecodeState, extend
 from hybrid_scale.attention.shape import Shape
 from hybrid_scale.config import ConfigError, load_config
@@ -430,14 +431,15 @@ def test_the_self_check_runs_at_the_model_shape_and_refuses_what_the_kernels_can
     x = make(20, H=6, Hkv=2, D=32, F=16)
     with pytest.warns(UserWarning):  # the real check, with a stub that would fail anything: shape recorded
         monkeypatch.setattr(backends, "self_check", lambda name, device, **kw: seen.append(kw["shape"]) or "no")
-        backends.resolve("auto", "cuda", backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], window=4, sinks=2))
+        shape = backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], AttentionOptions(window=4, sinks=2))
+        backends.resolve("auto", "cuda", shape)
     assert seen[-1] == backends.Shape(6, 2, 32, 32, 16, 4, 2, torch.float32)
     wide = backends.Shape(16, 16, 256, 256, 512, 64, 8, torch.bfloat16)  # head dim 256: not compile-checked
     why = real("triton", "cuda", shape=wide)
     assert why == "it cannot take this shape: head dim 256 is over 128, the largest the kernels are compile-checked at"
     assert kernels.supports(128, 128, 256, 8, torch.bfloat16) is None
     assert "value dim 64 differs" in kernels.supports(128, 64, 256, 8, torch.bfloat16)
-    own = backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], window=4, sinks=2, hybrid_sinks=True)
+    own = backends.Shape.of(x["q"], x["k"], x["v"], x["fq"], AttentionOptions(window=4, sinks=2, hybrid_sinks=True))
     assert own.hybrid_sinks and "2 sinks (the hybrid's own)" in str(own)
     # the real check of a hybrid with its sinks (forward, backward, 20 decode steps), here in the interpreter
     assert real("triton", "cpu", shape=backends.Shape(2, 1, 16, 16, 16, 4, 2, torch.float32, True)) is None
