@@ -59,8 +59,12 @@ def test_the_rule_sees_a_long_signature_and_a_positional_setting(tmp_path):
     (tmp_path / "hybrid_scale" / "attention" / "op.py").write_text(
         "def op(q, k, v, fq, fk, gamma, opts=None, *, attention_mask=None, la_decay=None, **settings):\n    pass\n"
         "def bad(q, k, v, fq, fk, gamma, mask=None):\n    pass\n"
-        "def listed(q, k, v, fq, fk, gamma, *, window, mode='hybrid'):\n    pass\n"
+        "def listed(q, k, v, fq, fk, gamma, *, window, mode='hybrid', sinks=8):\n    pass\n"
     )
     found = violations(tmp_path)
     assert [v.split(":")[0] for v in found] == ["hybrid_scale/attention/op.py"] * 2 + ["hybrid_scale/stage.py"], found
-    assert "bad (7)" in found[0] and "listed (8): lists the settings mode, window" in found[1] and "f (7)" in found[2]
+    assert (
+        "bad (7)" in found[0]
+        and "listed (9): lists the settings mode, sinks, window" in found[1]
+        and "f (7)" in found[2]
+    )
