@@ -2,7 +2,8 @@
 
   1. resolve: the run's paths (RunLayout), the derived settings (run/settings.derive) and the model the stage reads
      (run/sources.stage_model: the one disk probe, which reads that model's hybrid_config.json once);
-  2. preflight: its inputs and its plan checked, before any byte is written (preflight/plan.py);
+  2. preflight: its inputs (the checks every stage shares, then the stage's own declaration: its inputs.py) and its
+     plan checked, before any byte is written (preflight/plan.py);
   3. the runtime: the process group and the device (distributed/runtime.init), unless the stage runs on rank 0 alone;
   4. the run dir's lock (run/lock.py), the signal flag (SIGUSR1/SIGTERM only set it) and the requeue marker of a
      previous stop cleared;
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from .config.schema import Config
 from .distributed import requeue, runtime
 from .distributed.requeue import SignalFlag
+from .preflight.inputs import StageInputs
 from .preflight.plan import Plan, preflight, preflight_ahead
 from .run import lock
 from .run.layout import RunLayout
@@ -61,15 +63,22 @@ LOG_ECHO = {"evaluate": "evaluate"}  # the stages whose log lines also go to std
 
 @contextmanager
 def stage_entry(
-    cfg: Config, stage: str, ranks: bool = True, ahead: list[str] | tuple[str, ...] = ()
+    cfg: Config,
+    stage: str,
+    inputs: StageInputs | None = None,
+    ranks: bool = True,
+    ahead: dict[str, StageInputs] | None = None,
 ) -> Iterator[Entry]:
-    """Enter `stage` (distill, finetune, evaluate, export, or pipeline with the stages still to run in `ahead`).
-    `ranks` False: the stage runs in this process alone (the export, on rank 0), without the process group."""
-    resolved = Resolved.of(cfg, None if stage == "pipeline" else stage)
-    if stage == "pipeline":
-        checked = preflight_ahead(cfg, list(ahead), resolved) if ahead else Plan()
+    """Enter `stage` (distill, finetune, evaluate, export, whose `inputs` declare what each reads: its inputs.py), or
+    pipeline with the declarations of the stages still to run in `ahead`. `ranks` False: the stage runs in this
+    process alone (the export, on rank 0), without the process group."""
+    if (inputs is None) == (ahead is None):
+        raise ValueError("stage_entry takes a stage's inputs, or the pipeline's stages ahead, not both")
+    resolved = Resolved.of(cfg, None if ahead is not None else stage)
+    if ahead is not None:
+        checked = preflight_ahead(cfg, ahead, resolved) if ahead else Plan()
     else:
-        checked = preflight(cfg, stage, resolved)
+        checked = preflight(cfg, stage, inputs, resolved)
     rt = None
     if ranks:
         rt = runtime.init(cfg.model.device, cfg.launch.tensor_parallel, cfg.launch.timeout_min)

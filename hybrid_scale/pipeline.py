@@ -20,20 +20,31 @@ from omegaconf import OmegaConf
 
 from .config import STAGES
 from .config.schema import Config
+from .distill import inputs as distill_inputs
 from .distill.stage import distill
 from .distributed import requeue, runtime
 from .entry import Entry, stage_entry
 from .errors import ConfigError, PipelineError
+from .evaluate import inputs as evaluate_inputs
 from .evaluate.cells import identity
 from .evaluate.stage import evaluate
+from .export import inputs as export_inputs
 from .export.identity import IDENTITY_NAME, export_identity
 from .export.stage import export
+from .finetune import inputs as finetune_inputs
 from .finetune.stage import finetune
 from .run.identity import differing, is_current
 from .run.layout import RunLayout
 from .run.resolved import Resolved
 from .run.settings import run_settings
 from .storage.commits import MARKER, atomic_write
+
+STAGE_INPUTS = {  # what each stage reads from the user (its inputs.py), checked ahead of a pipeline's first stage
+    "distill": distill_inputs.INPUTS,
+    "finetune": finetune_inputs.INPUTS,
+    "evaluate": evaluate_inputs.INPUTS,
+    "export": export_inputs.INPUTS,
+}
 
 
 def _started(directory: Path) -> bool:
@@ -101,7 +112,7 @@ def pipeline(cfg: Config, stages: tuple[str, ...] = STAGES, log=print) -> dict:
     todo = [stage for stage in stages if not is_done(cfg, layout, stage)]
     # the preflight of every stage still to run, then the runtime, the lock (held across the stages: one writer per
     # run dir) and one signal flag for the whole run (entry.py); each stage enters its own preflight again
-    with stage_entry(cfg, "pipeline", ahead=todo) as entry:
+    with stage_entry(cfg, "pipeline", ahead={stage: STAGE_INPUTS[stage] for stage in todo}) as entry:
         return _run_stages(entry, stages, log)
 
 

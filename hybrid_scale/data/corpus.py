@@ -5,6 +5,7 @@ LoLCATs). Deterministic given the seed. The held-out split is taken by document 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -89,8 +90,33 @@ def split_documents(docs: list[str], heldout_fraction: float) -> tuple[list[str]
     return docs[:cut], docs[cut:]
 
 
+PACKED_KEPT = 4  # the packings a process keeps (preflight's, read again by the stage; a few runs in one process)
+_PACKED: dict[tuple, torch.Tensor] = {}
+
+
+def identity(tokenizer, docs: list[str], seq_len: int, num_sequences: int | None, seed: int) -> tuple:
+    """What a packing depends on: the tokenizer (its class, where it was loaded from, its vocabulary size), the
+    documents' text (a sha256 of it, in order), the sequence length, the count and the seed."""
+    text = hashlib.sha256()
+    for doc in docs:
+        text.update(doc.encode("utf-8", "surrogatepass") + b"\0")
+    who = (type(tokenizer).__name__, str(getattr(tokenizer, "name_or_path", "")), len(tokenizer))
+    return who, text.hexdigest(), int(seq_len), num_sequences, int(seed)
+
+
 def pack(tokenizer, docs: list[str], seq_len: int, num_sequences: int | None, seed: int) -> torch.Tensor:
-    """[N, seq_len] token ids: documents shuffled with the seed, joined with EOS, cut into full sequences."""
+    """[N, seq_len] token ids: documents shuffled with the seed, joined with EOS, cut into full sequences. Tokenized
+    once per process for the same identity (`identity`): preflight's check and the stage read the same tensor (do not
+    write into it)."""
+    key = identity(tokenizer, docs, seq_len, num_sequences, seed)
+    if key not in _PACKED:
+        while len(_PACKED) >= PACKED_KEPT:
+            _PACKED.pop(next(iter(_PACKED)))
+        _PACKED[key] = _pack(tokenizer, docs, seq_len, num_sequences, seed)
+    return _PACKED[key]
+
+
+def _pack(tokenizer, docs: list[str], seq_len: int, num_sequences: int | None, seed: int) -> torch.Tensor:
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
     eos = tokenizer.eos_token_id

@@ -13,14 +13,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
-from ..data import corpus
 from ..data.staging import Stager
 from ..distributed import runtime
 from ..errors import DistillError
 from ..models import streaming
+from ..models.converted import load_tokenizer
 from ..storage.commits import atomic_write
+from .inputs import training_sequences
 from .state import Stage1
 
 
@@ -99,12 +99,7 @@ def inputs_of_first_layer(stage: Stage1) -> str:
 
 def _rebuild_inputs(stage: Stage1) -> str:
     cfg, batch = stage.cfg, stage.cfg.distill.batch_size
-    tokenizer = AutoTokenizer.from_pretrained(stage.model_path, local_files_only=True)
-    docs, _ = corpus.split_documents(
-        corpus.read_documents(cfg.data.source, cfg.data.text_field),
-        cfg.data.heldout_fraction if cfg.data.source else 0.0,
-    )
-    ids = corpus.pack(tokenizer, docs, cfg.data.seq_len, cfg.data.num_sequences, cfg.seed)[stage.owned]
+    ids = training_sequences(cfg, load_tokenizer(stage.model_path))[stage.owned]  # (preflight's, tokenized once)
     if buffer_writer(stage.rt):
         emb = streaming.embedding(stage.ckpt, stage.dtype)
         for a in range(0, len(stage.owned), batch):

@@ -49,6 +49,7 @@ from ..storage.commits import atomic_write, save_tensors, sha256
 from ..storage.faults import fault
 from .buffers import buffer_slot, buffer_writer, inputs_of_first_layer, mark_written, preflight_buffers, run_teacher
 from .identity import committed, identity_changes
+from .inputs import INPUTS
 from .state import Stage1
 from .step import StepCheckpoint, layer_head_dim, saved_steps, train_layer
 
@@ -58,7 +59,7 @@ def distill(cfg: Config) -> Path:
     its feature maps on the teacher's inputs to it, run the teacher layer to make the next layer's inputs, commit."""
     # preflight, runtime, lock, signal flag (entry.py); USR1/TERM: a step checkpoint at the next step, or a stop
     # after a commit
-    with stage_entry(cfg, "distill") as entry, start(entry) as stage:
+    with stage_entry(cfg, "distill", INPUTS) as entry, start(entry) as stage:
         for warning in entry.plan.warnings:  # e.g. ranks left idle by too few query blocks per step
             stage.log(f"warning: {warning}")
         current = inputs_of_first_layer(stage)

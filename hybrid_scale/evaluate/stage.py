@@ -54,6 +54,7 @@ from ..preflight import costs, shape
 from ..run.sources import ModelSource
 from . import balance, loglik, report, retrieval
 from .cells import TWINS, Cells, count_cells, digest, evaluation_window, identity, model_key
+from .inputs import INPUTS
 
 BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
 
@@ -163,7 +164,7 @@ def evaluate(cfg: Config) -> dict:
     perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
     raises Requeue after a signal."""
     # preflight, runtime, lock, signal flag (entry.py): a signal stops the ranks at their next check (rounds, cells)
-    with stage_entry(cfg, "evaluate") as entry:
+    with stage_entry(cfg, "evaluate", INPUTS) as entry:
         results = _evaluate(entry)
     runtime.barrier(entry.rt)
     return results

@@ -40,6 +40,7 @@ from ..storage.commits import commit, is_export, remove_dir, replace_dir, start_
 from .card import balance_report, model_card
 from .gamma import check_gamma_export, export_texts, gamma_change
 from .identity import IDENTITY_NAME, export_identity
+from .inputs import INPUTS
 from .merge import Draft, export_config, plan_shards, write_code_and_tokenizer, write_shards
 
 
@@ -49,7 +50,7 @@ def export(cfg: Config) -> Path:
     t0 = time.perf_counter()
     # preflight (the input model, its adapter and base, the destination, architecture, free disk) and the run dir's
     # lock when it writes or reads in it (entry.py); on rank 0 alone
-    with stage_entry(cfg, "export", ranks=False) as entry:
+    with stage_entry(cfg, "export", INPUTS, ranks=False) as entry:
         return _export(entry, t0)
 
 

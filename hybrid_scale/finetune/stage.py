@@ -49,13 +49,14 @@ from ..run.metrics import Metrics, duration
 from ..run.settings import stage2_settings
 from ..storage.faults import fault, throttle
 from .checkpoints import committed_steps, load_step, rotate, save_step, write_model
+from .inputs import INPUTS
 from .schedule import schedule_for
 from .state import Stage2
 
 
 def finetune(cfg: Config) -> Path:
     """Run (or resume) stage 2; returns {run_dir}/stage2/output (a converted model with an adapter)."""
-    with stage_entry(cfg, "finetune") as entry:  # preflight, runtime, lock, signal flag (entry.py)
+    with stage_entry(cfg, "finetune", INPUTS) as entry:  # preflight, runtime, lock, signal flag (entry.py)
         return _train(entry)
 
 

@@ -8,6 +8,7 @@ catching impossible shapes, not for tuning. The per-stage figures (`Plan.figures
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..attention.choices import FEATURE_MAP_SPECS
@@ -18,16 +19,17 @@ from ..errors import ConfigError
 from ..launch.slurm import REQUEUE_MARGIN_S, grace_s
 from ..run.resolved import Resolved
 from . import costs, inputs
+from .inputs import StageInputs
 from .report import Plan
 from .shape import DTYPE_BYTES, GB, MFU, SAVE_BYTES_PER_S, SUPPORTED_TYPES, Shape, architecture, counts, free_at, gb
 
 
 def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None) -> Plan:
-    """The table and the blocking problems; `stage` (finetune / evaluate / export) plans from the base of the model
-    that stage reads (resolved.model, checked by then); stage 1 and `plan` itself plan from model.path / model.arch."""
+    """The table and the blocking problems, planned from the base of the model the stage reads (resolved.model,
+    checked by then), else (`plan` itself, and stage 1: StageInputs.plans_from_model) from model.path / model.arch."""
     p = Plan()
     r = resolved or Resolved.of(cfg, stage)
-    base = r.model.base if stage in ("finetune", "evaluate", "export") else None
+    base = r.model.base if r.model is not None else None
     a, source = architecture(cfg, base)
     launch = cfg.launch
     if not a:
@@ -198,21 +200,28 @@ def _refuse(label: str, problems: list[str]) -> None:
         )
 
 
-def preflight(cfg: Config, stage: str, resolved: Resolved | None = None) -> Plan:
-    """What every stage runs first (entry.py), before it writes anything: its inputs checked (inputs.check), then
-    the plan's problems that block `stage` become one clear error."""
+def stage_plan(cfg: Config, stage: str, stage_inputs: StageInputs, r: Resolved) -> Plan:
+    """The plan a stage's preflight makes: from its model's base, or as `plan` does (stage_inputs.plans_from_model)."""
+    return plan(cfg, stage, r if stage_inputs.plans_from_model else replace(r, model=None))
+
+
+def preflight(cfg: Config, stage: str, stage_inputs: StageInputs, resolved: Resolved | None = None) -> Plan:
+    """What every stage runs first (entry.py), before it writes anything: its inputs checked (the checks every stage
+    shares, then the stage's own declaration, `stage_inputs.now`), then the plan's problems that block `stage` become
+    one clear error."""
     r = resolved or Resolved.of(cfg, stage)
-    inputs.check(cfg, stage, r)
-    result = plan(cfg, stage, r)
+    inputs.check(cfg, r, stage_inputs.now)
+    result = stage_plan(cfg, stage, stage_inputs, r)
     _refuse(stage, result.blocking(stage))
     return result
 
 
-def preflight_ahead(cfg: Config, stages: list[str], resolved: Resolved | None = None) -> Plan:
-    """Before a pipeline: the problems of every stage still to run, planned from model.path / model.arch (the later
-    stages' inputs do not exist yet), so that a doomed evaluation or export stops the run before stage 1."""
+def preflight_ahead(cfg: Config, stages: dict[str, StageInputs], resolved: Resolved | None = None) -> Plan:
+    """Before a pipeline: the inputs of every stage still to run (`stages`: name -> its declaration; each one's
+    `ahead`: the later stages' models do not exist yet), and the problems of every one of them, planned from
+    model.path / model.arch, so that a doomed evaluation or export stops the run before stage 1."""
     r = resolved or Resolved.of(cfg)
-    inputs.check_ahead(cfg, stages, r)
+    inputs.check(cfg, r, *(declared.ahead for declared in stages.values()))
     result = plan(cfg, None, r)
     _refuse(", ".join(stages), [m for m in result.problems if set(stages) & set(result.scope[m])])
     return result

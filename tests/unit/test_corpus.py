@@ -50,3 +50,37 @@ def test_jsonl_errors_name_the_line(tmp_path, lines, message):
     with pytest.raises(corpus.CorpusError) as e:
         corpus.read_documents(tmp_path / "d.jsonl")
     assert str(e.value).startswith(f"{tmp_path}/{message}")
+
+
+def test_the_text_is_tokenized_once_for_preflight_and_the_stage(tiny_run_model, tmp_path, monkeypatch):
+    """Issue 61: stage 1's and stage 2's preflights (each stage's inputs.py, as a pipeline checks them ahead) tokenize
+    data.source into the very sequences the stages then read (buffers' training_sequences, batches.finetune_data):
+    one tokenization each, the same tensor. A different seed, length or text is a new one. Planted: without the
+    memo in corpus.pack (each call packs) the stages pack again: 6 calls, not 3."""
+    from conftest import tiny_run_overrides
+
+    from hybrid_scale.config import load_config
+    from hybrid_scale.data import corpus
+    from hybrid_scale.data.batches import finetune_data
+    from hybrid_scale.distill import inputs as distill_inputs
+    from hybrid_scale.finetune import inputs as finetune_inputs
+    from hybrid_scale.models.converted import load_tokenizer
+    from hybrid_scale.run.resolved import Resolved
+
+    calls = []
+    real = corpus._pack
+    monkeypatch.setattr(corpus, "_pack", lambda *a: calls.append(a[2:]) or real(*a))
+    monkeypatch.setattr(corpus, "_PACKED", {})
+    cfg = load_config(overrides=tiny_run_overrides(tiny_run_model, tmp_path / "run"))
+    r = Resolved.of(cfg)
+    distill_inputs.ahead(cfg, r)  # stage 1's preflight
+    finetune_inputs.ahead(cfg, r)  # stage 2's, with the teacher's tokenizer (stage 1's output keeps it)
+    assert len(calls) == 3  # stage 1's sequences; stage 2's training and held-out text
+    tokenizer = load_tokenizer(tiny_run_model)
+    first = distill_inputs.training_sequences(cfg, tokenizer)  # what stage 1's buffers read
+    train, held = finetune_data(cfg, tokenizer, r.derived.stage2_seq_len)  # what stage 2 reads
+    assert len(calls) == 3 and first is distill_inputs.training_sequences(cfg, tokenizer)
+    assert first.shape == (8, 64) and train.shape[1] == 64 and len(held) == cfg.finetune.heldout_sequences
+    cfg.seed += 1
+    distill_inputs.training_sequences(cfg, tokenizer)
+    assert len(calls) == 4  # another seed: packed anew

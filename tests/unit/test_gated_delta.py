@@ -247,8 +247,8 @@ def test_tensor_parallel_heads_compute_their_slice_of_the_layer():
 
 def test_config_refuses_what_gated_delta_cannot_do():
     from hybrid_scale.config import load_config
+    from hybrid_scale.distill.inputs import check_la_objectives
     from hybrid_scale.errors import ConfigError
-    from hybrid_scale.preflight.inputs import check_la_objectives
     from hybrid_scale.run.settings import derive
 
     ssd = load_config(None, ["attention.la_kind=gated_delta", "distill.recipe=ssd"])  # (a finetune-only config loads)

@@ -18,7 +18,7 @@ from hybrid_scale.distributed.environment import first_host
 from hybrid_scale.export.stage import export
 from hybrid_scale.launch import slurm as slurm_module
 from hybrid_scale.launch.slurm import render
-from hybrid_scale.pipeline import pipeline
+from hybrid_scale.pipeline import STAGE_INPUTS, pipeline
 from hybrid_scale.preflight import shape as shape_module
 from hybrid_scale.preflight.inputs import InputError
 from hybrid_scale.preflight.plan import plan, preflight
@@ -163,7 +163,7 @@ def test_preflight_blocks_only_the_stages_a_problem_concerns(tmp_path, big_disk)
     )
     assert unsharded.blocking("finetune") == []
     with pytest.raises(InputError) as e:  # the stage's own input check comes first, more precise than the plan's
-        preflight(cfg, "distill")
+        preflight(cfg, "distill", STAGE_INPUTS["distill"])
     assert str(e.value) == (
         "config key 'model.path': /path/to/Meta-Llama-3-70B does not exist; set model.path to a local Hugging Face "
         "model directory"
@@ -177,7 +177,9 @@ def test_evaluate_and_export_run_the_preflight_on_their_own_inputs(tmp_path, mon
     hs.save_converted(hs.convert_model(model, {"window": 8}), tmp_path / "converted", base_path=base)
     common = [f"run_dir={tmp_path / 'run'}", "model.path=/nowhere", "model.dtype=float32"]
     cfg = load_config(overrides=[*common, f"export.model={tmp_path / 'converted'}"])
-    p = preflight(cfg, "export")  # the input's own architecture, although model.path is a placeholder
+    p = preflight(
+        cfg, "export", STAGE_INPUTS["export"]
+    )  # the input's own architecture, although model.path is a placeholder
     assert dict(((s, q), v) for s, q, v in p.rows)[("model", "architecture")] == f"llama ({base / 'config.json'})"
     monkeypatch.setattr(shape_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     with pytest.raises(ConfigError, match=r"^preflight \(export\): .* has 0\.00 GB free but the export needs ~0\.0"):

@@ -18,6 +18,7 @@ from hybrid_scale.config import load_config
 from hybrid_scale.distributed.requeue import REQUEUE_MARKER, SignalFlag
 from hybrid_scale.entry import stage_entry
 from hybrid_scale.errors import ConfigError, InputError
+from hybrid_scale.pipeline import STAGE_INPUTS
 from hybrid_scale.run import lock, sources
 from hybrid_scale.run.identity import differing
 from hybrid_scale.run.layout import RunLayout
@@ -114,7 +115,7 @@ def test_a_stage_entry_checks_before_it_writes_and_a_refusal_touches_nothing(tmp
     run = tmp_path / "run"
     cfg = load_config(overrides=[f"run_dir={run}", "finetune.model=" + str(tmp_path / "missing")])
     with pytest.raises(InputError, match="config key 'finetune.model'.*is not a converted model"):
-        with stage_entry(cfg, "finetune"):
+        with stage_entry(cfg, "finetune", STAGE_INPUTS["finetune"]):
             raise AssertionError("the body ran")
     assert not run.exists()  # no lock, no directory
 
@@ -125,8 +126,8 @@ def test_a_stage_entry_holds_the_lock_flag_and_log_and_clears_the_requeue_marker
     (run / REQUEUE_MARKER).write_text("3\n")  # the stop before this job
     cfg = load_config(overrides=[f"run_dir={run}", f"model.path={converted / 'base'}"])
     seen = []
-    monkeypatch.setattr(entry_module, "preflight", lambda cfg, stage, r: seen.append((stage, r)) or "checked")
-    with stage_entry(cfg, "distill") as entry:
+    monkeypatch.setattr(entry_module, "preflight", lambda cfg, stage, inputs, r: seen.append((stage, r)) or "checked")
+    with stage_entry(cfg, "distill", STAGE_INPUTS["distill"]) as entry:
         assert seen == [("distill", entry.resolved)] and entry.plan == "checked"
         assert json.loads(lock.lock_path(run).read_text())["stage"] == "distill"
         assert not (run / REQUEUE_MARKER).exists()
@@ -147,7 +148,7 @@ def test_a_logger_without_its_package_is_refused_before_anything_is_written(
     run = tmp_path / "run"
     cfg = load_config(overrides=[f"run_dir={run}", f"model.path={converted / 'base'}", key])
     with pytest.raises(ConfigError, match=rf"config key '{key.split('=')[0]}': .*needs the {package} package"):
-        with stage_entry(cfg, "distill"):
+        with stage_entry(cfg, "distill", STAGE_INPUTS["distill"]):
             raise AssertionError("the body ran")
     assert not run.exists()
 
