@@ -93,6 +93,8 @@ def test_what_it_refuses_and_none():
         triton_attention(**{**x, "v": x["v"][..., :8]}, window=8)
     y = triton_attention(**x, window=8, mode="none", sinks=4)
     assert y.shape == x["q"].shape and not y.any()
+    with pytest.raises(TypeError, match="takes the call's settings as one AttentionOptions"):
+        kernels.forward(**x, window=8)  # the keyword contract before it (an older export's attention files)
 
 
 @pytest.fixture
