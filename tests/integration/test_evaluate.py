@@ -358,7 +358,7 @@ from pathlib import Path
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed import runtime
 from hybrid_scale.models.converted import load_converted
-from hybrid_scale.evaluate.stage import Models
+from hybrid_scale.evaluate.models import Models
 from hybrid_scale.run.sources import probe
 
 path = Path(sys.argv[1])
