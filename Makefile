@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-roofline device-speed
-.PHONY: kernel-compile kernel-compile-triton36 test-ledger reproduce clean bench-memory metrics-overhead test-time planted-faults grad-precision
+.PHONY: kernel-compile kernel-compile-triton36 test-ledger reproduce clean bench-memory metrics-overhead preflight-speed test-time planted-faults grad-precision
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -80,6 +80,10 @@ bench-memory: $(STAMP)
 	$(PY) -m benchmarks.memory.distill
 	$(PY) -m benchmarks.memory.export
 	$(PY) -m benchmarks.memory.tensor_parallel
+
+# What the preflight costs: plan before / after issue 61, the text kept or packed again (docs/results/preflight_speed.md)
+preflight-speed: $(STAMP)
+	$(PY) -m benchmarks.preflight_speed --out docs/results/preflight_speed.md
 
 # What the stage-2 metrics cost per step (docs/results/metrics_overhead.md)
 metrics-overhead: $(STAMP)

@@ -55,3 +55,13 @@ def test_preflight_asks_each_stage_and_branches_on_no_stages_name():
     old = subprocess.run(["git", "show", "a6a285a:hybrid_scale/preflight/inputs.py"], cwd=root, capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     assert len(stage_branches(old)) >= 6
+
+
+def test_the_preflight_benchmark_runs_and_keeps_the_text(smollm2, tmp_path, capsys):
+    """benchmarks/preflight_speed.py at one repeat: both `plan`s run, and the stages' reads pack nothing when the
+    packings are kept (3 packings, the checks') and 3 more when they are not."""
+    from benchmarks import preflight_speed
+
+    assert preflight_speed.main(["--repeats", "1", "--out", str(tmp_path / "t.md")]) == 0
+    table = (tmp_path / "t.md").read_text()
+    assert "6 packings (packed again)" in table and "3 packings (kept)" in table and "(a6a285a)" in table
