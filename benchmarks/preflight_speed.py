@@ -4,7 +4,7 @@ tokenized once):
   * `plan`: every preset's 30 reports (tools/plan_reports.py: the command's and each stage's own) at a commit before
     the change (`--before`, default a6a285a, checked out with git archive) and at this tree, each in its own process,
     alternated, best of `--repeats`;
-  * the text: the embedded default's stage-1 and stage-2 text checks (what a pipeline checks ahead), then what the
+  * the text: the embedded default's stage-1 and stage-2 text checks (each stage's own preflight), then what the
     stages read (stage 1's training sequences, stage 2's training and held-out ones), with the packings kept by
     data/corpus.pack against the same calls packing again (the memo emptied before each, as before the change).
 
@@ -63,8 +63,8 @@ def text_seconds(kept: bool) -> tuple[float, float, int]:
         r = Resolved.of(cfg)
         tokenizer = load_tokenizer(assets.require().model)
         t0 = time.perf_counter()
-        distill_inputs.ahead(cfg, r)
-        finetune_inputs.ahead(cfg, r)
+        distill_inputs.ahead(cfg, r)  # stage 1's own check (`now` on the teacher)
+        finetune_inputs.check_text(cfg, r, assets.require().model)  # stage 2's `now` (its tokenizer is the teacher's)
         t1 = time.perf_counter()
         if not kept:
             corpus._PACKED.clear()

@@ -73,7 +73,7 @@ def stage_entry(
     pipeline with the declarations of the stages still to run in `ahead`. `ranks` False: the stage runs in this
     process alone (the export, on rank 0), without the process group."""
     if (inputs is None) == (ahead is None):
-        raise ValueError("stage_entry takes a stage's inputs, or the pipeline's stages ahead, not both")
+        raise ValueError("stage_entry takes exactly one of a stage's inputs and the pipeline's stages ahead")
     resolved = Resolved.of(cfg, None if ahead is not None else stage)
     if ahead is not None:
         checked = preflight_ahead(cfg, ahead, resolved) if ahead else Plan()

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from .config import STAGES
 from .config.schema import Config
+from .data import corpus
 from .distill import inputs as distill_inputs
 from .distill.stage import distill
 from .distributed import requeue, runtime
@@ -162,6 +163,7 @@ def _run_stages(entry: Entry, stages, log) -> dict:
         elif stage == "export":
             export_on_rank0(cfg, rt)
         timings[stage] = time.perf_counter() - t0
+        corpus.forget()  # (a stage's packed text is not held through the next: each re-reads its own once)
         if rt.main:
             atomic_write(layout.timings, json.dumps(timings, indent=1))
     return timings

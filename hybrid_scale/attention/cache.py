@@ -64,7 +64,7 @@ class HybridCacheLayer(CacheLayerMixin):
             if y is not None:
                 return y
             return step(self.state, q, k, v, fq, fk, module.gamma, o, attention_mask=mask, la_decay=rho)
-        shape = Shape.of(q, k, v, fq, o, la_decay=rho is not None)  # fmt: skip
+        shape = Shape.of(q, k, v, fq, o, la_decay=rho is not None)
         backend = resolve(module.backend, q.device, shape)
         if self.state is None:
             self._check(module)

@@ -129,7 +129,7 @@ def attend(
         impl = "naive" if backend == "naive" else "chunk"
         return delta_hybrid_attention(q, k, v, fq, fk, gamma, gates, o, attention_mask=attention_mask, impl=impl)
     o = o.own()
-    shape = Shape.of(q, k, v, fq, o, la_decay=la_decay is not None)  # fmt: skip
+    shape = Shape.of(q, k, v, fq, o, la_decay=la_decay is not None)
     fn = get_backend(resolve(backend, q.device, shape))
     return fn(q, k, v, fq, fk, gamma, o, attention_mask=attention_mask, initial_state=initial_state, la_decay=la_decay)
 
@@ -319,12 +319,9 @@ class HybridAttention(nn.Module):
     def options(self, **settings) -> AttentionOptions:
         """This layer's AttentionOptions (its window, mode, sinks and its hybrid's own, scaling, chunk_size and
         la_combine); a keyword given (not None) replaces the layer's own for this call only."""
-        o = AttentionOptions(
-            window=self.window, mode=self.mode, sinks=self.sinks, hybrid_sinks=self.hybrid_sinks, scale=self.scaling,
-            chunk_size=self.chunk_size, la_combine=self.la_combine,
-        )  # fmt: skip
-        given = {name: value for name, value in settings.items() if value is not None}
-        return AttentionOptions.of(o, **given)
+        own = dict(window=self.window, mode=self.mode, sinks=self.sinks, hybrid_sinks=self.hybrid_sinks,
+                   scale=self.scaling, chunk_size=self.chunk_size, la_combine=self.la_combine)  # fmt: skip
+        return AttentionOptions(**own | {name: value for name, value in settings.items() if value is not None})
 
     def attend(self, q, k, v, fq, fk, *, gates=None, gamma=None, attention_mask=None, backend=None,
                initial_state=None, la_decay=None, **settings):  # fmt: skip

@@ -14,16 +14,22 @@ Unit = tuple[int, int, int]  # (sequence within the step's batch, first query ro
 
 def finetune_data(cfg: Config, tokenizer, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(training sequences [N, T], held-out sequences [finetune.heldout_sequences, T]) of data.source."""
-    finetune = cfg.finetune
     train_docs, held_docs = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
     train = corpus.pack(tokenizer, train_docs, T, None, cfg.seed)
+    return train, heldout_data(cfg, tokenizer, T, held_docs)
+
+
+def heldout_data(cfg: Config, tokenizer, T: int, held_docs: list[str]) -> torch.Tensor:
+    """Stage 2's held-out sequences [finetune.heldout_sequences, T] of the `selection` documents; one clear error when
+    they are too few."""
+    n = cfg.finetune.heldout_sequences
     held = corpus.pack(tokenizer, held_docs, T, None, cfg.seed)
-    if len(held) < finetune.heldout_sequences:
+    if len(held) < n:
         raise corpus.CorpusError(
             f"the held-out text yields {len(held)} sequences of {T} tokens; finetune.heldout_sequences asks for "
-            f"{finetune.heldout_sequences}: lower it or finetune.seq_len, or give more held-out text"
+            f"{n}: lower it or finetune.seq_len, or give more held-out text"
         )
-    return train, held[: finetune.heldout_sequences]
+    return held[:n]
 
 
 def global_batch(step: int, n: int, size: int, seed: int) -> list[int]:

@@ -104,6 +104,11 @@ def identity(tokenizer, docs: list[str], seq_len: int, num_sequences: int | None
     return who, text.hexdigest(), int(seq_len), num_sequences, int(seed)
 
 
+def forget() -> None:
+    """Drop the packings kept (between a pipeline's stages: one stage's text is not held while the next runs)."""
+    _PACKED.clear()
+
+
 def pack(tokenizer, docs: list[str], seq_len: int, num_sequences: int | None, seed: int) -> torch.Tensor:
     """[N, seq_len] token ids: documents shuffled with the seed, joined with EOS, cut into full sequences. Tokenized
     once per process for the same identity (`identity`): preflight's check and the stage read the same tensor (do not

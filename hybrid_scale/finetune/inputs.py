@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..config.schema import Config
 from ..data import corpus
-from ..data.batches import finetune_data
+from ..data.batches import finetune_data, heldout_data
 from ..errors import ConfigError
 from ..models.converted import ADAPTER_DIR, load_tokenizer
 from ..preflight.inputs import StageInputs, check_converted
@@ -24,15 +24,22 @@ def check_early_stopping(cfg: Config, r: Resolved) -> None:
         raise ConfigError("config key 'finetune.eval_every': early stopping needs held-out evaluations (set it > 0)")
 
 
-def check_text(cfg: Config, r: Resolved, tokenizer_dir: Path | None) -> None:
+def check_text(cfg: Config, r: Resolved, tokenizer_dir: Path | None, whole: bool = True) -> None:
     """data.source parses (every line of a JSONL, the text field); with a tokenizer, it yields the held-out sequences
-    finetune.heldout_sequences asks for and at least one optimizer step's worth of training sequences."""
+    finetune.heldout_sequences asks for and at least one optimizer step's worth of training sequences. `whole`: the
+    stage's own call (batches.finetune_data, whose packing the stage then reads); else (a pipeline, before stage 1:
+    the whole text would be held through it) the held-out text and one step's worth of training text alone."""
     d = cfg.data
     if tokenizer_dir is None:
         corpus.train_and_heldout(d.source, d.text_field, d.heldout_fraction, "selection")
         return
-    T, batch = r.derived.stage2_seq_len, cfg.finetune.global_batch
-    train, _ = finetune_data(cfg, load_tokenizer(tokenizer_dir), T)
+    T, batch, tokenizer = r.derived.stage2_seq_len, cfg.finetune.global_batch, load_tokenizer(tokenizer_dir)
+    if not whole:
+        train_docs, held_docs = corpus.train_and_heldout(d.source, d.text_field, d.heldout_fraction)
+        heldout_data(cfg, tokenizer, T, held_docs)
+        corpus.pack(tokenizer, train_docs, T, batch, cfg.seed)  # (too few: its error names the count asked for)
+        return
+    train, _ = finetune_data(cfg, tokenizer, T)
     if len(train) < batch:
         raise corpus.CorpusError(
             f"the training text yields {len(train)} sequences of {T} tokens; one optimizer step takes "
@@ -59,7 +66,7 @@ def ahead(cfg: Config, r: Resolved) -> None:
     check_early_stopping(cfg, r)
     given = stage_model(cfg, "finetune", r.layout) if cfg.finetune.model else None
     teacher = stage_model(cfg, "distill", r.layout).path
-    check_text(cfg, r, given.base if given is not None and given.exists else teacher)
+    check_text(cfg, r, given.base if given is not None and given.exists else teacher, whole=False)
 
 
 INPUTS = StageInputs(now, ahead)

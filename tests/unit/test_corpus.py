@@ -53,10 +53,12 @@ def test_jsonl_errors_name_the_line(tmp_path, lines, message):
 
 
 def test_the_text_is_tokenized_once_for_preflight_and_the_stage(tiny_run_model, tmp_path, monkeypatch):
-    """Issue 61: stage 1's and stage 2's preflights (each stage's inputs.py, as a pipeline checks them ahead) tokenize
-    data.source into the very sequences the stages then read (buffers' training_sequences, batches.finetune_data):
-    one tokenization each, the same tensor. A different seed, length or text is a new one. Planted: without the
-    memo in corpus.pack (each call packs) the stages pack again: 6 calls, not 3."""
+    """Issue 61: stage 1's and stage 2's preflights (each stage's inputs.py) tokenize data.source into the very
+    sequences the stages then read (buffers' training_sequences, batches.finetune_data): one tokenization each, the
+    same tensor. A different seed is a new one. A pipeline's check ahead of stage 1 packs stage 2's held-out text and
+    one step of its training text alone (the whole of it is not held through stage 1), and the pipeline forgets
+    the packings between stages. Planted: without the memo in corpus.pack (each call packs) the stages pack again:
+    6 calls, not 3."""
     from conftest import tiny_run_overrides
 
     from hybrid_scale.config import load_config
@@ -73,14 +75,42 @@ def test_the_text_is_tokenized_once_for_preflight_and_the_stage(tiny_run_model, 
     monkeypatch.setattr(corpus, "_PACKED", {})
     cfg = load_config(overrides=tiny_run_overrides(tiny_run_model, tmp_path / "run"))
     r = Resolved.of(cfg)
-    distill_inputs.ahead(cfg, r)  # stage 1's preflight
-    finetune_inputs.ahead(cfg, r)  # stage 2's, with the teacher's tokenizer (stage 1's output keeps it)
+    distill_inputs.ahead(cfg, r)  # stage 1's preflight (its `now` on the teacher)
+    finetune_inputs.check_text(cfg, r, tiny_run_model)  # stage 2's `now` (the teacher's tokenizer: stage 1's keeps it)
     assert len(calls) == 3  # stage 1's sequences; stage 2's training and held-out text
     tokenizer = load_tokenizer(tiny_run_model)
     first = distill_inputs.training_sequences(cfg, tokenizer)  # what stage 1's buffers read
     train, held = finetune_data(cfg, tokenizer, r.derived.stage2_seq_len)  # what stage 2 reads
     assert len(calls) == 3 and first is distill_inputs.training_sequences(cfg, tokenizer)
     assert first.shape == (8, 64) and train.shape[1] == 64 and len(held) == cfg.finetune.heldout_sequences
+    finetune_inputs.ahead(cfg, r)  # a pipeline's check: the held-out text kept, one step of training text packed
+    assert calls[3:] == [(64, cfg.finetune.global_batch, cfg.seed)]
+    corpus.forget()
     cfg.seed += 1
     distill_inputs.training_sequences(cfg, tokenizer)
-    assert len(calls) == 4  # another seed: packed anew
+    assert len(calls) == 5  # another seed: packed anew
+
+
+def test_a_pipeline_forgets_a_stages_packings_before_the_next_stage(tmp_path, monkeypatch):
+    """The packings kept for a stage (its preflight's, read again by the stage) are dropped when it is done: stage 2's
+    whole training text is not held while the evaluation runs. Planted: without corpus.forget in the pipeline's loop
+    the evaluation sees stage 2's packing."""
+    from types import SimpleNamespace
+
+    from hybrid_scale import pipeline
+    from hybrid_scale.config import load_config
+    from hybrid_scale.data import corpus
+    from hybrid_scale.distributed.runtime import Runtime
+    from hybrid_scale.run.layout import RunLayout
+
+    seen = {}
+    monkeypatch.setattr(corpus, "_PACKED", {})
+    monkeypatch.setattr(pipeline, "distill", lambda cfg: corpus._PACKED.update(stage1=None))
+    monkeypatch.setattr(pipeline, "finetune", lambda cfg: seen.update(finetune=len(corpus._PACKED)))
+    monkeypatch.setattr(pipeline, "evaluate", lambda cfg: seen.update(evaluate=len(corpus._PACKED)))
+    cfg = load_config(overrides=[f"run_dir={tmp_path / 'run'}"])
+    (tmp_path / "run").mkdir()
+    entry = SimpleNamespace(cfg=cfg, rt=Runtime(), layout=RunLayout.of(cfg), signal=SimpleNamespace(raised=False))
+    monkeypatch.setattr(pipeline, "record_config", lambda *a: None)
+    pipeline._run_stages(entry, ("distill", "finetune", "evaluate"), lambda line: None)
+    assert seen == {"finetune": 0, "evaluate": 0}
