@@ -112,8 +112,8 @@ SAME_NUMBERS: dict[str, tuple[str, str, str, str]] = {
         "5a439368c60910a7fd74cdf7bdfd25e67feb7ceae2d48a48fc1c4990b7263459",
         "2599d4460407554f1c196c3aa1865d4328538536",
         "0104d069a655aeab56a5dae6a9e0a70dc6e6c5c6",
-        "issue 61's review: the layer builds its AttentionOptions once per call (one dict, not a replace of an object), "
-        "two stray format markers gone",
+        "issue 61's review: the layer builds its AttentionOptions once per call (one dict, not a replace of an "
+        "object), two stray format markers gone",
     ),
     "5a439368c60910a7fd74cdf7bdfd25e67feb7ceae2d48a48fc1c4990b7263459": (
         "d506c951620b9305fee150c46f5ff52d7a174074700d90bbd968a100aa969e69",
