@@ -21,11 +21,14 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.baselines import sdpa_gqa, sdpa_prefill
-from hybrid_scale.attention import backends, hybrid, naive
-from hybrid_scale.attention.feature_maps import make_feature_map
+from hybrid_scale.attention import backends
+from hybrid_scale.attention import layer as hybrid
+from hybrid_scale.attention.hedgehog import naive
+from hybrid_scale.attention.hedgehog.feature_maps import make_feature_map
+from hybrid_scale.attention.hedgehog.recurrent import extend
 from hybrid_scale.attention.options import AttentionOptions
-from hybrid_scale.attention.recurrent import DecodeState, extend
 from hybrid_scale.attention.shape import Shape
+from hybrid_scale.attention.window.recurrent import DecodeState
 from hybrid_scale.config import load_config
 
 WINDOW, SINKS = 64, 8  # the presets' window and sinks (configs/models/*.yaml)

@@ -10,8 +10,8 @@ from .config import ConfigError, load_config
 __version__ = "0.1.0"
 
 _LAZY = {  # name -> the module that defines it
-    "HybridAttention": ".attention.hybrid",
-    "HybridCache": ".attention.cache",
+    "HybridAttention": ".attention.layer",
+    "HybridCache": ".attention.hf.cache",
     "UnsupportedArchitectureError": ".models.convert",
     "components": ".models.convert",
     "convert_model": ".models.convert",

@@ -32,8 +32,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from .attention.architectures import BY_MODEL_TYPE
-from .attention.hybrid import HybridAttention
+from .attention.hf.architectures import BY_MODEL_TYPE
+from .attention.layer import HybridAttention
 from .config import attention_settings
 from .config.schema import Config
 from .distill import step as distill_step

@@ -48,10 +48,10 @@ from hybrid_scale_kernels.chunk import triton_hybrid_attention
 from hybrid_scale_kernels.decode import triton_decode_step
 from hybrid_scale_kernels.utils import MODE_PARTS
 
-from hybrid_scale.attention.feature_maps import make_feature_map
+from hybrid_scale.attention.hedgehog.feature_maps import make_feature_map
 from hybrid_scale.attention.options import AttentionOptions
-from hybrid_scale.attention.recurrent import DecodeState
 from hybrid_scale.attention.shape import Shape as CallShape
+from hybrid_scale.attention.window.recurrent import DecodeState
 from hybrid_scale.config import PRESETS, load_config
 from tools import compile_check
 

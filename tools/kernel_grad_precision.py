@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from hybrid_scale.attention import naive
+from hybrid_scale.attention.hedgehog import naive
 
 B, H, HKV, T, D, F, PAD = 2, 6, 2, 700, 64, 128, 37
 

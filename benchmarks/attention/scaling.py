@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import registry
-from hybrid_scale.attention import chunked, recurrent
+from hybrid_scale.attention.hedgehog import chunk as chunked
+from hybrid_scale.attention.hedgehog import recurrent
 from hybrid_scale.attention.shape import Shape
 
 NAME = "smollm2-135m"

@@ -53,7 +53,7 @@ def llama(run: Run, m: dict, seed: int = 0):
 def one_layer(run: Run):
     """(a converted one-layer model, its HybridAttention): its MLP and vocabulary play no part in a decode step."""
     from hybrid_scale import convert_model  # noqa: PLC0415
-    from hybrid_scale.attention.hybrid import hybrid_layers  # noqa: PLC0415
+    from hybrid_scale.attention.layer import hybrid_layers  # noqa: PLC0415
 
     m = dict(run.cfg["model"], layers=1, vocab=256, inter=128)
     model = convert_model(llama(run, m), attention_settings(run))
@@ -64,7 +64,7 @@ def hybrid_step(layer_of, x: dict, ctx: int):
     """(step, state bytes): the converted layer's decode step of token ctx - 1 after a prefill of the ctx - 1 before
     it, through a fresh HybridCache; layer_of = one_layer()'s (model, module)."""
     from hybrid_scale import HybridCache  # noqa: PLC0415
-    from hybrid_scale.attention.hybrid import Projections  # noqa: PLC0415
+    from hybrid_scale.attention.layer import Projections  # noqa: PLC0415
 
     model, module = layer_of
     layer = HybridCache(model).layers[0]

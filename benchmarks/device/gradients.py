@@ -1,7 +1,7 @@
 """Part 1, grad: a bf16 forward and backward of `hybrid_scale_kernels.triton_hybrid_attention` at the Llama-3-8B
 attention shape (B 1, H 32, Hkv 8, head dim 128, feature dim 256 of hedgehog-like positive features, window 64, the
 hybrid's 8 sinks, LA decay; T 4096; modes hybrid and la_only) against the chunked torch path
-(`hybrid_scale.attention.chunked.chunk_hybrid_attention`) in fp32 on the same bf16-rounded inputs and output
+(`hybrid_scale.attention.hedgehog.chunk.chunk_hybrid_attention`) in fp32 on the same bf16-rounded inputs and output
 gradient. Per tensor (y, and the gradients of q, k, v, phi_q, phi_k, gamma and rho) the max relative error
 max |a - b| / max |b| (the absolute error where the reference is all zero, e.g. gamma's gradient in la_only), against
 TOL. bf16 carries 2^-8 relative; y is an average of values of size ~1, each gradient a sum over up to T terms
@@ -27,7 +27,7 @@ MODES = ("hybrid", "la_only")
 
 def tested(run: Run):
     """(the function under test, its name)."""
-    from hybrid_scale.attention.chunked import chunk_hybrid_attention  # noqa: PLC0415
+    from hybrid_scale.attention.hedgehog.chunk import chunk_hybrid_attention  # noqa: PLC0415
 
     if not run.cuda:
         return chunk_hybrid_attention, "chunk_hybrid_attention in the run's dtype (dry run: no Triton on a CPU)"
@@ -59,7 +59,7 @@ def part_gradients(run: Run) -> dict:
     end = run.part_deadline("grad")
     T = cfg["grad_T"]
     fn, name = tested(run)
-    from hybrid_scale.attention.chunked import chunk_hybrid_attention  # noqa: PLC0415
+    from hybrid_scale.attention.hedgehog.chunk import chunk_hybrid_attention  # noqa: PLC0415
 
     x = attention_inputs(s, T, run.device, run.dtype, seed=1)
     x["rho"] = torch.linspace(0.01, 0.1, s["Hkv"], device=run.device)

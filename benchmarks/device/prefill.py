@@ -42,7 +42,7 @@ def same(x):
 
 def hybrid_method(run: Run, mode: str) -> Method:
     """hybrid.attend in `mode` with the 8B preset's settings (window, the hybrid's own sinks, LA decay rho)."""
-    from hybrid_scale.attention import hybrid  # noqa: PLC0415
+    from hybrid_scale.attention import layer as hybrid  # noqa: PLC0415
 
     cfg = run.cfg
     opts = dict(window=cfg["window"], sinks=cfg["sinks"], hybrid_sinks=True, backend=cfg["backend"], mode=mode)

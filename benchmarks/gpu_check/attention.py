@@ -20,7 +20,8 @@ def part_attention(s: dict, work: Path) -> dict:
     from benchmarks.registry import Clock
     from benchmarks.registry import inputs as attention_inputs
     from benchmarks.report_table import one_line
-    from hybrid_scale.attention import backends, hybrid
+    from hybrid_scale.attention import backends
+    from hybrid_scale.attention import layer as hybrid
 
     a, device, dtype = s["attn"], s["device"], getattr(torch, s["dtype"])
     cuda = torch.device(device).type == "cuda"

@@ -45,7 +45,7 @@ def make_model(args, root: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hybrid_scale as hs
-    from hybrid_scale.attention.hybrid import hybrid_layers
+    from hybrid_scale.attention.layer import hybrid_layers
     from hybrid_scale.models.converted import ADAPTER_DIR
 
     torch.manual_seed(0)
@@ -82,7 +82,7 @@ def worker(args) -> None:
     """One rank of one tp: load, split, run the logits and a decode state; its record to <results>/rank<R>.json."""
     from transformers import AutoModelForCausalLM
 
-    from hybrid_scale.attention.cache import HybridCache
+    from hybrid_scale.attention.hf.cache import HybridCache
     from hybrid_scale.distributed import runtime, tensor_parallel
     from hybrid_scale.distributed.parallelize import parallelize
     from hybrid_scale.models.converted import base_config, base_dir, load_converted

@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from hybrid_scale.attention.hybrid import HybridAttention, Projections
+from hybrid_scale.attention.layer import HybridAttention, Projections
 from hybrid_scale.export.gamma import fit_gamma
 
 

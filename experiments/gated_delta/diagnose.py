@@ -13,8 +13,9 @@ import argparse
 
 import torch
 
-from hybrid_scale.attention.delta import l2norm, lagged_delta
-from hybrid_scale.attention.hybrid import apply_rope
+from hybrid_scale.attention.gated_delta.chunk import lagged_delta
+from hybrid_scale.attention.gated_delta.naive import l2norm
+from hybrid_scale.attention.layer import apply_rope
 from hybrid_scale.data import assets
 
 

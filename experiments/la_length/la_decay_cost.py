@@ -17,7 +17,7 @@ import time
 import torch
 
 from benchmarks.attention.scaling import FEAT, HKV, D, H, inputs  # the scaling benchmark's SmolLM2-shaped inputs
-from hybrid_scale.attention.chunked import chunk_hybrid_attention
+from hybrid_scale.attention.hedgehog.chunk import chunk_hybrid_attention
 
 WINDOW, SINKS = 64, 8
 VARIANTS = {

@@ -23,8 +23,8 @@ import torch
 
 from hybrid_scale import measure
 from hybrid_scale.attention import backends
-from hybrid_scale.attention.chunked import chunk_hybrid_attention
-from hybrid_scale.attention.naive import EPS
+from hybrid_scale.attention.hedgehog.chunk import chunk_hybrid_attention
+from hybrid_scale.attention.window.naive import EPS
 from hybrid_scale.config import load_config
 from hybrid_scale.entry import Resolved
 from hybrid_scale.evaluate import balance

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hybrid_scale.attention.hybrid import hybrid_layers
+from hybrid_scale.attention.layer import hybrid_layers
 from hybrid_scale.config import load_config
 from hybrid_scale.data.assets import require
 from hybrid_scale.distill.stage import distill

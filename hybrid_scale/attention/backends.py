@@ -47,12 +47,14 @@ from importlib.metadata import entry_points
 
 import torch
 
-from .choices import BACKENDS
-from .chunked import chunk_hybrid_attention
-from .naive import masked_attention, naive_hybrid_attention, real_positions
+from .hedgehog.chunk import chunk_hybrid_attention
+from .hedgehog.naive import masked_attention, naive_hybrid_attention
+from .hedgehog.recurrent import extend
 from .options import AttentionOptions
-from .recurrent import DecodeState, extend
+from .settings import BACKENDS
 from .shape import Shape
+from .window.naive import real_positions
+from .window.recurrent import DecodeState
 
 BUILTIN = ("naive", "chunk")
 CHOICES = BACKENDS  # the values of attention.backend

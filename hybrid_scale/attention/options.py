@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .choices import LA_COMBINES, MODES
+from .settings import LA_COMBINES, MODES
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ..attention.choices import BACKENDS as BACKEND_CHOICES
-from ..attention.choices import FEATURE_MAPS, LA_COMBINES, LA_KINDS, MODES
+from ..attention.settings import BACKENDS as BACKEND_CHOICES
+from ..attention.settings import FEATURE_MAPS, LA_COMBINES, LA_KINDS, MODES
 from ..errors import ConfigError
 from ..recipes import RECIPES
 from .schema import DEVICES, DTYPES, EVAL_MODES, EVAL_TASKS, JOBS, LAUNCHERS, OBJECTIVES, SSD_GRANULARITY

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.hybrid import Projections
-from ..attention.naive import compute_dtype, decay_weight
+from ..attention.hedgehog.naive import decay_weight
+from ..attention.layer import Projections
+from ..attention.window.naive import compute_dtype
 
 
 def _expand(x, group):

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from ..attention.hybrid import HybridAttention
+from ..attention.layer import HybridAttention
 from ..config.schema import Config
 from ..distributed import requeue, runtime, tensor_parallel
 from ..entry import Entry, stage_entry

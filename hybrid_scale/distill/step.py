@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ..attention.hybrid import HybridAttention
+from ..attention.layer import HybridAttention
 from ..config import OBJECTIVES
 from ..config.schema import Config
 from ..data import batches

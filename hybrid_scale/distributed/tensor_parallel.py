@@ -47,8 +47,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..attention.architectures import ARCHITECTURES
-from ..attention.hybrid import HybridAttention
+from ..attention.hf.architectures import ARCHITECTURES
+from ..attention.layer import HybridAttention
 from ..errors import ConfigError
 from . import runtime
 from .runtime import Runtime

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..attention.hybrid import hybrid_layers
+from ..attention.layer import hybrid_layers
 from ..distributed.deepspeed import gathered
 from ..measure import bucket_labels
 

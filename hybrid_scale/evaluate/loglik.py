@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..attention.cache import HybridCache
-from ..attention.hybrid import hybrid_layers
+from ..attention.hf.cache import HybridCache
+from ..attention.layer import hybrid_layers
 from ..distributed.runtime import Runtime
 
 

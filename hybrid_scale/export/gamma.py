@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..attention.hybrid import GAMMA_PARAMS, HybridAttention, Projections, check_gamma
-from ..attention.naive import EPS
+from ..attention.layer import GAMMA_PARAMS, HybridAttention, Projections, check_gamma
+from ..attention.window.naive import EPS
 from ..config.schema import Config
 from ..data import corpus
 from ..errors import CorpusError, ExportError

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..attention.architectures import ARCHITECTURES
+from ..attention.hf.architectures import ARCHITECTURES
 from ..errors import ExportError
 from ..models import streaming
 from ..models.converted import (
@@ -27,15 +27,7 @@ from ..models.converted import (
 )
 from ..storage.commits import save_tensors
 from ..storage.faults import fault_enospc
-
-ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
-
-
-def remote_files() -> list[str]:
-    """Every module of the attention folder (they import only torch, transformers and each other, in the
-    `from .sibling import name` form, so they work copied flat next to each other); not its package __init__.py."""
-    return sorted(p.name for p in ATTENTION_DIR.glob("*.py") if p.name != "__init__.py")
-
+from .remote_code import write_remote_code
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -144,8 +136,7 @@ def export_config(base: Path, settings: dict, dtype_name: str | None) -> dict:
 def write_code_and_tokenizer(tmp: Path, base: Path, config: dict) -> None:
     """config.json, the attention package's modules (the remote code), the base model's tokenizer files."""
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in remote_files():
-        shutil.copy(ATTENTION_DIR / name, tmp / name)
+    write_remote_code(tmp)
     for name in TOKENIZER_FILES:
         if (base / name).is_file():
             shutil.copy(base / name, tmp / name)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..attention.hybrid import GAMMA_PARAMS
+from ..attention.layer import GAMMA_PARAMS
 from ..config.schema import Config
 from ..entry import Entry, stage_entry
 from ..models import streaming

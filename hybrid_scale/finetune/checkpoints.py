@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..attention.hybrid import HybridAttention
+from ..attention.layer import HybridAttention
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import gather_full, restore_trainable, trainable_state
 from ..distributed.replicated import ReplicatedEngine

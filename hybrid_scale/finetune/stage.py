@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..attention.hybrid import hybrid_layers
+from ..attention.layer import hybrid_layers
 from ..config.schema import Config
 from ..data.batches import finetune_data, global_batch, rank_share
 from ..distributed import requeue, runtime, tensor_parallel

@@ -8,10 +8,10 @@ from typing import Any
 
 from torch import nn
 
-from ..attention.architectures import ARCHITECTURES
-from ..attention.generation import attach
-from ..attention.hybrid import HybridAttention, hybrid_layers
-from ..attention.naive import check_mode
+from ..attention.hf.architectures import ARCHITECTURES
+from ..attention.hf.generation import attach
+from ..attention.layer import HybridAttention, hybrid_layers
+from ..attention.window.naive import check_mode
 from ..config import attention_settings
 from ..errors import UnsupportedArchitectureError
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..attention.architectures import BY_EXPORT_TYPE
-from ..attention.hybrid import HybridAttention, hybrid_layers
+from ..attention.hf.architectures import BY_EXPORT_TYPE
+from ..attention.layer import HybridAttention, hybrid_layers
 from ..distributed import tensor_parallel
 from ..distributed.deepspeed import import_deepspeed, is_partitioned
 from ..distributed.runtime import Runtime

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..attention.architectures import ARCHITECTURES
+from ..attention.hf.architectures import ARCHITECTURES
 from ..distributed import tensor_parallel
 from ..distributed.runtime import Runtime
 from ..errors import InputError, UnsupportedArchitectureError

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..attention.choices import FEATURE_MAP_SPECS
+from ..attention.settings import FEATURE_MAP_SPECS
 from ..config import on_gpus
 from ..config.schema import Config
 from ..distributed import tensor_parallel

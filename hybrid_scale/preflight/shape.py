@@ -11,8 +11,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..attention.architectures import BY_MODEL_TYPE, base_model_type
-from ..attention.choices import FEATURE_MAP_SPECS
+from ..attention.hf.architectures import BY_MODEL_TYPE, base_model_type
+from ..attention.settings import FEATURE_MAP_SPECS
 from ..config.schema import Config
 from ..data import assets
 from ..models import streaming

@@ -23,7 +23,7 @@ after every step. Rows whose new token is padding are left untouched (output 0).
 With a decay of the LA (rho per KV head, alpha = exp(-rho)) every L term of key j counts alpha^max(0, p - w - j), and
 the state keeps its sums as the last token seen (p - 1) sees them: the new token reads them times alpha, and the
 update multiplies them by alpha once (one multiply per KV head) before folding the evicted key in as p sees it.
-The state is the same object `hybrid_scale.attention.recurrent.DecodeState` keeps (duck-typed here: this package
+The state is the same object `hybrid_scale.attention.window.recurrent.DecodeState` keeps (duck-typed here: this package
 does not import the attention package); the result equals `recurrent.extend` on one token.
 """
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-EPS = 1e-12  # must equal hybrid_scale.attention.naive.EPS (checked by the tests)
+EPS = 1e-12  # must equal hybrid_scale.attention.window.naive.EPS (checked by the tests)
 TL_EPS = tl.constexpr(EPS)
 CHUNK = 64  # tokens per chunk: every 2D tile of the chunked kernels is [CHUNK, CHUNK] or [CHUNK, a head-dim block]
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import perturb_hybrid, tiny_model  # noqa: E402
 
 import hybrid_scale as hs  # noqa: E402
-from hybrid_scale.attention.naive import MODES  # noqa: E402
+from hybrid_scale.attention.settings import MODES  # noqa: E402
 from hybrid_scale.distributed import runtime, tensor_parallel  # noqa: E402
 from hybrid_scale.models.convert import hybrid_layers, set_modes  # noqa: E402
 

@@ -10,8 +10,8 @@ from torch._dynamo.utils import counters
 from transformers.generation.configuration_utils import CompileConfig
 
 import hybrid_scale as hs
-from hybrid_scale.attention.cache import HybridCache
-from hybrid_scale.attention.hybrid import hybrid_layers
+from hybrid_scale.attention.hf.cache import HybridCache
+from hybrid_scale.attention.layer import hybrid_layers
 
 try:
     import hybrid_scale_kernels  # noqa: F401

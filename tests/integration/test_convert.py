@@ -6,8 +6,8 @@ from conftest import ARCHS, perturb_hybrid, tiny_model
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import hybrid_scale as hs
-from hybrid_scale.attention.cache import HybridCache
-from hybrid_scale.attention.hybrid import HybridAttention
+from hybrid_scale.attention.hf.cache import HybridCache
+from hybrid_scale.attention.layer import HybridAttention
 
 
 def logits(model, ids, **kw):

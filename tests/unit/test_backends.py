@@ -7,10 +7,12 @@ import torch
 from conftest import attention_inputs
 from torch import nn
 
-from hybrid_scale.attention import backends, chunked, naive
-from hybrid_scale.attention.hybrid import HybridAttention, attend
-from hybrid_scale.attention.naive import MODES
+from hybrid_scale.attention import backends
+from hybrid_scale.attention.hedgehog import chunk as chunked
+from hybrid_scale.attention.hedgehog import naive
+from hybrid_scale.attention.layer import HybridAttention, attend
 from hybrid_scale.attention.options import AttentionOptions
+from hybrid_scale.attention.settings import MODES
 
 NAMES = ("q", "k", "v", "fq", "fk", "gamma")
 

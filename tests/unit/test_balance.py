@@ -99,7 +99,7 @@ def test_blocks_beyond_the_window_cover_exactly_the_tokens_past_it():
 def test_gamma_fit_from_one_attention_pass_equals_refitting_through_the_attention():
     """export.fit_gamma runs the attention once and then steps gamma in closed form: the hybrid output at any gamma
     equals the attention's, and 15 Adam steps land where 15 steps through the full attention land."""
-    from hybrid_scale.attention.hybrid import Projections, hybrid_layers
+    from hybrid_scale.attention.layer import Projections, hybrid_layers
     from hybrid_scale.export import gamma as export
 
     model = perturb_hybrid(hs.convert_model(tiny_model("llama"), {"window": 8}))

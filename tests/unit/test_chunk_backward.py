@@ -14,7 +14,7 @@ import torch
 from conftest import HYBRID_SINKS, variant
 from kernel_inputs import make, with_keywords
 
-from hybrid_scale.attention import naive
+from hybrid_scale.attention.hedgehog import naive
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
 triton_attention = with_keywords(kernels.triton_hybrid_attention)

@@ -53,7 +53,7 @@ def test_plan_splits_only_what_leaves_sms_idle():
 
 def test_the_prefill_with_a_split_scan_equals_the_spec(monkeypatch):
     """The entry (forward and backward) where `plan` splits the scan (the SM count of a GPU stood in for)."""
-    from hybrid_scale.attention import naive
+    from hybrid_scale.attention.hedgehog import naive
 
     monkeypatch.setattr(chunk_h, "SMS_OFF_GPU", 132)
     calls = []

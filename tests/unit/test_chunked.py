@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import HYBRID_SINKS, attention_inputs, variant
 
-from hybrid_scale.attention import chunked, naive
-from hybrid_scale.attention.naive import MODES
+from hybrid_scale.attention.hedgehog import chunk as chunked
+from hybrid_scale.attention.hedgehog import naive
+from hybrid_scale.attention.settings import MODES
 
 NAMES = ("q", "k", "v", "fq", "fk", "gamma")
 

@@ -3,7 +3,7 @@
 import torch
 from conftest import attention_inputs
 
-from hybrid_scale.attention.hybrid import Projections
+from hybrid_scale.attention.layer import Projections
 from hybrid_scale.distill.objectives import weights_xent
 from hybrid_scale.models.streaming import teacher_output
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hybrid_scale.attention.feature_maps import FEATURE_MAPS, make_feature_map
+from hybrid_scale.attention.hedgehog.feature_maps import FEATURE_MAPS, make_feature_map
 
 
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
@@ -49,7 +49,7 @@ def test_errors_name_the_fix():
 def test_every_map_has_the_size_and_parameters_its_spec_declares(name, feature_dim):
     """choices.FEATURE_MAP_SPECS (what preflight and the config read, without torch) agrees with each module: the size
     phi returns and the parameters it owns."""
-    from hybrid_scale.attention.choices import FEATURE_MAP_SPECS
+    from hybrid_scale.attention.settings import FEATURE_MAP_SPECS
 
     spec = FEATURE_MAP_SPECS[name]
     if not spec.learnable and feature_dim is not None:

@@ -7,15 +7,10 @@ import torch
 from conftest import perturb_hybrid, tiny_model
 
 import hybrid_scale as hs
-from hybrid_scale.attention.delta import (
-    COMBINES,
-    DeltaGates,
-    chunk_gated_delta,
-    delta_hybrid_attention,
-    l2norm,
-    recurrent_gated_delta,
-)
-from hybrid_scale.attention.hybrid import HybridAttention, hybrid_layers
+from hybrid_scale.attention.gated_delta.chunk import chunk_gated_delta
+from hybrid_scale.attention.gated_delta.hybrid import COMBINES, delta_hybrid_attention
+from hybrid_scale.attention.gated_delta.naive import DeltaGates, l2norm, recurrent_gated_delta
+from hybrid_scale.attention.layer import HybridAttention, hybrid_layers
 
 DT = torch.float64
 
@@ -129,8 +124,8 @@ def test_chunked_hybrid_equals_the_spec_with_padding_in_every_mode(mode, combine
     mask[1, :5], mask[1, -3:] = 0, 0
     opts = dict(window=7, mode=mode, sinks=3, hybrid_sinks=own_sinks, la_combine=combine, attention_mask=mask)
     x = hybrid_inputs()
-    y1, g1 = _run(x, impl="naive", **opts)
-    y2, g2 = _run(x, impl="chunk", chunk_size=8, **opts)
+    y1, g1 = _run(x, impl=recurrent_gated_delta, **opts)
+    y2, g2 = _run(x, impl=chunk_gated_delta, chunk_size=8, **opts)
     torch.testing.assert_close(y2, y1, rtol=0, atol=1e-10)
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
@@ -138,14 +133,14 @@ def test_chunked_hybrid_equals_the_spec_with_padding_in_every_mode(mode, combine
 
 def test_hybrid_is_exact_softmax_before_the_window_fills_and_padding_changes_nothing():
     x = hybrid_inputs()
-    y = delta_hybrid_attention(*x[:6], DeltaGates(*x[6:]), window=7, mode="hybrid", sinks=3, impl="naive")
-    soft = delta_hybrid_attention(*x[:6], DeltaGates(*x[6:]), window=7, mode="swa_only", sinks=3, impl="naive")
+    y = delta_hybrid_attention(*x[:6], DeltaGates(*x[6:]), window=7, mode="hybrid", sinks=3, impl=recurrent_gated_delta)
+    soft = delta_hybrid_attention(*x[:6], DeltaGates(*x[6:]), window=7, mode="swa_only", sinks=3, impl=recurrent_gated_delta)
     torch.testing.assert_close(y[:, :, :7], soft[:, :, :7], rtol=0, atol=1e-10)  # n < w: nothing has left the window
     assert (y[:, :, 7:] - soft[:, :, 7:]).abs().max() > 1e-3  # past it the LA is in use
     # left-padded: the row alone
     pad = [t if t.dim() == 1 else torch.cat([torch.zeros_like(t[:1, :, :4]), t[:1]], 2) for t in x]  # time: dim 2
     mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 53, dtype=torch.long)], 1)
-    y_pad = delta_hybrid_attention(*pad[:6], DeltaGates(*pad[6:]), window=7, sinks=3, attention_mask=mask, impl="chunk",
+    y_pad = delta_hybrid_attention(*pad[:6], DeltaGates(*pad[6:]), window=7, sinks=3, attention_mask=mask, impl=chunk_gated_delta,
                                    chunk_size=8)  # fmt: skip
     torch.testing.assert_close(y_pad[:, :, 4:], y[:1], rtol=0, atol=1e-10)
     assert y_pad[:, :, :4].abs().max() == 0
@@ -206,9 +201,9 @@ def test_left_padded_batch_equals_sequences_alone_with_the_convolution():
 
 
 def test_compiled_one_token_step_equals_extend():
-    from hybrid_scale.attention import delta_decode
-    from hybrid_scale.attention.recurrent import DecodeState
+    from hybrid_scale.attention.gated_delta import recurrent as delta_decode
     from hybrid_scale.attention.shape import Shape
+    from hybrid_scale.attention.window.recurrent import DecodeState
 
     x = [t.float() for t in hybrid_inputs(T=30)]
     shape = Shape(4, 2, 8, 8, 8, 7, 3, torch.float32, True, False, "gated_delta", 0)
@@ -271,8 +266,8 @@ def test_the_hybrid_reads_the_state_of_the_keys_that_left_the_window():
     x = hybrid_inputs(B=1, T=30)
     gates = DeltaGates(*x[6:])
     w = 7
-    la = delta_hybrid_attention(*x[:6], gates, window=w, mode="hybrid", la_combine="mix", impl="naive")
-    soft = delta_hybrid_attention(*x[:6], gates, window=w, mode="swa_only", impl="naive")
+    la = delta_hybrid_attention(*x[:6], gates, window=w, mode="hybrid", la_combine="mix", impl=recurrent_gated_delta)
+    soft = delta_hybrid_attention(*x[:6], gates, window=w, mode="swa_only", impl=recurrent_gated_delta)
     mix = DeltaGates(*x[6:]).mix
     for n in (w, w + 3, 29):
         S = recurrent_gated_delta(
@@ -289,8 +284,8 @@ def test_fla_kernel_is_registered_by_the_kernels_and_refused_with_a_reason_where
     """hybrid_scale_kernels registers fla-core's kernel as the gated delta rule's "fla" (attention never imports fla);
     on this CPU it cannot launch: the self-check says why, and the chunked torch form runs."""
     pytest.importorskip("triton")
-    from hybrid_scale.attention import delta
     from hybrid_scale.attention.backends import delta_impl
+    from hybrid_scale.attention.gated_delta import chunk as delta
 
     fla = delta_impl("fla")
     assert fla is not None and fla.__module__ == "hybrid_scale_kernels.gated_delta"
@@ -301,8 +296,8 @@ def test_fla_kernel_is_registered_by_the_kernels_and_refused_with_a_reason_where
 def test_fla_kernel_equals_the_spec_on_a_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from hybrid_scale.attention import delta
     from hybrid_scale.attention.backends import delta_impl
+    from hybrid_scale.attention.gated_delta import chunk as delta
 
     x = {k: t.float().cuda() for k, t in rule_inputs(T=150, D=64, Dv=64).items()}
     fla = delta_impl("fla")

@@ -12,7 +12,7 @@ import torch
 from conftest import perturb_hybrid, tiny_model
 
 import hybrid_scale as hs
-from hybrid_scale.attention.hybrid import hybrid_layers
+from hybrid_scale.attention.layer import hybrid_layers
 from hybrid_scale.evaluate import report
 from hybrid_scale.models.convert import set_modes
 

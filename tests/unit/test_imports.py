@@ -165,7 +165,9 @@ def test_commands_that_only_parse_a_config_import_no_torch(args, tmp_path):
 
 
 def test_the_torch_free_choices_are_the_implemented_ones():
-    from hybrid_scale.attention import backends, choices, feature_maps, naive
+    from hybrid_scale.attention import backends
+    from hybrid_scale.attention import settings as choices
+    from hybrid_scale.attention.hedgehog import feature_maps, naive
 
     assert sorted(choices.FEATURE_MAPS) == sorted(feature_maps.FEATURE_MAPS)
     assert naive.MODES is choices.MODES and backends.CHOICES is choices.BACKENDS

@@ -12,9 +12,10 @@ import torch
 from conftest import attention_inputs, perturb_hybrid, tiny_model
 
 import hybrid_scale as hs
-from hybrid_scale.attention import chunked, naive, recurrent
-from hybrid_scale.attention.chunked import chunk_hybrid_attention
-from hybrid_scale.attention.hybrid import Projections, hybrid_layers
+from hybrid_scale.attention.hedgehog import chunk as chunked
+from hybrid_scale.attention.hedgehog import naive, recurrent
+from hybrid_scale.attention.hedgehog.chunk import chunk_hybrid_attention
+from hybrid_scale.attention.layer import Projections, hybrid_layers
 from hybrid_scale.attention.shape import Shape
 from hybrid_scale.errors import ConfigError
 from hybrid_scale.models.convert import set_modes

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import HYBRID_SINKS, attention_inputs, variant
 
-from hybrid_scale.attention import naive
-from hybrid_scale.attention.naive import EPS, MODES
+from hybrid_scale.attention.hedgehog import naive
+from hybrid_scale.attention.settings import MODES
+from hybrid_scale.attention.window.naive import EPS
 
 
 def loop_query(q, k, v, fq, fk, gamma, window, mode, sinks, b, h, kh, n, real):

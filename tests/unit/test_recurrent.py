@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import HYBRID_SINKS, attention_inputs, variant
 
-from hybrid_scale.attention import naive, recurrent
-from hybrid_scale.attention.naive import MODES
+from hybrid_scale.attention.hedgehog import naive, recurrent
+from hybrid_scale.attention.settings import MODES
 from hybrid_scale.attention.shape import Shape
 
 

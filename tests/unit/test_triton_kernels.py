@@ -23,10 +23,13 @@ from conftest import HYBRID_SINKS, variant
 from kernel_inputs import MODES, NAMES, left_padded, make, run, with_keywords
 
 import hybrid_scale as hs
-from hybrid_scale.attention import backends, chunked, naive
+from hybrid_scale.attention import backends
+from hybrid_scale.attention.hedgehog import chunk as chunked
+from hybrid_scale.attention.hedgehog import naive
+from hybrid_scale.attention.hedgehog.recurrent import extend
 from hybrid_scale.attention.options import AttentionOptions
-from hybrid_scale.attention.recurrent import DecodeState, extend
 from hybrid_scale.attention.shape import Shape
+from hybrid_scale.attention.window.recurrent import DecodeState
 from hybrid_scale.config import ConfigError, load_config
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
@@ -132,7 +135,7 @@ def test_stage_1_output_objectives_run_on_the_backend_and_sum_to_the_whole_seque
     for a hybrid with its own sinks (whose units attend from row 0: their rows need the sinks)."""
     from types import SimpleNamespace
 
-    from hybrid_scale.attention.hybrid import Projections, attend
+    from hybrid_scale.attention.layer import Projections, attend
     from hybrid_scale.data.batches import split_units
     from hybrid_scale.distill.objectives import teacher_rows, unit_loss
 
@@ -343,7 +346,7 @@ def test_a_converted_model_runs_on_the_triton_backend(tiny):
     for backend in ("torch", "triton"):
         model = hs.convert_model(tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96),
                                  {"window": 16, "backend": backend, "la_decay": True})  # fmt: skip
-        layers = hs.attention.hybrid.hybrid_layers(model).values()
+        layers = hs.attention.layer.hybrid_layers(model).values()
         assert {m.backend for m in layers} == {backend}
         with torch.no_grad():  # a slow and a fast head, so the decay shows
             for m in layers:
@@ -380,7 +383,7 @@ def test_the_backend_switch(monkeypatch):
     x = make(20)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a CPU machine outside the tests has
     with pytest.raises(ValueError, match="attention backend 'triton' runs on CUDA tensors, got cpu; use attention"):
-        hs.attention.hybrid.attend(*(x[n] for n in NAMES[:5]), gamma=x["gamma"], window=4, backend="triton")
+        hs.attention.layer.attend(*(x[n] for n in NAMES[:5]), gamma=x["gamma"], window=4, backend="triton")
 
 
 def test_a_copy_of_the_attention_files_finds_the_installed_kernels(tmp_path):

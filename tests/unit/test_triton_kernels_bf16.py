@@ -7,9 +7,10 @@ import torch
 from conftest import HYBRID_SINKS, variant
 from kernel_inputs import MODES, NAMES, left_padded, make, run, with_keywords
 
-from hybrid_scale.attention import chunked, naive
-from hybrid_scale.attention.recurrent import DecodeState
+from hybrid_scale.attention.hedgehog import chunk as chunked
+from hybrid_scale.attention.hedgehog import naive
 from hybrid_scale.attention.shape import Shape
+from hybrid_scale.attention.window.recurrent import DecodeState
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
 triton_attention = with_keywords(kernels.triton_hybrid_attention)

@@ -14,11 +14,12 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .backends import Shape, get_backend, get_decode, resolve
-from .delta_decode import extend as delta_extend
-from .delta_decode import step as delta_step
-from .hybrid import HybridAttention, Projections, hybrid_layers
-from .recurrent import DecodeState, extend, step
+from ..backends import Shape, get_backend, get_decode, resolve
+from ..gated_delta.recurrent import extend as delta_extend
+from ..gated_delta.recurrent import step as delta_step
+from ..hedgehog.recurrent import extend, step
+from ..layer import HybridAttention, Projections, hybrid_layers
+from ..window.recurrent import DecodeState
 
 
 def static(state: DecodeState) -> DecodeState:

@@ -8,7 +8,7 @@ where its sigmoid is steepest), alpha = exp(-1/horizon) (la_decay_horizon, defau
 past the 8-window distances the probes ask for), and the mix gate (la_combine=mix) at 0.1; the convolution starts as
 the identity (only its last tap is 1), so q and k enter the delta rule as the layer's own.
 
-This file imports only torch and its siblings (the export copies it next to a modeling file).
+This file imports only torch and its siblings (the export copies the package flattened next to a modeling file).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .delta import DeltaGates
+from .naive import DeltaGates
 
 BETA_INIT = 0.5
 MIX_INIT = 0.1

@@ -1,4 +1,4 @@
-"""Constant-memory decoding of the gated delta-rule hybrid (delta.py) on a recurrent.DecodeState.
+"""Constant-memory decoding of the gated delta-rule hybrid (hybrid.py) on a recurrent.DecodeState.
 
 The state keeps, per KV head, the ring of the window's last R real keys/values (the softmax part's), with each ring
 key's delta-rule key (unnormalised; `fk`) and gates (beta, log alpha; `gates`), the sink buffer, and in `kv` the
@@ -10,7 +10,7 @@ through it: the hybrid reads S_(n-w), la_only S_n.
 `extend` takes any number of new tokens (padding anywhere in them); `step` is the one-token case written for compiled
 decoding (fixed shapes, no host sync, the state updated in place). Both equal the full forward over the whole sequence.
 
-This file imports only torch and its siblings (the export copies it next to a modeling file).
+This file imports only torch and its siblings (the export copies the package flattened next to a modeling file).
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from dataclasses import replace
 
 import torch
 
-from .chunked import gather_time
-from .delta import DeltaGates, chunk_gated_delta, combine, delta_hybrid_attention, has_past, l2norm, lagged_delta
-from .naive import compute_dtype, masked_attention
-from .options import AttentionOptions
-from .recurrent import DecodeState, scatter_slots
+from ..hedgehog.naive import masked_attention
+from ..options import AttentionOptions
+from ..window.chunk import gather_time
+from ..window.naive import compute_dtype
+from ..window.recurrent import DecodeState, scatter_slots
+from .chunk import chunk_gated_delta, lagged_delta
+from .hybrid import combine, delta_hybrid_attention, has_past
+from .naive import DeltaGates, l2norm
 
 
 def _check(state: DecodeState, *, window: int, sinks: int) -> None:

@@ -30,12 +30,13 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .backends import Shape, get_backend, resolve
-from .choices import LA_COMBINES, LA_KINDS
-from .delta import DeltaGates, delta_hybrid_attention
-from .delta_modules import HORIZON_WINDOWS, DeltaGateProjection, HeadLinear, ShortConv
-from .feature_maps import make_feature_map
-from .naive import check_mode
+from .gated_delta.hybrid import delta_hybrid_attention
+from .gated_delta.modules import HORIZON_WINDOWS, DeltaGateProjection, HeadLinear, ShortConv
+from .gated_delta.naive import DeltaGates, recurrent_gated_delta
+from .hedgehog.feature_maps import make_feature_map
 from .options import AttentionOptions
+from .settings import LA_COMBINES, LA_KINDS
+from .window.naive import check_mode
 
 # gamma_param -> (theta -> gamma, gamma -> theta): LoLCATs' sigmoid caps the window's weight at 1, exp does not
 GAMMA_PARAMS = {
@@ -126,7 +127,7 @@ def attend(
     if gates is not None:
         if initial_state is not None or la_decay is not None:
             raise ValueError("the gated delta-rule LA takes no initial_state and no la_decay (its gates decay it)")
-        impl = "naive" if backend == "naive" else "chunk"
+        impl = recurrent_gated_delta if backend == "naive" else None
         return delta_hybrid_attention(q, k, v, fq, fk, gamma, gates, o, attention_mask=attention_mask, impl=impl)
     o = o.own()
     shape = Shape.of(q, k, v, fq, o, la_decay=la_decay is not None)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .choices import FEATURE_MAP_SPECS, FeatureMapSpec
+from ..settings import FEATURE_MAP_SPECS, FeatureMapSpec
 
 
 class FeatureMap(nn.Module):

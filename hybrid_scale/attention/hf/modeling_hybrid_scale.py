@@ -10,11 +10,11 @@ model was exported with.
 
 import transformers
 
+from ..layer import HybridAttention, hybrid_layers
+from ..window.naive import check_mode
 from .architectures import ARCHITECTURES
 from .configuration_hybrid_scale import CONFIGS
 from .generation import attach
-from .hybrid import HybridAttention, hybrid_layers
-from .naive import check_mode
 
 
 class HybridScaleMixin:

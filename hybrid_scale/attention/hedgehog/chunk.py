@@ -12,7 +12,7 @@ alpha^(C - 1 - r); query bC + i takes it times alpha^i, and the dense span's L t
 Padding anywhere in a row is handled by moving each row's real tokens to the front (stable), computing, and moving
 the outputs back; padded query rows give exactly 0.
 
-This file imports only torch and its siblings (the export copies it next to a modeling file).
+This file imports only torch and its siblings (the export copies the package flattened next to a modeling file).
 """
 
 from __future__ import annotations
@@ -22,35 +22,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .naive import EPS, compute_dtype, decay_weight, real_positions
-from .options import AttentionOptions
-
-
-def pack_real(attention_mask: torch.Tensor):
-    """Permutation that moves each row's real tokens to the front, keeping their order; and its inverse."""
-    order = torch.argsort((~attention_mask.bool()).to(torch.int8), dim=-1, stable=True)
-    return order, torch.argsort(order, dim=-1)
-
-
-def gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, d] gathered along T by index [B, n]."""
-    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+from ..options import AttentionOptions
+from ..window.chunk import gather_time, pack_real, sinks_attention
+from ..window.naive import EPS, compute_dtype, real_positions
+from .naive import decay_weight
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the chunks before each chunk (dim 2)."""
     return torch.cat([torch.zeros_like(x[:, :, :1]), x[:, :, :-1].cumsum(2)], dim=2)
-
-
-def _sinks(q, k, v, sinks, scale):
-    """Causal softmax over the first S positions. q [B,Hkv,G,T,D], k/v [B,Hkv,T,D] (real tokens first)."""
-    T = q.shape[-2]
-    S = min(sinks, T)
-    a = scale * torch.einsum("bhgtd,bhsd->bhgts", q, k[:, :, :S])
-    ok = torch.arange(S, device=q.device)[None, :] <= torch.arange(T, device=q.device)[:, None]
-    c = torch.where(ok, a, float("-inf")).amax(-1, keepdim=True)
-    e = torch.exp(torch.where(ok, a - c, float("-inf")))
-    return torch.einsum("bhgts,bhsd->bhgtd", e, v[:, :, :S]) / (e.sum(-1, keepdim=True) + EPS)
 
 
 GROUP_TOKENS = 4096  # queries processed together: bounds the working set so time stays linear in T
@@ -245,7 +225,7 @@ def chunk_hybrid_attention(
     if return_denominators and (packed or mode in ("sinks_only", "swa_sinks")):
         raise ValueError("return_denominators needs an unpadded input in hybrid, swa_only or la_only mode")
     if mode == "sinks_only":
-        y = _sinks(q, k, v, sinks, scale)
+        y = sinks_attention(q, k, v, sinks, scale)
     else:
         g = gamma.to(q.dtype).view(Hkv, H // Hkv)
         if mode == "swa_sinks":  # no L: plain softmax, gamma does not enter (as in naive)

@@ -1,4 +1,5 @@
-"""The O(T^2) reference: the hybrid attention formula of docs/design.md §2, written out densely. This is the spec.
+"""The O(T^2) reference: the hybrid attention formula of docs/design.md §2 with the Hedgehog LA, written out densely.
+This is the spec.
 
 For query n and key j (positions counted in real tokens only), window w, scale s:
     W(n) = {j : n - w < j <= n},  P(n) = {j : j <= n - w}
@@ -15,8 +16,9 @@ formula above bit for bit.
 Other modes: swa_only (E on W only), swa_sinks (softmax over W(n) and the first S real tokens, no L: the
 sliding-window + attention-sinks baseline), la_only (L on all j <= n), sinks_only (causal softmax over the first S
 real tokens), none (zeros). Padded query rows give exactly 0. All arithmetic is fp32; the output has q's dtype.
+The window's own pieces (positions in real tokens, EPS, the compute dtype) are ../window/naive.py's.
 
-This file imports only torch, choices.py and options.py (the export copies both next to a modeling file).
+This file imports only torch and its siblings (the export copies the package flattened next to a modeling file).
 """
 
 from __future__ import annotations
@@ -25,36 +27,14 @@ import math
 
 import torch
 
-from .choices import MODES
-from .options import AttentionOptions
-
-EPS = 1e-12  # the one denominator eps shared by every path (only guards 0/0: all-zero feature rows)
+from ..options import AttentionOptions
+from ..window.naive import EPS, compute_dtype, real_positions
 
 
 def decay_weight(rho: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """alpha^steps = exp(-rho * steps), steps clamped at 0 (a key inside the window counts 1). rho broadcast by the
     caller against steps; differentiable in rho."""
     return torch.exp(-rho * steps.clamp(min=0).to(rho.dtype))
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (used by the tests)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown attention mode '{mode}'; available: {', '.join(MODES)}")
-
-
-def real_positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    """Index of each token among its row's real tokens, -1 for padding. Shape [B, T]."""
-    if attention_mask is None:
-        return torch.arange(length, device=device).expand(batch, length)
-    if attention_mask.shape != (batch, length):
-        raise ValueError(f"attention_mask must have shape {(batch, length)}, got {tuple(attention_mask.shape)}")
-    real = attention_mask.bool()
-    return torch.where(real, real.long().cumsum(-1) - 1, -1)
 
 
 def masked_attention(q, k, v, fq, fk, gamma, pos_q, pos_k, opts=None, *, state=None, state_ref=None, la_decay=None,
