@@ -1,4 +1,5 @@
-"""docs/reference/config.md, generated from the dataclasses of `config/schema.py` and the comments on their fields.
+"""docs/reference/config.md, generated from the dataclasses of `config/schema.py` and the comments on their fields
+(the attention section's from attention/settings.py's record, where each setting carries its doc line).
 
 A field's description is its trailing comment plus any comment lines directly above it; every key must have one.
 `make docs` (= `python -m hybrid_scale.config_reference docs/reference/config.md`) rewrites the page, and
@@ -15,6 +16,7 @@ import sys
 import tokenize
 from pathlib import Path
 
+from .attention.settings import SETTINGS as ATTENTION_SETTINGS
 from .config import Config
 from .config import schema as config_module
 
@@ -81,9 +83,16 @@ def _section_type(f: dataclasses.Field):
     return cls if cls is not None and dataclasses.is_dataclass(cls) else None
 
 
+def _annotation(t) -> str:
+    plain = isinstance(t, type) and not getattr(t, "__args__", None)
+    return t.__name__ if plain else str(t).replace("NoneType", "None")
+
+
 def _keys() -> list[tuple[str | None, str, dataclasses.Field, str, str]]:
-    """(section or None, dotted key, field, annotation, description) of every key, top-level keys first."""
+    """(section or None, dotted key, field, annotation, description) of every key, top-level keys first. The
+    attention section's keys are documented in attention/settings.py's record, the others by their comments."""
     docs = field_docs(Path(config_module.__file__).read_text())
+    docs["AttentionConfig"] = {s.name: (_annotation(s.type), s.doc) for s in ATTENTION_SETTINGS}
     top, nested = [], []
     for f in dataclasses.fields(Config):
         cls = _section_type(f)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kinds import DEFAULT
 from .options import AttentionOptions
 
 
@@ -28,7 +29,7 @@ class Shape:
     dtype: torch.dtype = torch.bfloat16
     hybrid_sinks: bool = False  # the hybrid keeps its sinks (then the self-check runs it with them)
     la_decay: bool = False  # the LA decays (the self-check runs it with a decay)
-    la_kind: str = "hedgehog"  # hedgehog | gated_delta (delta.py): what the decode state keeps per ring slot
+    la_kind: str = DEFAULT.name  # the LA's kind (kinds.py): what the decode state keeps per ring slot
     conv: int = 0  # gated_delta's short convolution on q and k (taps; 0 = none): the decode state keeps its last inputs
 
     @classmethod
@@ -40,9 +41,8 @@ class Shape:
     def __str__(self) -> str:
         own = " (the hybrid's own)" if self.hybrid_sinks else ""
         own += ", LA decay" if self.la_decay else ""
-        own += (
-            f", {self.la_kind} LA" + (f" (conv {self.conv})" if self.conv else "") if self.la_kind != "hedgehog" else ""
-        )
+        if self.la_kind != DEFAULT.name:
+            own += f", {self.la_kind} LA" + (f" (conv {self.conv})" if self.conv else "")
         return (
             f"{self.heads} heads / {self.kv_heads} KV heads, head dim {self.head_dim}, feature dim {self.features}, "
             f"window {self.window}, {self.sinks} sinks{own}, {str(self.dtype).removeprefix('torch.')}"

@@ -5,9 +5,10 @@ config_reference.py generates docs/reference/config.md from the source of this f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
+from ..attention.settings import SETTINGS as ATTENTION_SETTINGS
 from ..tasks import TABLE1, TASKS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -25,54 +26,13 @@ class ModelConfig:
     arch: dict[str, Any] | None = None
 
 
-@dataclass
-class AttentionConfig:
-    window: int = 64  # sliding-window size in real tokens
-    feature_map: str = "hedgehog"  # phi of the linear attention: hedgehog | exp | relu | elu1 | t2r
-    feature_dim: int | None = None  # None = head_dim (hedgehog then outputs 2 * head_dim)
-    gamma_init: float = 0.1  # initial window weight gamma of every head
-    # gamma = f(a learnable logit) per head: sigmoid (LoLCATs: gamma in (0, 1), the window never outweighs the LA's
-    # per-key weight) | exp (gamma in (0, inf): the window can outweigh a weak LA)
-    gamma_param: str = "sigmoid"
-    sinks: int = 8  # S, the first real tokens that swa_sinks and sinks_only attend to besides the window
-    # the hybrid's softmax also covers those S sinks and its LA leaves them out (false: LoLCATs' hybrid, window only);
-    # its no-LA ablation swa_only is then the window plus the same S sinks
-    hybrid_sinks: bool = False
-    # the LA's keys decay past the window: a key that left it counts alpha_h^(its distance past the window), alpha_h =
-    # exp(-rho_h) per KV head, rho_h >= 0 learnt from 0 (the formula without decay) in stage 1 and stage 2
-    la_decay: bool = False
-    # with la_decay: rho_h of every KV head starts at 1/la_decay_horizon (a key that many tokens past the window
-    # counts 1/e); 0 = from rho 0, exactly the hybrid without decay. Read by the conversion (models/convert.py)
-    la_decay_horizon: int = 0
-    # with la_decay: every KV head decays at least as fast as 1/la_decay_max_horizon (rho_h >= 1/H, in every stage and
-    # at inference): no key more than about H tokens past the window keeps a weight above 1/e, so the LA's mass stops
-    # growing with the position; 0 = no floor (rho_h >= 0). Read by the attention (attention/hybrid.py)
-    la_decay_max_horizon: int = 0
-    # the linear part: hedgehog (feature maps phi_q . phi_k summed into one state, LoLCATs) | gated_delta (the gated
-    # delta rule of Gated DeltaNet on L2-normalised q and k, a learned write strength and forget gate per token and KV
-    # head: attention/delta.py). gated_delta has no feature map (feature_map, feature_dim and la_decay do not apply)
-    la_kind: str = "hedgehog"
-    # gated_delta: how its read-out joins the window's softmax: mix (y = (1 - m) softmax + m LA, m a gate per query head
-    # and token from the hidden state; the measured choice: experiments/gated_delta/) | normaliser (it counts as gamma
-    # keys' worth of mass under the one normaliser; the window's terms are exp(a - c) <= 1). Recorded in
-    # hybrid_config.json; the Hedgehog LA always shares the normaliser (this key does not apply to it)
-    la_combine: str = "mix"
-    # gated_delta: taps of a short causal depthwise convolution on the delta rule's q and k (identity at conversion);
-    # 0 = none
-    la_conv: int = 0
-    # gated_delta: its forget gate starts at alpha = exp(-1/la_delta_horizon) (a key that many tokens old counts 1/e
-    # before any overwrite); 0 = 16 windows. Read by the conversion (attention/delta_modules.py)
-    la_delta_horizon: int = 0
-    # gated_delta: a learned linear map per head on its q and k (after the convolution; the identity at conversion),
-    # trained with the gates in stage 1 (distill.train_feature_maps) and stage 2 (finetune.train_feature_maps)
-    la_qk_map: bool = False
-    # component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none
-    mode: str = "hybrid"
-    layers: list[int] | None = None  # layers to convert; None = all (the others keep softmax)
-    chunk_size: int = 64  # query block of the torch path (the Triton kernels pick their own tile)
-    # what computes the attention in every stage: auto = the Triton kernels (kernels/, `pip install
-    # hybrid_scale[triton]`) for CUDA tensors when installed, the chunked torch path elsewhere; torch; triton (CUDA)
-    backend: str = "auto"
+# The attention section: one field per setting of attention/settings.py's record (its type, default and doc line;
+# config_reference.py reads the doc lines from there). A new attention key is a Setting there, not a field here.
+AttentionConfig = make_dataclass(
+    "AttentionConfig",
+    [(st.name, st.type, field(default=st.default)) for st in ATTENTION_SETTINGS],
+    namespace={"__doc__": "The hybrid attention: attention/settings.py's record, one field per setting."},
+)
 
 
 @dataclass

@@ -8,8 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ..attention.settings import BACKENDS as BACKEND_CHOICES
-from ..attention.settings import FEATURE_MAPS, LA_COMBINES, LA_KINDS, MODES
+from ..attention.kinds import kind_of
+from ..attention.settings import MODES, problems
 from ..errors import ConfigError
 from ..recipes import RECIPES
 from .schema import DEVICES, DTYPES, EVAL_MODES, EVAL_TASKS, JOBS, LAUNCHERS, OBJECTIVES, SSD_GRANULARITY
@@ -42,45 +42,13 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def _validate_attention(a) -> None:
-    _positive("attention.window", a.window)
-    _positive("attention.sinks", a.sinks)
-    _positive("attention.feature_dim", a.feature_dim)
-    _positive("attention.chunk_size", a.chunk_size)
-    _choice("attention.feature_map", a.feature_map, sorted(FEATURE_MAPS))
-    _choice("attention.mode", a.mode, MODES)
-    _choice("attention.backend", a.backend, BACKEND_CHOICES)
-    _choice("attention.gamma_param", a.gamma_param, ("sigmoid", "exp"))
-    if not (0.0 < a.gamma_init < 1.0 if a.gamma_param == "sigmoid" else a.gamma_init > 0.0):
-        bound = "in (0, 1) with attention.gamma_param=sigmoid" if a.gamma_param == "sigmoid" else "> 0"
-        raise ConfigError(f"config key 'attention.gamma_init': must be {bound}, got {a.gamma_init}")
-    _positive("attention.la_decay_horizon", a.la_decay_horizon, 0)
-    if a.la_decay_horizon and not a.la_decay:
-        raise ConfigError(
-            "config key 'attention.la_decay_horizon': sets where the LA's decay starts, but attention.la_decay is "
-            "false; set attention.la_decay=true or leave la_decay_horizon at 0"
-        )
-    _positive("attention.la_decay_max_horizon", a.la_decay_max_horizon, 0)
-    if a.la_decay_max_horizon and not a.la_decay:
-        raise ConfigError(
-            "config key 'attention.la_decay_max_horizon': bounds the LA's decay, but attention.la_decay is false; "
-            "set attention.la_decay=true or leave la_decay_max_horizon at 0"
-        )
-    _choice("attention.la_kind", a.la_kind, LA_KINDS)
-    _choice("attention.la_combine", a.la_combine, LA_COMBINES)
-    _positive("attention.la_conv", a.la_conv, 0)
-    _positive("attention.la_delta_horizon", a.la_delta_horizon, 0)
-    if a.la_kind == "gated_delta" and a.la_decay:
-        raise ConfigError(
-            "config key 'attention.la_decay': the Hedgehog LA's decay; attention.la_kind=gated_delta has its own "
-            "forget gate (attention.la_delta_horizon sets where it starts): set attention.la_decay=false"
-        )
-    if a.la_kind == "hedgehog":
-        for key in ("la_conv", "la_delta_horizon", "la_qk_map"):
-            if getattr(a, key):
-                raise ConfigError(
-                    f"config key 'attention.{key}': applies to attention.la_kind=gated_delta only; set "
-                    f"attention.la_kind=gated_delta or leave {key} unset"
-                )
+    """Each setting's own check (attention/settings.py), then what its LA kind refuses (attention/kinds.py)."""
+    settings = dict(a)
+    for name, why in problems(settings):
+        raise ConfigError(f"config key 'attention.{name}': {why}")
+    problem = kind_of(settings).problem(settings)
+    if problem is not None:
+        raise ConfigError(f"config key 'attention.{problem[0]}': {problem[1]}")
     if a.layers is not None and any(i < 0 for i in a.layers):
         raise ConfigError(f"config key 'attention.layers': layer indices must be >= 0, got {list(a.layers)}")
 

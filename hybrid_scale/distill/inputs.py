@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..attention.kinds import kind_of
 from ..config.schema import Config
 from ..data import corpus
 from ..errors import ConfigError, InputError
@@ -66,9 +67,10 @@ def check_layers(cfg: Config, config: dict) -> None:
 
 
 def check_la_objectives(cfg: Config, objectives: dict[str, float]) -> None:
-    """Stage 1 of a gated_delta LA: no attention weights to transfer, so weights_xent (hedgecats', ssd's and
-    la_only's recipe objective) has no meaning; refused with the objectives that do."""
-    if cfg.attention.la_kind == "gated_delta" and objectives.get("weights_xent"):
+    """Stage 1's objectives must be ones the LA's kind trains with (attention/kinds.py): the gated delta rule has no
+    attention weights to transfer, so weights_xent (hedgecats', ssd's and la_only's recipe objective) has no meaning
+    there; refused with the objectives that do."""
+    if objectives.get("weights_xent") and "weights_xent" not in kind_of(cfg.attention).objectives:
         d = cfg.distill
         via = "distill.objectives" if d.objectives else f"recipe {d.recipe}'s stage-1 objective"
         raise ConfigError(

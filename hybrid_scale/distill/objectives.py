@@ -70,7 +70,7 @@ def unit_loss(m, x: Projections, a: int, b: int, seq_len: int, weights: dict[str
     qa, fqa, kb, vb, fkb = q[:, :, a:b], fq[:, :, a:b], k[:, :, :b], v[:, :, :b], fk[:, :, :b]
     loss = q.new_zeros((), dtype=compute_dtype(q))
     if weights.get("weights_xent"):
-        if x.gates is not None:
+        if "weights_xent" not in m.part.kind.objectives:
             raise ValueError(
                 "distill objective 'weights_xent' transfers attention weights, which the gated delta rule does not "
                 "have; with attention.la_kind=gated_delta use output_mse and/or hybrid_output_mse"

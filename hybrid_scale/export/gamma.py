@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..attention.layer import GAMMA_PARAMS, HybridAttention, Projections, check_gamma
+from ..attention.layer import GAMMA_PARAMS, HybridAttention, Projections
+from ..attention.settings import by_name
 from ..attention.window.naive import EPS
 from ..config.schema import Config
 from ..data import corpus
@@ -31,15 +32,13 @@ def gamma_parts(m: HybridAttention, x: Projections) -> tuple[torch.Tensor, ...]:
     """The hybrid output as a function of gamma, from one pass at the layer's own gamma g0: the shared normaliser
     gives y(gamma) = (r * num_soft + num_lin) / (r * den_soft + den_lin + EPS) with r = gamma / g0 per head, where
     num_soft, den_soft are the window part at g0 and num_lin, den_lin the LA part (which gamma does not touch).
-    With la_kind gated_delta (attention/delta.py) gamma is the LA's mass instead: r scales the LA part
+    Where the kind's gamma weighs the LA (kinds.Kind.gamma_scales: the gated delta rule) gamma is its mass instead:
+    r scales the LA part
     (y = (num_soft + r num_lin) / (den_soft + r den_lin)); its la_combine=mix has no gamma to fit.
     Returns (g0 [H], num_soft, num_lin [B,H,T,D], den_soft, den_lin [B,H,T,1], whether gamma scales the LA part), the
     tensors fp32."""
-    if m.la_kind == "gated_delta" and m.la_combine != "normaliser":
-        raise ValueError(
-            "export.gamma=calibrated fits gamma, which attention.la_combine=mix does not use (its mix gate weighs the "
-            "LA); export with export.gamma=trained"
-        )
+    if (why := m.part.gamma_fit_problem(m)) is not None:
+        raise ValueError(why)
     with torch.no_grad():
         g0 = m.gamma.detach().float()
         y, soft, lin = m.attend(*x[:5], gates=x.gates, gamma=g0, mode="hybrid", return_denominators=True)
@@ -47,7 +46,7 @@ def gamma_parts(m: HybridAttention, x: Projections) -> tuple[torch.Tensor, ...]:
         soft, lin = soft.float()[..., None], lin.float()[..., None]
         num_soft = y_soft.float() * (soft + EPS)
         num_lin = y.float() * (soft + lin + EPS) - num_soft
-    return g0, num_soft, num_lin, soft, lin, m.la_kind == "gated_delta"
+    return g0, num_soft, num_lin, soft, lin, m.part.kind.gamma_scales == "la"
 
 
 def hybrid_at(gamma: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -94,10 +93,9 @@ def check_gamma_export(export, settings: dict) -> None:
             f"{', '.join(sorted(m for m in modes if m))}, where gamma has no effect: set export.mode=hybrid"
         )
     if export.gamma is not None:
-        try:
-            check_gamma(export.gamma, settings.get("gamma_param", "sigmoid"), "config key 'export.gamma'")
-        except ValueError as e:
-            raise ExportError(f"{e} (the model's attention.gamma_param)") from None
+        why = by_name()["gamma_init"].check(export.gamma, {"gamma_param": settings.get("gamma_param", "sigmoid")})
+        if why is not None:  # (the record's check of a gamma against its parametrisation)
+            raise ExportError(f"config key 'export.gamma': {why} (the model's attention.gamma_param)")
 
 
 def export_texts(cfg: Config, tokenizer_dir: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:

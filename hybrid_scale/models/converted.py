@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..attention.hf.architectures import BY_EXPORT_TYPE
 from ..attention.layer import HybridAttention, hybrid_layers
+from ..attention.settings import SETTINGS
 from ..distributed import tensor_parallel
 from ..distributed.deepspeed import import_deepspeed, is_partitioned
 from ..distributed.runtime import Runtime
@@ -100,23 +101,9 @@ def describe(model: nn.Module) -> dict:
         raise ConvertedModelError("this model has no hybrid layer: convert it first (hybrid_scale.convert_model)")
     first = layers[min(layers)]
     settings = dict(getattr(model, "hybrid_settings", {}))
-    settings.update(
-        window=first.window,
-        sinks=first.sinks,
-        hybrid_sinks=first.hybrid_sinks,
-        la_decay=hasattr(first, "la_decay_rho"),
-        gamma_param=first.gamma_param,
-        mode=first.mode,
-        chunk_size=first.chunk_size,
-        backend=first.backend,
-        feature_map=first.feature_map_name,
-        feature_dim=first.feature_dim,
-        la_kind=first.la_kind,
-        la_combine=first.la_combine,
-        la_conv=first.la_conv,
-        la_qk_map=first.la_qk_map,
-        layers=sorted(layers),
-    )
+    # every recorded setting of the record (attention/settings.py), its live value where the layer holds one
+    settings.update({s.name: first.setting(s.name) for s in SETTINGS if s.recorded and s.live})
+    settings["layers"] = sorted(layers)
     modes = {i: m.mode for i, m in layers.items()}
     if len(set(modes.values())) > 1:
         settings["layer_modes"] = {str(i): mode for i, mode in sorted(modes.items())}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..attention.settings import FEATURE_MAP_SPECS
+from ..attention.kinds import kind_of
 from ..config import on_gpus
 from ..config.schema import Config
 from ..distributed import tensor_parallel
@@ -44,10 +44,7 @@ def plan(cfg: Config, stage: str | None = None, resolved: Resolved | None = None
         return p
     c = counts(a)
     a_cfg = cfg.attention
-    if a_cfg.la_kind == "gated_delta":  # the delta rule's queries and keys are head_dim wide
-        fdim = c["hd"]
-    else:
-        fdim = FEATURE_MAP_SPECS[a_cfg.feature_map].out_dim(c["hd"], a_cfg.feature_dim)
+    fdim = kind_of(a_cfg).features(c["hd"], a_cfg)  # the LA's query and key width
     sh = Shape(a, c, launch.nodes * launch.procs_per_node, DTYPE_BYTES[cfg.model.dtype], fdim, launch.tensor_parallel)
     _check_shape_and_path(p, cfg, sh)
     p.rows += [

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..attention.hf.architectures import BY_MODEL_TYPE, base_model_type
-from ..attention.settings import FEATURE_MAP_SPECS
+from ..attention.kinds import kind_of
 from ..config.schema import Config
 from ..data import assets
 from ..models import streaming
@@ -27,14 +27,9 @@ CPU_FLOPS = 1e11  # assumed forward rate on CPU (SmolLM2-135M's passkey probe: ~
 
 
 def la_params(cfg: Config, c: dict) -> int:
-    """One layer's LA parameters that train as its feature maps: Hedgehog's phi_q and phi_k (the other maps' too), or
-    gated_delta's gates (beta and alpha per KV head, the mix gate per query head; a weight over the hidden size and a
-    bias each), its short convolutions and its q/k maps (attention/delta_modules.py)."""
-    a, heads = cfg.attention, c["H"] + c["K"]
-    if a.la_kind == "gated_delta":
-        gates = (2 * c["K"] + (c["H"] if a.la_combine == "mix" else 0)) * (c["D"] + 1)
-        return gates + heads * c["hd"] * (a.la_conv + (c["hd"] if a.la_qk_map else 0))
-    return FEATURE_MAP_SPECS[a.feature_map].params(heads, c["hd"], a.feature_dim)
+    """One layer's LA parameters that train as its feature maps, as its kind counts them (attention/kinds.py):
+    Hedgehog's phi_q and phi_k (the other maps' too), or gated_delta's gates, short convolutions and q/k maps."""
+    return kind_of(cfg.attention).params(c, cfg.attention)
 
 
 def decay_params(cfg: Config, c: dict) -> int:

@@ -93,8 +93,15 @@ def test_denominators_agree(mode):
 def test_unknown_backend_is_a_clear_error(registry):
     x = attention_inputs(T=4)
     registry.register_backend("zzz", lambda *a, **k: None)
-    with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'; available: chunk, naive, triton, zzz$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^attention backend 'flash' is not an implementation of the hedgehog LA; it has naive, chunk, triton "
+        r"\(or auto, torch\)$",
+    ):
         attend(*tensors(x), gamma=x["gamma"], window=2, backend="flash")
+    with pytest.raises(ValueError, match=r"^unknown attention backend 'flash' of the hedgehog LA; available: chunk, "):
+        registry.get_backend("flash")
+    assert attend(*tensors(x), gamma=x["gamma"], window=2, backend="zzz") is None  # (registered: it has it now)
     with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
         attend(*tensors(x), gamma=x["gamma"], window=2, mode="mixed")
     with pytest.raises(TypeError):

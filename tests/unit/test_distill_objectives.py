@@ -38,13 +38,15 @@ def test_stage_1_units_split_over_any_number_of_ranks_sum_to_the_dense_objective
     they equal the whole-sequence soft cross-entropy (summed over the batch), for any block size and world."""
     from types import SimpleNamespace
 
+    from hybrid_scale.attention.kinds import DEFAULT
+    from hybrid_scale.attention.parts import part_of
     from hybrid_scale.data.batches import split_units
     from hybrid_scale.distill.objectives import unit_loss
 
     x = attention_inputs(B=2, H=4, Hkv=2, T=20, D=8, F=6, dtype=torch.float64)
     scale = 8**-0.5
     expect = weights_xent(x["q"], x["k"], x["fq"], x["fk"], scale, 20).sum()
-    m = SimpleNamespace(scaling=scale, all_heads=4)
+    m = SimpleNamespace(scaling=scale, all_heads=4, part=part_of(DEFAULT.name))
     for block, world in ((1, 3), (7, 2), (20, 4), (6, 1)):
         ranks = split_units(1, 20, block, world)
         n = -(-20 // block)

@@ -134,7 +134,9 @@ def test_chunked_hybrid_equals_the_spec_with_padding_in_every_mode(mode, combine
 def test_hybrid_is_exact_softmax_before_the_window_fills_and_padding_changes_nothing():
     x = hybrid_inputs()
     y = delta_hybrid_attention(*x[:6], DeltaGates(*x[6:]), window=7, mode="hybrid", sinks=3, impl=recurrent_gated_delta)
-    soft = delta_hybrid_attention(*x[:6], DeltaGates(*x[6:]), window=7, mode="swa_only", sinks=3, impl=recurrent_gated_delta)
+    soft = delta_hybrid_attention(
+        *x[:6], DeltaGates(*x[6:]), window=7, mode="swa_only", sinks=3, impl=recurrent_gated_delta
+    )
     torch.testing.assert_close(y[:, :, :7], soft[:, :, :7], rtol=0, atol=1e-10)  # n < w: nothing has left the window
     assert (y[:, :, 7:] - soft[:, :, 7:]).abs().max() > 1e-3  # past it the LA is in use
     # left-padded: the row alone
@@ -282,26 +284,34 @@ def test_the_hybrid_reads_the_state_of_the_keys_that_left_the_window():
 
 def test_fla_kernel_is_registered_by_the_kernels_and_refused_with_a_reason_where_it_cannot_run():
     """hybrid_scale_kernels registers fla-core's kernel as the gated delta rule's "fla" (attention never imports fla);
-    on this CPU it cannot launch: the self-check says why, and the chunked torch form runs."""
+    on this CPU it cannot launch: the registry's self-check says why, and auto resolves to the chunked torch form. A
+    backend the kind does not have is an error naming what it has, not a silent substitute."""
     pytest.importorskip("triton")
-    from hybrid_scale.attention.backends import delta_impl
-    from hybrid_scale.attention.gated_delta import chunk as delta
+    from hybrid_scale.attention import backends
+    from hybrid_scale.attention.shape import Shape
 
-    fla = delta_impl("fla")
-    assert fla is not None and fla.__module__ == "hybrid_scale_kernels.gated_delta"
-    assert delta._fla_self_check(fla, torch.device("cpu")) is not None
+    fla = backends.get_backend("fla", "gated_delta")
+    assert fla.__module__ == "hybrid_scale_kernels.gated_delta"
+    shape = Shape(la_kind="gated_delta", head_dim=64, value_dim=64, features=64, dtype=torch.float32)
+    assert backends.self_check("fla", "cpu", shape=shape) is not None
+    assert backends.resolve("auto", "cpu", shape) == "chunk" and backends.resolve("torch", "cpu", shape) == "chunk"
+    assert backends.get_backend("naive", "gated_delta") is recurrent_gated_delta
+    with pytest.raises(ValueError, match="'triton' is not an implementation of the gated_delta LA; it has naive, "):
+        backends.resolve("triton", "cpu", shape)
 
 
 @pytest.mark.gpu
 def test_fla_kernel_equals_the_spec_on_a_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from hybrid_scale.attention.backends import delta_impl
-    from hybrid_scale.attention.gated_delta import chunk as delta
+    from hybrid_scale.attention import backends
+    from hybrid_scale.attention.shape import Shape
 
     x = {k: t.float().cuda() for k, t in rule_inputs(T=150, D=64, Dv=64).items()}
-    fla = delta_impl("fla")
-    assert delta._fla_self_check(fla, torch.device("cuda")) is None
+    shape = Shape(la_kind="gated_delta", head_dim=64, value_dim=64, features=64, dtype=torch.float32)
+    assert backends.self_check("fla", "cuda", shape=shape) is None
+    assert backends.resolve("auto", "cuda", shape) == "fla"
+    fla = backends.get_backend("fla", "gated_delta")
     o, S = fla(**x)
     o_ref, S_ref = recurrent_gated_delta(**x)
     torch.testing.assert_close(o, o_ref, rtol=1e-3, atol=1e-3)

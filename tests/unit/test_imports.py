@@ -165,12 +165,17 @@ def test_commands_that_only_parse_a_config_import_no_torch(args, tmp_path):
 
 
 def test_the_torch_free_choices_are_the_implemented_ones():
-    from hybrid_scale.attention import backends
+    """The config's choices (settings.py, kinds.py: torch-free) are what the torch side implements: every feature map
+    has its module, every kind its part, and every backend a kind names is one the kind has or a plugin's."""
+    from hybrid_scale.attention import kinds, parts
     from hybrid_scale.attention import settings as choices
-    from hybrid_scale.attention.hedgehog import feature_maps, naive
+    from hybrid_scale.attention.hedgehog import feature_maps
+    from hybrid_scale.attention.window import naive
 
     assert sorted(choices.FEATURE_MAPS) == sorted(feature_maps.FEATURE_MAPS)
-    assert naive.MODES is choices.MODES and backends.CHOICES is choices.BACKENDS
+    assert naive.MODES is choices.MODES and sorted(parts.PARTS) == sorted(kinds.KINDS)
+    named = {b for k in kinds.KINDS.values() for b in k.backends} | {"auto", "torch"}
+    assert named - {"naive", "chunk"} == set(choices.BACKENDS)
 
 
 @pytest.mark.parametrize("module", sorted(m for m in internal_imports() if m.startswith("hybrid_scale.attention")))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..window.naive import compute_dtype
-from .naive import _grouped
+from .naive import grouped
 
 
 def chunk_gated_delta(q, k, v, beta, g, *, initial_state=None, chunk_size=64):
@@ -24,7 +24,7 @@ def chunk_gated_delta(q, k, v, beta, g, *, initial_state=None, chunk_size=64):
     acc = compute_dtype(q)
     B, Hkv, T, Dk = k.shape
     Dv, C = v.shape[-1], int(chunk_size)
-    qg = _grouped(q.to(acc), Hkv)
+    qg = grouped(q.to(acc), Hkv)
     G = qg.shape[2]
     k, v, beta, g = (t.to(acc) for t in (k, v, beta, g))
     S = k.new_zeros(B, Hkv, Dk, Dv) if initial_state is None else initial_state.to(acc)
@@ -75,6 +75,6 @@ def lagged_delta(q, k, v, beta, g, *, lag, initial_state=None, impl=None, chunk_
     if initial_state is None:
         first = torch.zeros_like(o[:, :, : head.shape[2]])
     else:
-        first = torch.einsum("bhgtk,bhkv->bhgtv", _grouped(head, k.shape[1]), initial_state.to(o.dtype))
+        first = torch.einsum("bhgtk,bhkv->bhgtv", grouped(head, k.shape[1]), initial_state.to(o.dtype))
         first = first.reshape(*head.shape[:3], -1)
     return torch.cat([first, o[:, :, : T - head.shape[2]]], dim=2)

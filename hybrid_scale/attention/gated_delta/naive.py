@@ -30,7 +30,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """q [B,H,T,D] -> [B,Hkv,G,T,D]."""
     B, H, T, D = q.shape
     return q.reshape(B, kv_heads, H // kv_heads, T, D)
@@ -42,7 +42,7 @@ def recurrent_gated_delta(q, k, v, beta, g, *, initial_state=None, chunk_size=No
     (fp64 for fp64 inputs). chunk_size: unused (the implementations of this part share one contract)."""
     acc = compute_dtype(q)
     B, Hkv, T, Dk = k.shape
-    qg = _grouped(q.to(acc), Hkv)
+    qg = grouped(q.to(acc), Hkv)
     k, v, beta, g = (t.to(acc) for t in (k, v, beta, g))
     S = k.new_zeros(B, Hkv, Dk, v.shape[-1]) if initial_state is None else initial_state.to(acc)
     out = []

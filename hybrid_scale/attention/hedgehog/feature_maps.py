@@ -4,7 +4,7 @@ Every map works per head on [B, heads, T, head_dim] and returns [B, heads, T, ou
 projection u = x W_h + b_h (one W_h per head) are identity-initialised when feature_dim == head_dim, so a freshly
 converted model starts from phi(x) = act(x). q and k get separate maps: q has one per query head, k one per KV head.
 
-Each map's size and parameters are its spec (choices.FEATURE_MAP_SPECS, read without torch by preflight and the
+Each map's size and parameters are its spec (feature_specs.FEATURE_MAP_SPECS, read without torch by preflight and the
 config); this file holds the math. It imports only torch and its sibling choices.py (the export copies both next to a
 modeling file).
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..settings import FEATURE_MAP_SPECS, FeatureMapSpec
+from .feature_specs import FEATURE_MAP_SPECS, FeatureMapSpec
 
 
 class FeatureMap(nn.Module):
@@ -131,7 +131,7 @@ class Elu1(FeatureMap):
 
 
 FEATURE_MAPS: dict[str, type[FeatureMap]] = {cls.name: cls for cls in (Hedgehog, Exp, T2R, ReLU, Elu1)}
-assert list(FEATURE_MAPS) == list(FEATURE_MAP_SPECS), "every spec has its class (choices.FEATURE_MAP_SPECS)"
+assert list(FEATURE_MAPS) == list(FEATURE_MAP_SPECS), "every spec has its class (feature_specs.FEATURE_MAP_SPECS)"
 
 
 def make_feature_map(name: str, num_heads: int, head_dim: int, feature_dim: int | None = None) -> FeatureMap:

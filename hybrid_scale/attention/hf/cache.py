@@ -1,7 +1,7 @@
 """The decode cache of a converted model: `HybridCache`, a transformers `Cache` whose converted layers hold a
-`recurrent.DecodeState` (memory independent of the generated length: a ring of the window's keys, the sinks and the
-LA state) and whose other layers keep the usual `DynamicLayer`. `HybridAttention.forward` (hybrid.py) hands its
-decode to its layer's `hybrid_attend`.
+`window/recurrent.DecodeState` (memory independent of the generated length: a ring of the window's keys, the sinks
+and the LA state) and whose other layers keep the usual `DynamicLayer`. `HybridAttention.forward` (layer.py) hands
+its decode to its layer's `hybrid_attend`, which asks the layer's part (its decode step over this state).
 
 This file imports only torch, transformers and its siblings (remote code: see hybrid.py).
 """
@@ -14,10 +14,6 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from ..backends import Shape, get_backend, get_decode, resolve
-from ..gated_delta.recurrent import extend as delta_extend
-from ..gated_delta.recurrent import step as delta_step
-from ..hedgehog.recurrent import extend, step
 from ..layer import HybridAttention, Projections, hybrid_layers
 from ..window.recurrent import DecodeState
 
@@ -51,63 +47,25 @@ class HybridCacheLayer(CacheLayerMixin):
         # a shorter ring checks its bound on the host (extend), unless the caller bounds the tokens itself
         self.is_compileable = self.capacity == window or bounded
         self.state: DecodeState | None = None
-        self._step = None  # the one-token step: the backend's fused decode step or recurrent.step
+        self.step = None  # the one-token step: the backend's fused decode step or the part's torch step
 
     def hybrid_attend(self, module: HybridAttention, x: Projections, mask):
-        """`module`'s attention of the new tokens' projections `x` (mask [B, T] or None) over this layer's state."""
-        if module.la_kind == "gated_delta":
-            return self._delta_attend(module, x, mask)
-        q, k, v, fq, fk = x[:5]
-        o, rho = module.options().own(), module.la_decay
-        if self.state is not None and q.shape[2] == 1 and self.is_compileable:  # (the compiled decode step)
-            self._check(module)
-            y = self._step(self.state, q, k, v, fq, fk, module.gamma, o, attention_mask=mask, la_decay=rho)
-            if y is not None:
-                return y
-            return step(self.state, q, k, v, fq, fk, module.gamma, o, attention_mask=mask, la_decay=rho)
-        shape = Shape.of(q, k, v, fq, o, la_decay=rho is not None)
-        backend = resolve(module.backend, q.device, shape)
-        if self.state is None:
-            self._check(module)
-            self.state = static(DecodeState.empty(shape, k.shape[0], self.capacity, k.device))
-            self._step = get_decode(backend) or step
-            self.is_initialized = True
-        return extend(self.state, q, k, v, fq, fk, module.gamma, o, attention_mask=mask, la_decay=rho,
-                      prefill=get_backend(backend))  # fmt: skip
-
-    def _delta_shape(self, module: HybridAttention, dtype: torch.dtype) -> Shape:
-        d = module.head_dim
-        return Shape(
-            module.num_heads, module.num_key_value_heads, d, d, d, module.window, module.sinks, dtype,
-            module.hybrid_sinks, False, "gated_delta", module.la_conv,
-        )  # fmt: skip
+        """`module`'s attention of the new tokens' projections `x` (mask [B, T] or None) over this layer's state: its
+        part's decode step (hedgehog/part.py, gated_delta/part.py)."""
+        return module.part.decode(self, module, x, mask)
 
     def conv_tails(self, module: HybridAttention, hidden: torch.Tensor):
-        """The decode state's last inputs of gated_delta's short convolution (q's, k's), allocated at the first call;
-        the layer's `project` continues from them and updates them in place."""
-        if self.state is None:
-            self._check(module)
-            shape = self._delta_shape(module, hidden.dtype)
-            self.state = static(DecodeState.empty(shape, hidden.shape[0], self.capacity, hidden.device))
-            self.is_initialized = True
-        return self.state.conv_q, self.state.conv_k
+        """The decode state's last inputs of the part's short convolution, if it has one (else None)."""
+        tails = getattr(module.part, "conv_tails", None)
+        return None if tails is None else tails(self, module, hidden)
 
-    def _delta_attend(self, module: HybridAttention, x: Projections, mask):
-        """The gated delta-rule hybrid over this layer's state (delta_decode.py): its compileable one-token step, or
-        extend."""
-        q, k, v, fq, fk, gates = x
-        o = module.options()
-        if self.state is None:
-            self._check(module)
-            shape = self._delta_shape(module, q.dtype)
-            self.state = static(DecodeState.empty(shape, q.shape[0], self.capacity, q.device))
-            self.is_initialized = True
-        self._check(module)
-        if q.shape[2] == 1 and self.is_compileable:
-            return delta_step(self.state, q, k, v, fq, fk, gates, module.gamma, o, attention_mask=mask)
-        return delta_extend(self.state, q, k, v, fq, fk, gates, module.gamma, o, attention_mask=mask)
+    def allocate(self, module: HybridAttention, shape, batch: int, device) -> None:
+        """The state for `batch` rows of `module` at `shape` (window/recurrent.DecodeState), allocated once."""
+        self.check(module)
+        self.state = static(DecodeState.empty(shape, batch, self.capacity, device))
+        self.is_initialized = True
 
-    def _check(self, module: HybridAttention) -> None:
+    def check(self, module: HybridAttention) -> None:
         if module.window != self.window or module.sinks != self.sinks:
             raise ValueError(
                 f"cache was made for window={self.window}, sinks={self.sinks} but layer {module.layer_idx} has "

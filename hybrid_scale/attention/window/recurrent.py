@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..kinds import KINDS
 from ..shape import Shape
 
 
@@ -48,7 +49,7 @@ class DecodeState:
         acc = torch.promote_types(dtype, torch.float32)
         # phi_k is kept as it came (every value the rings hold is an input's phi_k, unchanged: bf16 rings lose
         # nothing and halve the bytes a decode step reads); gated_delta's keys are kept in fp32
-        ring_f = acc if shape.la_kind == "gated_delta" else dtype
+        ring_f = acc if KINDS[shape.la_kind].ring_fp32 else dtype
         capacity = min(capacity, window)
         ring = capacity if ring is None else ring
 
@@ -67,7 +68,7 @@ class DecodeState:
             count=torch.zeros(batch, dtype=torch.long, device=device),
             seen=torch.zeros((), dtype=torch.long, device=device),
             lock=torch.zeros(batch * (kv_heads + 1), dtype=torch.int32, device=device),
-            gates=z(batch, kv_heads, ring, 2 if shape.la_kind == "gated_delta" else 0, dt=acc),
+            gates=z(batch, kv_heads, ring, KINDS[shape.la_kind].ring_gates, dt=acc),
             conv_q=z(batch, shape.heads, max(shape.conv - 1, 0), head_dim),
             conv_k=z(batch, kv_heads, max(shape.conv - 1, 0), head_dim),
             window=window,
