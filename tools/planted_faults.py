@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # name: (file, the exact text, what it becomes): the rules docs/results/test_time.md lists
 FAULTS = {
     "window_off_by_one": (
-        "hybrid_scale/attention/naive.py",
+        "hybrid_scale/attention/hedgehog/naive.py",
         "in_past = causal & (pk <= pq - window)",
         "in_past = causal & (pk < pq - window)",
     ),
     "hedgehog_sign": (
-        "hybrid_scale/attention/feature_maps.py",
+        "hybrid_scale/attention/hedgehog/feature_maps.py",
         "torch.softmax(-u, dim=-1)], dim=-1)",
         "torch.softmax(u, dim=-1)], dim=-1)",
     ),
@@ -55,25 +55,25 @@ FAULTS = {
     "verdict_on_hi": ("hybrid_scale/evaluate/balance.py", "    if lo > margin:", "    if hi > margin:"),
     # the LA's decay (attention.la_decay, tests/unit/test_la_decay.py)
     "decay_ignored_chunked": (
-        "hybrid_scale/attention/chunked.py",
+        "hybrid_scale/attention/hedgehog/chunk.py",
         'rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
         "rho = None",
     ),
     "decay_gradient_dropped": (
-        "hybrid_scale/attention/chunked.py",
+        "hybrid_scale/attention/hedgehog/chunk.py",
         'rho = la_decay.to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
         'rho = la_decay.detach().to(q.dtype) if la_decay is not None and mode in ("hybrid", "la_only") else None',
     ),
     "decay_on_the_sinks": (
-        "hybrid_scale/attention/naive.py",
+        "hybrid_scale/attention/hedgehog/naive.py",
         "            e = gamma * e\n",
         "            e = gamma * e\n        if la_decay is not None and hybrid_sinks:\n"
         "            e = torch.where(sink & ~in_window, e * decay_weight(rho, pq - window - pk), e)\n",
     ),
     "decay_state_not_carried": (
-        "hybrid_scale/attention/recurrent.py",
-        "        state.kv, state.ksum = state.kv * carry[..., None], state.ksum * carry",
-        "        pass",
+        "hybrid_scale/attention/hedgehog/recurrent.py",
+        "        kv, ksum = kv * carry[..., None], ksum * carry\n        fold_ring = fold_ring",
+        "        fold_ring = fold_ring",
     ),
     "decay_not_in_stage1_state": (
         "hybrid_scale/distill/objectives.py",
@@ -137,7 +137,7 @@ FAULTS = {
         "carry = 1.0",
     ),
     "decay_ignored_by_the_layer": (
-        "hybrid_scale/attention/hybrid.py",
+        "hybrid_scale/attention/layer.py",
         "            la_decay=self.la_decay if la_decay is None else la_decay,",
         "            la_decay=None,",
     ),

@@ -203,7 +203,7 @@ VARIANTS = {
         "the quickstart with a decay every head starts with: rho = 1/1024 at conversion (issue 52)",
         ["attention.la_decay_horizon=1024"],
     ),
-    # issue 59: the gated delta rule as the linear part (attention/delta.py), on the quickstart's schedule
+    # issue 59: the gated delta rule as the linear part (attention/gated_delta/hybrid.py), on the quickstart's schedule
     "delta": (
         "la_kind gated_delta (normaliser: its read-out counts as gamma = exp(theta) keys' worth, from 1), no Hedgehog "
         "decay, hybrid-output transfer",

@@ -143,8 +143,8 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
         opts = dict(gates=x.gates, gamma=gamma, la_decay=rho)
         y, soft, lin = m.attend(*x[:5], mode="hybrid", return_denominators=True, **opts)
         y_swa = m.attend(*x[:5], mode="swa_only", **opts)
-        # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/delta.py) its
-        # read-out's gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
+        # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/gated_delta/hybrid.py)
+        # its read-out's gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
         ratio = (lin / (soft + lin).clamp_min(1e-30)).float()  # [B, H, T]
         diff = (y - y_swa).float().pow(2).sum(-1)  # [B, H, T]
         norm = y.float().pow(2).sum(-1)

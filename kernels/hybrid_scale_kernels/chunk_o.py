@@ -1,6 +1,6 @@
 """The chunked hybrid attention's output kernel (fla's `chunk_o`): one program per (batch x query head, chunk), the
 state term plus the masked, decayed intra-chunk terms, with the window's softmax sharing the LA's normaliser
-(docs/design.md section 2, hybrid_scale/attention/naive.py):
+(docs/design.md section 2, hybrid_scale/attention/hedgehog/naive.py):
 
     y_n = (gamma sum_{W(n) u S(n)} E_nj v_j + sum_{P(n) \\ S(n)} L_nj v_j) / (gamma sum E_nj + sum L_nj + EPS)
 

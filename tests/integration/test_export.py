@@ -128,13 +128,17 @@ def test_export_layout(exported):
 
 
 def test_export_holds_the_attention_folder(exported):
-    """The code copied is what hybrid_scale/attention holds (every module, byte for byte), not a hand-kept list."""
+    """The code copied is what hybrid_scale/attention holds (every module, flattened as export/remote_code.py writes
+    it: the same source with its relative imports made flat), not a hand-kept list."""
+    from hybrid_scale.export.remote_code import flat_name, remote_code
+
     folder = Path(hs.__file__).parent / "attention"
-    modules = {p.name for p in folder.glob("*.py")} - {"__init__.py"}
-    assert {"backends.py", "naive.py", "chunked.py", "hybrid.py", "modeling_hybrid_scale.py"} <= modules
+    parts = [p.relative_to(folder).with_suffix("").parts for p in folder.rglob("*.py") if p.name != "__init__.py"]
+    modules = {flat_name(m) + ".py" for m in parts}
+    assert {"backends.py", "hedgehog_naive.py", "hedgehog_chunk.py", "layer.py", "modeling_hybrid_scale.py"} <= modules
     assert {p.name for p in exported.glob("*.py")} == modules
-    for name in modules:
-        assert (exported / name).read_bytes() == (folder / name).read_bytes(), name
+    for name, text in remote_code().items():
+        assert (exported / name).read_text() == text, name
 
 
 def test_isolated_process_loads_it_and_matches_the_toolkit(trained, exported, tmp_path):
@@ -283,7 +287,7 @@ def test_a_gamma_is_refused_where_it_cannot_act_and_taken_where_the_models_param
     )
     with pytest.raises(ExportError, match="runs la_only, where gamma has no effect: set export.mode=hybrid"):
         export(cfg(la, tmp_path / "out", "export.calibrate_gamma=true"))
-    with pytest.raises(ExportError, match=r"export.gamma' must be in \(0, 1\) with gamma_param sigmoid, got 1.5"):
+    with pytest.raises(ExportError, match=r"gamma': must be in \(0, 1\) with attention.gamma_param=sigmoid, got 1.5"):
         export(cfg(trained, tmp_path / "out", "export.gamma=1.5", "export.report_sequences=0"))
     assert not (tmp_path / "out").exists()
     exp = shutil.copytree(trained, tmp_path / "exp")  # gamma = exp(logit): any gamma > 0
@@ -420,7 +424,7 @@ def test_gated_delta_export_runs_its_remote_code_alone_and_matches_the_toolkit(t
 
 @pytest.fixture(scope="module")
 def trained_granite(smollm2, trained, tmp_path_factory):
-    """A stage-2-like Granite model (the architecture added as one record: attention/architectures.py), its own
+    """A stage-2-like Granite model (the architecture added as one record: attention/hf/architectures.py), its own
     multipliers and scores' scale away from Llama's (tests/conftest.py ARCHS)."""
     root = tmp_path_factory.mktemp("export_granite")
     model = tiny_model("granite", vocab_size=49152, pad_token_id=2, eos_token_id=2, bos_token_id=1)

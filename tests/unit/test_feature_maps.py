@@ -47,8 +47,8 @@ def test_errors_name_the_fix():
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
 @pytest.mark.parametrize("feature_dim", [None, 6])
 def test_every_map_has_the_size_and_parameters_its_spec_declares(name, feature_dim):
-    """feature_specs.FEATURE_MAP_SPECS (what preflight and the config read, without torch) agrees with each module: the size
-    phi returns and the parameters it owns."""
+    """feature_specs.FEATURE_MAP_SPECS (what preflight and the config read, without torch) agrees with each module:
+    the size phi returns and the parameters it owns."""
     from hybrid_scale.attention.hedgehog.feature_specs import FEATURE_MAP_SPECS
 
     spec = FEATURE_MAP_SPECS[name]

@@ -1,6 +1,6 @@
-"""The gated delta-rule LA (attention/delta.py, delta_decode.py, delta_modules.py): the chunked WY form against the spec
-loop and fla's own naive recurrence, the hybrid's paths against each other in every mode, decode against the full
-forward, and the faults these checks must catch."""
+"""The gated delta-rule LA (attention/gated_delta/: naive.py, chunk.py, hybrid.py, recurrent.py, modules.py): the
+chunked WY form against the spec loop and fla's own naive recurrence, the hybrid's paths against each other in
+every mode, decode against the full forward, and the faults these checks must catch."""
 
 import pytest
 import torch
@@ -142,8 +142,8 @@ def test_hybrid_is_exact_softmax_before_the_window_fills_and_padding_changes_not
     # left-padded: the row alone
     pad = [t if t.dim() == 1 else torch.cat([torch.zeros_like(t[:1, :, :4]), t[:1]], 2) for t in x]  # time: dim 2
     mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 53, dtype=torch.long)], 1)
-    y_pad = delta_hybrid_attention(*pad[:6], DeltaGates(*pad[6:]), window=7, sinks=3, attention_mask=mask, impl=chunk_gated_delta,
-                                   chunk_size=8)  # fmt: skip
+    y_pad = delta_hybrid_attention(*pad[:6], DeltaGates(*pad[6:]), window=7, sinks=3, attention_mask=mask,
+                                   impl=chunk_gated_delta, chunk_size=8)  # fmt: skip
     torch.testing.assert_close(y_pad[:, :, 4:], y[:1], rtol=0, atol=1e-10)
     assert y_pad[:, :, :4].abs().max() == 0
 

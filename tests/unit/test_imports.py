@@ -156,7 +156,7 @@ sys.exit(main(sys.argv[1:]))
 def test_commands_that_only_parse_a_config_import_no_torch(args, tmp_path):
     """`hybrid-scale launch` (every batch job and launcher wrapper starts with it, before torchrun imports torch
     again), `submit`, `config` and `--help` start in a fraction of a second: hybrid_scale's top-level names load on
-    first use and the config's choices come from attention/choices.py."""
+    first use and the config's choices come from attention/settings.py."""
     env = {**os.environ, "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "localhost"}
     args = [a.replace("RUN", str(tmp_path)) for a in args]
     out = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=120, env=env)

@@ -13,7 +13,6 @@ gradient's precision contract are in test_triton_kernels_bf16.py.
 
 import copy
 import os
-import shutil
 import subprocess
 import sys
 
@@ -387,13 +386,17 @@ def test_the_backend_switch(monkeypatch):
 
 
 def test_a_copy_of_the_attention_files_finds_the_installed_kernels(tmp_path):
-    """What an exported model carries (the attention files beside its modeling file) registers the kernels from their
-    entry point into its own registry, and resolves auto to them for CUDA tensors."""
-    source = os.path.dirname(naive.__file__)
-    shutil.copytree(source, tmp_path / "exported", ignore=shutil.ignore_patterns("__pycache__"))
+    """What an exported model carries (the attention package flattened beside its modeling file:
+    export/remote_code.py) registers the kernels from their entry point into its own registry, and resolves auto to
+    them for CUDA tensors."""
+    from hybrid_scale.export.remote_code import write_remote_code
+
+    (tmp_path / "exported").mkdir()
+    write_remote_code(tmp_path / "exported")
+    (tmp_path / "exported" / "__init__.py").write_text("")
     code = (
         "import sys; sys.modules.pop('hybrid_scale', None)\n"
-        "from exported import backends\n"
+        "from exported import backends, layer\n"
         "backends.self_check = lambda name, device, **_: None\n"  # no GPU here: as if it passed there
         "print(backends.resolve('auto', 'cuda'), backends.resolve('auto', 'cpu'), "
         "backends.get_backend('triton').__module__, backends.get_decode('triton').__name__)\n"
