@@ -2,7 +2,8 @@
 embedded default on held-out text: the cosine similarity between the teacher's attention over the keys that have
 left the window (its normalised average of their values, per query head) and the gated delta rule's read-out of the
 same keys (attention/gated_delta/hybrid.py, lag w, the gates at conversion), with the rule on q and k before RoPE
-(the toolkit's choice) or after it, and beta / the horizon varied. A read-out unrelated to the dropped part only adds noise.
+(the toolkit's choice) or after it, and beta / the horizon varied. A read-out unrelated to the dropped part only
+adds noise.
 
     .venv/bin/python -m experiments.gated_delta.diagnose [--window 16] [--layers 3 10 20] [--tokens 512]
 """

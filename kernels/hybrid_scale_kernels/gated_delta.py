@@ -1,7 +1,8 @@
 """fla-core's Triton kernel for the gated delta rule (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`), wrapped to
 the contract of hybrid_scale's chunk_gated_delta (attention/gated_delta/chunk.py) and registered as the gated delta
 rule's implementation "fla": attention.backend=auto uses it on CUDA only where it passes a forward-and-backward check
-against the torch form there (the registry's self-check, attention/gated_delta/part.py). This package imports fla only when the kernel is called, so the attention never depends on it."""
+against the torch form there (the registry's self-check, attention/gated_delta/part.py). This package imports fla
+only when the kernel is called, so the attention never depends on it."""
 
 from __future__ import annotations
 
