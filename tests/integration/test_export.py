@@ -348,7 +348,7 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
         device="cpu",
     )
     theirs = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in res["samples"]["piqa_local"]}
-    ours = evaluate(
+    results = evaluate(
         load_config(
             overrides=[
                 f"eval.model={out}",
@@ -362,7 +362,8 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
                 f"run_dir={tmp_path / 'run'}",
             ]
         )
-    )["modes"]["hybrid"]["piqa"]["loglik"]
+    )
+    ours = results.modes["hybrid"].tasks["piqa"].loglik
     assert sorted(theirs) == list(range(n))
     assert torch.allclose(torch.tensor([theirs[i] for i in range(n)]), torch.tensor(ours), atol=1e-3, rtol=0)
 
