@@ -28,6 +28,7 @@ from .entry import Entry, stage_entry
 from .errors import ConfigError, PipelineError
 from .evaluate import inputs as evaluate_inputs
 from .evaluate.cells import identity
+from .evaluate.results import EvalResults
 from .evaluate.stage import evaluate
 from .export import inputs as export_inputs
 from .export.identity import IDENTITY_NAME, export_identity
@@ -88,7 +89,7 @@ def is_done(cfg: Config, layout: RunLayout, stage: str) -> bool:
         return (layout.stage2 / "curves.json").is_file() and layout.stage2_output.exists()
     if stage == "evaluate":
         results = layout.eval / "results.json"
-        return results.is_file() and _same(lambda: json.loads(results.read_text()).get("identity"), cfg, stage)
+        return results.is_file() and _same(lambda: EvalResults.load(results).identity, cfg, stage)
     if stage == "export":
         recorded = layout.export / IDENTITY_NAME
         return (layout.export / MARKER).is_file() and _same(lambda: json.loads(recorded.read_text()), cfg, stage)

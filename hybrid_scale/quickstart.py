@@ -7,12 +7,12 @@ tokens beyond the window) -> export. Budgets come from configs/quickstart.yaml (
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from .config import load_config
 from .data import assets
+from .evaluate.results import EvalResults
 from .pipeline import pipeline
 from .run.layout import RunLayout
 from .run.metrics import tensorboard_on
@@ -33,7 +33,7 @@ def main(run_dir: str | Path | None = None, overrides: list[str] | tuple[str, ..
         print(f"TensorBoard (while it runs, from another shell): tensorboard --logdir {layout.run_dir.resolve()}")
     timings = pipeline(cfg)
     eval_dir = layout.eval
-    results = json.loads((eval_dir / "results.json").read_text())
+    results = EvalResults.load(eval_dir / "results.json")
     print("\n" + (eval_dir / "table.md").read_text())
     print(summary(results))
     if (eval_dir / "long_context.png").is_file():
@@ -51,38 +51,37 @@ the held-out text beyond the window, where a hybrid can differ from its sliding 
 few items each and their CIs are wide. The comparison of recipes at a larger budget is `make reproduce`."""
 
 
-def summary(r: dict) -> str:
+def summary(r: EvalResults) -> str:
     """The verdict with the figures it rests on, and the passkey retrieval beyond the window, in a few lines."""
-    lines = [f"Verdict on the linear attention: {r.get('verdict', 'n/a')}"]
-    b = r.get("beyond_window")
+    lines = [f"Verdict on the linear attention: {r.verdict if r.verdict is not None else 'n/a'}"]
+    b = r.beyond_window
     if b:
-        ppl = b["perplexity"]
-        vs = [m for m in ("swa_only", b["against"], "swa_sinks") if m in ppl and m != "hybrid"]
+        ppl = b.perplexity
+        vs = [m for m in ("swa_only", b.against, "swa_sinks") if m in ppl and m != "hybrid"]
         lines.append(
-            f"  beyond the window ({b['tokens']} held-out tokens at positions >= {b['window']}): perplexity hybrid "
+            f"  beyond the window ({b.tokens} held-out tokens at positions >= {b.window}): perplexity hybrid "
             f"{ppl['hybrid']:.1f}, " + ", ".join(f"{m} {ppl[m]:.1f}" for m in dict.fromkeys(vs))
         )
-        if r.get("hybrid_sinks"):
-            lines.append(f"  (the hybrid keeps the first {r['sinks']} tokens: its swa_only is swa_sinks)")
-        rows = [("swa_only", b["swa_only"])] if b.get("swa_only") else []
-        rows += [(b["against"], b)] if b["against"] != "swa_only" else []
+        if r.hybrid_sinks:
+            lines.append(f"  (the hybrid keeps the first {r.sinks} tokens: its swa_only is swa_sinks)")
+        rows = [("swa_only", b.swa_only)] if b.swa_only else []
+        rows += [(b.against, b)] if b.against != "swa_only" else []
         for name, c in rows:
             lines.append(
-                f"  hybrid vs {name}: {c['ratio']:.2f}x its perplexity, NLL gain {c['delta']:+.3f} nats/token "
-                f"[{c['lo']:+.3f}, {c['hi']:+.3f}] (95% CI)"
+                f"  hybrid vs {name}: {c.ratio:.2f}x its perplexity, NLL gain {c.delta:+.3f} nats/token "
+                f"[{c.lo:+.3f}, {c.hi:+.3f}] (95% CI)"
             )
-    elif "verdict_tasks" in r:
+    elif r.verdict_tasks is not None:
         lines.append("  on the tasks (la_only - none); no held-out perplexity was measured")
-    for probe in ("passkey", "recall"):
-        p = r.get(probe)
+    for probe, p in (("passkey", r.passkey), ("recall", r.recall)):
         if not p:
             continue
-        far = [d for d in p["distances"] if d >= r["window"]]
+        far = [d for d in p.distances if d >= r.window]
         if far:
             cells = ", ".join(
-                f"{m} {100 * sum(p['by_mode'][m][str(d)]['exact'] for d in far) / len(far):.0f}%" for m in p["by_mode"]
+                f"{m} {100 * sum(by_d[str(d)].exact for d in far) / len(far):.0f}%" for m, by_d in p.by_mode.items()
             )
             lines.append(f"  {probe} exact match at distances {far} (beyond the window): {cells}")
-        for problem in p.get("sanity", []):
+        for problem in p.sanity:
             lines.append(f"  {probe} probe check failed: {problem}")
     return "\n".join(lines)

@@ -99,6 +99,8 @@ def collect(run_dir: Path) -> dict:
     """The figures a run left on disk: stage-1 final losses, stage-2 curves, evaluation results."""
     from safetensors import safe_open
 
+    from hybrid_scale.evaluate.results import EvalResults
+
     stage1 = {}
     for f in sorted((run_dir / "stage1").glob("layer_*.safetensors")):
         with safe_open(str(f), "pt") as h:
@@ -106,21 +108,21 @@ def collect(run_dir: Path) -> dict:
         if losses:
             stage1[int(f.stem.split("_")[1])] = losses[-1]
     curves = json.loads((run_dir / "stage2" / "curves.json").read_text())
-    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    results = EvalResults.load(run_dir / "eval" / "results.json")
     logliks = {
-        mode: [ll for r in per.values() if isinstance(r, dict) for item in r["loglik"] for ll in item]
-        for mode, per in results["modes"].items()
+        mode: [ll for r in per.tasks.values() for item in r.loglik for ll in item]
+        for mode, per in results.modes.items()
     }
     return {
         "stage1_final_loss": stage1,
         "stage2_train_loss": curves["train"][-1],
         "stage2_heldout_hybrid": curves["hybrid"][-1],
         "stage2_heldout_la_only": curves["la_only"][-1],
-        "perplexity": results["perplexity"]["by_mode"],
-        "task_avg": {mode: per["avg"] for mode, per in results["modes"].items()},
+        "perplexity": results.perplexity.by_mode,
+        "task_avg": {mode: per.avg for mode, per in results.modes.items()},
         "logliks": logliks,
-        "la_share_layers": len((results.get("la_share") or {}).get("share") or {}),
-        "verdict": results.get("verdict"),
+        "la_share_layers": len(results.la_share.share) if results.la_share else 0,
+        "verdict": results.verdict,
     }
 
 

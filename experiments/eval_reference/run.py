@@ -36,12 +36,11 @@ def main():
     rows = {}
     print(f"\n{'task':<10} {'acc':>6} {'ref':>6} {'stderr':>7} {'n':>4} {'>=w16':>7} {'>=w64':>7}")
     for task, ref in REFERENCE.items():
-        m, t = r["modes"]["base"][task], r["tasks"][task]
-        rows[task] = {"acc": m["acc"], "reference": ref, "stderr": m["stderr"], "n": m["n"], **t["beyond_window"]}
-        bw = t["beyond_window"]
+        m, bw = r.modes["base"].tasks[task], r.tasks[task].beyond_window
+        rows[task] = {"acc": m.acc, "reference": ref, "stderr": m.stderr, "n": m.n, **bw}
         print(
-            f"{task:<10} {m['acc']:6.3f} {ref:6.3f} {m['stderr']:7.3f} {m['n']:>4} {bw[16]:7.3f} {bw[64]:7.3f}"
-            f" {r['timings_s']['base']:7.0f}"
+            f"{task:<10} {m.acc:6.3f} {ref:6.3f} {m.stderr:7.3f} {m.n:>4} {bw[16]:7.3f} {bw[64]:7.3f}"
+            f" {r.timings_s['base']:7.0f}"
         )
     (out / "eval_reference.json").write_text(json.dumps(rows, indent=2))
 

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from hybrid_scale.evaluate.results import EvalResults, Probe
+
 # name -> (what it changes, overrides of configs/quickstart.yaml)
 SINKS = ["attention.hybrid_sinks=true"]
 EXP = ["attention.gamma_param=exp", "attention.gamma_init=1.0"]
@@ -283,22 +285,22 @@ def run_variant(name: str, overrides: list[str], out: Path, long: bool = False, 
         if proc.returncode != 0:
             raise SystemExit(f"{name}: {stage} failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         times[stage] = time.perf_counter() - t0
-    r = json.loads((run / "eval" / "results.json").read_text())
-    b = r["beyond_window"]
+    r = EvalResults.load(run / "eval" / "results.json")
+    b = r.beyond_window
+
+    def exact(probe: Probe | None) -> dict:
+        return {m: {d: c.exact for d, c in by.items()} for m, by in probe.by_mode.items()} if probe else {}
+
     result = {
         "name": name,
-        "buckets": r["perplexity"]["by_mode"],
-        "beyond": b["perplexity"],
-        "verdict": r.get("verdict"),
-        "vs_swa_only": {k: b["swa_only"][k] for k in ("delta", "lo", "hi", "ratio")} if "swa_only" in b else None,
-        "vs_against": {k: b[k] for k in ("delta", "lo", "hi", "ratio")} | {"against": b["against"]},
-        "la_share": r.get("la_share", {}).get("share"),
-        "passkey": {
-            m: {d: c["exact"] for d, c in by.items()} for m, by in r.get("passkey", {}).get("by_mode", {}).items()
-        },
-        "recall": {
-            m: {d: c["exact"] for d, c in by.items()} for m, by in r.get("recall", {}).get("by_mode", {}).items()
-        },
+        "buckets": r.perplexity.by_mode,
+        "beyond": b.perplexity,
+        "verdict": r.verdict,
+        "vs_swa_only": {k: getattr(b.swa_only, k) for k in ("delta", "lo", "hi", "ratio")} if b.swa_only else None,
+        "vs_against": {k: getattr(b, k) for k in ("delta", "lo", "hi", "ratio")} | {"against": b.against},
+        "la_share": r.la_share.share if r.la_share else None,
+        "passkey": exact(r.passkey),
+        "recall": exact(r.recall),
         "times_s": times,
     }
     done.write_text(json.dumps(result, indent=1))

@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from hybrid_scale.evaluate.results import EvalResults
 from hybrid_scale.recipes import RECIPES as RECIPE_TABLE
 
 HERE = Path(__file__).resolve().parent  # experiments/reproduce_table1/: the runner, its rows and tables
@@ -418,7 +419,7 @@ def record(
         "times_s": times,
         "resumed": list(again),  # stages killed and resumed: their time is the last attempt's only
         "curves": curves,
-        "results": slim(json.loads(results.read_text())),
+        "results": slim(EvalResults.load(results).to_json()),  # (refused when not a results.json of this schema)
     }
 
 

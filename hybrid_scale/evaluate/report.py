@@ -6,82 +6,78 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..tasks import TASKS
+from .results import BeyondWindow, EvalResults, Interval, LaShare, Probe
 
 NAMES = {name: t.display for name, t in TASKS.items()}  # each task's column
 
 
-def _ci(d: dict) -> str:
-    return f"{100 * d['delta']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+def _ci(d: Interval) -> str:
+    return f"{100 * d.delta:+.1f} [{100 * d.lo:+.1f}, {100 * d.hi:+.1f}]"
 
 
-def table(r: dict) -> str:
-    tasks = list(r["tasks"])
-    lines = [f"# Component ablation: {r['model']}", ""]
-    if r.get("untrained_feature_maps"):
+def table(r: EvalResults) -> str:
+    tasks = list(r.tasks)
+    lines = [f"# Component ablation: {r.model}", ""]
+    if r.untrained_feature_maps:
         lines += ["**Feature maps untrained** (a plain model converted on the fly): LA numbers are a baseline.", ""]
     if tasks:
-        head = ["mode"] + [f"{NAMES[t]} ({r['tasks'][t]['metric']})" for t in tasks] + ["AVG", "Rec.%"]
+        head = ["mode"] + [f"{NAMES[t]} ({r.tasks[t].metric})" for t in tasks] + ["AVG", "Rec.%"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for mode, m in r["modes"].items():
-            cells = [f"{100 * m[t]['metric']:.1f} ± {100 * m[t]['stderr']:.1f}" for t in tasks]
-            rec = f"{m['rec']:.1f}" if "rec" in m else "-"
-            lines.append("| " + " | ".join([mode, *cells, f"{100 * m['avg']:.1f}", rec]) + " |")
-    n = {t: r["tasks"][t]["n"] for t in tasks}
-    lines += ["", f"Items per task: {n or 'no tasks'}; window {r['window']}; {r['world_size']} rank(s)."]
-    if "sinks" in r:
-        lines += ["", modes_line(r)]
+        for mode, m in r.modes.items():
+            cells = [f"{100 * m.tasks[t].metric:.1f} ± {100 * m.tasks[t].stderr:.1f}" for t in tasks]
+            rec = f"{m.rec:.1f}" if m.rec is not None else "-"
+            lines.append("| " + " | ".join([mode, *cells, f"{100 * m.avg:.1f}", rec]) + " |")
+    n = {t: r.tasks[t].n for t in tasks}
+    lines += ["", f"Items per task: {n or 'no tasks'}; window {r.window}; {r.world_size} rank(s)."]
+    lines += ["", modes_line(r.window, r.sinks, r.hybrid_sinks, r.la_decay)]
     lines += ["", "Share of scored (continuation) tokens at positions >= window -- on the rest a hybrid *is* its SWA:"]
     for t in tasks:
-        shares = ", ".join(f"w={w}: {100 * s:.1f}%" for w, s in r["tasks"][t]["beyond_window"].items())
+        shares = ", ".join(f"w={w}: {100 * s:.1f}%" for w, s in r.tasks[t].beyond_window.items())
         lines.append(f"- {NAMES[t]}: {shares}")
-    if "delta_swa" in r or "delta_la" in r:
+    if r.delta_swa is not None or r.delta_la is not None:
         lines += ["", "Paired bootstrap deltas, points, 95% CI (stratified by task):", ""]
         lines += ["| delta | " + " | ".join(NAMES[t] for t in tasks) + " | AVG |", "|" + "---|" * (len(tasks) + 2)]
-        for key, name in (("delta_swa", "SWA = hybrid - swa_only"), ("delta_la", "LA = la_only - none")):
-            if key in r:
-                lines.append(f"| {name} | " + " | ".join(_ci(r[key][t]) for t in [*tasks, "avg"]) + " |")
-    if "verdict_tasks" in r:
-        margin = r["config"]["eval"]["margin"]
+        for d, name in ((r.delta_swa, "SWA = hybrid - swa_only"), (r.delta_la, "LA = la_only - none")):
+            if d is not None:
+                lines.append(f"| {name} | " + " | ".join(_ci(d[t]) for t in [*tasks, "avg"]) + " |")
+    if r.verdict_tasks is not None:
+        margin = r.config["eval"]["margin"]
         basis = "delta LA = la_only - none on the task average"
-        lines += ["", f"Tasks: **{r['verdict_tasks']}** ({basis}, margin ±{100 * margin:.1f} points)."]
-    if "perplexity" in r:
-        p = r["perplexity"]
-        labels = list(next(iter(p["by_mode"].values())))
-        lines += [
-            "",
-            f"Perplexity by position bucket ({p['sequences']} held-out sequences of {p['seq_len']} tokens):",
-            "",
-        ]
+        lines += ["", f"Tasks: **{r.verdict_tasks}** ({basis}, margin ±{100 * margin:.1f} points)."]
+    if r.perplexity is not None:
+        p = r.perplexity
+        labels = list(next(iter(p.by_mode.values())))
+        lines += ["", f"Perplexity by position bucket ({p.sequences} held-out sequences of {p.seq_len} tokens):", ""]
         lines += ["| mode | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
-        for mode, v in p["by_mode"].items():
+        for mode, v in p.by_mode.items():
             lines.append(f"| {mode} | " + " | ".join(f"{v[b]:.1f}" for b in labels) + " |")
-    if r.get("beyond_window"):
-        lines += ["", *beyond_window_lines(r["beyond_window"], r)]
-    if r.get("passkey"):
-        lines += ["", *passkey_lines(r["passkey"], r["window"])]
-    if r.get("recall"):
-        lines += ["", *passkey_lines(r["recall"], r["window"], recall=True)]
-    if "verdict" in r:
+    if r.beyond_window:
+        lines += ["", *beyond_window_lines(r.beyond_window, r.sinks if r.hybrid_sinks else None)]
+    if r.passkey:
+        lines += ["", *passkey_lines(r.passkey, r.window)]
+    if r.recall:
+        lines += ["", *passkey_lines(r.recall, r.window, recall=True)]
+    if r.verdict is not None:
         basis = {"beyond_window": "held-out text beyond the window", "tasks": "tasks, la_only - none"}
-        lines += ["", f"**Verdict: {r['verdict']}** (on the {basis[r['verdict_basis']]})"]
-    if "la_share" in r:
-        s = r["la_share"]
-        lines += ["", f"LA share of the normaliser in `hybrid` (mean over layers and heads, T={s['seq_len']}):", ""]
-        labels = list(next(iter(s["share"].values())))
+        lines += ["", f"**Verdict: {r.verdict}** (on the {basis[r.verdict_basis]})"]
+    if r.la_share is not None:
+        s = r.la_share
+        lines += ["", f"LA share of the normaliser in `hybrid` (mean over layers and heads, T={s.seq_len}):", ""]
+        labels = list(next(iter(s.share.values())))
         lines += ["| | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
-        for key, name in (("share", "LA share"), ("effect", "‖y_hybrid − y_swa_only‖ / ‖y_hybrid‖")):
-            vals = [_mean_over(s[key], b) for b in labels]
+        for values, name in ((s.share, "LA share"), (s.effect, "‖y_hybrid − y_swa_only‖ / ‖y_hybrid‖")):
+            vals = [_mean_over(values, b) for b in labels]
             lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
         lines += horizon_lines(s)
-    t = r["timings_s"]
+    t = r.timings_s
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()), ""]
     return "\n".join(lines)
 
 
-def horizon_lines(s: dict) -> list[str]:
+def horizon_lines(s: LaShare) -> list[str]:
     """The LA's learned decay per layer and KV head as its horizon 1/rho: the tokens past the window over which a
     key's LA weight falls by a factor e (inf: no decay)."""
-    by_layer = s.get("horizon")
+    by_layer = s.horizon
     if not by_layer:
         return []
     width = max(len(v) for v in by_layer.values())
@@ -92,11 +88,10 @@ def horizon_lines(s: dict) -> list[str]:
     return lines
 
 
-def modes_line(r: dict) -> str:
-    """Which keys each mode's softmax sees: the sinks of every mode, and what `swa_only` (the hybrid without its LA)
-    is for this model."""
-    w, s = r["window"], r["sinks"]
-    if r.get("hybrid_sinks"):
+def modes_line(w: int, s: int, hybrid_sinks: bool, la_decay: bool) -> str:
+    """Which keys each mode's softmax sees at window `w` with `s` sinks (kept by the hybrid: `hybrid_sinks`), and what
+    `swa_only` (the hybrid without its LA) is for this model; whether the LA decays."""
+    if hybrid_sinks:
         hybrid = f"window {w} + the first {s} tokens (gamma-weighted), LA over the rest"
         ablation = f"window {w} + the same {s} sinks (= swa_sinks)"
     else:
@@ -105,60 +100,57 @@ def modes_line(r: dict) -> str:
         f"Softmax keys per mode: hybrid: {hybrid}; swa_only (the hybrid without its LA): {ablation}; swa_sinks: "
         f"window {w} + the first {s} tokens; sinks_only: the first {s} tokens; la_only: LA over every key."
     )
-    if r.get("la_decay"):
+    if la_decay:
         line += (" The LA decays: in hybrid and la_only a key that has left the window counts alpha_h^(its distance "
                  "past it); keys inside the window (la_only) and the sinks are not decayed.")  # fmt: skip
     return line
 
 
-def beyond_window_lines(b: dict, r: dict | None = None) -> list[str]:
-    """The beyond-window comparisons the verdict rests on (balance.beyond_window); r: the evaluation's results (its
-    sinks name what swa_only is)."""
+def beyond_window_lines(b: BeyondWindow, own_sinks: int | None = None) -> list[str]:
+    """The beyond-window comparisons the verdict rests on; own_sinks: the sinks the hybrid keeps (None: none), which
+    name what swa_only is."""
     lines = [
-        f"Beyond the window ({b['tokens']} held-out tokens at positions >= {b['window']}), perplexity: "
-        + ", ".join(f"{m} {v:.1f}" for m, v in b["perplexity"].items())
+        f"Beyond the window ({b.tokens} held-out tokens at positions >= {b.window}), perplexity: "
+        + ", ".join(f"{m} {v:.1f}" for m, v in b.perplexity.items())
         + ". Hybrid against (NLL gain in nats/token, 95% CI, paired bootstrap over 16-token blocks; margin "
-        + f"±{b['margin']}):",
+        + f"±{b.margin}):",
         "",
     ]
-    own = f"its own window + {r['sinks']} sinks" if r and r.get("hybrid_sinks") else "its own window alone"
-    rows = [("swa_only", f"{own}: is the LA used?", b.get("swa_only"))]
-    if b["against"] != "swa_only":
-        rows.append((b["against"], "the strongest mode without LA: is the LA worth it?", b))
+    own = f"its own window + {own_sinks} sinks" if own_sinks is not None else "its own window alone"
+    rows = [("swa_only", f"{own}: is the LA used?", b.swa_only)]
+    if b.against != "swa_only":
+        rows.append((b.against, "the strongest mode without LA: is the LA worth it?", b))
     for mode, what, c in rows:
         if c:
-            lines.append(
-                f"- `{mode}`, {what} {c['ratio']:.2f}x its perplexity, {c['delta']:+.3f} "
-                f"[{c['lo']:+.3f}, {c['hi']:+.3f}]"
-            )
+            lines.append(f"- `{mode}`, {what} {c.ratio:.2f}x its perplexity, {c.delta:+.3f} [{c.lo:+.3f}, {c.hi:+.3f}]")
     return lines
 
 
-def passkey_lines(p: dict, window: int, recall: bool = False) -> list[str]:
+def passkey_lines(p: Probe, window: int, recall: bool = False) -> list[str]:
     """The passkey table (or with recall the associative-recall probe's): greedy exact match and mean answer
     log-likelihood per mode and distance."""
-    ds = [str(d) for d in p["distances"]]
+    ds = [str(d) for d in p.distances]
     what = (
-        f"Associative recall ({p['trials']} seeded prompts per distance, a line of {p.get('pairs')} word: "
-        f"{p['digits']}-digit pairs, then filler from the held-out text, then one of the words again; distance = "
+        f"Associative recall ({p.trials} seeded prompts per distance, a line of {p.pairs} word: "
+        f"{p.digits}-digit pairs, then filler from the held-out text, then one of the words again; distance = "
         f"tokens from the line's end to the answer; window {window})"
         if recall
-        else f"Passkey retrieval ({p['trials']} seeded prompts per distance, a {p['digits']}-digit key stated in one "
+        else f"Passkey retrieval ({p.trials} seeded prompts per distance, a {p.digits}-digit key stated in one "
         f"place, then filler from the held-out text; distance = tokens from the key to the answer; window {window})"
     )
     lines = [
-        f"{what}. Greedy exact match %, (mean log-likelihood of the answer, chance {p['chance']['loglik']:.1f}):",
+        f"{what}. Greedy exact match %, (mean log-likelihood of the answer, chance {p.chance['loglik']:.1f}):",
         "",
         "| mode | " + " | ".join(f"d={d}{' *' if int(d) >= window else ''}" for d in ds) + " |",
         "|---|" + "---:|" * len(ds),
     ]
-    for mode, by_d in p["by_mode"].items():
+    for mode, by_d in p.by_mode.items():
         lines.append(
-            f"| {mode} | " + " | ".join(f"{100 * by_d[d]['exact']:.0f} ({by_d[d]['loglik']:.1f})" for d in ds) + " |"
+            f"| {mode} | " + " | ".join(f"{100 * by_d[d].exact:.0f} ({by_d[d].loglik:.1f})" for d in ds) + " |"
         )
     lines += ["", "\\* beyond the window: only what crosses it can answer; base is the ceiling."]
-    if p.get("sanity"):
-        lines += ["", "**Probe check failed:** " + "; ".join(p["sanity"])]
+    if p.sanity:
+        lines += ["", "**Probe check failed:** " + "; ".join(p.sanity)]
     return lines
 
 
@@ -167,31 +159,31 @@ def _mean_over(per_layer: dict, bucket: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def plots(r: dict, out_dir: Path) -> None:
+def plots(r: EvalResults, out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    tasks = list(r["tasks"])
-    modes = list(r["modes"])
+    tasks = list(r.tasks)
+    modes = list(r.modes)
     if modes:  # (no task scored: no ablation chart)
         fig, ax = plt.subplots(figsize=(1.6 * (len(tasks) + 1) + 2, 4))
         width = 0.8 / len(modes)
         x = np.arange(len(tasks) + 1)
         for i, mode in enumerate(modes):
-            vals = [100 * r["modes"][mode][t]["metric"] for t in tasks] + [100 * r["modes"][mode]["avg"]]
+            vals = [100 * r.modes[mode].tasks[t].metric for t in tasks] + [100 * r.modes[mode].avg]
             ax.bar(x + i * width - 0.4 + width / 2, vals, width, label=mode)
         ax.set_xticks(x, [NAMES[t] for t in tasks] + ["AVG"])
         ax.set_ylabel("score (%)")
-        ax.set_title(f"Component ablation (window {r['window']})")
+        ax.set_title(f"Component ablation (window {r.window})")
         ax.legend(fontsize=8, ncol=3)
         fig.tight_layout()
         fig.savefig(out_dir / "ablation.png", dpi=120)
         plt.close(fig)
-    if "la_share" in r:
-        share = r["la_share"]["share"]
+    if r.la_share is not None:
+        share = r.la_share.share
         layers = sorted(share, key=int)
         labels = list(share[layers[0]])
         fig, axes = plt.subplots(1, len(labels), figsize=(3 * len(labels), 0.18 * len(layers) + 2), squeeze=False)
@@ -208,10 +200,10 @@ def plots(r: dict, out_dir: Path) -> None:
     long_context_png(r, out_dir / "long_context.png")
 
 
-def long_context_png(r: dict, path: Path) -> bool:
+def long_context_png(r: EvalResults, path: Path) -> bool:
     """Passkey retrieval by distance and perplexity by position bucket, one line per mode, the window marked: the
     figure to read first. False (nothing written) when neither was measured."""
-    p, ppl = r.get("passkey"), r.get("perplexity")
+    p, ppl = r.passkey, r.perplexity
     if not p and not ppl:
         return False
     import matplotlib
@@ -219,22 +211,22 @@ def long_context_png(r: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [x for x in ("passkey", "perplexity") if r.get(x)]
+    panels = [x for x, measured in (("passkey", p), ("perplexity", ppl)) if measured]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         if panel == "passkey":
-            for mode, by_d in p["by_mode"].items():
+            for mode, by_d in p.by_mode.items():
                 ds = sorted(by_d, key=int)
-                ax.plot([int(d) for d in ds], [100 * by_d[d]["exact"] for d in ds], label=mode, **_style(mode))
+                ax.plot([int(d) for d in ds], [100 * by_d[d].exact for d in ds], label=mode, **_style(mode))
             ax.set_xscale("log", base=2)
             ax.set_ylim(-3, 103)
             ax.set_xlabel("distance from the key to the answer (tokens)")
             ax.set_ylabel("passkey exact match (%)")
-            ax.set_title(f"Retrieval ({p['trials']} prompts per distance)")
+            ax.set_title(f"Retrieval ({p.trials} prompts per distance)")
         else:
-            labels = list(next(iter(ppl["by_mode"].values())))
+            labels = list(next(iter(ppl.by_mode.values())))
             mids = [(int(a) + int(b)) / 2 for a, b in (x.split("-") for x in labels)]
-            for mode, v in ppl["by_mode"].items():
+            for mode, v in ppl.by_mode.items():
                 if mode == "none":
                     continue  # orders of magnitude above the rest: it would flatten every other line
                 ax.plot(mids, [v[x] for x in labels], label=mode, **_style(mode))
@@ -242,12 +234,12 @@ def long_context_png(r: dict, path: Path) -> bool:
             ax.set_yscale("log")
             ax.set_xlabel("position of the predicted token (bucket middle)")
             ax.set_ylabel("perplexity")
-            ax.set_title(f"Held-out perplexity ({ppl['sequences']} x {ppl['seq_len']} tokens)")
-        ax.axvline(r["window"], color="grey", ls="--", lw=1)
-        ax.text(r["window"], ax.get_ylim()[1], f" window {r['window']}", va="top", fontsize=8, color="grey")
+            ax.set_title(f"Held-out perplexity ({ppl.sequences} x {ppl.seq_len} tokens)")
+        ax.axvline(r.window, color="grey", ls="--", lw=1)
+        ax.text(r.window, ax.get_ylim()[1], f" window {r.window}", va="top", fontsize=8, color="grey")
         ax.legend(fontsize=8)
-    if r.get("verdict"):
-        fig.suptitle(f"Verdict: {r['verdict']}", fontsize=10)
+    if r.verdict:
+        fig.suptitle(f"Verdict: {r.verdict}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

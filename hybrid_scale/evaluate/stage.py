@@ -2,8 +2,8 @@
 plus perplexity by position bucket, the LA share, the paired-bootstrap deltas and the verdict.
 
 `evaluate(cfg)` reads the config's `eval` section, writes {out_dir}/results.json, table.md and PNGs (rank 0), and
-returns the results. Under torchrun the batches are sharded over ranks (see loglik); the numbers do not depend on
-the number of ranks.
+returns them (results.EvalResults: the file's record). Under torchrun the batches are sharded over ranks (see
+loglik); the numbers do not depend on the number of ranks.
 
 The work is cut into cells: one per (mode, task) of the benchmark scoring, one per mode of the perplexity by position
 bucket, one for the LA share, one per mode of the passkey and the recall probe (retrieval.py). Rank 0 commits each
@@ -23,7 +23,6 @@ rounds of batches inside a cell (whose work is then dropped); the stage writes t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -47,8 +46,9 @@ from . import balance, loglik, report, retrieval
 from .cells import Cells, count_cells, digest, identity, model_key
 from .inputs import INPUTS
 from .models import Models
-
-BEYOND = (16, 64)  # windows at which the share of scored tokens beyond the window is always reported
+from .results import BeyondWindow, EvalResults, LaShare, ModeScores, Perplexity, Probe, ProbeScore, TaskScore
+from .results import deltas as parse_deltas
+from .task_requests import Requests
 
 
 def _heldout_sequences(tokenizer, cfg: Config, held_text: tuple[str, str] | None = None) -> torch.Tensor:
@@ -75,7 +75,7 @@ def heldout_record(cfg: Config, where: str) -> dict:
     }
 
 
-def evaluate(cfg: Config) -> dict:
+def evaluate(cfg: Config) -> EvalResults:
     """The component ablation: every task scored in every mode, the paired-bootstrap deltas and the verdict,
     perplexity by position bucket and the LA share; written to eval/ by rank 0. Resumes from the committed cells;
     raises Requeue after a signal."""
@@ -86,7 +86,7 @@ def evaluate(cfg: Config) -> dict:
     return results
 
 
-def _evaluate(entry: Entry) -> dict:
+def _evaluate(entry: Entry) -> EvalResults:
     """evaluate's work, under the signal flag: the cells in order (loaded or computed), then the report."""
     cfg, rt, source = entry.cfg, entry.rt, entry.model
     evaluation = cfg.eval
@@ -105,23 +105,23 @@ def _evaluate(entry: Entry) -> dict:
         corpus.report_text(cfg) if evaluation.ppl_sequences else None
     )  # read once: recorded here, scored at the end
     window = models.window()
-    results = {
-        "model": str(path),
-        "converted": converted,
-        "untrained_feature_maps": not converted,
-        "window": window,
-        "sinks": models.sinks()[0],
-        "hybrid_sinks": models.sinks()[1],  # the hybrid's softmax keeps the S sinks: swa_only is then window + sinks
-        "la_decay": models.la_decay(),  # the LA decays past the window (hybrid and la_only; never the sinks)
-        "world_size": rt.world,
-        "tensor_parallel": rt.tp,
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "identity": identity(cfg, source, rt.device),  # what these results describe (the pipeline's "done")
-        "heldout": heldout_record(cfg, held_text[1]) if held_text else None,
-        "tasks": {task: r.beyond_window(window) for task, r in requests.items()},
-        "modes": {},
-        "timings_s": {},
-    }
+    results = EvalResults(
+        model=str(path),
+        converted=converted,
+        untrained_feature_maps=not converted,
+        window=window,
+        sinks=models.sinks()[0],
+        hybrid_sinks=models.sinks()[1],  # the hybrid's softmax keeps the S sinks: swa_only is then window + sinks
+        la_decay=models.la_decay(),  # the LA decays past the window (hybrid and la_only; never the sinks)
+        world_size=rt.world,
+        tensor_parallel=rt.tp,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        identity=identity(cfg, source, rt.device),  # what these results describe (the pipeline's "done")
+        heldout=heldout_record(cfg, held_text[1]) if held_text else None,
+        tasks={task: r.beyond_window(window) for task, r in requests.items()},
+        modes={},
+        timings_s={},
+    )
     common = model_key(cfg, source, window, rt.device)
     cells = Cells(entry, total=count_cells(evaluation, models.sinks()[1]))
     src = Sources(cfg, rt, models, tokenizer, cells, common, held_text)
@@ -130,8 +130,8 @@ def _evaluate(entry: Entry) -> dict:
         for mode in (
             evaluation.modes if evaluation.tasks else ()
         ):  # (eval.tasks=[]: the held-out text and the probe only)
-            if twin := models.twin(mode, results["modes"]):
-                results["modes"][mode] = results["modes"][twin]
+            if twin := models.twin(mode, results.modes):
+                results.modes[mode] = results.modes[twin]
                 cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its task scores are {twin}'s")
                 continue
             t0 = time.perf_counter()
@@ -147,29 +147,30 @@ def _evaluate(entry: Entry) -> dict:
                 }
                 key |= {"batch_size": evaluation.batch_size, "requests": requests[task].digest}
                 stop = cells.between_rounds(name)
-                per_task[task] = cells.result(name, key, partial(_score_task, src, mode, requests[task], stop))
-            per_task["avg"] = sum(per_task[t]["metric"] for t in evaluation.tasks) / len(evaluation.tasks)
-            results["modes"][mode] = per_task
-            results["timings_s"][mode] = time.perf_counter() - t0
+                cell = cells.result(name, key, partial(_score_task, src, mode, requests[task], stop))
+                per_task[task] = TaskScore.from_json(cell)
+            avg = sum(per_task[t].metric for t in evaluation.tasks) / len(evaluation.tasks)
+            results.modes[mode] = ModeScores(per_task, avg)
+            results.timings_s[mode] = time.perf_counter() - t0
         _deltas(results, evaluation.tasks, cfg)
         if models.split:
-            results["tensor_parallel_split"] = dict(models.split)
+            results.tensor_parallel_split = dict(models.split)
         t0 = time.perf_counter()
         if evaluation.ppl_sequences:
             _perplexity_and_la_share(results, src)
-        results["timings_s"]["perplexity_and_la_share"] = time.perf_counter() - t0
+        results.timings_s["perplexity_and_la_share"] = time.perf_counter() - t0
         probes = ["passkey", "recall"][: 1 + bool(evaluation.recall_pairs)] if passkey.probe_modes(evaluation) else []
         for probe in probes:
             t0 = time.perf_counter()
             _passkey(results, src, probe)
-            results["timings_s"][probe] = time.perf_counter() - t0
+            results.timings_s[probe] = time.perf_counter() - t0
         _verdict(results)
         cells.finish()
     finally:
         cells.metrics.close()  # (idempotent) an error must not lose the events not yet flushed
     if rt.main:
         out_dir = entry.layout.eval
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out_dir / "results.json").write_text(results.dumps())
         (out_dir / "table.md").write_text(report.table(results))
         report.plots(results, out_dir)
     return results
@@ -191,71 +192,24 @@ def _score_task(src: Sources, mode: str, requests: Requests, stop: Callable[[int
     return requests.result(scores)
 
 
-class Requests:
-    """One task's items as (context, continuation) requests, grouped by shared context for scoring; `digest` names
-    the items and their tokens (a cell's key)."""
-
-    def __init__(self, task: str, items: list, tokenizer, max_len: int):
-        self.task, self.items, requests, self.spans = task, items, [], []
-        for item in items:
-            self.spans.append((len(requests), len(item.continuations)))
-            requests += item.requests()
-        self.groups = loglik.make_groups(tokenizer, requests, max_len)
-        self.lengths = {
-            r: (len(g.context), len(c)) for g in self.groups for r, c in zip(g.requests, g.continuations, strict=True)
-        }
-        tokens = [(g.context, g.continuations, g.requests) for g in self.groups]
-        self.digest = digest({"items": [dataclasses.asdict(item) for item in items], "tokens": tokens})
-
-    def beyond_window(self, window: int) -> dict:
-        """The task's metric, n, and the share of scored tokens beyond the window (at `window`, 16 and 64)."""
-        scored = [self.lengths[r] for r in range(len(self.lengths))]
-        total = sum(k for _, k in scored)
-        beyond = {w: sum(max(0, c + k - max(c, w)) for c, k in scored) / total for w in sorted({window, *BEYOND})}
-        return {"metric": tasks.TASKS[self.task].reported, "n": len(self.items), "beyond_window": beyond}
-
-    def result(self, scores: dict[int, tuple[float, bool]]) -> dict:
-        """The reported metric and its stderr, acc, acc_norm, per-item correctness and log-likelihoods."""
-        lls, acc, acc_norm = [], [], []
-        for item, (start, n) in zip(self.items, self.spans, strict=True):
-            ll = [scores[r][0] for r in range(start, start + n)]
-            c = tasks.correct(item, ll)
-            lls.append(ll)
-            acc.append(c["acc"])
-            acc_norm.append(c["acc_norm"])
-        per_item = acc if tasks.TASKS[self.task].reported == "acc" else acc_norm
-        value, stderr = tasks.mean_stderr(per_item)
-        return {
-            "metric": value,
-            "stderr": stderr,
-            "n": len(self.items),
-            "acc": sum(acc) / len(acc),
-            "acc_norm": sum(acc_norm) / len(acc_norm),
-            "correct": per_item,
-            "loglik": lls,
-        }
-
-
-def _deltas(results: dict, names: list[str], cfg: Config) -> None:
+def _deltas(results: EvalResults, names: list[str], cfg: Config) -> None:
     """Rec.% against the base, the paired-bootstrap deltas (hybrid - swa_only, la_only - none) and the verdict."""
-    evaluation, m = cfg.eval, results["modes"]
+    evaluation, m = cfg.eval, results.modes
     if "base" in m:
-        base_avg = m["base"]["avg"]
+        base_avg = m["base"].avg
         for r in m.values():
-            r["rec"] = 100.0 * r["avg"] / base_avg if base_avg else float("nan")
+            r.rec = 100.0 * r.avg / base_avg if base_avg else float("nan")
 
     def correct_of(mode):
-        return {t: m[mode][t]["correct"] for t in names}
+        return {t: m[mode].tasks[t].correct for t in names}
 
     if "hybrid" in m and "swa_only" in m:
-        results["delta_swa"] = balance.paired_bootstrap(
-            correct_of("hybrid"), correct_of("swa_only"), evaluation.bootstrap, cfg.seed
-        )
+        delta = balance.paired_bootstrap(correct_of("hybrid"), correct_of("swa_only"), evaluation.bootstrap, cfg.seed)
+        results.delta_swa = parse_deltas(delta)
     if "la_only" in m and "none" in m:
-        results["delta_la"] = balance.paired_bootstrap(
-            correct_of("la_only"), correct_of("none"), evaluation.bootstrap, cfg.seed
-        )
-        results["verdict_tasks"] = balance.verdict(results["delta_la"]["avg"], evaluation.margin)
+        delta = balance.paired_bootstrap(correct_of("la_only"), correct_of("none"), evaluation.bootstrap, cfg.seed)
+        results.delta_la = parse_deltas(delta)
+        results.verdict_tasks = balance.verdict(delta["avg"], evaluation.margin)
 
 
 def _first_line(cfg: Config, config, models) -> str:
@@ -271,13 +225,13 @@ def _first_line(cfg: Config, config, models) -> str:
     return what + (f"; passkey probe: {probe}" if probe else "; no passkey probe")
 
 
-def _verdict(results: dict) -> None:
+def _verdict(results: EvalResults) -> None:
     """The verdict: beyond the window (hybrid vs the strongest mode without LA on held-out text) when measured, else
     the tasks' (la_only - none); `verdict_basis` says which."""
-    if results.get("beyond_window"):
-        results["verdict"], results["verdict_basis"] = results["beyond_window"]["verdict"], "beyond_window"
-    elif "verdict_tasks" in results:
-        results["verdict"], results["verdict_basis"] = results["verdict_tasks"], "tasks"
+    if results.beyond_window:
+        results.verdict, results.verdict_basis = results.beyond_window.verdict, "beyond_window"
+    elif results.verdict_tasks is not None:
+        results.verdict, results.verdict_basis = results.verdict_tasks, "tasks"
 
 
 @dataclasses.dataclass
@@ -300,7 +254,7 @@ class Sources:
         return t.pad_token_id if t.pad_token_id is not None else t.eos_token_id
 
 
-def _perplexity_and_la_share(results: dict, src: Sources) -> None:
+def _perplexity_and_la_share(results: EvalResults, src: Sources) -> None:
     """The cells of the held-out text: perplexity by position bucket per mode, then the LA share of `hybrid`. Rank 0
     computes them, every rank when the weights are sharded or split (every rank joins every forward)."""
     cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
@@ -309,7 +263,7 @@ def _perplexity_and_la_share(results: dict, src: Sources) -> None:
     seqs = _heldout_sequences(tokenizer, cfg, held_text) if here else None
     text = {"text": digest(held_text[0]), "ppl_seq_len": evaluation.ppl_seq_len, "buckets": list(evaluation.buckets)}
     buckets = [b for b in evaluation.buckets if b < evaluation.ppl_seq_len] + [evaluation.ppl_seq_len]
-    window = results["window"]
+    window = results.window
     by_mode, blocks = {}, {}
     for mode in evaluation.modes:
         if twin := models.twin(mode, evaluation.modes[: evaluation.modes.index(mode)]):
@@ -322,15 +276,14 @@ def _perplexity_and_la_share(results: dict, src: Sources) -> None:
         if here:
             by_mode[mode], blocks[mode] = cell["buckets"], cell["blocks"]
     if here:
-        results["perplexity"] = {"seq_len": evaluation.ppl_seq_len, "sequences": len(seqs), "by_mode": by_mode}
-        results["beyond_window"] = balance.beyond_window(
-            blocks, window, evaluation.ppl_margin, evaluation.bootstrap, cfg.seed
-        )
+        results.perplexity = Perplexity(evaluation.ppl_seq_len, len(seqs), by_mode)
+        b = balance.beyond_window(blocks, window, evaluation.ppl_margin, evaluation.bootstrap, cfg.seed)
+        results.beyond_window = BeyondWindow.from_json(b) if b is not None else None
     if evaluation.la_share_seq_len:
         key = {**common, **text, "la_share_seq_len": evaluation.la_share_seq_len}
         share = cells.result("la_share", key, partial(_la_share, models, seqs, cfg, rt), here)
         if here:
-            results["la_share"] = share
+            results.la_share = LaShare.from_json(share)
 
 
 def _perplexity(models: Models, mode: str, seqs: torch.Tensor, buckets: list[int], window: int) -> dict:
@@ -346,7 +299,7 @@ def astuple_shallow(src: Sources) -> tuple:
     return tuple(getattr(src, f.name) for f in dataclasses.fields(src))
 
 
-def _passkey(results: dict, src: Sources, probe: str = "passkey") -> None:
+def _passkey(results: EvalResults, src: Sources, probe: str = "passkey") -> None:
     """The passkey (or recall: data/passkey.py) cells, one per mode of eval.passkey_modes, on seeded prompts whose
     filler is the report text. Rank 0 computes them, every rank when the weights are sharded or split."""
     cfg, rt, models, tokenizer, cells, common, held_text = astuple_shallow(src)
@@ -381,14 +334,11 @@ def _passkey(results: dict, src: Sources, probe: str = "passkey") -> None:
         by_mode[mode] = cells.result(f"{probe}.{mode}", {**key, "mode": mode}, score, here)
     if here:
         digits = passkey.RECALL_DIGITS if probe == "recall" else passkey.DIGITS
-        results[probe] = {
-            "distances": list(evaluation.passkey_distances),
-            "trials": evaluation.passkey_trials,
-            "digits": digits,
-            "chance": {"exact": 10.0**-digits, "loglik": digits * math.log(0.1)},
-            "by_mode": by_mode,
-            "sanity": retrieval.sanity(by_mode, results["window"]),
-        } | ({"pairs": evaluation.recall_pairs} if probe == "recall" else {})
+        scores = {m: {d: ProbeScore.from_json(s) for d, s in by_d.items()} for m, by_d in by_mode.items()}
+        chance = {"exact": 10.0**-digits, "loglik": digits * math.log(0.1)}
+        pairs = evaluation.recall_pairs if probe == "recall" else None
+        what = (list(evaluation.passkey_distances), evaluation.passkey_trials, digits, chance, scores)
+        setattr(results, probe, Probe(*what, retrieval.sanity(by_mode, results.window), pairs))  # .passkey, .recall
 
 
 def _probe_lead(cfg: Config, models) -> int:

@@ -3,9 +3,11 @@ balance report when there is one."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
+
+from ..errors import InputError
+from ..evaluate.results import EvalResults
 
 
 def balance_report(results: Path, source: Path, tmp: Path, log) -> str | None:
@@ -15,8 +17,8 @@ def balance_report(results: Path, source: Path, tmp: Path, log) -> str | None:
     if not (results / "table.md").is_file() or not (results / "results.json").is_file():
         return None
     try:
-        evaluated = Path(json.loads((results / "results.json").read_text())["model"]).resolve()
-    except (OSError, ValueError, KeyError):
+        evaluated = Path(EvalResults.load(results / "results.json").model).resolve()
+    except InputError:
         evaluated = None
     if evaluated != source.resolve():
         log(

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import procs
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from hybrid_scale.cli import main
 from hybrid_scale.config import load_config
 from hybrid_scale.distributed.requeue import EXIT_REQUEUE, REQUEUE_MARKER, Requeue
+from hybrid_scale.evaluate.results import SCHEMA, Comparison, EvalResults
 from hybrid_scale.evaluate.stage import evaluate
 
 LIMIT = 10  # items per task: enough for base > none by 0.1 and none near chance (the first 10 of each)
@@ -39,20 +41,18 @@ def smollm2_eval(smollm2, tmp_path_factory):
 
 def test_swa_only_with_long_window_scores_exactly_the_base(smollm2_eval):
     r = smollm2_eval
-    assert r["untrained_feature_maps"] and r["window"] == 4096
+    assert r.untrained_feature_maps and r.window == 4096
     for task in ("piqa", "arc_easy"):
-        base, swa = r["modes"]["base"][task], r["modes"]["swa_only"][task]
-        assert base["n"] == LIMIT and base["correct"] == swa["correct"] and base["metric"] == swa["metric"]
-        worst = max(
-            abs(x - y) for a, b in zip(base["loglik"], swa["loglik"], strict=True) for x, y in zip(a, b, strict=True)
-        )
+        base, swa = r.modes["base"].tasks[task], r.modes["swa_only"].tasks[task]
+        assert base.n == LIMIT and base.correct == swa.correct and base.metric == swa.metric
+        worst = max(abs(x - y) for a, b in zip(base.loglik, swa.loglik, strict=True) for x, y in zip(a, b, strict=True))
         assert worst < 1e-3
-        assert r["tasks"][task]["beyond_window"][4096] == 0.0 and r["tasks"][task]["beyond_window"][16] > 0.5
+        assert r.tasks[task].beyond_window[4096] == 0.0 and r.tasks[task].beyond_window[16] > 0.5
     # no attention at all: near chance, well below the base model
-    assert abs(r["modes"]["none"]["piqa"]["metric"] - 0.5) <= 0.2
-    assert r["modes"]["none"]["arc_easy"]["metric"] <= 0.25 + 0.15
-    assert r["modes"]["base"]["avg"] >= r["modes"]["none"]["avg"] + 0.1
-    assert r["modes"]["swa_only"]["rec"] == 100.0
+    assert abs(r.modes["none"].tasks["piqa"].metric - 0.5) <= 0.2
+    assert r.modes["none"].tasks["arc_easy"].metric <= 0.25 + 0.15
+    assert r.modes["base"].avg >= r.modes["none"].avg + 0.1
+    assert r.modes["swa_only"].rec == 100.0
 
 
 def _lm_eval_task(tmp: Path, name: str, arrow: Path, body: str) -> None:
@@ -93,19 +93,19 @@ def test_per_item_loglikelihoods_agree_with_lm_evaluation_harness(smollm2, smoll
         batch_size=8,
         device="cpu",
     )
-    ours = smollm2_eval["modes"]["base"]
+    ours = smollm2_eval.modes["base"].tasks
     for name, task in (("hs_piqa", "piqa"), ("hs_arc_easy", "arc_easy")):
         samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
         assert len(samples) == LIMIT
         theirs = [[ll for ll, _ in s["filtered_resps"]] for s in samples]
         worst = max(
-            abs(x - y) for a, b in zip(theirs, ours[task]["loglik"], strict=True) for x, y in zip(a, b, strict=True)
+            abs(x - y) for a, b in zip(theirs, ours[task].loglik, strict=True) for x, y in zip(a, b, strict=True)
         )
         assert worst <= 1e-3, (task, worst)
-        assert out["results"][name]["acc,none"] == pytest.approx(ours[task]["acc"], abs=1e-9)
+        assert out["results"][name]["acc,none"] == pytest.approx(ours[task].acc, abs=1e-9)
 
 
-def _evaluate(overrides: list[str]) -> dict:
+def _evaluate(overrides: list[str]) -> EvalResults:
     with one_thread():
         return evaluate(load_config(overrides=overrides))
 
@@ -141,19 +141,17 @@ def _torchrun(args, timeout=900, env=None):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def _same_numbers(one, two):
-    assert one["world_size"] == 1 and two["world_size"] == 2
-    assert two["modes"] == json.loads(json.dumps(one["modes"]))
-    assert two["perplexity"] == json.loads(json.dumps(one["perplexity"]))
-    assert two["delta_la"] == json.loads(json.dumps(one["delta_la"])) and two["verdict"] == one["verdict"]
-    assert two["passkey"] == json.loads(json.dumps(one["passkey"]))
-    assert two["beyond_window"] == json.loads(json.dumps(one["beyond_window"]))
+def _same_numbers(one: EvalResults, two: EvalResults):
+    assert one.world_size == 1 and two.world_size == 2
+    assert two.modes == one.modes and two.perplexity == one.perplexity
+    assert two.delta_la == one.delta_la and two.verdict == one.verdict
+    assert two.passkey == one.passkey and two.beyond_window == one.beyond_window
 
 
 def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_rank, tmp_path):
     out, one = tiny_one_rank
     _torchrun(["evaluate", *_tiny_overrides(tiny_smollm_vocab, tmp_path / "two")])
-    _same_numbers(one, json.loads((tmp_path / "two" / "results.json").read_text()))
+    _same_numbers(one, EvalResults.load(tmp_path / "two" / "results.json"))
     # the outputs a person reads
     table = (out / "table.md").read_text()
     for needle in ("| base |", "| la_only |", "Rec.%", "Verdict:", "Perplexity by position bucket", "LA share"):
@@ -164,12 +162,19 @@ def test_one_and_two_ranks_give_identical_results(tiny_smollm_vocab, tiny_one_ra
     assert "12 prompts (with the recall probe's) x 3 " in first
     assert "mode(s): base, hybrid, swa_sinks; " in first and " k tokens, ~" in first
     assert first.endswith("min at an assumed 1e+11 FLOP/s")
-    held = one["heldout"]  # the perplexity is reported on the half of the held-out text stage 2 never chose on
+    held = one.heldout  # the perplexity is reported on the half of the held-out text stage 2 never chose on
     assert (
         held["report"].startswith("report half of the held-out documents of ") and "selection half" in held["selection"]
     )
-    share = one["la_share"]["share"]
+    share = one.la_share.share
     assert sorted(share) == ["0", "1"] and len(share["0"]["0-64"]) == 4  # as results.json holds it
+
+
+def test_the_written_results_carry_the_schema_and_read_back_as_the_returned_record(tiny_one_rank):
+    out, one = tiny_one_rank
+    text = (out / "results.json").read_text()
+    assert json.loads(text)["schema"] == SCHEMA and EvalResults.load(out / "results.json") == one
+    assert EvalResults.from_json(json.loads(text)).dumps() == text == one.dumps()
 
 
 def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, tiny_one_rank, tmp_path):
@@ -185,10 +190,9 @@ def test_sharded_weights_equal_the_single_process_evaluation(tiny_smollm_vocab, 
     assert len(agreements) >= 19 and all(c["dtype"] == ["torch.int32"] for c in agreements)  # >= one per cell
     gathers = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")  # (init_comm: the first)
     assert sum(c["op"] in gathers for c in calls) > 100  # ZeRO-3's gathers
-    sharded = json.loads((tmp_path / "z3" / "results.json").read_text())
-    assert sharded["config"]["eval"]["shard_weights"] is True
-    la_one, la_z3 = one["la_share"]["share"], sharded["la_share"]["share"]
-    assert json.loads(json.dumps(la_one)) == la_z3
+    sharded = EvalResults.load(tmp_path / "z3" / "results.json")
+    assert sharded.config["eval"]["shard_weights"] is True
+    assert one.la_share == sharded.la_share
     _same_numbers(one, sharded)
 
 
@@ -221,22 +225,19 @@ def test_tensor_parallel_2_evaluates_as_one_process(tiny_smollm_vocab, tiny_one_
     _torchrun(["evaluate", *overrides, "launch.tensor_parallel=2"], env=procs.checked(prefix))
     calls = procs.collective_calls(prefix, 2)  # the same calls on both ranks, each on the rank's device
     assert not [c for c in calls if c["op"] == "scatter"]  # each rank keeps its part of the weights it loaded
-    split = json.loads((tmp_path / "tp" / "results.json").read_text())
-    assert split["world_size"] == 2 and split["tensor_parallel"] == 2
-    reports = split["tensor_parallel_split"]  # the base (SmolLM-like) and the hybrid model, each split in half
+    split = EvalResults.load(tmp_path / "tp" / "results.json")
+    assert split.world_size == 2 and split.tensor_parallel == 2
+    reports = split.tensor_parallel_split  # the base (SmolLM-like) and the hybrid model, each split in half
     assert len(reports) == 2 and all(
         assert_split(r, 2, kinds=(*KINDS, "embed_tokens")) is None for r in reports.values()
     )
-    for mode, tasks in one["modes"].items():
-        for task, r in tasks.items():
-            if not isinstance(r, dict):  # the averages: checked through the per-item numbers
-                continue
-            assert split["modes"][mode][task]["correct"] == r["correct"], (mode, task)
-            _close(r["loglik"], split["modes"][mode][task]["loglik"], 1e-4, f"{mode}.{task}")
-    _close(json.loads(json.dumps(one["perplexity"])), split["perplexity"], 1e-4)
-    la = json.loads(json.dumps(one["la_share"]))
-    assert len(split["la_share"]["share"]["0"]["0-64"]) == 4  # every head, not one rank's two
-    _close(la, split["la_share"], 1e-4)
+    for mode, scores in one.modes.items():  # (the averages: checked through the per-item numbers)
+        for task, r in scores.tasks.items():
+            assert split.modes[mode].tasks[task].correct == r.correct, (mode, task)
+            _close(r.loglik, split.modes[mode].tasks[task].loglik, 1e-4, f"{mode}.{task}")
+    _close(one.perplexity.to_json(), split.perplexity.to_json(), 1e-4)
+    assert len(split.la_share.share["0"]["0-64"]) == 4  # every head, not one rank's two
+    _close(one.la_share.to_json(), split.la_share.to_json(), 1e-4)
 
 
 def _requeue_overrides(model, tmp: Path) -> list[str]:
@@ -277,9 +278,9 @@ def test_signal_after_a_cell_exits_75_and_the_rerun_equals_an_uninterrupted_run(
     _same_results_json(out / "results.json", tiny_one_rank[0] / "results.json")
 
 
-def _same_as_one(results: dict, one: dict) -> None:
+def _same_as_one(results: EvalResults, one: EvalResults) -> None:
     for key in ("modes", "perplexity", "la_share", "delta_la", "verdict", "passkey", "beyond_window"):
-        assert json.loads(json.dumps(results[key])) == json.loads(json.dumps(one[key])), key
+        assert getattr(results, key) == getattr(one, key), key
 
 
 @pytest.fixture(scope="module")
@@ -322,10 +323,10 @@ def test_a_cell_committed_under_other_settings_is_recomputed(stopped_mid_cell, t
         "cell hybrid.piqa was committed with another limit: recomputing it"
         in (tmp_path / "eval" / "log.txt").read_text()
     )
-    assert again["modes"]["hybrid"]["piqa"] == results["modes"]["hybrid"]["piqa"]
+    assert again.modes["hybrid"].tasks["piqa"] == results.modes["hybrid"].tasks["piqa"]
     assert json.loads((cells / "hybrid.piqa.json").read_text())["key"] == right_key
-    assert again["modes"]["none"]["winogrande"]["metric"] == -2.0
-    assert again["modes"]["none"]["winogrande"]["loglik"] == results["modes"]["none"]["winogrande"]["loglik"]
+    assert again.modes["none"].tasks["winogrande"].metric == -2.0
+    assert again.modes["none"].tasks["winogrande"].loglik == results.modes["none"].tasks["winogrande"].loglik
     # the cells' records are this run's: each cell once, with what its file holds now
     records = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert [r["cells_done"] for r in records] == list(range(1, 23))
@@ -341,7 +342,7 @@ def test_signal_inside_a_cell_on_two_ranks_stops_both_and_one_rank_resumes(tiny_
     assert (tmp_path / "run" / REQUEUE_MARKER).read_text() == "2\n"
     assert _cells(tmp_path / "eval") == ["base.piqa", "base.winogrande"]
     resumed = _evaluate(args)
-    assert resumed["world_size"] == 1 and "resumed 2 of 22 cells" in (tmp_path / "eval" / "log.txt").read_text()
+    assert resumed.world_size == 1 and "resumed 2 of 22 cells" in (tmp_path / "eval" / "log.txt").read_text()
     _same_as_one(resumed, tiny_one_rank[1])
 
 
@@ -382,13 +383,13 @@ def test_sharded_stage2_output_is_loaded_partitioned_and_equals_one_process(stag
     """The adapter is merged into ZeRO-3-partitioned weights (gathered one at a time, merged on rank 0); no rank holds
     the whole model at any point of loading; the results equal one process's."""
     one = _evaluate(_tiny_overrides(stage2_like, tmp_path / "one"))
-    assert one["converted"]
+    assert one.converted
     script = tmp_path / "probe.py"  # the loading probe, then `evaluate` in the same two processes
     script.write_text(PROBE)
     args = [str(stage2_like), str(tmp_path), "evaluate", *_tiny_overrides(stage2_like, tmp_path / "z3")]
     proc = procs.run([*args, "eval.shard_weights=true"], timeout=600, ranks=2, script=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _same_numbers(one, json.loads((tmp_path / "z3" / "results.json").read_text()))
+    _same_numbers(one, EvalResults.load(tmp_path / "z3" / "results.json"))
     held = [json.loads((tmp_path / f"held.rank{r}.json").read_text()) for r in (0, 1)]
     for rank in held:  # half of every weight, rounded up (the small phi/gamma are whole until deepspeed.initialize)
         assert rank["base"] and all(whole and mine == -(-whole // 2) for mine, whole in rank["base"].values()), rank
@@ -417,8 +418,8 @@ def test_perplexity_only_with_the_hybrids_own_sinks(tiny_smollm_vocab, tmp_path)
                    "attention.window=8", "attention.sinks=4", "attention.hybrid_sinks=true", "eval.ppl_sequences=1",
                    "eval.ppl_seq_len=96", "eval.la_share_seq_len=0", "eval.passkey_distances=[]", f"eval.out_dir={out}",
                    "eval.progress=false"])  # fmt: skip
-    assert r["modes"] == {} and r["hybrid_sinks"] and r["sinks"] == 4
-    p = r["perplexity"]["by_mode"]
+    assert r.modes == {} and r.hybrid_sinks and r.sinks == 4
+    p = r.perplexity.by_mode
     assert p["swa_only"] == p["swa_sinks"] and p["hybrid"] != p["swa_only"]
     table = (out / "table.md").read_text()
     assert "Items per task: no tasks; window 8" in table
@@ -447,17 +448,18 @@ def test_reproduce_table_renders_an_evaluation(tiny_one_rank):
     def row(name, results):
         times = {"stage1": 60, "stage2": 120, "eval": 180}
         r = {"row": name, "commit": "abcdef0123", "code_hash": code, "budget": b, "times_s": times, "curves": curves}
-        return r | {"results": mod.slim(json.loads(json.dumps(results)))}
+        return r | {"results": mod.slim(results.to_json())}
 
-    own = json.loads(json.dumps(one)) | {"hybrid_sinks": True}  # a +sinks row: its swa_only is window + sinks
-    own["beyond_window"] |= {"against": "swa_only", "swa_only": {"delta": 0.2, "lo": 0.1, "hi": 0.3, "ratio": 0.8}}
+    swa_only = Comparison(delta=0.2, lo=0.1, hi=0.3, ratio=0.8)
+    own = replace(one, hybrid_sinks=True)  # a +sinks row: its swa_only is window + sinks
+    own.beyond_window = replace(one.beyond_window, against="swa_only", swa_only=swa_only)
     rows = {"base": row("base", one), "lolcats": row("lolcats", one), "lolcats+sinks": row("lolcats+sinks", own)}
     text = mod.table(rows, b, code)
     line = next(x for x in text.splitlines() if x.startswith("| lolcats |"))
-    bw = one["beyond_window"]
-    assert f"{bw['perplexity']['hybrid']:.1f} / {bw['perplexity']['swa_sinks']:.1f}" in line
-    assert f"| {one['verdict']} |" in line and line.endswith("| 1 / 2 / 3 |") and "| abcdef01 |" in line
-    sinks = bw if bw["against"] == "swa_sinks" else None
+    bw = one.beyond_window
+    assert f"{bw.perplexity['hybrid']:.1f} / {bw.perplexity['swa_sinks']:.1f}" in line
+    assert f"| {one.verdict} |" in line and line.endswith("| 1 / 2 / 3 |") and "| abcdef01 |" in line
+    sinks = bw.to_json() if bw.against == "swa_sinks" else None
     assert f"| {mod._beats(sinks)} | 1 / 2 / 3 |" in line
     line = next(x for x in text.splitlines() if x.startswith("| lolcats+sinks |"))
     assert "(0.80x) | +0.200 [+0.100, +0.300] | yes | 1 / 2 / 3 |" in line  # vs swa_only = vs swa_sinks

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import hybrid_scale as hs
 from hybrid_scale.config import load_config
 from hybrid_scale.errors import ConfigError, ExportError
+from hybrid_scale.evaluate.results import EvalResults
 from hybrid_scale.export import stage as export_stage
 from hybrid_scale.export.stage import export
 from hybrid_scale.models.converted import ADAPTER_DIR
@@ -219,13 +220,22 @@ def test_a_previous_export_is_replaced_and_nothing_is_left_beside_it(trained, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
+def evaluation_of(model: Path) -> str:
+    """results.json of an evaluation of `model` that measured nothing."""
+    return EvalResults(
+        model=str(model), converted=True, untrained_feature_maps=False, window=16, sinks=0, hybrid_sinks=False,
+        la_decay=False, world_size=1, tensor_parallel=1, config={}, identity={}, heldout=None, tasks={}, modes={},
+        timings_s={},
+    ).dumps()  # fmt: skip
+
+
 def test_the_card_names_its_checkpoint_and_takes_only_its_own_balance_table(trained, tmp_path):
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)
     (run / "eval" / "table.md").write_text("| mode | avg |\n|---|---|\n| hybrid | 0.5 |\n")
     source = (trained / "stage2_best").resolve()
     for evaluated, included in ((trained / "base", False), (source, True)):
-        (run / "eval" / "results.json").write_text(json.dumps({"model": str(evaluated)}))
+        (run / "eval" / "results.json").write_text(evaluation_of(evaluated))
         out = export(cfg(trained, tmp_path / f"out_{included}", f"run_dir={run}"))
         card = (out / "README.md").read_text()
         assert f"Exported from {trained.name}/stage2_best." in card  # its parent and name (no stage-2 step here)
@@ -352,7 +362,7 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
         device="cpu",
     )
     theirs = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in res["samples"]["piqa_local"]}
-    ours = evaluate(
+    results = evaluate(
         load_config(
             overrides=[
                 f"eval.model={out}",
@@ -366,7 +376,8 @@ def test_lm_evaluation_harness_runs_the_export_with_our_logliks(smollm2, tmp_pat
                 f"run_dir={tmp_path / 'run'}",
             ]
         )
-    )["modes"]["hybrid"]["piqa"]["loglik"]
+    )
+    ours = results.modes["hybrid"].tasks["piqa"].loglik
     assert sorted(theirs) == list(range(n))
     assert torch.allclose(torch.tensor([theirs[i] for i in range(n)]), torch.tensor(ours), atol=1e-3, rtol=0)
 

@@ -11,6 +11,8 @@ import torch
 from conftest import tiny_run_overrides
 from safetensors.torch import load_file
 
+from hybrid_scale.evaluate.results import EvalResults
+
 pytestmark = pytest.mark.fast
 
 
@@ -35,11 +37,11 @@ def test_stage1_stage2_with_ssd_and_the_evaluation_run_gated_delta(tiny_run_mode
     )  # stage 1 moved them
     metrics = [json.loads(line) for line in (run / "stage2" / "metrics.jsonl").read_text().splitlines()]
     assert all("ssd_p" in m for m in metrics if m.get("kind") == "step")  # SSD ran (its rate is logged each step)
-    r = json.loads((run / "eval" / "results.json").read_text())
-    assert set(r["perplexity"]["by_mode"]) >= {"hybrid", "swa_only", "la_only"}
-    share = [h for layer in r["la_share"]["share"].values() for b in layer.values() for h in b]
+    r = EvalResults.load(run / "eval" / "results.json")
+    assert set(r.perplexity.by_mode) >= {"hybrid", "swa_only", "la_only"}
+    share = [h for layer in r.la_share.share.values() for b in layer.values() for h in b]
     assert share and all(0.0 <= h < 1.0 for h in share) and max(share) > 0  # the LA's weight in the output
-    for probe in ("passkey", "recall"):
-        assert set(r[probe]["by_mode"]) == {"hybrid", "swa_sinks", "la_only"}
-        assert set(r[probe]["by_mode"]["hybrid"]) == {"10", "24"}
-    assert r["recall"]["pairs"] == 3 and r["recall"]["digits"] == 4
+    for probe in (r.passkey, r.recall):
+        assert set(probe.by_mode) == {"hybrid", "swa_sinks", "la_only"}
+        assert set(probe.by_mode["hybrid"]) == {"10", "24"}
+    assert r.recall.pairs == 3 and r.recall.digits == 4

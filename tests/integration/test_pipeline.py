@@ -12,6 +12,8 @@ from conftest import tiny_run_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from hybrid_scale.evaluate.results import EvalResults
+
 pytestmark = pytest.mark.slow
 
 
@@ -29,8 +31,8 @@ def outputs(run):
     for f in (run / "export").glob("*.safetensors"):
         adapter.update(load_file(f))
     curves = json.loads((run / "stage2" / "curves.json").read_text())
-    results = json.loads((run / "eval" / "results.json").read_text())
-    return adapter, curves["train"], {m: r["piqa"]["loglik"] for m, r in results["modes"].items()}
+    results = EvalResults.load(run / "eval" / "results.json")
+    return adapter, curves["train"], {m: r.tasks["piqa"].loglik for m, r in results.modes.items()}
 
 
 def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_path):
@@ -75,8 +77,8 @@ def test_pipeline_killed_mid_stage_then_rerun_equals_uninterrupted(tiny, tmp_pat
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert evaluated.stdout.count("skipped") == 1 and "[pipeline] export: running" in evaluated.stdout
     assert re.search(r"resumed (\d+) of \1 cells", (tmp_path / "cut" / "eval" / "log.txt").read_text())
-    results = json.loads((tmp_path / "cut" / "eval" / "results.json").read_text())
-    assert results["identity"]["eval"]["bootstrap"] == 20
+    results = EvalResults.load(tmp_path / "cut" / "eval" / "results.json")
+    assert results.identity["eval"]["bootstrap"] == 20
     again = procs.run(["pipeline", *overrides(tiny, tmp_path / "cut", "eval.bootstrap=20")], timeout=600)
     assert again.returncode == 0 and again.stdout.count("skipped") == 3
 

@@ -19,6 +19,7 @@ from conftest import tiny_run_overrides
 from safetensors.torch import load_file
 
 import hybrid_scale as hs
+from hybrid_scale.evaluate.results import EvalResults
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,8 +178,8 @@ def test_submit_chains_the_stages_with_afterok(chained):
     logs = "".join(p.read_text() for p in (run / "slurm").glob("*.out"))
     assert (run / "stage1" / "converted" / "hybrid_config.json").is_file(), logs[-3000:]
     assert json.loads((run / "stage2" / "curves.json").read_text())["output"] == "final", logs[-3000:]
-    results = json.loads((run / "eval" / "results.json").read_text())
-    assert results["converted"] and set(results["modes"]) == {"base", "hybrid", "la_only", "none"}
+    results = EvalResults.load(run / "eval" / "results.json")
+    assert results.converted and set(results.modes) == {"base", "hybrid", "la_only", "none"}
     assert (run / "export" / "COMMITTED").is_file()
     assert "torch.distributed.run --nnodes=1 --nproc-per-node=1 --node-rank=0 --master-addr=localhost" in logs
 

@@ -14,6 +14,7 @@ from conftest import perturb_hybrid, tiny_model
 import hybrid_scale as hs
 from hybrid_scale.attention.layer import hybrid_layers
 from hybrid_scale.evaluate import report
+from hybrid_scale.evaluate.results import BeyondWindow
 from hybrid_scale.models.convert import set_modes
 
 W, S = 4, 3
@@ -100,8 +101,7 @@ def test_the_settings_are_saved_and_an_older_config_loads_as_lolcats(tmp_path):
 
 @pytest.mark.parametrize("own", [True, False])
 def test_the_report_says_which_sinks_each_mode_has(own):
-    r = {"window": 16, "sinks": 8, "hybrid_sinks": own}
-    line = report.modes_line(r)
+    line = report.modes_line(16, 8, own, la_decay=False)
     if own:
         assert "hybrid: window 16 + the first 8 tokens" in line
         assert "swa_only (the hybrid without its LA): window 16 + the same 8 sinks (= swa_sinks)" in line
@@ -110,6 +110,7 @@ def test_the_report_says_which_sinks_each_mode_has(own):
         assert "swa_only (the hybrid without its LA): window 16 alone" in line
     b = {"tokens": 100, "window": 16, "perplexity": {"hybrid": 20.0, "swa_only": 30.0}, "margin": 0.01,
          "against": "swa_only", "swa_only": {"ratio": 0.67, "delta": 0.4, "lo": 0.3, "hi": 0.5}}  # fmt: skip
-    row = report.beyond_window_lines(b, r)[-1]
+    b = BeyondWindow.from_json(b | b["swa_only"] | {"verdict": "LA used"})  # (as balance.beyond_window gives it)
+    row = report.beyond_window_lines(b, 8 if own else None)[-1]
     assert row.startswith("- `swa_only`, its own window + 8 sinks: is the LA used?" if own else
                           "- `swa_only`, its own window alone: is the LA used?")  # fmt: skip

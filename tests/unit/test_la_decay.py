@@ -298,6 +298,7 @@ def test_stage_1_units_with_a_decay_equal_the_whole_rows(own):
 
 def test_the_balance_report_shows_the_learned_horizon_per_layer_and_kv_head():
     from hybrid_scale.evaluate import balance, report
+    from hybrid_scale.evaluate.results import LaShare
 
     model = hs.convert_model(tiny_model("llama"), {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True})
     with torch.no_grad():
@@ -306,12 +307,11 @@ def test_the_balance_report_shows_the_learned_horizon_per_layer_and_kv_head():
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     share = balance.la_share(model, ids, [0, 8, 40])
     assert share["horizon"] == {0: [None, pytest.approx(20.0)], 1: [pytest.approx(2.0), None]}
-    lines = report.horizon_lines(share)
+    lines = report.horizon_lines(LaShare.from_json(share))
     assert "LA horizon 1/rho per layer and KV head (tokens past the window; inf = no decay):" in lines
     assert "| 0 | inf | 20 |" in lines and "| 1 | 2 | inf |" in lines
-    r = {"window": W, "sinks": S, "hybrid_sinks": True, "la_decay": True}
-    assert "The LA decays: in hybrid and la_only" in report.modes_line(r)
-    assert "decays" not in report.modes_line({**r, "la_decay": False})
+    assert "The LA decays: in hybrid and la_only" in report.modes_line(W, S, True, la_decay=True)
+    assert "decays" not in report.modes_line(W, S, True, la_decay=False)
 
 
 def test_a_converted_model_saved_before_the_decay_loads_without_one(tmp_path):

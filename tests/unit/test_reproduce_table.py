@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_scale.evaluate.results import EvalResults
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,6 +44,14 @@ def test_the_committed_table_is_the_one_the_committed_rows_give_for_the_current_
         ), f"{mod.explore_table_of(budget).relative_to(ROOT)}: run --table --budget {budget}"
 
 
+# an evaluation's results.json with nothing measured (the fake `evaluate` stage's)
+EMPTY_RESULTS = EvalResults(
+    model="m", converted=True, untrained_feature_maps=False, window=16, sinks=0, hybrid_sinks=False, la_decay=False,
+    world_size=1, tensor_parallel=1, config={}, identity={}, heldout=None, tasks={}, modes={}, timings_s={},
+    verdict="n/a",
+).dumps()  # fmt: skip
+
+
 def fake_stages(stage1: list):
     """A stand-in for the script's `hybrid_scale` call: each stage leaves what the next one reads, and stage 1's run
     directories are appended to `stage1`."""
@@ -55,7 +65,7 @@ def fake_stages(stage1: list):
             (Path(opts["run_dir"]) / "stage2" / "curves.json").write_text("{}")
         if stage == "evaluate":
             Path(opts["eval.out_dir"]).mkdir(parents=True, exist_ok=True)
-            (Path(opts["eval.out_dir"]) / "results.json").write_text('{"modes": {}, "verdict": "n/a"}')
+            (Path(opts["eval.out_dir"]) / "results.json").write_text(EMPTY_RESULTS)
 
     return fake
 
@@ -86,9 +96,9 @@ def test_a_stale_row_runs_again_from_scratch_and_a_row_whose_code_changes_while_
     assert here != mod.measured_root(tmp_path, "default", "0" * 64) != mod.measured_root(tmp_path, "tiny", "0" * 64)
     assert here.parent == tmp_path and here.name == f"default-{mod.same_numbers_as(code)[:12]}"
     results = tmp_path / "results.json"
-    results.write_text('{"modes": {}, "verdict": "n/a"}')
+    results.write_text(EMPTY_RESULTS)
     row = mod.record("base", mod.BUDGETS["default"], {}, {"eval": 1.0}, results, None, code)
-    assert row["code_hash"] == code
+    assert row["code_hash"] == code and row["results"]["schema"] == 1 and row["results"]["verdict"] == "n/a"
     try:
         mod.record("base", mod.BUDGETS["default"], {}, {"eval": 1.0}, results, None, "0" * 64)
     except SystemExit as e:
