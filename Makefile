@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-roofline device-speed
-.PHONY: gpu-check
+.PHONY: gpu-check status-speed
 .PHONY: kernel-compile kernel-compile-triton36 test-ledger reproduce clean bench-memory metrics-overhead preflight-speed test-time planted-faults grad-precision
 
 $(STAMP): pyproject.toml
@@ -85,6 +85,10 @@ bench-memory: $(STAMP)
 # What the preflight costs: plan before / after issue 61, the text kept or packed again (docs/results/preflight_speed.md)
 preflight-speed: $(STAMP)
 	$(PY) -m benchmarks.preflight_speed --out docs/results/preflight_speed.md
+
+# How fast `hybrid-scale status` answers in a fresh interpreter (a login node; benchmarks/status_speed.py prints it)
+status-speed: $(STAMP)
+	$(PY) -m benchmarks.status_speed
 
 # What the stage-2 metrics cost per step (docs/results/metrics_overhead.md)
 metrics-overhead: $(STAMP)
