@@ -52,15 +52,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         # step e checks that every measurement it plans was made: room for a loaded machine (it takes ~40 s idle)
         "GPU_CHECK_KERNEL_BUDGET": "400",
     }
-    proc = subprocess.run(
-        [sys.executable, *SCRIPT, "--dry-run", "--out", str(tmp_path / "out")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    cmd = [sys.executable, *SCRIPT, "--dry-run", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("gpu_check: PASSED; steps tests ok, a ok, b ok, c ok, d ok, e ok;"), last
