@@ -27,7 +27,6 @@ def command_line(prefix: str, argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     harnesses = parser.add_subparsers(dest="harness", required=True)
     for name, (module, _, _) in HARNESSES.items():
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         result = module.CHILDREN[args.part](settings(args.dry_run), Path(args.work))
         Path(args.json).write_text(json.dumps(result, default=str))
         return 0
-    args.command = command_line(prefix, argv)
+    args.command = command_line(prefix, sys.argv[1:] if argv is None else argv)
     return module.main(args)
 
 
