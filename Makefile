@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-roofline device-speed
+.PHONY: gpu-check status-speed
 .PHONY: kernel-compile kernel-compile-triton36 test-ledger reproduce clean bench-memory metrics-overhead preflight-speed test-time planted-faults grad-precision
 
 $(STAMP): pyproject.toml
@@ -85,16 +86,28 @@ bench-memory: $(STAMP)
 preflight-speed: $(STAMP)
 	$(PY) -m benchmarks.preflight_speed --out docs/results/preflight_speed.md
 
+# How fast `hybrid-scale status` answers in a fresh interpreter (a login node; benchmarks/status_speed.py prints it)
+status-speed: $(STAMP)
+	$(PY) -m benchmarks.status_speed
+
 # What the stage-2 metrics cost per step (docs/results/metrics_overhead.md)
 metrics-overhead: $(STAMP)
 	$(PY) -m benchmarks.metrics_overhead --out docs/results/metrics_overhead.md
 
+# The device harness (benchmarks/device/, one driver: benchmarks/device.sh speed|check), its two harnesses:
 # Issue 51's device benchmark (a CUDA GPU; under 5 minutes): prefill vs SDPA and fla, decode per layer and of a whole
 # 8B-shaped model vs a static KV cache (CUDA graphs, torch.compile), the 8B-shaped stages 1 and 2, the bf16 kernel
 # tests; docs/results/device_speed.md. With the device tool: `make gpu-wheels`, then run
 # `bash benchmarks/device_speed.sh` with carry [".whl"]. `make device-speed ARGS=--dry-run`: the CPU check (seconds).
 device-speed: $(STAMP)
-	$(PY) -m benchmarks.device_speed $(ARGS)
+	$(PY) -m benchmarks.device speed $(ARGS)
+
+# The pipeline check (a CUDA GPU; about 7 minutes): the gpu-marked tests, then the pipeline on cuda/bf16 against
+# cpu/fp32, the 1B-shaped stages, attention vs SDPA, the kernels' benchmark; docs/results/gpu_check.md. With the device
+# tool: `make gpu-wheels`, then `bash benchmarks/gpu_check.sh` with carry [".whl"]. `make gpu-check ARGS=--dry-run`:
+# the CPU check (about 2 minutes; tests/integration/test_gpu_check.py).
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.device check $(ARGS)
 
 # Every Triton kernel compiled for sm_80 and sm_90 without a GPU (every mode, dtype and preset head shape; ~10 minutes
 # on 2 cores): the table of registers, spills, shared memory and wgmma / mma.sync, and its JSON, that

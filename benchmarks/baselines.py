@@ -1,5 +1,5 @@
-"""What the hybrid attention is timed against, written once for every benchmark (benchmarks/device/, the GPU check's
-attention step, benchmarks/attention/kernels.py through benchmarks/registry.py):
+"""What the hybrid attention is timed against, written once for every benchmark (benchmarks/device/: the speed
+benchmark and the pipeline check's attention part, benchmarks/attention/kernels.py through benchmarks/registry.py):
 
 - `sdpa_prefill`: causal SDPA over inputs {q [B,H,T,D], k, v [B,Hkv,T,D]}: on CUDA the flash kernel with the KV heads
   as they are (enable_gqa) when this torch has it, forward and backward (probed once), else k/v repeated to the query

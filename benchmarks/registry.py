@@ -8,7 +8,7 @@ configs/models/), the inputs built at a shape, and the backends to time, each a 
 - DECODE: one token per step after a prefill (`torch`: recurrent.extend; `triton`: the fused decode step), also
   checked against the spec, and the softmax KV-cache step it replaces (`kv_cache`, a baseline).
 
-Every benchmark of the attention (benchmarks/run.py, benchmarks/device_speed.py, the GPU check) takes its shapes and
+Every benchmark of the attention (benchmarks/run.py, the device harness's, benchmarks/device/) takes its shapes and
 inputs from here; tests/unit/test_benchmarks.py checks that the shapes are the presets'.
 """
 

@@ -1,5 +1,5 @@
-"""The one markdown table writer of the benchmarks' reports (benchmarks/device_speed.py and benchmarks/device/, the GPU
-check's report, benchmarks/attention/kernels.py): a figure as the tables print it (`fmt`), an exception in one line
+"""The one markdown table writer of the benchmarks' reports (the device harness's, benchmarks/device/report.py, and
+benchmarks/attention/kernels.py's): a figure as the tables print it (`fmt`), an exception in one line
 (`one_line`), and a table from a header and rows (`table`), where a row that was not measured says why
 (`skipped_row`)."""
 

@@ -15,7 +15,7 @@ lacks some of what this package needs. Those are fetched here at the version ins
     (evaluate/loglik.py reads `out.cache`, which 5.17's model outputs lack: evaluation fails there); 5.24 imports with
     the image's huggingface-hub 1.33, tokenizers 0.23 and safetensors 0.8;
   * fla-core (flash-linear-attention's kernels; pinned in pyproject's dev extra): the baseline that
-    benchmarks/device_speed.py and kernel_speed.py measure the hybrid against, never a dependency of the toolkit. The
+    benchmarks/device/speed.py and kernel_speed.py measure the hybrid against, never a dependency of the toolkit. The
     H200 run of 2026-12-04 measured no fla: these wheels did not carry it, and the image has none that imports
     (kernel_speed.py swallowed the error, so its log does not say which). Pure Python; it needs einops (carried too,
     in case the image lacks it), torch >= 2.7 and triton >= 3.3, which the image's torch 2.11 and bundled triton 3.6
@@ -57,8 +57,8 @@ MISSING_ON_DEVICE = [
     "typing-extensions",
     "peft",
     "transformers",
-    "pytest",  # gpu_check.sh runs the gpu-marked tests first
-    "fla-core",  # the linear-attention baseline of benchmarks/device_speed.py (a baseline only, not a dependency)
+    "pytest",  # the device harness (benchmarks/device.sh) runs the gpu-marked tests
+    "fla-core",  # the linear-attention baseline of benchmarks/device/speed.py (a baseline only, not a dependency)
     "einops",  # fla-core's one requirement
     "iniconfig",
     "pluggy",

@@ -17,7 +17,7 @@ written into a static cache, SDPA of its query over it) and the torch decode ste
     python -m benchmarks.run kernels [--budget 150] [--out docs/results] [--verify]    # a CUDA machine, triton
 
 Writes kernel_speed.md and kernel_speed.json into --out. Stops starting new measurements after --budget seconds
-(what was measured is written). The GPU check (benchmarks/gpu_check/, step e) runs it. `--small` is the CPU dry
+(what was measured is written). The pipeline check (benchmarks/device/, part e) runs it. `--small` is the CPU dry
 run of the tests (tiny shapes, the Triton interpreter, timings meaningless). The shapes, inputs and backends are
 benchmarks/registry.py's.
 """

@@ -1,8 +1,14 @@
-"""The parts of benchmarks/device_speed.py (issue 60, item 3: every number of a GPU run in at most 5 minutes), one
-module each, in the order they run: gradients.py (bf16 gradients of the kernels against the fp32 chunked path),
-prefill.py (fwd and fwd+bwd against SDPA and fla), profile.py (per-kernel microseconds of a fwd+bwd and a decode
-step), tiles.py (DEVICE_SPEED_TILES: tile variants of the chunked prefill), decode.py (one layer's step against a
-static KV cache, both in CUDA graphs), generate.py (`generate`, with its recompiles and CUDA-graph skips counted),
-big.py (the 8B-shaped stage 1 and stage 2), tests.py (the gpu-marked tests, chunked path first). settings.py holds
-the sizes, budgets and targets; run.py the Run every part writes into; report.py the tables
-(benchmarks/report_table.py writes them)."""
+"""The device harness: everything that runs on a GPU machine in one call of the device tool, as one package with one
+driver (benchmarks/device.sh; benchmarks/device_speed.sh and gpu_check.sh name its two harnesses), one entry point
+(`python -m benchmarks.device speed|check`, __main__.py), one settings module (settings.py), one Run and part runner
+(run.py: the deadline, the budgets, the guarded parts, the child processes) and one report writer (report.py).
+
+Its two harnesses, each a list of parts run in order (one module each, whose docstrings say what they measure):
+  speed (speed.py; issues 51 and 60, under 5 minutes): grad (the bf16 gradient test, a gpu-marked test of
+      tests/unit/test_triton_kernels_bf16.py run by tests.py), prefill.py, profile.py, tiles.py, decode.py,
+      generate.py, big.py (the 8B-shaped stages, through stages.py), tests (the gpu-marked tests); device_speed.md;
+  check (check.py; the pipeline on a GPU against the CPU, about 7 minutes): tests (the gpu-marked tests), build.py
+      (a), pipeline.py (b), stages.py (c), attention.py (d), kernel_bench.py (e); gpu_check.md.
+machine.py holds what the parts share about the machine (the byte-level tokenizer, versions, the device), timing.py
+the decode parts' clocks, make_text.py writes the check's text.jsonl. Every part's section of its report is the
+`section` of its module."""

@@ -1,4 +1,4 @@
-"""Part 5, big: stage 1 and stage 2 of an 8B-shaped random model (benchmarks/gpu_check/big.py at the 8B shape, 4
+"""Part 5, big: stage 1 and stage 2 of an 8B-shaped random model (benchmarks/device/stages.py at the 8B shape, 4
 layers, the preset's attention and sequence length; in a child process, cut at the part's budget): tokens/s, MFU
 (model FLOPs / time / 989 TFLOP/s, dense bf16 of an H100/H200 SXM), peak memory, and the GPU-hours of an 8B
 conversion at the presets' token budgets (configs/models/llama3-8b.yaml, configs/recipes/*.yaml) beside LoLCATs' 6.5
@@ -6,19 +6,13 @@ A100-hours. The FLOP counts are stage1_flops_per_sequence and stage2_flops_per_t
 
 from __future__ import annotations
 
-import json
-import shutil
 import statistics
-import sys
-import tempfile
 from pathlib import Path
 
-from benchmarks.device.run import Run
-from benchmarks.device.settings import LOLCATS_A100_HOURS, PEAK_TFLOPS
-from benchmarks.gpu_check.common import run_child
-from benchmarks.report_table import fmt
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.device.run import Run, child_part
+from benchmarks.device.settings import LOLCATS_A100_HOURS, PEAK_TFLOPS, ROOT
+from benchmarks.device.stages import part_stages
+from benchmarks.report_table import fmt, table
 
 
 def layer_params(m: dict) -> int:
@@ -82,31 +76,8 @@ def stage2_flops_per_token(m: dict, layers: int, window: int) -> float:
 
 
 def part_big(run: Run) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="device_speed_big_"))
-    json_path = work / "big.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.device_speed",
-        "--part",
-        "big",
-        "--work",
-        str(work),
-        "--json",
-        str(json_path),
-    ]
-    cmd += ["--dry-run"] if run.dry else []
     timeout = max(1, int(min(run.cfg["budgets"]["big"], run.left() - 3)))
-    try:
-        rc, out, err, seconds = run_child(cmd, "8B-shaped stage 1 and stage 2", run.log, timeout)
-        raw = json.loads(json_path.read_text()) if rc == 0 else None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # (the 8B-shaped checkpoint: gigabytes)
-    print(out[-3000:], end="", flush=True)
-    if rc != 0:
-        raise RuntimeError(f"the stage-1/stage-2 child failed (exit {rc}, {seconds:.0f} s); it ends with: "
-                           + " / ".join((out + err).strip().splitlines()[-3:])[-600:])  # fmt: skip
-    return summarise_big(run, raw)
+    return summarise_big(run, child_part(run, "big", timeout))
 
 
 def steady(xs: list[float]) -> float:
@@ -161,13 +132,46 @@ def summarise_big(run: Run, raw: dict) -> dict:
     return fig
 
 
-def child_big(run: Run, work: Path) -> dict:
-    from benchmarks.gpu_check.big import part_big as gpu_check_big  # noqa: PLC0415
-
-    b = dict(run.cfg["big"])
-    b["overrides"] = [f"attention.window={run.cfg['window']}", f"attention.sinks={run.cfg['sinks']}",
+def child_big(cfg: dict, work: Path) -> dict:
+    """(In the child process) stages.py's stage 1 and stage 2 at the 8B shape, with the preset's attention."""
+    b = dict(cfg["big"])
+    b["overrides"] = [f"attention.window={cfg['window']}", f"attention.sinks={cfg['sinks']}",
                       "attention.hybrid_sinks=true", "attention.la_decay=true",
                       "finetune.gradient_checkpointing=true"]  # fmt: skip
-    if run.dry:
+    if cfg["dry"]:
         b["overrides"].append("attention.backend=torch")
-    return gpu_check_big({"big": b, "device": run.device, "dtype": run.cfg["dtype"]}, work)
+    return part_stages({"big": b, "device": cfg["device"], "dtype": cfg["dtype"]}, work)
+
+
+def section(d: dict) -> list[str]:
+    """The report's section of part big (none when it did not run or measured nothing)."""
+    big = d.get("big")
+    if not big or "stage1_layer_s" not in big:
+        return []
+    bc = d["settings"]["big"]
+    lines = ["", "## 5. 8B-shaped stage 1 and stage 2 (random weights)", "",
+             f"Llama, {bc['layers']} layers, hidden {bc['hidden']}, {bc['heads']} heads, {bc['kv']} KV heads, head dim "
+             f"{bc['head_dim']}, intermediate {bc['inter']}, vocab {bc['vocab']} ({big['params']:,} parameters); "
+             f"{bc['sequences']} sequences x {bc['seq_len']} tokens; stage 1 batch {bc['distill_batch']}, stage 2 "
+             f"{bc['global_batch']} sequences per step (micro-batch {bc['micro_batch']}, gradient checkpointing). MFU "
+             f"= model FLOPs / time / {PEAK_TFLOPS:g} TFLOP/s (the counts: benchmarks/device/big.py, "
+             "stage1_flops_per_sequence and stage2_flops_per_token).", ""]  # fmt: skip
+    lines += table(["figure", "value"], [
+        ["stage 1: s per layer (one epoch; median after the first layer)", fmt(big["stage1_layer_s"])],
+        ["stage 1: tokens/s (feature-map training) / MFU",
+         f"{fmt(big['stage1_tokens_per_s'])} / {fmt(big['stage1_mfu'])}"],
+        ["stage 1: teacher pass tokens/s / MFU",
+         f"{fmt(big['stage1_teacher_tokens_per_s'])} / {fmt(big['stage1_teacher_mfu'])}"],
+        ["stage 1: peak GiB", fmt(big["stage1_peak_gib"])],
+        ["stage 2: s per step (median after the first)", fmt(big["stage2_step_s"])],
+        ["stage 2: tokens/s / MFU", f"{fmt(big['stage2_tokens_per_s'])} / {fmt(big['stage2_mfu'])}"],
+        ["stage 2: peak GiB", fmt(big["stage2_peak_gib"])],
+    ])  # fmt: skip
+    lines += ["", f"Projected GPU-hours of an 8B conversion on this GPU ({big['projection_note']}), beside LoLCATs' "
+              f"{LOLCATS_A100_HOURS} A100-hours:", ""]  # fmt: skip
+    rows = [[recipe, f"{p['stage1_tokens_per_layer']:,}", f"{p['stage2_tokens']:,}", fmt(p["stage1_gpu_hours"]),
+             fmt(p["stage2_gpu_hours"]), fmt(p["total"]), fmt(p["total"] / LOLCATS_A100_HOURS)]
+            for recipe, p in big["projection"].items()]  # fmt: skip
+    head = ["recipe", "stage 1 tokens per layer", "stage 2 tokens", "stage 1 GPU-h", "stage 2 GPU-h", "total GPU-h",
+            "x LoLCATs"]  # fmt: skip
+    return lines + table(head, rows)

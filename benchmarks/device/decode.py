@@ -13,10 +13,11 @@ import json
 import torch
 
 from benchmarks import baselines
+from benchmarks.device.machine import llama_config
 from benchmarks.device.run import Run, out_of_time
 from benchmarks.device.timing import graphed, kernel_table, per_call_ms
 from benchmarks.registry import inputs as attention_inputs
-from benchmarks.report_table import one_line
+from benchmarks.report_table import fmt, one_line, skipped_row, table
 
 METHODS = ("hybrid", "kv_cache")
 
@@ -28,23 +29,9 @@ def attention_settings(run: Run) -> dict:
 
 
 def llama(run: Run, m: dict, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    from transformers import LlamaForCausalLM  # noqa: PLC0415
 
-    config = LlamaConfig(
-        vocab_size=m["vocab"],
-        hidden_size=m["hidden"],
-        intermediate_size=m["inter"],
-        num_hidden_layers=m["layers"],
-        num_attention_heads=m["heads"],
-        num_key_value_heads=m["kv"],
-        head_dim=m["head_dim"],
-        max_position_embeddings=max(run.cfg["contexts"]) + 64,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config = llama_config(m, m["vocab"], max(run.cfg["contexts"]) + 64, tie=False)
     torch.manual_seed(seed)
     with torch.device(run.device):
         return LlamaForCausalLM(config).to(run.dtype).eval()
@@ -139,3 +126,25 @@ def part_decode(run: Run) -> dict:
         run.free()
     return dict(rows=rows, timed="step = phi_q, phi_k of the new token + HybridCacheLayer.hybrid_attend (hybrid); "
                 "index_copy_ of k/v + SDPA over the static cache (kv_cache)")  # fmt: skip
+
+
+def section(d: dict) -> list[str]:
+    """The report's section of part decode (none when it did not run)."""
+    b = d.get("decode")
+    if not b:
+        return []
+    lines = ["", "## 3. Decode, one token, one layer", "",
+             f"Step: {b['timed']}. Kernel times: torch.profiler over eager steps.", ""]  # fmt: skip
+    rows = []
+    for r in b["rows"]:
+        if "skipped" in r:
+            rows.append(skipped_row([r["context"], r["method"]], r["skipped"]))
+            continue
+        rows.append([r["context"], r["method"], r["timed"], fmt(r["ms"]), fmt(r["eager_ms"]),
+                     fmt(r.get("decode_kernel_us")), fmt(r.get("kernels_us")), fmt(r.get("kernels")),
+                     f"{r['bytes_state']:,}", fmt(r.get("x_kv_cache"))])  # fmt: skip
+    head = ["context", "method", "timed", "ms per step", "eager ms", "`_decode` kernel us", "all kernels us",
+            "kernels per step", "state bytes", "x kv_cache"]  # fmt: skip
+    lines += table(head, rows)
+    errors = [f"{r['method']} at {r['context']}: {r['graph_error']}" for r in b["rows"] if r.get("graph_error")]
+    return lines + ([""] + [f"- capture failed, timed eagerly: {e}" for e in errors] if errors else [])

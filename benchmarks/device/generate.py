@@ -30,7 +30,7 @@ from transformers import LogitsProcessor
 
 from benchmarks.device.decode import attention_settings, llama
 from benchmarks.device.run import Run, out_of_time
-from benchmarks.report_table import one_line
+from benchmarks.report_table import fmt, one_line, skipped_row, table
 
 MODELS = ("base", "hybrid")
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
@@ -207,3 +207,33 @@ def part_generate(run: Run) -> dict:
         run.ratio("generate: CUDA-graph skips (every row)", sum(r["cudagraph_skips"] for r in compiled))  # fmt: skip
     notes = [] if run.cuda else ["dry run: no torch.compile, eager on CPU (nothing compiled: the counts are 0)"]
     return dict(rows=rows, params=params, model=cfg["model"], notes=notes)
+
+
+def section(d: dict) -> list[str]:
+    """The report's section of part generate (none when it did not run)."""
+    c = d.get("generate")
+    if not c:
+        return []
+    m = c["model"]
+    lines = ["", "## 4. Decode, whole model: `generate`", "",
+             f"Llama, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, {m['kv']} KV heads, head dim "
+             f"{m['head_dim']}, intermediate {m['inter']}, vocab {m['vocab']} ({c['params']:,} parameters), random "
+             "weights; prompt = context - new tokens; ms per token = median interval over the last half of the new "
+             "tokens. Counted per call (benchmarks/device/generate.py): dynamo graphs compiled "
+             "(counters['stats']['unique_graphs']), recompiles (torch's `recompiles` log records; in brackets those "
+             "after the first decode step, expected 0) and CUDA-graph skips (counters['inductor']['cudagraph_skips'], "
+             "expected 0). " + " ".join(c["notes"]), ""]  # fmt: skip
+    rows = []
+    for r in c["rows"]:
+        if "skipped" in r:
+            rows.append(skipped_row([r["context"], r["model"]], r["skipped"]))
+            continue
+        note = r.get("compile_error") or r.get("compile_note") or ""
+        reasons = "; ".join(f"at token {x['tokens']}: {x['reason'] or x['what']}" for x in r["recompile_reasons"])
+        counts = f"{r['recompiles']} ({r['recompiles_after_first_step']})"
+        rows.append([r["context"], r["model"], r["timed"], fmt(r["ms_per_token"]), fmt(r["first_interval_ms"]),
+                     fmt(r.get("x_base")), r["dynamo_graphs"], counts, r["cudagraph_skips"],
+                     "; ".join(filter(None, [note, reasons]))])  # fmt: skip
+    head = ["context", "model", "timed", "ms per token", "first interval ms", "x base", "graphs compiled",
+            "recompiles (after 1st step)", "CUDA-graph skips", "note"]  # fmt: skip
+    return lines + table(head, rows)

@@ -23,7 +23,7 @@ from benchmarks import baselines
 from benchmarks.device.run import Run, out_of_time, until
 from benchmarks.registry import Clock
 from benchmarks.registry import inputs as attention_inputs
-from benchmarks.report_table import one_line
+from benchmarks.report_table import fmt, one_line, skipped_row, table
 
 METHODS = ("sdpa", "hybrid", "la_only", "fla")
 PAIRS = (("hybrid", "sdpa"), ("la_only", "sdpa"), ("hybrid", "fla"), ("la_only", "fla"))
@@ -213,3 +213,27 @@ def part_prefill(run: Run) -> dict:
         del x, gy
         run.free()
     return dict(rows=rows, warm=warm, warm_T=cfg["warm_T"], **info)
+
+
+def section(d: dict) -> list[str]:
+    """The report's section of part prefill (none when it did not run)."""
+    a = d.get("prefill")
+    if not a:
+        return []
+    warm = "; ".join(f"{k} {fmt(w['seconds'])} s" + "".join(f" ({w[e]})" for e in ("error", "bwd_error") if w.get(e))
+                     for k, w in a["warm"].items())  # fmt: skip
+    lines = ["", "## 2. Prefill, forward and forward+backward", "",
+             f"SDPA: {a['sdpa']}. fla: {a['fla']} (autotune: {a['fla_autotune']}). Peak: max_memory_allocated above "
+             f"the inputs (reset before each). Warm-up (compile, autotune, self-check) at T={a['warm_T']}, outside "
+             f"every clock: {warm}.", ""]  # fmt: skip
+    rows = []
+    for r in a["rows"]:
+        if "skipped" in r:
+            rows.append(skipped_row([r["T"], r["method"]], r["skipped"]))
+            continue
+        rows.append([r["T"], r["method"], *(fmt(r.get(k)) for k in ("fwd_ms", "fwd_bwd_ms", "fwd_peak_mib",
+                     "fwd_bwd_peak_mib", "fwd_x_sdpa", "fwd_bwd_x_sdpa", "fwd_x_fla", "fwd_bwd_x_fla", "mem_x_sdpa")),
+                     f"backward: {r['bwd_error']}" if r.get("bwd_error") else ""])  # fmt: skip
+    head = ["T", "method", "fwd ms", "fwd+bwd ms", "fwd peak MiB", "fwd+bwd peak MiB", "fwd x SDPA", "fwd+bwd x SDPA",
+            "fwd x fla", "fwd+bwd x fla", "mem x SDPA", "note"]  # fmt: skip
+    return lines + table(head, rows)

@@ -11,7 +11,7 @@ from benchmarks.device import decode, prefill
 from benchmarks.device.run import Run, out_of_time
 from benchmarks.device.timing import kernel_table
 from benchmarks.registry import inputs as attention_inputs
-from benchmarks.report_table import one_line
+from benchmarks.report_table import fmt, one_line, table
 
 
 def part_profile(run: Run) -> dict:
@@ -40,3 +40,24 @@ def part_profile(run: Run) -> dict:
         run.free()
     rows = [dict(part=k, skipped=v["skipped"]) for k, v in out.items() if "skipped" in v]
     return dict(out, rows=rows)
+
+
+def section(d: dict) -> list[str]:
+    """The report's section of part profile (none when it did not run)."""
+    p = d.get("profile")
+    if not p:
+        return []
+    lines = ["", "## 2b. Profiler: kernels per call"]
+    for key in ("fwd_bwd", "decode"):
+        t = p.get(key)
+        if not t:
+            continue
+        if "skipped" in t:
+            lines += ["", f"{t['what']}: skipped: {t['skipped']}"]
+            continue
+        lines += ["", f"{t['what']}: {t['calls']} profiled calls; per call {t['total_us']:,.1f} us in "
+                  f"{t['launches']:,.0f} launches ({t['kind']})."]  # fmt: skip
+        rows = [[f"`{r['kernel']}`", fmt(r["us"]), fmt(r["launches"]),
+                 fmt(r["us"] / t["total_us"] if t["total_us"] else None)] for r in t["rows"]]  # fmt: skip
+        lines += [""] + table(["kernel", "us per call", "launches per call", "share"], rows)
+    return lines

@@ -1,22 +1,37 @@
-"""The device run's sizes (FULL: the GPU, Llama-3-8B's attention shape; DRY: the CPU dry run, toy shapes), its parts
-in run order with their budgets, issue 51's targets, and the environment that changes them:
+"""The one settings module of the device harness (benchmarks/device/): where things are, and the sizes, budgets,
+targets and tolerances of its two harnesses, each from its environment.
 
-  DEVICE_SPEED_PARTS="grad,prefill"        the parts run (default: every one, in PARTS' order)
+The speed benchmark (`speed`): FULL (the GPU, Llama-3-8B's attention shape) or DRY (the CPU dry run, toy shapes), its
+parts in run order with their budgets, issue 51's targets; the environment that changes them:
+
+  DEVICE_SPEED_PARTS="grad,prefill"        the parts run (default: every one, in SPEED_PARTS' order)
   DEVICE_SPEED_BUDGETS="generate=90"       a part's budget in seconds (nothing of it starts after)
-  DEVICE_SPEED_DEADLINE=285                seconds from device_speed.sh's start after which no part or row starts
+  DEVICE_SPEED_DEADLINE=285                seconds from device.sh's start after which no part or row starts
   DEVICE_SPEED_TILES="a:warps=8,stages=2;b:dchunk=64"   tile variants of the chunked prefill (part tiles)
   DEVICE_SPEED_FLA_CONFIGS=2               configs each of fla's autotuned kernels keeps (0: fla's own autotuning)
+
+The pipeline check (`check`): the tolerances of the checked run against the reference, and check_settings(): every
+size and budget of its parts from the GPU_CHECK_* variables (benchmarks/device/__init__.py lists them; toy sizes in the
+dry run or with GPU_CHECK_SMALL=1); plus the two number helpers its checks share.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = ROOT / "benchmarks" / "device" / "text.jsonl"  # the pipeline check's text (make_text.py writes it)
+COLLECTIVES = ROOT / "tests" / "collectives"  # sitecustomize.py: records torch.distributed calls (and off-device ones)
+
+# --- the speed benchmark -------------------------------------------------------------------------------------------
 
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100 / H200 SXM (MFU's denominator)
 LOLCATS_A100_HOURS = 6.5  # LoLCATs' Llama-3-8B conversion, as issue 51 quotes it
 # key -> title, in the order the parts run (issue 60: the gradient test first, the pytest part last)
-PARTS = {
+SPEED_PARTS = {
     "grad": "1. bf16 gradients: triton_hybrid_attention vs the fp32 chunked path",
     "prefill": "2. prefill vs SDPA and fla",
     "profile": "2b. profiler: hybrid fwd+bwd and one decode step",
@@ -125,7 +140,7 @@ def parse_tiles(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def settings(dry: bool) -> dict:
+def speed_settings(dry: bool) -> dict:
     """FULL or DRY with the environment's changes (the module docstring's variables)."""
     cfg = copy.deepcopy(DRY if dry else FULL)
     for item in filter(None, os.environ.get("DEVICE_SPEED_BUDGETS", "").split(",")):
@@ -138,9 +153,103 @@ def settings(dry: bool) -> dict:
     if os.environ.get("DEVICE_SPEED_FLA_CONFIGS"):
         cfg["fla_configs"] = int(os.environ["DEVICE_SPEED_FLA_CONFIGS"])
     cfg["tiles"] = parse_tiles(os.environ.get("DEVICE_SPEED_TILES", ""))
-    parts = [p.strip() for p in os.environ.get("DEVICE_SPEED_PARTS", ",".join(PARTS)).split(",") if p.strip()]
-    unknown = [p for p in parts if p not in PARTS]
+    parts = [p.strip() for p in os.environ.get("DEVICE_SPEED_PARTS", ",".join(SPEED_PARTS)).split(",") if p.strip()]
+    unknown = [p for p in parts if p not in SPEED_PARTS]
     if unknown:
-        raise SystemExit(f"DEVICE_SPEED_PARTS: unknown part {', '.join(unknown)}; parts: {', '.join(PARTS)}")
-    cfg["parts"] = parts
+        raise SystemExit(f"DEVICE_SPEED_PARTS: unknown part {', '.join(unknown)}; parts: {', '.join(SPEED_PARTS)}")
+    cfg["parts"], cfg["dry"] = parts, dry
     return cfg
+
+
+# --- the pipeline check -------------------------------------------------------------------------------------------
+
+# key -> title, in the order the parts run (GPU_CHECK_STEPS picks them; the gpu-marked tests first, as issue 60 has it)
+CHECK_PARTS = {
+    "tests": "gpu-marked tests: the compiled kernels against the spec",
+    "a": "build the tiny model, tokenizer and task data",
+    "b": "pipeline via the CLI, checked vs reference",
+    "c": "1B-shaped stage-1 layer and stage-2 step",
+    "d": "hybrid attention vs SDPA",
+    "e": "Triton kernels vs SDPA: prefill and decode",
+}
+HELDOUT_FRACTION = 0.1
+MODES = ["base", "hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none"]
+# relative tolerances of the checked run against the reference (bf16 against fp32 by default): bf16 keeps 8 bits of
+# mantissa (0.4 % per rounding), and stages 1 and 2 train a few steps on top of it. Measured at the full step-b sizes
+# on CPU, bf16 vs fp32 (60 pretraining steps): stage-1 losses within 0.07 %, stage-2 losses 0.04 %, perplexities
+# 0.45 %, task log-likelihoods 0.13 %, the export's loss 0.003 % -- so these leave a factor 5-10 for the GPU's kernels
+TOL = {
+    "stage1_loss": 0.03,
+    "stage2_train_loss": 0.02,
+    "stage2_heldout_loss": 0.02,
+    "perplexity": 0.03,
+    "task_loglik": 0.02,
+    "export_loss": 0.02,
+}
+DECODE_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # cached decode vs full forward, max|d|/max|logit|
+
+
+def env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def check_settings(dry: bool) -> dict:
+    """The pipeline check's sizes and budgets: toy ones on the CPU in the dry run (or with GPU_CHECK_SMALL=1)."""
+    small = dry or env("GPU_CHECK_SMALL", "0") == "1"
+    s = {
+        "small": small,
+        "dry": dry,
+        "device": env("GPU_CHECK_DEVICE", "cpu" if dry else "cuda"),
+        "dtype": env("GPU_CHECK_DTYPE", "bfloat16"),
+        "ref_device": env("GPU_CHECK_REF_DEVICE", "cpu"),
+        "ref_dtype": env("GPU_CHECK_REF_DTYPE", "float32"),
+        "steps": [x.strip() for x in env("GPU_CHECK_STEPS", ",".join(CHECK_PARTS)).split(",") if x.strip()],
+        "kernel_budget": int(env("GPU_CHECK_KERNEL_BUDGET", "100")),
+        "timeout": int(env("GPU_CHECK_TIMEOUT", "240")),
+        "deadline": int(env("GPU_CHECK_DEADLINE", "450")),
+        "cli": env("GPU_CHECK_CLI", "pipeline" if small else "stages"),
+        "parallel": env("GPU_CHECK_PARALLEL", "1" if small else "0") == "1",
+    }
+    if small:
+        s["tiny"] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        s["tiny"] |= dict(num_key_value_heads=2, head_dim=16)
+        s["pretrain"] = dict(steps=10, seq_len=64, batch=4, lr=3e-3)
+        s["pipe"] = dict(window=16, seq_len=64, num_sequences=8, epochs=1, distill_batch=4, steps=4, global_batch=2)
+        s["pipe"] |= dict(micro_batch=1, eval_every=2, heldout=2, limit=4, ppl_seq_len=128, ppl_sequences=1)
+        s["pipe"] |= dict(buckets=[0, 16, 64, 128], la_share=64, decode_steps=4, passkey=[20, 40], passkey_trials=2)
+        s["big"] = dict(layers=2, hidden=64, heads=4, kv=2, head_dim=16, inter=128, seq_len=64, sequences=8)
+        s["big"] |= dict(distill_batch=4, steps=3, global_batch=2)
+        s["attn"] = dict(lengths=[256, 512], heads=4, kv=2, head_dim=16, feature=32, naive_max=512, window=16)
+        s["attn"] |= dict(warmup=1, repeats=2)
+    else:
+        s["tiny"] = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
+        s["tiny"] |= dict(num_key_value_heads=2, head_dim=64)
+        s["pretrain"] = dict(steps=300, seq_len=256, batch=16, lr=3e-3)
+        s["pipe"] = dict(window=64, seq_len=256, num_sequences=32, epochs=2, distill_batch=8, steps=8, global_batch=4)
+        s["pipe"] |= dict(micro_batch=2, eval_every=4, heldout=4, limit=16, ppl_seq_len=512, ppl_sequences=2)
+        s["pipe"] |= dict(buckets=[0, 64, 256, 512], la_share=256, decode_steps=8, passkey=[32, 128, 512])
+        s["pipe"] |= dict(passkey_trials=8)
+        s["big"] = dict(layers=4, hidden=2048, heads=32, kv=8, head_dim=64, inter=8192, seq_len=2048, sequences=16)
+        s["big"] |= dict(distill_batch=4, steps=4, global_batch=4)
+        s["attn"] = dict(lengths=[4096, 16384], heads=32, kv=8, head_dim=64, feature=128)
+        s["attn"] |= dict(naive_max=8192, window=64, warmup=2, repeats=5)
+    unknown = [x for x in s["steps"] if x not in CHECK_PARTS]
+    if unknown:
+        raise SystemExit(f"GPU_CHECK_STEPS: unknown part {', '.join(unknown)}; parts: {', '.join(CHECK_PARTS)}")
+    if "GPU_CHECK_LENGTHS" in os.environ:
+        s["attn"]["lengths"] = [int(x) for x in os.environ["GPU_CHECK_LENGTHS"].split(",")]
+    if "GPU_CHECK_NAIVE_MAX" in os.environ:
+        s["attn"]["naive_max"] = int(os.environ["GPU_CHECK_NAIVE_MAX"])
+    if "GPU_CHECK_PRETRAIN_STEPS" in os.environ:
+        s["pretrain"]["steps"] = int(os.environ["GPU_CHECK_PRETRAIN_STEPS"])
+    if "GPU_CHECK_BIG_LAYERS" in os.environ:
+        s["big"]["layers"] = int(os.environ["GPU_CHECK_BIG_LAYERS"])
+    return s
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)

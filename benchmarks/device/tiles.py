@@ -16,7 +16,7 @@ from unittest import mock
 
 from benchmarks.device import prefill
 from benchmarks.device.run import Run, out_of_time
-from benchmarks.report_table import one_line
+from benchmarks.report_table import fmt, one_line, skipped_row, table
 
 HEAD_DIM = 128  # Llama-3-8B's: the entry each variant patches
 
@@ -77,3 +77,26 @@ def part_tiles(run: Run) -> dict:
                 r[f"{key[:-3]}_x_default"] = r[key] / default[key]
     note = "" if run.cuda else "dry run: the torch path does not use the kernels' settings"
     return dict(rows=rows, where=where, head_dim=HEAD_DIM, default=base, note=note)
+
+
+def section(d: dict) -> list[str]:
+    """The report's section of part tiles (none when it did not run)."""
+    t = d.get("tiles")
+    if not t:
+        return []
+    lines = ["", "## 2c. Tile variants of the chunked prefill (DEVICE_SPEED_TILES)", ""]
+    if t.get("skipped_part"):
+        return lines + [f"Not run: {t['skipped_part']}."]
+    lines += [f"Settings: {t['where']}[{t['head_dim']}], default {t['default']}; each variant patched over it "
+              f"(unittest.mock.patch.dict). {t['note']}", ""]  # fmt: skip
+    rows = []
+    for r in t["rows"]:
+        changes = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "(default)"
+        if "skipped" in r:
+            rows.append(skipped_row([r["variant"], changes, r["T"]], r["skipped"]))
+            continue
+        rows.append([r["variant"], changes, r["T"], *(fmt(r.get(k)) for k in ("compile_s", "fwd_ms", "fwd_bwd_ms",
+                     "fwd_x_default", "fwd_bwd_x_default")), r.get("bwd_error", "")])  # fmt: skip
+    head = ["variant", "settings", "T", "compile s", "fwd ms", "fwd+bwd ms", "fwd x default", "fwd+bwd x default",
+            "note"]  # fmt: skip
+    return lines + table(head, rows)

@@ -7,7 +7,7 @@ the rank's compute device fails at once (HYBRID_SCALE_COLLECTIVES_DEVICE: cpu, o
 NCCL would fail it (HYBRID_SCALE_COLLECTIVES_REFUSE=0: only recorded, for a check that reports it instead). The
 tests compare the ranks' files: the same ops with the same dtypes and shapes, in order.
 Used through tests/procs.py (checked, collective_calls) by the multi-rank tests of stages 1, 2 and evaluation, and by
-benchmarks/gpu_check/; nothing in the package knows about it."""
+the device harness's pipeline check (benchmarks/device/pipeline.py); nothing in the package knows about it."""
 
 import os
 

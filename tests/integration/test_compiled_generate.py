@@ -1,7 +1,7 @@
 """Decoding a converted model with stock transformers `generate` under torch.compile (fullgraph): the same tokens as
 eager decoding, one graph, no recompile over 64 tokens; with the torch decode step (recurrent.step) and with the
 fused Triton step (its operator, run here by Triton's interpreter), which give the same tokens. On a GPU the same
-cache takes CUDA graphs too (benchmarks/device_speed.py)."""
+cache takes CUDA graphs too (benchmarks/device/generate.py)."""
 
 import pytest
 import torch

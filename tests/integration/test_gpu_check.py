@@ -1,6 +1,7 @@
-"""The GPU check (benchmarks/gpu_check/) end to end on the CPU at toy sizes (everything but the GPU itself): the tiny
-model and its byte-level tokenizer, the pipeline through the CLI in bfloat16 checked against float32, the 1B-shaped
-timing at a toy shape, attention vs SDPA; and `make gpu-wheels` / gpu_check.sh / the driver's --help at least parse."""
+"""The device harness's pipeline check (the GPU check, benchmarks/device/check.py) end to end on the CPU at toy sizes
+(everything but the GPU itself): the gpu-marked tests collected, the tiny model and its byte-level tokenizer, the
+pipeline through the CLI in bfloat16 checked against float32, the 1B-shaped timing at a toy shape, attention vs SDPA;
+and `make gpu-wheels` / device.sh / gpu_check.sh / the harness's --help at least parse."""
 
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = [
-    "-m",
-    "benchmarks.gpu_check",
-]  # a package: `python -m benchmarks.gpu_check` (from the root) runs its __main__.py
+SCRIPT = ["-m", "benchmarks.device", "check"]  # from the root: the package's __main__.py
 
 
 def _numbers(x):
@@ -48,27 +46,25 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "GPU_CHECK_DTYPE": "bfloat16",
         "GPU_CHECK_REF_DEVICE": "cpu",
         "GPU_CHECK_REF_DTYPE": "float32",
-        "GPU_CHECK_SMALL": "1",
-        "GPU_CHECK_OUT": str(tmp_path / "out"),
         "GPU_CHECK_WORK": str(tmp_path / "work"),
         "OMP_NUM_THREADS": "1",
         "GPU_CHECK_DEADLINE": "850",
         # step e checks that every measurement it plans was made: room for a loaded machine (it takes ~40 s idle)
         "GPU_CHECK_KERNEL_BUDGET": "400",
     }
-    proc = subprocess.run(
-        [sys.executable, *SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
-    )
+    cmd = [sys.executable, *SCRIPT, "--dry-run", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("gpu_check: PASSED; steps a ok, b ok, c ok, d ok, e ok;"), last
+    assert last.startswith("gpu_check: PASSED; steps tests ok, a ok, b ok, c ok, d ok, e ok;"), last
     table = (tmp_path / "out" / "gpu_check.md").read_text()
     for row in (
-        "| a. build the tiny model, tokenizer and task data | ok |",
-        "| b. pipeline via the CLI, checked vs reference | ok |",
-        "| c. 1B-shaped stage-1 layer and stage-2 step | ok |",
-        "| d. hybrid attention vs SDPA | ok |",
-        "| e. Triton kernels vs SDPA: prefill and decode | ok |",
+        "| tests: gpu-marked tests: the compiled kernels against the spec | ok |",
+        "| a: build the tiny model, tokenizer and task data | ok |",
+        "| b: pipeline via the CLI, checked vs reference | ok |",
+        "| c: 1B-shaped stage-1 layer and stage-2 step | ok |",
+        "| d: hybrid attention vs SDPA | ok |",
+        "| e: Triton kernels vs SDPA: prefill and decode | ok |",
         "## e. Fused Triton kernels (benchmarks/attention/kernels.py)",
         "| tiny | 80 | triton |",
         "| tiny | 72 | kv_cache |",
@@ -88,6 +84,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         assert row in table, f"missing row {row!r} in\n{table}"
     assert "FAILED" not in table
     data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert data["tests"]["counts"].get("skipped", 0) > 0 and not data["tests"].get("failed")  # collected, skipped here
     assert data["compare"] and all(r["status"] == "ok" for r in data["compare"])
     assert all(math.isfinite(r[k]) for r in data["compare"] for k in ("value", "ref", "rel"))
     assert len(data["checks"]) == 8 and all(r["status"] == "ok" for r in data["checks"])
@@ -118,8 +115,13 @@ def test_gpu_wheels_target_and_script_parse():
         proc = subprocess.run(["make", "-n", "gpu-wheels"], cwd=ROOT, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr
         assert "-m tools.gpu_wheels --dest .whl" in proc.stdout
-    proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+        proc = subprocess.run(["make", "-n", "gpu-check"], cwd=ROOT, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0 and "-m benchmarks.device check" in proc.stdout, proc.stderr
+    for script in (ROOT / "benchmarks" / "device.sh", ROOT / "benchmarks" / "gpu_check.sh"):  # the driver, its alias
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    alias = (ROOT / "benchmarks" / "gpu_check.sh").read_text()  # the one driver's pipeline check
+    assert 'exec bash "$(dirname "$0")/device.sh" check "$@"' in alias
     proc = subprocess.run([sys.executable, *SCRIPT, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and "GPU_CHECK_DEADLINE" in proc.stdout, proc.stderr
     assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()

@@ -143,6 +143,12 @@ def submit(env, args, timeout=120):
     return dict(line.split(": job ") for line in proc.stdout.strip().splitlines())
 
 
+def queued(env, job: str) -> bool:
+    """Whether the job is still in the queue (pending or running)."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i", "-j", job], env=env, capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
 def wait_for(env, jobs, timeout=900, logs: Path | None = None):
     """Until the jobs have left the queue. A job whose afterok dependency failed can never start: that is reported
     at once with the jobs' output in `logs`, not after the timeout."""
@@ -194,10 +200,9 @@ def test_stage2_job_signalled_before_its_time_limit_requeues_and_resumes(slurm, 
     env = {**slurm, "HYBRID_SCALE_STEP_SLEEP": "1.5"}  # slow steps, so that the signal lands mid-run
     job = submit(env, [*overrides(tiny, run), "--stages", "finetune"])["finetune"]
     stage2 = run / "stage2"
-    t0 = time.time()
-    while not (stage2 / "step_00000002" / "COMMITTED").is_file():
-        assert time.time() - t0 < 300, "stage 2 did not reach step 2"
+    while not (stage2 / "step_00000002" / "COMMITTED").is_file() and queued(slurm, job):  # (or the job has ended)
         time.sleep(0.5)
+    assert (stage2 / "step_00000002" / "COMMITTED").is_file(), "stage 2 ended before it reached step 2"
     holder = json.loads((run / ".lock").read_text())  # the run dir's lock, taken for the job (run/lock.py)
     assert holder["slurm_job"] == job and holder["stage"] == "finetune"
     # as if the node had died: the lock stays behind, naming another host; the requeued job (same id) takes it over

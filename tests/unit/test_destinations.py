@@ -127,27 +127,32 @@ def test_assets_force_removes_only_what_assets_wrote(tmp_path):
     assert not a.model.exists() and (a.train_text.parent / "diary.txt").read_text() == "mine\n"
 
 
-def _hold_prepare_lock(folder, seconds):
+def _hold_prepare_lock(folder, seconds, events):
     import time
 
     from hybrid_scale.data import assets
 
     with assets._locked(folder):
-        time.sleep(seconds)
+        with open(events, "a") as f:
+            f.write("in\n")
+        time.sleep(seconds)  # (long enough for the other process to come in, were the lock not held)
+        with open(events, "a") as f:
+            f.write("out\n")
 
 
 def test_two_processes_preparing_one_cache_take_turns_and_leave_no_lock_file(tmp_path):
     """Two jobs (or test workers) preparing the same cache at once: the second waits for the first's lock, which is a
     flock on the cache folder itself, so nothing is added to a folder that may hold other things."""
     import multiprocessing
-    import time
 
+    cache, events = tmp_path / "cache", tmp_path / "events.txt"
+    cache.mkdir()
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_hold_prepare_lock, args=(tmp_path, 0.6)) for _ in range(2)]
-    t0 = time.monotonic()
+    procs = [ctx.Process(target=_hold_prepare_lock, args=(cache, 0.6, events)) for _ in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(30)
-    assert time.monotonic() - t0 >= 1.2 and all(p.exitcode == 0 for p in procs)
-    assert list(tmp_path.iterdir()) == []
+    assert all(p.exitcode == 0 for p in procs)
+    assert events.read_text().split() == ["in", "out", "in", "out"]  # one after the other, never both inside
+    assert list(cache.iterdir()) == []

@@ -43,7 +43,7 @@ def unrun(tops=("benchmarks", "tools")) -> list[str]:
 
 def test_every_script_in_benchmarks_and_tools_is_run_by_a_test_or_a_make_target():
     found = {name for top in ("benchmarks", "tools") for name in scripts(top)}
-    assert {"benchmarks.run", "benchmarks.gpu_check", "benchmarks/gpu_check.sh", "tools.kernel_compile"} <= found
+    assert {"benchmarks.run", "benchmarks.device", "benchmarks/device.sh", "tools.kernel_compile"} <= found
     missing = unrun()
     assert not missing, f"run these by a test or a make target, or remove them: {missing}"
 

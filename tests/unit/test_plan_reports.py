@@ -3,7 +3,6 @@ preset's report, the command's and each stage's own, equals the one written at a
 (tests/unit/plan_reports.txt, `python -m tools.plan_reports`), the free disk space fixed. A change meant to move a
 figure writes the file again and says why in its commit."""
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,11 +12,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_every_presets_plan_is_the_one_before_the_stages_declared_their_inputs():
-    t0 = time.perf_counter()
-    got = plan_reports.reports()
-    took = time.perf_counter() - t0
-    assert got == (HERE / "plan_reports.txt").read_text()
-    assert took < 30, f"{len(plan_reports.PRESETS) * 5} plans took {took:.1f} s"
+    assert plan_reports.reports() == (HERE / "plan_reports.txt").read_text()
 
 
 def test_the_comparison_sees_a_moved_figure(monkeypatch):

@@ -1,6 +1,6 @@
 """The small tools and generators of tools/ and benchmarks/ run as their make targets and docs run them (`python -m`
 from the repository root), at toy sizes: tools.compare_runs on two run directories, tools.test_time on pytest's
-durations, benchmarks.gpu_check.make_text regenerating the GPU check's committed text byte for byte."""
+durations, benchmarks.device.make_text regenerating the pipeline check's committed text byte for byte."""
 
 import json
 import subprocess
@@ -52,8 +52,8 @@ def test_test_time_tables_a_durations_log_and_two_side_by_side(tmp_path):
 
 
 def test_make_text_regenerates_the_committed_text(tmp_path, monkeypatch):
-    from benchmarks.gpu_check import make_text
+    from benchmarks.device import make_text
 
     monkeypatch.setattr(make_text, "OUT", tmp_path / "text.jsonl")
     make_text.main()
-    assert (tmp_path / "text.jsonl").read_bytes() == (ROOT / "benchmarks" / "gpu_check" / "text.jsonl").read_bytes()
+    assert (tmp_path / "text.jsonl").read_bytes() == (ROOT / "benchmarks" / "device" / "text.jsonl").read_bytes()

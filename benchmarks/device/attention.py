@@ -1,14 +1,15 @@
-"""Step d, attention (the part `attention`, run in its own process): hybrid attention, every registered backend
-(the Triton kernels on CUDA only; naive only up to GPU_CHECK_NAIVE_MAX), against SDPA at the 1B head shape:
-forward and forward+backward time after warm-up (benchmarks/registry.py's Clock) and peak memory, with the ratios
-to SDPA."""
+"""The pipeline check's part d, attention (run in its own process): hybrid attention, every registered backend (the
+Triton kernels on CUDA only; naive only up to GPU_CHECK_NAIVE_MAX), against SDPA at the 1B head shape: forward and
+forward+backward time after warm-up (benchmarks/registry.py's Clock) and peak memory, with the ratios to SDPA;
+`section`, its part of the report."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .common import device_info
+from benchmarks.device.machine import device_info
+from benchmarks.report_table import fmt, skipped_row, table
 
 GRAD_KEYS = ("q", "k", "v", "fq", "fk")  # the inputs the attention benchmark differentiates
 
@@ -104,3 +105,27 @@ def part_attention(s: dict, work: Path) -> dict:
                 r["mem_x_sdpa"] = r["fwd_bwd_peak_mib"] / ref["fwd_bwd_peak_mib"]
     shape = dict(batch=1, heads=H, kv_heads=Hkv, head_dim=D, feature=Fdim, window=a["window"], chunk=64)
     return {"rows": rows, "shape": shape, "sdpa": sdpa_kind, "dtype": s["dtype"], "device_info": device_info(device)}
+
+
+def section(d: dict) -> list[str]:
+    att, s = d.get("attention"), d["settings"]
+    if not att:
+        return []
+    sh = att["shape"]
+    lines = ["## d. Hybrid attention vs SDPA (hybrid mode)", "",
+             f"batch 1, {sh['heads']} heads, {sh['kv_heads']} KV heads, head_dim {sh['head_dim']}, features "
+             f"{sh['feature']}, window {sh['window']}, chunk {sh['chunk']}, {att['dtype']} on {s['device']}; median "
+             f"of {s['attn']['repeats']} after {s['attn']['warmup']} warm-up; peak = max_memory_allocated above "
+             f"the inputs. SDPA: is_causal, {att.get('sdpa', '?')}. Hybrid: phi inputs given (hedgehog-like "
+             "features), the feature maps themselves not timed.", ""]  # fmt: skip
+    rows = []
+    for r in att["rows"]:
+        if "skipped" in r:
+            rows.append(skipped_row([r["T"], r["backend"]], r["skipped"]))
+            continue
+        rows.append([r["T"], r["backend"], *(fmt(r[k], 4) for k in ("fwd_ms", "fwd_bwd_ms", "fwd_peak_mib",
+                     "fwd_bwd_peak_mib")), *(fmt(r.get(k), 3) for k in ("fwd_x_sdpa", "fwd_bwd_x_sdpa",
+                     "mem_x_sdpa"))])  # fmt: skip
+    lines += table(["T", "backend", "fwd ms", "fwd+bwd ms", "fwd peak MiB", "fwd+bwd peak MiB", "fwd x SDPA",
+                    "fwd+bwd x SDPA", "mem x SDPA"], rows)  # fmt: skip
+    return lines + [""]

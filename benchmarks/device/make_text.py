@@ -1,10 +1,10 @@
-"""Write benchmarks/gpu_check/text.jsonl: the GPU check's training and held-out text, generated, not copied.
+"""Write benchmarks/device/text.jsonl: the pipeline check's training and held-out text, generated, not copied.
 
 Deterministic (seeded `random`): about 250 short documents of invented prose -- a made-up place, its people and their
 errands -- in which the names of a document recur throughout it, so that a model gains from looking further back
 than the sliding window. Nothing in it is taken from any existing text. Regenerate (byte-identical) with
 
-    .venv/bin/python -m benchmarks.gpu_check.make_text
+    .venv/bin/python -m benchmarks.device.make_text
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""Step a, build (the part `build`, run in its own process): the tiny random Llama with the byte-level tokenizer,
-briefly pretrained on benchmarks/gpu_check/text.jsonl so that its attention is not uniform, and the two small
-synthetic task datasets (PIQA- and ARC-Easy-shaped) for the evaluation."""
+"""The pipeline check's part a, build (run in its own process): the tiny random Llama with the byte-level tokenizer,
+briefly pretrained on benchmarks/device/text.jsonl so that its attention is not uniform, and the two small
+synthetic task datasets (PIQA- and ARC-Easy-shaped) for the evaluation; `section`, its part of the report."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
-from .common import byte_tokenizer, device_info, sync, versions
-from .settings import HELDOUT_FRACTION, TEXT
+from benchmarks.device.machine import byte_tokenizer, device_info, sync, versions
+from benchmarks.device.settings import HELDOUT_FRACTION, ROOT, TEXT
 
 
 def synthetic_tasks(root: Path, n: int, seed: int = 0) -> None:
@@ -107,3 +108,19 @@ def part_build(s: dict, work: Path) -> dict:
         "versions": versions(),
         "device_info": device_info(device),
     }
+
+
+def section(d: dict) -> list[str]:
+    b, s = d.get("build"), d["settings"]
+    if not b:
+        return []
+    return [
+        "## a. Tiny model",
+        "",
+        f"Llama {json.dumps(s['tiny'])}, vocab {b['vocab']} (byte-level tokenizer built here), "
+        f"{b['params']:,} parameters; pretrained {b['pretrain_steps']} steps on {s['device']} in float32 on "
+        f"{TEXT.relative_to(ROOT)} (loss {b['pretrain_loss_first']:.3f} -> "
+        f"{b['pretrain_loss_last']:.3f}, {b['pretrain_s']:.1f} s); synthetic PIQA / ARC-Easy items for the "
+        "evaluation.",
+        "",
+    ]

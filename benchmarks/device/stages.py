@@ -1,18 +1,20 @@
-"""Step c, big (the part `big`, run in its own process): stage 1 and stage 2 of a Llama-3.2-1B-shaped random model
-(4 layers by default, GPU_CHECK_BIG_LAYERS) in the checked dtype on the checked device: seconds per stage-1 layer
-and per stage-2 optimizer step (timed by wrapping the stages' own functions), peak memory.
-benchmarks/device_speed.py runs it at the Llama-3-8B shape: s["big"] may also give `vocab` (default: the byte-level
+"""Stage 1 and stage 2 of a shaped random Llama, timed (in its own process): the pipeline check's part c (a
+Llama-3.2-1B shape, 4 layers by default, GPU_CHECK_BIG_LAYERS, in the checked dtype on the checked device) and the
+speed benchmark's part big (big.py: the Llama-3-8B shape): seconds per stage-1 layer and per stage-2 optimizer step
+(timed by wrapping the stages' own functions), peak memory. s["big"] may also give `vocab` (default: the byte-level
 tokenizer's 259), `tie` (tied embeddings, default true), `micro_batch` (default 1) and `overrides` (more config
-overrides, e.g. the preset's attention settings)."""
+overrides, e.g. the preset's attention settings). `section` is the check's report of part c."""
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from pathlib import Path
 
-from .common import byte_tokenizer, device_info, sync
-from .settings import TEXT
+from benchmarks.device.machine import byte_tokenizer, device_info, llama_config, sync
+from benchmarks.device.settings import TEXT
+from benchmarks.report_table import fmt
 
 
 def timed(fn, device, store: list):
@@ -27,10 +29,10 @@ def timed(fn, device, store: list):
     return wrapper
 
 
-def part_big(s: dict, work: Path) -> dict:
-    """Step c: stage 1 and stage 2 of a 1B-shaped random model; seconds per layer and per step, peak memory."""
+def part_stages(s: dict, work: Path) -> dict:
+    """Stage 1 and stage 2 of the shaped random model s["big"]; seconds per layer and per step, peak memory."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from hybrid_scale.config import load_config
     from hybrid_scale.distill import stage as stage1
@@ -39,21 +41,9 @@ def part_big(s: dict, work: Path) -> dict:
     b, device, dtype = s["big"], s["device"], s["dtype"]
     cuda = torch.device(device).type == "cuda"
     tok = byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=b.get("vocab", len(tok)),  # (a larger vocabulary than the tokenizer's: ids above 258 unused)
-        hidden_size=b["hidden"],
-        intermediate_size=b["inter"],
-        num_hidden_layers=b["layers"],
-        num_attention_heads=b["heads"],
-        num_key_value_heads=b["kv"],
-        head_dim=b["head_dim"],
-        max_position_embeddings=max(4096, b["seq_len"]),
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=b.get("tie", True),
-    )
+    vocab = b.get("vocab", len(tok))  # (a larger vocabulary than the tokenizer's: ids above 258 unused)
+    special = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    config = llama_config(b, vocab, max(4096, b["seq_len"]), b.get("tie", True), special)
     path = work / "big"
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -131,3 +121,41 @@ def part_big(s: dict, work: Path) -> dict:
     out["stage2_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     out["device_info"] = device_info(device)
     return out
+
+
+def section(d: dict) -> list[str]:
+    """The check's part c in its report (none when it did not run)."""
+    big, s = d.get("big"), d["settings"]
+    if not big:
+        return []
+    layer = big["stage1_layer_s"]
+    steps = big["stage2_step_s"]
+    later = steps[1:] or steps
+    bb = big["config"]
+    return [
+        "## c. 1B-shaped model (random weights), stage 1 layer and stage 2 step"
+        + (" (toy shape in this dry run)" if s["small"] else ""),
+        "",
+        f"Llama hidden {bb['hidden']}, {bb['layers']} layers, {bb['heads']} heads, {bb['kv']} KV heads, "
+        f"head_dim {bb['head_dim']}, intermediate {bb['inter']}, vocab 259 ({big['params']:,} parameters), "
+        f"{s['dtype']} on {s['device']}; {bb['sequences']} sequences x {bb['seq_len']} tokens.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| stage 1: s per layer ({big['stage1_layer_timing']}; {big['steps_per_layer']} steps of "
+        f"{bb['distill_batch']} x {bb['seq_len']} tokens, first layer / median of the rest) | "
+        f"{fmt(layer[0], 3)} / {fmt(statistics.median(layer[1:] or layer), 3)} |",
+        f"| stage 1: s per training step (median layer / steps) | "
+        f"{fmt(statistics.median(layer[1:] or layer) / big['steps_per_layer'], 3)} |",
+        f"| stage 1: teacher pass s per layer (median) | "
+        f"{fmt(statistics.median(big['stage1_teacher_s']), 3) if big['stage1_teacher_s'] else 'n/a'} |",
+        f"| stage 1: whole stage s / peak GiB | {fmt(big['stage1_s'], 3)} / {fmt(big['stage1_peak_gib'], 3)} |",
+        f"| stage 2: s per optimizer step ({bb['global_batch']} x {bb['seq_len']} tokens, micro-batch 1; "
+        f"first / median of the rest) | {fmt(steps[0], 3) if steps else 'n/a'} / "
+        f"{fmt(statistics.median(later), 3) if steps else 'n/a'} |",
+        f"| stage 2: tokens per s (median step) | "
+        f"{fmt(bb['global_batch'] * bb['seq_len'] / statistics.median(later), 4) if steps else 'n/a'} |",
+        f"| stage 2: whole stage s (load, ZeRO-3 init, steps, save) / peak GiB | {fmt(big['stage2_s'], 3)} / "
+        f"{fmt(big['stage2_peak_gib'], 3)} |",
+        "",
+    ]

@@ -1,7 +1,8 @@
 """Step b, the pipeline: distill -> finetune -> evaluate -> export through the CLI for one run (run_pipeline, under
 the collective checker), the figures it leaves on disk (collect), the export loaded as a user would and its cached
 decode (the part `export_check`, run in its own process), and the checks: the checked run against the reference
-(compare_pipelines, within TOL) and each run on its own (own_checks). The driver's step_pipeline joins them."""
+(compare_pipelines, within TOL) and each run on its own (own_checks); `section`, its part of the report. The check's
+step_pipeline (check.py) joins them."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from .common import EXPORT_CHECK_RESERVE, Log, run_child
-from .settings import COLLECTIVES, DECODE_TOL, HELDOUT_FRACTION, MODES, TEXT, TOL, finite, rel_diff
+from benchmarks.device.run import Log, run_child
+from benchmarks.device.settings import COLLECTIVES, DECODE_TOL, HELDOUT_FRACTION, MODES, TEXT, TOL, finite, rel_diff
+from benchmarks.report_table import fmt, table
+
+EXPORT_CHECK_RESERVE = 30  # s before the deadline by which the stages end: the export check runs after them
 
 
 def pipeline_overrides(s: dict, model: str, tasks: str, run_dir: Path, device: str, dtype: str) -> list[str]:
@@ -301,3 +305,31 @@ def own_checks(run: dict, tag: str) -> list[dict]:
         )
     )
     return rows
+
+
+def section(d: dict) -> list[str]:
+    """Part b in the report: each stage's seconds, the figures against the reference, each run's own checks."""
+    s, timing, compare, checks = d["settings"], d.get("pipeline", {}), d.get("compare"), d.get("checks")
+    if not (compare or checks or timing):
+        return []
+    tag, ref = f"{s['device']} {s['dtype']}", f"{s['ref_device']} {s['ref_dtype']}"
+    lines = ["## b. Pipeline: distill -> finetune -> evaluate -> export (CLI), checked vs reference", "",
+             f"Budgets: {json.dumps(s['pipe'])}; recipe hedgecats stage 1, ssd stage 2; modes {', '.join(MODES)}.",
+             ""]  # fmt: skip
+    if timing:
+        stages = list(dict.fromkeys([*timing.get("run", {}), *timing.get("ref", {})]))
+        rows = [[st, fmt(timing.get("run", {}).get(st), 3), fmt(timing.get("ref", {}).get(st), 3)] for st in stages]
+        lines += table(["stage", f"{tag} s", f"{ref} s"], rows) + [""]
+    if compare:
+        rows = [[r["figure"], fmt(r["value"], 4), fmt(r["ref"], 4), fmt(r["rel"], 2), str(r["tol"]), r["status"]]
+                for r in compare]  # fmt: skip
+        lines += table(["figure", tag, ref, "rel. diff", "tolerance", "status"], rows) + [""]
+    if checks:
+        rows = [[r["check"], fmt(r["value"], 3), str(r["limit"]), r["status"], r["note"]] for r in checks]
+        lines += table(["check", "value", "limit", "status", "note"], rows) + [""]
+    extra = d.get("pipeline_info")
+    if extra:
+        lines += [f"Task accuracy (info, {s['pipe']['limit']} synthetic items per task, random labels):", ""]
+        rows = [[mode, fmt(extra["run"].get(mode), 3), fmt(extra["ref"].get(mode), 3)] for mode in MODES]
+        lines += table(["mode", tag, ref], rows) + [""]
+    return lines
