@@ -5,11 +5,12 @@ so `hybrid-scale --help`, `launch`, `submit` and `config` start in a fraction of
 
 from importlib import import_module
 
-from .config import ConfigError, load_config
-
 __version__ = "0.1.0"
 
-_LAZY = {  # name -> the module that defines it
+_LAZY = {  # name -> the module that defines it (the config too: a test may declare a setting before it is built)
+    "ConfigError": ".config",
+    "load_config": ".config",
+    "hybrid_layers": ".attention.layer",
     "HybridAttention": ".attention.layer",
     "HybridCache": ".attention.hf.cache",
     "UnsupportedArchitectureError": ".models.convert",
@@ -22,7 +23,7 @@ _LAZY = {  # name -> the module that defines it
     "save_converted": ".models.converted",
 }
 
-__all__ = ["ConfigError", "load_config", *_LAZY]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str):

@@ -1,6 +1,6 @@
-"""The settings of one attention call, the same for every op: the spec (naive.py), the chunked torch form
-(chunked.py), decoding (recurrent.py, delta_decode.py), the gated delta-rule hybrid (delta.py), the entry point
-(hybrid.attend) and every registered backend (backends.py: the Triton kernels read it by attribute). An op takes its
+"""The settings of one attention call, the same for every op: each part's spec, chunked form and decode step
+(hedgehog/, gated_delta/), the entry point (layer.attend) and every registered backend (backends.py: the Triton
+kernels read it by attribute). An op takes its
 tensors positionally, then one `AttentionOptions`; the optional tensors (attention_mask, initial_state, la_decay) are
 keywords, because they are tensors and not settings.
 
@@ -8,39 +8,41 @@ keywords, because they are tensors and not settings.
 
 `AttentionOptions.of(opts, **settings)` is how an op reads its settings: the object it was given, or one made from
 keywords (`op(..., window=16, mode="la_only")`, the tests' and notebooks' form), or the object with some replaced. No
-op lists the settings: a new one is a field here, read where it matters.
+op lists the settings: a new one is a `call` setting of settings.py's record and a field here, read where it
+matters.
 
-This file imports only choices.py (the export copies it next to a modeling file).
+The fields that are settings take their defaults and checks from settings.py's record (the ones marked `call`).
+This file imports only settings.py (the export copies the package flattened next to a modeling file).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
-from .settings import LA_COMBINES, MODES
+from .settings import SETTINGS, defaults, problems
+
+CALL = {s.name for s in SETTINGS if s.call}  # the record's settings an op's options hold
+
+
+_D = defaults()  # the record's defaults (settings.py): one default per setting, here as in the config
 
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    window: int  # the softmax window w >= 1 (query n sees keys n - w < j <= n)
-    mode: str = "hybrid"  # one of MODES (naive.py)
-    sinks: int = 8  # S: the first S real tokens (swa_sinks, sinks_only; and the hybrid's own with hybrid_sinks)
-    hybrid_sinks: bool = False  # hybrid mode: its softmax also covers the S sinks and its LA leaves them out
-    scale: float | None = None  # of q.k; None = 1/sqrt(head dim)
-    chunk_size: int = 64  # a hint: the chunked forms' chunk (a backend without chunks ignores it)
-    la_combine: str = "normaliser"  # how a gated delta-rule LA joins the window (delta.py; Hedgehog ignores it)
+    window: int  # the softmax window w >= 1 (query n sees keys n - w < j <= n): every op needs it given
+    mode: str = _D["mode"]  # one of settings.MODES
+    sinks: int = _D["sinks"]  # S: the first S real tokens (swa_sinks, sinks_only; and the hybrid's own)
+    hybrid_sinks: bool = _D["hybrid_sinks"]  # hybrid mode: its softmax also covers the S sinks, its LA leaves them out
+    scale: float | None = None  # of q.k; None = 1/sqrt(head dim) (the layer's own scaling: not a setting)
+    chunk_size: int = _D["chunk_size"]  # a hint: the chunked forms' chunk (a backend without chunks ignores it)
+    la_combine: str = _D["la_combine"]  # how a gated delta-rule LA joins the window (Hedgehog ignores it)
     return_denominators: bool = False  # also return (sum of E, sum of L) [B,H,T]: the LA-share diagnostic
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"unknown attention mode '{self.mode}'; available: {', '.join(MODES)}")
-        if self.la_combine not in LA_COMBINES:
-            raise ValueError(f"unknown attention.la_combine '{self.la_combine}'; available: {', '.join(LA_COMBINES)}")
-        if int(self.window) < 1 or int(self.chunk_size) < 1 or int(self.sinks) < 0:
-            raise ValueError(
-                "attention needs window >= 1, chunk_size >= 1 and sinks >= 0, got "
-                f"window={self.window}, chunk_size={self.chunk_size}, sinks={self.sinks}"
-            )
+        """The record's checks of the settings this call holds (settings.py), one ValueError naming the first."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, why in problems({k: v for k, v in given.items() if k in CALL}):
+            raise ValueError(f"attention {name}: {why}")
 
     @classmethod
     def of(cls, opts: AttentionOptions | None = None, /, **settings) -> AttentionOptions:

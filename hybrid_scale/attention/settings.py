@@ -2,9 +2,10 @@
 
 The config's `attention` section (config/schema.py builds AttentionConfig from this record and
 docs/reference/config.md takes each key's doc line from it), the validator (config/validate.py runs each setting's
-check), the layer (HybridAttention takes exactly these keywords, layer.py), the options of one call (options.py: the
-settings marked `call`) and hybrid_config.json (models/converted.py writes the settings marked `recorded`, and reads
-an older file through `older`) all read this record. Adding a setting is one `Setting` here, read where it matters.
+check), the layer (HybridAttention takes exactly these keywords, layer.py), the options of one call (options.py:
+the settings marked `call`) and hybrid_config.json (models/converted.py writes every setting, the live value where
+the layer holds one, and reads an older file through `older`) all read this record. Adding a setting is one
+`Setting` here, read where it matters.
 
 Torch-free: the config and the command line read it (a process that only parses a config never imports torch).
 Also the values the keys take (MODES, BACKENDS, the feature maps' specs, the LA kinds: kinds.py).
@@ -67,9 +68,10 @@ def _kind(value, _settings) -> str | None:
 class Setting:
     """One attention setting. `type` is its annotation in the config schema; `check(value, all settings)` returns why
     the value is wrong (the text after "config key 'attention.NAME': "), or None. `call`: a field of one attention
-    call's options (options.AttentionOptions). `recorded`: written to hybrid_config.json. `live`: the layer's
-    attribute that holds its current value (set_window, set_modes change them after conversion), read when the
-    converted model is written. `older`: what a hybrid_config.json written before the key existed means, with `why`."""
+    call's options (options.AttentionOptions). `layer`: a keyword of HybridAttention. Every setting is written to
+    hybrid_config.json; `live`: the layer's attribute that holds its current value (set_window, set_modes and the
+    parts change them after conversion), which is what is written. `older`: what a hybrid_config.json written before
+    the key existed means, with `why`."""
 
     name: str
     type: Any
@@ -78,7 +80,6 @@ class Setting:
     check: Callable[[Any, Mapping], str | None] | None = None
     call: bool = False
     layer: bool = True  # a keyword of the layer (HybridAttention); false: the conversion's own (which layers)
-    recorded: bool = True
     live: str | None = None
     older: Any = _NONE
     why: str = ""
@@ -101,8 +102,8 @@ SETTINGS: tuple[Setting, ...] = (
             "LA's per-key weight) | exp (gamma in (0, inf): the window can outweigh a weak LA)",
             one_of(*GAMMA_PARAMS), live="gamma_param",
             older="sigmoid", why="exports made before gamma_param had LoLCATs' sigmoid gamma"),
-    Setting("sinks", int, 8, "S, the first real tokens that swa_sinks and sinks_only attend to besides the window",
-            at_least(1), call=True, live="sinks"),
+    Setting("sinks", int, 8, "S, the first real tokens that swa_sinks and sinks_only attend to besides the window (0: "
+            "none; swa_sinks is then swa_only)", at_least(0), call=True, live="sinks"),
     Setting("hybrid_sinks", bool, False,
             "the hybrid's softmax also covers those S sinks and its LA leaves them out (false: LoLCATs' hybrid, window "
             "only); its no-LA ablation swa_only is then the window plus the same S sinks",

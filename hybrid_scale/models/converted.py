@@ -101,8 +101,8 @@ def describe(model: nn.Module) -> dict:
         raise ConvertedModelError("this model has no hybrid layer: convert it first (hybrid_scale.convert_model)")
     first = layers[min(layers)]
     settings = dict(getattr(model, "hybrid_settings", {}))
-    # every recorded setting of the record (attention/settings.py), its live value where the layer holds one
-    settings.update({s.name: first.setting(s.name) for s in SETTINGS if s.recorded and s.live})
+    # every setting of the record (attention/settings.py), its live value where the layer holds one
+    settings.update({s.name: first.setting(s.name) for s in SETTINGS if s.live})
     settings["layers"] = sorted(layers)
     modes = {i: m.mode for i, m in layers.items()}
     if len(set(modes.values())) > 1:
@@ -273,7 +273,8 @@ def load_converted(
         )
     split = rt is not None and rt.tp > 1
     model = load_base_model(base, dtype, rt)
-    attention = dict(meta["attention"])
+    # a setting the file lacks (written before the setting existed) means what the record says it means there
+    attention = {s.name: s.missing for s in SETTINGS if s.layer} | dict(meta["attention"])
     layer_modes = attention.pop("layer_modes", None)
     if backend is not None:
         attention["backend"] = backend

@@ -102,7 +102,7 @@ def test_unknown_backend_is_a_clear_error(registry):
     with pytest.raises(ValueError, match=r"^unknown attention backend 'flash' of the hedgehog LA; available: chunk, "):
         registry.get_backend("flash")
     assert attend(*tensors(x), gamma=x["gamma"], window=2, backend="zzz") is None  # (registered: it has it now)
-    with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
+    with pytest.raises(ValueError, match="^attention mode: 'mixed' is not allowed; choose one of: hybrid, "):
         attend(*tensors(x), gamma=x["gamma"], window=2, mode="mixed")
     with pytest.raises(TypeError):
         attend(*tensors(x), x["gamma"], 2)  # the settings are one AttentionOptions (or keywords)

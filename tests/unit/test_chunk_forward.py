@@ -81,10 +81,10 @@ def test_the_hybrid_sinks_leave_the_state():
 def test_what_it_refuses_and_none():
     x = inputs(20, B=1)
     for options, why in (
-        (dict(window=0, mode="hybrid"), "window >= 1"),
+        (dict(window=0, mode="hybrid"), "window: must be >= 1"),
         (dict(window=8, mode="swa_sinks", sinks=65), "at most 64 sinks"),
         (dict(window=8, mode="hybrid", hybrid_sinks=True, sinks=65), "at most 64 sinks"),
-        (dict(window=8, mode="nope"), "unknown attention mode"),
+        (dict(window=8, mode="nope"), "mode: .nope. is not allowed"),
         (dict(window=8, mode="hybrid", la_decay=torch.zeros(3)), "one rho per KV head"),
     ):
         with pytest.raises(ValueError, match=why):

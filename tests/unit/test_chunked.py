@@ -58,9 +58,9 @@ def test_none_mode_is_zero_and_fp32_accumulation_for_bf16():
 
 def test_bad_window_is_a_clear_error():
     x = attention_inputs(T=4)
-    with pytest.raises(ValueError, match="attention needs window >= 1, chunk_size >= 1"):
+    with pytest.raises(ValueError, match=r"^attention window: must be >= 1, got 0$"):
         chunked.chunk_hybrid_attention(**x, window=0)
-    with pytest.raises(ValueError, match="unknown attention mode 'mixed'"):
+    with pytest.raises(ValueError, match="^attention mode: 'mixed' is not allowed; choose one of: hybrid, "):
         chunked.chunk_hybrid_attention(**x, window=2, mode="mixed")
 
 

@@ -65,8 +65,9 @@ def test_bad_yaml_key_and_missing_file(tmp_path):
 def test_attention_settings_from_dict():
     s = attention_settings({"window": 8, "mode": "swa_only"})
     assert (s.window, s.mode, s.sinks) == (8, "swa_only", 8)
-    with pytest.raises(ConfigError, match="'attention.sinks': must be >= 1"):
-        attention_settings({"sinks": 0})
+    with pytest.raises(ConfigError, match="'attention.sinks': must be >= 0"):
+        attention_settings({"sinks": -1})
+    assert attention_settings({"sinks": 0}).sinks == 0  # (the hybrid's own sinks then are LoLCATs' hybrid)
 
 
 def test_yaml_files_compose_through_defaults(tmp_path):
