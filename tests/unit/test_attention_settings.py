@@ -43,7 +43,9 @@ def test_one_check_per_setting_in_the_config_the_layer_and_the_options():
     base = tiny_model().model.layers[0].self_attn
     with pytest.raises(ValueError, match=r"^attention.gamma_init: must be in \(0, 1\) with attention"):
         hs.HybridAttention(base, layer_idx=0, num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25, gamma_init=1.5)
-    with pytest.raises(ValueError, match=r"^attention la_combine: 'sum' is not allowed; choose one of: normaliser, mix"):
+    with pytest.raises(
+        ValueError, match=r"^attention la_combine: 'sum' is not allowed; choose one of: normaliser, mix"
+    ):
         AttentionOptions(window=4, la_combine="sum")
     with pytest.raises(ConfigError, match="'attention.la_conv': applies to attention.la_kind=gated_delta only"):
         attention_settings({"la_conv": 4})

@@ -49,4 +49,8 @@ def test_the_scan_finds_a_planted_comparison(tmp_path):
         "    return cfg.la_kind in ('gated_delta', 'other')\n"
     )
     (tmp_path / REGISTRY).write_text("def g(k):\n    return k == 'hedgehog'\n")
-    assert kind_comparisons(tmp_path) == ["hybrid_scale/stage.py:2", "hybrid_scale/stage.py:4", "hybrid_scale/stage.py:6"]
+    assert kind_comparisons(tmp_path) == [
+        "hybrid_scale/stage.py:2",
+        "hybrid_scale/stage.py:4",
+        "hybrid_scale/stage.py:6",
+    ]
