@@ -27,7 +27,19 @@ ROWS_ATTENTION = [
     "attention.la_decay_horizon=16",
     "eval.la_share_seq_len=64",
 ]
-NOT_NUMBERS = ("timings_s", "config", "identity", "model")  # (run paths and wall times)
+# the gated delta-rule LA's run: its conv, q/k maps, own sinks and mix gate, stage 1 on the LA's output
+ROWS_GATED_DELTA = [
+    "attention.la_kind=gated_delta",
+    "attention.la_conv=3",
+    "attention.la_qk_map=true",
+    "attention.hybrid_sinks=true",
+    "attention.sinks=2",
+    "attention.la_combine=mix",
+    "distill.objectives={output_mse: 1.0}",
+    "eval.la_share_seq_len=64",
+]
+KINDS = {"hedgehog": ROWS_ATTENTION, "gated_delta": ROWS_GATED_DELTA}  # each entry's stages run on both LA kinds
+NOT_NUMBERS = ("timings_s", "config", "identity", "model", "schema")  # (run paths, wall times, the file's format)
 # figures a later commit adds beside the rows' numbers (a new probe): compared only where both commits have them
 ADDED = {"recall"}
 
@@ -40,11 +52,11 @@ def checkout(commit: str, where: Path) -> Path:
     return where
 
 
-def run_stages(tree: Path, model: Path, run: Path) -> tuple[dict, dict]:
-    """Stage 1, stage 2 and the evaluation with `tree`'s code (its own package first on the path); returns
-    ({file: {tensor name: tensor}} of both stages' outputs, the evaluation's figures)."""
+def run_stages(tree: Path, model: Path, run: Path, kind: str = "hedgehog") -> tuple[dict, dict]:
+    """Stage 1, stage 2 and the evaluation with `tree`'s code (its own package first on the path) and the LA `kind`'s
+    attention; returns ({file: {tensor name: tensor}} of both stages' outputs, the evaluation's figures)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
-    overrides = tiny_run_overrides(model, run, *ROWS_ATTENTION)
+    overrides = tiny_run_overrides(model, run, *KINDS[kind])
     for stage in ("distill", "finetune", "evaluate"):
         done = subprocess.run(
             [sys.executable, "-m", "hybrid_scale.cli", stage, *overrides],
@@ -84,17 +96,18 @@ def test_every_declared_refactor_is_checked(tmp_path):
             assert reproduce.code_hash(tree) == code, f"{commit}: its code hash is not the declared {code[:12]}"
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("after", CHECKED)
-def test_a_declared_refactor_computes_the_same_numbers(after, tiny_run_model, tmp_path):
-    """About 80 s an entry (three stages of two checkouts, each run as a user runs it): a change declared to keep the
-    reproduce rows current must give every tensor and figure equal to the bit, which only running both commits'
-    code shows."""
+def test_a_declared_refactor_computes_the_same_numbers(after, kind, tiny_run_model, tmp_path):
+    """About 80 s an entry and LA kind (three stages of two checkouts, each run as a user runs it): a change declared
+    to keep the reproduce rows current must give every tensor and figure equal to the bit, with either kind of linear
+    part, which only running both commits' code shows."""
     before, old, new, _ = reproduce.SAME_NUMBERS[after]
     outputs = []
     for name, commit, code in (("before", old, before), ("after", new, after)):
         tree = checkout(commit, tmp_path / name)
         assert reproduce.code_hash(tree) == code, f"{commit}: its code hash is not the declared {code[:12]}"
-        outputs.append(run_stages(tree, tiny_run_model, tmp_path / f"run_{name}"))
+        outputs.append(run_stages(tree, tiny_run_model, tmp_path / f"run_{name}", kind))
     (t0, r0), (t1, r1) = outputs
     assert sorted(t0) == sorted(t1) and t0, "the two commits wrote different files"
     for f in t0:

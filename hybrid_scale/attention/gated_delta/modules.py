@@ -1,4 +1,4 @@
-"""The learnable parts of the gated delta-rule LA (delta.py) that a converted layer adds: the gates from the hidden
+"""The learnable parts of the gated delta-rule LA (hybrid.py) that a converted layer adds: the gates from the hidden
 state and the optional short causal convolution on q and k.
 
 Initialisation (the layer starts as close to its softmax layer as the design allows): the layer is exact softmax

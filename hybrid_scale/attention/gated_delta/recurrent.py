@@ -1,4 +1,4 @@
-"""Constant-memory decoding of the gated delta-rule hybrid (hybrid.py) on a recurrent.DecodeState.
+"""Constant-memory decoding of the gated delta-rule hybrid (hybrid.py) on a window/recurrent.DecodeState.
 
 The state keeps, per KV head, the ring of the window's last R real keys/values (the softmax part's), with each ring
 key's delta-rule key (unnormalised; `fk`) and gates (beta, log alpha; `gates`), the sink buffer, and in `kv` the
@@ -152,8 +152,8 @@ def step(
     _check(state, window=window, sinks=sinks)
     if state.ring != state.capacity or q.shape[2] != 1:
         raise ValueError(
-            f"delta_decode.step takes one token on a ring of its whole capacity ({state.ring} of {state.capacity}, "
-            f"window {window}); use extend"
+            f"gated_delta.recurrent.step takes one token on a ring of its whole capacity ({state.ring} of "
+            f"{state.capacity}, window {window}); use extend"
         )
     B, R, S = q.shape[0], state.ring, state.sink_k.shape[2]
     acc = state.kv.dtype

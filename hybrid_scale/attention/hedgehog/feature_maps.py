@@ -4,9 +4,9 @@ Every map works per head on [B, heads, T, head_dim] and returns [B, heads, T, ou
 projection u = x W_h + b_h (one W_h per head) are identity-initialised when feature_dim == head_dim, so a freshly
 converted model starts from phi(x) = act(x). q and k get separate maps: q has one per query head, k one per KV head.
 
-Each map's size and parameters are its spec (feature_specs.FEATURE_MAP_SPECS, read without torch by preflight and the
-config); this file holds the math. It imports only torch and its sibling choices.py (the export copies both next to a
-modeling file).
+Each map's size and parameters are its spec (feature_specs.FEATURE_MAP_SPECS, read without torch by preflight and
+the config); this file holds the math. It imports only torch and its sibling feature_specs.py (the export copies the
+package flattened next to a modeling file).
 """
 
 from __future__ import annotations

@@ -181,8 +181,8 @@ def step(
     mode, window, sinks = o.mode, o.window, o.sinks
     if window != state.window or sinks != state.sink_k.shape[2] or state.ring != state.capacity or q.shape[2] != 1:
         raise ValueError(
-            f"recurrent.step takes one token on a state with a ring of its whole capacity; got {q.shape[2]} tokens, a "
-            f"ring of {state.ring} of {state.capacity} for window {window} (state: window {state.window}, "
+            f"hedgehog.recurrent.step takes one token on a state with a ring of its whole capacity; got {q.shape[2]} "
+            f"tokens, a ring of {state.ring} of {state.capacity} for window {window} (state: window {state.window}, "
             f"{state.sink_k.shape[2]} sinks, layer: {sinks} sinks): use extend"
         )
     B, R, S = q.shape[0], state.ring, state.sink_k.shape[2]

@@ -3,7 +3,7 @@
 and the LA state) and whose other layers keep the usual `DynamicLayer`. `HybridAttention.forward` (layer.py) hands
 its decode to its layer's `hybrid_attend`, which asks the layer's part (its decode step over this state).
 
-This file imports only torch, transformers and its siblings (remote code: see hybrid.py).
+This file imports only torch, transformers and its siblings (remote code: see ../layer.py).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def static(state: DecodeState) -> DecodeState:
 
 
 class HybridCacheLayer(CacheLayerMixin):
-    """Decode state of one hybrid layer (see recurrent.DecodeState): a ring of min(window, max_length) keys, the sink
-    buffer and the LA state, allocated at the first call and then updated in place; the step counters live on the
+    """Decode state of one hybrid layer (see window/recurrent.DecodeState): a ring of min(window, max_length) keys, the
+    sink buffer and the LA state, allocated at the first call and then updated in place; the step counters live on the
     device. With a ring of the whole window, or one bounded by its caller (generate's max_length), a one-token step
-    is compileable: it runs the backend's fused decode step, or recurrent.step (fixed shapes, no host sync), chosen
-    at the first call; so transformers' `generate` compiles and graph-captures the decode steps of a model whose
+    is compileable: it runs the backend's fused decode step, or the part's torch step (fixed shapes, no host sync),
+    chosen at the first call; so transformers' `generate` compiles and graph-captures the decode steps of a model whose
     layers are all hybrid."""
 
     is_sliding = False

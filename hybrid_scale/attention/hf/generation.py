@@ -5,7 +5,7 @@ layers that mask; `generation_inputs`, the model's prepare_inputs_for_generation
 shapes fixed; `prepare_cache`, the model's _prepare_cache_for_generation, gives `generate` a HybridCache from the
 start when every layer is hybrid, so that on a GPU it compiles and graph-captures the decode step with no argument.
 
-This file imports only torch, transformers and its siblings (remote code: see hybrid.py).
+This file imports only torch, transformers and its siblings (remote code: see ../layer.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """An exported hybrid model for plain transformers (`trust_remote_code=True`): the base architecture's causal LM with
-the attention of the layers in `config.hybrid["layers"]` replaced by HybridAttention (this directory's hybrid.py,
+the attention of the layers in `config.hybrid["layers"]` replaced by HybridAttention (the attention package's layer.py,
 the same code hybrid_scale trains with). Chunked hybrid attention for prompts, constant-memory decode with
 `generate()`, padding handled from the 2D attention mask. Imports only torch, transformers and its siblings.
 
