@@ -20,7 +20,6 @@ try:
 except ImportError:
     KERNELS = False
 
-pytestmark = pytest.mark.fast
 
 ATTENTION = {"window": 8, "sinks": 2, "hybrid_sinks": True, "la_decay": True, "gamma_param": "exp", "gamma_init": 1.0}
 NEW = 64

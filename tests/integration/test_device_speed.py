@@ -48,7 +48,6 @@ def whole(tmp_path_factory):
     return dry_run(tmp_path_factory.mktemp("device_speed"), DEVICE_SPEED_TILES=TILES)
 
 
-@pytest.mark.fast
 def test_the_dry_run_writes_every_row_in_the_issues_order(whole):
     stdout, table, data = whole
     assert stdout.strip().splitlines()[-1].startswith("device_speed: every part ran; 0 of 0 targets missed;"), stdout
@@ -79,7 +78,6 @@ def test_the_dry_run_writes_every_row_in_the_issues_order(whole):
     assert "FAILED" not in table and "spent" not in table
 
 
-@pytest.mark.fast
 def test_each_part_keeps_its_figures(whole):
     _, _, data = whole
     grad = data["grad"]  # the gradient test, both modes collected (and skipped on a CPU), nothing else
@@ -128,7 +126,6 @@ def test_each_part_keeps_its_figures(whole):
     ]
 
 
-@pytest.mark.fast
 def test_a_spent_budget_skips_rows_and_says_why(tmp_path):
     """With no time for the prefill's rows, the warm-up still runs and every row says what ran out."""
     _, table, data = dry_run(tmp_path, DEVICE_SPEED_PARTS="prefill", DEVICE_SPEED_BUDGETS="prefill=0")
@@ -140,7 +137,6 @@ def test_a_spent_budget_skips_rows_and_says_why(tmp_path):
     assert list(data["parts"]) == ["prefill"] and "| 128 | hybrid | skipped: T=128's share" in table
 
 
-@pytest.mark.fast
 def test_fla_autotuners_are_trimmed_to_the_configs_that_fit():
     triton = pytest.importorskip("triton")
     from triton.runtime.autotuner import Autotuner
@@ -168,7 +164,6 @@ def test_fla_autotuners_are_trimmed_to_the_configs_that_fit():
     ]
 
 
-@pytest.mark.fast
 def test_fla_inputs_are_its_layout_and_its_log_decay():
     from benchmarks import baselines
     from benchmarks.registry import inputs
@@ -185,7 +180,6 @@ def test_fla_inputs_are_its_layout_and_its_log_decay():
     assert torch.equal(z["fk"][0, :, 1], x["fk"][0, 0]) and torch.equal(z["fk"][0, :, 2], x["fk"][0, 1])
 
 
-@pytest.mark.fast
 def test_tile_variants_parse_or_say_what_is_wrong():
     from benchmarks.device.settings import parse_tiles
 
@@ -197,7 +191,6 @@ def test_tile_variants_parse_or_say_what_is_wrong():
             parse_tiles(bad)
 
 
-@pytest.mark.fast
 def test_the_gradient_tests_errors_are_read_back_into_rows():
     """What the gpu-marked gradient test prints (grad_line), as pytest -rP repeats it, read back per mode: each tensor's
     error and tolerance, and the tensors over it (NaN among them)."""
@@ -211,7 +204,6 @@ def test_the_gradient_tests_errors_are_read_back_into_rows():
     assert rows[1]["errors"] == {"y": 1e-3, "q": 0.0, "gamma": 0.05} and rows[1]["tolerances"] == tol
 
 
-@pytest.mark.fast
 def test_generate_counts_recompiles_and_when_they_came():
     """CompileWatch on a function compiled for CPU: a recompile before the first decode step (one token stamped) and
     one after it; CUDA-graph skips stay 0 (no CUDA graphs here)."""
@@ -237,7 +229,6 @@ def test_generate_counts_recompiles_and_when_they_came():
     assert got["cudagraph_skips"] == 0 and "size mismatch" in got["recompile_reasons"][0]["reason"]
 
 
-@pytest.mark.fast
 def test_the_device_scripts_parse():
     for script in (ROOT / "benchmarks" / "device.sh", ROOT / "benchmarks" / "device_speed.sh"):  # the driver, alias
         proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)

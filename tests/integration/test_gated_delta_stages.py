@@ -6,14 +6,11 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 from conftest import tiny_run_overrides
 from safetensors.torch import load_file
 
 from hybrid_scale.evaluate.results import EvalResults
-
-pytestmark = pytest.mark.fast
 
 
 def test_stage1_stage2_with_ssd_and_the_evaluation_run_gated_delta(tiny_run_model, tmp_path):

@@ -24,6 +24,7 @@ def test_the_registry_shapes_are_the_presets():
         registry.shapes_named("llama-3-8b")
 
 
+@pytest.mark.slow  # the benchmarks' runner (13 s): make test, not the inner loop
 def test_verify_passes_on_the_real_backends():
     assert run.verify(registry.SMALL_SHAPES, window=16) == []
     assert run.verify({"smollm2-135m": registry.SHAPES["smollm2-135m"]}) == []
@@ -47,6 +48,7 @@ def test_verify_stops_on_a_prefill_or_a_decode_step_that_differs_from_the_spec(m
     assert any(p.startswith("decode `torch` at tiny") for p in problems), problems
 
 
+@pytest.mark.slow  # the scaling suite (19 s): make test, not the inner loop
 def test_the_scaling_suite_runs_verified_at_a_toy_length(tmp_path):
     out = tmp_path / "scaling.json"
     args = ["--max-len", "1024", "--naive-max", "1024", "--repeats", "1", "--decode-steps", "2", "--contexts", "32,64"]

@@ -6,6 +6,8 @@ figure writes the file again and says why in its commit."""
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from tools import plan_reports
 
 HERE = Path(__file__).resolve().parent
@@ -52,6 +54,7 @@ def test_preflight_asks_each_stage_and_branches_on_no_stages_name():
     assert len(stage_branches(old)) >= 6
 
 
+@pytest.mark.slow  # a benchmark's smoke run (31 s): make test, not the inner loop
 def test_the_preflight_benchmark_runs_and_keeps_the_text(smollm2, tmp_path, capsys):
     """benchmarks/preflight_speed.py at one repeat: both `plan`s run, and the stages' reads pack nothing when the
     packings are kept (3 packings, the checks') and 3 more when they are not."""
