@@ -109,6 +109,14 @@ CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/
 # (tests/integration/test_same_numbers.py) checks both hashes against their commits and runs stage 1, stage 2 and the
 # evaluation of both on a tiny model: every tensor and figure must be equal to the bit.
 SAME_NUMBERS: dict[str, tuple[str, str, str, str]] = {
+    "e5fd499e5497f59fd9f0555485a64088542a16b920b757d4b927fceaaaa904a1": (
+        "20a04f7c1c6a4d3ab53ec763dc2bdfb3f16303d79d1f3922b12c18106210aea1",
+        "86f1115a0ee4ed3897f34e644b0502ca6982ed6c",
+        "e9cf96f08b75bca005da8253f7f02225be908bf3",
+        "issue 65: attention/ in folders (window/, hedgehog/, gated_delta/, hf/), the layer composing its kind's part "
+        "(part.py), one record of settings (settings.py), one registry of kinds (kinds.py) and of implementations per "
+        "kind (backends.py); stage 2's metrics in finetune/monitor.py; checked on both LA kinds",
+    ),
     "20a04f7c1c6a4d3ab53ec763dc2bdfb3f16303d79d1f3922b12c18106210aea1": (
         "5a439368c60910a7fd74cdf7bdfd25e67feb7ceae2d48a48fc1c4990b7263459",
         "2599d4460407554f1c196c3aa1865d4328538536",
