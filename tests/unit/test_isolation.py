@@ -24,22 +24,32 @@ def test_no_imports_from_the_toolkit_or_triton():
             assert roots <= allowed, f"{path.name} imports {roots - allowed}"
 
 
+# what a process runs first: hybrid_scale forgotten, and any import of it or of triton an error
+GUARD = (
+    "import sys; sys.modules.pop('hybrid_scale', None)\n"
+    "import builtins; real = builtins.__import__\n"
+    "def guard(name, globals=None, locals=None, fromlist=(), level=0):\n"
+    "    assert level or name.split('.')[0] not in ('hybrid_scale', 'triton'), name\n"
+    "    return real(name, globals, locals, fromlist, level)\n"
+    "builtins.__import__ = guard\n"
+)
+
+
+def alone(folder: Path, code: str) -> str:
+    """What `code` prints, run after GUARD in a process of its own from `folder`."""
+    out = subprocess.run([sys.executable, "-c", GUARD + code], cwd=folder, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_imports_in_isolation(tmp_path):
     shutil.copytree(ATTENTION, tmp_path / "standalone_attention", ignore=shutil.ignore_patterns("__pycache__"))
     code = (
-        "import sys; sys.modules.pop('hybrid_scale', None)\n"
-        "import builtins; real = builtins.__import__\n"
-        "def guard(name, globals=None, locals=None, fromlist=(), level=0):\n"
-        "    assert level or name.split('.')[0] not in ('hybrid_scale', 'triton'), name\n"
-        "    return real(name, globals, locals, fromlist, level)\n"
-        "builtins.__import__ = guard\n"
         "from standalone_attention import layer, settings\n"
         "from standalone_attention.hf import cache\n"
         "print(layer.HybridAttention.__name__, len(settings.MODES))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "HybridAttention 6"
+    assert alone(tmp_path, code) == "HybridAttention 6"
 
 
 def test_the_flattened_remote_code_imports_alone(tmp_path):
@@ -52,17 +62,9 @@ def test_the_flattened_remote_code_imports_alone(tmp_path):
     for name, text in remote_code().items():
         assert "from .." not in text, name
         (folder / name).write_text(text)
+    (folder / "__init__.py").write_text("")
     code = (
-        "import sys; sys.modules.pop('hybrid_scale', None)\n"
-        "import builtins; real = builtins.__import__\n"
-        "def guard(name, globals=None, locals=None, fromlist=(), level=0):\n"
-        "    assert level or name.split('.')[0] not in ('hybrid_scale', 'triton'), name\n"
-        "    return real(name, globals, locals, fromlist, level)\n"
-        "builtins.__import__ = guard\n"
         "from flat_remote import cache, layer, hedgehog_naive, gated_delta_recurrent\n"
         "print(cache.HybridCache.__name__, layer.HybridAttention.__name__)\n"
     )
-    (folder / "__init__.py").write_text("")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "HybridCache HybridAttention"
+    assert alone(tmp_path, code) == "HybridCache HybridAttention"
