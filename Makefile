@@ -135,7 +135,7 @@ test-time: $(STAMP)
 	$(PY) -m tools.test_time $(BEFORE) runs/test_time/after.log > runs/test_time/test_time.md
 	@echo "wrote runs/test_time/test_time.md"
 
-# Every SAME_NUMBERS entry's stages run again, both commits of each (make test runs the newest two; ~3 min an entry)
+# Every SAME_NUMBERS entry's stages run again, both commits of each (make test runs the newest, on both LA kinds; ~3 min an entry)
 test-ledger: $(STAMP)
 	SAME_NUMBERS_ALL=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) tests/integration/test_same_numbers.py
 

@@ -154,22 +154,6 @@ def test_isolated_process_loads_it_and_matches_the_toolkit(trained, exported, tm
     assert "Do you wish to run the custom code" not in info["stdout"].split("TOKENIZER LOADED")[0]  # no prompt
 
 
-def test_an_export_made_before_newer_settings_loads_with_what_the_record_says_they_meant(trained, exported, tmp_path):
-    """An export whose config.json's hybrid settings predate the keys attention/settings.py declares an older meaning
-    for (written here by removing those that hold that meaning) loads alone through its remote code, whose layer
-    fills each with that meaning, and computes what the toolkit's model does."""
-    from hybrid_scale.attention.settings import SETTINGS
-
-    copy = shutil.copytree(exported, tmp_path / "older")
-    config = json.loads((copy / "config.json").read_text())
-    older = [s.name for s in SETTINGS if s.why and config["hybrid"].get(s.name) == s.older]
-    assert {"la_kind", "la_conv", "la_qk_map", "la_decay_max_horizon"} <= set(older)  # (those this export holds)
-    config["hybrid"] = {k: v for k, v in config["hybrid"].items() if k not in older}
-    (copy / "config.json").write_text(json.dumps(config))
-    _, got = load_alone(copy, tmp_path)
-    assert_matches(got, hs.load_converted(trained / "stage2_best", dtype=torch.float32))
-
-
 def test_streamed_merge_equals_peft_merge_and_unload(trained, exported):
     plain = AutoModelForCausalLM.from_pretrained(trained / "base", dtype=torch.float32)
     merged = PeftModel.from_pretrained(plain, trained / "stage2_best" / ADAPTER_DIR).merge_and_unload().state_dict()
