@@ -36,7 +36,10 @@ class AttentionOptions:
     scale: float | None = None  # of q.k; None = 1/sqrt(head dim) (the layer's own scaling: not a setting)
     chunk_size: int = _D["chunk_size"]  # a hint: the chunked forms' chunk (a backend without chunks ignores it)
     la_combine: str = _D["la_combine"]  # how a gated delta-rule LA joins the window (Hedgehog ignores it)
+    cache: int = _D["cache"]  # exact keys per KV head beside the window (cache/; 0 = off)
+    cache_select: str = _D["cache_select"]  # the score a key competes on for the cache (settings.CACHE_SELECTS)
     return_denominators: bool = False  # also return (sum of E, sum of L) [B,H,T]: the LA-share diagnostic
+    return_parts: bool = False  # also return each memory's weight {window, sinks, cache, la} [B,H,T] (cache/)
 
     def __post_init__(self):
         """The record's checks of the settings this call holds (settings.py), one ValueError naming the first."""

@@ -20,9 +20,10 @@ from typing import Any
 from .hedgehog.feature_specs import FEATURE_MAPS
 from .kinds import KINDS
 
-MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
+MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "cache_only", "none")
 BACKENDS = ("auto", "torch", "triton", "fla")  # the values of attention.backend (each kind has some: kinds.py)
 LA_COMBINES = ("normaliser", "mix")  # attention.la_combine: how gated_delta joins the window (gated_delta/hybrid.py)
+CACHE_SELECTS = ("attention", "self_recall", "recency")  # attention.cache_select: the cache's score (cache/select.py)
 GAMMA_PARAMS = ("sigmoid", "exp")  # attention.gamma_param (layer.py GAMMA_PARAMS holds the functions)
 _NONE = object()  # no older meaning declared: an older hybrid_config.json without the key means its default
 
@@ -146,8 +147,22 @@ SETTINGS: tuple[Setting, ...] = (
             "conversion), trained with the gates in stage 1 (distill.train_feature_maps) and stage 2 "
             "(finetune.train_feature_maps)", live="la_qk_map", older=False, why="exports before it had no q/k map"),
     Setting("mode", str, "hybrid",
-            "component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | none",
+            "component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | cache_only (the "
+            "softmax over the cache's keys alone) | none",
             one_of(*MODES), call=True, live="mode"),
+    Setting("cache", int, 0,
+            "exact keys per KV head kept beside the window, the sinks and the LA state (attention/cache/): a key that "
+            "leaves the window competes with the cached ones on attention.cache_select's score, the `cache` best stay "
+            "exact softmax keys under the window's normaliser and the one that loses goes into the LA state (nothing is "
+            "dropped; swa_sinks drops it); 0 = off, the hybrid without it. Settable at load time on any converted "
+            "model (set_cache)", at_least(0), call=True, live="cache_keys",
+            older=0, why="exports made before the cache (issue 66) had none"),
+    Setting("cache_select", str, "attention",
+            "the score a key competes on for the cache: attention (the softmax attention it received from the "
+            "queries whose window held it: heavy hitters, no LA needed) | self_recall (how badly the LA state of the "
+            "keys before it predicts its value: Hedgehog's normalised read-out at phi_k(k), the gated delta rule's "
+            "residual v - S^T k) | recency (the newest stay: a control)", one_of(*CACHE_SELECTS), call=True,
+            live="cache_select", older="attention", why="exports made before the cache (issue 66) had none"),
     Setting("layers", list[int] | None, None, "layers to convert; None = all (the others keep softmax)", layer=False),
     Setting("chunk_size", int, 64, "query block of the torch path (the Triton kernels pick their own tile)",
             at_least(1), call=True, live="chunk_size"),

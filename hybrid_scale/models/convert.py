@@ -92,6 +92,31 @@ def set_window(model: nn.Module, window: int) -> None:
         m.window = window
 
 
+def set_cache(model: nn.Module, keys: int, select: str | None = None) -> None:
+    """The cache of exact keys (attention.cache, attention/cache/) of every hybrid layer: `keys` per KV head (0 = off)
+    and, if given, the score they compete on (attention.cache_select). Settable on any converted model at any time
+    between forwards (eval's `+cache` modes, a loaded export); a live decode cache refuses another size, so start a
+    new one after a change."""
+    from ..attention.settings import by_name
+
+    record = by_name()
+    for name, value in (("cache", keys), ("cache_select", select)):
+        if value is None:
+            continue
+        if name == "cache" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"the cache must be an integer >= 0 (keys per KV head), got {value!r}")
+        why = record[name].check(value, {})
+        if why is not None:
+            raise ValueError(f"attention.{name}: {why}")
+    layers = hybrid_layers(model)
+    if not layers:
+        raise ValueError("set_cache needs a converted model (no hybrid layer found)")
+    for m in layers.values():
+        m.cache_keys = keys
+        if select is not None:
+            m.cache_select = select
+
+
 @contextlib.contextmanager
 def components(model: nn.Module, mode: Modes) -> Iterator[nn.Module]:
     """Run every hybrid layer in `mode` (or per-layer modes) inside the block; restore the previous modes after."""
