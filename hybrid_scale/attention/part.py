@@ -7,6 +7,8 @@ exports keep their names), which `build` adds and the part's other methods read.
 
 - build: the part's modules on the layer, from the layer's settings (settings.py's record); the layer's feature_dim;
 - project: the LA's queries and keys (and its per-token gates, if any) of a sequence;
+- recall_scores / cached_join: its side of the cache of exact keys (cache/): the self_recall score, and its LA over
+  the keys in the order they leave the cache;
 - attend: what the part contributes to the output: its terms under the shared normaliser with the window's, or its
   mixed output (the same entry for every mode; opts.return_denominators gives the window's and the LA's weights,
   the balance report's LA share);
@@ -60,6 +62,17 @@ class Part:
 
     def attend(self, x: Projections, gamma, opts, *, attention_mask=None, initial_state=None, la_decay=None,
                backend="auto"):  # fmt: skip
+        raise NotImplementedError
+
+    def recall_scores(self, x: Projections, opts, first: int, *, impl, dense: bool) -> torch.Tensor:
+        """The cache's self_recall score of each key [B,Hkv,T] (cache/attend.py): how badly this LA's state of the
+        candidates before it (from `first`) predicts its value."""
+        raise NotImplementedError
+
+    def cached_join(self, x: Projections, gamma, opts, soft, drop, first: int, *, la_decay, impl, dense: bool):
+        """The hybrid's output beside a cache: the softmax part `soft` = (num, den, {memory: its share of den}) over
+        the sinks, the window and the cache, and this LA over the keys in the order they reach it (drop times:
+        cache/select.py). Returns (y [B,H,T,Dv], {memory: weight [B,H,T]}), cache/attend.MEMORIES."""
         raise NotImplementedError
 
     def decode_shape(self, layer: nn.Module, x: Projections, opts) -> Shape:

@@ -52,8 +52,9 @@ def has_past(pos: torch.Tensor, o: AttentionOptions) -> torch.Tensor:
 
 def combine(y_soft, den_soft, o, gamma, mix, has, *, how: str):
     """The hybrid's output from its softmax part (y_soft [B,H,T,Dv], its denominator den_soft [B,H,T]) and the LA's
-    read-out o [B,H,T,Dv]; has [B,T]. Returns (y, soft weight [B,H,T], LA weight [B,H,T]) (see the module doc)."""
-    h = has[:, None, :].to(o.dtype)
+    read-out o [B,H,T,Dv]; has [B,T] (or [B,H,T]: per head, with a cache). Returns (y, soft weight [B,H,T], LA
+    weight [B,H,T]) (see the module doc)."""
+    h = (has[:, None, :] if has.dim() == 2 else has).to(o.dtype)
     if how == "normaliser":
         lin = gamma.to(o.dtype).view(1, -1, 1) * h
         den = den_soft.to(o.dtype) + lin

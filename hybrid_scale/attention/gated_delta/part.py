@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.attend import cached_attend, uses_cache
 from ..backends import get_backend, register_backend, register_check, resolve
 from ..kinds import GATED_DELTA
 from ..part import Part, Projections
 from ..shape import Shape
+from . import cached
 from .chunk import chunk_gated_delta
 from .hybrid import delta_hybrid_attention
 from .modules import HORIZON_WINDOWS, DeltaGateProjection, HeadLinear, ShortConv
@@ -69,7 +71,16 @@ class GatedDeltaPart(Part):
         q, k, v, fq, fk = x[:5]
         shape = self.shape_of(x, opts, conv=0)
         impl = get_backend(resolve(backend, q.device, shape), self.kind.name)
+        if uses_cache(opts):
+            return cached_attend(self, x, gamma, opts, attention_mask=attention_mask, impl=impl,
+                                 dense=impl is recurrent_gated_delta)  # fmt: skip
         return delta_hybrid_attention(q, k, v, fq, fk, gamma, x.gates, opts, attention_mask=attention_mask, impl=impl)
+
+    def recall_scores(self, x, opts, first, *, impl=None, dense=False):
+        return cached.recall_scores(x, first, opts, impl=impl)
+
+    def cached_join(self, x, gamma, opts, soft, drop, first, *, la_decay=None, impl=None, dense=False):
+        return cached.cached_join(x, gamma, opts, soft, drop, first, impl=impl, dense=dense)
 
     def shape_of(self, x, opts, conv: int) -> Shape:
         q, k, v = x[:3]

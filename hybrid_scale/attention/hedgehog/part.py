@@ -13,6 +13,7 @@ import copy
 import torch
 from torch import nn
 
+from ..cache.attend import cached_attend, uses_cache
 from ..backends import get_backend, get_decode, register_backend, register_check, resolve
 from ..kinds import HEDGEHOG
 from ..options import AttentionOptions
@@ -20,6 +21,7 @@ from ..part import Part, Projections
 from ..shape import Shape
 from ..window.naive import real_positions
 from ..window.recurrent import DecodeState
+from . import cached
 from .chunk import chunk_hybrid_attention
 from .feature_maps import make_feature_map
 from .naive import masked_attention, naive_hybrid_attention
@@ -61,9 +63,19 @@ class HedgehogPart(Part):
         q, k, v, fq, fk = x[:5]
         o = opts.own()
         shape = Shape.of(q, k, v, fq, o, la_decay=la_decay is not None)
-        fn = get_backend(resolve(backend, q.device, shape), self.kind.name)
+        name = resolve(backend, q.device, shape)
+        if uses_cache(opts):  # the cache's path computes its LA with the chunked torch form (or the spec's)
+            return cached_attend(self, x, gamma, opts, attention_mask=attention_mask, initial_state=initial_state,
+                                 la_decay=la_decay, dense=name == "naive")  # fmt: skip
+        fn = get_backend(name, self.kind.name)
         return fn(q, k, v, fq, fk, gamma, o, attention_mask=attention_mask, initial_state=initial_state,
                   la_decay=la_decay)  # fmt: skip
+
+    def recall_scores(self, x, opts, first, *, impl=None, dense=False):
+        return cached.recall_scores(x, first, opts, dense=dense)
+
+    def cached_join(self, x, gamma, opts, soft, drop, first, *, la_decay=None, impl=None, dense=False):
+        return cached.cached_join(x, gamma, opts, soft, drop, first, la_decay=la_decay, dense=dense)
 
     def decode_shape(self, layer, x, opts) -> Shape:
         return Shape.of(*x[:4], opts, la_decay=layer.la_decay is not None)

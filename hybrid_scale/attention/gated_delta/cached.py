@@ -1,0 +1,52 @@
+"""The gated delta-rule LA beside a cache (../cache/): its recurrence over the keys in the order they reach it, and
+its self-recall score.
+
+Slot s of the recurrence folds the key j with d_j = s (../cache/select.py: at most one a step), with its own write
+strength beta_j and forget gate g_j; a slot that folds nothing leaves the state as it is (beta = 0, g = 0). Without a
+cache slot s folds key s - w: the lagged read-out of hybrid.py. Query n reads the state after slot n, o_n = S_n^T q_n,
+and joins it to the softmax over the sinks, the window and the cache as hybrid.combine says (has_n: the state holds
+a key, per KV head).
+Self-recall score of key j: ||v_j - alpha_j S_(j-1)^T k_j||, the delta rule's own residual at j over the candidates
+before it in their order (the state the key would be written into if nothing were cached).
+
+This file imports only torch and its siblings (the export copies the package flattened next to a modeling file).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.select import fold_order, gather_slots
+from ..window.naive import EPS, compute_dtype
+from .chunk import lagged_delta
+from .hybrid import combine, recurrence_gates
+from .naive import l2norm
+
+
+def cached_join(x, gamma, o, soft, drop, first, *, impl, la_decay=None, dense=False):
+    """The hybrid's output from the softmax part (num, den, parts: ../cache/) and the LA: (y, {memory: weight})."""
+    num, den, parts = soft
+    acc = num.dtype
+    B, H, T, _ = num.shape
+    K = x.k.shape[1]
+    slots = fold_order(drop)
+    beta, g = (gather_slots(t.to(acc)[..., None], slots)[..., 0] for t in (x.gates.beta, x.gates.g))
+    k_s, v_s = gather_slots(l2norm(x.fk.to(acc)), slots), gather_slots(x.v.to(acc), slots)
+    read = lagged_delta(l2norm(x.fq.to(acc)), k_s, v_s, beta, g, lag=0, impl=impl, chunk_size=o.chunk_size)
+    has = (slots >= 0).to(torch.int8).cummax(-1).values.bool().repeat_interleave(H // K, 1)
+    y_soft = num / (den[..., None] + EPS)
+    y, soft_w, la_w = combine(y_soft, den, read, gamma, x.gates.mix, has, how=o.la_combine)
+    share = soft_w / (den + EPS)
+    return y, {name: share * w for name, w in parts.items()} | {"la": la_w}
+
+
+def recall_scores(x, first, o, *, impl):
+    """Each key's self-recall error [B,Hkv,T] (module doc), fp32."""
+    acc = compute_dtype(x.fk)
+    kk, v = l2norm(x.fk.to(acc)), x.v.to(acc)
+    T = kk.shape[2]
+    pos = torch.arange(T, device=kk.device).expand(kk.shape[0], T)
+    beta, g = recurrence_gates(x.gates, pos, sinks=first, hybrid_sinks=True)
+    beta, g = beta.to(acc), g.to(acc)
+    pred = lagged_delta(kk, kk, v, beta, g, lag=1, impl=impl, chunk_size=o.chunk_size)
+    return (v - g.exp()[..., None] * pred).norm(dim=-1)

@@ -1,0 +1,82 @@
+"""The Hedgehog LA beside a cache (../cache/): its terms over the keys that have reached it, and its self-recall score.
+
+With d_j a key's drop time (../cache/select.py) the LA of query n holds the candidates j with d_j <= n:
+    L_nj = phi_q(q_n) . phi_k(k_j) alpha^(n - d_j)      (alpha^(n - w - j) without a cache: d_j = j + w)
+    y_n = (gamma_h sum E v + sum L v) / (gamma_h sum E + sum L + EPS)
+E the softmax terms over the sinks, the window and the cache (../cache/naive.py). The chunked form feeds the keys in
+the order they reach the LA (slot d_j) to the chunked hybrid (chunk.py) as keys w steps earlier, whose LA then holds
+exactly those with d_j <= n, weighted alpha^(n - d_j), with its softmax weighted 0.
+Self-recall score of key j: ||v_j - sum_(first <= i < j) (phi_k(k_j).phi_k(k_i)) v_i / sum_(first <= i < j)
+phi_k(k_j).phi_k(k_i)||: how badly the state of the keys before it predicts its value (the chunked hybrid with a
+window of 1 and keys as queries computes the read-out).
+
+This file imports only torch and its siblings (the export copies the package flattened next to a modeling file).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.select import fold_order, gather_slots
+from ..options import AttentionOptions
+from ..window.naive import EPS, compute_dtype
+from .chunk import chunk_hybrid_attention
+from .naive import decay_weight
+
+
+def _la_only(fq, fk, v, o, window, la_decay, *, sinks=0):
+    """(num, den) of the chunked hybrid's LA alone: gamma 0 and zero softmax inputs (one column)."""
+    B, H, T, _ = fq.shape
+    zq, zk = fq.new_zeros(B, H, T, 1), fk.new_zeros(B, fk.shape[1], T, 1)
+    opts = AttentionOptions(window=window, mode="hybrid", sinks=sinks, hybrid_sinks=sinks > 0, scale=1.0,
+                            chunk_size=o.chunk_size, return_denominators=True)  # fmt: skip
+    y, _, den = chunk_hybrid_attention(zq, zk, v, fq, fk, fq.new_zeros(H), opts, la_decay=la_decay)
+    return y * (den + EPS)[..., None], den
+
+
+def la_terms(fq, fk, v, drop, first, o, la_decay, *, dense):
+    """(num [B,H,T,Dv], den [B,H,T]) of the LA over the keys that have reached it (module doc)."""
+    B, H, T, _ = fq.shape
+    K = fk.shape[1]
+    G = H // K
+    if dense:
+        d = drop.repeat_interleave(G, 1)[:, :, None, :]
+        n = torch.arange(T, device=fq.device)[:, None]
+        j = torch.arange(T, device=fq.device)[None, :]
+        lin = torch.where((j >= first) & (d <= n), fq @ fk.repeat_interleave(G, 1).transpose(-1, -2), 0.0)
+        if la_decay is not None:
+            rho = la_decay.to(lin.dtype).repeat_interleave(G).view(1, H, 1, 1)
+            lin = lin * decay_weight(rho, n - d)
+        return lin @ v.repeat_interleave(G, 1), lin.sum(-1)
+    w = o.window
+    slots = fold_order(drop)
+    fk_s, v_s = (F.pad(gather_slots(t, slots)[:, :, w:], (0, 0, 0, min(w, T))) for t in (fk, v))
+    return _la_only(fq, fk_s, v_s, o, w, la_decay)
+
+
+def cached_join(x, gamma, o, soft, drop, first, *, la_decay=None, dense=False):
+    """The hybrid's output from the softmax part (num, den, parts: ../cache/) and the LA: (y, {memory: weight})."""
+    num, den, parts = soft
+    acc = num.dtype
+    fq, fk = x.fq.to(acc), x.fk.to(acc)
+    n_la, d_la = la_terms(fq, fk, x.v.to(acc), drop, first, o, la_decay, dense=dense)
+    g = gamma.to(acc).view(1, -1, 1)
+    y = (g[..., None] * num + n_la) / (g * den + d_la + EPS)[..., None]
+    return y, {name: g * w for name, w in parts.items()} | {"la": d_la}
+
+
+def recall_scores(x, first, o, *, dense=False):
+    """Each key's self-recall error [B,Hkv,T] (module doc), fp32."""
+    acc = compute_dtype(x.fk)
+    fk, v = x.fk.to(acc), x.v.to(acc)
+    T = fk.shape[2]
+    if dense:
+        i = torch.arange(T, device=fk.device)
+        before = (i[None, :] < i[:, None]) & (i[None, :] >= first)
+        s = torch.where(before, fk @ fk.transpose(-1, -2), 0.0)
+        pred = (s @ v) / (s.sum(-1, keepdim=True) + EPS)
+    else:
+        num, den = _la_only(fk, fk, v, o, 1, None, sinks=first)
+        pred = num / (den + EPS)[..., None]
+    return (v - pred).norm(dim=-1)
