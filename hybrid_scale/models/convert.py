@@ -11,6 +11,7 @@ from torch import nn
 from ..attention.hf.architectures import ARCHITECTURES
 from ..attention.hf.generation import attach
 from ..attention.layer import HybridAttention, hybrid_layers
+from ..attention.settings import by_name
 from ..attention.window.naive import check_mode
 from ..config import attention_settings
 from ..errors import UnsupportedArchitectureError
@@ -97,8 +98,6 @@ def set_cache(model: nn.Module, keys: int, select: str | None = None) -> None:
     and, if given, the score they compete on (attention.cache_select). Settable on any converted model at any time
     between forwards (eval's `+cache` modes, a loaded export); a live decode cache refuses another size, so start a
     new one after a change."""
-    from ..attention.settings import by_name
-
     record = by_name()
     for name, value in (("cache", keys), ("cache_select", select)):
         if value is None:

@@ -49,7 +49,7 @@ def test_imports_in_isolation(tmp_path):
         "from standalone_attention.hf import cache\n"
         "print(layer.HybridAttention.__name__, len(settings.MODES))\n"
     )
-    assert alone(tmp_path, code) == "HybridAttention 6"
+    assert alone(tmp_path, code) == "HybridAttention 7"
 
 
 def test_the_flattened_remote_code_imports_alone(tmp_path):

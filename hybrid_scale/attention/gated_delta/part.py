@@ -16,7 +16,7 @@ from ..backends import get_backend, register_backend, register_check, resolve
 from ..kinds import GATED_DELTA
 from ..part import Part, Projections
 from ..shape import Shape
-from . import cached
+from .cached import cached_join, recall_scores
 from .chunk import chunk_gated_delta
 from .hybrid import delta_hybrid_attention
 from .modules import HORIZON_WINDOWS, DeltaGateProjection, HeadLinear, ShortConv
@@ -77,10 +77,10 @@ class GatedDeltaPart(Part):
         return delta_hybrid_attention(q, k, v, fq, fk, gamma, x.gates, opts, attention_mask=attention_mask, impl=impl)
 
     def recall_scores(self, x, opts, first, *, impl=None, dense=False):
-        return cached.recall_scores(x, first, opts, impl=impl)
+        return recall_scores(x, first, opts, impl=impl)
 
     def cached_join(self, x, gamma, opts, soft, drop, first, *, la_decay=None, impl=None, dense=False):
-        return cached.cached_join(x, gamma, opts, soft, drop, first, impl=impl, dense=dense)
+        return cached_join(x, gamma, opts, soft, drop, first, impl=impl, dense=dense)
 
     def shape_of(self, x, opts, conv: int) -> Shape:
         q, k, v = x[:3]

@@ -21,7 +21,7 @@ from ..part import Part, Projections
 from ..shape import Shape
 from ..window.naive import real_positions
 from ..window.recurrent import DecodeState
-from . import cached
+from .cached import cached_join, recall_scores
 from .chunk import chunk_hybrid_attention
 from .feature_maps import make_feature_map
 from .naive import masked_attention, naive_hybrid_attention
@@ -72,10 +72,10 @@ class HedgehogPart(Part):
                   la_decay=la_decay)  # fmt: skip
 
     def recall_scores(self, x, opts, first, *, impl=None, dense=False):
-        return cached.recall_scores(x, first, opts, dense=dense)
+        return recall_scores(x, first, opts, dense=dense)
 
     def cached_join(self, x, gamma, opts, soft, drop, first, *, la_decay=None, impl=None, dense=False):
-        return cached.cached_join(x, gamma, opts, soft, drop, first, la_decay=la_decay, dense=dense)
+        return cached_join(x, gamma, opts, soft, drop, first, la_decay=la_decay, dense=dense)
 
     def decode_shape(self, layer, x, opts) -> Shape:
         return Shape.of(*x[:4], opts, la_decay=layer.la_decay is not None)
