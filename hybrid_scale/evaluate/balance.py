@@ -5,7 +5,7 @@
 * perplexity per mode by position bucket on long held-out text (LA only matters beyond the window), and the main
   verdict: the hybrid against the strongest mode without LA on the tokens beyond the window (beyond_window);
 * the LA share of the shared normaliser, sum_P L / (sum_W E + sum_P L), per layer, head and position bucket, in
-  `hybrid` mode, next to the output effect ||y_hybrid - y_swa_only|| / ||y_hybrid||; and the LA's learned length
+  `hybrid` mode, and each memory's share (window, sinks, cache, LA: attention/cache/) per layer and bucket, next to the output effect ||y_hybrid - y_swa_only|| / ||y_hybrid||; and the LA's learned length
   decay as its horizon 1/rho per layer and KV head (attention.la_decay).
 """
 
@@ -131,7 +131,7 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
             h.remove()
     labels = bucket_labels(buckets)
     pos = torch.arange(ids.shape[1])
-    share, effect, horizon = {}, {}, {}
+    share, effect, horizon, memories = {}, {}, {}, {}
     for i, m in sorted(layers.items()):
         hidden, rope = captured[i]
         x = m.project(hidden, rope)  # (with la_kind gated_delta, x carries its gates too)
@@ -141,19 +141,23 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
         if rho is not None:  # 1/rho: tokens past the window over which a key's LA weight falls by e (None: no decay)
             horizon[i] = [1.0 / r if r > 0 else None for r in rho.tolist()]
         opts = dict(gates=x.gates, gamma=gamma, la_decay=rho)
-        y, soft, lin = m.attend(*x[:5], mode="hybrid", return_denominators=True, **opts)
+        y, parts = m.attend(*x[:5], mode="hybrid", return_parts=True, **opts)
         y_swa = m.attend(*x[:5], mode="swa_only", **opts)
-        # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/gated_delta/hybrid.py)
-        # its read-out's gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
-        ratio = (lin / (soft + lin).clamp_min(1e-30)).float()  # [B, H, T]
+        # each memory's weight in the output (attention/cache/attend.py): Hedgehog its terms of the one normaliser;
+        # gated_delta (attention/gated_delta/hybrid.py) its read-out's gamma against sum E under the normaliser, the
+        # gate m under la_combine=mix, the softmax's weight split between window, sinks and cache by their terms
+        total = sum(parts.values()).clamp_min(1e-30)
+        ratios = {name: (w / total).float() for name, w in parts.items()}  # [B, H, T] each
         diff = (y - y_swa).float().pow(2).sum(-1)  # [B, H, T]
         norm = y.float().pow(2).sum(-1)
-        share[i], effect[i] = {}, {}
+        share[i], effect[i], memories[i] = {}, {}, {}
         for label, a, b in zip(labels, buckets[:-1], buckets[1:], strict=True):
             sel = (pos >= a) & (pos < b)
             if not sel.any():
                 continue
-            share[i][label] = ratio[..., sel].mean(dim=(0, 2)).tolist()
+            share[i][label] = ratios["la"][..., sel].mean(dim=(0, 2)).tolist()
+            memories[i][label] = {name: float(r[..., sel].mean()) for name, r in ratios.items()}
             effect[i][label] = (diff[..., sel].sum(dim=(0, 2)) / norm[..., sel].sum(dim=(0, 2))).sqrt().tolist()
-    out = {"seq_len": ids.shape[1], "sequences": ids.shape[0], "share": share, "effect": effect}
+    out = {"seq_len": ids.shape[1], "sequences": ids.shape[0], "share": share, "effect": effect,
+           "memories": memories}  # fmt: skip
     return out | ({"horizon": horizon} if horizon else {})

@@ -68,10 +68,25 @@ def table(r: EvalResults) -> str:
         for values, name in ((s.share, "LA share"), (s.effect, "‖y_hybrid − y_swa_only‖ / ‖y_hybrid‖")):
             vals = [_mean_over(values, b) for b in labels]
             lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+        lines += memory_lines(s)
         lines += horizon_lines(s)
     t = r.timings_s
     lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()), ""]
     return "\n".join(lines)
+
+
+def memory_lines(s: LaShare) -> list[str]:
+    """Each memory's share of the hybrid's output (window, sinks, cache, LA), mean over layers, heads and tokens per
+    position bucket."""
+    if not s.memories:
+        return []
+    labels = list(next(iter(s.memories.values())))
+    lines = ["", "Each memory's share of the output in `hybrid` (mean over layers, heads and tokens):", ""]
+    lines += ["| memory | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+    for name in ("window", "sinks", "cache", "la"):
+        vals = [sum(m[b][name] for m in s.memories.values()) / len(s.memories) for b in labels]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return lines
 
 
 def horizon_lines(s: LaShare) -> list[str]:

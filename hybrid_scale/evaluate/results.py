@@ -205,16 +205,18 @@ class Perplexity:
 @dataclasses.dataclass
 class LaShare:
     """The LA's share of the hybrid's normaliser and its output effect (balance.la_share), per layer, bucket and head,
-    on `sequences` sequence(s) of `seq_len` tokens; the learned horizon 1/rho per layer and KV head when it decays."""
+    on `sequences` sequence(s) of `seq_len` tokens; the learned horizon 1/rho per layer and KV head when it decays;
+    each memory's share of the output per layer and bucket (window, sinks, cache, LA; absent in older files)."""
 
     seq_len: int
     sequences: int
     share: dict[str, dict[str, list[float]]]
     effect: dict[str, dict[str, list[float]]]
     horizon: dict[str, list[float | None]] | None = None
+    memories: dict[str, dict[str, dict[str, float]]] | None = None  # layer -> bucket -> {window, sinks, cache, la}
 
     def to_json(self) -> dict:
-        return _flat(self, omit_none=("horizon",))
+        return _flat(self, omit_none=("horizon", "memories"))
 
     @classmethod
     def from_json(cls, d) -> LaShare:

@@ -50,9 +50,29 @@ def test_la_share_is_zero_inside_the_window_and_grows():
     assert sorted(out["share"]) == [0, 1]
     for layer in (0, 1):
         share, effect = out["share"][layer], out["effect"][layer]
-        assert share["0-8"] == [0.0] * 4 and effect["0-8"] == [0.0] * 4  # n < w: hybrid is exact softmax
+        assert share["0-8"] == [0.0] * 4  # n < w: hybrid is exact softmax (to fp32 rounding: gamma scales it)
+        assert effect["0-8"] == pytest.approx([0.0] * 4, abs=1e-6)
         assert all(0 < s < 1 for s in share["8-32"]) and all(e > 0 for e in effect["8-32"])
         assert sum(share["32-64"]) > sum(share["8-32"])  # more keys have left the window
+
+
+def test_each_memory_has_its_share_of_the_output():
+    """The balance report's shares of window, sinks, cache and LA add up to 1 per bucket; without a cache the cache's
+    is 0 and the LA's is the LA share; with one the cache takes a share past the window, from the LA's."""
+    model = perturb_hybrid(hs.convert_model(tiny_model("llama"), {"window": 8, "hybrid_sinks": True, "sinks": 2}))
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    plain = balance.la_share(model, ids, [0, 8, 32, 64])
+    hs.models.convert.set_cache(model, 6)
+    cached = balance.la_share(model, ids, [0, 8, 32, 64])
+    for layer in (0, 1):
+        for bucket in ("0-8", "8-32", "32-64"):
+            for out in (plain, cached):
+                assert sum(out["memories"][layer][bucket].values()) == pytest.approx(1.0)
+            assert plain["memories"][layer][bucket]["cache"] == 0.0
+            la = sum(plain["share"][layer][bucket]) / 4
+            assert plain["memories"][layer][bucket]["la"] == pytest.approx(la, rel=1e-5)
+        assert cached["memories"][layer]["32-64"]["cache"] > 0.01
+        assert cached["memories"][layer]["32-64"]["la"] < plain["memories"][layer]["32-64"]["la"]
 
 
 def test_beyond_window_verdict_against_swa_only_and_the_strongest_mode_without_la():
