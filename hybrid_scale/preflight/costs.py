@@ -241,7 +241,34 @@ def evaluation(p: Plan, cfg: Config, sh: Shape) -> float:
     )
     if probe := passkey_estimate(cfg, c["total"], max(passkey.LEAD, cfg.attention.sinks)):
         p.rows.append(("evaluate", "passkey probe", probe))
+    decode_memory(p, cfg, sh)
     return eval_mem
+
+
+DECODE_CONTEXT = 32768  # the context at which plan compares the decode state with a softmax model's KV cache
+
+
+def decode_memory(p: Plan, cfg: Config, sh: Shape) -> None:
+    """The decode state of one sequence (attention/window/recurrent.py, attention/cache/): per converted layer and
+    KV head a ring of w keys, the S sinks and the cache's C keys (each key, value and LA key in the model's dtype,
+    the cache's score and position beside it), the LA state in fp32 (Hedgehog: F x (Dv + 1); gated delta: D x D), and
+    with cache_select=self_recall a second such state (the score's); constant in the length. Against it: the base's KV
+    cache at DECODE_CONTEXT tokens."""
+    a_cfg, c = cfg.attention, sh.c
+    layers = len(a_cfg.layers) if a_cfg.layers is not None else c["L"]
+    K, hd, F = c["K"] / sh.tp, c["hd"], sh.fdim
+    per_key = (2 * hd + F) * sh.wbytes
+    state = F * (hd + 1) * 4
+    keys = a_cfg.window + a_cfg.sinks + a_cfg.cache
+    cache_meta = a_cfg.cache * 12  # fp32 score + int64 position
+    shadow = state if a_cfg.cache and a_cfg.cache_select == "self_recall" else 0
+    one = layers * K * (keys * per_key + cache_meta + state + shadow)
+    kv = c["L"] * K * 2 * hd * sh.wbytes * DECODE_CONTEXT
+    what = f"ring {a_cfg.window} + sinks {a_cfg.sinks} + cache {a_cfg.cache} keys per KV head, LA state"
+    what += " and the score's" if shadow else ""
+    p.figures["decode"] = {"state_bytes_per_sequence": one, "kv_cache_bytes_at_32k": kv}
+    p.rows.append(("generate", "decode state per sequence", f"{one / 2**20:.1f} MiB ({what}; constant in the length) vs the "
+                   f"base's KV cache {gb(kv)} at {DECODE_CONTEXT} tokens"))  # fmt: skip
 
 
 def export(p: Plan, cfg: Config, sh: Shape, base: Path | None, r: Resolved) -> None:

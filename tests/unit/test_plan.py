@@ -431,3 +431,21 @@ def test_disk_counts_every_nodes_buffers_on_a_shared_run_dir_and_checks_checkpoi
     p = plan(load_config("models/llama3-70b.yaml", [*mesh, f"distill.buffer_dir={scratch}"]))
     assert any(m.startswith(f"{tmp_path} has 1.00 GB free but the stage-2 checkpoints need") for m in p.problems)
     assert not any("stage-1 buffers of" in m for m in p.blocking("distill"))  # the buffers' own disk has room
+
+
+def test_plan_counts_the_decode_state_with_its_cache(tmp_path, big_disk):
+    """The decode state per sequence at the 70B shape: the ring, the sinks and the cache's keys per KV head in the
+    model's dtype and the LA state in fp32 (and a second one for the self_recall score), constant in the length."""
+    figures = {}
+    for name, extra in (("none", []), ("attention", ["attention.cache=32"]),
+                        ("self_recall", ["attention.cache=32", "attention.cache_select=self_recall"])):  # fmt: skip
+        cfg = load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}", *extra])
+        figures[name] = plan(cfg).figures["decode"]["state_bytes_per_sequence"]
+    a = load_config("models/llama3-70b.yaml", [f"run_dir={tmp_path}"])
+    L, K, hd = 80, 8, 128
+    F = 2 * hd if a.attention.la_kind == "hedgehog" else hd
+    per_key = (2 * hd + F) * 2
+    state = F * (hd + 1) * 4
+    assert figures["none"] == L * K * ((a.attention.window + a.attention.sinks) * per_key + state)
+    assert figures["attention"] - figures["none"] == L * K * 32 * (per_key + 12)
+    assert figures["self_recall"] - figures["attention"] == L * K * state
