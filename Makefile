@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install assets test test-fast coverage lint format docs quickstart bench kernel-speed kernel-roofline device-speed
-.PHONY: gpu-check status-speed
+.PHONY: gpu-check status-speed cache-speed
 .PHONY: kernel-compile kernel-compile-triton36 test-ledger reproduce clean bench-memory metrics-overhead preflight-speed test-time planted-faults grad-precision
 
 $(STAMP): pyproject.toml
@@ -89,6 +89,10 @@ preflight-speed: $(STAMP)
 # How fast `hybrid-scale status` answers in a fresh interpreter (a login node; benchmarks/status_speed.py prints it)
 status-speed: $(STAMP)
 	$(PY) -m benchmarks.status_speed
+
+# What the cache of exact keys costs a prefill on CPU, side by side with the hybrid without it (issue 66)
+cache-speed: $(STAMP)
+	$(PY) -m benchmarks.cache_prefill
 
 # What the stage-2 metrics cost per step (docs/results/metrics_overhead.md)
 metrics-overhead: $(STAMP)

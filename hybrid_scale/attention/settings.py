@@ -154,8 +154,9 @@ SETTINGS: tuple[Setting, ...] = (
             "exact keys per KV head kept beside the window, the sinks and the LA state (attention/cache/): a key that "
             "leaves the window competes with the cached ones on attention.cache_select's score, the `cache` best stay "
             "exact softmax keys under the window's normaliser and the one that loses goes into the LA state (nothing is "
-            "dropped; swa_sinks drops it); 0 = off, the hybrid without it. Settable at load time on any converted "
-            "model (set_cache)", at_least(0), call=True, live="cache_keys",
+            "dropped; swa_sinks drops it); 0 = off, the hybrid without it. No training needed: evaluation and "
+            "export take the run's value whatever the converted model was made with, and a loaded export changes it "
+            "with model.set_hybrid_cache (models.convert.set_cache on any converted model)", at_least(0), call=True, live="cache_keys",
             older=0, why="exports made before the cache (issue 66) had none"),
     Setting("cache_select", str, "attention",
             "the score a key competes on for the cache: attention (the softmax attention it received from the "

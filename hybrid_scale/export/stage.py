@@ -64,6 +64,9 @@ def _export(entry: Entry, t0: float) -> Path:
         settings.pop("layer_modes", None)
     if export_cfg.window:
         settings["window"] = export_cfg.window
+    # the cache of exact keys needs no training: the export keeps the run's attention.cache, whatever the converted
+    # model was made with (a loaded export changes it with model.set_hybrid_cache)
+    settings["cache"], settings["cache_select"] = cfg.attention.cache, cfg.attention.cache_select
     if export_cfg.gamma is not None or export_cfg.calibrate_gamma:
         check_gamma_export(export_cfg, settings)
     # the exported model runs the Triton kernels where they are installed (CUDA) and torch elsewhere, unless the run

@@ -80,3 +80,12 @@ def test_the_cost_model_counts_what_the_wrappers_launch_and_holds_its_ground():
     assert t["launches"] <= 6 and t["fp32_glue"] == [] and t["ratio"] < 8.2, t
     assert 140e9 < t["flops"] < 185e9  # (the review counted about 157 GFLOP; dk, dv's blocks of 32 recompute more)
     assert floor == 469_762_048  # inputs and outputs of both passes, bf16
+
+
+def test_the_cache_prefill_benchmark_runs_and_prints_every_selection(capsys):
+    """benchmarks/cache_prefill.py at a toy length: one row per kind and variant, each with its ratio."""
+    from benchmarks import cache_prefill
+
+    assert cache_prefill.main(["--tokens", "64", "--cache", "4", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.endswith("x")]
+    assert len(rows) == 8 and all("by" in r or "none" in r for r in rows)

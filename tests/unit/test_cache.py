@@ -122,3 +122,22 @@ def test_memories_share_one_normaliser(kind):
     y_spec, parts_spec = call(kind, x, gates, "naive", cache=3, return_parts=True)
     for name in parts:
         torch.testing.assert_close(parts[name], parts_spec[name], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("select", CACHE_SELECTS)
+def test_a_rank_with_some_heads_computes_their_slice(kind, select):
+    """Tensor parallelism over heads: the cache is per KV head (its scores summed over that head's query heads), so a
+    rank holding the second KV head and its query heads computes exactly their slice of the whole layer."""
+    x, gates = inputs(kind)
+    G = H // K
+    whole = call(kind, x, gates, "chunk", cache=4, cache_select=select)
+    q, k, v, fq, fk = x
+    part = [q[:, G:], k[:, 1:], v[:, 1:], fq[:, G:], fk[:, 1:]]
+    if gates is not None:
+        gates = DeltaGates(gates.beta[:, 1:], gates.g[:, 1:], gates.mix[:, G:])
+    rho = torch.tensor([0.1], dtype=q.dtype) if kind == "hedgehog" else None
+    y = attend(*part, torch.full((G,), 0.7, dtype=q.dtype), backend="chunk", window=W, sinks=S, hybrid_sinks=True,
+               mode="hybrid", chunk_size=8, la_kind=kind, gates=gates, la_decay=rho, cache=4,
+               cache_select=select)  # fmt: skip
+    torch.testing.assert_close(y, whole[:, G:], rtol=1e-10, atol=1e-12)

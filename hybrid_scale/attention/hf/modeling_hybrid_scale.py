@@ -5,12 +5,14 @@ the same code hybrid_scale trains with). Chunked hybrid attention for prompts, c
 
 One class per architecture record (architectures.py), HybridScale{prefix}ForCausalLM. Switch components at run time
 with `model.set_hybrid_mode("la_only")` (or a {layer: mode} dict); the mode in config.hybrid["mode"] is the one the
-model was exported with.
+model was exported with. The cache of exact keys (config.hybrid["cache"]) changes with `model.set_hybrid_cache(32)`, or
+at load time with `from_pretrained(path, trust_remote_code=True, hybrid={**config.hybrid, "cache": 32})`.
 """
 
 import transformers
 
 from ..layer import HybridAttention, hybrid_layers
+from ..settings import CACHE_SELECTS
 from ..window.naive import check_mode
 from .architectures import ARCHITECTURES
 from .configuration_hybrid_scale import CONFIGS
@@ -37,6 +39,19 @@ class HybridScaleMixin:
         for i, m in modes.items():
             check_mode(m)
             layers[i].mode = m
+
+
+    def set_hybrid_cache(self, keys: int, select: str | None = None):
+        """The cache of exact keys of every hybrid layer (attention.cache: keys per KV head, 0 = off; select:
+        attention | self_recall | recency). No training needed; start a new decode cache after a change."""
+        if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
+            raise ValueError(f"the cache must be an integer >= 0 (keys per KV head), got {keys!r}")
+        if select is not None and select not in CACHE_SELECTS:
+            raise ValueError(f"cache select {select!r} is not allowed; choose one of: {', '.join(CACHE_SELECTS)}")
+        for m in hybrid_layers(self).values():
+            m.cache_keys = keys
+            if select is not None:
+                m.cache_select = select
 
 
 def hybrid_causal_lm(base: type, config_class: type, name: str) -> type:
