@@ -164,6 +164,9 @@ SETTINGS: tuple[Setting, ...] = (
             "keys before it predicts its value: Hedgehog's normalised read-out at phi_k(k), the gated delta rule's "
             "residual v - S^T k) | recency (the newest stay: a control)", one_of(*CACHE_SELECTS), call=True,
             live="cache_select", older="attention", why="exports made before the cache (issue 66) had none"),
+    Setting("cache_train", bool, False,
+            "stage 1 and stage 2 train with the cache on (false: they train the hybrid without it, and it joins "
+            "after training: the measured choice, experiments/cache_selection/)", layer=False),
     Setting("layers", list[int] | None, None, "layers to convert; None = all (the others keep softmax)", layer=False),
     Setting("chunk_size", int, 64, "query block of the torch path (the Triton kernels pick their own tile)",
             at_least(1), call=True, live="chunk_size"),

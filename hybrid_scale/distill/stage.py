@@ -165,6 +165,8 @@ def transfer(stage: Stage1, i: int, layer, current: str) -> tuple[dict, list[flo
     torch.manual_seed(stage.cfg.seed * 7919 + i)
     m = HybridAttention.from_softmax(layer.self_attn, stage.config, i, stage.attention, param_dtype=torch.float32)
     tensor_parallel.narrow(m, stage.rt)  # this rank's heads (its q/k/v projections are split already)
+    if not stage.cfg.attention.cache_train:  # the cache of exact keys joins after training (attention.cache_train)
+        m.cache_keys = 0
     losses = train_layer(stage, m, layer, stage.bufs[current], i)
     params = {
         f"model.layers.{i}.self_attn.{n}": tensor_parallel.whole(p, layer_head_dim(stage), stage.rt).clone()

@@ -112,7 +112,8 @@ def write_model(stage: Stage2, dest: Path, step: int) -> None:
     if rt.main:
         tmp = start_partial(dest, "run_dir")
         origin = {"stage": "stage2", "checkpoint": dest.name, "step": step}
-        write_converted(tmp, source_meta["architecture"], source_meta["base_model"], describe(model), hybrid, origin)
+        settings = describe(model) | {"cache": stage.cfg.attention.cache}  # the run's, also when trained without
+        write_converted(tmp, source_meta["architecture"], source_meta["base_model"], settings, hybrid, origin)
         peft_model.save_pretrained(tmp / ADAPTER_DIR, state_dict=lora)
         mark_adapter(tmp / ADAPTER_DIR, dest)
         commit(tmp)

@@ -36,7 +36,7 @@ from ..distributed.parallelize import Zero3, parallelize
 from ..entry import Entry, stage_entry
 from ..errors import ConfigError, FinetuneError
 from ..measure import training_flops
-from ..models.convert import set_modes, set_window
+from ..models.convert import set_cache, set_modes, set_window
 from ..models.converted import load_converted, load_tokenizer
 from ..plots import curves_png
 from ..recipes.early_stopping import EarlyStopping
@@ -190,6 +190,8 @@ def _build(stage: Stage2, ds_config: dict) -> None:
     # at tp > 1 each rank reads only its part of each weight (the LoRA factors PEFT adds are split by parallelize)
     dtype, source = getattr(torch, cfg.model.dtype), stage.source
     model = load_converted(source.path, dtype, stage.rt.device, cfg.attention.backend, stage.rt, source.hybrid_config)
+    # the cache of exact keys: the run's, trained with only if attention.cache_train (else it joins after training)
+    set_cache(model, cfg.attention.cache if cfg.attention.cache_train else 0, cfg.attention.cache_select)
     stage.engine, stage.peft_model, stage.layers = prepare(model, cfg, stage.rt, ds_config)
     stage.model = model
     stage.named = [(n, p) for n, p in stage.peft_model.named_parameters() if p.requires_grad]

@@ -461,3 +461,22 @@ def test_bf16_on_two_ranks_under_zero3_stays_near_fp32_with_checked_collectives(
     for key in ("train", "hybrid", "la_only"):  # (the learning-rate decay ends at step 5 here, at 10 there)
         assert got[key] and all(math.isfinite(x) for x in got[key])
         assert max(abs(a - b) / b for a, b in zip(got[key], ref[key], strict=False)) < 0.02, (key, got[key], ref[key])
+
+
+def test_stage_2_trains_without_the_cache_unless_asked_and_records_the_runs(setup, tmp_path):
+    """attention.cache joins after training: stage 2 with a cache of 4 and cache_train=false trains exactly the
+    hybrid without one (the same losses) and records the run's cache in its output; cache_train=true trains with it
+    (other losses)."""
+    losses = {}
+    for name, extra in (("none", []), ("after", ["attention.cache=4"]),
+                        ("trained", ["attention.cache=4", "attention.cache_train=true"])):  # fmt: skip
+        run = tmp_path / name
+        args = overrides(setup, run, "finetune.max_steps=2", "finetune.eval_every=2", "finetune.save_every=2", *extra)
+        proc = finetune(args, ranks=0)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        steps = [json.loads(r) for r in (run / "stage2" / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in steps if r["kind"] == "step"]
+        recorded = json.loads((run / "stage2" / "final" / "hybrid_config.json").read_text())["attention"]["cache"]
+        assert recorded == (0 if name == "none" else 4)
+    assert losses["after"] == losses["none"]
+    assert losses["trained"] != losses["none"]
