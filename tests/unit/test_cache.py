@@ -141,3 +141,18 @@ def test_a_rank_with_some_heads_computes_their_slice(kind, select):
                mode="hybrid", chunk_size=8, la_kind=kind, gates=gates, la_decay=rho, cache=4,
                cache_select=select)  # fmt: skip
     torch.testing.assert_close(y, whole[:, G:], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("select", CACHE_SELECTS)
+def test_bf16_inputs_compute_in_fp32(kind, select):
+    """The presets' dtype: bf16 inputs give a bf16 output within bf16's rounding of the fp64 computation on the same
+    (rounded) inputs: the arithmetic and the scores are fp32 inside, so the cache holds the same keys."""
+    x, gates = inputs(kind)
+    low = [t.to(torch.bfloat16) for t in x]
+    lg = None if gates is None else DeltaGates(*(t.to(torch.bfloat16) for t in gates))
+    got = call(kind, low, lg, "chunk", cache=4, cache_select=select)
+    up = None if gates is None else DeltaGates(*(t.double() for t in lg))
+    want = call(kind, [t.double() for t in low], up, "chunk", cache=4, cache_select=select)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
