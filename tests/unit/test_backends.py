@@ -60,6 +60,7 @@ def test_naive_and_chunk_agree_through_the_entry_point(mode):
     x = attention_inputs(B=2, H=4, Hkv=2, T=37, D=8, F=6, requires_grad=True, seed=7)
     for window, mask in ((5, padding_mask(37)), (64, None)):
         kw = dict(window=window, mode=mode, sinks=3, scale=0.3, attention_mask=mask, chunk_size=8)
+        kw |= {"cache": 4} if mode == "cache_only" else {}  # (the cache's own paths: test_cache.py)
         y_ref, g_ref = run(x, backend="naive", **kw)
         y, g = run(x, backend="chunk", **kw)
         assert y.dtype == torch.float64
@@ -68,6 +69,8 @@ def test_naive_and_chunk_agree_through_the_entry_point(mode):
             torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=f"grad of {n}")
     if mode != "none":
         assert y_ref.abs().max() > 0
+    if mode == "cache_only":  # (its spec is cache/naive.py)
+        return
     # the direct call of the spec is what the "naive" backend computes
     torch.testing.assert_close(
         naive.naive_hybrid_attention(*tensors(x), x["gamma"], window=5, mode=mode, sinks=3, scale=0.3),
