@@ -67,8 +67,8 @@ def test_naive_and_chunk_agree_through_the_entry_point(mode):
         torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-11)
         for n in NAMES:
             torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=f"grad of {n}")
-    if mode != "none":
-        assert y_ref.abs().max() > 0
+        if mode != "none" and window < 37:  # (a 64-token window over 37 tokens leaves the cache empty)
+            assert y_ref.abs().max() > 0
     if mode == "cache_only":  # (its spec is cache/naive.py)
         return
     # the direct call of the spec is what the "naive" backend computes
