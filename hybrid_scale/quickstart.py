@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 from .config import load_config
+from .config.schema import CACHE, eval_mode
 from .data import assets
-from .evaluate.results import EvalResults
+from .evaluate.results import EvalResults, Probe
 from .pipeline import pipeline
 from .run.layout import RunLayout
 from .run.metrics import tensorboard_on
@@ -73,15 +74,44 @@ def summary(r: EvalResults) -> str:
             )
     elif r.verdict_tasks is not None:
         lines.append("  on the tasks (la_only - none); no held-out perplexity was measured")
-    for probe, p in (("passkey", r.passkey), ("recall", r.recall)):
-        if not p:
-            continue
-        far = [d for d in p.distances if d >= r.window]
-        if far:
-            cells = ", ".join(
-                f"{m} {100 * sum(by_d[str(d)].exact for d in far) / len(far):.0f}%" for m, by_d in p.by_mode.items()
-            )
-            lines.append(f"  {probe} exact match at distances {far} (beyond the window): {cells}")
+    probes = {probe: p for probe, p in (("passkey", r.passkey), ("recall", r.recall)) if p}
+    if any(eval_mode(m)[1] for p in probes.values() for m in p.by_mode):
+        lines += retrieval_with_cache(r, probes)
+    else:
+        for probe, p in probes.items():
+            far = [d for d in p.distances if d >= r.window]
+            if far:
+                cells = ", ".join(f"{m} {v:.0f}%" for m, v in beyond(p, far).items())
+                lines.append(f"  {probe} exact match at distances {far} (beyond the window): {cells}")
+    for probe, p in probes.items():
         for problem in p.sanity:
             lines.append(f"  {probe} probe check failed: {problem}")
     return "\n".join(lines)
+
+
+def beyond(p: Probe, far: list[int]) -> dict[str, float]:
+    """Each mode's exact match of probe `p` (%), averaged over the distances `far`."""
+    return {m: 100 * sum(by_d[str(d)].exact for d in far) / len(far) for m, by_d in p.by_mode.items()}
+
+
+def retrieval_with_cache(r: EvalResults, probes: dict[str, Probe]) -> list[str]:
+    """The probes' exact match beyond the window, one line per mode: without and with the cache of exact keys side by
+    side (`hybrid+cache` on hybrid's line; cache_only has no value without it; a mode run one way only, one value)."""
+    far = [d for d in next(iter(probes.values())).distances if d >= r.window]
+    if not far:
+        return []
+    keys, select = r.cache()
+    exact = {probe: beyond(p, far) for probe, p in probes.items()}
+    rows = dict.fromkeys(m.removesuffix(CACHE) for p in probes.values() for m in p.by_mode)
+    lines = [
+        f"  {' and '.join(probes)} exact match at distances {far} (beyond the window), without / with the cache "
+        f"({keys} keys per KV head, chosen by {select}):"
+    ]
+    for mode in rows:
+        cells = []
+        for probe, e in exact.items():
+            off, on = (None, e.get(mode)) if eval_mode(mode)[1] else (e.get(mode), e.get(mode + CACHE))
+            pair = [f"{v:.0f}%" if v is not None else "-" for v in (off, on)]
+            cells.append(f"{probe} {pair[0] if on is None else ' / '.join(pair)}")
+        lines.append(f"    {mode}: {', '.join(cells)}")
+    return lines

@@ -111,8 +111,27 @@ class FinetuneConfig:
     progress: bool = True  # a progress bar over the steps
 
 
-EVAL_MODES = ("base", "hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")
+EVAL_MODES = ("base", "hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none")  # eval.modes' default
+CACHE = "+cache"  # a mode's name with this suffix runs it with the cache of exact keys on (eval.cache); without, off
+CACHED_MODES = ("hybrid", "swa_only", "swa_sinks")  # the modes that take it: the cache keeps keys the window let go
+CACHE_ONLY = "cache_only"  # the softmax over the cache's keys alone: always with the cache on
+EVAL_MODE_NAMES = (*EVAL_MODES, *(m + CACHE for m in CACHED_MODES), CACHE_ONLY)  # every name eval.modes accepts
 EVAL_TASKS = tuple(TASKS)  # every task record (hybrid_scale/tasks.py); the default: the paper's Table 1
+
+
+def eval_mode(name: str) -> tuple[str, bool]:
+    """An eval mode's name as (the layers' mode, whether the cache is on): hybrid+cache -> (hybrid, True), hybrid ->
+    (hybrid, False: the cache off, whatever attention.cache says), cache_only -> (cache_only, True)."""
+    if name.endswith(CACHE):
+        return name[: -len(CACHE)], True
+    return name, name == CACHE_ONLY
+
+
+def eval_cache(cfg) -> int:
+    """The keys per KV head the cached eval modes run with: eval.cache, else attention.cache (a Config, or the plain
+    config record results.json holds)."""
+    keys = cfg["eval"].get("cache")
+    return int(cfg["attention"].get("cache", 0) if keys is None else keys)
 
 
 @dataclass
@@ -120,7 +139,9 @@ class EvalConfig:
     # HF dir or converted model; None = the run's stage2/output or stage1/converted, else model.path, else the
     # embedded default
     model: str | None = None
-    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))  # modes to score (base = the unconverted model)
+    # modes to score (base = the unconverted model); also hybrid+cache, swa_only+cache, swa_sinks+cache and cache_only
+    # (eval.cache), which the default leaves out
+    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
     tasks: list[str] = field(
         default_factory=lambda: list(TABLE1)
     )  # Table 1's six; also openbookqa (hybrid_scale/tasks.py)
@@ -147,6 +168,11 @@ class EvalConfig:
     passkey_trials: int = 20  # prompts per distance (seeded keys and filler)
     # the modes the passkey probe scores; null = the evaluated modes (eval.modes)
     passkey_modes: list[str] | None = None
+    # exact keys per KV head of the cache (attention.cache) in the modes named with `+cache` (hybrid+cache,
+    # swa_only+cache, swa_sinks+cache) and in cache_only, chosen by attention.cache_select; the plain names run with
+    # the cache off, so that eval.modes=[hybrid,hybrid+cache] compares one model without and with it (> 0 when such a
+    # mode runs); null = attention.cache
+    cache: int | None = None
     # the associative-recall probe beside the passkey (data/passkey.py: a line of this many key-value pairs, filler,
     # one key again; answer its value), at eval.passkey_distances x eval.passkey_trials for eval.passkey_modes;
     # 0 = no recall probe

@@ -12,7 +12,18 @@ from ..attention.kinds import kind_of
 from ..attention.settings import MODES, problems
 from ..errors import ConfigError
 from ..recipes import RECIPES
-from .schema import DEVICES, DTYPES, EVAL_MODES, EVAL_TASKS, JOBS, LAUNCHERS, OBJECTIVES, SSD_GRANULARITY
+from .schema import (
+    DEVICES,
+    DTYPES,
+    EVAL_MODE_NAMES,
+    EVAL_TASKS,
+    JOBS,
+    LAUNCHERS,
+    OBJECTIVES,
+    SSD_GRANULARITY,
+    eval_cache,
+    eval_mode,
+)
 
 
 def _choice(key: str, value: Any, allowed) -> None:
@@ -31,6 +42,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     _validate_attention(cfg.attention)
     _validate_model(cfg.model)
     _validate_eval(cfg.eval)
+    _validate_eval_cache(cfg)
     _validate_distill(cfg.distill)
     _validate_data(cfg.data)
     _validate_finetune(cfg.finetune)
@@ -60,7 +72,7 @@ def _validate_model(m) -> None:
 
 def _validate_eval(e) -> None:
     for mode in e.modes:
-        _choice("eval.modes", mode, EVAL_MODES)
+        _choice("eval.modes", mode, EVAL_MODE_NAMES)
     for task in e.tasks:
         _choice("eval.tasks", task, EVAL_TASKS)
     _positive("eval.limit", e.limit)
@@ -72,14 +84,29 @@ def _validate_eval(e) -> None:
     _positive("eval.la_share_seq_len", e.la_share_seq_len, 0)
     _positive("eval.passkey_trials", e.passkey_trials, 0)
     _positive("eval.recall_pairs", e.recall_pairs, 0)
+    _positive("eval.cache", e.cache, 0)
     for mode in e.passkey_modes or []:
-        _choice("eval.passkey_modes", mode, EVAL_MODES)
+        _choice("eval.passkey_modes", mode, EVAL_MODE_NAMES)
     for d in e.passkey_distances:
         _positive("eval.passkey_distances", d)
     if e.ppl_margin < 0:
         raise ConfigError(f"config key 'eval.ppl_margin': must be >= 0, got {e.ppl_margin}")
     if list(e.buckets) != sorted(set(e.buckets)) or len(e.buckets) < 2 or e.buckets[0] != 0:
         raise ConfigError(f"config key 'eval.buckets': must start at 0 and increase strictly, got {list(e.buckets)}")
+
+
+def _validate_eval_cache(cfg) -> None:
+    """A mode that runs with the cache (`+cache`, cache_only) needs a cache of at least one key per KV head."""
+    e = cfg.eval
+    for key, modes in (("eval.modes", e.modes), ("eval.passkey_modes", e.passkey_modes or [])):
+        cached = [m for m in modes if eval_mode(m)[1]]
+        if cached and eval_cache(cfg) == 0:
+            where = f"eval.cache = {e.cache}" if e.cache is not None else "eval.cache unset, attention.cache = 0"
+            raise ConfigError(
+                f"config key '{key}': {cached[0]} runs with the cache of exact keys, whose size is 0 ({where}); set "
+                "eval.cache (or attention.cache) to the keys per KV head it keeps, e.g. eval.cache=32, or leave "
+                f"{cached[0]} out"
+            )
 
 
 def _validate_distill(d) -> None:

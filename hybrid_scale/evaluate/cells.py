@@ -27,7 +27,12 @@ from ..run.sources import ModelSource
 from ..storage.commits import atomic_write
 from ..storage.faults import fault
 
-TWINS = {"swa_only": "swa_sinks", "swa_sinks": "swa_only"}  # the same keys on a hybrid that keeps its own sinks
+TWINS = {  # the same keys on a hybrid that keeps its own sinks (with the cache as without it)
+    "swa_only": "swa_sinks",
+    "swa_sinks": "swa_only",
+    "swa_only+cache": "swa_sinks+cache",
+    "swa_sinks+cache": "swa_only+cache",
+}
 
 
 def own_modes(modes, keeps_sinks: bool) -> list[str]:

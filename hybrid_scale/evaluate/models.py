@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config.schema import Config
+from ..config.schema import Config, eval_cache, eval_mode
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import init_comm, zero3_config
 from ..distributed.parallelize import Zero3, parallelize
-from ..models.convert import convert_model, set_modes, set_window
+from ..models.convert import convert_model, set_cache, set_modes, set_window
 from ..models.converted import load_base_model, load_converted
 from ..run.sources import ModelSource
 from .cells import TWINS, evaluation_window
@@ -51,14 +51,26 @@ class Models:
         return parallelize(model, zero3=Zero3(zero3_config(self.dtype)))[1] if self.cfg.eval.shard_weights else model
 
     def get(self, mode: str):
+        """The model that computes eval mode `mode`: the base, or the converted model in the layers' mode with its
+        cache set for this mode: eval.cache keys per KV head for a `+cache` mode and cache_only, none otherwise (set
+        at every call, so that no mode inherits another's cache)."""
         if mode == "base":
             if self._base is None:
                 self._base = self._ready(self._load_base(), "base")
             return self._base
         if self._hybrid is None:
             self._hybrid = self._load_hybrid()
-        set_modes(self._hybrid, mode)
+        layers, cached = eval_mode(mode)
+        set_modes(self._hybrid, layers)
+        set_cache(self._hybrid, eval_cache(self.cfg) if cached else 0, self.cfg.attention.cache_select)
         return self._hybrid
+
+    def cache_key(self, mode: str) -> dict:
+        """What a cell's key adds for a mode that runs with the cache: its size and selection (nothing otherwise: the
+        cells of the plain modes keep their keys)."""
+        if not eval_mode(mode)[1]:
+            return {}
+        return {"cache": eval_cache(self.cfg), "cache_select": self.cfg.attention.cache_select}
 
     def _load_hybrid(self):
         if self.converted:

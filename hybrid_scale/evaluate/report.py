@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config.schema import eval_mode
 from ..tasks import TASKS
 from .results import BeyondWindow, EvalResults, Interval, LaShare, Probe
 
@@ -30,6 +31,8 @@ def table(r: EvalResults) -> str:
     n = {t: r.tasks[t].n for t in tasks}
     lines += ["", f"Items per task: {n or 'no tasks'}; window {r.window}; {r.world_size} rank(s)."]
     lines += ["", modes_line(r.window, r.sinks, r.hybrid_sinks, r.la_decay)]
+    if r.cached_modes():
+        lines += ["", cache_line(r)]
     lines += ["", "Share of scored (continuation) tokens at positions >= window -- on the rest a hybrid *is* its SWA:"]
     for t in tasks:
         shares = ", ".join(f"w={w}: {100 * s:.1f}%" for w, s in r.tasks[t].beyond_window.items())
@@ -119,6 +122,16 @@ def modes_line(w: int, s: int, hybrid_sinks: bool, la_decay: bool) -> str:
         line += (" The LA decays: in hybrid and la_only a key that has left the window counts alpha_h^(its distance "
                  "past it); keys inside the window (la_only) and the sinks are not decayed.")  # fmt: skip
     return line
+
+
+def cache_line(r: EvalResults) -> str:
+    """What the modes that ran with the cache of exact keys kept, and that the plain names ran without it."""
+    keys, select = r.cache()
+    return (
+        f"With the cache ({', '.join(r.cached_modes())}): {keys} exact keys per KV head beside the window and the "
+        f"sinks, chosen by {select} (attention.cache_select) among the keys that left the window; a mode named "
+        "without `+cache` ran with the cache off; cache_only: the softmax over the cache's keys alone."
+    )
 
 
 def beyond_window_lines(b: BeyondWindow, own_sinks: int | None = None) -> list[str]:
@@ -269,14 +282,18 @@ MODE_COLORS = {
     "la_only": "tab:green",
     "sinks_only": "tab:purple",
     "none": "tab:gray",
+    "cache_only": "tab:orange",
 }
 
 
 def _style(mode: str) -> dict:
-    """One colour per mode in every figure; the hybrid drawn thickest, the base dashed (the ceiling)."""
+    """One colour per mode in every figure (a `+cache` mode its plain mode's, dotted, square markers); the hybrid
+    drawn thickest, the base dashed (the ceiling)."""
+    plain, cached = eval_mode(mode)
+    cached = cached and plain != mode
     return {
-        "color": MODE_COLORS.get(mode),
-        "marker": "o",
-        "lw": 2.5 if mode == "hybrid" else 1.2,
-        "ls": "--" if mode == "base" else "-",
+        "color": MODE_COLORS.get(plain),
+        "marker": "s" if cached else "o",
+        "lw": 2.5 if plain == "hybrid" else 1.2,
+        "ls": "--" if mode == "base" else ":" if cached else "-",
     }

@@ -15,6 +15,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..config.schema import eval_cache, eval_mode
 from ..errors import InputError
 
 SCHEMA = 1  # the version of results.json's shape; raise it with every change of the shape
@@ -320,6 +321,17 @@ class EvalResults:
                 value = value.to_json()
             out[f.name] = value
         return out
+
+    def cached_modes(self) -> list[str]:
+        """The modes measured with the cache of exact keys on (`+cache`, cache_only: config.schema.eval_mode), in the
+        order they first appear: the tasks', the perplexity's, the probes'."""
+        probes = [p.by_mode for p in (self.passkey, self.recall) if p]
+        names = [*self.modes, *(self.perplexity.by_mode if self.perplexity else ()), *(m for b in probes for m in b)]
+        return [m for m in dict.fromkeys(names) if eval_mode(m)[1]]
+
+    def cache(self) -> tuple[int, str]:
+        """The cache those modes ran with, from the config record: (keys per KV head, attention.cache_select)."""
+        return eval_cache(self.config), self.config["attention"]["cache_select"]
 
     def dumps(self) -> str:
         """results.json's text."""

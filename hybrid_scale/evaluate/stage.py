@@ -141,6 +141,7 @@ def _evaluate(entry: Entry) -> EvalResults:
                 key = {
                     **common,
                     "mode": mode,
+                    **models.cache_key(mode),
                     "task": task,
                     "limit": evaluation.limit,
                     "data_dir": str(data_dir.resolve()),
@@ -272,6 +273,7 @@ def _perplexity_and_la_share(results: EvalResults, src: Sources) -> None:
             cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its perplexity is {twin}'s")
             continue
         key = {**common, **text, "mode": mode, "ppl_sequences": evaluation.ppl_sequences, "format": 2}
+        key |= models.cache_key(mode)
         cell = cells.result(f"perplexity.{mode}", key, partial(_perplexity, models, mode, seqs, buckets, window), here)
         if here:
             by_mode[mode], blocks[mode] = cell["buckets"], cell["blocks"]
@@ -331,7 +333,7 @@ def _passkey(results: EvalResults, src: Sources, probe: str = "passkey") -> None
             cells.log(f"{mode}: {models.twin_reason(mode, twin)}: its {probe} retrieval is {twin}'s")
             continue
         score = partial(_passkey_mode, models, mode, items, rt, evaluation.progress, probe)
-        by_mode[mode] = cells.result(f"{probe}.{mode}", {**key, "mode": mode}, score, here)
+        by_mode[mode] = cells.result(f"{probe}.{mode}", {**key, "mode": mode, **models.cache_key(mode)}, score, here)
     if here:
         digits = passkey.RECALL_DIGITS if probe == "recall" else passkey.DIGITS
         scores = {m: {d: ProbeScore.from_json(s) for d, s in by_d.items()} for m, by_d in by_mode.items()}

@@ -4,6 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from hybrid_scale.config import ConfigError, attention_settings, load_config
+from hybrid_scale.config.schema import eval_cache, eval_mode
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -51,6 +52,37 @@ def test_bad_values_give_one_clear_error(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[override])
     assert message in str(e.value)
+
+
+def test_eval_modes_with_and_without_the_cache():
+    """`+cache` runs a windowed mode with the cache of exact keys (eval.cache, else attention.cache), cache_only always
+    with it; the plain names with it off. A cached mode with a cache of 0 keys is refused, naming the fix."""
+    cached = ["eval.modes=[hybrid,hybrid+cache,swa_only+cache,swa_sinks+cache,cache_only]"]
+    cfg = load_config(overrides=[*cached, "eval.cache=16", "eval.passkey_modes=[base,swa_sinks+cache]"])
+    assert cfg.eval.modes[-1] == "cache_only" and eval_cache(cfg) == 16
+    assert eval_cache(load_config(overrides=[*cached, "attention.cache=8"])) == 8  # eval.cache null: attention.cache
+    assert eval_cache(load_config(overrides=[*cached, "attention.cache=8", "eval.cache=2"])) == 2
+    assert [eval_mode(m) for m in cfg.eval.modes] == [
+        ("hybrid", False), ("hybrid", True), ("swa_only", True), ("swa_sinks", True), ("cache_only", True)
+    ]  # fmt: skip
+    assert "cache_only" not in load_config().eval.modes  # the default runs no cached mode (attention.cache 0)
+    fix = "set eval.cache (or attention.cache) to the keys per KV head it keeps, e.g. eval.cache=32, or leave"
+    for overrides, message in (
+        (["eval.modes=[hybrid,hybrid+cache]"], "config key 'eval.modes': hybrid+cache runs with the cache of exact "
+         "keys, whose size is 0 (eval.cache unset, attention.cache = 0); " + fix + " hybrid+cache out"),
+        (["eval.modes=[cache_only]", "attention.cache=8", "eval.cache=0"], "config key 'eval.modes': cache_only runs "
+         "with the cache of exact keys, whose size is 0 (eval.cache = 0); " + fix + " cache_only out"),
+        (["eval.modes=[base]", "eval.passkey_modes=[base,swa_sinks+cache]"], "config key 'eval.passkey_modes': "
+         "swa_sinks+cache runs with the cache"),
+        (["eval.modes=[la_only+cache]", "eval.cache=8"], "config key 'eval.modes': 'la_only+cache' is not allowed; "
+         "choose one of: base, hybrid, swa_only, swa_sinks, la_only, sinks_only, none, hybrid+cache, swa_only+cache, "
+         "swa_sinks+cache, cache_only"),
+        (["eval.passkey_modes=[base+cache]", "eval.cache=8"], "config key 'eval.passkey_modes': 'base+cache' is not"),
+        (["eval.cache=-1"], "config key 'eval.cache': must be >= 0, got -1"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides=overrides)
+        assert message in str(e.value), overrides
 
 
 def test_bad_yaml_key_and_missing_file(tmp_path):

@@ -180,3 +180,38 @@ def test_the_report_and_the_quickstart_summary_read_the_record(tmp_path):
     assert "  passkey exact match at distances [40] (beyond the window): base 0%, hybrid 0%, swa_sinks 0%" in lines
     report.plots(record, tmp_path)
     assert (tmp_path / "ablation.png").is_file() and (tmp_path / "long_context.png").is_file()
+
+
+def test_the_summary_puts_each_modes_retrieval_without_and_with_the_cache_side_by_side():
+    """Issue 66: when the probes ran `+cache` modes, one line per mode: its exact match beyond the window without
+    and with the cache (hybrid+cache on hybrid's line), for the passkey and the recall probe; cache_only has nothing
+    without it, and a mode run one way only gets one value."""
+    d = written()
+    d["config"] = {"eval": {"margin": 0.02, "cache": None}, "attention": {"cache": 32, "cache_select": "self_recall"}}
+    exact = {"base": 0.9, "hybrid": 0.0, "hybrid+cache": 0.8, "swa_sinks+cache": 0.5, "cache_only": 0.25}
+    for probe, scale in (("passkey", 1.0), ("recall", 0.5)):
+        score = d[probe]["by_mode"]["base"]["40"]
+        by_mode = {m: {"12": score, "40": score | {"exact": e * scale}} for m, e in exact.items()}
+        d[probe]["by_mode"] = by_mode
+    record = EvalResults.from_json(d)
+    assert record.cached_modes() == ["hybrid+cache", "swa_sinks+cache", "cache_only"]
+    assert record.cache() == (32, "self_recall")
+    lines = summary(record).splitlines()
+    start = lines.index(
+        "  passkey and recall exact match at distances [40] (beyond the window), without / with the cache (32 keys "
+        "per KV head, chosen by self_recall):"
+    )
+    assert lines[start + 1 :] == [
+        "    base: passkey 90%, recall 45%",
+        "    hybrid: passkey 0% / 80%, recall 0% / 40%",
+        "    swa_sinks: passkey - / 50%, recall - / 25%",
+        "    cache_only: passkey - / 25%, recall - / 12%",
+    ]
+    assert "exact match at distances [40] (beyond the window): base" not in summary(record)
+    table = report.table(record)
+    assert "With the cache (hybrid+cache, swa_sinks+cache, cache_only): 32 exact keys per KV head" in table
+    d["recall"] = None  # the passkey alone; eval.cache overrides attention.cache
+    d["config"]["eval"]["cache"] = 8
+    lines = summary(EvalResults.from_json(d)).splitlines()
+    head = "  passkey exact match at distances [40] (beyond the window), without / with the cache (8 keys per KV head, "
+    assert head + "chosen by self_recall):" in lines and "    hybrid: passkey 0% / 80%" in lines

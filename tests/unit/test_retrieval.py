@@ -46,6 +46,55 @@ def test_too_short_a_distance_or_filler_is_a_clear_error(smollm2):
         assert "needs 226 tokens of filler, the held-out text has 100" in str(e)
 
 
+def _cut_from(filler: list[int], head: list[int], tail: list[int]) -> int | None:
+    """Where `head + tail` is one contiguous run of `filler` (its start), else None."""
+    run = head + tail
+    starts = (s for s, t in enumerate(filler) if t == run[0])
+    return next((s for s in starts if filler[s : s + len(run)] == run), None)
+
+
+def test_the_needle_sits_in_the_held_out_text_at_window_multiples_and_past_the_training_length(smollm2):
+    """Issue 66's probes: at 2, 4, 8 and 16 windows and past the training length, 40 prompts per distance (nothing
+    caps eval.passkey_trials), each a contiguous stretch of the held-out report text (natural text, never a repeated
+    filler) with the needle (passkey) or the pair line (recall) after its first `lead` tokens, and the question
+    after the rest; every prompt cut from its own place."""
+    from hybrid_scale.config import load_config
+    from hybrid_scale.data import corpus
+
+    window, seq_len, trials, lead = 16, 1024, 40, 20
+    distances = [2 * window, 4 * window, 8 * window, 16 * window, seq_len + 100]
+    cfg = load_config(
+        overrides=[f"attention.window={window}", f"data.seq_len={seq_len}", f"eval.passkey_trials={trials}",
+                   f"eval.passkey_distances={distances}", "eval.recall_pairs=4"]
+    )  # fmt: skip
+    tok = _tokenizer(smollm2)
+    text = corpus.report_text(cfg)[0]
+    filler = tok.encode(text)
+    assert len(set(text.split("\n\n"))) > 100  # natural documents, not one repeated
+    items = passkey.probes(tok, filler, list(cfg.eval.passkey_distances), cfg.eval.passkey_trials, cfg.seed, lead)
+    assert [p.distance for p in items] == [d for d in distances for _ in range(trials)]
+    question = tok.encode(passkey.QUESTION, add_special_tokens=False)
+    starts = {}
+    for p in items:
+        needle = tok.encode(passkey.NEEDLE.format(key=p.key), add_special_tokens=False) + tok.encode(".")
+        assert p.ids[lead : lead + len(needle)] == needle
+        assert p.ids[len(p.ids) - p.answer - len(question) :] == question + tok.encode(f" {p.key}")
+        start = _cut_from(filler, p.ids[:lead], p.ids[lead + len(needle) : len(p.ids) - p.answer - len(question)])
+        assert start is not None, tok.decode(p.ids)
+        starts.setdefault(p.distance, set()).add(start)
+    assert all(len(s) > 0.9 * trials for s in starts.values()), {d: len(s) for d, s in starts.items()}
+    recall = passkey.recall_probes(tok, filler, distances, trials, cfg.seed, passkey.Recall(4, lead))
+    assert [p.distance for p in recall] == [d for d in distances for _ in range(trials)]
+    starts = set()
+    for p in recall:
+        line = len(p.ids) - lead - (p.distance - 1) - p.answer  # (the line's tokens: the rest is the distance's)
+        assert tok.decode(p.ids[lead : lead + line]).count(":") == 4
+        start = _cut_from(filler, p.ids[:lead], p.ids[lead + line : lead + line + p.distance - 8])  # (query < 7)
+        assert start is not None, tok.decode(p.ids)
+        starts.add(start)
+    assert len(starts) > 0.9 * len(recall)
+
+
 def test_scores_are_the_teacher_forced_answer_and_greedy_generation_agrees():
     model = tiny_model("llama", vocab_size=128)
     g = torch.Generator().manual_seed(0)
@@ -72,6 +121,8 @@ def test_sanity_flags_a_window_mode_that_retrieves_beyond_the_window():
     assert retrieval.sanity({"swa_sinks": {"64": hit}}, 32) == [
         "swa_sinks retrieved 50% of keys at distance 64 >= window 32"
     ]
+    # with the cache of exact keys (issue 66) a window mode may retrieve past its window: no leak
+    assert retrieval.sanity({"swa_sinks+cache": {"64": hit}, "swa_only+cache": {"64": hit}}, 32) == []
 
 
 def test_the_probe_scores_the_evaluated_modes_unless_told_otherwise():
