@@ -25,8 +25,8 @@ H, K, D, W, S = 9, 3, 64, 16, 8
 def inputs(kind: str, T: int):
     g = torch.Generator().manual_seed(0)
     F = 2 * D if kind == "hedgehog" else D
-    x = [torch.randn(1, H, T, D, generator=g), torch.randn(1, K, T, D, generator=g), torch.randn(1, K, T, D, generator=g),
-         torch.rand(1, H, T, F, generator=g), torch.rand(1, K, T, F, generator=g)]  # fmt: skip
+    x = [torch.randn(1, heads, T, D, generator=g) for heads in (H, K, K)]
+    x += [torch.rand(1, heads, T, F, generator=g) for heads in (H, K)]
     gates = None
     if kind == "gated_delta":
         gates = DeltaGates(torch.rand(1, K, T, generator=g), -0.05 * torch.rand(1, K, T, generator=g),
@@ -58,9 +58,11 @@ def main(argv=None) -> int:
     print(f"{'kind':<12} {'cache':<22} {'median s':>9} {'x no cache':>11}")
     for kind in args.kinds:
         x, gates, rho = inputs(kind, args.tokens)
-        variants = {"none": {}} | {f"{args.cache} by {s}": dict(cache=args.cache, cache_select=s) for s in CACHE_SELECTS}
+        variants = {"none": {}} | {
+            f"{args.cache} by {s}": dict(cache=args.cache, cache_select=s) for s in CACHE_SELECTS
+        }
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for name, kw in variants.items():  # one warm-up each
+        for kw in variants.values():  # one warm-up each
             timed(kind, x, gates, rho, args.backward, **kw)
         for _ in range(args.repeats):  # interleaved: a slower moment of the machine hits every variant alike
             for name, kw in variants.items():

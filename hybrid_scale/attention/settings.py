@@ -147,17 +147,18 @@ SETTINGS: tuple[Setting, ...] = (
             "conversion), trained with the gates in stage 1 (distill.train_feature_maps) and stage 2 "
             "(finetune.train_feature_maps)", live="la_qk_map", older=False, why="exports before it had no q/k map"),
     Setting("mode", str, "hybrid",
-            "component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | cache_only (the "
-            "softmax over the cache's keys alone) | none",
+            "component mode of a converted model: hybrid | swa_only | swa_sinks | la_only | sinks_only | cache_only "
+            "(the softmax over the cache's keys alone) | none",
             one_of(*MODES), call=True, live="mode"),
     Setting("cache", int, 0,
             "exact keys per KV head kept beside the window, the sinks and the LA state (attention/cache/): a key that "
             "leaves the window competes with the cached ones on attention.cache_select's score, the `cache` best stay "
-            "exact softmax keys under the window's normaliser and the one that loses goes into the LA state (nothing is "
-            "dropped; swa_sinks drops it); 0 = off, the hybrid without it. No training needed: evaluation and "
-            "export take the run's value whatever the converted model was made with, and a loaded export changes it "
-            "with model.set_hybrid_cache (models.convert.set_cache on any converted model)", at_least(0), call=True, live="cache_keys",
-            older=0, why="exports made before the cache (issue 66) had none"),
+            "exact softmax keys under the window's normaliser and the one that loses goes into the LA state "
+            "(nothing is dropped; swa_sinks drops it); 0 = off, the hybrid without it. No training needed "
+            "(attention.cache_train): the evaluation's +cache modes (eval.cache) and the export take the run's value "
+            "whatever the converted model was made with; a loaded export changes it with model.set_hybrid_cache, any "
+            "converted model with models.convert.set_cache", at_least(0), call=True,
+            live="cache_keys", older=0, why="exports made before the cache (issue 66) had none"),
     Setting("cache_select", str, "attention",
             "the score a key competes on for the cache: attention (the softmax attention it received from the "
             "queries whose window held it: heavy hitters, no LA needed) | self_recall (how badly the LA state of the "

@@ -5,8 +5,9 @@
 * perplexity per mode by position bucket on long held-out text (LA only matters beyond the window), and the main
   verdict: the hybrid against the strongest mode without LA on the tokens beyond the window (beyond_window);
 * the LA share of the shared normaliser, sum_P L / (sum_W E + sum_P L), per layer, head and position bucket, in
-  `hybrid` mode, and each memory's share (window, sinks, cache, LA: attention/cache/) per layer and bucket, next to the output effect ||y_hybrid - y_swa_only|| / ||y_hybrid||; and the LA's learned length
-  decay as its horizon 1/rho per layer and KV head (attention.la_decay).
+  `hybrid` mode, and each memory's share (window, sinks, cache, LA: attention/cache/) per layer and bucket, next to
+  the output effect ||y_hybrid - y_swa_only|| / ||y_hybrid||; and the LA's learned length decay as its horizon 1/rho
+  per layer and KV head (attention.la_decay).
 """
 
 from __future__ import annotations

@@ -267,8 +267,8 @@ def decode_memory(p: Plan, cfg: Config, sh: Shape) -> None:
     what = f"ring {a_cfg.window} + sinks {a_cfg.sinks} + cache {a_cfg.cache} keys per KV head, LA state"
     what += " and the score's" if shadow else ""
     p.figures["decode"] = {"state_bytes_per_sequence": one, "kv_cache_bytes_at_32k": kv}
-    p.rows.append(("generate", "decode state per sequence", f"{one / 2**20:.1f} MiB ({what}; constant in the length) vs the "
-                   f"base's KV cache {gb(kv)} at {DECODE_CONTEXT} tokens"))  # fmt: skip
+    text = f"{one / 2**20:.1f} MiB ({what}; constant in the length) vs the base's KV cache {gb(kv)} at {DECODE_CONTEXT}"
+    p.rows.append(("generate", "decode state per sequence", text + " tokens"))
 
 
 def export(p: Plan, cfg: Config, sh: Shape, base: Path | None, r: Resolved) -> None:

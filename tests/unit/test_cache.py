@@ -100,7 +100,7 @@ def test_blocked_prefill_is_the_spec(kind, select, mode):
             leaves = [t.detach().requires_grad_() for t in x]
             y = call(kind, leaves, gates, backend, mode=mode, cache=4, cache_select=select, attention_mask=mask)
             grads = torch.autograd.grad(y.square().sum(), leaves, allow_unused=True)  # (no LA: phi unused)
-            results.append([y, *(torch.zeros_like(t) if d is None else d for t, d in zip(leaves, grads))])
+            results.append([y, *(torch.zeros_like(t) if d is None else d for t, d in zip(leaves, grads, strict=True))])
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     without = call(kind, x, gates, "chunk", mode="swa_sinks" if mode == "cache_only" else mode)

@@ -18,6 +18,7 @@ This file imports only torch and its siblings (the export copies the package fla
 from __future__ import annotations
 
 import math
+
 import torch
 
 from ..window.chunk import pack_real

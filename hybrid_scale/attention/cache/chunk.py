@@ -65,11 +65,11 @@ def soft_terms(q, k, v, drop, budget, *, first, keep_sinks, window, scale, with_
     kb, vb = take(k), take(v)
     db = drop.gather(2, flat).view(B, K, nb, N)
     qb = F.pad(q, (0, 0, 0, nb * L - T)).view(B, K, G, nb, L, D)
-    n = (torch.arange(nb, device=q.device)[:, None] * L + torch.arange(L, device=q.device)[None, :])  # [nb,L]
+    n = torch.arange(nb, device=q.device)[:, None] * L + torch.arange(L, device=q.device)[None, :]  # [nb,L]
     n = n[None, None, :, :, None]  # [1,1,nb,L,1]
     j, dj = idx[:, :, :, None, :], db[:, :, :, None, :]  # [B,K,nb,1,N]
     ok = valid[:, :, :, None, :] & (j <= n) & (n < T)
-    is_sink = (kinds == 0)
+    is_sink = kinds == 0
     held = ok & (n < dj) & ~is_sink
     in_window = held & (j > n - window)
     masks = (ok & is_sink, in_window if with_window else torch.zeros_like(held), held & (j <= n - window))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.attend import cached_attend, uses_cache
 from ..backends import get_backend, register_backend, register_check, resolve
+from ..cache.attend import cached_attend, uses_cache
 from ..kinds import GATED_DELTA
 from ..part import Part, Projections
 from ..shape import Shape

@@ -13,8 +13,8 @@ import copy
 import torch
 from torch import nn
 
-from ..cache.attend import cached_attend, uses_cache
 from ..backends import get_backend, get_decode, register_backend, register_check, resolve
+from ..cache.attend import cached_attend, uses_cache
 from ..kinds import HEDGEHOG
 from ..options import AttentionOptions
 from ..part import Part, Projections

@@ -40,7 +40,6 @@ class HybridScaleMixin:
             check_mode(m)
             layers[i].mode = m
 
-
     def set_hybrid_cache(self, keys: int, select: str | None = None):
         """The cache of exact keys of every hybrid layer (attention.cache: keys per KV head, 0 = off; select:
         attention | self_recall | recency). No training needed; start a new decode cache after a change."""
