@@ -28,10 +28,13 @@ def run(fn, x, **kw):
     return y, {n: (torch.zeros_like(x[n]) if g is None else g) for n, g in zip(NAMES, grads, strict=True)}
 
 
+NO_CACHE = [m for m in MODES if m not in ("none", "cache_only")]  # (the cache's modes: test_cache.py)
+
+
 @pytest.mark.parametrize("T", [1, 63, 100])
 @pytest.mark.parametrize("window", [1, 5, 64, 150])
 @pytest.mark.parametrize("chunk", [16, 64])
-@pytest.mark.parametrize("mode", [*(m for m in MODES if m != "none"), HYBRID_SINKS])
+@pytest.mark.parametrize("mode", [*NO_CACHE, HYBRID_SINKS])
 def test_chunked_equals_naive(T, window, chunk, mode):
     x = attention_inputs(B=2, H=4, Hkv=2, T=T, D=8, F=6, requires_grad=True, seed=T + window)
     mask = padding_mask(T)
