@@ -142,11 +142,13 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
         if rho is not None:  # 1/rho: tokens past the window over which a key's LA weight falls by e (None: no decay)
             horizon[i] = [1.0 / r if r > 0 else None for r in rho.tolist()]
         opts = dict(gates=x.gates, gamma=gamma, la_decay=rho)
-        y, parts = m.attend(*x[:5], mode="hybrid", return_parts=True, **opts)
+        y, soft, lin = m.attend(*x[:5], mode="hybrid", return_denominators=True, **opts)
         y_swa = m.attend(*x[:5], mode="swa_only", **opts)
-        # each memory's weight in the output (attention/cache/attend.py): Hedgehog its terms of the one normaliser;
-        # gated_delta (attention/gated_delta/hybrid.py) its read-out's gamma against sum E under the normaliser, the
-        # gate m under la_combine=mix, the softmax's weight split between window, sinks and cache by their terms
+        # the LA's weight in the output: Hedgehog sum L / (sum E + sum L); gated_delta (attention/gated_delta/hybrid.py)
+        # its read-out's gamma / (sum E + gamma) under the normaliser, the gate m under la_combine=mix
+        ratio = (lin / (soft + lin).clamp_min(1e-30)).float()  # [B, H, T]
+        # each memory's weight (attention/cache/attend.py): the softmax's split between window, sinks and cache
+        _, parts = m.attend(*x[:5], mode="hybrid", return_parts=True, **opts)
         total = sum(parts.values()).clamp_min(1e-30)
         ratios = {name: (w / total).float() for name, w in parts.items()}  # [B, H, T] each
         diff = (y - y_swa).float().pow(2).sum(-1)  # [B, H, T]
@@ -156,7 +158,7 @@ def la_share(model, ids: torch.Tensor, buckets: list[int]) -> dict:
             sel = (pos >= a) & (pos < b)
             if not sel.any():
                 continue
-            share[i][label] = ratios["la"][..., sel].mean(dim=(0, 2)).tolist()
+            share[i][label] = ratio[..., sel].mean(dim=(0, 2)).tolist()
             memories[i][label] = {name: float(r[..., sel].mean()) for name, r in ratios.items()}
             effect[i][label] = (diff[..., sel].sum(dim=(0, 2)) / norm[..., sel].sum(dim=(0, 2))).sqrt().tolist()
     out = {"seq_len": ids.shape[1], "sequences": ids.shape[0], "share": share, "effect": effect,
