@@ -50,3 +50,48 @@ def recall_scores(x, first, o, *, impl):
     beta, g = beta.to(acc), g.to(acc)
     pred = lagged_delta(kk, kk, v, beta, g, lag=1, impl=impl, chunk_size=o.chunk_size)
     return (v - g.exp()[..., None] * pred).norm(dim=-1)
+
+
+# the decode side (../cache/recurrent.py): the self_recall shadow, the LA's fold and its join, one token at a time
+
+
+def _delta_step(S, kk, v, beta, g):
+    """One step of the delta rule: S [B,Hkv,Dk,Dv] decayed by exp(g), then written with key kk (normalised), value v
+    and strength beta ([B,Hkv] each)."""
+    S = S * g.exp()[..., None, None]
+    u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", kk, S))
+    return S + kk[..., :, None] * u[..., None, :]
+
+
+def decode_recall(state, v, fk, gates, take):
+    """The self_recall score [B,Hkv] of the key leaving the window (v, fk unnormalised, gates [B,Hkv,2]: beta, g) from
+    the shadow state of every candidate before it (module doc); the shadow then takes it where `take` [B]."""
+    acc = state.shadow_kv.dtype
+    kk, v, gates = l2norm(fk.to(acc)), v.to(acc), gates.to(acc)
+    S = state.shadow_kv
+    score = (v - gates[..., 1].exp()[..., None] * torch.einsum("bhk,bhkv->bhv", kk, S)).norm(dim=-1)
+    bg = gates * take[:, None, None].to(acc)
+    state.shadow_kv.copy_(_delta_step(S, kk, v, bg[..., 0], bg[..., 1]))
+    return score
+
+
+def decode_fold(state, v, fk, gates, fold, real, la_decay):
+    """The key that left the cache (fold [B,Hkv]) is run into the LA state with its own beta and g."""
+    acc = state.kv.dtype
+    bg = gates.to(acc) * fold[..., None].to(acc)
+    state.kv.copy_(_delta_step(state.kv, l2norm(fk.to(acc)), v.to(acc), bg[..., 0], bg[..., 1]))
+    state.la_has.logical_or_(fold)
+
+
+def decode_join(state, x, gamma, o, num, den):
+    """y [B,Hkv,G,Dv] from the softmax part (num [B,Hkv,G,Dv], den [B,Hkv,G]) and the state's read-out, as
+    cached_join joins them (has: the LA holds a key)."""
+    B, K, G, Dv = num.shape
+    acc = num.dtype
+    qn = l2norm(x.fq.to(acc)).view(B, K, G, -1)
+    read = (qn @ state.kv.to(acc)).reshape(B, K * G, 1, Dv)
+    has = state.la_has[:, :, None].expand(B, K, G).reshape(B, K * G, 1)
+    mix = None if x.gates.mix is None else x.gates.mix
+    y_soft = (num / (den[..., None] + EPS)).reshape(B, K * G, 1, Dv)
+    y = combine(y_soft, den.reshape(B, K * G, 1), read, gamma, mix, has, how=o.la_combine)[0]
+    return y.view(B, K, G, Dv)

@@ -13,6 +13,8 @@ import torch
 
 from ..backends import get_backend, register_backend, register_check, resolve
 from ..cache.attend import cached_attend, uses_cache
+from ..cache.recurrent import extend as cache_extend
+from ..cache.recurrent import step as cache_step
 from ..kinds import GATED_DELTA
 from ..part import Part, Projections
 from ..shape import Shape
@@ -112,6 +114,10 @@ class GatedDeltaPart(Part):
         if cache_layer.state is None:
             cache_layer.allocate(layer, self.decode_shape(layer, x, o), q.shape[0], q.device)
         cache_layer.check(layer)
+        if uses_cache(o):  # the cache of exact keys: its torch step (cache/recurrent.py), token by token
+            one = q.shape[2] == 1 and cache_layer.is_compileable
+            return (cache_step if one else cache_extend)(cache_layer.state, x, layer.gamma, o, side=cached,
+                                                         attention_mask=mask)  # fmt: skip
         if q.shape[2] == 1 and cache_layer.is_compileable:
             return step(cache_layer.state, q, k, v, fq, fk, gates, layer.gamma, o, attention_mask=mask)
         return extend(cache_layer.state, q, k, v, fq, fk, gates, layer.gamma, o, attention_mask=mask)

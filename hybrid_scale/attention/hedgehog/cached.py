@@ -80,3 +80,44 @@ def recall_scores(x, first, o, *, dense=False):
         num, den = _la_only(fk, fk, v, o, 1, None, sinks=first)
         pred = num / (den + EPS)[..., None]
     return (v - pred).norm(dim=-1)
+
+
+# the decode side (../cache/recurrent.py): the self_recall shadow, the LA's fold and its join, one token at a time
+
+
+def decode_recall(state, v, fk, gates, take):
+    """The self_recall score [B,Hkv] of the key leaving the window (v [B,Hkv,Dv], fk [B,Hkv,F]) from the shadow sums of
+    every candidate before it (module doc); the shadow then takes it where `take` [B]."""
+    acc = state.shadow_kv.dtype
+    f, v = fk.to(acc), v.to(acc)
+    num = torch.einsum("bhf,bhfv->bhv", f, state.shadow_kv)
+    den = (f * state.shadow_ksum).sum(-1, keepdim=True)
+    score = (v - num / (den + EPS)).norm(dim=-1)
+    f = f * take[:, None, None].to(acc)
+    state.shadow_kv.add_(f[..., :, None] * v[..., None, :])
+    state.shadow_ksum.add_(f)
+    return score
+
+
+def decode_fold(state, v, fk, gates, fold, real, la_decay):
+    """The LA state moves on to this step (a decay: alpha once on a real row) and takes the key that left the cache
+    with weight 1 (fold [B,Hkv])."""
+    acc = state.kv.dtype
+    kv, ksum = state.kv, state.ksum
+    if la_decay is not None:
+        carry = decay_weight(la_decay.to(acc).view(1, -1), real.long()[:, None])  # [B, Hkv]
+        kv, ksum = kv * carry[..., None, None], ksum * carry[..., None]
+    f = fk.to(acc) * fold[..., None].to(acc)
+    state.kv.copy_(kv + f[..., :, None] * v.to(acc)[..., None, :])
+    state.ksum.copy_(ksum + f)
+
+
+def decode_join(state, x, gamma, o, num, den):
+    """y [B,Hkv,G,Dv] from the softmax part (num [B,Hkv,G,Dv], den [B,Hkv,G]) and the LA state's read-out, as
+    cached_join joins them."""
+    B, K, G, _ = num.shape
+    fq = x.fq.to(num.dtype).view(B, K, G, -1)
+    n_la = fq @ state.kv.to(num.dtype)
+    d_la = (fq @ state.ksum.to(num.dtype)[..., None])[..., 0]
+    g = gamma.to(num.dtype).view(1, K, G)
+    return (g[..., None] * num + n_la) / (g * den + d_la + EPS)[..., None]

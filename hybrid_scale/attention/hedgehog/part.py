@@ -15,6 +15,8 @@ from torch import nn
 
 from ..backends import get_backend, get_decode, register_backend, register_check, resolve
 from ..cache.attend import cached_attend, uses_cache
+from ..cache.recurrent import extend as cache_extend
+from ..cache.recurrent import step as cache_step
 from ..kinds import HEDGEHOG
 from ..options import AttentionOptions
 from ..part import Part, Projections
@@ -85,6 +87,13 @@ class HedgehogPart(Part):
         resolved backend's fused step, or recurrent.step), else recurrent.extend (a prompt through the backend)."""
         q, k, v, fq, fk = x[:5]
         o, rho, gamma = layer.options().own(), layer.la_decay, layer.gamma
+        if uses_cache(o):  # the cache of exact keys: its torch step (cache/recurrent.py), token by token
+            if cache_layer.state is None:
+                cache_layer.allocate(layer, self.decode_shape(layer, x, o), k.shape[0], k.device)
+            cache_layer.check(layer)
+            one = q.shape[2] == 1 and cache_layer.is_compileable
+            return (cache_step if one else cache_extend)(cache_layer.state, x, gamma, layer.options(), side=cached,
+                                                         attention_mask=mask, la_decay=rho)  # fmt: skip
         if cache_layer.state is not None and q.shape[2] == 1 and cache_layer.is_compileable:  # (the compiled step)
             cache_layer.check(layer)
             y = cache_layer.step(cache_layer.state, q, k, v, fq, fk, gamma, o, attention_mask=mask, la_decay=rho)

@@ -1,6 +1,6 @@
 """The decode cache of a converted model: `HybridCache`, a transformers `Cache` whose converted layers hold a
-`window/recurrent.DecodeState` (memory independent of the generated length: a ring of the window's keys, the sinks
-and the LA state) and whose other layers keep the usual `DynamicLayer`. `HybridAttention.forward` (layer.py) hands
+`window/recurrent.DecodeState` (memory independent of the generated length: a ring of the window's keys, the sinks,
+the LA state and, with attention.cache, the cache of exact keys: cache/recurrent.py) and whose other layers keep the usual `DynamicLayer`. `HybridAttention.forward` (layer.py) hands
 its decode to its layer's `hybrid_attend`, which asks the layer's part (its decode step over this state).
 
 This file imports only torch, transformers and its siblings (remote code: see ../layer.py).
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from ..cache.recurrent import sizes
 from ..layer import HybridAttention, Projections, hybrid_layers
 from ..window.recurrent import DecodeState
 
@@ -62,7 +63,8 @@ class HybridCacheLayer(CacheLayerMixin):
     def allocate(self, module: HybridAttention, shape, batch: int, device) -> None:
         """The state for `batch` rows of `module` at `shape` (window/recurrent.DecodeState), allocated once."""
         self.check(module)
-        self.state = static(DecodeState.empty(shape, batch, self.capacity, device))
+        self.state = static(DecodeState.empty(shape, batch, self.capacity, device, cache=module.cache_keys,
+                                              cache_select=module.cache_select))  # fmt: skip
         self.is_initialized = True
 
     def check(self, module: HybridAttention) -> None:
@@ -70,6 +72,17 @@ class HybridCacheLayer(CacheLayerMixin):
             raise ValueError(
                 f"cache was made for window={self.window}, sinks={self.sinks} but layer {module.layer_idx} has "
                 f"window={module.window}, sinks={module.sinks}; make a new HybridCache after changing them"
+            )
+        state = self.state
+        if state is not None and (
+            sizes(module.cache_keys, len(state.cache_sizes)) != state.cache_sizes
+            or (state.cache_k.shape[2] and module.cache_select != state.cache_select)
+        ):
+            raise ValueError(
+                f"cache was made for a cache of {list(state.cache_sizes)} keys per KV head"
+                + (f" by {state.cache_select}" if state.cache_select else "")
+                + f" but layer {module.layer_idx} has {module.cache_keys} by {module.cache_select}; make a new "
+                "HybridCache after changing them (set_cache)"
             )
 
     def lazy_initialization(self, key_states, value_states) -> None:

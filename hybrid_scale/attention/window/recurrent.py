@@ -36,14 +36,31 @@ class DecodeState:
     gates: torch.Tensor  # [B, Hkv, R, 2] fp32 (beta, log alpha) of the ring's keys (la_kind gated_delta; else 0 wide)
     conv_q: torch.Tensor  # [B, H, conv - 1, D]: the last inputs of gated_delta's short convolution on q (else empty)
     conv_k: torch.Tensor  # [B, Hkv, conv - 1, D]: the same for k
+    # the cache of exact keys (../cache/recurrent.py), C = its largest budget over the KV heads (0 wide without one)
+    cache_k: torch.Tensor | None = None  # [B, Hkv, C, D]
+    cache_v: torch.Tensor | None = None  # [B, Hkv, C, Dv]
+    cache_fk: torch.Tensor | None = None  # [B, Hkv, C, F] (as fk)
+    cache_gates: torch.Tensor | None = None  # [B, Hkv, C, 2] fp32 (as gates)
+    cache_score: torch.Tensor | None = None  # [B, Hkv, C] fp32: the score each cached key won its place with
+    cache_pos: torch.Tensor | None = None  # [B, Hkv, C] long: its real index, -1 where the slot is empty
+    cache_budget: torch.Tensor | None = None  # [Hkv] long: the keys each KV head may cache (<= C)
+    ring_score: torch.Tensor | None = None  # [B, Hkv, R] (fp32 or fp64): cache_select=attention's sums so far
+    shadow_kv: torch.Tensor | None = None  # self_recall's state of every candidate that has left the window:
+    shadow_ksum: torch.Tensor | None = None  # Hedgehog's sums [B,Hkv,F,Dv], [B,Hkv,F]; the delta rule's S (kv only)
+    la_has: torch.Tensor | None = None  # [B, Hkv] bool: the LA holds a key (the gated delta rule's has_n)
     window: int = 0  # the window this state was built for
     capacity: int = 0  # the most the ring may hold: min(window, max_length)
+    cache_select: str = ""  # the score its cache was built for ("" without a cache)
+    cache_sizes: tuple = ()  # cache_budget on the host (what a layer's settings are checked against)
 
     @classmethod
-    def empty(cls, shape: Shape, batch: int, capacity: int, device, ring: int | None = None) -> DecodeState:
+    def empty(cls, shape: Shape, batch: int, capacity: int, device, ring: int | None = None, *, cache=0,
+              cache_select: str = "attention") -> DecodeState:  # fmt: skip
         """A state with nothing seen for `batch` sequences of calls of `shape` (its KV heads, head, value and feature
         dims, window, sinks and dtype); it keeps at most `capacity` window keys (min(capacity, window)), and its ring
-        has `ring` slots (default: that capacity, so it is never re-allocated)."""
+        has `ring` slots (default: that capacity, so it is never re-allocated). `cache`: the cache of exact keys per
+        KV head (an int, or one per KV head; 0: none), chosen by `cache_select` (what else it keeps follows from
+        that: the ring's attention sums, or the self_recall state)."""
         window, sinks, dtype = shape.window, shape.sinks, shape.dtype
         kv_heads, head_dim, value_dim, feature_dim = shape.kv_heads, shape.head_dim, shape.value_dim, shape.features
         acc = torch.promote_types(dtype, torch.float32)
@@ -56,6 +73,10 @@ class DecodeState:
         def z(*shape, dt=dtype):
             return torch.zeros(*shape, dtype=dt, device=device)
 
+        budget = torch.as_tensor(cache, dtype=torch.long, device=device).expand(kv_heads).clone()
+        C = int(budget.max()) if kv_heads else 0
+        select = cache_select if C else ""
+        delta = KINDS[shape.la_kind].ring_gates > 0
         return cls(
             k=z(batch, kv_heads, ring, head_dim),
             v=z(batch, kv_heads, ring, value_dim),
@@ -71,8 +92,21 @@ class DecodeState:
             gates=z(batch, kv_heads, ring, KINDS[shape.la_kind].ring_gates, dt=acc),
             conv_q=z(batch, shape.heads, max(shape.conv - 1, 0), head_dim),
             conv_k=z(batch, kv_heads, max(shape.conv - 1, 0), head_dim),
+            cache_k=z(batch, kv_heads, C, head_dim),
+            cache_v=z(batch, kv_heads, C, value_dim),
+            cache_fk=z(batch, kv_heads, C, feature_dim, dt=ring_f),
+            cache_gates=z(batch, kv_heads, C, KINDS[shape.la_kind].ring_gates, dt=acc),
+            cache_score=z(batch, kv_heads, C, dt=torch.float32),
+            cache_pos=torch.full((batch, kv_heads, C), -1, dtype=torch.long, device=device),
+            cache_budget=budget,
+            ring_score=z(batch, kv_heads, ring if select == "attention" else 0, dt=acc),
+            shadow_kv=z(batch, kv_heads, *((feature_dim, value_dim) if select == "self_recall" else (0, 0)), dt=acc),
+            shadow_ksum=z(batch, kv_heads, feature_dim if select == "self_recall" and not delta else 0, dt=acc),
+            la_has=torch.zeros(batch, kv_heads, dtype=torch.bool, device=device),
             window=window,
             capacity=capacity,
+            cache_select=select,
+            cache_sizes=tuple(int(c) for c in budget.tolist()),
         )
 
     @property
@@ -90,7 +124,7 @@ class DecodeState:
         """Apply fn to every tensor along the batch dim (beam reordering, repeat, select)."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and f.name not in ("seen", "lock"):
+            if isinstance(value, torch.Tensor) and f.name not in ("seen", "lock", "cache_budget"):
                 setattr(self, f.name, fn(value))
         self.lock = self.lock.new_zeros(self.kv.shape[0] * (self.kv.shape[1] + 1))
 
@@ -107,8 +141,13 @@ class DecodeState:
         """Re-lay the ring out for `size` slots (larger than now); every held key keeps its place r mod size."""
         pos = self.ring_positions()
         slot = torch.where(pos >= 0, torch.remainder(pos, size), size)
-        for name in ("k", "v", "fk", "gates"):
+        for name in ("k", "v", "fk", "gates", "ring_score"):
             old = getattr(self, name)
+            if old.dim() == 3:  # (per slot: the ring's attention sums, if kept)
+                if old.shape[2]:
+                    new = old.new_zeros(*old.shape[:2], size, 1)
+                    setattr(self, name, scatter_slots(new, slot, old[..., None])[..., 0].contiguous())
+                continue
             new = old.new_zeros(*old.shape[:2], size, old.shape[-1])
             setattr(self, name, scatter_slots(new, slot, old).contiguous())
 
