@@ -30,10 +30,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
+from ..window.chunk import gather_time, pack_real
 from ..window.naive import EPS, compute_dtype
-from ..window.recurrent import DecodeState
-from .attend import CACHED_MODES, candidates
+from ..window.recurrent import DecodeState, scatter_slots
+from .attend import CACHED_MODES, candidates, scores
+from .select import drop_times, never
 
 
 def _check(state: DecodeState, o) -> None:
@@ -181,14 +184,20 @@ def step(state: DecodeState, x, gamma, opts, *, side, attention_mask=None, la_de
     return y.reshape(B, H, 1, -1).to(q.dtype)
 
 
-def extend(state: DecodeState, x, gamma, opts, *, side, attention_mask=None, la_decay=None) -> torch.Tensor:
-    """Any number of new tokens (x: the part's Projections [B, *, T, *]; attention_mask [B, T] or None), `step` by
-    `step`: the state the one-token decode leaves, and its outputs. Returns y [B, H, T, Dv]."""
+def extend(state: DecodeState, x, gamma, opts, *, side, attention_mask=None, la_decay=None, forward=None,
+           part=None) -> torch.Tensor:  # fmt: skip
+    """Any number of new tokens (x: the part's Projections [B, *, T, *]; attention_mask [B, T] or None): the state
+    the one-token decode leaves, and its outputs. Returns y [B, H, T, Dv]. A prompt (nothing seen yet, more than one
+    token) with `forward` (the whole-sequence path: the part's attend with this cache, cache/attend.py) and `part`
+    is computed by it and the state built from the drop times at once (`prefill`); otherwise `step` by `step`."""
     q = x[0]
     B, _, T, _ = q.shape
     state.make_room(attention_mask, B, T, q.device)  # (grows a short ring, or says where a row would pass it)
     if state.ring != state.capacity:
         state.grow(state.capacity)
+    if forward is not None and T > 1 and not bool(state.count.any()):
+        return prefill(state, x, gamma, opts, side=side, part=part, forward=forward, attention_mask=attention_mask,
+                       la_decay=la_decay)  # fmt: skip
     outs = []
     for t in range(T):
         gates = x.gates
@@ -200,3 +209,106 @@ def extend(state: DecodeState, x, gamma, opts, *, side, attention_mask=None, la_
     if not outs:
         return q.new_zeros(B, q.shape[1], 0, x[2].shape[-1])
     return torch.cat(outs, 2)
+
+
+def prefill(state: DecodeState, x, gamma, opts, *, side, part, forward, attention_mask=None, la_decay=None):
+    """A prompt on an empty state: its outputs from the whole-sequence path (`forward`: x, attention_mask -> y), and
+    the state `step` would leave after it, built at once from the keys' scores and drop times (select.py) on each
+    row's real tokens 0 .. T_b - 1 (end = T_b - 1):
+      * the cache: the candidates with e_j <= end < d_j (their scores and positions), at most the head's budget;
+      * the LA: the keys with d_j <= end, as the part folds them (side.prefill_la);
+      * self_recall's shadow: the candidates with e_j <= end (side.prefill_shadow);
+      * the ring: the last R real keys, with cache_select=attention the sums of their probabilities over the
+        queries j .. end so far; the sink buffer: the first S.
+    Returns y [B, H, T, Dv]."""
+    o = opts.own()
+    _check(state, o)
+    y = forward(x, attention_mask)
+    q = x[0]
+    B, H, T, _ = q.shape
+    K, R, S, C = state.k.shape[1], state.ring, state.sink_k.shape[2], state.cache_k.shape[2]
+    dev = q.device
+    acc = compute_dtype(q)
+    first = candidates(opts)
+    real = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
+    if not bool(real.all()):  # each row's real tokens first, in order
+        order, _ = pack_real(real)
+        gates = x.gates
+        if gates is not None:
+            gates = type(gates)(*(None if t is None else t.gather(2, order[:, None].expand(-1, t.shape[1], -1))
+                                  for t in gates))  # fmt: skip
+        x = type(x)(*(gather_time(t, order) for t in x[:5]), gates)
+    count = real.sum(-1)
+    end = (count - 1).view(B, 1, 1)  # [B, 1, 1]: each row's last real token
+    j = torch.arange(T, device=dev)
+    if C or state.shadow_kv.numel():
+        prio = scores(part, x, o, first, impl=None, dense=False)
+        drop = drop_times(prio, state.cache_budget if C else 0, window=o.window, first=first)
+    else:  # no cache: every candidate reaches the LA as it leaves the window
+        prio = None
+        drop = torch.where(j >= first, j + o.window, never(T, o.window)).expand(B, K, T)
+    side.prefill_la(state, x, drop, end, la_decay, chunk_size=o.chunk_size)
+    if state.shadow_kv.numel():
+        side.prefill_shadow(state, x, (j >= first) & (j + o.window <= end[:, 0]), chunk_size=o.chunk_size)
+    if C:  # the cache after step end: the candidates that have left the window and not the cache
+        held = (j >= first) & (j + o.window <= end) & (drop > end)  # [B, K, T]
+        top, idx = held.to(torch.int8).topk(min(C, T), dim=-1)
+        if idx.shape[-1] < C:
+            idx, top = F.pad(idx, (0, C - idx.shape[-1])), F.pad(top, (0, C - top.shape[-1]))
+        ok = top.bool()
+        for name, t in (("cache_k", x.k), ("cache_v", x.v), ("cache_fk", x.fk), ("cache_gates", _two(x))):
+            got = t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
+            state.assign(name, torch.where(ok[..., None], got, 0).to(getattr(state, name).dtype))
+        state.assign("cache_score", torch.where(ok, prio.float().gather(2, idx), 0.0))
+        state.assign("cache_pos", torch.where(ok, idx, -1))
+    # the ring (the last R real keys, key p in slot p mod R) and the sink buffer (the first S)
+    p = j[None].expand(B, T)
+    mine = p < count[:, None]  # (the real tokens, now first)
+    slot = torch.where(mine & (p > end[:, 0] - R), torch.remainder(p, R), R)
+    for name, t in (("k", x.k), ("v", x.v), ("fk", x.fk), ("gates", _two(x))):
+        state.assign(name, scatter_slots(getattr(state, name), slot, t))
+    sink_slot = torch.where(mine & (p < S), p, S)
+    for name, t in (("sink_k", x.k), ("sink_v", x.v), ("sink_fk", x.fk)):
+        if getattr(state, name).shape[-1] == t.shape[-1]:
+            state.assign(name, scatter_slots(getattr(state, name), sink_slot, t))
+    if state.ring_score.shape[2]:
+        state.assign("ring_score", _ring_sums(x.q.to(acc), x.k.to(acc), end[:, 0, 0], first, o, R).to(
+            state.ring_score.dtype))  # fmt: skip
+    state.count.copy_(count)
+    state.seen.add_(T)
+    return y
+
+
+def _two(x) -> torch.Tensor:
+    """The (beta, g) a ring or cache slot keeps of each key [B, Hkv, T, 2] (0 wide for a kind without gates)."""
+    if x.gates is None:
+        return x.k.new_zeros(*x.k.shape[:3], 0)
+    return torch.stack([x.gates.beta, x.gates.g], -1)
+
+
+def _ring_sums(q, k, end, first: int, o, R: int) -> torch.Tensor:
+    """cache_select=attention's sums of the ring's keys (real tokens end - R + 1 .. end, slot j mod R) so far: the
+    probability each got in the softmax over the sinks and the window of the queries j .. end (query heads summed),
+    [B, Hkv, R]. q [B,H,T,D], k [B,Hkv,T,D] on each row's real tokens first, in the compute dtype."""
+    B, H, T, D = q.shape
+    K, w = k.shape[1], o.window
+    G = H // K
+    dev = q.device
+    scale = 1.0 / math.sqrt(D) if o.scale is None else o.scale
+    m = end[:, None] - R + 1 + torch.arange(R, device=dev)  # [B, R]: the queries
+    kj = end[:, None] - R - w + 2 + torch.arange(R + w - 1, device=dev)  # [B, N]: their windows' keys
+    sinks = torch.arange(first, device=dev).expand(B, first)
+    keys = torch.cat([sinks, kj], 1)  # [B, S + N]
+    qm = gather_time(q, m.clamp(0, max(T - 1, 0))).view(B, K, G, R, D)
+    kk = gather_time(k, keys.clamp(0, max(T - 1, 0)))
+    a = scale * torch.einsum("bkgrd,bknd->bkgrn", qm, kk)
+    mm, jj = m[:, :, None], keys[:, None, :]  # [B, R, 1], [B, 1, S + N]
+    is_sink = torch.arange(keys.shape[1], device=dev) < first
+    window = ~is_sink & (jj >= first) & (jj > mm - w) & (jj <= mm)
+    alone = (mm >= 0) & (jj >= 0) & ((is_sink & (jj <= mm)) | window)
+    p = torch.where(alone[:, None, None], a, -math.inf).softmax(-1).nan_to_num()
+    p = torch.where(window[:, None, None], p, 0.0).sum((2, 3))  # [B, K, S + N]
+    ring = (jj[:, 0] > end[:, None] - R) & (jj[:, 0] >= 0)  # [B, S + N]: a key the ring holds
+    target = torch.where(ring & ~is_sink, torch.remainder(jj[:, 0], R), R)
+    out = p.new_zeros(B, K, R + 1)
+    return out.scatter_add_(2, target[:, None].expand(B, K, -1), p)[..., :R]

@@ -18,7 +18,7 @@ import torch
 
 from ..cache.select import fold_order, gather_slots
 from ..window.naive import EPS, compute_dtype
-from .chunk import lagged_delta
+from .chunk import chunk_gated_delta, lagged_delta
 from .hybrid import combine, recurrence_gates
 from .naive import l2norm
 
@@ -95,3 +95,30 @@ def decode_join(state, x, gamma, o, num, den):
     y_soft = (num / (den[..., None] + EPS)).reshape(B, K * G, 1, Dv)
     y = combine(y_soft, den.reshape(B, K * G, 1), read, gamma, mix, has, how=o.la_combine)[0]
     return y.view(B, K, G, Dv)
+
+
+def _final_state(kk, v, beta, g, chunk_size):
+    """The delta rule's state after running keys kk (normalised) [B,Hkv,T,Dk] through it from 0."""
+    B, K, T, D = kk.shape
+    return chunk_gated_delta(kk.new_zeros(B, K, T, D), kk, v, beta, g, chunk_size=chunk_size or 64)[1]
+
+
+def prefill_la(state, x, drop, end, la_decay, *, chunk_size=None):
+    """The LA state after step `end` ([B,1,1]: each row's last real token; x on real tokens first): the keys with
+    d_j <= end run through the delta rule in the order they left the cache, each with its own beta and g."""
+    acc = state.kv.dtype
+    slots = fold_order(drop)
+    T = slots.shape[-1]
+    slots = torch.where(torch.arange(T, device=slots.device) <= end, slots, -1)
+    beta, g = (gather_slots(t.to(acc)[..., None], slots)[..., 0] for t in (x.gates.beta, x.gates.g))
+    kk, v = gather_slots(l2norm(x.fk.to(acc)), slots), gather_slots(x.v.to(acc), slots)
+    state.assign("kv", _final_state(kk, v, beta, g, chunk_size))
+    state.assign("la_has", (slots >= 0).any(-1))
+
+
+def prefill_shadow(state, x, taken, *, chunk_size=None):
+    """self_recall's shadow state: the candidates `taken` [B,T] (those that have left the window) in position order."""
+    acc = state.shadow_kv.dtype
+    keep = taken[:, None].to(acc)
+    beta, g = x.gates.beta.to(acc) * keep, x.gates.g.to(acc) * keep
+    state.assign("shadow_kv", _final_state(l2norm(x.fk.to(acc)), x.v.to(acc), beta, g, chunk_size))

@@ -115,9 +115,11 @@ class GatedDeltaPart(Part):
             cache_layer.allocate(layer, self.decode_shape(layer, x, o), q.shape[0], q.device)
         cache_layer.check(layer)
         if uses_cache(o):  # the cache of exact keys: its torch step (cache/recurrent.py), token by token
-            one = q.shape[2] == 1 and cache_layer.is_compileable
-            return (cache_step if one else cache_extend)(cache_layer.state, x, layer.gamma, o, side=cached,
-                                                         attention_mask=mask)  # fmt: skip
+            if q.shape[2] == 1 and cache_layer.is_compileable:
+                return cache_step(cache_layer.state, x, layer.gamma, o, side=cached, attention_mask=mask)
+            whole = lambda x, m: self.attend(x, layer.gamma, o, attention_mask=m, backend=layer.backend)  # noqa: E731
+            return cache_extend(cache_layer.state, x, layer.gamma, o, side=cached, attention_mask=mask, forward=whole,
+                                part=self)  # fmt: skip
         if q.shape[2] == 1 and cache_layer.is_compileable:
             return step(cache_layer.state, q, k, v, fq, fk, gates, layer.gamma, o, attention_mask=mask)
         return extend(cache_layer.state, q, k, v, fq, fk, gates, layer.gamma, o, attention_mask=mask)

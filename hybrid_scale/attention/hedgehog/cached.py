@@ -121,3 +121,24 @@ def decode_join(state, x, gamma, o, num, den):
     d_la = (fq @ state.ksum.to(num.dtype)[..., None])[..., 0]
     g = gamma.to(num.dtype).view(1, K, G)
     return (g[..., None] * num + n_la) / (g * den + d_la + EPS)[..., None]
+
+
+def prefill_la(state, x, drop, end, la_decay, *, chunk_size=None):
+    """The LA state after step `end` ([B,1,1]: each row's last real token; x on real tokens first): the keys with
+    d_j <= end, each weighted alpha^(end - d_j) (module doc)."""
+    acc = state.kv.dtype
+    fk, v = x.fk.to(acc), x.v.to(acc)
+    w = (drop <= end).to(acc)  # [B, Hkv, T]
+    if la_decay is not None:
+        w = w * decay_weight(la_decay.to(acc).view(1, -1, 1), end - drop)
+    f = fk * w[..., None]
+    state.assign("kv", f.transpose(-1, -2) @ v)
+    state.assign("ksum", f.sum(2))
+
+
+def prefill_shadow(state, x, taken, *, chunk_size=None):
+    """self_recall's shadow sums over the candidates `taken` [B,T] (those that have left the window)."""
+    acc = state.shadow_kv.dtype
+    f = x.fk.to(acc) * taken[:, None, :, None].to(acc)
+    state.assign("shadow_kv", f.transpose(-1, -2) @ x.v.to(acc))
+    state.assign("shadow_ksum", f.sum(2))

@@ -91,9 +91,13 @@ class HedgehogPart(Part):
             if cache_layer.state is None:
                 cache_layer.allocate(layer, self.decode_shape(layer, x, o), k.shape[0], k.device)
             cache_layer.check(layer)
-            one = q.shape[2] == 1 and cache_layer.is_compileable
-            return (cache_step if one else cache_extend)(cache_layer.state, x, gamma, layer.options(), side=cached,
-                                                         attention_mask=mask, la_decay=rho)  # fmt: skip
+            if q.shape[2] == 1 and cache_layer.is_compileable:
+                return cache_step(cache_layer.state, x, gamma, layer.options(), side=cached, attention_mask=mask,
+                                  la_decay=rho)  # fmt: skip
+            whole = lambda x, m: self.attend(x, gamma, layer.options(), attention_mask=m, la_decay=rho,  # noqa: E731
+                                             backend=layer.backend)  # fmt: skip
+            return cache_extend(cache_layer.state, x, gamma, layer.options(), side=cached, attention_mask=mask,
+                                la_decay=rho, forward=whole, part=self)  # fmt: skip
         if cache_layer.state is not None and q.shape[2] == 1 and cache_layer.is_compileable:  # (the compiled step)
             cache_layer.check(layer)
             y = cache_layer.step(cache_layer.state, q, k, v, fq, fk, gamma, o, attention_mask=mask, la_decay=rho)
