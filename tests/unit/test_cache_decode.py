@@ -13,10 +13,10 @@ from torch._dynamo.utils import counters
 
 import hybrid_scale as hs
 from hybrid_scale.attention.cache import recurrent as cache_decode
-from hybrid_scale.attention.gated_delta import cached as delta_side
+from hybrid_scale.attention.gated_delta.cached import SIDE as delta_side
 from hybrid_scale.attention.gated_delta.naive import DeltaGates
 from hybrid_scale.attention.gated_delta.part import PART as DELTA
-from hybrid_scale.attention.hedgehog import cached as hedgehog_side
+from hybrid_scale.attention.hedgehog.cached import SIDE as hedgehog_side
 from hybrid_scale.attention.hedgehog.part import PART as HEDGEHOG
 from hybrid_scale.attention.hf.cache import HybridCache
 from hybrid_scale.attention.layer import hybrid_layers
@@ -58,7 +58,7 @@ def setup(kind, mode="hybrid", select="attention", cache=3, dtype=DT, batch=B):
     hedgehog = kind == "hedgehog"
     shape = Shape(H, K, D, D, 6 if hedgehog else D, W, S, dtype, o.hybrid_sinks, hedgehog,
                   "hedgehog" if hedgehog else "gated_delta", 0)  # fmt: skip
-    state = DecodeState.empty(shape, batch, W, "cpu", cache=cache, cache_select=select)
+    state = DecodeState.empty(shape, batch, W, "cpu", cache=(cache, select))
     return (*((HEDGEHOG, hedgehog_side) if hedgehog else (DELTA, delta_side)), o, state)
 
 

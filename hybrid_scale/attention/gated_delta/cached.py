@@ -122,3 +122,13 @@ def prefill_shadow(state, x, taken, *, chunk_size=None):
     keep = taken[:, None].to(acc)
     beta, g = x.gates.beta.to(acc) * keep, x.gates.g.to(acc) * keep
     state.assign("shadow_kv", _final_state(l2norm(x.fk.to(acc)), x.v.to(acc), beta, g, chunk_size))
+
+
+class SIDE:
+    """This LA's side of the cache's decode (../cache/recurrent.py's `side`)."""
+
+    decode_recall = staticmethod(decode_recall)
+    decode_fold = staticmethod(decode_fold)
+    decode_join = staticmethod(decode_join)
+    prefill_la = staticmethod(prefill_la)
+    prefill_shadow = staticmethod(prefill_shadow)

@@ -18,7 +18,7 @@ from ..cache.recurrent import step as cache_step
 from ..kinds import GATED_DELTA
 from ..part import Part, Projections
 from ..shape import Shape
-from .cached import cached_join, recall_scores
+from .cached import SIDE, cached_join, recall_scores
 from .chunk import chunk_gated_delta
 from .hybrid import delta_hybrid_attention
 from .modules import HORIZON_WINDOWS, DeltaGateProjection, HeadLinear, ShortConv
@@ -116,9 +116,9 @@ class GatedDeltaPart(Part):
         cache_layer.check(layer)
         if uses_cache(o):  # the cache of exact keys: its torch step (cache/recurrent.py), token by token
             if q.shape[2] == 1 and cache_layer.is_compileable:
-                return cache_step(cache_layer.state, x, layer.gamma, o, side=cached, attention_mask=mask)
+                return cache_step(cache_layer.state, x, layer.gamma, o, side=SIDE, attention_mask=mask)
             whole = lambda x, m: self.attend(x, layer.gamma, o, attention_mask=m, backend=layer.backend)  # noqa: E731
-            return cache_extend(cache_layer.state, x, layer.gamma, o, side=cached, attention_mask=mask, forward=whole,
+            return cache_extend(cache_layer.state, x, layer.gamma, o, side=SIDE, attention_mask=mask, forward=whole,
                                 part=self)  # fmt: skip
         if q.shape[2] == 1 and cache_layer.is_compileable:
             return step(cache_layer.state, q, k, v, fq, fk, gates, layer.gamma, o, attention_mask=mask)

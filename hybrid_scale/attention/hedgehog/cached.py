@@ -142,3 +142,13 @@ def prefill_shadow(state, x, taken, *, chunk_size=None):
     f = x.fk.to(acc) * taken[:, None, :, None].to(acc)
     state.assign("shadow_kv", f.transpose(-1, -2) @ x.v.to(acc))
     state.assign("shadow_ksum", f.sum(2))
+
+
+class SIDE:
+    """This LA's side of the cache's decode (../cache/recurrent.py's `side`)."""
+
+    decode_recall = staticmethod(decode_recall)
+    decode_fold = staticmethod(decode_fold)
+    decode_join = staticmethod(decode_join)
+    prefill_la = staticmethod(prefill_la)
+    prefill_shadow = staticmethod(prefill_shadow)

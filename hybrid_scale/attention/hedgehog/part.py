@@ -23,7 +23,7 @@ from ..part import Part, Projections
 from ..shape import Shape
 from ..window.naive import real_positions
 from ..window.recurrent import DecodeState
-from .cached import cached_join, recall_scores
+from .cached import SIDE, cached_join, recall_scores
 from .chunk import chunk_hybrid_attention
 from .feature_maps import make_feature_map
 from .naive import masked_attention, naive_hybrid_attention
@@ -92,11 +92,11 @@ class HedgehogPart(Part):
                 cache_layer.allocate(layer, self.decode_shape(layer, x, o), k.shape[0], k.device)
             cache_layer.check(layer)
             if q.shape[2] == 1 and cache_layer.is_compileable:
-                return cache_step(cache_layer.state, x, gamma, layer.options(), side=cached, attention_mask=mask,
+                return cache_step(cache_layer.state, x, gamma, layer.options(), side=SIDE, attention_mask=mask,
                                   la_decay=rho)  # fmt: skip
             whole = lambda x, m: self.attend(x, gamma, layer.options(), attention_mask=m, la_decay=rho,  # noqa: E731
                                              backend=layer.backend)  # fmt: skip
-            return cache_extend(cache_layer.state, x, gamma, layer.options(), side=cached, attention_mask=mask,
+            return cache_extend(cache_layer.state, x, gamma, layer.options(), side=SIDE, attention_mask=mask,
                                 la_decay=rho, forward=whole, part=self)  # fmt: skip
         if cache_layer.state is not None and q.shape[2] == 1 and cache_layer.is_compileable:  # (the compiled step)
             cache_layer.check(layer)

@@ -63,8 +63,8 @@ class HybridCacheLayer(CacheLayerMixin):
     def allocate(self, module: HybridAttention, shape, batch: int, device) -> None:
         """The state for `batch` rows of `module` at `shape` (window/recurrent.DecodeState), allocated once."""
         self.check(module)
-        self.state = static(DecodeState.empty(shape, batch, self.capacity, device, cache=module.cache_keys,
-                                              cache_select=module.cache_select))  # fmt: skip
+        cache = (module.cache_keys, module.cache_select)
+        self.state = static(DecodeState.empty(shape, batch, self.capacity, device, cache=cache))
         self.is_initialized = True
 
     def check(self, module: HybridAttention) -> None:

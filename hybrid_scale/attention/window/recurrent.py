@@ -54,13 +54,14 @@ class DecodeState:
     cache_sizes: tuple = ()  # cache_budget on the host (what a layer's settings are checked against)
 
     @classmethod
-    def empty(cls, shape: Shape, batch: int, capacity: int, device, ring: int | None = None, *, cache=0,
-              cache_select: str = "attention") -> DecodeState:  # fmt: skip
+    def empty(cls, shape: Shape, batch: int, capacity: int, device, ring: int | None = None, *,
+              cache: tuple = (0, "")) -> DecodeState:  # fmt: skip
         """A state with nothing seen for `batch` sequences of calls of `shape` (its KV heads, head, value and feature
         dims, window, sinks and dtype); it keeps at most `capacity` window keys (min(capacity, window)), and its ring
-        has `ring` slots (default: that capacity, so it is never re-allocated). `cache`: the cache of exact keys per
-        KV head (an int, or one per KV head; 0: none), chosen by `cache_select` (what else it keeps follows from
-        that: the ring's attention sums, or the self_recall state)."""
+        has `ring` slots (default: that capacity, so it is never re-allocated). `cache`: (keys, select), the cache of
+        exact keys per KV head (an int, or one per KV head; 0: none) and the score they compete on
+        (attention.cache_select: what else the state keeps follows from it, the ring's attention sums or the
+        self_recall state)."""
         window, sinks, dtype = shape.window, shape.sinks, shape.dtype
         kv_heads, head_dim, value_dim, feature_dim = shape.kv_heads, shape.head_dim, shape.value_dim, shape.features
         acc = torch.promote_types(dtype, torch.float32)
@@ -73,9 +74,9 @@ class DecodeState:
         def z(*shape, dt=dtype):
             return torch.zeros(*shape, dtype=dt, device=device)
 
-        budget = torch.as_tensor(cache, dtype=torch.long, device=device).expand(kv_heads).clone()
+        budget = torch.as_tensor(cache[0], dtype=torch.long, device=device).expand(kv_heads).clone()
         C = int(budget.max()) if kv_heads else 0
-        select = cache_select if C else ""
+        select = cache[1] if C else ""
         delta = KINDS[shape.la_kind].ring_gates > 0
         return cls(
             k=z(batch, kv_heads, ring, head_dim),
