@@ -118,3 +118,36 @@ def test_generate_keeps_rings_no_longer_than_its_own_length_and_still_compiles(b
     layer = bounded.past_key_values.layers[0]
     assert layer.is_compileable and layer.state.ring == 32 and whole.past_key_values.layers[0].state.ring == 64
     assert bounded.past_key_values.nbytes < whole.past_key_values.nbytes
+
+
+@pytest.mark.parametrize("la_kind", ["hedgehog", pytest.param("gated_delta", marks=pytest.mark.slow)])
+def test_compiled_generate_with_the_cache_of_exact_keys_gives_the_eager_tokens_in_one_graph(la_kind):
+    """attention.cache on (issue 66): the decode step with its cache slots, scores and fold compiles to one graph
+    (fullgraph, no recompile over 40 tokens, past the window many times) and gives eager decoding's tokens, which are
+    the teacher-forced forward's greedy ones (tests/unit/test_cache_decode.py; the gated delta rule's step compiles
+    there too, with inductor)."""
+    from hybrid_scale.models.convert import set_cache
+
+    if la_kind == "hedgehog":
+        model = _model()
+        set_cache(model, 4, "attention")
+    else:
+        settings = {"window": 8, "sinks": 2, "hybrid_sinks": True, "la_kind": "gated_delta", "la_combine": "mix"}
+        model = perturb_hybrid(hs.convert_model(tiny_model(), settings))
+        set_cache(model, 4, "self_recall")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    new = 40
+    greedy = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    eager = model.generate(ids, **greedy, disable_compile=True)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(ids, **greedy, compile_config=config, return_dict_in_generate=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(compiled.sequences, eager)
+    assert compiled.past_key_values.layers[0].state.cache_k.shape[2] == 4
