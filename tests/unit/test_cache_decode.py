@@ -107,6 +107,21 @@ def test_prompt_then_steps_equal_the_whole_sequence_forward(kind, select, mode):
     assert bool((state.cache_pos >= 0).all())  # (the cache is full: its keys compete)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_only_without_a_cache_decodes_the_forward_and_adds_no_byte(kind):
+    """cache_only with a cache of 0 (nothing to attend: zeros) through the same path, and a state without a cache
+    holds nothing the cache would (its bytes are those of a state built before the cache)."""
+    T = 34
+    x, gamma, rho = inputs(kind, T)
+    part, side, o, state = setup(kind, "cache_only", cache=0)
+    mask = padded_mask(T)
+    got = decode(part, side, o, state, x, gamma, rho, mask, 9)
+    torch.testing.assert_close(got, forward(part, x, gamma, o, mask, rho), rtol=0, atol=0)
+    extra = ("cache_k", "cache_v", "cache_fk", "cache_gates", "cache_score", "cache_pos", "cache_budget", "ring_score",
+             "shadow_kv", "shadow_ksum", "la_has")  # fmt: skip
+    assert all(getattr(state, name).numel() == 0 for name in extra) and state.cache_select == ""
+
+
 def canonical(state: DecodeState) -> dict:
     """The state's tensors, the cache's slots in position order (where each key sits in the cache is free)."""
     order = state.cache_pos.argsort(-1)

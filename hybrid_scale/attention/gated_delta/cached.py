@@ -80,7 +80,8 @@ def decode_fold(state, v, fk, gates, fold, real, la_decay):
     acc = state.kv.dtype
     bg = gates.to(acc) * fold[..., None].to(acc)
     state.kv.copy_(_delta_step(state.kv, l2norm(fk.to(acc)), v.to(acc), bg[..., 0], bg[..., 1]))
-    state.la_has.logical_or_(fold)
+    if state.la_has.shape[1]:  # (kept with a cache)
+        state.la_has.logical_or_(fold)
 
 
 def decode_join(state, x, gamma, o, num, den):
@@ -113,7 +114,8 @@ def prefill_la(state, x, drop, end, la_decay, *, chunk_size=None):
     beta, g = (gather_slots(t.to(acc)[..., None], slots)[..., 0] for t in (x.gates.beta, x.gates.g))
     kk, v = gather_slots(l2norm(x.fk.to(acc)), slots), gather_slots(x.v.to(acc), slots)
     state.assign("kv", _final_state(kk, v, beta, g, chunk_size))
-    state.assign("la_has", (slots >= 0).any(-1))
+    if state.la_has.shape[1]:
+        state.assign("la_has", (slots >= 0).any(-1))
 
 
 def prefill_shadow(state, x, taken, *, chunk_size=None):

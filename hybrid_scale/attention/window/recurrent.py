@@ -43,11 +43,12 @@ class DecodeState:
     cache_gates: torch.Tensor | None = None  # [B, Hkv, C, 2] fp32 (as gates)
     cache_score: torch.Tensor | None = None  # [B, Hkv, C] fp32: the score each cached key won its place with
     cache_pos: torch.Tensor | None = None  # [B, Hkv, C] long: its real index, -1 where the slot is empty
-    cache_budget: torch.Tensor | None = None  # [Hkv] long: the keys each KV head may cache (<= C)
+    cache_budget: torch.Tensor | None = None  # [Hkv] long: the keys each KV head may cache (<= C; empty if C = 0)
     ring_score: torch.Tensor | None = None  # [B, Hkv, R] (fp32 or fp64): cache_select=attention's sums so far
     shadow_kv: torch.Tensor | None = None  # self_recall's state of every candidate that has left the window:
     shadow_ksum: torch.Tensor | None = None  # Hedgehog's sums [B,Hkv,F,Dv], [B,Hkv,F]; the delta rule's S (kv only)
-    la_has: torch.Tensor | None = None  # [B, Hkv] bool: the LA holds a key (the gated delta rule's has_n)
+    la_has: torch.Tensor | None = None  # [B, Hkv] bool: the LA holds a key (the gated delta rule's has_n; 0 wide
+    # without a cache, where cache_only, the one mode that then takes this path, reads no LA)
     window: int = 0  # the window this state was built for
     capacity: int = 0  # the most the ring may hold: min(window, max_length)
     cache_select: str = ""  # the score its cache was built for ("" without a cache)
@@ -99,11 +100,11 @@ class DecodeState:
             cache_gates=z(batch, kv_heads, C, KINDS[shape.la_kind].ring_gates, dt=acc),
             cache_score=z(batch, kv_heads, C, dt=torch.float32),
             cache_pos=torch.full((batch, kv_heads, C), -1, dtype=torch.long, device=device),
-            cache_budget=budget,
+            cache_budget=budget if C else budget[:0],  # (without a cache: no byte more than before it)
             ring_score=z(batch, kv_heads, ring if select == "attention" else 0, dt=acc),
             shadow_kv=z(batch, kv_heads, *((feature_dim, value_dim) if select == "self_recall" else (0, 0)), dt=acc),
             shadow_ksum=z(batch, kv_heads, feature_dim if select == "self_recall" and not delta else 0, dt=acc),
-            la_has=torch.zeros(batch, kv_heads, dtype=torch.bool, device=device),
+            la_has=torch.zeros(batch, kv_heads if C else 0, dtype=torch.bool, device=device),
             window=window,
             capacity=capacity,
             cache_select=select,
