@@ -89,7 +89,9 @@ class HedgehogPart(Part):
         o, rho, gamma = layer.options().own(), layer.la_decay, layer.gamma
         if uses_cache(o):  # the cache of exact keys: its torch step (cache/recurrent.py), token by token
             if cache_layer.state is None:
-                cache_layer.allocate(layer, self.decode_shape(layer, x, o), k.shape[0], k.device)
+                shape = self.decode_shape(layer, x, o)
+                cache_layer.allocate(layer, shape, k.shape[0], k.device)
+                cache_layer.step = get_decode(resolve(layer.backend, q.device, shape), self.kind.name) or step
             cache_layer.check(layer)
             if q.shape[2] == 1 and cache_layer.is_compileable:
                 return cache_step(cache_layer.state, x, gamma, layer.options(), side=SIDE, attention_mask=mask,
