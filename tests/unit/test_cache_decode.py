@@ -45,8 +45,8 @@ def inputs(kind: str, T: int, dtype=DT, seed=0, batch=B):
     if kind == "hedgehog":
         x = Projections(r(B, H, T, D), r(B, K, T, D), r(B, K, T, D), r(B, H, T, 6).abs(), r(B, K, T, 6).abs())
         return x, 0.5 + torch.rand(H, generator=g, dtype=dtype), torch.tensor([0.05, 0.3], dtype=dtype)
-    gates = DeltaGates(torch.rand(B, K, T, generator=g, dtype=dtype), -0.2 * torch.rand(B, K, T, generator=g, dtype=dtype),
-                       torch.rand(B, H, T, generator=g, dtype=dtype) if kind == "gated_delta_mix" else None)  # fmt: skip
+    u = lambda *s: torch.rand(*s, generator=g, dtype=dtype)  # noqa: E731
+    gates = DeltaGates(u(B, K, T), -0.2 * u(B, K, T), u(B, H, T) if kind == "gated_delta_mix" else None)
     x = Projections(r(B, H, T, D), r(B, K, T, D), r(B, K, T, D), r(B, H, T, D), r(B, K, T, D), gates)
     return x, 0.5 + torch.rand(H, generator=g, dtype=dtype), None
 
@@ -69,7 +69,9 @@ def cut(x, a, b):
 
 def forward(part, x, gamma, o, mask, rho):
     """The whole-sequence path with the cache (the chunked one)."""
-    return part.attend(x, gamma, o, attention_mask=mask, backend="chunk", **({"la_decay": rho} if rho is not None else {}))
+    return part.attend(
+        x, gamma, o, attention_mask=mask, backend="chunk", **({"la_decay": rho} if rho is not None else {})
+    )
 
 
 def decode(part, side, o, state, x, gamma, rho, mask, t0, *, parallel=True):

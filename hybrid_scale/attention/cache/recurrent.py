@@ -123,7 +123,7 @@ def step(state: DecodeState, x, gamma, opts, *, side, attention_mask=None, la_de
         fold = cand_k & full
         free = ~held & (torch.arange(C, device=dev) < state.cache_budget[:, None])
         target = torch.where(full, loser, free.to(torch.int8).argmax(-1))  # C: nowhere (the candidate lost)
-        write = ((torch.arange(C, device=dev) == target[..., None]) & cand_k[..., None])  # [B, K, C]
+        write = (torch.arange(C, device=dev) == target[..., None]) & cand_k[..., None]  # [B, K, C]
     leaving = [_pick(getattr(state, name), c, loser) for name, c in
                (("cache_v", cv), ("cache_fk", cfk), ("cache_gates", cg))] if C else [cv, cfk, cg]  # fmt: skip
     if C:
@@ -135,7 +135,7 @@ def step(state: DecodeState, x, gamma, opts, *, side, attention_mask=None, la_de
     side.decode_fold(state, *leaving, fold, real, la_decay)
 
     # 3. key n takes the ring slot (and the sink buffer's, if n < S)
-    here = ((torch.arange(R, device=dev)[None] == slot[:, None]) & real[:, None])  # [B, R]
+    here = (torch.arange(R, device=dev)[None] == slot[:, None]) & real[:, None]  # [B, R]
     for name, new in (("k", k[:, :, 0]), ("v", v[:, :, 0]), ("fk", fk[:, :, 0]), ("gates", two)):
         buf = getattr(state, name)
         buf.copy_(torch.where(here[:, None, :, None], new[:, :, None].to(buf.dtype), buf))

@@ -1,7 +1,8 @@
 """The decode cache of a converted model: `HybridCache`, a transformers `Cache` whose converted layers hold a
 `window/recurrent.DecodeState` (memory independent of the generated length: a ring of the window's keys, the sinks,
-the LA state and, with attention.cache, the cache of exact keys: cache/recurrent.py) and whose other layers keep the usual `DynamicLayer`. `HybridAttention.forward` (layer.py) hands
-its decode to its layer's `hybrid_attend`, which asks the layer's part (its decode step over this state).
+the LA state and, with attention.cache, the cache of exact keys: cache/recurrent.py) and whose other layers keep the
+usual `DynamicLayer`. `HybridAttention.forward` (layer.py) hands its decode to its layer's `hybrid_attend`, which
+asks the layer's part (its decode step over this state).
 
 This file imports only torch, transformers and its siblings (remote code: see ../layer.py).
 """
