@@ -21,6 +21,7 @@ from hybrid_scale.errors import ConfigError, ExportError
 from hybrid_scale.evaluate.results import EvalResults
 from hybrid_scale.export import stage as export_stage
 from hybrid_scale.export.stage import export
+from hybrid_scale.models.convert import set_cache
 from hybrid_scale.models.converted import ADAPTER_DIR
 from hybrid_scale.preflight.inputs import InputError
 from hybrid_scale.storage.commits import MARKER, PARTIAL_TAG
@@ -61,7 +62,11 @@ graphs = counters["stats"]["unique_graphs"]
 model.set_hybrid_mode("la_only")
 with torch.no_grad():
     la_only = model(ids).logits
+model.set_hybrid_mode("hybrid")
+model.set_hybrid_cache(4, "self_recall")  # the cache of exact keys, set at load time: its decode in the remote code
+cached_gen = model.generate(ids[:1], max_new_tokens=20, do_sample=False)
 torch.save({"logits": logits, "padded": padded, "gen": gen, "la_only": la_only, "compiled": compiled, "graphs": graphs,
+            "cached_gen": cached_gen,
             "tokens": tokenizer("The hybrid model reads this.")["input_ids"]}, out)
 print("\nRESULT", json.dumps({"refused": refused, "class": type(model).__name__,
                   "imported": [n for n in ("hybrid_scale", "peft", "deepspeed") if sys.modules.get(n) is not None]}))
@@ -408,6 +413,9 @@ def assert_matches(got: dict, ref) -> None:
         with hs.components(ref, "la_only"):
             assert torch.allclose(got["la_only"], ref(x).logits, atol=1e-5)
     assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    set_cache(ref, 4, "self_recall")  # the remote code decodes with the cache of exact keys as the toolkit does
+    assert torch.equal(got["cached_gen"], ref.generate(x[:1], max_new_tokens=20, do_sample=False))
+    set_cache(ref, 0)
 
 
 @pytest.fixture(scope="module")
