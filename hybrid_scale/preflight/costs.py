@@ -251,7 +251,8 @@ DECODE_CONTEXT = 32768  # the context at which plan compares the decode state wi
 def decode_memory(p: Plan, cfg: Config, sh: Shape) -> None:
     """The decode state of one sequence (attention/window/recurrent.py, attention/cache/): per converted layer and
     KV head a ring of w keys, the S sinks and the cache's C keys (each key, value and LA key in the model's dtype,
-    the cache's score and position beside it), the LA state in fp32 (Hedgehog: F x (Dv + 1); gated delta: D x D), and
+    the cache's score and position beside it, the gated delta rule's gates per key, the ring's attention sums for
+    cache_select=attention), the LA state in fp32 (Hedgehog: F x (Dv + 1); gated delta: D x D), and
     with cache_select=self_recall a second such state (the score's); constant in the length. Against it: the base's KV
     cache at DECODE_CONTEXT tokens."""
     a_cfg, c = cfg.attention, sh.c
@@ -260,9 +261,11 @@ def decode_memory(p: Plan, cfg: Config, sh: Shape) -> None:
     per_key = (2 * hd + F) * sh.wbytes
     state = F * (hd + 1) * 4
     keys = a_cfg.window + a_cfg.sinks + a_cfg.cache
-    cache_meta = a_cfg.cache * 12  # fp32 score + int64 position
+    gates = 8 if a_cfg.la_kind == "gated_delta" else 0  # (its beta and log alpha in fp32, per ring and cached key)
+    cache_meta = a_cfg.cache * (12 + gates)  # fp32 score + int64 position
+    ring_sums = a_cfg.window * 4 if a_cfg.cache and a_cfg.cache_select == "attention" else 0  # fp32 per ring key
     shadow = state if a_cfg.cache and a_cfg.cache_select == "self_recall" else 0
-    one = layers * K * (keys * per_key + cache_meta + state + shadow)
+    one = layers * K * (keys * per_key + a_cfg.window * gates + cache_meta + ring_sums + state + shadow)
     kv = c["L"] * K * 2 * hd * sh.wbytes * DECODE_CONTEXT
     what = f"ring {a_cfg.window} + sinks {a_cfg.sinks} + cache {a_cfg.cache} keys per KV head, LA state"
     what += " and the score's" if shadow else ""

@@ -447,5 +447,6 @@ def test_plan_counts_the_decode_state_with_its_cache(tmp_path, big_disk):
     per_key = (2 * hd + F) * 2
     state = F * (hd + 1) * 4
     assert figures["none"] == L * K * ((a.attention.window + a.attention.sinks) * per_key + state)
-    assert figures["attention"] - figures["none"] == L * K * 32 * (per_key + 12)
-    assert figures["self_recall"] - figures["attention"] == L * K * state
+    w = a.attention.window
+    assert figures["attention"] - figures["none"] == L * K * (32 * (per_key + 12) + 4 * w)  # (the ring's sums)
+    assert figures["self_recall"] - figures["attention"] == L * K * (state - 4 * w)
