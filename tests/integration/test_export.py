@@ -430,15 +430,22 @@ def trained_delta(smollm2, trained, tmp_path_factory):
 
 
 def test_gated_delta_export_runs_its_remote_code_alone_and_matches_the_toolkit(trained_delta, tmp_path):
-    """The export's remote code (torch only) runs the gated delta rule: logits, padding, la_only, greedy and compiled
-    generation equal the toolkit's model."""
+    """The export's remote code (torch only) runs the gated delta rule with the cache of exact keys the run asks for
+    (4 keys per KV head by the delta rule's own residual; the converted model was made without one): logits,
+    padding, la_only, greedy and compiled generation equal the toolkit's model with the same cache."""
     out = tmp_path / "export"
-    export(cfg(trained_delta, out))
+    export(cfg(trained_delta, out, "attention.cache=4", "attention.cache_select=self_recall"))
     config = json.loads((out / "config.json").read_text())["hybrid"]
     assert (config["la_kind"], config["la_combine"], config["la_conv"]) == ("gated_delta", "mix", 4)
+    assert (config["cache"], config["cache_select"]) == (4, "self_recall")
     _, got = load_alone(out, tmp_path)
-    assert_matches(got, hs.load_converted(trained_delta / "stage2_best", dtype=torch.float32))
+    ref = hs.load_converted(trained_delta / "stage2_best", dtype=torch.float32)
+    hs.models.convert.set_cache(ref, 4, "self_recall")
+    assert_matches(got, ref)
     assert torch.equal(got["compiled"], got["gen"])
+    hs.models.convert.set_cache(ref, 0)
+    with torch.no_grad():  # (the cache is at work in these 40 tokens past a window of 8)
+        assert not torch.allclose(got["logits"], ref(ids()).logits, atol=1e-3)
 
 
 @pytest.fixture(scope="module")
