@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-PAIRS = 1 << 22  # (beater, key) comparisons held at once: bounds drop_times' working set
+RANKS = 64  # keys of the rank order taken at once by drop_times: its loop has T / RANKS steps
 
 
 def never(length: int, window: int) -> int:
@@ -40,26 +40,42 @@ def budgets(budget, heads: int, device) -> torch.Tensor:
 def drop_times(prio: torch.Tensor, budget, *, window: int, first: int) -> torch.Tensor:
     """d_j (module doc) of every key. prio [B,Hkv,T] the keys' scores (finite; only j >= first matter), budget C (an
     int, or [Hkv] per KV head). Returns [B,Hkv,T] long: d_j for the candidates that leave the window within the
-    sequence, NEVER (never()) for the others (the sinks and the last w keys)."""
+    sequence, NEVER (never()) for the others (the sinks and the last w keys).
+
+    The keys that beat j are those before it in the order of (score, position), best first; so walking that order
+    with the C smallest positions seen so far gives each key the C-th smallest position among its beaters, i, and
+    d_j = max(e_j, i + w). The walk takes RANKS keys at a time: O(T (C + RANKS)) work, T / RANKS steps."""
     B, K, T = prio.shape
     dev = prio.device
     out = torch.full((B, K, T), never(T, window), dtype=torch.long, device=dev)
     n = T - window - first  # candidates that leave the window within the sequence: first .. T - w - 1
     if n <= 0:
         return out
+    c = budgets(budget, K, dev).view(1, K, 1)
+    cap = int(c.max())
     p = prio[..., first : first + n].float()
-    c = budgets(budget, K, dev).view(1, K, 1, 1)
-    idx = torch.arange(n, device=dev)
-    step = max(1, PAIRS // max(1, B * K * n))
-    for j0 in range(0, n, step):
-        j = idx[j0 : j0 + step]
-        pj = p[..., j0 : j0 + step]
-        beats = (p[..., :, None] > pj[..., None, :]) | ((p[..., :, None] == pj[..., None, :]) & (idx[:, None] > j))
-        reached = beats.cumsum(2) >= c  # [B,K,i,j]: at least C of the keys up to i beat j (C = 0: from i = 0)
-        found = reached.any(2)
-        i = reached.to(torch.int8).argmax(2)  # the first such i
-        d = torch.maximum(j + first + window, i + first + window)
-        out[..., first + j0 : first + j0 + len(j)] = torch.where(found, d, out.new_tensor(never(T, window)))
+    # best first; a tie goes to the newer key: a stable sort of the scores read from the newest key back
+    ranked = n - 1 - torch.argsort(p.flip(-1), dim=-1, descending=True, stable=True)  # positions, best first
+    big = torch.iinfo(torch.long).max
+    seen = torch.full((B, K, cap), big, dtype=torch.long, device=dev)  # the cap smallest positions of the walk so far
+    cth = torch.full((B, K, n), big, dtype=torch.long, device=dev)  # per ranked key: the C-th smallest before it
+    i = torch.arange(RANKS, device=dev)
+    earlier = i[None, :] < i[:, None]  # [key, an earlier key of its block]
+    for r0 in range(0, n, RANKS):
+        block = ranked[..., r0 : r0 + RANKS]  # [B,K,L]
+        L = block.shape[-1]
+        before = earlier[:L, :L]
+        inside = torch.where(before, block[..., None, :], big)  # [B,K,L,L]
+        pool = torch.cat([seen[..., None, :].expand(B, K, L, cap), inside], dim=-1)
+        if cap:
+            smallest = pool.topk(cap, dim=-1, largest=False).values  # ascending
+            cth[..., r0 : r0 + L] = smallest.gather(-1, (c - 1).clamp(min=0)[..., None].expand(B, K, L, 1))[..., 0]
+            both = torch.cat([seen, block], dim=-1)
+            seen = both.topk(cap, dim=-1, largest=False).values
+    j = ranked  # the ranked keys' positions (from first)
+    d = torch.where(cth < big, torch.maximum(cth, j) + first + window, never(T, window))
+    d = torch.where(c == 0, j + first + window, d)  # no cache: each key reaches the LA when it leaves the window
+    out[..., first : first + n] = torch.empty_like(d).scatter_(-1, j, d)
     return out
 
 
