@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..attention.kinds import kind_of
 from ..config.schema import Config
 from ..data import passkey
 from ..data.batches import units_per_step
@@ -261,7 +262,7 @@ def decode_memory(p: Plan, cfg: Config, sh: Shape) -> None:
     per_key = (2 * hd + F) * sh.wbytes
     state = F * (hd + 1) * 4
     keys = a_cfg.window + a_cfg.sinks + a_cfg.cache
-    gates = 8 if a_cfg.la_kind == "gated_delta" else 0  # (its beta and log alpha in fp32, per ring and cached key)
+    gates = 4 * kind_of(a_cfg).ring_gates  # the kind's gates in fp32 per ring and cached key (gated delta: beta, log a)
     cache_meta = a_cfg.cache * (12 + gates)  # fp32 score + int64 position
     ring_sums = a_cfg.window * 4 if a_cfg.cache and a_cfg.cache_select == "attention" else 0  # fp32 per ring key
     shadow = state if a_cfg.cache and a_cfg.cache_select == "self_recall" else 0
