@@ -152,20 +152,17 @@ class HybridAttention(nn.Module):
         """The cache of exact keys' size per KV head of this layer ([Hkv] long, on the host; attention.cache_heads=
         retrieval: models/cache_heads.py), or None: cache_keys for every head. Its mean is the layer's cache_keys
         (set_cache checks it); narrow_heads keeps its heads' slice."""
-        return None if self._cache_budget is None else torch.tensor(self._cache_budget, dtype=torch.long)
+        return None if self._cache_budget is None else torch.tensor(self._cache_budget, dtype=torch.long, device="cpu")
 
     @cache_budget.setter
     def cache_budget(self, budget) -> None:
-        if budget is None:
-            self._cache_budget = None
-            return
-        b = torch.as_tensor(budget).detach().cpu()
-        if b.dim() != 1 or b.numel() != self.num_key_value_heads or b.is_floating_point() or bool((b < 0).any()):
+        b = _ints(budget)
+        if b is not None and (len(b) != self.num_key_value_heads or min(b, default=0) < 0):
             raise ValueError(
                 f"layer {self.layer_idx}: a cache budget is {self.num_key_value_heads} integers >= 0 (one per KV "
                 f"head), got {budget!r}"
             )
-        self._cache_budget = tuple(int(c) for c in b.tolist())
+        self._cache_budget = b
 
     def setting(self, name: str):
         """The current value of the record's setting `name` (its live attribute, else as converted)."""
@@ -298,20 +295,30 @@ def set_layers_cache(layers: dict[int, HybridAttention], keys: int, select: str 
             f"cache budgets name layers {unknown} that are not hybrid layers; hybrid layers: {sorted(layers)}"
         )
     sliced = {}
-    for i, b in given.items():
-        m, b = layers[i], torch.as_tensor(b)
+    for i, budget in given.items():
+        m, b = layers[i], _ints(budget)
         g = m.num_key_value_groups
         heads = m.all_heads // g
-        if (b.dim() != 1 or b.numel() != heads or b.is_floating_point() or bool((b < 0).any())
-                or int(b.sum()) != keys * heads):  # fmt: skip
+        if b is None or len(b) != heads or min(b, default=0) < 0 or sum(b) != keys * heads:
             raise ValueError(
                 f"layer {i}: a cache budget shares out keys x KV heads = {keys} x {heads} slots over the layer's "
-                f"KV heads (integers >= 0), got {b.tolist()}"
+                f"KV heads (integers >= 0), got {budget!r}"
             )
         h0, h1 = m.head_range or (0, m.all_heads)
-        sliced[i] = b.long()[h0 // g : h1 // g]
+        sliced[i] = b[h0 // g : h1 // g]
     for i, m in layers.items():
         m.cache_keys = keys
         m.cache_budget = sliced.get(i)
         if select is not None:
             m.cache_select = select
+
+
+def _ints(budget) -> tuple | None:
+    """A budget per KV head (a tensor, list or tuple of integers) as a tuple of ints on the host, or None. (No tensor
+    is made: a model built on the meta device, as transformers builds one, sets its budgets too.)"""
+    if budget is None:
+        return None
+    values = budget.tolist() if isinstance(budget, torch.Tensor) else list(budget)
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in values):
+        raise ValueError(f"a cache budget is integers (keys per KV head), got {budget!r}")
+    return tuple(values)
