@@ -40,7 +40,15 @@ GAMMA_PARAMS = {
     "sigmoid": (torch.sigmoid, lambda g: math.log(g / (1.0 - g))),
     "exp": (torch.exp, math.log),
 }
-__all__ = ["GAMMA_PARAMS", "HybridAttention", "Projections", "apply_rope", "attend", "hybrid_layers"]
+__all__ = [
+    "GAMMA_PARAMS",
+    "HybridAttention",
+    "Projections",
+    "apply_rope",
+    "attend",
+    "hybrid_layers",
+    "set_layers_cache",
+]
 
 
 def _at_least(theta: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
@@ -137,6 +145,24 @@ class HybridAttention(nn.Module):
         )
 
     head_range: tuple[int, int] | None = None  # the query heads kept by narrow_heads (None: all of them)
+    _cache_budget: tuple | None = None  # cache_budget on the host (what options() hands each call)
+
+    @property
+    def cache_budget(self) -> torch.Tensor | None:
+        """The cache of exact keys' size per KV head of this layer ([Hkv] long, on the host; attention.cache_heads=
+        retrieval: models/cache_heads.py), or None: cache_keys for every head. Its mean is the layer's cache_keys
+        (set_cache checks it); narrow_heads keeps its heads' slice."""
+        return None if self._cache_budget is None else torch.tensor(self._cache_budget, dtype=torch.long, device="cpu")
+
+    @cache_budget.setter
+    def cache_budget(self, budget) -> None:
+        b = _ints(budget)
+        if b is not None and (len(b) != self.num_key_value_heads or min(b, default=0) < 0):
+            raise ValueError(
+                f"layer {self.layer_idx}: a cache budget is {self.num_key_value_heads} integers >= 0 (one per KV "
+                f"head), got {budget!r}"
+            )
+        self._cache_budget = b
 
     def setting(self, name: str):
         """The current value of the record's setting `name` (its live attribute, else as converted)."""
@@ -161,6 +187,8 @@ class HybridAttention(nn.Module):
         self.part.narrow(self, start, stop, g)
         theta = self.gamma_logit
         self.gamma_logit = nn.Parameter(theta.detach()[start:stop].clone(), requires_grad=theta.requires_grad)
+        if self._cache_budget is not None:  # the cache's budget per KV head: the kept heads' slice
+            self._cache_budget = self._cache_budget[start // g : stop // g]
         self.num_heads, self.num_key_value_heads = stop - start, (stop - start) // g
         offset = self.head_range[0] if self.head_range else 0
         self.head_range = (offset + start, offset + stop)
@@ -200,6 +228,7 @@ class HybridAttention(nn.Module):
         """This layer's AttentionOptions (the record's call settings: window, mode, sinks and its hybrid's own,
         chunk_size, la_combine; and its scaling); a keyword given (not None) replaces the layer's own for this call."""
         own = {s.name: getattr(self, s.live) for s in SETTINGS if s.call} | {"scale": self.scaling}
+        own["cache_budget"] = self._cache_budget
         return AttentionOptions(**own | {name: value for name, value in settings.items() if value is not None})
 
     def attend(self, q, k, v, fq, fk, *, gates=None, gamma=None, attention_mask=None, backend=None,
@@ -251,3 +280,45 @@ class HybridAttention(nn.Module):
 
 def hybrid_layers(model: nn.Module) -> dict[int, HybridAttention]:
     return {m.layer_idx: m for m in model.modules() if isinstance(m, HybridAttention)}
+
+
+def set_layers_cache(layers: dict[int, HybridAttention], keys: int, select: str | None = None, budgets=None) -> None:
+    """The cache of exact keys of `layers` ({index: layer}): `keys` per KV head, the score `select` if given, and
+    `budgets` {layer: [Hkv] ints} (attention.cache_heads=retrieval), each the layer's keys x Hkv slots shared out over
+    its KV heads (checked: Hkv integers >= 0 summing to keys x Hkv); a layer it does not name keeps `keys` for every
+    head. A layer narrowed to some heads (tensor parallelism) takes the whole layer's budget and keeps its slice.
+    models.convert.set_cache and an export's set_hybrid_cache (hf/modeling_hybrid_scale.py) call it."""
+    given = {int(i): b for i, b in (budgets or {}).items()}
+    unknown = sorted(set(given) - set(layers))
+    if unknown:
+        raise ValueError(
+            f"cache budgets name layers {unknown} that are not hybrid layers; hybrid layers: {sorted(layers)}"
+        )
+    sliced = {}
+    for i, budget in given.items():
+        m, b = layers[i], _ints(budget)
+        g = m.num_key_value_groups
+        heads = m.all_heads // g
+        if b is None or len(b) != heads or min(b, default=0) < 0 or sum(b) != keys * heads:
+            raise ValueError(
+                f"layer {i}: a cache budget shares out keys x KV heads = {keys} x {heads} slots over the layer's "
+                f"KV heads (integers >= 0), got {budget!r}"
+            )
+        h0, h1 = m.head_range or (0, m.all_heads)
+        sliced[i] = b[h0 // g : h1 // g]
+    for i, m in layers.items():
+        m.cache_keys = keys
+        m.cache_budget = sliced.get(i)
+        if select is not None:
+            m.cache_select = select
+
+
+def _ints(budget) -> tuple | None:
+    """A budget per KV head (a tensor, list or tuple of integers) as a tuple of ints on the host, or None. (No tensor
+    is made: a model built on the meta device, as transformers builds one, sets its budgets too.)"""
+    if budget is None:
+        return None
+    values = budget.tolist() if isinstance(budget, torch.Tensor) else list(budget)
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in values):
+        raise ValueError(f"a cache budget is integers (keys per KV head), got {budget!r}")
+    return tuple(values)

@@ -38,6 +38,9 @@ class AttentionOptions:
     la_combine: str = _D["la_combine"]  # how a gated delta-rule LA joins the window (Hedgehog ignores it)
     cache: int = _D["cache"]  # exact keys per KV head beside the window (cache/; 0 = off)
     cache_select: str = _D["cache_select"]  # the score a key competes on for the cache (settings.CACHE_SELECTS)
+    # the cache's size per KV head (a tuple of ints, attention.cache_heads=retrieval: the layer's cache_budget), or
+    # None: `cache` for every head (which stays the heads' average)
+    cache_budget: tuple | None = None
     return_denominators: bool = False  # also return (sum of E, sum of L) [B,H,T]: the LA-share diagnostic
     return_parts: bool = False  # also return each memory's weight {window, sinks, cache, la} [B,H,T] (cache/)
 
@@ -46,6 +49,10 @@ class AttentionOptions:
         given = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, why in problems({k: v for k, v in given.items() if k in CALL}):
             raise ValueError(f"attention {name}: {why}")
+        b = self.cache_budget
+        if b is not None and (not isinstance(b, tuple) or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
+                                                              for c in b)):  # fmt: skip
+            raise ValueError(f"attention cache_budget: a tuple of ints >= 0 (keys per KV head), got {b!r}")
 
     @classmethod
     def of(cls, opts: AttentionOptions | None = None, /, **settings) -> AttentionOptions:
@@ -57,6 +64,12 @@ class AttentionOptions:
         if not isinstance(opts, cls):
             raise TypeError(f"an attention op's settings are an AttentionOptions, got {type(opts).__name__}")
         return replace(opts, **settings) if settings else opts
+
+    @property
+    def budget(self) -> int | tuple:
+        """The cache's size per KV head: cache_budget where given, else `cache` for every head (cache/select.py's
+        `budget`)."""
+        return self.cache if self.cache_budget is None else self.cache_budget
 
     def own(self) -> AttentionOptions:
         """What a layer in this mode computes when its hybrid keeps its own sinks or not: hybrid_sinks only in hybrid

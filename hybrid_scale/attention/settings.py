@@ -24,6 +24,7 @@ MODES = ("hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "cache_only
 BACKENDS = ("auto", "torch", "triton", "fla")  # the values of attention.backend (each kind has some: kinds.py)
 LA_COMBINES = ("normaliser", "mix")  # attention.la_combine: how gated_delta joins the window (gated_delta/hybrid.py)
 CACHE_SELECTS = ("attention", "self_recall", "recency")  # attention.cache_select: the cache's score (cache/select.py)
+CACHE_HEADS = ("uniform", "retrieval")  # attention.cache_heads: how a layer's cache slots go to its KV heads
 GAMMA_PARAMS = ("sigmoid", "exp")  # attention.gamma_param (layer.py GAMMA_PARAMS holds the functions)
 _NONE = object()  # no older meaning declared: an older hybrid_config.json without the key means its default
 
@@ -165,6 +166,14 @@ SETTINGS: tuple[Setting, ...] = (
             "keys before it predicts its value: Hedgehog's normalised read-out at phi_k(k), the gated delta rule's "
             "residual v - S^T k) | recency (the newest stay: a control)", one_of(*CACHE_SELECTS), call=True,
             live="cache_select", older="attention", why="exports made before the cache (issue 66) had none"),
+    Setting("cache_heads", str, "uniform",
+            "how a layer's cache x Hkv slots go to its KV heads: uniform (attention.cache keys each) | retrieval (a "
+            "floor of cache/4 each, the rest in proportion to the softmax attention each head gives from a passkey "
+            "answer to its needle on calibration prompts the probes never use: models/cache_heads.py). Acts where the "
+            "cache is set from the run: the evaluation's +cache modes and cache_only (calibrated once per model on "
+            "the held-out text) and the export (calibrated on its calibration text, written to config.json's "
+            "hybrid.cache_budgets); stage 1 and stage 2 train with uniform budgets", one_of(*CACHE_HEADS),
+            layer=False),
     Setting("cache_train", bool, False,
             "stage 1 and stage 2 train with the cache on (false: they train the hybrid without it, and it joins "
             "after training: the measured choice, experiments/cache_selection/)", layer=False),

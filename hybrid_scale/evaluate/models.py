@@ -26,6 +26,7 @@ class Models:
         self.attention = source.hybrid_config["attention"] if source.converted else cfg.attention
         self.dtype = getattr(torch, cfg.model.dtype)
         self._base = self._hybrid = None
+        self._budgets: dict[int, dict] = {}  # attention.cache_heads=retrieval: {keys: {layer: [Hkv]}} (calibrated once)
         self.untrained = not source.converted
         self._zero3 = None
         self.rt = rt
@@ -52,8 +53,9 @@ class Models:
 
     def get(self, mode: str):
         """The model that computes eval mode `mode`: the base, or the converted model in the layers' mode with its
-        cache set for this mode: eval.cache keys per KV head for a `+cache` mode and cache_only, none otherwise (set
-        at every call, so that no mode inherits another's cache)."""
+        cache set for this mode: eval.cache keys per KV head for a `+cache` mode and cache_only (shared out over the
+        KV heads by their retrieval with attention.cache_heads=retrieval), none otherwise (set at every call, so that
+        no mode inherits another's cache)."""
         if mode == "base":
             if self._base is None:
                 self._base = self._ready(self._load_base(), "base")
@@ -61,16 +63,38 @@ class Models:
         if self._hybrid is None:
             self._hybrid = self._load_hybrid()
         layers, cached = eval_mode(mode)
+        keys = eval_cache(self.cfg) if cached else 0
+        budgets = self.cache_budgets(keys) if keys else None
         set_modes(self._hybrid, layers)
-        set_cache(self._hybrid, eval_cache(self.cfg) if cached else 0, self.cfg.attention.cache_select)
+        set_cache(self._hybrid, keys, self.cfg.attention.cache_select, budgets)
         return self._hybrid
+
+    def cache_budgets(self, keys: int) -> dict | None:
+        """attention.cache_heads=retrieval: each layer's budgets per KV head for a cache of `keys` (models/
+        cache_heads.py), calibrated once per model and size on passkey prompts cut from the held-out report text
+        with a seed the probes never use; None with uniform budgets."""
+        if self.cfg.attention.cache_heads != "retrieval":
+            return None
+        if keys not in self._budgets:
+            from ..data import corpus
+            from ..models.cache_heads import retrieval_budgets
+            from ..models.converted import load_tokenizer
+
+            tokenizer = load_tokenizer(self.source.base)
+            filler = tokenizer.encode(corpus.report_text(self.cfg)[0])
+            self._budgets[keys] = retrieval_budgets(self._hybrid, tokenizer, filler, keys, self.cfg.seed,
+                                                    select=self.cfg.attention.cache_select)  # fmt: skip
+        return self._budgets[keys]
 
     def cache_key(self, mode: str) -> dict:
         """What a cell's key adds for a mode that runs with the cache: its size and selection (nothing otherwise: the
         cells of the plain modes keep their keys)."""
         if not eval_mode(mode)[1]:
             return {}
-        return {"cache": eval_cache(self.cfg), "cache_select": self.cfg.attention.cache_select}
+        key = {"cache": eval_cache(self.cfg), "cache_select": self.cfg.attention.cache_select}
+        if self.cfg.attention.cache_heads != "uniform":  # (the uniform cells keep their keys)
+            key["cache_heads"] = self.cfg.attention.cache_heads
+        return key
 
     def _load_hybrid(self):
         if self.converted:

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from ..attention.layer import GAMMA_PARAMS
 from ..config.schema import Config
 from ..entry import Entry, stage_entry
+from ..errors import ExportError
 from ..models import streaming
 from ..models.converted import (
     ADAPTER_DIR,
@@ -94,6 +95,8 @@ def _export(entry: Entry, t0: float) -> Path:
         report = None
         if export_cfg.calibrate_gamma or export_cfg.gamma is not None:
             report = gamma_change(draft, cfg, texts, source, hybrid)
+        if settings["cache"] and cfg.attention.cache_heads == "retrieval":
+            config = _cache_budgets(cfg, draft, base)
         balance = balance_report(entry.layout.eval, source, tmp, log)
         identity = export_identity(cfg, model, entry.layout.eval)
         (tmp / IDENTITY_NAME).write_text(json.dumps(identity, indent=1) + "\n")
@@ -107,3 +110,34 @@ def _export(entry: Entry, t0: float) -> Path:
         remove_dir(tmp)
         raise
     return out
+
+
+def _cache_budgets(cfg: Config, draft: Draft, base: Path) -> dict:
+    """attention.cache_heads=retrieval: the draft's layers' cache slots shared out over their KV heads
+    (models/cache_heads.py), calibrated on passkey prompts cut from the training text (the export's calibration
+    text) and written into config.json's `hybrid` as cache_budgets {layer: [Hkv]}, which the remote code applies at
+    load time (hybrid_config.json keeps the toolkit's settings). Returns the new config."""
+    from ..data import corpus
+    from ..errors import CorpusError
+    from ..models.cache_heads import retrieval_budgets
+    from ..models.converted import load_converted, load_tokenizer
+
+    tmp, settings = draft.dir, draft.settings
+    tokenizer = load_tokenizer(base)
+    try:
+        docs, _ = corpus.train_and_heldout(cfg.data.source, cfg.data.text_field, cfg.data.heldout_fraction)
+    except CorpusError as e:
+        raise ExportError(f"the export's training text for attention.cache_heads=retrieval falls short: {e}") from None
+    model = load_converted(tmp, torch.float32).eval()
+    try:
+        budgets = retrieval_budgets(model, tokenizer, tokenizer.encode("\n\n".join(docs)), int(settings["cache"]),
+                                    cfg.seed, select=settings["cache_select"])  # fmt: skip
+    except ValueError as e:
+        raise ExportError(f"attention.cache_heads=retrieval: {e}") from None
+    hybrid = {**draft.config["hybrid"], "cache_budgets": {str(i): b.tolist() for i, b in budgets.items()}}
+    config = {**draft.config, "hybrid": hybrid}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    draft.config = config
+    draft.log(f"cache budgets per KV head (attention.cache_heads=retrieval, {settings['cache']} keys on average): "
+              + "; ".join(f"layer {i}: {b.tolist()}" for i, b in budgets.items()))  # fmt: skip
+    return config

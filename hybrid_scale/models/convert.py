@@ -10,7 +10,7 @@ from torch import nn
 
 from ..attention.hf.architectures import ARCHITECTURES
 from ..attention.hf.generation import attach
-from ..attention.layer import HybridAttention, hybrid_layers
+from ..attention.layer import HybridAttention, hybrid_layers, set_layers_cache
 from ..attention.settings import by_name
 from ..attention.window.naive import check_mode
 from ..config import attention_settings
@@ -93,11 +93,13 @@ def set_window(model: nn.Module, window: int) -> None:
         m.window = window
 
 
-def set_cache(model: nn.Module, keys: int, select: str | None = None) -> None:
+def set_cache(model: nn.Module, keys: int, select: str | None = None, budgets: Mapping[int, Any] | None = None) -> None:
     """The cache of exact keys (attention.cache, attention/cache/) of every hybrid layer: `keys` per KV head (0 = off)
-    and, if given, the score they compete on (attention.cache_select). Settable on any converted model at any time
-    between forwards (eval's `+cache` modes, a loaded export); a live decode cache refuses another size, so start a
-    new one after a change."""
+    and, if given, the score they compete on (attention.cache_select). `budgets`: {layer: [Hkv] ints}, each layer's
+    keys * Hkv slots shared out over its KV heads (attention.cache_heads=retrieval: models/cache_heads.py), summing to
+    keys * Hkv; a layer it does not name (and every layer without it) keeps `keys` for every head. Settable on any
+    converted model at any time between forwards (eval's `+cache` modes, a loaded export); a live decode cache refuses
+    another size, so start a new one after a change."""
     record = by_name()
     for name, value in (("cache", keys), ("cache_select", select)):
         if value is None:
@@ -110,10 +112,7 @@ def set_cache(model: nn.Module, keys: int, select: str | None = None) -> None:
     layers = hybrid_layers(model)
     if not layers:
         raise ValueError("set_cache needs a converted model (no hybrid layer found)")
-    for m in layers.values():
-        m.cache_keys = keys
-        if select is not None:
-            m.cache_select = select
+    set_layers_cache(layers, keys, select, budgets)
 
 
 @contextlib.contextmanager

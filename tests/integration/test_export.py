@@ -472,3 +472,60 @@ def test_a_granite_export_runs_its_remote_code_alone_and_matches_the_toolkit(tra
     info, got = load_alone(out, tmp_path)
     assert info["class"] == "HybridScaleGraniteForCausalLM" and info["imported"] == []
     assert_matches(got, hs.load_converted(trained_granite / "stage2_best", dtype=torch.float32))
+
+
+BUDGETS_ALONE = r"""
+import sys
+for name in ("hybrid_scale", "peft", "deepspeed"):
+    sys.modules[name] = None
+import torch
+from transformers import AutoModelForCausalLM
+path, out, ids = sys.argv[1], sys.argv[2], torch.load(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+layers = {m.layer_idx: m.cache_budget.tolist() for m in model.modules() if hasattr(m, "cache_budget")}
+with torch.no_grad():
+    logits = model(ids).logits
+gen = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
+torch.save({"logits": logits, "gen": gen, "layers": layers}, out)
+"""
+
+
+def test_an_export_with_retrieval_budgets_applies_them_alone_as_the_toolkit(trained, tmp_path, monkeypatch):
+    """attention.cache_heads=retrieval: the export calibrates each layer's budgets (summing to cache x Hkv) and writes
+    them into config.json's hybrid.cache_budgets; its remote code, alone, applies them at load time and gives the
+    toolkit's logits and greedy tokens with the same budgets (planted uneven budgets, so that ignoring them shows)."""
+    from hybrid_scale.models import cache_heads
+
+    real, calibrated = cache_heads.retrieval_budgets, []
+    planted = {0: torch.tensor([1, 7]), 1: torch.tensor([6, 2])}
+
+    def calibrate(*args, **kwargs):
+        calibrated.append(real(*args, **kwargs))
+        return planted
+
+    monkeypatch.setattr(cache_heads, "retrieval_budgets", calibrate)
+    out = tmp_path / "export"
+    export(cfg(trained, out, "attention.cache=4", "attention.cache_heads=retrieval"))
+    (got_budgets,) = calibrated
+    assert set(got_budgets) == {0, 1} and all(int(b.sum()) == 8 and int(b.min()) >= 1 for b in got_budgets.values())
+    hybrid = json.loads((out / "config.json").read_text())["hybrid"]
+    assert hybrid["cache_budgets"] == {"0": [1, 7], "1": [6, 2]} and hybrid["cache"] == 4
+    torch.save(ids(), tmp_path / "ids.pt")
+    (tmp_path / "load.py").write_text(BUDGETS_ALONE)
+    proc = subprocess.run(
+        [sys.executable, "-I", "load.py", str(out), str(tmp_path / "out.pt"), str(tmp_path / "ids.pt")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["layers"] == {0: [1, 7], 1: [6, 2]}
+    ref = hs.load_converted(trained / "stage2_best", dtype=torch.float32)
+    set_cache(ref, 4, "attention", planted)
+    x = ids()
+    with torch.no_grad():
+        assert torch.allclose(got["logits"], ref(x).logits, atol=1e-5)
+    assert torch.equal(got["gen"], ref.generate(x[:1], max_new_tokens=12, do_sample=False))
+    set_cache(ref, 4, "attention")
+    with torch.no_grad():  # (the budgets are at work: the uniform cache gives other logits)
+        assert not torch.allclose(got["logits"], ref(x).logits, atol=1e-4)

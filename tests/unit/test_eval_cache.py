@@ -123,3 +123,81 @@ def test_twins_and_cells_count_the_cache_modes():
     ).eval
     assert count_cells(e) == 3 + 3 + 1 + 3
     assert count_cells(e, keeps_sinks=True) == 2 + 2 + 1 + 2
+
+
+@pytest.fixture(scope="module")
+def retrieval_eval(tiny_smollm_vocab, tmp_path_factory):
+    """A tiny evaluation with attention.cache_heads=retrieval: every hybrid forward's (mode, cache_keys, budget)
+    recorded, and each calibration's budgets."""
+    out = tmp_path_factory.mktemp("eval_cache_heads")
+    seen, calibrated, calibrating = [], [], []
+    load = eval_models.Models._load_hybrid
+    budgets = eval_models.Models.cache_budgets
+
+    def record(m, args):
+        if not calibrating:  # (the calibration's own forwards are not the cells')
+            seen.append((m.layer_idx, m.mode, m.cache_keys, m.options().cache_budget))
+
+    def load_recording(self):
+        model = load(self)
+        for layer in hybrid_layers(model).values():
+            layer.register_forward_pre_hook(record)
+        return model
+
+    def budgets_recording(self, keys):
+        calibrating.append(True)
+        try:
+            got = budgets(self, keys)
+        finally:
+            calibrating.clear()
+        calibrated.append((keys, {i: tuple(b.tolist()) for i, b in got.items()}))
+        return got
+
+    overrides = [
+        f"eval.model={tiny_smollm_vocab}",
+        "eval.tasks=[piqa]",
+        "eval.limit=2",
+        "eval.batch_size=2",
+        "eval.modes=[hybrid+cache,hybrid]",
+        "eval.passkey_modes=[cache_only]",
+        f"eval.cache={KEYS}",
+        "attention.cache_heads=retrieval",
+        "attention.window=8",
+        "eval.ppl_sequences=0",
+        "eval.la_share_seq_len=0",
+        "eval.recall_pairs=0",
+        "eval.passkey_distances=[12]",
+        "eval.passkey_trials=1",
+        "eval.bootstrap=10",
+        f"eval.out_dir={out}",
+        "eval.progress=false",
+    ]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(eval_models.Models, "_load_hybrid", load_recording)
+    mp.setattr(eval_models.Models, "cache_budgets", budgets_recording)
+    try:
+        with one_thread():
+            evaluate(load_config(overrides=overrides))
+    finally:
+        mp.undo()
+    return out, seen, calibrated
+
+
+def test_retrieval_budgets_run_the_cached_cells(retrieval_eval):
+    """cache_heads=retrieval: the budgets are calibrated once for the eval's cache and every forward of a cached mode
+    (hybrid+cache, cache_only) runs with them, each layer's summing to KEYS x its KV heads; the plain hybrid runs
+    without a cache; the cached cells' keys name the selection of heads."""
+    out, seen, calibrated = retrieval_eval
+    assert calibrated and {k for k, _ in calibrated} == {KEYS}
+    budgets = calibrated[0][1]
+    assert all(b == calibrated[0][1] for _, b in calibrated)  # (calibrated once: the same budgets every call)
+    assert set(budgets) == {0, 1} and all(sum(b) == KEYS * len(b) for b in budgets.values())
+    cached = {(mode, keys, budget) for i, mode, keys, budget in seen if keys}
+    assert {mode for mode, _, _ in cached} >= {"hybrid", "cache_only"}
+    for i, mode, keys, budget in seen:
+        if keys:
+            assert budget == budgets[i], (i, mode, budget)
+        else:
+            assert (mode, budget) == ("hybrid", None)
+    cells = {p.stem: json.loads(p.read_text())["key"] for p in (out / "cells").glob("*.json")}
+    assert cells["hybrid+cache.piqa"]["cache_heads"] == "retrieval" and "cache_heads" not in cells["hybrid.piqa"]

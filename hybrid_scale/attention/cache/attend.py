@@ -33,7 +33,8 @@ MEMORIES = ("window", "sinks", "cache", "la")  # the keys of return_parts' weigh
 
 def uses_cache(opts) -> bool:
     """This call goes through the cache's path (exact also with a cache of 0, the path every memory's weight takes)."""
-    return opts.mode == "cache_only" or (opts.mode in CACHED_MODES and (opts.cache > 0 or opts.return_parts))
+    keys = opts.cache > 0 or bool(opts.cache_budget and max(opts.cache_budget) > 0)
+    return opts.mode == "cache_only" or (opts.mode in CACHED_MODES and (keys or opts.return_parts))
 
 
 def candidates(opts) -> int:
@@ -99,7 +100,7 @@ def cached_attend(part, x, gamma, opts, *, attention_mask=None, initial_state=No
         x = type(x)(*(_time(t, order) for t in x[:5]), gates)
         real = real.gather(1, order)
     prio = scores(part, x, o, first, impl=impl, dense=dense)
-    drop = (select_loop if dense else drop_times)(prio, o.cache, window=o.window, first=first)
+    drop = (select_loop if dense else drop_times)(prio, o.budget, window=o.window, first=first)
     q, k, v = (t.to(acc) for t in x[:3])
     scale = 1.0 / math.sqrt(q.shape[-1]) if o.scale is None else o.scale
     keep = first > 0 and o.mode != "cache_only"
@@ -107,7 +108,7 @@ def cached_attend(part, x, gamma, opts, *, attention_mask=None, initial_state=No
     if dense:
         num, den, parts = soft_terms_dense(q, k, v, drop, **common)
     else:
-        num, den, parts = soft_terms(q, k, v, drop, o.cache, **common)
+        num, den, parts = soft_terms(q, k, v, drop, o.budget, **common)
     if o.mode == "hybrid":
         y, weights = part.cached_join(x, gamma, o, (num, den, parts), drop, first, la_decay=la_decay, impl=impl,
                                       dense=dense)  # fmt: skip

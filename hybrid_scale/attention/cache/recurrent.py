@@ -41,11 +41,12 @@ from .select import drop_times, never
 
 def _check(state: DecodeState, o) -> None:
     C = state.cache_k.shape[2]
-    if sizes(o.cache, len(state.cache_sizes)) != state.cache_sizes or (C and o.cache_select != state.cache_select):
+    if sizes(o.budget, len(state.cache_sizes)) != state.cache_sizes or (C and o.cache_select != state.cache_select):
         raise ValueError(
             f"this decode cache was built for a cache of {C} keys per KV head"
             + (f" chosen by {state.cache_select}" if C else "")
-            + f", the layer now has {o.cache} by {o.cache_select}; a live cache cannot change them: start a new cache"
+            + f", the layer now has {list(sizes(o.budget, len(state.cache_sizes)))} by {o.cache_select}; a live "
+            "cache cannot change them: start a new cache"
         )
     if o.mode not in CACHED_MODES:
         raise ValueError(f"the cache's decode runs modes {', '.join(CACHED_MODES)}, not {o.mode}")

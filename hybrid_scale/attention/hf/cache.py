@@ -64,7 +64,7 @@ class HybridCacheLayer(CacheLayerMixin):
     def allocate(self, module: HybridAttention, shape, batch: int, device) -> None:
         """The state for `batch` rows of `module` at `shape` (window/recurrent.DecodeState), allocated once."""
         self.check(module)
-        cache = (module.cache_keys, module.cache_select)
+        cache = (module.options().budget, module.cache_select)  # (cache_keys per KV head, or the layer's budget)
         self.state = static(DecodeState.empty(shape, batch, self.capacity, device, cache=cache))
         self.is_initialized = True
 
@@ -76,13 +76,14 @@ class HybridCacheLayer(CacheLayerMixin):
             )
         state = self.state
         if state is not None and (
-            sizes(module.cache_keys, len(state.cache_sizes)) != state.cache_sizes
+            sizes(module.options().budget, len(state.cache_sizes)) != state.cache_sizes
             or (state.cache_k.shape[2] and module.cache_select != state.cache_select)
         ):
             raise ValueError(
                 f"cache was made for a cache of {list(state.cache_sizes)} keys per KV head"
                 + (f" by {state.cache_select}" if state.cache_select else "")
-                + f" but layer {module.layer_idx} has {module.cache_keys} by {module.cache_select}; make a new "
+                + f" but layer {module.layer_idx} has {list(sizes(module.options().budget, len(state.cache_sizes)))}"
+                + f" by {module.cache_select}; make a new "
                 "HybridCache after changing them (set_cache)"
             )
 

@@ -6,12 +6,14 @@ the same code hybrid_scale trains with). Chunked hybrid attention for prompts, c
 One class per architecture record (architectures.py), HybridScale{prefix}ForCausalLM. Switch components at run time
 with `model.set_hybrid_mode("la_only")` (or a {layer: mode} dict); the mode in config.hybrid["mode"] is the one the
 model was exported with. The cache of exact keys (config.hybrid["cache"]) changes with `model.set_hybrid_cache(32)`, or
-at load time with `from_pretrained(path, trust_remote_code=True, hybrid={**config.hybrid, "cache": 32})`.
+at load time with `from_pretrained(path, trust_remote_code=True, hybrid={**config.hybrid, "cache": 32})`; its
+budgets per KV head (config.hybrid["cache_budgets"], {layer: [Hkv]}: attention.cache_heads=retrieval) are applied at
+load time (a load-time "cache" other than the one they share out needs "cache_budgets" dropped or replaced).
 """
 
 import transformers
 
-from ..layer import HybridAttention, hybrid_layers
+from ..layer import HybridAttention, hybrid_layers, set_layers_cache
 from ..settings import CACHE_SELECTS
 from ..window.naive import check_mode
 from .architectures import ARCHITECTURES
@@ -28,6 +30,8 @@ class HybridScaleMixin:
                 decoder.layers[i].self_attn, self.config, i, settings
             )
         attach(self)
+        if settings.get("cache_budgets"):  # attention.cache_heads=retrieval: the export's calibrated budgets
+            self.set_hybrid_cache(int(settings.get("cache", 0)), None, settings["cache_budgets"])
         if settings.get("layer_modes"):
             self.set_hybrid_mode({int(i): m for i, m in settings["layer_modes"].items()})
 
@@ -40,17 +44,16 @@ class HybridScaleMixin:
             check_mode(m)
             layers[i].mode = m
 
-    def set_hybrid_cache(self, keys: int, select: str | None = None):
+    def set_hybrid_cache(self, keys: int, select: str | None = None, budgets=None):
         """The cache of exact keys of every hybrid layer (attention.cache: keys per KV head, 0 = off; select:
-        attention | self_recall | recency). No training needed; start a new decode cache after a change."""
+        attention | self_recall | recency; budgets: {layer: [Hkv] ints}, the layer's keys x Hkv slots shared out
+        over its KV heads, as config.hybrid["cache_budgets"] holds them: attention.cache_heads=retrieval; None: keys
+        for every head). No training needed; start a new decode cache after a change."""
         if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
             raise ValueError(f"the cache must be an integer >= 0 (keys per KV head), got {keys!r}")
         if select is not None and select not in CACHE_SELECTS:
             raise ValueError(f"cache select {select!r} is not allowed; choose one of: {', '.join(CACHE_SELECTS)}")
-        for m in hybrid_layers(self).values():
-            m.cache_keys = keys
-            if select is not None:
-                m.cache_select = select
+        set_layers_cache(hybrid_layers(self), keys, select, budgets)
 
 
 def hybrid_causal_lm(base: type, config_class: type, name: str) -> type:
