@@ -220,7 +220,8 @@ def main():
     n = min(args.ppl_sequences, len(ids) // L)
     seqs = torch.tensor(ids[: n * L]).view(n, L)
     meta = {"path": str(path), "window": window, "sinks": sinks, "lead": lead, "trials": args.trials,
-            "distances": args.distances, "recall_distances": args.recall_distances or args.distances, "ppl": [n, L], "text_tokens": len(filler)}  # fmt: skip
+            "distances": args.distances, "recall_distances": args.recall_distances or args.distances, "ppl": [n, L],
+            "text_tokens": len(filler)}  # fmt: skip
     results["_meta"] = meta
     print(meta, flush=True)
     budgets_cache = {}
@@ -258,8 +259,10 @@ def main():
         if name in args.ppl_only:
             r = {"passkey": {}, "recall": {}}
         else:
-            r = {"passkey": retrieval.score_probes(m, pk, "cpu", 8192),
-                 "recall": {} if args.no_recall else retrieval.score_probes(m, rc, "cpu", 8192)}
+            r = {
+                "passkey": retrieval.score_probes(m, pk, "cpu", 8192),
+                "recall": {} if args.no_recall else retrieval.score_probes(m, rc, "cpu", 8192),
+            }
         for probe in ("passkey", "recall"):
             for d in r[probe].values():
                 d["per_trial"] = [e for _, e in d["per_trial"]]
@@ -297,8 +300,8 @@ def render(results, args) -> str:
     meta = results.get("_meta", {})
     ds = [str(d) for d in meta.get("distances", args.distances)]
     rs = [str(d) for d in meta.get("recall_distances", ds)]
-    head = ("| configuration | " + " | ".join(f"passkey {d}" for d in ds) + " | " + " | ".join(f"recall {d}" for d in rs)
-            + " | ppl past w | ΔNLL vs hybrid [95% CI] | s |")  # fmt: skip
+    head = ("| configuration | " + " | ".join(f"passkey {d}" for d in ds) + " | "
+            + " | ".join(f"recall {d}" for d in rs) + " | ppl past w | ΔNLL vs hybrid [95% CI] | s |")  # fmt: skip
     lines = [head, "|" + "---|" * (len(ds) + len(rs) + 4)]
     names = [r["name"] for r in configs(args.budgets)]
     names += [n for n in results if not n.startswith("_") and n not in names]
