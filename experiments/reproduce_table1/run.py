@@ -109,6 +109,14 @@ CODE = ("hybrid_scale/attention", "hybrid_scale/recipes", "hybrid_scale/distill/
 # (tests/integration/test_same_numbers.py) checks both hashes against their commits and runs stage 1, stage 2 and the
 # evaluation of both on a tiny model: every tensor and figure must be equal to the bit.
 SAME_NUMBERS: dict[str, tuple[str, str, str, str]] = {
+    "c98a2d8adb3529fa9fd29dd66b810befbd52de7f09c11524867172b04e0b516e": (
+        "e5fd499e5497f59fd9f0555485a64088542a16b920b757d4b927fceaaaa904a1",
+        "a1ce32605dd0e4fde49f3d5a0deeedf87402325b",
+        "b9a71e8ec4232c7ac33a87b0346b12264e67adaf",
+        "issue 66: the cache of exact keys (attention/cache/: attention.cache, cache_select, cache_heads, cache_train; "
+        "the cache_only mode), off by default: a cache of 0 is the hybrid without it; its decode state adds nothing "
+        "without it; checked on both LA kinds",
+    ),
     "e5fd499e5497f59fd9f0555485a64088542a16b920b757d4b927fceaaaa904a1": (
         "20a04f7c1c6a4d3ab53ec763dc2bdfb3f16303d79d1f3922b12c18106210aea1",
         "86f1115a0ee4ed3897f34e644b0502ca6982ed6c",
