@@ -48,7 +48,8 @@ def pooled(runs: list[str], probe: str, modes: list[str]) -> str:
                 n[d] = n.get(d, 0) + s["trials"]
         if n:
             dists = dists or sorted(n, key=int)
-            rows.append(f"| {mode} | " + " | ".join(f"{100 * hits[d] / n[d]:.0f} ({hits[d]}/{n[d]})" for d in dists) + " |")
+            cells = " | ".join(f"{100 * hits[d] / n[d]:.0f} ({hits[d]}/{n[d]})" for d in dists)
+            rows.append(f"| {mode} | {cells} |")
     head = "| mode | " + " | ".join(f"d={d}" for d in dists) + " |\n|---|" + "---:|" * len(dists) + "\n"
     return head + "\n".join(rows) + "\n"
 
@@ -59,7 +60,7 @@ def nll(blocks):
 
 def paired(a, b, resamples=2000, seed=0):
     """mean per-token NLL of b minus a, and its 95% bootstrap CI over the blocks (a, b on the same blocks)."""
-    assert len(a) == len(b) and all(x[1] == y[1] for x, y in zip(a, b))
+    assert len(a) == len(b) and all(x[1] == y[1] for x, y in zip(a, b, strict=True))
     rng = random.Random(seed)
     n = len(a)
     diff = [y[0] - x[0] for x, y in zip(a, b)]

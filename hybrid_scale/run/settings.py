@@ -99,9 +99,15 @@ def _value(cfg: Config, key: str):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+CACHE_KEYS = ("attention.cache", "attention.cache_select", "attention.cache_heads")  # the cache of exact keys
+
+
 def _attention(cfg: Config) -> dict:
+    """The attention settings as they change what a stage trains: the cache's only when it trains with the cache
+    (attention.cache_train; else it joins after training, and changing it retrains nothing)."""
     container = OmegaConf.to_container(cfg.attention, resolve=True)
-    return {f"attention.{k}": v for k, v in container.items() if f"attention.{k}" not in ROUNDING_ONLY}
+    skip = set(ROUNDING_ONLY) | (set() if cfg.attention.cache_train else set(CACHE_KEYS))
+    return {f"attention.{k}": v for k, v in container.items() if f"attention.{k}" not in skip}
 
 
 def data_settings(cfg: Config) -> dict:
@@ -136,6 +142,8 @@ def stage2_settings(cfg: Config, derived: Derived, model: Path | None = None) ->
     out["early_stopping"] = derived.early_stopping
     out["model"] = str(Path(model).resolve()) if model is not None else None
     out |= data_settings(cfg)  # (the training text and the held-out losses' split)
+    if cfg.attention.cache_train:  # stage 2 trains with the cache: a resume must have the same one
+        out |= {key: v for key, v in _attention(cfg).items() if key in (*CACHE_KEYS, "attention.cache_train")}
     return json.loads(json.dumps(out))
 
 

@@ -182,3 +182,21 @@ def test_the_pipeline_trains_no_stage_1_when_stage_2_starts_from_a_given_model(t
     assert is_done(given, RunLayout.of(given), "distill")  # (its result would go unused)
     plain = load_config(overrides=[f"run_dir={tmp_path / 'run'}"])
     assert not is_done(plain, RunLayout.of(plain), "distill")
+
+
+def test_the_cache_retrains_nothing_unless_the_stages_train_with_it():
+    """attention.cache (and its selection) joins after training: the settings the stages record and a rerun compares
+    do not change with it, so changing it retrains nothing; with attention.cache_train they do, stage 2's too (a
+    resume with another cache is refused)."""
+    from hybrid_scale.config import load_config
+    from hybrid_scale.run.settings import derive, run_settings, stage2_settings
+
+    def cfg(*extra):
+        return load_config("quickstart.yaml", list(extra))
+
+    plain, cached = cfg("attention.cache=16"), cfg("attention.cache=64", "attention.cache_select=self_recall")
+    assert run_settings(plain) == run_settings(cached)
+    trains = [cfg("attention.cache_train=true", f"attention.cache={c}") for c in (16, 64)]
+    assert run_settings(trains[0]) != run_settings(trains[1])
+    s2 = [stage2_settings(c, derive(c)) for c in trains]
+    assert s2[0]["attention.cache"] == 16 and s2[1]["attention.cache"] == 64
