@@ -63,7 +63,7 @@ def paired(a, b, resamples=2000, seed=0):
     assert len(a) == len(b) and all(x[1] == y[1] for x, y in zip(a, b, strict=True))
     rng = random.Random(seed)
     n = len(a)
-    diff = [y[0] - x[0] for x, y in zip(a, b)]
+    diff = [y[0] - x[0] for x, y in zip(a, b, strict=True)]
     cnt = [x[1] for x in a]
     est = sum(diff) / sum(cnt)
     boots = []
