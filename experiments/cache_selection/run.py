@@ -75,7 +75,7 @@ def scores(part, x, opts, first, *, impl, dense):
 
 
 def _layer_budget(budget):
-    if STATE["variant"] == "perhead" and not (isinstance(budget, int) and budget == 0):
+    if STATE["variant"] in ("perhead", "fullheads") and not (isinstance(budget, int) and budget == 0):
         return STATE["budgets"][STATE["layer"]]
     return budget
 
@@ -132,6 +132,19 @@ def retrieval_budgets(mass: dict[int, torch.Tensor], C: int) -> dict[int, torch.
     return out
 
 
+def full_heads(mass: dict[int, torch.Tensor], C: int, length: int) -> tuple[dict[int, torch.Tensor], list]:
+    """The ceiling (issue 66 item 5): the C x Hkv x layers keys of a C-key cache spent instead on full attention in
+    the k = total // length KV heads of the whole model with the most retrieval mass (calibrate's): budget `length`
+    (>= every prompt's length: every key that leaves the window stays exact) there, 0 (plain hybrid) elsewhere."""
+    heads = [(float(m[h]), i, h) for i, m in mass.items() for h in range(m.numel())]
+    k = (C * len(heads)) // length
+    top = sorted(heads, reverse=True)[:k]
+    out = {i: torch.zeros(m.numel(), dtype=torch.long) for i, m in mass.items()}
+    for _, i, h in top:
+        out[i][h] = length
+    return out, [(i, h) for _, i, h in top]
+
+
 def calibrate(model, tok, filler, lead, seed, C, trials):
     """Per-layer retrieval mass per KV head (module doc) from passkey prompts the probes never use."""
     items = passkey.probes(tok, filler, [48, 96, 192], trials, seed + 12345, lead)
@@ -165,6 +178,7 @@ def configs(budgets: list[int]) -> list[dict]:
             dict(name=f"hybrid+recency@{C}", mode="hybrid", cache=C, select="recency"),
             dict(name=f"hybrid+perhead@{C}", mode="hybrid", cache=C, select="attention", variant="perhead"),
             dict(name=f"cache_only+attention@{C}", mode="cache_only", cache=C, select="attention"),
+            dict(name=f"hybrid+fullheads@{C}", mode="hybrid", cache=C, select="attention", variant="fullheads"),
         ]
     return rows
 
@@ -242,6 +256,22 @@ def main():
             m = model
             set_modes(m, row["mode"])
             set_cache(m, row["cache"], row.get("select"))
+            if row.get("variant") == "fullheads":
+                C = row["cache"]
+                saved = results.get("_perhead", {}).get(str(C), {}).get("mass")
+                if saved is not None:  # the same calibration as perhead's (same seed, prompts, C)
+                    mass = {int(i): torch.tensor(v) for i, v in saved.items()}
+                else:
+                    STATE["variant"] = None
+                    mass = calibrate(model, tok, filler, lead, cfg.seed, C, args.calib_trials)
+                    STATE["variant"] = "fullheads"
+                    set_modes(m, row["mode"])
+                    set_cache(m, row["cache"], row.get("select"))
+                length = max(len(p.ids) for p in pk)
+                STATE["budgets"], top = full_heads(mass, C, length)
+                results.setdefault("_fullheads", {})[str(C)] = {"length": length, "k": len(top), "heads": top,
+                                                               "total_keys": C * sum(v.numel() for v in mass.values())}
+                print("fullheads", results["_fullheads"][str(C)], flush=True)
             if row.get("variant") == "perhead":
                 C = row["cache"]
                 if C not in budgets_cache:
