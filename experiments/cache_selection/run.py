@@ -269,8 +269,12 @@ def main():
                     set_cache(m, row["cache"], row.get("select"))
                 length = max(len(p.ids) for p in pk)
                 STATE["budgets"], top = full_heads(mass, C, length)
-                results.setdefault("_fullheads", {})[str(C)] = {"length": length, "k": len(top), "heads": top,
-                                                               "total_keys": C * sum(v.numel() for v in mass.values())}
+                results.setdefault("_fullheads", {})[str(C)] = {
+                    "length": length,
+                    "k": len(top),
+                    "heads": top,
+                    "total_keys": C * sum(v.numel() for v in mass.values()),
+                }
                 print("fullheads", results["_fullheads"][str(C)], flush=True)
             if row.get("variant") == "perhead":
                 C = row["cache"]
