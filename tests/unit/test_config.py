@@ -115,7 +115,8 @@ def test_presets_load_by_name_and_carry_their_architecture():
     cfg = load_config("quickstart.yaml")
     assert cfg.finetune.recipe == "lolcats" and cfg.model.arch["num_hidden_layers"] == 30 and cfg.data.seq_len == 1024
     assert cfg.attention.la_decay and cfg.finetune.seq_len is None  # stage 2 reads what stage 1 read
-    assert cfg.attention.window == 16 and "swa_sinks" in cfg.eval.modes and cfg.eval.passkey_distances == [8, 64, 128, 256]
+    assert cfg.attention.window == 16 and "swa_sinks" in cfg.eval.modes
+    assert cfg.eval.passkey_distances == [8, 64, 128, 256]
     big = load_config(
         "models/llama3-70b.yaml", ["launch.tensor_parallel=8", "eval.shard_weights=false", "finetune.offload=false"]
     )
