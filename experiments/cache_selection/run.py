@@ -19,8 +19,8 @@ swa_sinks, no cache, cache_only, the base model, and two selections not in the s
   C_h = floor + (3 C - 3 floor) * mass_h / sum(mass) (floor C / 4; rounding keeps the layer's total at 3 C).
   select.drop_times takes the [Hkv] budget (attend.drop_times and attend.soft_terms are wrapped to pass it).
 
-LoLA's self-recall *with rescoring* (scores recomputed against the evolving state) has no parallel form and is not
-measured here.
+LoLA's self-recall *with rescoring* (scores recomputed against the evolving state) has no parallel form: rescore.py
+measures it in a token loop.
 
     PYTHONPATH=.:kernels .venv/bin/python -m experiments.cache_selection.run --run-dir runs/qs [--trials 40]
         [--budgets 8 16 32 64] [--only NAME ...] [--out experiments/cache_selection/out]
