@@ -17,8 +17,8 @@ def test_config_prints_resolved_values_and_rejects_bad_keys(capsys):
     assert err.strip() == (
         "hybrid-scale config: error: config key 'attention.windo' is not known; allowed here: "
         "window, feature_map, feature_dim, gamma_init, gamma_param, sinks, hybrid_sinks, la_decay, la_decay_horizon, "
-        "la_decay_max_horizon, la_kind, la_combine, la_conv, la_delta_horizon, la_qk_map, mode, layers, chunk_size, "
-        "backend"
+        "la_decay_max_horizon, la_kind, la_combine, la_conv, la_delta_horizon, la_qk_map, mode, cache, cache_select, "
+        "cache_heads, cache_train, layers, chunk_size, backend"
     )
 
 
