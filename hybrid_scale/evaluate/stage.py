@@ -366,4 +366,9 @@ def _la_share(models: Models, seqs: torch.Tensor, cfg: Config, rt) -> dict:
                     by_bucket[label] = [h for part in parts for h in part[kind][i][label]]
         for i in result.get("horizon", {}):  # per layer, one value per KV head
             result["horizon"][i] = [h for part in parts for h in part["horizon"][i]]
+        for i, by_bucket in result.get("memories", {}).items():  # each rank's mean over as many heads as the others'
+            for label, shares in by_bucket.items():
+                by_bucket[label] = {
+                    n: sum(part["memories"][i][label][n] for part in parts) / len(parts) for n in shares
+                }
     return result
