@@ -7,11 +7,13 @@ from __future__ import annotations
 import torch
 
 from ..config.schema import Config, eval_cache, eval_mode
+from ..data import corpus
 from ..distributed import runtime, tensor_parallel
 from ..distributed.deepspeed import init_comm, zero3_config
 from ..distributed.parallelize import Zero3, parallelize
+from ..models.cache_heads import default_prompts, retrieval_budgets
 from ..models.convert import convert_model, set_cache, set_modes, set_window
-from ..models.converted import load_base_model, load_converted
+from ..models.converted import load_base_model, load_converted, load_tokenizer
 from ..run.sources import ModelSource
 from .cells import TWINS, evaluation_window
 
@@ -76,14 +78,11 @@ class Models:
         if self.cfg.attention.cache_heads != "retrieval":
             return None
         if keys not in self._budgets:
-            from ..data import corpus
-            from ..models.cache_heads import retrieval_budgets
-            from ..models.converted import load_tokenizer
-
             tokenizer = load_tokenizer(self.source.base)
             filler = tokenizer.encode(corpus.report_text(self.cfg)[0])
-            self._budgets[keys] = retrieval_budgets(self._hybrid, tokenizer, filler, keys, self.cfg.seed,
-                                                    select=self.cfg.attention.cache_select)  # fmt: skip
+            prompts = default_prompts(self._hybrid, self.cfg.seed)
+            select = self.cfg.attention.cache_select
+            self._budgets[keys] = retrieval_budgets(self._hybrid, tokenizer, filler, keys, prompts, select=select)
         return self._budgets[keys]
 
     def cache_key(self, mode: str) -> dict:

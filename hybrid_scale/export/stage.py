@@ -28,12 +28,16 @@ from safetensors.torch import load_file
 
 from ..attention.layer import GAMMA_PARAMS
 from ..config.schema import Config
+from ..data import corpus
 from ..entry import Entry, stage_entry
-from ..errors import ExportError
+from ..errors import CorpusError, ExportError
 from ..models import streaming
+from ..models.cache_heads import default_prompts, retrieval_budgets
 from ..models.converted import (
     ADAPTER_DIR,
     PARAMS_NAME,
+    load_converted,
+    load_tokenizer,
     lora_deltas,
 )
 from ..run.log import StageLog
@@ -117,11 +121,6 @@ def _cache_budgets(cfg: Config, draft: Draft, base: Path) -> dict:
     (models/cache_heads.py), calibrated on passkey prompts cut from the training text (the export's calibration
     text) and written into config.json's `hybrid` as cache_budgets {layer: [Hkv]}, which the remote code applies at
     load time (hybrid_config.json keeps the toolkit's settings). Returns the new config."""
-    from ..data import corpus
-    from ..errors import CorpusError
-    from ..models.cache_heads import retrieval_budgets
-    from ..models.converted import load_converted, load_tokenizer
-
     tmp, settings = draft.dir, draft.settings
     tokenizer = load_tokenizer(base)
     try:
@@ -130,8 +129,9 @@ def _cache_budgets(cfg: Config, draft: Draft, base: Path) -> dict:
         raise ExportError(f"the export's training text for attention.cache_heads=retrieval falls short: {e}") from None
     model = load_converted(tmp, torch.float32).eval()
     try:
-        budgets = retrieval_budgets(model, tokenizer, tokenizer.encode("\n\n".join(docs)), int(settings["cache"]),
-                                    cfg.seed, select=settings["cache_select"])  # fmt: skip
+        filler, prompts = tokenizer.encode("\n\n".join(docs)), default_prompts(model, cfg.seed)
+        budgets = retrieval_budgets(model, tokenizer, filler, int(settings["cache"]), prompts,
+                                    select=settings["cache_select"])  # fmt: skip
     except ValueError as e:
         raise ExportError(f"attention.cache_heads=retrieval: {e}") from None
     hybrid = {**draft.config["hybrid"], "cache_budgets": {str(i): b.tolist() for i, b in budgets.items()}}

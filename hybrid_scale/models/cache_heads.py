@@ -14,6 +14,7 @@ tokens, window 16, 32 keys per KV head on average: 62 % against 25 % for the uni
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -56,10 +57,20 @@ def needle_spans(tokenizer, items: Sequence[passkey.Probe], lead: int) -> list[t
     return out
 
 
-def retrieval_mass(model: nn.Module, tokenizer, filler: list[int], seed: int, *, distances: Sequence[int],
-                   trials: int, lead: int) -> dict[int, torch.Tensor]:  # fmt: skip
+class Prompts(NamedTuple):
+    """The calibration's passkey prompts: their distances, prompts per distance, the filler before the needle, and
+    the probes' seed (the prompts take it plus SEED_OFFSET, so that they are never the probes' own)."""
+
+    distances: Sequence[int]
+    trials: int
+    lead: int
+    seed: int
+
+
+def retrieval_mass(model: nn.Module, tokenizer, filler: list[int], prompts: Prompts) -> dict[int, torch.Tensor]:
     """{layer: [Hkv] fp64}: each hybrid layer's KV heads' softmax mass from the answer rows to the needle (module
-    doc), summed over `trials` prompts per distance, in the model's current modes and cache."""
+    doc), summed over `prompts.trials` prompts per distance, in the model's current modes and cache."""
+    distances, trials, lead, seed = prompts
     layers = hybrid_layers(model)
     for m in layers.values():
         if m.head_range is not None:
@@ -102,29 +113,33 @@ def retrieval_mass(model: nn.Module, tokenizer, filler: list[int], seed: int, *,
     return mass
 
 
-def retrieval_budgets(model: nn.Module, tokenizer, filler: list[int], cache: int, seed: int, *,
-                      select: str | None = None, distances: Sequence[int] | None = None, trials: int = 8,
-                      lead: int | None = None) -> dict[int, torch.Tensor]:  # fmt: skip
+def default_prompts(model: nn.Module, seed: int) -> Prompts:
+    """8 prompts at 3, 6 and 12 windows (of the first hybrid layer), the needle after max(passkey.LEAD, the sinks)."""
+    layers = hybrid_layers(model)
+    if not layers:
+        raise ValueError("retrieval_budgets needs a converted model (no hybrid layer found)")
+    first = layers[min(layers)]
+    return Prompts([w * first.window for w in WINDOWS], 8, max(passkey.LEAD, first.sinks), seed)
+
+
+def retrieval_budgets(
+    model: nn.Module, tokenizer, filler: list[int], cache: int, prompts: Prompts, *, select: str | None = None
+) -> dict[int, torch.Tensor]:
     """{layer: LongTensor [Hkv]}: each hybrid layer's cache x Hkv slots shared out over its KV heads by their
     retrieval mass (module doc), measured with the model in hybrid mode and the uniform cache of `cache` keys chosen
     by `select` (the model's own if None); the model's modes and cache are as before afterwards. `filler`: token ids
     of the text the prompts cut their filler from (the evaluation's held-out text, the export's calibration text);
-    distances: default 3, 6 and 12 windows (of the first hybrid layer); lead: filler before the needle, default
-    max(passkey.LEAD, the sinks)."""
+    prompts: the calibration's (default_prompts)."""
     layers = hybrid_layers(model)
     if not layers:
         raise ValueError("retrieval_budgets needs a converted model (no hybrid layer found)")
     if cache <= 0:
         return {}
-    first = layers[min(layers)]
-    window = first.window
-    distances = [w * window for w in WINDOWS] if distances is None else list(distances)
-    lead = max(passkey.LEAD, first.sinks) if lead is None else lead
     before = {i: (m.cache_keys, m.cache_select, m.cache_budget) for i, m in layers.items()}
     try:
         set_cache(model, cache, select)
         with components(model, "hybrid"):
-            mass = retrieval_mass(model, tokenizer, filler, seed, distances=distances, trials=trials, lead=lead)
+            mass = retrieval_mass(model, tokenizer, filler, prompts)
     finally:
         for i, (keys, sel, budget) in before.items():
             layers[i].cache_keys, layers[i].cache_select, layers[i].cache_budget = keys, sel, budget

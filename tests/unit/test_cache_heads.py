@@ -216,11 +216,11 @@ def test_the_calibration_measures_the_softmax_mass_from_the_answer_to_the_needle
             want += att[:, r0:r1, s0:s1].sum(-1).mean(-1).view(K, G).mean(-1)
     assert float(want[1]) > 2 * float(want[0]), want  # (the planted head retrieves)
     model = hs.convert_model(_retrieving(), {"window": 6, "sinks": 3, "layers": [1], "backend": "torch"})
-    mass = cache_heads.retrieval_mass(model, tok, filler, seed, distances=distances, trials=trials, lead=lead)
+    prompts = cache_heads.Prompts(distances, trials, lead, seed)
+    mass = cache_heads.retrieval_mass(model, tok, filler, prompts)
     assert list(mass) == [1]
     torch.testing.assert_close(mass[1], want, rtol=1e-4, atol=1e-6)
-    budgets = cache_heads.retrieval_budgets(model, tok, filler, 16, seed, distances=distances, trials=trials,
-                                            lead=lead)  # fmt: skip
+    budgets = cache_heads.retrieval_budgets(model, tok, filler, 16, prompts)
     b = budgets[1]
     assert int(b.sum()) == 16 * K and int(b[1]) > int(b[0]) >= 4
     layer = hybrid_layers(model)[1]
