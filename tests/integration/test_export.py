@@ -503,7 +503,7 @@ def test_an_export_with_retrieval_budgets_applies_them_alone_as_the_toolkit(trai
         calibrated.append(real(*args, **kwargs))
         return planted
 
-    monkeypatch.setattr(cache_heads, "retrieval_budgets", calibrate)
+    monkeypatch.setattr(export_stage, "retrieval_budgets", calibrate)  # (the name the export calls)
     out = tmp_path / "export"
     export(cfg(trained, out, "attention.cache=4", "attention.cache_heads=retrieval"))
     (got_budgets,) = calibrated
