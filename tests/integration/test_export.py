@@ -1,6 +1,8 @@
 """Export: loads in a process without hybrid_scale/peft/deepspeed (trust_remote_code), equals the toolkit's model,
 streamed LoRA merge == PEFT's merge_and_unload, reloads into hybrid_scale, clear errors on a missing or corrupt
-shard, inference-time hybridisation with fixed and calibrated gamma."""
+shard, inference-time hybridisation with fixed and calibrated gamma, the cache of exact keys and its per-head budgets.
+(Over 500 lines: its tests share the module-scoped exported model and the isolated-process loader, which is what
+keeps them fast; splitting the file would build the export once per file.)"""
 
 import json
 import shutil
