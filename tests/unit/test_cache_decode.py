@@ -37,6 +37,25 @@ KINDS = {
 }
 
 
+def decode_equals_forward(model):
+    """A 20-token prompt then 20 single tokens through HybridCache (the second row left-padded by 5) give the full
+    forward's logits. Returns (ids, mask, the full logits, the cache, the set of its byte counts after each step)."""
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        out = model(ids[:, :20], attention_mask=mask[:, :20], use_cache=True)
+        cache, steps, sizes = out.cache, [out.logits], set()
+        for t in range(20, 40):
+            steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True).logits)
+            sizes.add(cache.nbytes)
+    got = torch.cat(steps, 1)
+    torch.testing.assert_close(got[0], full[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1, 5:], full[1, 5:], rtol=1e-4, atol=1e-5)
+    return ids, mask, full, cache, sizes
+
+
 def inputs(kind: str, T: int, dtype=DT, seed=0, batch=B):
     """(Projections, gamma, la_decay or None) of random inputs for `kind`."""
     B = batch
@@ -240,19 +259,7 @@ def test_a_converted_model_decodes_and_generates_what_its_forward_gives(kind, se
     forward's."""
     model = _model(kind)
     set_cache(model, 4, select)
-    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    with torch.no_grad():
-        full = model(ids, attention_mask=mask, use_cache=False).logits
-        out = model(ids[:, :20], attention_mask=mask[:, :20], use_cache=True)
-        cache, steps, sizes = out.cache, [out.logits], set()
-        for t in range(20, 40):
-            steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True).logits)
-            sizes.add(cache.nbytes)
-    got = torch.cat(steps, 1)
-    torch.testing.assert_close(got[0], full[0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got[1, 5:], full[1, 5:], rtol=1e-4, atol=1e-5)
+    ids, mask, _, cache, sizes = decode_equals_forward(model)
     assert len(sizes) == 1 and cache.layers[0].state.cache_k.shape[2] == 4
     new = 24
     gen = model.generate(ids[:, :16], attention_mask=mask[:, :16], max_new_tokens=new, min_new_tokens=new,
