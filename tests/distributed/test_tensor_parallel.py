@@ -9,6 +9,8 @@ from pathlib import Path
 import procs
 import pytest
 
+from hybrid_scale.attention.settings import MODES
+
 HERE = Path(__file__).parent
 SCRIPT = "benchmarks/memory/tensor_parallel.py"
 
@@ -23,8 +25,7 @@ def split_models():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "granite"])
 def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_models, arch):
     out = split_models[arch]
-    modes = {"hybrid", "swa_only", "swa_sinks", "la_only", "sinks_only", "none", "hybrid+sinks", "hybrid+decay"}
-    assert set(out["logits"]) == modes
+    assert set(out["logits"]) == {*MODES, "hybrid+sinks", "hybrid+decay"}
     assert max(out["logits"].values()) <= 1e-5, out["logits"]  # every component mode
     assert out["partial"] <= 1e-5  # a softmax layer left unconverted is split the same way
     assert out["decode_equal"] and out["decode_tokens"] == 20  # prefill (left-padded) + 20 greedy tokens (with sinks)
@@ -33,8 +34,11 @@ def test_two_tensor_parallel_ranks_compute_what_one_whole_model_does(split_model
     assert out["trainable"] == 36 and out["grads"] <= 1e-6  # LoRA's every factor, phi, gamma and rho, whole vs split
     assert 0.49 < out["bytes_ratio"] < 0.51  # the parameters held per rank halve (norms stay whole)
     delta = out["delta"]  # the gated delta-rule LA (gates, convolutions, mix gate, own sinks) split over its heads
-    assert max(delta["logits"].values()) <= 1e-5 and len(delta["logits"]) == 6, delta["logits"]
+    assert max(delta["logits"].values()) <= 1e-5 and set(delta["logits"]) == set(MODES), delta["logits"]
     assert delta["decode_equal"]
+    for cache in (out["cache"], delta["cache"]):  # each selection's cache, whole vs split: 3 modes x 3 selections
+        assert len(cache["logits"]) == 9 and max(cache["logits"].values()) <= 1e-5, cache["logits"]
+        assert cache["decode_equal"]
     assert delta["trainable"] > 24 and delta["grads"] <= 1e-6, delta
 
 

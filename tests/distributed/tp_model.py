@@ -14,7 +14,7 @@ from conftest import perturb_hybrid, tiny_model  # noqa: E402
 import hybrid_scale as hs  # noqa: E402
 from hybrid_scale.attention.settings import MODES  # noqa: E402
 from hybrid_scale.distributed import runtime, tensor_parallel  # noqa: E402
-from hybrid_scale.models.convert import hybrid_layers, set_modes  # noqa: E402
+from hybrid_scale.models.convert import hybrid_layers, set_cache, set_modes  # noqa: E402
 
 
 def lora(model):
@@ -61,6 +61,7 @@ def main(arch: str, rt) -> dict:
         for m in (*hybrid_layers(whole).values(), *hybrid_layers(split).values()):
             m.hybrid_sinks = False
         out["decode_tokens"] = int(a.shape[1] - ids.shape[1])
+        out["cache"] = with_cache(whole, split, ids)
     # gradients of LoRA (every factor) and of phi/gamma/rho, whole vs split, in hybrid mode with the LA's decay (rho
     # per KV head: each rank keeps its KV heads' rho, like gamma); and that model's logits and decode, whole vs split
     base = perturb_hybrid(hs.convert_model(tiny_model(arch), {"window": 4, "sinks": 2, "la_decay": True}))
@@ -99,6 +100,26 @@ def main(arch: str, rt) -> dict:
     return out
 
 
+def with_cache(whole, split, ids) -> dict:
+    """The cache of exact keys (3 per KV head: keys leave the 4-token window and some lose to it, so the LA takes
+    them) under each selection, whole vs split: the logits of the modes that read it and a greedy decode. The models
+    are left with the cache off and in hybrid mode."""
+    res, kw = {"logits": {}, "decode_equal": True}, dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for select in ("attention", "self_recall", "recency"):
+        for m in (whole, split):
+            set_cache(m, 3, select)
+        for mode in ("hybrid", "swa_sinks", "cache_only"):
+            set_modes(whole, mode)
+            set_modes(split, mode)
+            res["logits"][f"{mode}+{select}"] = (whole(ids).logits - split(ids).logits).abs().max().item()
+        set_modes(whole, "hybrid")
+        set_modes(split, "hybrid")
+        res["decode_equal"] &= bool(torch.equal(whole.generate(ids, **kw), split.generate(ids, **kw)))
+    for m in (whole, split):
+        set_cache(m, 0)
+    return res
+
+
 def gated_delta(arch: str, rt, ids) -> dict:
     """The gated delta-rule LA (with its short convolution, the mix gate and the own sinks), whole vs split: logits in
     every mode, greedy decode, and the gradients of LoRA and of its gates, convolutions and gamma."""
@@ -116,6 +137,7 @@ def gated_delta(arch: str, rt, ids) -> dict:
         set_modes(split, "hybrid")
         kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
         res["decode_equal"] = bool(torch.equal(whole.generate(ids, **kw), split.generate(ids, **kw)))
+        res["cache"] = with_cache(whole, split, ids)
     ref_model, tp_model = lora(copy.deepcopy(whole)), lora(copy.deepcopy(whole))
     for m in (ref_model, tp_model):
         for n, p in m.named_parameters():
