@@ -77,7 +77,7 @@ class Program:
 
 def states(a: dict):
     """_chunk_states: program (feature block, value block, batch x KV head x segment) walks its segment's chunks."""
-    C, F, D, NS, L, P = CHUNK, a["F"], a["D"], a["NS"], a["L"], a["P"]
+    C, F, NS, L, P = CHUNK, a["F"], a["NS"], a["L"], a["P"]
     BF, BDV, T = a["BLOCK_F"], a["BLOCK_DV"], a["T"]
 
     def program(p: Program, pf: int, pd: int, z: int) -> None:
@@ -128,7 +128,7 @@ def output(a: dict):
     """_chunk_output: program (batch x query head, query chunk): the state, two passes over the NB + 1 key blocks
     (the row max, then g E + L times v), the sinks' tile; y in one or two dtypes, the row stats."""
     C, T, H, G, D, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"]
-    FC, BS = a["BLOCK_FC"], a["BLOCK_S"]
+    BS = a["BLOCK_S"]
     soft, lin, sinks = a["SOFT"], a["LIN"], a["SINKS"]
     Hkv = H // G
 
@@ -268,7 +268,7 @@ def bwd_dq(a: dict):
 def dstates(a: dict):
     """_chunk_dstates: program (feature block, value block, batch x KV head) walks the states in reverse; each takes
     phi_q and do of the G query heads' chunk that reads it."""
-    C, T, H, G, D, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"]
+    C, T, H, G, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["F"], a["NS"], a["NB"]
     BF, BDV, Hkv, decay = a["BLOCK_F"], a["BLOCK_DV"], a["Hkv"], a["DECAY"]
 
     def program(p: Program, pf: int, pd: int, bh: int) -> None:
@@ -306,7 +306,7 @@ def bwd_dkv(a: dict):
     and query chunks c .. c + NB, the scores and dp over the whole head dim, then E^T do, ds^T q, L^T do into its
     columns of dv and dk; the state h_{c+1}'s share of dv; the sinks' host sums (chunk 0)."""
     C, T, H, G, D, F, NS, NB, NC = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"], a["NC"]
-    BDO, BS, BD = a["BLOCK_DO"], a["BLOCK_S"], a["BLOCK_D"]
+    BDO, BS = a["BLOCK_DO"], a["BLOCK_S"]
     soft, lin, sinks, hybrid = a["SOFT"], a["LIN"], a["SINKS"], a["HYBRID"]
     Hkv = H // G
 
@@ -346,7 +346,6 @@ def bwd_dkv(a: dict):
         if sinks and c == 0:  # the host's sums of the sinks' dk, dv [B Hkv BLOCK_S, BLOCK_D] (rows j < n_sinks)
             p.read("DVS", bkv * BS, BS, d0, BDO)
             p.read("DKS", bkv * BS, BS, d0, BDO)
-        assert BD >= D
         p.write("DV", kv, C, d0, BDO)
         if soft:
             p.write("DK", kv, C, d0, BDO)

@@ -130,7 +130,7 @@ def cost_of(launch, into: Cost) -> None:
     into.ctas = ctas
 
 
-class _Glue(TorchDispatchMode):
+class Glue(TorchDispatchMode):
     """The torch ops between the kernels: their count, bytes (inputs read, outputs written; a memset writes its
     output), FLOPs (batched matrix products) and the ops on more than T x F elements (what the targets forbid).
     Views and allocations move nothing; an op on no elements launches nothing."""
@@ -168,7 +168,7 @@ class _Glue(TorchDispatchMode):
         return out
 
 
-def count(T: int) -> tuple[list[Cost], _Glue, float]:
+def count(T: int) -> tuple[list[Cost], Glue, float]:
     """The launches (per kernel, in order of first launch) and the glue of one forward + backward at T tokens,
     planned for SMS SMs, and the irreducible bytes."""
     H, Hkv, D, F = (SHAPE[k] for k in ("H", "Hkv", "D", "F"))
@@ -179,7 +179,7 @@ def count(T: int) -> tuple[list[Cost], _Glue, float]:
     q, k, v, fq, fk = meta(1, H, T, D), meta(1, Hkv, T, D), meta(1, Hkv, T, D), meta(1, H, T, F), meta(1, Hkv, T, F)
     gamma = torch.empty(H, device="meta", requires_grad=True)
     rho = torch.empty(Hkv, device="meta", requires_grad=True)
-    glue = _Glue(big=T * F)
+    glue = Glue(big=T * F)
     with mock.patch.object(chunk_h, "SMS_OFF_GPU", SMS), record_launches() as recorded, glue:
         o = AttentionOptions(window=SHAPE["w"], sinks=SHAPE["sinks"], hybrid_sinks=True)
         y = triton_hybrid_attention(q, k, v, fq, fk, gamma, o, la_decay=rho)
@@ -197,7 +197,7 @@ def needed_flops(T: int) -> dict[str, float]:
     """The products one forward + backward at SHAPE needs, each computed once, at the kernels' tiles (per pass)."""
     H, Hkv, D, F, C = SHAPE["H"], SHAPE["Hkv"], SHAPE["D"], SHAPE["F"], CHUNK
     nc, nb, bs = -(-T // C), blocks_back(SHAPE["w"], True, True), pow2(SHAPE["sinks"])
-    band = H * nc * (nb + 1) * C * C  # (query, key) pairs in the band's tiles
+    band = H * sum(min(c, nb) + 1 for c in range(nc)) * C * C  # (query, key) pairs in the band's tiles
     sink = H * T * bs  # (query, sink) pairs in the sinks' tile
     state_rows = H * (nc - nb - 1) * C  # queries that read a state (chunks NB + 1 on)
     scan = Hkv * (nc - nb - 1) * C  # keys a stored state holds (chunks 0 .. NS - 2)
