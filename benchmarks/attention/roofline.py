@@ -6,22 +6,23 @@ One attention layer of Llama-3-8B as its preset trains it (32 heads, 8 KV heads,
 (chunk_h.SMS_OFF_GPU pinned to 132: the scan is split over the sequence, `_segment_fix` after it, as on the GPU).
 Every Triton launch is recorded, not run (tools/compile_check.record_launches), and every torch op between them too
 (a dispatch mode). Each launch's programs are then walked in grid order (axis 0 fastest), each through its kernel's
-function in benchmarks/attention/kernel_tiles.py, written from the kernel's loops: the tiles it reads and writes
-(every store, read-modify-writes both ways) and the products it computes. Two byte columns: **no L2 reuse**, each
+function in benchmarks/attention/kernel_tiles.py, written from the kernel's loops: the tiles of 16 rows x 16 columns
+it reads and writes (every store, read-modify-writes both ways; a partly masked tile counts whole, scalars are left
+out) and the products it computes. Two byte columns: **no L2 reuse**, each
 program's distinct tiles counted once per program; **shared tiles once**, a tile that several programs resident
 at the same time touch counted once. Residency: programs in grid order, in waves of 132 SMs x CTAs per SM, the
 CTAs per SM from the launch's register cap (maxnreg x 32 x warps of 64K registers) and warps (2048 threads), 1
 where the launch sets no cap; shared memory is not modelled, and no tile is assumed to stay in L2 from one wave
-or one launch to the next. The torch glue's bytes are each op's inputs read and outputs written; a memset (zeros,
-fill_) writes its output.
+or one launch to the next. The torch glue's bytes are each op's inputs read and outputs written (a memset, zeros or
+fill_, writes its output), its FLOPs those of its matrix products.
 
 The irreducible bytes: the forward reads q, k, v, phi_q, phi_k once and writes y once; the backward reads them, y
 and dy once and writes dq, dk, dv, dphi_q, dphi_k once (bf16). The needed FLOPs: each product the math needs
-computed once, at the kernels' tiles (per query chunk the band's NB + 1 blocks of 64 keys, the sinks' tile, the
-state; the backward's one recompute of the scores and of phi_q phi_k^T included). Targets (issue 67): fwd+bwd bytes
-at most 3x the irreducible with no L2 reuse; at most 7 Triton launches as planned for 132 SMs; no torch op on more
-than T x F elements; FLOPs at most 1.3x the needed. Time bounds use the H200's measured ceilings (about 790 TFLOP/s
-for bf16 matrix products, 4.3 TB/s for copies).
+computed once, at the kernels' tiles (per query chunk the band's blocks of 64 keys, NB + 1 but for the first
+chunks, the sinks' tile, the state; the backward's one recompute of the scores and of phi_q phi_k^T included).
+Targets (issue 67): fwd+bwd bytes at most 3x the irreducible with no L2 reuse; at most 7 Triton launches as
+planned for 132 SMs; no torch op on more than T x F elements; FLOPs at most 1.3x the needed. Time bounds use the
+H200's measured ceilings (about 790 TFLOP/s for bf16 matrix products, 4.3 TB/s for copies; it has 132 SMs too).
 
     python -m benchmarks.run roofline [--out docs/results/kernel_roofline.md]      (make kernel-roofline)
 
