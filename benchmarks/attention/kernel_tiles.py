@@ -16,7 +16,8 @@ When a kernel changes, change its function here: the tile counts are the plain v
 
 from __future__ import annotations
 
-CHUNK = 64  # (hybrid_scale_kernels.utils.CHUNK: checked by roofline.count against the kernels' own)
+from hybrid_scale_kernels.utils import CHUNK
+
 _SPREAD = [[sum(1 << (64 * (s + i)) for i in range(n)) for n in range(5)] for s in range(4)]
 _COLUMNS: dict = {}  # (first column, columns) -> (columns per bit, the bits)
 

@@ -42,7 +42,6 @@ from hybrid_scale_kernels.chunk import triton_hybrid_attention
 from hybrid_scale_kernels.utils import CHUNK, blocks_back, pow2
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.attention import kernel_tiles
 from benchmarks.attention.kernel_tiles import KERNELS, Program
 from hybrid_scale.attention.options import AttentionOptions
 from tools.compile_check import record_launches
@@ -57,7 +56,6 @@ TARGET_LAUNCHES = 7  # Triton launches per fwd+bwd, planned for SMS SMs
 TARGET_FLOPS = 1.3  # FLOPs / needed FLOPs
 REGISTERS, THREADS, MAX_CTAS = 65536, 2048, 32  # per SM (sm_80, sm_90)
 E = 2  # bytes of bf16
-assert kernel_tiles.CHUNK == CHUNK
 
 
 @dataclass

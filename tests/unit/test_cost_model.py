@@ -87,9 +87,10 @@ def test_the_glue_counts_memsets_both_sides_of_a_cast_and_ops_on_more_than_t_f_e
         x = torch.empty(2000, device="meta")  # an allocation: nothing
         x.to(torch.bfloat16)  # a cast: 8000 bytes read, 4000 written
         x.sum()  # 8000 bytes read, 4 written: on 2000 elements, though its output is one
+        torch.empty(2000, device="meta", dtype=torch.bfloat16).copy_(x)  # 8000 bytes read, 4000 written
         torch.zeros(0, device="meta")  # on no element: launches nothing
-    assert (glue.ops, glue.memsets, glue.nbytes) == (3, 1, 8000 + 12000 + 8004)
-    assert glue.over == ["zeros", "_to_copy", "sum"]
+    assert (glue.ops, glue.memsets, glue.nbytes) == (4, 1, 8000 + 12000 + 8004 + 12000)
+    assert glue.over == ["zeros", "_to_copy", "sum", "copy_"]
 
 
 def test_the_irreducible_bytes_hold_y_which_the_backward_reads(counted):
