@@ -155,3 +155,23 @@ def test_the_cost_model_holds_its_ground(counted):
         assert t["ratio"] < 7.8 and t["shared_ratio"] < 4.4 and t["shared"] < t["moved"], t
         assert t["flops_ratio"] < 1.83, t
         assert set(t["over"]) <= {"div", "_to_copy", "bmm", "zeros"}, t
+
+
+def _overlapping(a):
+    def program(p, x, y, z):
+        p.read("X", 16, 32, 0, 128)  # rows 16..47, every column
+        p.read("X", 0, 64, 0, 32)  # rows 0..63, columns 0..31
+        p.read("Z", 0, 16)  # a vector's 16 rows, twice
+        p.read("Z", 0, 16)
+
+    return program
+
+
+def test_a_program_counts_the_union_of_the_tiles_it_reads(monkeypatch):
+    monkeypatch.setitem(roofline.KERNELS, "_overlapping", _overlapping)
+    x = torch.empty(64, 128, device="meta", dtype=torch.bfloat16)
+    z = torch.empty(64, device="meta")
+    cost = roofline.Cost("_overlapping")
+    kernel = SimpleNamespace(__name__="_overlapping", arg_names=["X", "Z"])
+    roofline.cost_of(Launch(kernel, (x, z), {}, (1,)), cost)
+    assert cost.nbytes == (32 * 128 + 32 * 32) * 2 + 16 * 4
