@@ -29,18 +29,18 @@ def _columns(c0: int, nc: int) -> tuple[int, int]:
     return _COLUMNS[c0, nc]
 
 
-def _mark(tiles: dict, key: tuple, rows: tuple[int, int], cbits: int) -> None:
-    """Set the bits of rows [r0, r0 + nr) (multiples of 16) and columns `cbits` of `key` = (tensor, 64-row block of
-    r0) in `tiles`: one key per 64-row block, one 64-bit word per 16-row part of it, one bit per 16 columns (per
-    column of a vector)."""
+def _mark(tiles: dict, name: str, rows: tuple[int, int], cbits: int) -> None:
+    """Set the bits of rows [r0, r0 + nr) (multiples of 16) and columns `cbits` of tensor `name` in `tiles`: one key
+    (name, 64-row block) per block, one 64-bit word per 16-row part of it, one bit per 16 columns (per column of a
+    vector)."""
     r0, nr = rows
     assert r0 % 16 == 0 and nr % 16 == 0, rows
     r, end = r0 // 16, (r0 + nr) // 16
     while r < end:
         block, part = divmod(r, 4)
         n = min(end - r, 4 - part)
-        k = (key[0], block)
-        tiles[k] = tiles.get(k, 0) | cbits * _SPREAD[part][n]
+        key = (name, block)
+        tiles[key] = tiles.get(key, 0) | cbits * _SPREAD[part][n]
         r += n
 
 
@@ -70,7 +70,7 @@ class Program:
             key = (name, r0 >> 6)
             tiles[key] = tiles.get(key, 0) | cbits * _SPREAD[0][4]
         else:
-            _mark(tiles, (name, 0), rows, cbits)
+            _mark(tiles, name, rows, cbits)
 
     def dot(self, m: int, n: int, k: int) -> None:
         self.flops += 2.0 * m * n * k
