@@ -47,15 +47,19 @@ def delta_inputs(shape: dict, T: int, device, seed: int = 0) -> dict:
 
 
 def outputs_and_grads(fn, x: dict) -> dict:
-    """fn's output o and final state S, and the gradient of every input of sum(o * w) + sum(S * u) (w, u fixed)."""
+    """fn's output o and final state S, and the gradient of every input of sum(o * w) + sum(S * u) (w, u fixed; zero
+    for an input fn does not use)."""
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     o, S = fn(**leaves)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(o.shape, generator=gen).to(o.device)
     u = torch.randn(S.shape, generator=gen).to(S.device)
-    grads = torch.autograd.grad((o.float() * w).sum() + (S.float() * u).sum(), list(leaves.values()))
-    named = {f"d{n}": d.float() for n, d in zip(leaves, grads, strict=True)}
-    return dict(o=o.detach().float(), S=S.detach().float(), **named)
+    loss = (o.float() * w).sum() + (S.float() * u).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)  # (an input it ignores: a zero)
+    out = dict(o=o.detach().float(), S=S.detach().float())
+    for (name, t), d in zip(leaves.items(), grads, strict=True):
+        out[f"d{name}"] = (torch.zeros_like(t) if d is None else d).float()
+    return out
 
 
 def errors(tested: dict, reference: dict) -> dict[str, float]:
