@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 
 import torch
+from transformers import LlamaForCausalLM, StaticCache
 
 from benchmarks.device.machine import llama_config
 from benchmarks.device.run import Run, out_of_time
@@ -40,8 +41,6 @@ def attention_settings(run: Run) -> dict:
 
 
 def llama(run: Run, m: dict, max_positions: int, seed: int = 0):
-    from transformers import LlamaForCausalLM  # noqa: PLC0415
-
     config = llama_config(m, m["vocab"], max_positions, tie=False)
     torch.manual_seed(seed)
     with torch.device(run.device):
@@ -70,17 +69,25 @@ def decoder_step(model, cache, batch: int, position: int, after=None):
     return step
 
 
-def kv_cache_step(model, batch: int, ctx: int):
-    """(step, cache bytes): the static KV cache of ctx slots, allocated by a first step and filled at random."""
-    from transformers import StaticCache  # noqa: PLC0415
-
+def fresh_step(model, batch: int, ctx: int):
+    """(step, cache): a step at `batch` over a fresh cache that its first call allocates: the model's HybridCache if
+    it is converted, else a StaticCache of ctx slots whose slot the step gives back at its end (no prefill: what the
+    largest batch is checked with, whose prefill's activations a decode batch never holds at once)."""
+    if hasattr(model, "hybrid_settings"):  # (convert_model records its settings there)
+        cache = HybridCache(model)
+        return decoder_step(model, cache, batch, ctx - 1), cache
     cache = StaticCache(config=model.config, max_cache_len=ctx)
 
     def give_back():
         for layer in cache.layers:
             layer.crop(-1)
 
-    step = decoder_step(model, cache, batch, ctx - 1, give_back)
+    return decoder_step(model, cache, batch, ctx - 1, give_back), cache
+
+
+def kv_cache_step(model, batch: int, ctx: int):
+    """(step, cache bytes): the static KV cache of ctx slots, allocated by a first step and filled at random."""
+    step, cache = fresh_step(model, batch, ctx)
     step()  # (allocates the cache: lazy_initialization at the first update)
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     for t in tensors:
@@ -149,14 +156,15 @@ def free_bytes(run: Run) -> float:
     return torch.cuda.mem_get_info()[0] - d["fit_margin_gib"] * 2**30
 
 
-def fit(run: Run, make, measured: dict) -> dict:
+def fit(run: Run, model, measured: dict) -> dict:
     """The largest batch from `measured`'s memory per sequence, checked by a fresh cache at that batch and a step."""
+    ctx = run.cfg["decode"]["fit_context"]
     row = dict(method=measured["method"], context=measured["context"], fit=True)
     per = measured["bytes_per_sequence"] + (measured.get("transient_per_sequence") or 0)
     free = free_bytes(run)
     row |= dict(bytes_per_sequence=per, free_bytes=free, batch=max(0, int(free // per)))
     try:
-        step, _ = make(row["batch"])
+        step, _ = fresh_step(model, row["batch"], ctx)
         step()
         row["allocated"] = True
     except torch.cuda.OutOfMemoryError:
@@ -167,13 +175,16 @@ def fit(run: Run, make, measured: dict) -> dict:
     return row
 
 
-def one_row(run: Run, make, row: dict, measured: dict | None) -> dict:
+def one_row(run: Run, model, row: dict, measured: dict | None) -> dict:
     """A measured row (its step at its batch), or with measured (that row) given, the largest batch that fits."""
     if row.pop("fit", False):
         if not measured or "ms" not in measured:
             return row | dict(fit=True, skipped="its step at the batch was not measured")
-        return fit(run, make, measured)
-    measure(run, make, row)
+        return fit(run, model, measured)
+    if row["method"] == "kv_cache":
+        measure(run, lambda b: kv_cache_step(model, b, row["context"]), row)
+    else:
+        measure(run, lambda b: hybrid_step(model, b, run.cfg["decode"]["prompt"]), row)
     return row
 
 
@@ -192,11 +203,7 @@ def part_decode(run: Run) -> dict:
         if why:
             rows.append(row | {"skipped": why})
             continue
-        if method == "kv_cache":
-            make = lambda b, m=model, ctx=ctx: kv_cache_step(m, b, ctx)  # noqa: E731
-        else:
-            make = lambda b, m=model: hybrid_step(m, b, d["prompt"])  # noqa: E731
-        row = one_row(run, make, row, at.get((method, ctx)))
+        row = one_row(run, model, row, at.get((method, ctx)))
         at.setdefault((method, ctx), row)
         rows.append(row)
         print(f"device_speed: decode {json.dumps(row)}", flush=True)
