@@ -23,6 +23,7 @@ not measured (0) and cpu_memory_mib stands in for the free memory. The deadline 
 from __future__ import annotations
 
 import json
+import traceback
 
 import torch
 from transformers import LlamaForCausalLM, StaticCache
@@ -144,6 +145,7 @@ def measure(run: Run, make, row: dict) -> None:
     except torch.cuda.OutOfMemoryError:
         row["skipped"] = "out of memory"
     except Exception as e:  # noqa: BLE001  (one method failing must not lose the other)
+        traceback.print_exc()
         row["skipped"] = row["error"] = one_line(e)
 
 
@@ -170,6 +172,7 @@ def fit(run: Run, model, measured: dict) -> dict:
     except torch.cuda.OutOfMemoryError:
         row["allocated"], row["error"] = False, "out of memory"
     except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
         row["allocated"], row["error"] = False, one_line(e)
     run.free()
     return row
@@ -177,9 +180,9 @@ def fit(run: Run, model, measured: dict) -> dict:
 
 def one_row(run: Run, model, row: dict, measured: dict | None) -> dict:
     """A measured row (its step at its batch), or with measured (that row) given, the largest batch that fits."""
-    if row.pop("fit", False):
+    if row["fit"]:
         if not measured or "ms" not in measured:
-            return row | dict(fit=True, skipped="its step at the batch was not measured")
+            return row | dict(skipped="its step at the batch was not measured")
         return fit(run, model, measured)
     if row["method"] == "kv_cache":
         measure(run, lambda b: kv_cache_step(model, b, row["context"]), row)
