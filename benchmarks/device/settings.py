@@ -56,16 +56,17 @@ DEFAULT_PARTS = ("grad", "delta", "prefill", "decode", "profile", "tests")
 # the budgets each part spends (prefill: its warm-up, then its rows)
 PART_BUDGETS = {"prefill": ("prefill_warm", "prefill")}
 MODEL_8B = dict(layers=4, hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, vocab=128256)
-# seconds, a GPU run, none of them measured yet (no GPU has run this script): what each part must do in its time
+# seconds of a GPU run: estimates of what each part must do in its time, none measured yet (no GPU has run this
+# script). The default parts' and `startup` add up to the deadline, 285 s (tests/unit/test_device_budgets.py)
 FULL_BUDGETS = dict(
     grad=35,  # a pytest child: ~8 s to start, the chunked kernels compiled for two modes, fwd+bwd at T 4096
     delta=30,  # fla's gated delta-rule kernels compiled (fwd and bwd, their autotuners trimmed) and one comparison
     prefill_warm=40,  # every method compiled, autotuned and self-checked at T 1024 (the hybrid's kernels are already
     #                 in Triton's cache on disk from part grad's child); fla's chunk_simple_gla is most of it
     prefill=25,  # 4 methods x 2 lengths of CUDA-event timing, a few ms each after the warm-up
-    decode=45,  # two 8B-shaped 4-layer models built, their steps graphed at two contexts, two fitting batches tried
+    decode=45,  # an 8B-shaped 4-layer model built, then converted; 3 steps graphed and timed; 2 largest batches tried
     profile=15,  # one torch.profiler pass over two functions, a few calls each
-    tests=70,  # the gpu-marked tests in a child, cut at what is left (a cut run still names what passed)
+    tests=70,  # the gpu-marked tests in a child, cut at what is left (a cut run still names what passed): the rest
     tiles=60,  # (not by default) each variant compiles the chunked kernels anew
     generate=90,  # (not by default) two models compiled with CUDA graphs at 1k context
     big=240,  # (not by default) a 4-layer 8B-shaped model saved, stage 1 and stage 2 with DeepSpeed
