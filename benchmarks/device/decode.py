@@ -86,14 +86,22 @@ def fresh_step(model, batch: int, ctx: int):
     return decoder_step(model, cache, batch, ctx - 1, give_back), cache
 
 
+def cache_bytes(cache) -> int:
+    """What a cache holds: a HybridCache's states, or a StaticCache's keys and values (0 before its first step)."""
+    if isinstance(cache, HybridCache):
+        return cache.nbytes
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))  # fmt: skip
+
+
 def kv_cache_step(model, batch: int, ctx: int):
     """(step, cache bytes): the static KV cache of ctx slots, allocated by a first step and filled at random."""
     step, cache = fresh_step(model, batch, ctx)
     step()  # (allocates the cache: lazy_initialization at the first update)
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    for t in tensors:
-        t.normal_()
-    return step, sum(t.numel() * t.element_size() for t in tensors)
+    for layer in cache.layers:
+        layer.keys.normal_()
+        layer.values.normal_()
+    return step, cache_bytes(cache)
 
 
 def hybrid_step(model, batch: int, prompt: int):
@@ -102,7 +110,7 @@ def hybrid_step(model, batch: int, prompt: int):
     ids = torch.randint(8, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(prompt))
     with torch.no_grad():
         model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
-    return decoder_step(model, cache, batch, prompt), cache.nbytes
+    return decoder_step(model, cache, batch, prompt), cache_bytes(cache)
 
 
 def transient_bytes(run: Run, step) -> int | None:
@@ -159,16 +167,17 @@ def free_bytes(run: Run) -> float:
 
 
 def fit(run: Run, model, measured: dict) -> dict:
-    """The largest batch from `measured`'s memory per sequence, checked by a fresh cache at that batch and a step."""
+    """The largest batch from `measured`'s memory per sequence, checked by a fresh cache at that batch and a step
+    (what the cache then holds: allocated_bytes)."""
     ctx = run.cfg["decode"]["fit_context"]
     row = dict(method=measured["method"], context=measured["context"], fit=True)
     per = measured["bytes_per_sequence"] + (measured.get("transient_per_sequence") or 0)
     free = free_bytes(run)
     row |= dict(bytes_per_sequence=per, free_bytes=free, batch=max(0, int(free // per)))
     try:
-        step, _ = fresh_step(model, row["batch"], ctx)
+        step, cache = fresh_step(model, row["batch"], ctx)
         step()
-        row["allocated"] = True
+        row["allocated"], row["allocated_bytes"] = True, cache_bytes(cache)
     except torch.cuda.OutOfMemoryError:
         row["allocated"], row["error"] = False, "out of memory"
     except Exception as e:  # noqa: BLE001
@@ -240,7 +249,8 @@ def section(d: dict) -> list[str]:
         if "skipped" in r:
             rows.append(skipped_row([r["method"], ctx, "fit" if r.get("fit") else r.get("batch", "")], r["skipped"]))
         elif r.get("fit"):
-            ok = "allocated, one step ran" if r["allocated"] else f"FAILED: {r['error']}"
+            ok = f"{fmt(r['allocated_bytes'] / 2**30)} GiB allocated, one step ran" if r["allocated"] else (
+                f"FAILED: {r['error']}")  # fmt: skip
             rows.append([r["method"], ctx, f"fit: {r['batch']:,}", "", "", "", fmt(r["bytes_per_sequence"] / 2**20),
                          f"free {fmt(r['free_bytes'] / 2**30)} GiB; {ok}"])  # fmt: skip
         else:

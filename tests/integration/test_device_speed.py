@@ -123,6 +123,8 @@ def test_each_part_keeps_its_figures(whole):
         assert measured["batch"] == 4 and measured["tokens_per_s"] > 0 and measured["transient_per_sequence"] is None
         assert fit["free_bytes"] == 24 * 2**20 and fit["bytes_per_sequence"] == measured["bytes_per_sequence"]
         assert fit["batch"] == int(fit["free_bytes"] // fit["bytes_per_sequence"]) > 4 and fit["allocated"], fit
+        per = measured["bytes_per_sequence"]  # (a cache at that batch; the state has a few bytes not per sequence)
+        assert fit["allocated_bytes"] == pytest.approx(fit["batch"] * per, rel=1e-3)
     generate = data["generate"]["rows"]
     assert [(r["context"], r["model"]) for r in generate] == [(c, m) for c in CONTEXTS for m in ("base", "hybrid")]
     for r in generate:
