@@ -99,9 +99,9 @@ metrics-overhead: $(STAMP)
 	$(PY) -m benchmarks.metrics_overhead --out docs/results/metrics_overhead.md
 
 # The device harness (benchmarks/device/, one driver: benchmarks/device.sh speed|check), its two harnesses:
-# Issue 51's device benchmark (a CUDA GPU; under 5 minutes): prefill vs SDPA and fla, decode per layer and of a whole
-# 8B-shaped model vs a static KV cache (CUDA graphs, torch.compile), the 8B-shaped stages 1 and 2, the bf16 kernel
-# tests; docs/results/device_speed.md. With the device tool: `make gpu-wheels`, then run
+# Issues 51 and 67's device benchmark (a CUDA GPU; 285 s): the bf16 gradient test and fla's gated delta rule against
+# the torch form, prefill vs SDPA and fla, decode of 32 sequences at 8k and 32k vs a static KV cache (CUDA graphs),
+# one profiler pass, the gpu-marked tests; docs/results/device_speed.md. With the device tool: `make gpu-wheels`, then run
 # `bash benchmarks/device_speed.sh` with carry [".whl"]. `make device-speed ARGS=--dry-run`: the CPU check (seconds).
 device-speed: $(STAMP)
 	$(PY) -m benchmarks.device speed $(ARGS)

@@ -1,5 +1,6 @@
-"""Part 5, big: stage 1 and stage 2 of an 8B-shaped random model (benchmarks/device/stages.py at the 8B shape, 4
-layers, the preset's attention and sequence length; in a child process, cut at the part's budget): tokens/s, MFU
+"""Part 7, big (named in DEVICE_SPEED_PARTS only; it does not fit beside the default parts): stage 1 and stage 2 of
+an 8B-shaped random model (benchmarks/device/stages.py at the 8B shape, 4 layers, the preset's attention and sequence
+length; in a child process, cut at the part's budget): tokens/s, MFU
 (model FLOPs / time / 989 TFLOP/s, dense bf16 of an H100/H200 SXM), peak memory, and the GPU-hours of an 8B
 conversion at the presets' token budgets (configs/models/llama3-8b.yaml, configs/recipes/*.yaml) beside LoLCATs' 6.5
 A100-hours. The FLOP counts are stage1_flops_per_sequence and stage2_flops_per_token."""
@@ -149,7 +150,7 @@ def section(d: dict) -> list[str]:
     if not big or "stage1_layer_s" not in big:
         return []
     bc = d["settings"]["big"]
-    lines = ["", "## 5. 8B-shaped stage 1 and stage 2 (random weights)", "",
+    lines = ["", "## 7. 8B-shaped stage 1 and stage 2 (random weights)", "",
              f"Llama, {bc['layers']} layers, hidden {bc['hidden']}, {bc['heads']} heads, {bc['kv']} KV heads, head dim "
              f"{bc['head_dim']}, intermediate {bc['inter']}, vocab {bc['vocab']} ({big['params']:,} parameters); "
              f"{bc['sequences']} sequences x {bc['seq_len']} tokens; stage 1 batch {bc['distill_batch']}, stage 2 "

@@ -1,6 +1,7 @@
-"""Part 4, generate: `generate` of an 8B-shaped random model with a few layers (4; hidden 4096, intermediate 14336,
-vocab 128256) against the same model converted (hybrid_scale.convert_model), each with a static cache
-(`cache_implementation="static"`; `past_key_values=HybridCache(model)`) and transformers' torch.compile
+"""Part 6, generate (not in a GPU run's default parts: compiling two models took its whole budget at 1k context):
+`generate` of an 8B-shaped random model with a few layers (4; hidden 4096, intermediate 14336, vocab 128256), at the
+contexts generate_contexts (1k), against the same model converted (hybrid_scale.convert_model), each with a static
+cache (`cache_implementation="static"`; `past_key_values=HybridCache(model)`) and transformers' torch.compile
 (CompileConfig(fullgraph=True): mode reduce-overhead, CUDA graphs); prompt ctx - 32 tokens, 32 new; ms per generated
 token = the median interval over the last half of the new tokens (CUDA events recorded by a logits processor); a
 model that cannot compile runs eagerly from then on, with the reason recorded.
@@ -166,12 +167,12 @@ def part_generate(run: Run) -> dict:
     end = run.part_deadline("generate")
     if run.cuda:
         torch._logging.set_logs(recompiles=True)  # (the recompiles' records reach CompileWatch, and the log)
-    base = llama(run, cfg["model"])
+    base = llama(run, cfg["model"], max(cfg["generate_contexts"]) + 64)
     models = {"base": base, "hybrid": convert_model(copy.deepcopy(base), attention_settings(run))}
     params = sum(p.numel() for p in base.parameters())
     rows, failed = [], {}  # failed: model -> the compiled run's failure: that model runs eagerly from then on
     took = {}  # model -> seconds its last row took (a new context recompiles: about as long as the last one)
-    for ctx in cfg["contexts"]:
+    for ctx in cfg["generate_contexts"]:
         at = {}
         for name in MODELS:
             row = dict(context=ctx, model=name)
@@ -215,7 +216,7 @@ def section(d: dict) -> list[str]:
     if not c:
         return []
     m = c["model"]
-    lines = ["", "## 4. Decode, whole model: `generate`", "",
+    lines = ["", "## 6. Decode, whole model: `generate`", "",
              f"Llama, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, {m['kv']} KV heads, head dim "
              f"{m['head_dim']}, intermediate {m['inter']}, vocab {m['vocab']} ({c['params']:,} parameters), random "
              "weights; prompt = context - new tokens; ms per token = median interval over the last half of the new "

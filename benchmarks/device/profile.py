@@ -1,7 +1,8 @@
-"""Part 2b, profile: one torch.profiler pass over the hybrid's forward+backward at T = 4096 (prefill.py's hybrid
-method, already compiled by the prefill part) and over one decode step at context 8192 (decode.py's converted-layer
-step), each written into the report as a table of CUDA kernels: microseconds and launches per call, the longest first
-(benchmarks/device/timing.py's kernel_table)."""
+"""Part 4, profile: one torch.profiler pass over the hybrid's forward+backward at T = profile_T (prefill.py's hybrid
+method, already compiled by the prefill part) and over one decode step of the hybrid (decode.py's converted 4-layer
+model at its batch, eager; the step part decode left, else built here), each written into the report as a table of
+CUDA kernels: microseconds and launches per call, the longest first (benchmarks/device/timing.py's kernel_tables; a
+kernel is counted where its start falls in a function's time range, `unplaced` where in neither)."""
 
 from __future__ import annotations
 
@@ -9,37 +10,42 @@ import torch
 
 from benchmarks.device import decode, prefill
 from benchmarks.device.run import Run, out_of_time
-from benchmarks.device.timing import kernel_table
-from benchmarks.registry import inputs as attention_inputs
+from benchmarks.device.timing import kernel_tables
 from benchmarks.report_table import fmt, one_line, table
+from hybrid_scale import convert_model
+
+
+def decode_step(run: Run):
+    """(the hybrid's eager decode step, what it is): the one part decode left, else a model built and converted."""
+    if "decode_step" in run.kept:
+        return run.kept.pop("decode_step")
+    d = run.cfg["decode"]
+    model = convert_model(decode.llama(run, run.cfg["model"], d["prompt"] + 64), decode.attention_settings(run))
+    step, _ = decode.hybrid_step(model, d["batch"], d["prompt"])
+    return step, f"hybrid decode step, B={d['batch']}, {run.cfg['model']['layers']} layers"
 
 
 def part_profile(run: Run) -> dict:
     cfg = run.cfg
     end = run.part_deadline("profile")
-    out = {}
-    T, ctx = cfg["profile_T"], cfg["profile_context"]
-    for key, what in (("fwd_bwd", f"hybrid fwd+bwd, T={T}"), ("decode", f"hybrid decode step, context {ctx}")):
-        why = out_of_time(end, f"the profile budget ({cfg['budgets']['profile']:.0f} s)")
-        if why:
-            out[key] = dict(what=what, skipped=why)
-            continue
-        try:
-            if key == "fwd_bwd":
-                x, gy = prefill.prefill_inputs(run, T)
-                _, fn, _ = prefill.calls(prefill.hybrid_method(run, "hybrid"), x, gy)
-            else:
-                x = attention_inputs(cfg["shape"], ctx, run.device, run.dtype, seed=ctx)
-                fn, _ = decode.hybrid_step(decode.one_layer(run), x, ctx)
-            out[key] = dict(what=what, **kernel_table(run.cuda, fn, cfg["profile_steps"]))
-        except torch.cuda.OutOfMemoryError:
-            out[key] = dict(what=what, skipped="out of memory")
-        except Exception as e:  # noqa: BLE001
-            out[key] = dict(what=what, skipped=one_line(e), error=one_line(e))
-        print(f"device_speed: profile {what}: {out[key].get('total_us', out[key].get('skipped'))}", flush=True)
-        run.free()
-    rows = [dict(part=k, skipped=v["skipped"]) for k, v in out.items() if "skipped" in v]
-    return dict(out, rows=rows)
+    T = cfg["profile_T"]
+    x, gy = prefill.prefill_inputs(run, T)
+    _, fwd_bwd, _ = prefill.calls(prefill.hybrid_method(run, "hybrid"), x, gy)
+    step, what = decode_step(run)
+    why = out_of_time(end, f"the profile budget ({cfg['budgets']['profile']:.0f} s)")
+    if why:
+        return dict(skipped_part=why)
+    try:
+        tables = kernel_tables(run.cuda, {"fwd_bwd": fwd_bwd, "decode": step}, cfg["profile_steps"])
+    except torch.cuda.OutOfMemoryError:
+        return dict(failed="out of memory")
+    except Exception as e:  # noqa: BLE001
+        return dict(failed=one_line(e))
+    tables["fwd_bwd"]["what"], tables["decode"]["what"] = f"hybrid fwd+bwd, T={T}", what
+    for t in tables.values():
+        print(f"device_speed: profile {t['what']}: {t['total_us']:,.1f} us per call", flush=True)
+    run.free()
+    return tables
 
 
 def section(d: dict) -> list[str]:
@@ -47,16 +53,14 @@ def section(d: dict) -> list[str]:
     p = d.get("profile")
     if not p:
         return []
-    lines = ["", "## 2b. Profiler: kernels per call"]
+    lines = ["", "## 4. Profiler: kernels per call (one pass)"]
+    if p.get("skipped_part") or p.get("failed"):
+        return lines + ["", f"Not measured: {p.get('skipped_part') or p.get('failed')}."]
     for key in ("fwd_bwd", "decode"):
-        t = p.get(key)
-        if not t:
-            continue
-        if "skipped" in t:
-            lines += ["", f"{t['what']}: skipped: {t['skipped']}"]
-            continue
+        t = p[key]
         lines += ["", f"{t['what']}: {t['calls']} profiled calls; per call {t['total_us']:,.1f} us in "
-                  f"{t['launches']:,.0f} launches ({t['kind']})."]  # fmt: skip
+                  f"{t['launches']:,.0f} launches ({t['kind']}; {t['unplaced']} outside both functions' "
+                  "ranges)."]  # fmt: skip
         rows = [[f"`{r['kernel']}`", fmt(r["us"]), fmt(r["launches"]),
                  fmt(r["us"] / t["total_us"] if t["total_us"] else None)] for r in t["rows"]]  # fmt: skip
         lines += [""] + table(["kernel", "us per call", "launches per call", "share"], rows)

@@ -1,13 +1,14 @@
 """The one report writer of the device harness: NAME.md and NAME.json of a run (device_speed.* of the speed benchmark,
 gpu_check.* of the pipeline check), rewritten after every part. `document` lays out the markdown every harness shares
 (the title, date and command, the machine, the harness's own header lines, the table of parts, then each part's
-section: each part module's `section(data)`); `save_report` writes both files, the JSON first, and never loses the
-report to a figure the markdown did not expect (it writes the traceback instead). Every table is written by
-benchmarks/report_table.py."""
+section: each part module's `section(data)`); `save_report` writes both files, the JSON first, each whole (a process
+killed while writing leaves the last whole file), and never loses the report to a figure the markdown did not expect
+(it writes the traceback instead). Every table is written by benchmarks/report_table.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -44,12 +45,21 @@ def document(d: dict, title: str, header: list[str], sections: Iterable[Callable
     return "\n".join(lines) + "\n"
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed over it: a process killed while writing (the device tool's
+    timeout) leaves the last whole file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def save_report(out: Path, name: str, data: dict, markdown: Callable[[dict], str]) -> None:
-    """NAME.json (every figure) and NAME.md (the tables) in `out`; the markdown's own failure written in its place."""
+    """NAME.json (every figure) and NAME.md (the tables) in `out`, each whole or as it was; the markdown's own
+    failure written in its place."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    write_whole(out / f"{name}.json", json.dumps(data, indent=1, default=str) + "\n")
     try:
         text = markdown(data)
     except Exception:  # noqa: BLE001  (a figure it did not expect: the report is never lost)
         text = f"# {name}\n\nThe tables failed (the figures are in {name}.json):\n\n```\n{traceback.format_exc()}```\n"
-    (out / f"{name}.md").write_text(text)
+    write_whole(out / f"{name}.md", text)

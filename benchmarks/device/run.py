@@ -1,9 +1,11 @@
 """The Run every part of either harness writes into, and how the harness runs its parts: the settings, the figures
 (Run.data, written as NAME.json and NAME.md after every part by report.py), the deadline (DEADLINE, time.monotonic(),
 set by the harness from DEVICE_STARTED, device.sh's start) and the budgets; `run_part` runs one part guarded (a
-part failing must not lose the others) and records its status; the child processes (`run_child`, cut at the
-deadline; `child_part`, a part in its own process) and the log of everything they print. `ratio` records a figure
-beside its target (settings.TARGETS) and prints it at once, so a run cut short still has what it measured."""
+part failing must not lose the others), records its status and writes the report before the next part starts (and
+a part's start, so a run killed inside a part names it); the child processes (`run_child`, cut at the deadline;
+`child_part`, a part in its own process) and the log of everything they print. `ratio` records a figure beside its
+target (settings.TARGETS: at most, FLOORS: at least) and prints it at once, so a run cut short still has what it
+measured."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.device.report import save_report
-from benchmarks.device.settings import COLLECTIVES, ROOT, TARGETS
+from benchmarks.device.settings import COLLECTIVES, FLOORS, ROOT, TARGETS
 from benchmarks.report_table import fmt
 
 DEADLINE = [math.inf]  # time.monotonic() by which every part and subprocess must have ended
@@ -64,6 +66,7 @@ class Run:
         self.data["date"] = self.started.strftime("%Y-%m-%d %H:%M UTC")
         self.log = Log(out / f"{name}_children.log")
         self.lock = threading.Lock()
+        self.kept: dict = {}  # what one part leaves to a later one (decode's step for profile), never written
 
     def left(self) -> float:
         return DEADLINE[0] - time.monotonic()
@@ -73,11 +76,12 @@ class Run:
         return min(DEADLINE[0], time.monotonic() + self.cfg["budgets"][name])
 
     def ratio(self, key: str, value: float | None, note: str = "") -> None:
-        """A figure with its target (TARGETS: at most), printed at once."""
-        target = TARGETS.get(key)
-        met = None if value is None or target is None else bool(value <= target)
-        self.data.setdefault("ratios", {})[key] = dict(value=value, target=target, met=met, note=note)
-        goal = "" if target is None else f" (target <= {target:.3g}: {'met' if met else 'MISSED'})"
+        """A figure with its target (TARGETS: at most; FLOORS: at least), printed at once."""
+        target, floor = TARGETS.get(key), FLOORS.get(key)
+        bound, sign = (target, "<=") if floor is None else (floor, ">=")
+        met = None if value is None or bound is None else bool(value <= bound if floor is None else value >= bound)
+        self.data.setdefault("ratios", {})[key] = dict(value=value, target=bound, at=sign, met=met, note=note)
+        goal = "" if bound is None else f" (target {sign} {bound:.3g}: {'met' if met else 'MISSED'})"
         print(f"{self.name}: RATIO {key}: {fmt(value)}{goal}{' ' + note if note else ''}", flush=True)
 
     def free(self) -> None:
@@ -123,6 +127,8 @@ def run_part(run: Run, key: str, title: str, fn: Callable[[], dict | None], marg
         parts[key] = dict(title=title, status="skipped", seconds=0.0, note=f"needs part {needs}")
         print(f"\n== part {key}: {title}: skipped (needs part {needs})", flush=True)
     else:
+        parts[key] = dict(title=title, status="cut", seconds=0.0, note="started; the run ended inside it")
+        run.save()  # (a run killed inside this part still has the parts before it, and says which part it was)
         print(f"\n== part {key}: {title} ({run.left():.0f} s left)", flush=True)
         try:
             result = fn()

@@ -1,4 +1,4 @@
-"""Part 2c, tiles: DEVICE_SPEED_TILES="a:warps=8,stages=2;b:dchunk=64" times 2-3 tile variants of the heaviest
+"""Part 2b, tiles: DEVICE_SPEED_TILES="a:warps=8,stages=2;b:dchunk=64" times 2-3 tile variants of the heaviest
 kernels in one call. The kernels' launch settings are a dict by head dim (64, 128) of settings such as dchunk, fchunk,
 warps, stages, dq_warps, dkv_warps, bwd_dchunk, bwd_fchunk, bwd_dout: `hybrid_scale_kernels.GPU_SETTINGS`
 (kernels/hybrid_scale_kernels/settings.py; `python -m tools.kernel_compile --settings` compiles a variant first, to
@@ -84,7 +84,7 @@ def section(d: dict) -> list[str]:
     t = d.get("tiles")
     if not t:
         return []
-    lines = ["", "## 2c. Tile variants of the chunked prefill (DEVICE_SPEED_TILES)", ""]
+    lines = ["", "## 2b. Tile variants of the chunked prefill (DEVICE_SPEED_TILES)", ""]
     if t.get("skipped_part"):
         return lines + [f"Not run: {t['skipped_part']}."]
     lines += [f"Settings: {t['where']}[{t['head_dim']}], default {t['default']}; each variant patched over it "

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import types
@@ -22,18 +23,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ["-m", "benchmarks.device", "speed"]  # from the repository root
 LENGTHS, CONTEXTS = (64, 128), (48, 96)  # the dry run's (benchmarks/device/settings.py, DRY)
-PARTS = ["grad", "prefill", "profile", "tiles", "decode", "generate", "big", "tests"]
+PARTS = ["grad", "delta", "prefill", "tiles", "decode", "profile", "tests", "generate", "big"]
 TILES = "a:warps=8,stages=2;b:dchunk=64;c:nosuch=1"
 GRADIENTS = "tests/unit/test_triton_kernels_bf16.py::test_bf16_gradients_at_the_llama3_8b_shape"
+GATED_DELTA = "tests/unit/test_gated_delta.py::test_fla_kernel_equals_the_spec_on_a_gpu"
+
+
+def dry_env(**env) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    env.pop("OUT", None)
+    return env
 
 
 def dry_run(out: Path, **env) -> tuple[str, str, dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    env.pop("OUT", None)
     proc = subprocess.run(
         [sys.executable, *SCRIPT, "--dry-run", "--out", str(out)],
         cwd=ROOT,
-        env=env,
+        env=dry_env(**env),
         capture_output=True,
         text=True,
         timeout=300,
@@ -53,21 +59,28 @@ def test_the_dry_run_writes_every_row_in_the_issues_order(whole):
     assert stdout.strip().splitlines()[-1].startswith("device_speed: every part ran; 0 of 0 targets missed;"), stdout
     assert list(data["parts"]) == PARTS and all(p["status"] == "ok" for p in data["parts"].values())
     for row in (
-        "| grad: 1. bf16 gradients: triton_hybrid_attention vs the fp32 chunked path | ok |",
+        "| grad: 1a. bf16 gradients: triton_hybrid_attention vs the fp32 chunked path | ok |",
+        "| delta: 1b. fla's gated delta rule vs the torch form | ok |",
         "| prefill: 2. prefill vs SDPA and fla | ok |",
-        "| tests: 6. gpu-marked tests, chunked path first | ok |",
-        "| prefill fwd+bwd hybrid/fla, T=16384 | n/a | 1.25 | not measured |",  # the targets, every one listed
-        "| decode kernel us per layer, ctx=32768 | n/a | 4 | not measured |",
-        "| generate: dynamo recompiles after the first decode step (every row) | n/a | 0 | not measured |",
-        "| generate: CUDA-graph skips (every row) | n/a | 0 | not measured |",
+        "| decode: 3. decode throughput, a batch of sequences, CUDA graphs | ok |",
+        "| profile: 4. profiler: hybrid fwd+bwd and one decode step, one pass | ok |",
+        "| tests: 5. gpu-marked tests, chunked path first | ok |",
+        "| prefill fwd+bwd hybrid/fla, T=16384 | n/a | at most 1.25 | not measured |",  # the targets, every one listed
+        "| decode tokens/s hybrid/kv_cache, B=32, ctx=32768 | n/a | at least 4 | not measured |",
+        "| generate: dynamo recompiles after the first decode step (every row) | n/a | at most 0 | not measured |",
+        "| generate: CUDA-graph skips (every row) | n/a | at most 0 | not measured |",
         "| all |  | skipped: no gradient measured (the test was skipped or cut) |",  # (a GPU's: a row per tensor)
+        "Tested: `naive` (dry run: fla's Triton kernel needs CUDA; the spec loop (gated_delta/naive.py) stands in",
+        "| dinitial_state | ",
         *(f"| {T} | {m} | " for T in LENGTHS for m in ("sdpa", "hybrid", "la_only")),
         *(f"| {T} | fla | skipped: fla: dry run: fla's kernels need CUDA |" for T in LENGTHS),
         "hybrid fwd+bwd, T=64: 2 profiled calls",
-        "hybrid decode step, context 48: 2 profiled calls",
+        "hybrid decode step, B=4, 2 layers: 2 profiled calls",
         "| a | warps=8, stages=2 | 64 | ",
         "| c | nosuch=1 | 64 | skipped: unknown settings nosuch (known: ",
-        *(f"| {c} | {m} | eager (no CUDA: no graphs) | " for c in CONTEXTS for m in ("hybrid", "kv_cache")),
+        *(f"| kv_cache | {c} | 4 | eager (no CUDA: no graphs) | " for c in CONTEXTS),
+        "| hybrid | any | 4 | eager (no CUDA: no graphs) | ",
+        *(f"| {m} | {c} | fit: " for m, c in (("kv_cache", 96), ("hybrid", "any"))),
         *(f"| {c} | {m} | eager | " for c in CONTEXTS for m in ("base", "hybrid")),
         "| stage 1: tokens/s (feature-map training) / MFU |",
         "| stage 2: tokens/s / MFU |",
@@ -95,11 +108,23 @@ def test_each_part_keeps_its_figures(whole):
     tiles = data["tiles"]
     assert tiles["where"] and [r["variant"] for r in tiles["rows"]] == ["default", "a", "b", "c"]
     assert all(r["fwd_bwd_x_default"] > 0 for r in tiles["rows"][:3])
+    delta = data["delta"]  # the spec loop standing in for fla (no CUDA), against the chunked torch form
+    assert (delta["tested"], delta["self_check"], delta["auto"], delta["over"]) == ("naive", None, "chunk", [])
+    assert list(delta["errors"]) == ["o", "S", "dq", "dk", "dv", "dbeta", "dg", "dinitial_state"]
+    assert all(0 <= e < 1e-5 for e in delta["errors"].values()), delta["errors"]
     decode = data["decode"]["rows"]
-    assert [(r["context"], r["method"]) for r in decode] == [(c, m) for c in CONTEXTS for m in ("hybrid", "kv_cache")]
-    state = {(r["context"], r["method"]): r["bytes_state"] for r in decode}
-    assert state[48, "hybrid"] == state[96, "hybrid"]  # the ring and the LA state: independent of the context
-    assert state[96, "kv_cache"] == 2 * state[48, "kv_cache"]
+    assert [(r["method"], r["context"], r["fit"]) for r in decode] == [
+        *(("kv_cache", c, False) for c in CONTEXTS), ("kv_cache", 96, True), ("hybrid", None, False),
+        ("hybrid", None, True)]  # fmt: skip
+    kv48, kv96, kv_fit, hybrid, hybrid_fit = decode
+    assert kv96["bytes_per_sequence"] == 2 * kv48["bytes_per_sequence"]  # the KV cache grows with the context
+    assert hybrid["bytes_per_sequence"] < kv96["bytes_per_sequence"]
+    for measured, fit in ((kv96, kv_fit), (hybrid, hybrid_fit)):  # the dry run's 24 MiB stand-in, allocated
+        assert measured["batch"] == 4 and measured["tokens_per_s"] > 0 and measured["transient_per_sequence"] is None
+        assert fit["free_bytes"] == 24 * 2**20 and fit["bytes_per_sequence"] == measured["bytes_per_sequence"]
+        assert fit["batch"] == int(fit["free_bytes"] // fit["bytes_per_sequence"]) > 4 and fit["allocated"], fit
+        per = measured["bytes_per_sequence"]  # (a cache at that batch; the state has a few bytes not per sequence)
+        assert fit["allocated_bytes"] == pytest.approx(fit["batch"] * per, rel=1e-3)
     generate = data["generate"]["rows"]
     assert [(r["context"], r["model"]) for r in generate] == [(c, m) for c in CONTEXTS for m in ("base", "hybrid")]
     for r in generate:
@@ -108,9 +133,11 @@ def test_each_part_keeps_its_figures(whole):
     ratios = data["ratios"]
     for c in CONTEXTS:
         assert ratios[f"generate ms/token hybrid/base, ctx={c}"]["value"] > 0
-        assert ratios[f"decode step per layer hybrid/kv_cache, ctx={c}"]["value"] > 0
+        assert ratios[f"decode tokens/s hybrid/kv_cache, B=4, ctx={c}"]["value"] > 0
     for T in LENGTHS:
         assert ratios[f"prefill fwd+bwd hybrid/sdpa, T={T}"]["value"] > 0
+    profile = data["profile"]  # one pass over both functions, every aten op placed in one of them
+    assert [profile[k]["unplaced"] for k in ("fwd_bwd", "decode")] == [0, 0]
     big = data["big"]
     for key in ("stage1_tokens_per_s", "stage1_mfu", "stage1_teacher_mfu", "stage2_tokens_per_s", "stage2_mfu"):
         assert math.isfinite(big[key]) and big[key] > 0, key
@@ -118,12 +145,57 @@ def test_each_part_keeps_its_figures(whole):
     assert (p["stage1_tokens_per_layer"], p["stage2_tokens"], p["layers"]) == (4194304, 131072000, 32)
     tests = data["tests"]
     assert tests["counts"].get("skipped", 0) > 0  # the gpu-marked tests: collected, skipped on a CPU
-    assert f"--deselect {GRADIENTS}" in tests["command"]  # (part grad ran it)
-    order = tests["order"]  # the chunked kernels' first, fla's gated delta rule, the bf16 file last
-    assert "test_chunk" in order[0] and order[-2:] == [
-        "tests/unit/test_gated_delta.py::test_fla_kernel_equals_the_spec_on_a_gpu",
-        "tests/unit/test_triton_kernels_bf16.py",
-    ]
+    assert f"--deselect {GRADIENTS} --deselect {GATED_DELTA}" in tests["command"]  # (parts grad and delta ran them)
+    order = tests["order"]  # the chunked kernels' first, fla's gated delta rule (the check's), the bf16 file last
+    assert "test_chunk" in order[0] and order[-2:] == [GATED_DELTA, "tests/unit/test_triton_kernels_bf16.py"]
+
+
+def test_a_run_killed_after_its_first_part_keeps_that_parts_rows(tmp_path):
+    """The device tool kills a run at its timeout: the report on disk then still has every part that ended (written
+    before the next one starts, each file whole) and names the part the run was killed in."""
+    cmd = [sys.executable, *SCRIPT, "--dry-run", "--out", str(tmp_path)]
+    env = dry_env(DEVICE_SPEED_PARTS="grad,prefill")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("== part prefill:"):
+                proc.kill()  # (SIGKILL, as a timeout's)
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
+    data = json.loads((tmp_path / "device_speed.json").read_text())
+    assert list(data["parts"]) == ["grad", "prefill"] and "prefill" not in data
+    assert data["parts"]["grad"]["status"] == "ok" and data["grad"]["order"] == [GRADIENTS]
+    assert data["parts"]["prefill"]["status"] == "cut"
+    table = (tmp_path / "device_speed.md").read_text()
+    assert "| grad: 1a. bf16 gradients: triton_hybrid_attention vs the fp32 chunked path | ok |" in table
+    assert "| prefill: 2. prefill vs SDPA and fla | cut | 0 | started; the run ended inside it |" in table
+    assert "## 1a. bf16 gradients against the fp32 chunked path" in table
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("fault", ["decay_ignored", "beta_ignored"])
+def test_the_gated_delta_comparison_fails_a_planted_fault(tmp_path, monkeypatch, fault):
+    """Part delta against an implementation with the decay or the write strength ignored: FAILED, by tensor."""
+    from benchmarks.device import delta
+    from benchmarks.device.run import Run
+    from benchmarks.device.settings import speed_settings
+    from hybrid_scale.attention.gated_delta.naive import recurrent_gated_delta
+
+    name = {"decay_ignored": "g", "beta_ignored": "beta"}[fault]
+
+    def planted(**x):
+        x[name] = torch.zeros_like(x[name]) if name == "g" else torch.ones_like(x[name])
+        return recurrent_gated_delta(**x)
+
+    monkeypatch.setattr(delta.backends, "get_backend", lambda impl, kind: planted)
+    monkeypatch.delenv("DEVICE_SPEED_PARTS", raising=False)
+    result = delta.part_delta(Run("speed", "device_speed", speed_settings(True), tmp_path, "test", str))
+    assert result["failed"].endswith(f"over {delta.TOLERANCE:g} against the torch form") and "o" in result["over"]
 
 
 def test_a_spent_budget_skips_rows_and_says_why(tmp_path):
