@@ -55,7 +55,7 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 @triton.jit
 def _chunk_bwd_dq(
     Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, YF, M, ZS, IDX,  # inputs (YF: y in fp32; M, ZS, IDX: the forward's)
-    DQ, DFQ, DLZ, RSUM, RROW, SINK_DKV,  # outputs (SINK_DKV: fp32, zeroed, added to by every program of a KV head)
+    DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E,  # outputs
     DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
     T, H, G, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -65,10 +65,8 @@ def _chunk_bwd_dq(
     """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
     H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
     the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
-    lag on the state; SINK_DKV [B Hkv, 2, BLOCK_S, BLOCK_D] (SINKS, fp32): the sinks' dk (unscaled) and dv over
-    every query row of the KV head, to which each program adds its rows' share ds^T q and E^T do (c_n's gradient in
-    ds) a head-dim chunk at a time, by atomic adds (no [BLOCK_S, D] accumulator: it spilled on sm_80); the key-side
-    kernel adds the sums to the sink keys' rows. The
+    lag on the state; SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT): the sinks' ds (c_n's gradient in) and E
+    terms per row, which `_chunk_bwd_dkv` turns into their dk, dv (products over the rows here spilled on sm_80). The
     keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the sinks. NB = 1 (windows up to
     CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
     head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
@@ -171,6 +169,10 @@ def _chunk_bwd_dq(
         if SINKS:
             dsk = dss - tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
             rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
+    if SINKS:  # the sinks' ds and E [rows, BLOCK_S] in DT (the key-side kernel makes their dk, dv)
+        part = rows[:, None] * BLOCK_S + js[None, :]
+        tl.store(SINK_DS + part, dsk.to(DT), mask=row_ok[:, None])
+        tl.store(SINK_E + part, ps.to(DT), mask=row_ok[:, None])
     for d0 in range(0, D, BLOCK_DK):  # dq a head-dim chunk at a time
         od = d0 + tl.arange(0, BLOCK_DK)
         dm = od < D
@@ -187,15 +189,6 @@ def _chunk_bwd_dq(
         if SINKS:
             ks = tl.load(K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
             dq += tl.dot(dsk.to(DT), ks.to(DT), input_precision=PREC)
-            # these rows' share of the sinks' dk and dv: ds^T q and E^T do, added to the KV head's sums
-            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-            sk = SINK_DKV + (bk.to(tl.int64) * 2 * BLOCK_S + js)[:, None] * BLOCK_D + od[None, :]
-            sm = s_ok[:, None] & dm[None, :]
-            tl.atomic_add(sk, tl.dot(tl.trans(dsk.to(DT)), q.to(DT), input_precision=PREC), mask=sm, sem="relaxed")
-            tl.atomic_add(sk + BLOCK_S * BLOCK_D, tl.dot(tl.trans(ps.to(DT)), do, input_precision=PREC), mask=sm,
-                          sem="relaxed")  # fmt: skip
         if HYBRID:
             kx = tl.load(K + kv_base * D + idx[:, None] * D + od[None, :], mask=rm, other=0.0)
             dq -= rwin[:, None] * kx.to(tl.float32)
@@ -243,12 +236,13 @@ def _chunk_bwd_dq(
 
 @triton.jit
 def _chunk_bwd_dkv(
-    Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DHK, SINK_DKV,  # inputs
+    Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DHK, SINK_DS, SINK_E,  # inputs
     DK, DV, DFK, RKEY,  # outputs
+    SINK_DKV, COUNT,  # (SINKS) fp32 sums [B Hkv, 2, BLOCK_S, BLOCK_D] and int32 counts [B Hkv], zeroed
     T, H, G, D, F, NS, NC, NB, window, lin_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_FC: tl.constexpr,
-    BLOCK_DC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr,
-    HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_DC: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr,
+    SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dk (the window terms; SOFT), dv (window and L terms, and the state) and dphi_k (LIN: the L terms and the state),
     in the inputs' dtype, of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), over the
@@ -324,23 +318,33 @@ def _chunk_bwd_dkv(
                 g = tl.load(GAMMA + head).to(tl.float32)
             else:
                 g = 1.0
-            for qb in range(c, tl.minimum(c + NB + 1, NC)):
-                n = qb * CHUNK + tl.arange(0, CHUNK)
+            for q0 in range(c * CHUNK, tl.minimum((c + NB + 1) * CHUNK, T), BLOCK_Q):
+                n = q0 + tl.arange(0, BLOCK_Q)
                 q_ok = n < T
                 rows = q_base + n
                 qm = q_ok[:, None] & dm[None, :]
                 both = k_ok[:, None] & q_ok[None, :]
                 zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
                 dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
+                dpt = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # dp^T [keys, queries]
+                at = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # the scores k.q
+                for d0 in range(0, D, BLOCK_DC):  # (head-dim chunks: few operand tiles per product)
+                    odc = d0 + tl.arange(0, BLOCK_DC)
+                    kc = k_ok[:, None] & (odc < D)[None, :]
+                    qc = (odc < D)[:, None] & q_ok[None, :]
+                    v = tl.load(V + (kv_base + j)[:, None] * D + odc[None, :], mask=kc, other=0.0)
+                    dyt = tl.load(DY + odc[:, None] + rows[None, :] * D, mask=qc, other=0.0)
+                    dpt += tl.dot(v.to(DT), (dyt.to(tl.float32) / zs[None, :]).to(DT), input_precision=PREC)
+                    if SOFT:
+                        k = tl.load(K + (kv_base + j)[:, None] * D + odc[None, :], mask=kc, other=0.0)
+                        qt = tl.load(Q + odc[:, None] + rows[None, :] * D, mask=qc, other=0.0)
+                        at += tl.dot(k.to(DT), qt.to(DT), input_precision=PREC)
+                dpt = dpt - dlz[None, :]
                 dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=qm, other=0.0)
                 do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-                v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=km, other=0.0)
-                dpt = tl.dot(v.to(DT), tl.trans(do), input_precision=PREC) - dlz[None, :]  # dp^T [keys, queries]
-                p = tl.zeros([CHUNK, CHUNK], tl.float32)  # the weights of these keys' values: g E and L
+                p = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # the weights of these keys' values: g E and L
                 if SOFT:
                     q = tl.load(Q + rows[:, None] * D + od[None, :], mask=qm, other=0.0).to(DT)
-                    k = tl.load(K + (kv_base + j)[:, None] * D + od[None, :], mask=km, other=0.0)
-                    at = tl.dot(k.to(DT), tl.trans(q), input_precision=PREC)
                     m = tl.load(M + rows, mask=q_ok, other=0.0)
                     win = both & (j[:, None] <= n[None, :]) & (j[:, None] > n[None, :] - window)
                     p = tl.where(win, g * tl.exp(at * scale - m[None, :]), 0.0)
@@ -352,7 +356,7 @@ def _chunk_bwd_dkv(
                         dst -= tl.where(j[:, None] == idx[None, :], rsum[None, :], 0.0)
                     acc_k += tl.dot(dst.to(DT), q, input_precision=PREC)
                 if LIN:
-                    s = tl.zeros([CHUNK, CHUNK], tl.float32)  # phi_k . phi_q^T
+                    s = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # phi_k . phi_q^T
                     for f0 in range(0, F, BLOCK_FC):
                         ofc = f0 + tl.arange(0, BLOCK_FC)
                         fcm = ofc < F
@@ -373,11 +377,6 @@ def _chunk_bwd_dkv(
                     fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :], other=0.0)
                     acc_f += tl.dot(dpw.to(DT), fq.to(DT), input_precision=PREC)
                 acc_v += tl.dot(p.to(DT), do, input_precision=PREC)
-    if SINKS:  # chunk 0 holds the sinks (n_sinks <= CHUNK): their dk, dv over every query row
-        sm = (k_ok & (j < n_sinks))[:, None] & dm[None, :]  # (j < n_sinks <= CHUNK: chunk 0 only)
-        part = SINK_DKV + (pid_bk.to(tl.int64) * 2 * BLOCK_S + j)[:, None] * BLOCK_D + od[None, :]
-        acc_k += tl.load(part, mask=sm, other=0.0)
-        acc_v += tl.load(part + BLOCK_S * BLOCK_D, mask=sm, other=0.0)
     out = (kv_base + j)[:, None] * D + od[None, :]
     tl.store(DK + out, (acc_k * scale).to(DK.dtype.element_ty), mask=km)
     tl.store(DV + out, acc_v.to(DV.dtype.element_ty), mask=km)
@@ -385,6 +384,39 @@ def _chunk_bwd_dkv(
         tl.store(DFK + (kv_base + j)[:, None] * F + of[None, :], acc_f.to(DFK.dtype.element_ty), mask=kf)
         if DECAY:
             tl.store(RKEY + pid_bk * NC + c, tl.sum(rkey, 0))
+    if SINKS:  # the sink terms of this chunk's query rows, every query head: q^T ds and do^T E, to the sums
+        js = tl.arange(0, BLOCK_S)
+        skt = tl.zeros([BLOCK_D, BLOCK_S], tl.float32)  # (transposed: 64-row products)
+        svt = tl.zeros([BLOCK_D, BLOCK_S], tl.float32)
+        for hh in range(0, G):
+            q_base = ((pid_bk // Hkv) * H + (pid_bk % Hkv) * G + hh).to(tl.int64) * T
+            for q0 in range(c * CHUNK, tl.minimum((c + 1) * CHUNK, T), BLOCK_Q):
+                n = q0 + tl.arange(0, BLOCK_Q)
+                q_ok = n < T
+                rows = q_base + n
+                qmt = dm[:, None] & q_ok[None, :]
+                ds_s = tl.load(SINK_DS + rows[:, None] * BLOCK_S + js[None, :], mask=q_ok[:, None], other=0.0)
+                e_s = tl.load(SINK_E + rows[:, None] * BLOCK_S + js[None, :], mask=q_ok[:, None], other=0.0)
+                qt = tl.load(Q + od[:, None] + rows[None, :] * D, mask=qmt, other=0.0)
+                dyt = tl.load(DY + od[:, None] + rows[None, :] * D, mask=qmt, other=0.0)
+                zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
+                skt += tl.dot(qt.to(DT), ds_s, input_precision=PREC)
+                svt += tl.dot((dyt.to(tl.float32) / zs[None, :]).to(DT), e_s, input_precision=PREC)
+        s_ok = dm[:, None] & (js < n_sinks)[None, :]
+        sums = SINK_DKV + (pid_bk.to(tl.int64) * 2 * BLOCK_S + js)[None, :] * BLOCK_D + od[:, None]
+        tl.atomic_add(sums, skt, mask=s_ok, sem="relaxed")
+        tl.atomic_add(sums + BLOCK_S * BLOCK_D, svt, mask=s_ok, sem="relaxed")
+        tl.debug_barrier()  # (every thread's adds before the count)
+        if tl.atomic_add(COUNT + pid_bk, 1, sem="acq_rel") == NC - 1:  # the KV head's last program: every sum is in
+            whole = ((js < n_sinks) & (js < T))[:, None] & dm[None, :]
+            total = SINK_DKV + (pid_bk.to(tl.int64) * 2 * BLOCK_S + js)[:, None] * BLOCK_D + od[None, :]
+            rows_s = (kv_base + js)[:, None] * D + od[None, :]
+            dks = tl.load(total, mask=whole, other=0.0, cache_modifier=".cg") * scale
+            dvs = tl.load(total + BLOCK_S * BLOCK_D, mask=whole, other=0.0, cache_modifier=".cg")
+            dks += tl.load(DK + rows_s, mask=whole, other=0.0, cache_modifier=".cg").to(tl.float32)
+            dvs += tl.load(DV + rows_s, mask=whole, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(DK + rows_s, dks.to(DK.dtype.element_ty), mask=whole)
+            tl.store(DV + rows_s, dvs.to(DV.dtype.element_ty), mask=whole)
 
 
 def _common(case) -> dict:
@@ -396,8 +428,8 @@ def _common(case) -> dict:
 
 def bwd_dq(saved, dy, state, case):
     """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, y fp32, (c_n, Z_n, argmax)). Returns dict(dq, dfq
-    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), sinks (SINKS: the sinks' dk unscaled and dv, [B Hkv, 2,
-    BLOCK_S, BLOCK_D] fp32, summed over every query row))."""
+    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), sink_ds, sink_e (SINKS: the sinks' ds and E per row, in the
+    inputs' dtype, for bwd_dkv))."""
     q, k, v, fq, fk, g, rho, y, (m, zs, idx) = saved
     B, H, T, D = q.shape
     F = fq.shape[-1]
@@ -408,13 +440,14 @@ def bwd_dq(saved, dy, state, case):
     out["dlz"] = torch.empty(B, H, T, **f32)
     out["rsum"] = torch.empty(B, H, T, **f32) if case.gamma_on else g
     out["rrow"] = torch.zeros(B, H, T, **f32) if case.decay else g
-    out["sinks"] = torch.zeros(B * k.shape[1], 2, case.block_s, pow2(D), **f32) if case.sink else g
+    sinks = (torch.empty(B, H, T, case.block_s, dtype=q.dtype, device=q.device) for _ in range(2))
+    out["sink_ds"], out["sink_e"] = sinks if case.sink else (g, g)
     multi = case.nb > 1
     scratch = (torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, F, **f32)) if multi else (g, g)
     cfg = case.cfg
     _chunk_bwd_dq[(B * H, nc)](
         q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, m, zs, idx, out["dq"], out["dfq"], out["dlz"],
-        out["rsum"], out["rrow"], out["sinks"], *scratch,
+        out["rsum"], out["rrow"], out["sink_ds"], out["sink_e"], *scratch,
         T, H, H // k.shape[1], D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
         case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale,
         BLOCK_DK=min(pow2(D), cfg["bwd_dchunk"]), BLOCK_FC=cfg["bwd_fchunk"], HAS_INIT=case.has_init, MULTI=multi,
@@ -435,12 +468,17 @@ def bwd_dkv(saved, dy, grads, dstate, case):
     rkey = torch.empty(B * Hkv * nc, dtype=torch.float32, device=k.device) if case.decay else None
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dhkv, dhk = dstate if dstate is not None else (g, g)
+    sums = count = g
+    if case.sink:  # (the sinks' dk, dv: summed over the programs of a KV head, written by its last)
+        sums = torch.zeros(B * Hkv, 2, case.block_s, pow2(D), dtype=torch.float32, device=k.device)
+        count = torch.zeros(B * Hkv, dtype=torch.int32, device=k.device)
     cfg = case.cfg
     _chunk_bwd_dkv[(B * Hkv, nc)](
         q, k, v, fq, fk, g, g if rho is None else rho, dy, m, zs, grads["dlz"], idx, grads["rsum"], dhkv, dhk,
-        grads["sinks"], dk, dv, dfk, g if rkey is None else rkey,
+        grads["sink_ds"], grads["sink_e"], dk, dv, dfk, g if rkey is None else rkey, sums, count,
         T, q.shape[1], q.shape[1] // Hkv, D, F, dhkv.shape[2] if dstate else 0, nc, case.nb, case.window,
         case.lin_off, case.n_sinks, case.n_excl, case.scale, BLOCK_F=pow2(F), BLOCK_FC=min(pow2(F), cfg["dkv_fchunk"]),
-        BLOCK_DC=min(pow2(D), cfg["dkv_dchunk"]), num_warps=cfg["dkv_warps"], **regs(cfg, "dkv"), **_common(case),
+        BLOCK_DC=min(pow2(D), cfg["dkv_dchunk"]), BLOCK_Q=cfg["dkv_qblock"], num_warps=cfg["dkv_warps"],
+        **regs(cfg, "dkv"), **_common(case),
     )  # fmt: skip
     return dk, dv, dfk, rkey

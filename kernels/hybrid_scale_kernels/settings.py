@@ -36,11 +36,11 @@ from .utils import pow2
 # launches' at 128), _chunk_bwd_dq and _chunk_bwd_dkv 12-168 bytes under 3.9: those three keep runtime dims.
 GPU_SETTINGS = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
-             bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dq_maxnreg=255, dkv_maxnreg=255,
-             state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
+             bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
+             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
     128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=8, dkv_warps=8,
-              bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dq_maxnreg=255, dkv_maxnreg=255,
-              state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
+              bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
+              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
 }  # fmt: skip
 
 
@@ -50,7 +50,7 @@ def settings_for(x: torch.Tensor, head_dim: int, features: int) -> dict:
     if x.device.type == "cpu":  # Triton's interpreter (tests): any tile works, these are fast there
         fchunk = min(pow2(features), 64)
         return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
-                    dkv_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, dkv_fchunk=fchunk, dkv_dchunk=32,
+                    dkv_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, dkv_fchunk=fchunk, dkv_dchunk=32, dkv_qblock=32,
                     dstates_warps=4)  # fmt: skip
     return GPU_SETTINGS[64 if head_dim <= 64 else 128]
 
