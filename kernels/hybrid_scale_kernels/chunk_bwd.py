@@ -268,11 +268,10 @@ def _chunk_bwd_dkv(
     km = k_ok[:, None] & dm[None, :]
     of = tl.arange(0, BLOCK_F)
     fm = of < F
-    kf = k_ok[:, None] & fm[None, :]
     acc_k = tl.zeros([CHUNK, BLOCK_D], tl.float32)
     acc_v = tl.zeros([CHUNK, BLOCK_D], tl.float32)
-    acc_f = tl.zeros([CHUNK, BLOCK_F], tl.float32)
-    rkey = tl.zeros([CHUNK], tl.float32)
+    acc_f = tl.zeros([BLOCK_F, CHUNK], tl.float32)  # dphi_k^T (features x keys: no square tile at head dim 64)
+    rkey = 0.0  # (rho's share, summed over the program)
     rho = 0.0
     if DECAY:
         rho = tl.load(RHO + pid_bk % Hkv).to(tl.float32)
@@ -294,22 +293,23 @@ def _chunk_bwd_dkv(
                     acc_v += tl.dot((fk * wk[:, None]).to(DT), dh, input_precision=PREC)
                 else:
                     acc_v += tl.dot(fk * wk[:, None], dh.to(tl.float32), input_precision=PREC)
-            for d0 in range(0, D, BLOCK_DC):  # dphi_k += wk (v dh^T + dz)
+            for d0 in range(0, D, BLOCK_DC):  # dphi_k^T += (dh v^T + dz) wk
                 odc = d0 + tl.arange(0, BLOCK_DC)
                 dcm = odc < D
-                v = tl.load(V + (kv_base + j)[:, None] * D + odc[None, :], mask=k_ok[:, None] & dcm[None, :],
-                            other=0.0)  # fmt: skip
-                dht = tl.load(DHKV + st * F * D + odc[:, None] + of[None, :] * D, mask=dcm[:, None] & fm[None, :],
-                              other=0.0)  # fmt: skip
+                vt = tl.load(V + (kv_base + j)[None, :] * D + odc[:, None], mask=dcm[:, None] & k_ok[None, :],
+                             other=0.0)  # fmt: skip
+                dh = tl.load(DHKV + (st * F + of)[:, None] * D + odc[None, :], mask=fm[:, None] & dcm[None, :],
+                             other=0.0)  # fmt: skip
                 if DHKV.dtype.element_ty == DT:
-                    acc_f += tl.dot(v.to(DT), dht, input_precision=PREC)
+                    acc_f += tl.dot(dh, vt.to(DT), input_precision=PREC)
                 else:
-                    acc_f += tl.dot(v.to(tl.float32), dht.to(tl.float32), input_precision=PREC)
+                    acc_f += tl.dot(dh.to(tl.float32), vt.to(tl.float32), input_precision=PREC)
             dz = tl.load(DHK + st * F + of, mask=fm, other=0.0)
-            acc_f = (acc_f + dz[None, :]) * wk[:, None]
+            acc_f = (acc_f + dz[:, None]) * wk[None, :]
             if DECAY:
-                fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=kf, other=0.0)
-                rkey -= (e - j).to(tl.float32) * tl.sum(fk.to(tl.float32) * acc_f, 1)
+                fkt = tl.load(FK + (kv_base + j)[None, :] * F + of[:, None], mask=fm[:, None] & k_ok[None, :],
+                              other=0.0)  # fmt: skip
+                rkey -= tl.sum((e - j).to(tl.float32) * tl.sum(fkt.to(tl.float32) * acc_f, 0), 0)
     if SOFT or LIN:
         for hh in range(0, G):
             head = (pid_bk % Hkv) * G + hh
@@ -319,71 +319,72 @@ def _chunk_bwd_dkv(
             else:
                 g = 1.0
             for q0 in range(c * CHUNK, tl.minimum((c + NB + 1) * CHUNK, T), BLOCK_Q):
-                n = q0 + tl.arange(0, BLOCK_Q)
+                n = q0 + tl.arange(0, BLOCK_Q)  # (tiles [queries, keys]: BLOCK_Q rows, no tile copied across warps)
                 q_ok = n < T
                 rows = q_base + n
                 qm = q_ok[:, None] & dm[None, :]
-                both = k_ok[:, None] & q_ok[None, :]
+                both = q_ok[:, None] & k_ok[None, :]
                 zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
                 dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
-                dpt = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # dp^T [keys, queries]
-                at = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # the scores k.q
+                dp = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # do . v - dlz
+                a = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # the scores q . k
                 for d0 in range(0, D, BLOCK_DC):  # (head-dim chunks: few operand tiles per product)
                     odc = d0 + tl.arange(0, BLOCK_DC)
-                    kc = k_ok[:, None] & (odc < D)[None, :]
-                    qc = (odc < D)[:, None] & q_ok[None, :]
-                    v = tl.load(V + (kv_base + j)[:, None] * D + odc[None, :], mask=kc, other=0.0)
-                    dyt = tl.load(DY + odc[:, None] + rows[None, :] * D, mask=qc, other=0.0)
-                    dpt += tl.dot(v.to(DT), (dyt.to(tl.float32) / zs[None, :]).to(DT), input_precision=PREC)
+                    qc = q_ok[:, None] & (odc < D)[None, :]
+                    kc = (odc < D)[:, None] & k_ok[None, :]
+                    dyc = tl.load(DY + rows[:, None] * D + odc[None, :], mask=qc, other=0.0)
+                    vt = tl.load(V + odc[:, None] + (kv_base + j)[None, :] * D, mask=kc, other=0.0)
+                    dp += tl.dot((dyc.to(tl.float32) / zs[:, None]).to(DT), vt.to(DT), input_precision=PREC)
                     if SOFT:
-                        k = tl.load(K + (kv_base + j)[:, None] * D + odc[None, :], mask=kc, other=0.0)
-                        qt = tl.load(Q + odc[:, None] + rows[None, :] * D, mask=qc, other=0.0)
-                        at += tl.dot(k.to(DT), qt.to(DT), input_precision=PREC)
-                dpt = dpt - dlz[None, :]
+                        qc_ = tl.load(Q + rows[:, None] * D + odc[None, :], mask=qc, other=0.0)
+                        kt = tl.load(K + odc[:, None] + (kv_base + j)[None, :] * D, mask=kc, other=0.0)
+                        a += tl.dot(qc_.to(DT), kt.to(DT), input_precision=PREC)
+                dp = dp - dlz[:, None]
                 dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=qm, other=0.0)
                 do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-                p = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # the weights of these keys' values: g E and L
+                p = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # the weights of these keys' values: g E and L
                 if SOFT:
                     q = tl.load(Q + rows[:, None] * D + od[None, :], mask=qm, other=0.0).to(DT)
                     m = tl.load(M + rows, mask=q_ok, other=0.0)
-                    win = both & (j[:, None] <= n[None, :]) & (j[:, None] > n[None, :] - window)
-                    p = tl.where(win, g * tl.exp(at * scale - m[None, :]), 0.0)
-                    dst = p * dpt
+                    win = both & (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
+                    p = tl.where(win, g * tl.exp(a * scale - m[:, None]), 0.0)
+                    ds = p * dp
                     if HYBRID:  # (c_n's argmax key: a window key where it is past n - window, else a sink)
                         idx = tl.load(IDX + rows, mask=q_ok, other=-1)
                         idx = tl.where(idx > n - window, idx, -1)
                         rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
-                        dst -= tl.where(j[:, None] == idx[None, :], rsum[None, :], 0.0)
-                    acc_k += tl.dot(dst.to(DT), q, input_precision=PREC)
+                        ds -= tl.where(j[None, :] == idx[:, None], rsum[:, None], 0.0)
+                    acc_k += tl.dot(tl.trans(ds.to(DT)), q, input_precision=PREC)
                 if LIN:
-                    s = tl.zeros([CHUNK, BLOCK_Q], tl.float32)  # phi_k . phi_q^T
+                    s = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # phi_q . phi_k
                     for f0 in range(0, F, BLOCK_FC):
                         ofc = f0 + tl.arange(0, BLOCK_FC)
                         fcm = ofc < F
-                        fk = tl.load(FK + (kv_base + j)[:, None] * F + ofc[None, :],
-                                     mask=k_ok[:, None] & fcm[None, :], other=0.0)  # fmt: skip
-                        fqt = tl.load(FQ + ofc[:, None] + rows[None, :] * F, mask=fcm[:, None] & q_ok[None, :],
-                                      other=0.0)  # fmt: skip
-                        s += tl.dot(fk.to(DT), fqt.to(DT), input_precision=PREC)
-                    lin = both & (j[:, None] <= n[None, :] - lin_off) & (j[:, None] >= n_excl)
-                    wt = tl.where(lin, 1.0, 0.0)
+                        fq = tl.load(FQ + rows[:, None] * F + ofc[None, :], mask=q_ok[:, None] & fcm[None, :],
+                                     other=0.0)  # fmt: skip
+                        fkt = tl.load(FK + ofc[:, None] + (kv_base + j)[None, :] * F,
+                                      mask=fcm[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                        s += tl.dot(fq.to(DT), fkt.to(DT), input_precision=PREC)
+                    lin = both & (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)
+                    w = tl.where(lin, 1.0, 0.0)
                     if DECAY:
-                        e = tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32)
-                        wt = wt * tl.exp(-rho * e)
-                    dpw = dpt * wt
-                    p += s * wt  # (an L key is never a window key of the same query)
+                        e = tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32)
+                        w = w * tl.exp(-rho * e)
+                    dpw = dp * w
+                    p += s * w  # (an L key is never a window key of the same query)
                     if DECAY:  # (rho's share of the L terms: -e L dp)
-                        rkey -= tl.sum(s * dpw * e, 1)
-                    fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :], other=0.0)
-                    acc_f += tl.dot(dpw.to(DT), fq.to(DT), input_precision=PREC)
-                acc_v += tl.dot(p.to(DT), do, input_precision=PREC)
+                        rkey -= tl.sum(tl.sum(s * dpw * e, 1), 0)
+                    fqt = tl.load(FQ + rows[None, :] * F + of[:, None], mask=fm[:, None] & q_ok[None, :], other=0.0)
+                    acc_f += tl.dot(fqt.to(DT), dpw.to(DT), input_precision=PREC)
+                acc_v += tl.dot(tl.trans(p.to(DT)), do, input_precision=PREC)
     out = (kv_base + j)[:, None] * D + od[None, :]
     tl.store(DK + out, (acc_k * scale).to(DK.dtype.element_ty), mask=km)
     tl.store(DV + out, acc_v.to(DV.dtype.element_ty), mask=km)
     if LIN:
-        tl.store(DFK + (kv_base + j)[:, None] * F + of[None, :], acc_f.to(DFK.dtype.element_ty), mask=kf)
+        tl.store(DFK + (kv_base + j)[None, :] * F + of[:, None], acc_f.to(DFK.dtype.element_ty),
+                 mask=fm[:, None] & k_ok[None, :])  # fmt: skip
         if DECAY:
-            tl.store(RKEY + pid_bk * NC + c, tl.sum(rkey, 0))
+            tl.store(RKEY + pid_bk * NC + c, rkey)
     if SINKS:  # the sink terms of this chunk's query rows, every query head: q^T ds and do^T E, to the sums
         js = tl.arange(0, BLOCK_S)
         skt = tl.zeros([BLOCK_D, BLOCK_S], tl.float32)  # (transposed: 64-row products)
