@@ -1,5 +1,5 @@
 """The chunked backward (kernels/hybrid_scale_kernels/chunk.py: `ChunkAttention`; chunk_bwd.py: `_chunk_bwd_dq`,
-`_chunk_bwd_dkv`, `_chunk_bwd_dfk`; chunk_h.py: `_chunk_dstates`) against the naive spec's fp64 autograd.
+`_chunk_bwd_dkv`; chunk_h.py: `_chunk_dstates`) against the naive spec's fp64 autograd.
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32, with the 64-token chunks
 they have on a GPU. Every gradient (q, k, v, phi_q, phi_k, gamma and the decay rho) of every mode the path takes, at
