@@ -5,9 +5,9 @@ below).
 
 The launches of a forward: `chunk_h.states` (the LA state before every chunk, modes with an LA) and
 `chunk_o.chunk_fwd_o` (the output). Of a backward (ChunkAttention.backward): the states again, `chunk_bwd.bwd_dq`
-(per query chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' dk and dv summed over every row), `chunk_h.dstates`
-(the reverse state scan, and the initial state's gradient) and `chunk_bwd.bwd_dkv` (dk, dv and dphi_k together, per
-key chunk).
+(per query chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' ds and E per row), `chunk_h.dstates` (the reverse
+state scan, and the initial state's gradient) and `chunk_bwd.bwd_dkv` (dk, dv and dphi_k together, per key chunk,
+the sinks' dk and dv in).
 
 The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (rounded to the inputs' dtype for the
 products), and dlz_n = do_n . y_n (y the forward's fp32 output); every term p_nj of the numerator (g E or L) has
@@ -135,7 +135,7 @@ class ChunkAttention(torch.autograd.Function):
         if state is not None and (state[0].shape[2] > 1 or case.has_init):  # (some state has a gradient)
             dstate, dinit, rscan = dstates(fq, dy, zs, grads["dlz"], r, state, case)
         del state
-        dk, dv, dfk, rkey = bwd_dkv(saved, dy, grads, dstate, case)  # (the sinks' terms in, summed by bwd_dq)
+        dk, dv, dfk, rkey = bwd_dkv(saved, dy, grads, dstate, case)  # (the sinks' terms in)
         dgamma = drho = None
         if ctx.needs_input_grad[5]:
             dgamma = torch.zeros_like(gamma)

@@ -72,9 +72,8 @@ def _chunk_bwd_dq(
     head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
     the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the state before
     chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial state
-    with HAS_INIT). MULTI (NB >
-    1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch rows that only this program
-    touches, and read back for the rest."""
+    with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
+    rows that only this program touches, and read back for the rest."""
     pid_bh = tl.program_id(0)
     c = tl.program_id(1)
     head = pid_bh % H
@@ -249,14 +248,18 @@ def _chunk_bwd_dkv(
     whole head dim and feature dim, summed over its G query heads in this one program.
 
     First (LIN, c <= NS - 2) the keys' share of the state h_{c+1} that holds them, each key weighted alpha^(CHUNK c +
-    CHUNK - 1 - j): dv from dh_{c+1} (over feature chunks of BLOCK_FC), dphi_k from v dh_{c+1}^T + dz_{c+1} (over
-    head-dim chunks of BLOCK_DC), and rho's share through those weights. Then, for each query head and query chunk c
-    .. c + NB (the only ones whose window or intra-chunk L terms reach chunk c), in tiles [keys, queries], once each:
-    the scores k.q (SOFT), dp^T = v.do - dlz, and phi_k.phi_q^T (LIN, over feature chunks); from them E^T and the
-    weighted L terms together times do into dv, ds^T q into dk (c_n's gradient where its argmax is one of these keys
-    in the row's window), dp times the L weights against phi_q into dphi_k, and rho's share of the L terms (-e L dp).
-    Last (SINKS, c = 0) the sinks' dk and dv, summed over every query row by `_chunk_bwd_dq` (fp32). RKEY (DECAY):
-    the program's share of rho's gradient."""
+    CHUNK - 1 - j): dv from dh_{c+1} (over feature chunks of BLOCK_FC), dphi_k from dh_{c+1} v^T + dz_{c+1} (over
+    head-dim chunks of BLOCK_DC), and rho's share through those weights. Then, for each query head and each block of
+    BLOCK_Q queries of chunks c .. c + NB (the only ones whose window or intra-chunk L terms reach chunk c), in tiles
+    [queries, keys], once each: dp = do.v - dlz and the scores q.k (SOFT) over head-dim chunks, phi_q.phi_k (LIN)
+    over feature chunks; from them ds^T q into dk (c_n's gradient where its argmax is one of these keys in the row's
+    window), (g E + L)^T do into dv, phi_q^T (dp times the L weights) into dphi_k^T, and rho's share of the L terms
+    (-e L dp). (Tiles of BLOCK_Q query rows and dphi_k as [features, keys]: Triton lays square [64, 64] tiles of
+    chained products over 8 warps with rows copied across warps, which spilled on sm_80.) dk, dv, dphi_k stored.
+    Last (SINKS) the sinks' terms of chunk c's query rows, q^T ds and do^T E from `_chunk_bwd_dq`'s rows, added to
+    the KV head's fp32 sums; the program that counts last for its KV head (acquire-release) adds the sums to the sink
+    keys' rows of dk and dv (the chunk-0 program stored them first). RKEY (DECAY): the program's share of rho's
+    gradient."""
     pid_bk = tl.program_id(0)
     c = tl.program_id(1)
     Hkv = H // G
