@@ -13,8 +13,10 @@ import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
 from kernel_inputs import make, with_keywords
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_scale.attention.hedgehog import naive
+from tools.compile_check import record_launches
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
 triton_attention = with_keywords(kernels.triton_hybrid_attention)
@@ -105,9 +107,6 @@ def test_the_backward_is_three_launches_and_no_torch_product_or_cast_at_the_8b_s
     and `_chunk_bwd_dkv`, the last one program per (KV head, key chunk) over the whole head dim; between them torch
     makes no product and no cast or other op on T x F elements or more: the sinks' dk, dv and dphi_k are made in
     the kernels, in the inputs' dtype."""
-    from tools.compile_check import record_launches
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     T, H, Hkv, D, F = 4096, 32, 8, 128, 256
 
     class Ops(TorchDispatchMode):
