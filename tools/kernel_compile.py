@@ -67,7 +67,7 @@ MODES = (*MODE_PARTS, HYBRID_SINKS)
 MODES = (*MODES, *(m + DECAY for m in MODES))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # kernels whose half-precision products must be wgmma on sm_90 (the chunked kernels' 64-row tiles)
-WGMMA = ("_chunk_states", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_chunk_bwd_dkv", "_chunk_bwd_dfk")
+WGMMA = ("_chunk_states", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_chunk_bwd_dkv")
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,15 @@ below).
 The launches of a forward: `chunk_h.states` (the LA state before every chunk, modes with an LA) and
 `chunk_o.chunk_fwd_o` (the output). Of a backward (ChunkAttention.backward): the states again, `chunk_bwd.bwd_dq`
 (per query chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' ds and E per row), `chunk_h.dstates` (the reverse
-state scan, and the initial state's gradient), `chunk_bwd.bwd_dkv` (dk, then dv, per key chunk) and
-`chunk_bwd.bwd_dfk` (dphi_k).
+state scan, and the initial state's gradient) and `chunk_bwd.bwd_dkv` (dk, dv and dphi_k together, per key chunk,
+the sinks' dk and dv in).
 
 The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (rounded to the inputs' dtype for the
 products), and dlz_n = do_n . y_n (y the forward's fp32 output); every term p_nj of the numerator (g E or L) has
 dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
 through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken
 term by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp,
-in `_chunk_bwd_dfk`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight
+in `_chunk_bwd_dkv`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight
 inside its chunk.
 
 Padding: the real tokens of each row are moved to its front (a stable sort of the mask), the kernels run on the
@@ -33,7 +33,7 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
-from .chunk_bwd import bwd_dfk, bwd_dkv, bwd_dq
+from .chunk_bwd import bwd_dkv, bwd_dq
 from .chunk_h import dstates, states
 from .chunk_o import chunk_fwd_o
 from .settings import regs, settings_for
@@ -135,21 +135,7 @@ class ChunkAttention(torch.autograd.Function):
         if state is not None and (state[0].shape[2] > 1 or case.has_init):  # (some state has a gradient)
             dstate, dinit, rscan = dstates(fq, dy, zs, grads["dlz"], r, state, case)
         del state
-        sinks_dkv = None
-        if case.sink:  # the sinks' dk (unscaled), dv: ds^T q and E^T do over every row of a KV head's query heads
-            bs, bd = case.block_s, pow2(D)  # (products in the inputs' dtype, fp32 out: no fp32 copy of q or do)
-            do = dy / zs[..., None].to(dy.dtype)  # (do's rounding as the kernels', to the ulp of zs)
-            dks, dvs = (torch.matmul(grads[n].to(q.dtype).transpose(-1, -2), x).float().view(B, Hkv, G, bs, D).sum(2)
-                        for n, x in (("dks", q), ("dvs", do)))  # fmt: skip
-            if D != bd:
-                dks, dvs = (torch.nn.functional.pad(t, (0, bd - D)) for t in (dks, dvs))
-            sinks_dkv = tuple(t.reshape(B * Hkv, bs, bd).contiguous() for t in (dks, dvs))
-        dk, dv = bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case)
-        if case.sink and not (case.soft or case.lin):  # sinks_only: the sinks' dk, dv are the host's sums
-            s_eff, bs, bd = min(case.n_sinks, T), case.block_s, pow2(D)
-            dk[:, :, :s_eff] = (sinks_dkv[0].view(B, Hkv, bs, bd)[:, :, :s_eff, :D] * case.scale).to(k.dtype)
-            dv[:, :, :s_eff] = sinks_dkv[1].view(B, Hkv, bs, bd)[:, :, :s_eff, :D].to(v.dtype)
-        dfk, rkey = bwd_dfk(saved, dy, grads, dstate, case) if case.lin else (torch.zeros_like(fk), None)
+        dk, dv, dfk, rkey = bwd_dkv(saved, dy, grads, dstate, case)  # (the sinks' terms in)
         dgamma = drho = None
         if ctx.needs_input_grad[5]:
             dgamma = torch.zeros_like(gamma)
@@ -166,7 +152,7 @@ class ChunkAttention(torch.autograd.Function):
                     total = total + rscan.to(f64).view(B, Hkv, -1).sum((0, 2))
                 drho = total.to(rho.dtype)
         dinit_kv, dinit_k = dinit
-        return (grads["dq"], dk, dv, grads["dfq"], dfk.to(fk.dtype), dgamma, drho, dinit_kv, dinit_k, None, None,
+        return (grads["dq"], dk, dv, grads["dfq"], dfk, dgamma, drho, dinit_kv, dinit_k, None, None,
                 None)  # fmt: skip
 
 

@@ -17,30 +17,36 @@ from .utils import pow2
 # The backward's (ChunkAttention), found the same way (tools/kernel_compile.py, and a script that compiles only
 # the backward's launches): head-dim chunks of 16 (bwd_dchunk: at 32 the operands of mma.sync's B, whole in every warp
 # on sm_80, spilled 40-160 bytes), feature chunks of 16 (bwd_fchunk: 32 spilled 40-160 bytes in dq with the sinks),
-# _chunk_bwd_dkv over head-dim blocks of 64 (bwd_dout) with 8 warps (4 warps spilled 24-56 bytes on sm_80 at 64, none
-# at 32 but with twice the recomputed scores), 4 warps for _chunk_bwd_dq and _chunk_bwd_dfk, and maxnreg=255 for all
-# three (ptxas otherwise caps some at 128-160 registers and spills, as in decode.py). Every backward kernel then uses
-# 0 spill bytes in bf16 and fp16 on sm_80 and sm_90 at both presets' head dims, every mode, with wgmma on sm_90.
+# and maxnreg=255 (ptxas otherwise caps some at 128-160 registers and spills, as in decode.py).
+# The key side (issue 67: one _chunk_bwd_dkv program per KV head and key chunk over the whole head and feature dims,
+# its accumulators dk, dv [64, D] and dphi_k^T [F, 64] in fp32: 128 registers a thread at head dim 128 and 8 warps):
+# 8 warps (dkv_warps; 4 spilled 2-4 KB at head dim 128), query blocks of 16 rows (dkv_qblock; 32 spilled 60-272
+# bytes on sm_80 and 84 on sm_90 in the hybrid), head-dim chunks of 32 for the scores, dp and the state's dphi_k
+# (dkv_dchunk; 64 spilled 16-128 bytes at head dim 128) and feature chunks of 32 for phi_q phi_k^T and the state's
+# dv (dkv_fchunk; 64 spilled 24-100 bytes on sm_80 at 128; 16 with head-dim chunks of 16 also spill none), maxnreg
+# 255. Every backward kernel then uses 0 spill bytes in bf16 and fp16 on sm_80 and sm_90 at every preset's shapes,
+# windows and odd lengths, every mode, with wgmma on sm_90 (tools/kernel_compile.py's launches, the backward's only;
+# Triton 3.9; 3.6 not checked: its wheel was not here).
 # The state scan split over the sequence (chunk_h.py, its segments' sums stored) spilled 8 bytes at 96 registers
 # on sm_80 in bf16 without decay; maxnreg=128 (state_maxnreg) lets it use 127 and spill none.
 # Issue 60 (the gate compiles what the wrappers launch under the project's Triton and the device image's 3.6, at the
 # shipped windows and at lengths off the chunk): 8 warps for _chunk_output at head dim 128 (4 spilled 12-136 bytes on
 # sm_80 with the denominators or the sinks; 8 use 150-210 registers, wgmma on sm_90), dk and dv of _chunk_bwd_dkv in
-# one launch over head-dim blocks of 32 (64 spilled 36-784 bytes on sm_80 in swa_only with two accumulators), and 8
-# warps for the reverse scan _chunk_dstates with a register cap of 255 (4 warps spilled 24 bytes on sm_80 at 168
-# registers with the decay; 8 warps, 24-32 bytes at 128 in fp16 under 3.6), and 8 warps for _chunk_bwd_dq (4 spilled
-# 8 bytes on sm_80 at T = 100 with the sinks and the decay); dk and dv over blocks of 32 at head dim 64 too.
-# Head and feature dims as constexprs (static loop bounds): _chunk_states, _chunk_dstates, _chunk_bwd_dfk and _decode
+# one launch over head-dim blocks of 32 (since replaced by the key side above), 8 warps for the reverse scan
+# _chunk_dstates with a register cap of 255 (4 warps spilled 24 bytes on sm_80 at 168 registers with the decay; 8
+# warps, 24-32 bytes at 128 in fp16 under 3.6), and 8 warps for _chunk_bwd_dq (4 spilled 8 bytes on sm_80 at T = 100
+# with the sinks and the decay).
+# Head and feature dims as constexprs (static loop bounds): _chunk_states, _chunk_dstates and _decode
 # (its ring length too) take them with no spill under triton 3.9 and 3.6; _chunk_output with them spilled 8-136 bytes
 # on sm_80 under both (81 and 114 compiles, head dim 64 mostly; 8 warps there cured 3.6's at 64 but not the fp32
 # launches' at 128), _chunk_bwd_dq and _chunk_bwd_dkv 12-168 bytes under 3.9: those three keep runtime dims.
 GPU_SETTINGS = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
-             dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=32, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
-             state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
+             bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
+             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
     128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=8, dkv_warps=8,
-              dfk_warps=4, bwd_dchunk=16, bwd_fchunk=16, bwd_dout=32, dq_maxnreg=255, dkv_maxnreg=255, dfk_maxnreg=255,
-              state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
+              bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
+              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
 }  # fmt: skip
 
 
@@ -50,7 +56,7 @@ def settings_for(x: torch.Tensor, head_dim: int, features: int) -> dict:
     if x.device.type == "cpu":  # Triton's interpreter (tests): any tile works, these are fast there
         fchunk = min(pow2(features), 64)
         return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
-                    dkv_warps=4, dfk_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, bwd_dout=64,
+                    dkv_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, dkv_fchunk=fchunk, dkv_dchunk=32, dkv_qblock=32,
                     dstates_warps=4)  # fmt: skip
     return GPU_SETTINGS[64 if head_dim <= 64 else 128]
 
