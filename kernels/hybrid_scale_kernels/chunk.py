@@ -9,9 +9,10 @@ The launches of a forward: `chunk_h.states` (the LA state before every chunk, mo
 state scan, and the initial state's gradient), `chunk_bwd.bwd_dkv` (dk, then dv, per key chunk) and
 `chunk_bwd.bwd_dfk` (dphi_k).
 
-The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (rounded to the inputs' dtype for the
-products), and dlz_n = do_n . y_n (y the forward's fp32 output); every term p_nj of the numerator (g E or L) has
-dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
+The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (made inside the kernels from dy and Z, rounded
+to the inputs' dtype for the products), and dlz_n = do_n . y_n (y the forward's output as it returned it, in the
+model's dtype, as flash-attention takes its delta from O); every term p_nj of the numerator (g E or L) has dp_nj =
+do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
 through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken
 term by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp,
 in `_chunk_bwd_dfk`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight
@@ -98,25 +99,25 @@ def _states(fk, v, rho, init, case, T):
 
 
 class ChunkAttention(torch.autograd.Function):
-    """The chunked forward with a backward (training): the forward keeps y in fp32 (for dlz), c_n, Z_n and c_n's argmax
-    per row, and the states (B Hkv (T / 64) F D in the inputs' dtype: 34 MB per layer at Llama-3-8B's shape and 4k
-    tokens, a fifth of what the layer saves besides); the backward recomputes every score tile. Gradients of q, k,
-    v, phi_q, phi_k in their dtype, of gamma (the hybrid's only), of rho (the decay) and of the initial state
-    (fp32). Returns (y in out_dtype, sum of gamma E, sum of L): the two sums (not differentiable) are empty unless
-    dens."""
+    """The chunked forward with a backward (training): the forward keeps y as it returns it (out_dtype, for dlz), c_n,
+    Z_n and c_n's argmax per row, and the states (B Hkv (T / 64) F D in the inputs' dtype: 34 MB per layer at
+    Llama-3-8B's shape and 4k tokens, a fifth of what the layer saves besides); the backward recomputes every score
+    tile. Gradients of q, k, v, phi_q, phi_k in their dtype, of gamma (the hybrid's only), of rho (the decay) and of
+    the initial state (fp32). Returns (y in out_dtype, sum of gamma E, sum of L): the two sums (not differentiable)
+    are empty unless dens."""
 
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, gamma, rho, init_kv, init_k, case, out_dtype, dens):
         r = None if rho is None else rho.detach().float().contiguous()
         init = (init_kv, init_k) if case.has_init else None
         state = _states(fk, v, r, init, case, q.shape[2])
-        y, stats, parts, y_out = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, stats=True, dens=dens,
-                                             out_dtype=out_dtype)  # fmt: skip
+        y, stats, parts = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, stats=True, dens=dens,
+                                      out_dtype=out_dtype)  # fmt: skip
         ctx.save_for_backward(q, k, v, fq, fk, gamma, rho, y, *stats, *(state or ()))
         ctx.case = case
         de, dl = parts if dens else (y.new_empty(0), y.new_empty(0))
         ctx.mark_non_differentiable(de, dl)
-        return y_out, de, dl
+        return y, de, dl
 
     @staticmethod
     @once_differentiable  # (a second derivative would need kernels of its own: refused, not silently partial)
@@ -136,11 +137,11 @@ class ChunkAttention(torch.autograd.Function):
             dstate, dinit, rscan = dstates(fq, dy, zs, grads["dlz"], r, state, case)
         del state
         sinks_dkv = None
-        if case.sink:  # the sinks' dk (unscaled), dv: ds^T q and E^T do over every row of a KV head's query heads
-            bs, bd = case.block_s, pow2(D)  # (products in the inputs' dtype, fp32 out: no fp32 copy of q or do)
-            do = dy / zs[..., None].to(dy.dtype)  # (do's rounding as the kernels', to the ulp of zs)
-            dks, dvs = (torch.matmul(grads[n].to(q.dtype).transpose(-1, -2), x).float().view(B, Hkv, G, bs, D).sum(2)
-                        for n, x in (("dks", q), ("dvs", do)))  # fmt: skip
+        if case.sink:  # the sinks' dk (unscaled), dv: ds^T q and (E / Z)^T dy over every row of a KV head's query heads
+            bs, bd = case.block_s, pow2(D)  # (products in the inputs' dtype, fp32 out: no fp32 copy of q or dy)
+            ez = grads["dvs"] / zs[..., None]  # (Z folded into E's BLOCK_S columns, not into dy's D: no do = dy / Z)
+            dks, dvs = (torch.matmul(x.to(q.dtype).transpose(-1, -2), y).float().view(B, Hkv, G, bs, D).sum(2)
+                        for x, y in ((grads["dks"], q), (ez, dy)))  # fmt: skip
             if D != bd:
                 dks, dvs = (torch.nn.functional.pad(t, (0, bd - D)) for t in (dks, dvs))
             sinks_dkv = tuple(t.reshape(B * Hkv, bs, bd).contiguous() for t in (dks, dvs))
@@ -242,7 +243,7 @@ def triton_hybrid_attention(
         with torch.no_grad():
             r = None if rho is None else rho.detach().float().contiguous()
             state = _states(fk, v, r, init if case.has_init else None, case, T)
-            y, _, parts, _ = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, dens=return_denominators,
+            y, _, parts = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, dens=return_denominators,
                                       out_dtype=out_dtype)  # fmt: skip
             de, dl = parts if return_denominators else (None, None)
     if packed is not None:

@@ -54,7 +54,7 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 
 @triton.jit
 def _chunk_bwd_dq(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, YF, M, ZS, IDX,  # inputs (YF: y in fp32; M, ZS, IDX: the forward's)
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, M, ZS, IDX,  # inputs (Y: the output as returned; M, ZS, IDX too)
     DQ, DFQ, DLZ, RSUM, RROW, DKS, DVS,  # outputs
     DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
     T, H, G, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
@@ -86,12 +86,12 @@ def _chunk_bwd_dq(
     rows = q_base + n
     zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
     dlz = tl.zeros([CHUNK], tl.float32)
-    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it)
+    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it; y in its dtype)
         od = d0 + tl.arange(0, BLOCK_DK)
         rm = row_ok[:, None] & (od < D)[None, :]
         dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-        yf = tl.load(YF + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * yf, 1)
+        y = tl.load(Y + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * y, 1)
     tl.store(DLZ + rows, dlz, mask=row_ok)
     m = tl.load(M + rows, mask=row_ok, other=0.0)
     if HYBRID:
@@ -465,8 +465,8 @@ def _common(case) -> dict:
 
 
 def bwd_dq(saved, dy, state, case):
-    """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, y fp32, (c_n, Z_n, argmax)). Returns dict(dq, dfq
-    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), dks, dvs (SINKS: per row, for the host's sums))."""
+    """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, y as returned, (c_n, Z_n, argmax)). Returns
+    dict(dq, dfq (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), dks, dvs (SINKS: per row, for the host's sums))."""
     q, k, v, fq, fk, g, rho, y, (m, zs, idx) = saved
     B, H, T, D = q.shape
     F = fq.shape[-1]
