@@ -86,14 +86,14 @@ def _output(a, grid, s) -> tuple[float, float]:
     if a["SINKS"]:
         flops += 2 * (2 * C * bs * D)
         bytes_ += 2 * bs * D * E
-    bytes_ += C * D * (F32 if a["STATS"] else E) + C * F32 * (3 * a["STATS"] + 2 * a["DENS"])
+    bytes_ += C * D * E + C * F32 * (3 * a["STATS"] + 2 * a["DENS"])  # y once (the output's dtype); the row stats
     return grid[0] * grid[1] * flops, grid[0] * grid[1] * bytes_
 
 
 def _bwd_dq(a, grid, s) -> tuple[float, float]:
     C, D, F, blocks, bs = CHUNK, a["D"], a["F"], a["NB"] + 1, a["BLOCK_S"]
     flops = blocks * 2 * C * C * D * (2 + a["SOFT"])  # dp, scores, dq
-    bytes_ = C * D * (2 * E + F32) + blocks * 2 * C * D * E + 5 * C * F32  # q, dy, y (fp32); k, v; the row stats
+    bytes_ = C * D * 3 * E + blocks * 2 * C * D * E + 5 * C * F32  # q, dy, y (the output's dtype); k, v; row stats
     bytes_ += C * D * E * (1 + a["HYBRID"])  # dq; the argmax keys' rows
     if a["SINKS"]:
         flops += 3 * 2 * C * bs * D
@@ -105,10 +105,19 @@ def _bwd_dq(a, grid, s) -> tuple[float, float]:
 
 
 def _dstates(a, grid, s) -> tuple[float, float]:
-    bf, bdv, C, G = a["BLOCK_F"], a["BLOCK_DV"], CHUNK, a["G"]
-    states = a["NS"] * grid[0] * grid[1] * grid[2]
+    bf, bdv, C, G, P = a["BLOCK_F"], a["BLOCK_DV"], CHUNK, a["G"], a["P"]
+    programs = grid[0] * grid[1] * grid[2]
+    states = a["NS"] * programs // P  # every program walks its segment's states
     per = G * (C * bf * E + C * bdv * E + 2 * C * F32) + bf * bdv * s["h_bytes"] * (1 + a["DECAY"])
-    return states * G * 2 * bf * C * bdv, states * per
+    sums = (P > 1) * programs * bf * bdv * F32 * (1 + a["DECAY"])  # each segment's own sum (and weighted states)
+    return states * G * 2 * bf * C * bdv, states * per + sums
+
+
+def _dstates_fix(a, grid, s) -> tuple[float, float]:
+    P, L, bf, bdv = a["P"], a["L"], a["BLOCK_F"], a["BLOCK_DV"]
+    busy = grid[0] * grid[1] * grid[2] * (P - 1) // P  # (the last segment has nothing after it)
+    per_prog = (P / 2) * bf * bdv * F32 + 2 * L * bf * bdv * s["h_bytes"] + a["DECAY"] * bf * bdv * F32
+    return 0.0, busy * per_prog
 
 
 def _bwd_dkv(a, grid, s) -> tuple[float, float]:
@@ -136,6 +145,7 @@ KERNELS = {
     "_chunk_output": _output,
     "_chunk_bwd_dq": _bwd_dq,
     "_chunk_dstates": _dstates,
+    "_dstates_fix": _dstates_fix,
     "_chunk_bwd_dkv": _bwd_dkv,
     "_chunk_bwd_dfk": _bwd_dfk,
 }

@@ -139,7 +139,8 @@ class ChunkAttention(torch.autograd.Function):
         sinks_dkv = None
         if case.sink:  # the sinks' dk (unscaled), dv: ds^T q and (E / Z)^T dy over every row of a KV head's query heads
             bs, bd = case.block_s, pow2(D)  # (products in the inputs' dtype, fp32 out: no fp32 copy of q or dy)
-            ez = grads["dvs"] / zs[..., None]  # (Z folded into E's BLOCK_S columns, not into dy's D: no do = dy / Z)
+            ez = torch.empty_like(grads["dvs"], dtype=q.dtype)  # E / Z per row, computed in fp32, stored in q's dtype:
+            torch.div(grads["dvs"], zs[..., None], out=ez)  # (Z on E's BLOCK_S columns, not dy's D: no do = dy / Z)
             dks, dvs = (torch.matmul(x.to(q.dtype).transpose(-1, -2), y).float().view(B, Hkv, G, bs, D).sum(2)
                         for x, y in ((grads["dks"], q), (ez, dy)))  # fmt: skip
             if D != bd:
