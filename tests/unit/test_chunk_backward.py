@@ -97,3 +97,17 @@ def test_the_argmax_key_takes_c_s_gradient():
     scores = x["q"] @ x["k"].repeat_interleave(2, 1).transpose(-1, -2)
     assert (scores[..., 40:, 1] > scores[..., 40:, :].diagonal(0, -2, -1)).float().mean() > 0.9
     check(x, dy, decay=True, window=4, mode="hybrid", hybrid_sinks=True, sinks=4)
+
+
+def test_half_precision_dlz_reads_y_and_its_rounding_error():
+    """In half precision the forward stores y once in the inputs' dtype and its rounding error beside it; dlz = do . y
+    reads both. gamma's gradient is a sum of residuals that cancel (E dp, dp = do . v - dlz): in fp16 (which the
+    interpreter runs; bf16 it does not), window 100, its largest error relative to its largest value is 1.3e-3 with
+    the error read and 1.4e-2 from y alone (tools/kernel_grad_precision.py models the same in bf16)."""
+    T, window = 320, 100
+    x = make(T, B=1, H=2, Hkv=1, D=32, F=32, dtype=torch.float16, seed=3)
+    dy = torch.randn(1, 2, T, 32, generator=torch.Generator().manual_seed(5)).half()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    (want,) = torch.autograd.grad(naive.naive_hybrid_attention(**ref, window=window), ref["gamma"], dy.double())
+    (got,) = torch.autograd.grad(triton_attention(**x, window=window), x["gamma"], dy)
+    assert (got.double() - want).abs().max() / want.abs().max() < 5e-3
