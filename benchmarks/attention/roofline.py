@@ -86,14 +86,14 @@ def _output(a, grid, s) -> tuple[float, float]:
     if a["SINKS"]:
         flops += 2 * (2 * C * bs * D)
         bytes_ += 2 * bs * D * E
-    bytes_ += C * D * E + C * F32 * (3 * a["STATS"] + 2 * a["DENS"])  # y once (the output's dtype); the row stats
+    bytes_ += C * D * E * (1 + a["LO"]) + C * F32 * (3 * a["STATS"] + 2 * a["DENS"])  # y (and its rounding error); rows
     return grid[0] * grid[1] * flops, grid[0] * grid[1] * bytes_
 
 
 def _bwd_dq(a, grid, s) -> tuple[float, float]:
     C, D, F, blocks, bs = CHUNK, a["D"], a["F"], a["NB"] + 1, a["BLOCK_S"]
     flops = blocks * 2 * C * C * D * (2 + a["SOFT"])  # dp, scores, dq
-    bytes_ = C * D * 3 * E + blocks * 2 * C * D * E + 5 * C * F32  # q, dy, y (the output's dtype); k, v; row stats
+    bytes_ = C * D * (3 + a["Y_LO"]) * E + blocks * 2 * C * D * E + 5 * C * F32  # q, dy, y (+ error); k, v; rows
     bytes_ += C * D * E * (1 + a["HYBRID"])  # dq; the argmax keys' rows
     if a["SINKS"]:
         flops += 3 * 2 * C * bs * D
