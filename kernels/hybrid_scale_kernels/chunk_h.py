@@ -1,6 +1,6 @@
 """The state scans of the chunked hybrid attention (fla's `chunk_h`): forward, the LA state before every 64-token
 chunk per KV head (optionally split over the sequence, and from an initial state); backward, the gradient of every
-state in reverse (`_chunk_dstates`, launched by `dstates`).
+state in reverse (`_chunk_dstates`, launched by `dstates`, split the same way).
 
 The state before chunk c is h_c = sum over the LA keys j < 64 c of alpha^(64 c - 1 - j) phi_k(k_j) v_j^T [F, D] and
 z_c the same sum of phi_k(k_j) [F] (kept as key 64 c - 1 sees them: every weight alpha^(>= 0), the carry from one
@@ -20,8 +20,20 @@ L chunks. The scan is linear in the keys, so for chunk c of segment p (which sta
 Two launches: `_chunk_states` over (blocks, batch x KV head x segment), each segment scanned from zero (l_c), its
 whole sum kept in fp32; then `_segment_fix` on the same grid sums h_{c0} from the earlier segments' whole sums
 (h_{c0(p+1)} = alpha^(64 L) h_{c0(p)} + l_end(p): P is small) and adds alpha^(64 (c - c0)) h_{c0} to every l_c of
-its segment (segment 0 starts at zero). tests/unit/test_chunk_scan.py checks the split scan against the unsplit
-one.
+its segment (segment 0 starts at zero).
+
+The reverse scan (dh_s = alpha^64 dh_{s+1} + the gradient of the queries that read h_s) is split by the same `plan`:
+for state s of segment p, whose next segment starts at state e,
+
+    dh_s = alpha^(64 (e - s)) dh_e + l_s,    l_s = the same sum over the states s .. e - 1 only.
+
+`_chunk_dstates` scans each segment from zero (l_s; its first state's l in fp32, and with the decay its states summed
+with weights alpha^(64 (e - 1 - s))), then `_dstates_fix` sums dh_e from the later segments' first states and adds
+alpha^(64 (e - s)) dh_e to every l_s of the segment (the last segment has nothing after it; the initial state's
+gradient, in the first segment, too), and rho's share through the carries into dh_e, which no segment's own scan
+sees: -64 alpha^64 <dh_e, that weighted sum>. The split pays only where more than one program fits on an SM (its
+chains run side by side); at 8 warps and about 200 registers one does. tests/unit/test_chunk_scan.py checks both
+split scans against the unsplit ones.
 """
 
 from __future__ import annotations
@@ -202,17 +214,16 @@ def _chunk_dstates(
             lag = tl.where(row_ok, 1.0, 0.0)
             if DECAY:
                 lag = lag * state_lag(rho, n, window, s, CHUNK)
-            for hh in range(0, G):
+            for hh in range(0, G):  # (phi_q loaded transposed, [features, queries]: the product's A operand as is)
                 rows = (b * H + kvh * G + hh).to(tl.int64) * T + n
-                fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+                fqt = tl.load(FQ + rows[None, :] * F + of[:, None], mask=fm[:, None] & row_ok[None, :], other=0.0)
                 dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=row_ok[:, None] & (od < D)[None, :],
                              other=0.0)  # fmt: skip
                 zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
                 dlz = tl.load(DLZ + rows, mask=row_ok, other=0.0)
-                do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-                fql = fq.to(tl.float32) * lag[:, None]
-                dh += tl.dot(tl.trans(fql.to(DT)), do, input_precision=PREC)
-                dz -= tl.sum(fql * dlz[:, None], 0)
+                dol = (dy.to(tl.float32) * (lag / zs)[:, None]).to(DT)  # (do times the lag, rounded once)
+                dh += tl.dot(fqt.to(DT), dol, input_precision=PREC)
+                dz -= tl.sum(fqt.to(tl.float32) * (lag * dlz)[None, :], 1)
         if s > 0:
             tl.store(DHKV + (st * F + of)[:, None] * D + od[None, :], dh.to(DHKV.dtype.element_ty), mask=both)
             tl.store(DHK + st * F + of, dz, mask=of < z_lim)
