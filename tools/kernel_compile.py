@@ -6,8 +6,9 @@ own window and training length, and again at every other window a shipped config
 quickstart's 16) and at lengths that are not a multiple of the chunk (96: one state, which Triton specialises as the
 constant 1; 100: not a multiple of 16), each attention mode and each of bf16 / fp16 / fp32, the wrappers are called
 as training and generation call them -- the forward and its backward through autograd on meta tensors (the meta
-device stands for a GPU: fp32 runs the kernels in bf16), the forward without gradients (a prefill), with an initial
-state (stage 1), with the denominators (the balance report; a padding mask launches what an unpadded batch
+device stands for a GPU: fp32 runs the kernels in bf16), the forward without gradients (a prefill; at 16k tokens,
+training's too, where both state scans are split as on an H100), with an initial state (stage 1), with the
+denominators (the balance report; a padding mask launches what an unpadded batch
 launches: the rows are packed on the host), one fused decode step on a ring of
 `window` keys -- with the settings the kernels choose on a GPU. Every launch they make is recorded (nothing runs) and
 compiled for both architectures by Triton and the wheel's ptxas (tools/compile_check.py); equal launches compile
@@ -124,7 +125,8 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
     return shapes
 
 
-LONG = 16384  # tokens of a prefill whose state scan a GPU splits (chunk_h.plan; the presets' lengths are not)
+LONG = 16384  # tokens of a prefill (and a training step) whose state scans a GPU splits (chunk_h.plan; the presets'
+# training lengths are not)
 SMS = 132  # an H100's / H200's SMs: the state scan is split as on such a GPU (chunk_h.plan)
 
 
@@ -142,7 +144,8 @@ def _as_on_a_gpu():
 def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.Launch]:
     """The launches of one forward + backward (meta tensors, batch 1), the same with a padding mask and an initial
     state (stage 1's units), forwards without gradients (a prefill, at the shape's length and at LONG tokens, whose
-    state scan is split as on an H100/H200; with the denominators) and one decode step (a ring of `window`)."""
+    state scan is split as on an H100/H200; with the denominators), a forward + backward at LONG tokens (both scans
+    split) and one decode step (a ring of `window`)."""
     b, h, hkv, t, d, f = 1, shape.heads, shape.kv_heads, shape.length, shape.head_dim, shape.features
 
     def meta(*size):
@@ -168,6 +171,8 @@ def launches(shape: Shape, mode: str, dtype: torch.dtype) -> list[compile_check.
         triton_hybrid_attention(*plain, o, **extra)
         long = [x.new_empty(*x.shape[:2], LONG, x.shape[3]) if x.dim() == 4 else x for x in plain]
         triton_hybrid_attention(*long, o, **extra)  # a state scan split over the sequence, as on a GPU
+        y = triton_hybrid_attention(*(x.requires_grad_() if x.dim() == 4 else x for x in long), o, **extra)
+        y.backward(torch.empty_like(y))  # training at LONG: the reverse scan split too
         triton_hybrid_attention(*plain, dataclasses.replace(o, return_denominators=True), **extra)  # the balance report
         state = DecodeState.empty(
             CallShape(

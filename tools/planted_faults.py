@@ -106,6 +106,16 @@ FAULTS = {
         "            dh = dh * carry\n",
         "",
     ),
+    "kernel_split_state_gradient_not_fixed": (
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "fixed = tl.load(ptr, mask=both, other=0.0).to(tl.float32) + wt * dn",
+        "fixed = tl.load(ptr, mask=both, other=0.0).to(tl.float32)",
+    ),
+    "kernel_split_rho_share_dropped": (
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "tl.load(RSCAN + pid) - CHUNK * tl.exp(-rho * CHUNK) * share)",
+        "tl.load(RSCAN + pid))",
+    ),
     "kernel_initial_state_dropped": (
         "kernels/hybrid_scale_kernels/chunk_h.py",
         "            h += tl.load(H0 + (base * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)\n",

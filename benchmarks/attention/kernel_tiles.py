@@ -168,8 +168,8 @@ def output(a: dict):
             p.read("V", kv + kb, C, 0, D)
             p.dot(C, D, C)
         p.write("Y", q, C, 0, D)
-        if a.get("TWO_OUT"):
-            p.write("YO", q, C, 0, D)
+        if a.get("LO"):  # y's rounding error (half precision, training)
+            p.write("YLO", q, C, 0, D)
         for name in ("DE", "DL") if a.get("DENS") else ():
             p.write(name, q, C)
         for name in ("M", "ZS", "IDX") if a.get("STATS") else ():
@@ -192,7 +192,9 @@ def bwd_dq(a: dict):
         q, kv = bhq * T + c * C, bk * T
         p.read("ZS", q, C)
         p.read("DY", q, C, 0, D)  # dlz = do . y
-        p.read("YF", q, C, 0, D)
+        p.read("Y", q, C, 0, D)
+        if a.get("Y_LO"):  # (y's rounding error)
+            p.read("YLO", q, C, 0, D)
         p.write("DLZ", q, C)
         p.read("M", q, C)
         keys = [kb * C for kb in range(c - NB, c + 1) if 0 <= kb * C < T]  # (a block before 0: masked, no load)
@@ -267,16 +269,18 @@ def bwd_dq(a: dict):
 
 
 def dstates(a: dict):
-    """_chunk_dstates: program (feature block, value block, batch x KV head) walks the states in reverse; each takes
-    phi_q and do of the G query heads' chunk that reads it."""
+    """_chunk_dstates: program (feature block, value block, batch x KV head x segment) walks its segment's states in
+    reverse; each takes phi_q and do of the G query heads' chunk that reads it. Split (P > 1): each segment's own sums
+    (and, with the decay, its weighted states) for `_dstates_fix`."""
     C, T, H, G, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["F"], a["NS"], a["NB"]
-    BF, BDV, Hkv, decay = a["BLOCK_F"], a["BLOCK_DV"], a["Hkv"], a["DECAY"]
+    BF, BDV, Hkv, decay, L, P = a["BLOCK_F"], a["BLOCK_DV"], a["Hkv"], a["DECAY"], a["L"], a["P"]
 
-    def program(p: Program, pf: int, pd: int, bh: int) -> None:
-        f0, d0, b, kvh = pf * BF, pd * BDV, bh // Hkv, bh % Hkv
+    def program(p: Program, pf: int, pd: int, z: int) -> None:
+        f0, d0, bh, seg = pf * BF, pd * BDV, z // P, z % P
+        b, kvh = bh // Hkv, bh % Hkv
         last = 0 if a.get("HAS_INIT") else 1
-        for i in range(NS - last):
-            s = NS - 1 - i
+        lo, hi = max(seg * L, last), min(seg * L + L, NS)
+        for s in range(hi - 1, lo - 1, -1):
             st = bh * NS + s
             if decay:  # rho's gradient through the carry: <dh_{s+1}, h_s>
                 p.read("HKV", st * F + f0, BF, d0, BDV)
@@ -298,6 +302,43 @@ def dstates(a: dict):
                 p.write("DH0", bh * F + f0, BF, d0, BDV)
                 if pd == 0:
                     p.write("DZ0", bh * F + f0, BF)
+        if P > 1:
+            sp = bh * P + seg
+            for name in ("END", "HSUM") if decay else ("END",):
+                p.write(name, sp * F + f0, BF, d0, BDV)
+            if pd == 0:
+                for name in ("ZEND", "ZSUM") if decay else ("ZEND",):
+                    p.write(name, sp * F + f0, BF)
+
+    return program
+
+
+def dstates_fix(a: dict):
+    """_dstates_fix: on the reverse scan's grid, segment seg < P - 1 sums the later segments' ends and adds them,
+    decayed, to its states' gradients (read and written back); with the decay, rho's share from its weighted states."""
+    F, NS, L, P, BF, BDV, decay = a["F"], a["NS"], a["L"], a["P"], a["BLOCK_F"], a["BLOCK_DV"], a["DECAY"]
+
+    def program(p: Program, pf: int, pd: int, z: int) -> None:
+        f0, d0, bh, seg = pf * BF, pd * BDV, z // P, z % P
+        if seg == P - 1:
+            return
+        for q in range(seg + 1, P):
+            p.read("END", (bh * P + q) * F + f0, BF, d0, BDV)
+            if pd == 0:
+                p.read("ZEND", (bh * P + q) * F + f0, BF)
+        last = 0 if a.get("HAS_INIT") else 1
+        for s in range(max(seg * L, last), seg * L + L):
+            st = bh * NS + s
+            name, zname, row = ("DHKV", "DHK", st * F) if s > 0 else ("DH0", "DZ0", bh * F)
+            p.read(name, row + f0, BF, d0, BDV)
+            p.write(name, row + f0, BF, d0, BDV)
+            if pd == 0:
+                p.read(zname, row + f0, BF)
+                p.write(zname, row + f0, BF)
+        if decay:
+            p.read("HSUM", (bh * P + seg) * F + f0, BF, d0, BDV)
+            if pd == 0:
+                p.read("ZSUM", (bh * P + seg) * F + f0, BF)
 
     return program
 
@@ -376,5 +417,6 @@ KERNELS = {
     "_chunk_output": output,
     "_chunk_bwd_dq": bwd_dq,
     "_chunk_dstates": dstates,
+    "_dstates_fix": dstates_fix,
     "_chunk_bwd_dkv": bwd_dkv,
 }

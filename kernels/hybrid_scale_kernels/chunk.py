@@ -9,13 +9,14 @@ The launches of a forward: `chunk_h.states` (the LA state before every chunk, mo
 state scan, and the initial state's gradient) and `chunk_bwd.bwd_dkv` (dk, dv and dphi_k together, per key chunk,
 the sinks' dk and dv in).
 
-The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (rounded to the inputs' dtype for the
-products), and dlz_n = do_n . y_n (y the forward's fp32 output); every term p_nj of the numerator (g E or L) has
-dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
-through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken
-term by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp,
-in `_chunk_bwd_dkv`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight
-inside its chunk.
+The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (made inside the kernels from dy and Z, rounded to
+the inputs' dtype for the products), and dlz_n = do_n . y_n (y the forward's output as it returned it, in the model's
+dtype, plus its rounding error, which the forward stores in that dtype beside it); every term p_nj of the numerator (g E
+or L) has dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
+through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken term
+by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp, in
+`_chunk_bwd_dkv`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight inside
+its chunk.
 
 Padding: the real tokens of each row are moved to its front (a stable sort of the mask), the kernels run on the
 packed rows (each row's real tokens are positions 0..n-1, the padding after them, where no real query sees it),
@@ -98,30 +99,30 @@ def _states(fk, v, rho, init, case, T):
 
 
 class ChunkAttention(torch.autograd.Function):
-    """The chunked forward with a backward (training): the forward keeps y in fp32 (for dlz), c_n, Z_n and c_n's argmax
-    per row, and the states (B Hkv (T / 64) F D in the inputs' dtype: 34 MB per layer at Llama-3-8B's shape and 4k
-    tokens, a fifth of what the layer saves besides); the backward recomputes every score tile. Gradients of q, k,
-    v, phi_q, phi_k in their dtype, of gamma (the hybrid's only), of rho (the decay) and of the initial state
-    (fp32). Returns (y in out_dtype, sum of gamma E, sum of L): the two sums (not differentiable) are empty unless
-    dens."""
+    """The chunked forward with a backward (training): the forward keeps y as it returns it and its rounding error in
+    out_dtype (for dlz; no error for fp32), c_n, Z_n and c_n's argmax per row, and the states (B Hkv (T / 64) F D in the
+    inputs' dtype: 34 MB per layer at Llama-3-8B's shape and 4k tokens, a fifth of what the layer saves besides); the
+    backward recomputes every score tile. Gradients of q, k, v, phi_q, phi_k in their dtype, of gamma (the hybrid's
+    only), of rho (the decay) and of the initial state (fp32). Returns (y in out_dtype, sum of gamma E, sum of L): the
+    two sums (not differentiable) are empty unless dens."""
 
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, gamma, rho, init_kv, init_k, case, out_dtype, dens):
         r = None if rho is None else rho.detach().float().contiguous()
         init = (init_kv, init_k) if case.has_init else None
         state = _states(fk, v, r, init, case, q.shape[2])
-        y, stats, parts, y_out = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, stats=True, dens=dens,
-                                             out_dtype=out_dtype)  # fmt: skip
+        y, stats, parts = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, stats=True, dens=dens,
+                                      out_dtype=out_dtype)  # fmt: skip
         ctx.save_for_backward(q, k, v, fq, fk, gamma, rho, y, *stats, *(state or ()))
         ctx.case = case
         de, dl = parts if dens else (y.new_empty(0), y.new_empty(0))
         ctx.mark_non_differentiable(de, dl)
-        return y_out, de, dl
+        return y, de, dl
 
     @staticmethod
     @once_differentiable  # (a second derivative would need kernels of its own: refused, not silently partial)
     def backward(ctx, dy, _de, _dl):
-        q, k, v, fq, fk, gamma, rho, y, m, zs, idx, *state = ctx.saved_tensors
+        q, k, v, fq, fk, gamma, rho, y, m, zs, idx, y_lo, *state = ctx.saved_tensors
         case = ctx.case
         B, H, T, D = q.shape
         Hkv, G = k.shape[1], H // k.shape[1]
@@ -129,7 +130,7 @@ class ChunkAttention(torch.autograd.Function):
         g = gamma.detach().float().contiguous()
         dy = dy.to(q.dtype).contiguous()
         state = tuple(state) or None  # (the forward's: kept, not recomputed)
-        saved = (q, k, v, fq, fk, g, r, y, (m, zs, idx))
+        saved = (q, k, v, fq, fk, g, r, (y, y_lo), (m, zs, idx))
         grads = bwd_dq(saved, dy, state, case)
         dstate, dinit, rscan = None, (None, None), None
         if state is not None and (state[0].shape[2] > 1 or case.has_init):  # (some state has a gradient)
@@ -228,7 +229,7 @@ def triton_hybrid_attention(
         with torch.no_grad():
             r = None if rho is None else rho.detach().float().contiguous()
             state = _states(fk, v, r, init if case.has_init else None, case, T)
-            y, _, parts, _ = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, dens=return_denominators,
+            y, _, parts = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, dens=return_denominators,
                                       out_dtype=out_dtype)  # fmt: skip
             de, dl = parts if return_denominators else (None, None)
     if packed is not None:

@@ -54,13 +54,15 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 
 @triton.jit
 def _chunk_bwd_dq(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, YF, M, ZS, IDX,  # inputs (YF: y in fp32; M, ZS, IDX: the forward's)
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX,  # inputs: the forward's (Y: the output; YLO: its
+    # rounding error, with Y_LO)
     DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E,  # outputs
     DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
     T, H, G, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
+    Y_LO: tl.constexpr = False,
 ):  # fmt: skip
     """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
     H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
@@ -87,12 +89,14 @@ def _chunk_bwd_dq(
     dm_all = od_all < D
     zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
     dlz = tl.zeros([CHUNK], tl.float32)
-    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it)
+    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it; y in its dtype)
         od = d0 + tl.arange(0, BLOCK_DK)
         rm = row_ok[:, None] & (od < D)[None, :]
         dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-        yf = tl.load(YF + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * yf, 1)
+        y = tl.load(Y + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+        if Y_LO:
+            y += tl.load(YLO + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * y, 1)
     tl.store(DLZ + rows, dlz, mask=row_ok)
     m = tl.load(M + rows, mask=row_ok, other=0.0)
     if HYBRID:
@@ -431,10 +435,10 @@ def _common(case) -> dict:
 
 
 def bwd_dq(saved, dy, state, case):
-    """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, y fp32, (c_n, Z_n, argmax)). Returns dict(dq, dfq
-    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), sink_ds, sink_e (SINKS: the sinks' ds and E per row, in the
-    inputs' dtype, for bwd_dkv))."""
-    q, k, v, fq, fk, g, rho, y, (m, zs, idx) = saved
+    """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, (y, its rounding error or None), (c_n, Z_n,
+    argmax)). Returns dict(dq, dfq (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), sink_ds, sink_e (SINKS: the
+    sinks' ds and E per row, in the inputs' dtype, for bwd_dkv))."""
+    q, k, v, fq, fk, g, rho, (y, y_lo), (m, zs, idx) = saved
     B, H, T, D = q.shape
     F = fq.shape[-1]
     nc = triton.cdiv(T, case.chunk)
@@ -450,12 +454,12 @@ def bwd_dq(saved, dy, state, case):
     scratch = (torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, F, **f32)) if multi else (g, g)
     cfg = case.cfg
     _chunk_bwd_dq[(B * H, nc)](
-        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, m, zs, idx, out["dq"], out["dfq"], out["dlz"],
-        out["rsum"], out["rrow"], out["sink_ds"], out["sink_e"], *scratch,
+        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, y if y_lo is None else y_lo, m, zs, idx,
+        out["dq"], out["dfq"], out["dlz"], out["rsum"], out["rrow"], out["sink_ds"], out["sink_e"], *scratch,
         T, H, H // k.shape[1], D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
         case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale,
         BLOCK_DK=min(pow2(D), cfg["bwd_dchunk"]), BLOCK_FC=cfg["bwd_fchunk"], HAS_INIT=case.has_init, MULTI=multi,
-        num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
+        Y_LO=y_lo is not None, num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
     )  # fmt: skip
     return out
 

@@ -40,13 +40,17 @@ from .utils import pow2
 # (its ring length too) take them with no spill under triton 3.9 and 3.6; _chunk_output with them spilled 8-136 bytes
 # on sm_80 under both (81 and 114 compiles, head dim 64 mostly; 8 warps there cured 3.6's at 64 but not the fp32
 # launches' at 128), _chunk_bwd_dq and _chunk_bwd_dkv 12-168 bytes under 3.9: those three keep runtime dims.
+# Issue 67 (the reverse scan split over the sequence as the forward's, which pays only where two of its programs fit
+# on an SM): _chunk_dstates with phi_q loaded transposed (no tl.trans) and 4 warps under the cap of 255 uses 175-229
+# registers unsplit and 190-254 split on sm_80 and sm_90, bf16 and fp16, no spill: two programs per SM (8 warps used
+# 159-244, one per SM). 4 warps under a cap of 168 (three per SM) spilled 16-492 bytes with the decay.
 GPU_SETTINGS = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
              bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
-             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
+             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
     128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=8, dkv_warps=8,
               bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
-              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=8, dstates_maxnreg=255),
+              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
 }  # fmt: skip
 
 

@@ -66,7 +66,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory_and_withou
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 over budget" in proc.stdout
     table = out.read_text()
-    for kernel in ("_chunk_states", "_segment_fix", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates",
+    for kernel in ("_chunk_states", "_segment_fix", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_dstates_fix",
                    "_chunk_bwd_dkv", "_decode"):  # fmt: skip
         assert f"| `{kernel}` |" in table, kernel
     # the chunked prefill's products are wgmma on sm_90 in half precision, at every preset (the script also fails
