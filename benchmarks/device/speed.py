@@ -13,8 +13,8 @@ Parts, in the order they run (one module each under benchmarks/device/, whose do
   prefill   2. fwd and fwd+bwd at T 4096 and 16384 against SDPA and fla's chunk_simple_gla (g_gamma), every method
                compiled, autotuned and self-checked at T 1024 before its clock; ratios kept per row;
   profile   2b. torch.profiler: per-kernel microseconds of the hybrid fwd+bwd at T 4096 and of one decode step;
-  tiles     2c. DEVICE_SPEED_TILES="a:warps=8,stages=2;b:dchunk=64": tile variants of the chunked prefill timed
-               beside the default (skipped when unset);
+  tiles     2c. DEVICE_SPEED_TILES="a:warps=8,stages=2;b@90:dchunk=64": tile variants of the chunked prefill timed
+               beside the default (unset: sm_90's alternatives, settings.DEFAULT_TILES; skipped when empty);
   decode    3. one layer's decode step at context 1k, 8k, 32k against a static KV cache, both in CUDA graphs;
   generate  4. `generate` of a 4-layer 8B-shaped model, converted against not, compiled with CUDA graphs: ms per
                token, with the dynamo graphs, recompiles and CUDA-graph skips of each call counted (expected 0);
