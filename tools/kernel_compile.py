@@ -33,8 +33,8 @@ compiles N of the reused ones again and fails if any differs (the test suite doe
 compiled, an unchanged one costs nothing).
 
 Prints one line per failing compile and exits 1 when a kernel does not compile, uses more shared memory than the
-architecture allows, spills more than SPILL_BUDGET bytes, or is one of WGMMA and has no wgmma on sm_90 in bf16 or
-fp16. `make kernel-compile` writes the table.
+architecture allows or more registers per block than an SM has, spills more than SPILL_BUDGET bytes, or is one of
+WGMMA and has no wgmma on sm_90 in bf16 or fp16. `make kernel-compile` writes the table.
 """
 
 from __future__ import annotations
@@ -281,6 +281,9 @@ def failures(rows: list[Row]) -> list[str]:
                 out.append(f"{what}: its products are {c.products}, not wgmma")
             if not c.shared_ok:
                 out.append(f"{what}: {c.shared} bytes of shared memory, over the {compile_check.SHARED_LIMIT[arch]}")
+            if not c.registers_ok:
+                out.append(f"{what}: {c.registers} registers x {c.num_warps} warps need {c.block_registers} per "
+                           f"block, over the {compile_check.REGISTER_FILE} an SM has: it cannot launch")  # fmt: skip
             if c.spills > SPILL_BUDGET[row.dtype]:
                 out.append(
                     f"{what}: {c.spills} bytes of spills (budget {SPILL_BUDGET[row.dtype]}), {c.registers} registers"
