@@ -124,7 +124,7 @@ TARGETS = {
 # GPU_SETTINGS[(90, 128)]; kernels/hybrid_scale_kernels/settings.py says how sm_90's entry was chosen): sm_80's tiles
 # where sm_90's differ (what sm_90's own gain), then the alternatives that also compiled with no spill, in the order
 # they are worth the part's budget.
-DEFAULT_TILES = "sm80@90:dchunk=32,bwd_dchunk=16,stages=1"
+DEFAULT_TILES = "sm80@90:dchunk=32,stages=1,bwd_dout=32;wholeD@90:dchunk=128;stages3@90:stages=3"
 TILE_ARCHS = (80, 90)  # the architectures with settings of their own (hybrid_scale_kernels.settings.ARCHS)
 
 
