@@ -138,7 +138,8 @@ def parse_tiles(text: str) -> dict[str, dict[str, int]]:
         name = name.strip()
         base, at, arch = name.partition("@")
         if not sep or not base or base == "default" or (at and not arch.isdigit()):
-            raise SystemExit(f"DEVICE_SPEED_TILES: '{item}' is not NAME[@ARCH]:key=value,... (NAME not 'default')")
+            raise SystemExit(f"DEVICE_SPEED_TILES: '{item}' is not NAME:key=value,... or NAME@ARCH:key=value,... "
+                             "(NAME not 'default')")  # fmt: skip
         if at and int(arch) not in TILE_ARCHS:
             raise SystemExit(f"DEVICE_SPEED_TILES: no settings for sm_{arch} in '{item}'; architectures: "
                              + ", ".join(f"sm_{a}" for a in TILE_ARCHS))  # fmt: skip
