@@ -21,12 +21,15 @@ its chunk.
 Padding: the real tokens of each row are moved to its front (a stable sort of the mask), the kernels run on the
 packed rows (each row's real tokens are positions 0..n-1, the padding after them, where no real query sees it),
 and the outputs go back to their places, zero on padding. fp32 inputs on a GPU (stage 1 passes fp32 queries) run
-in bf16 with fp32 accumulation and give y in fp32: the inputs of a bf16 model are exact in bf16, and 64-row fp32
-products on FMAs spill kilobytes. In Triton's interpreter (CPU tensors: the tests) fp32 runs as fp32.
+in bf16 with fp32 accumulation and give y in fp32 (`compute_dtype`, FP32_IN_BF16: logged once per process): the
+inputs of a bf16 model are exact in bf16, and 64-row fp32 products on FMAs spill kilobytes. In Triton's interpreter
+(CPU tensors: the tests) fp32 runs as fp32.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -39,6 +42,14 @@ from .chunk_h import dstates, states
 from .chunk_o import chunk_fwd_o
 from .settings import regs, settings_for
 from .utils import CHUNK, MODES, TL_DTYPE, blocks_back, mode_parts, options, pow2, precision
+
+LOG = logging.getLogger(__name__)
+# what an fp32 call on a GPU computes (triton_hybrid_attention's docstring says it too), logged once per process
+FP32_IN_BF16 = (
+    "hybrid_scale_kernels: an fp32 call on a GPU computes in bf16: its inputs are rounded to bf16 (8 significant "
+    "bits), the LA state each chunk reads is stored in bf16, the products accumulate in fp32, and y and the "
+    "gradients come back in fp32 (attention.backend=torch computes in fp32)"
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,6 +168,20 @@ class ChunkAttention(torch.autograd.Function):
                 None)  # fmt: skip
 
 
+def compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels compute a call in: q's, but bf16 for fp32 off the CPU (a GPU, or the meta device that
+    stands for one), which says so once per process (FP32_IN_BF16). On CPU (Triton's interpreter) fp32 stays fp32."""
+    if q.dtype != torch.float32 or q.device.type == "cpu":
+        return q.dtype
+    _say_fp32_runs_in_bf16()
+    return torch.bfloat16
+
+
+@functools.cache
+def _say_fp32_runs_in_bf16() -> None:
+    LOG.warning(FP32_IN_BF16)
+
+
 def _pack(attention_mask):
     """(order, inverse, real) that move each row's real tokens to its front (stable) and back; None when the mask
     holds no padding."""
@@ -197,7 +222,14 @@ def triton_hybrid_attention(
     opts: the call's AttentionOptions (its chunk_size is ignored: the kernels' chunk is CHUNK). initial_state: optional
     (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable;
     with la_decay as query w - 1 of the sequence sees them). la_decay: rho [Hkv] >= 0, the LA's decay (naive.py's
-    spec; differentiable), None = off."""
+    spec; differentiable), None = off.
+
+    Precision: bf16 and fp16 calls compute in their dtype with fp32 accumulation. An fp32 call on a GPU is not fp32:
+    it computes in bf16 (q, k, v, phi_q, phi_k rounded to bf16, 8 significant bits, and the LA state each chunk
+    reads stored in bf16) with fp32 accumulation, and returns y and the gradients in fp32; it logs that once per
+    process. Its error is a bf16 call's (within 3e-2 of the fp64 spec for inputs of size ~1, as test_fp32_calls.py
+    checks on a GPU), not fp32's. attention.backend=torch computes in fp32; in Triton's interpreter (CPU tensors)
+    fp32 runs as fp32."""
     o = options(opts, given)
     _check(q, k, v, fq, o, la_decay)
     mode, window, sinks, return_denominators = o.mode, int(o.window), int(o.sinks), bool(o.return_denominators)
@@ -210,7 +242,7 @@ def triton_hybrid_attention(
         return (y, zero, zero.clone()) if return_denominators else y
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out_dtype = q.dtype
-    dtype = torch.bfloat16 if (q.dtype == torch.float32 and q.device.type != "cpu") else q.dtype
+    dtype = compute_dtype(q)
     q, k, v, fq, fk = (t.to(dtype) for t in (q, k, v, fq, fk))
     packed = _pack(attention_mask)
     if packed is not None:

@@ -1,15 +1,32 @@
-"""The launch settings of the chunked kernels: per head dim on a GPU (`GPU_SETTINGS`, which the compile gate
-tools/kernel_compile.py checks for sm_80 and sm_90 and benchmarks/device_speed.py's DEVICE_SPEED_TILES varies), and
-small fast ones for Triton's interpreter (CPU tensors, the tests)."""
+"""The launch settings of the chunked kernels: on a GPU per architecture and head dim (`GPU_SETTINGS[(arch,
+head_dim)]`, arch 80 or 90, head dim 64 or 128; the compile gate tools/kernel_compile.py checks each architecture
+against its own, and benchmarks/device's DEVICE_SPEED_TILES times variants of them), and small fast ones for
+Triton's interpreter (CPU tensors, the tests).
+
+`settings_for` picks the entry of the call's device: sm_90's on a GPU of compute capability 9.x (H100, H200), sm_80's
+on any other GPU (the A100's; the gate checks them against sm_80's 163 KiB of shared memory, not the 99 KiB of
+sm_86 / sm_89, and compiles nothing for sm_100), and on the meta device, which stands for a GPU in the compile gate
+and the cost model, the architecture ARCH_OFF_GPU names (`standing_for` sets it for a block).
+
+A setting for a new kernel goes into SM80's two entries and INTERPRETER: sm_90 takes it as it is unless SM90 gives
+its own value (tests/unit/test_kernel_compile.py checks that every entry has every key the kernels read).
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from .utils import pow2
 
-# Launch settings on a GPU (and on the meta device, which stands for one in the compile gate), half precision, by
-# head dim (<= 64, <= 128): _chunk_states' feature and value blocks and warps; _chunk_output's head-dim chunk of the
+ARCHS = (80, 90)
+# The architecture the meta device stands for: an H100's / H200's, as the cost model (benchmarks/attention/
+# roofline.py, planned for 132 SMs) counts them; the compile gate sets each of ARCHS in turn (`standing_for`)
+ARCH_OFF_GPU = 90
+
+# sm_80 (A100), half precision, by head dim, and the base of sm_90's (SM90 below): launch settings on a GPU (and on
+# the meta device, which stands for one in the compile gate) by head dim (<= 64, <= 128): _chunk_states' feature and value blocks and warps; _chunk_output's head-dim chunk of the
 # q.k products, feature chunk, warps and pipeline stages. Found with tools/kernel_compile.py at the presets'
 # shapes, every mode, bf16 and fp16: 4 warps (one warpgroup on the 64 rows; with 8, Triton's layouts replicate the
 # rows or the operands and spill), one stage (2 spilled on sm_80 at head dim 128), head-dim chunks of 32 at 128 (64
@@ -44,7 +61,7 @@ from .utils import pow2
 # on an SM): _chunk_dstates with phi_q loaded transposed (no tl.trans) and 4 warps under the cap of 255 uses 175-229
 # registers unsplit and 190-254 split on sm_80 and sm_90, bf16 and fp16, no spill: two programs per SM (8 warps used
 # 159-244, one per SM). 4 warps under a cap of 168 (three per SM) spilled 16-492 bytes with the decay.
-GPU_SETTINGS = {
+SM80 = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
              bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
@@ -52,17 +69,57 @@ GPU_SETTINGS = {
               bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
               dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
 }  # fmt: skip
+# sm_90 (H100, H200), where it differs from sm_80's (issue 67: sm_80's spill limits had set sm_90's tiles). Found with
+# tools/kernel_compile.py --archs 90 at the presets' shapes, bf16 and fp16, every mode, under triton 3.9 and 3.6: the
+# forward's q.k over head-dim chunks of 64 (whole at head dim 64) in 2 pipeline stages (at 128: 180-205 registers,
+# 32 KiB of shared memory; whole-D chunks of 128 also compiled with no spill in hybrid+sinks+decay, 199-236
+# registers, and chunks of 64 in 3 stages, 194-216: both are DEVICE_SPEED_TILES' alternatives), _chunk_bwd_dkv over
+# head-dim blocks of 64 (half the recomputed scores of 32), and bwd_dchunk kept at 16: _chunk_bwd_dq, which shares
+# it, spilled 8-12 bytes in fp16 with the sinks at 64 and 8 at 32 (2 stages), and 40-60 bytes whole-D in every
+# backward kernel; 16 warps let it fit at 64 in 214 registers per thread, which a block of 512 threads cannot hold.
+# The key side (_chunk_bwd_dkv, one program per KV head and key chunk) replaced the head-dim blocks (bwd_dout) after
+# these were found: it takes sm_80's tiles on sm_90 too (0 spills, wgmma, at every preset's shapes under 3.9).
+SM90 = {64: dict(dchunk=64, stages=2), 128: dict(dchunk=64, stages=2)}
+GPU_SETTINGS = {(80, d): dict(SM80[d]) for d in SM80} | {(90, d): {**SM80[d], **SM90[d]} for d in SM80}
+
+
+def interpreter(features: int) -> dict:
+    """The settings in Triton's interpreter (CPU tensors, the tests): any tile works there, these are fast."""
+    fchunk = min(pow2(features), 64)
+    return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
+                dkv_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, dkv_fchunk=fchunk, dkv_dchunk=32, dkv_qblock=32,
+                dstates_warps=4)  # fmt: skip
+
+
+def arch_of(device: torch.device) -> int:
+    """The architecture whose settings a call on `device` takes (the module's docstring): 90 on a GPU of compute
+    capability 9.x, 80 on any other GPU, ARCH_OFF_GPU elsewhere (the meta device)."""
+    if device.type == "cuda":
+        return 90 if torch.cuda.get_device_capability(device)[0] == 9 else 80
+    return ARCH_OFF_GPU
+
+
+@contextlib.contextmanager
+def standing_for(arch: int):
+    """Within the block the meta device stands for sm_<arch> (the compile gate records each architecture's launches
+    with its own settings)."""
+    global ARCH_OFF_GPU
+    if arch not in ARCHS:
+        raise ValueError(f"no settings for sm_{arch}; architectures: {', '.join(f'sm_{a}' for a in ARCHS)}")
+    before, ARCH_OFF_GPU = ARCH_OFF_GPU, arch
+    try:
+        yield
+    finally:
+        ARCH_OFF_GPU = before
 
 
 def settings_for(x: torch.Tensor, head_dim: int, features: int) -> dict:
-    """The settings of a call on x's device: the interpreter's on CPU, GPU_SETTINGS by head dim elsewhere (a GPU, or
-    the meta device, which stands for one in the compile gate)."""
-    if x.device.type == "cpu":  # Triton's interpreter (tests): any tile works, these are fast there
-        fchunk = min(pow2(features), 64)
-        return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
-                    dkv_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, dkv_fchunk=fchunk, dkv_dchunk=32, dkv_qblock=32,
-                    dstates_warps=4)  # fmt: skip
-    return GPU_SETTINGS[64 if head_dim <= 64 else 128]
+    """The settings of a call on x's device: the interpreter's on CPU, else GPU_SETTINGS' entry for the device's
+    architecture (arch_of) and the head dim (<= 64, <= 128). The entry itself, not a copy: a patch of it (the
+    device benchmark's tile variants) reaches the kernels."""
+    if x.device.type == "cpu":
+        return interpreter(features)
+    return GPU_SETTINGS[(arch_of(x.device), 64 if head_dim <= 64 else 128)]
 
 
 def regs(cfg: dict, kernel: str) -> dict:

@@ -1,10 +1,11 @@
 """The compile gate: every Triton kernel compiled for sm_80 and sm_90 on this CPU machine (triton.compile with a
-GPUTarget, then the ptxas in the triton wheel), every mode, bf16 / fp16 / fp32, at every model preset's head shapes,
-every shipped window and lengths that are not a multiple of the chunk, with the settings the kernels choose on a GPU:
-no compile error, shared memory within the architecture's limit, no register spills (tools/kernel_compile.py,
-SPILL_BUDGET). The tables it makes are docs/results/kernel_compile.md (`make kernel-compile`, the project's Triton)
-and kernel_compile_triton36.md (`make kernel-compile-triton36`, the device image's Triton 3.6, whose wheel `make
-test` puts in .triton36/); a test fails when a page no longer matches the kernels.
+GPUTarget, then the ptxas in the triton wheel), each architecture with its own settings, every mode, bf16 / fp16 /
+fp32, at every model preset's head shapes, every shipped window and lengths that are not a multiple of the chunk: no
+compile error, shared memory and registers per block within the architecture's limits, no register spills
+(tools/kernel_compile.py, SPILL_BUDGET). The tables it makes are docs/results/kernel_compile.md (`make
+kernel-compile`, the project's Triton) and kernel_compile_triton36.md (`make kernel-compile-triton36`, the device
+image's Triton 3.6, whose wheel `make test` puts in .triton36/); a test fails when a page no longer matches the
+kernels.
 
 The tests run in child processes: this suite runs Triton's interpreter (conftest sets TRITON_INTERPRET=1), under
 which @triton.jit makes interpreted functions that cannot be compiled.
@@ -145,7 +146,7 @@ def test_the_gate_catches_what_the_interpreter_lets_through(tmp_path):
     assert "loop_carried: refused" in proc.stdout, proc.stdout
 
 
-def test_the_gate_fails_on_errors_spills_and_shared_memory_over_the_limit():
+def test_the_gate_fails_on_errors_spills_and_shared_memory_or_registers_over_the_limit():
     from tools import kernel_compile
     from tools.compile_check import Compiled
 
@@ -160,6 +161,9 @@ def test_the_gate_fails_on_errors_spills_and_shared_memory_over_the_limit():
     assert "_fwd hybrid bf16 sm_80 (llama3-8b): 167936 bytes of shared memory, over the 166912" in over
     assert kernel_compile.failures([row(90, shared=164 * 1024)]) == []  # sm_90 allows 227 KiB
     assert "does not compile: CompilationError" in kernel_compile.failures([row(90, error="CompilationError: x")])[0]
+    assert kernel_compile.failures([row(90, registers=255, num_warps=8)]) == []  # 256 x 32 x 8 = 65536: it fits
+    many = kernel_compile.failures([row(90, registers=214, num_warps=16)])[0]  # (a 16-warp try at _chunk_bwd_dq)
+    assert "214 registers x 16 warps need 110592 per block, over the 65536 an SM has: it cannot launch" in many
 
 
 KERNEL_SOURCE = """
