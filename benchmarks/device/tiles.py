@@ -1,13 +1,13 @@
-"""Part 2b, tiles: DEVICE_SPEED_TILES="a:warps=8,stages=2;b@90:dchunk=64" times tile variants of the heaviest
-kernels in one call (a part run only when DEVICE_SPEED_PARTS names it; unset: settings.DEFAULT_TILES, sm_90's alternatives; empty: the
-part is skipped). The kernels'
-launch settings are a dict by (architecture, head dim) of settings such as dchunk, fchunk, warps, stages, dq_warps,
-dkv_warps, bwd_dchunk, bwd_fchunk, dkv_dchunk: `hybrid_scale_kernels.GPU_SETTINGS` (kernels/hybrid_scale_kernels/
-settings.py; `python -m tools.kernel_compile --settings 90/128:...` compiles a variant first, to see whether it
-spills). Each variant is applied with unittest.mock.patch.dict on the device's architecture's head-dim-128 entry (a
-variant NAME@ARCH for another architecture is skipped: its tiles were compiled for that one), warmed (compiled) at
-warm_T, then the hybrid's fwd and fwd+bwd at T = 4096 are timed beside the default settings' in one table. In the dry
-run the torch path ignores the settings (the table's code runs; its figures mean nothing)."""
+"""Part 2b, tiles: DEVICE_SPEED_TILES="a:warps=8,stages=2;b@90:dchunk=64" times tile variants of the heaviest kernels in
+one call (a part run only when DEVICE_SPEED_PARTS names it; unset: settings.DEFAULT_TILES, sm_90's alternatives;
+empty: the part is skipped). The kernels' launch settings are a dict by (architecture, head dim) of settings such as
+dchunk, fchunk, warps, stages, dq_warps, dkv_warps, bwd_dchunk, bwd_fchunk, dkv_dchunk:
+`hybrid_scale_kernels.GPU_SETTINGS` (kernels/hybrid_scale_kernels/settings.py; `python -m tools.kernel_compile
+--settings 90/128:...` compiles a variant first, to see whether it spills). Each variant is applied with
+unittest.mock.patch.dict on the device's architecture's head-dim-128 entry (a variant NAME@ARCH for another
+architecture is skipped: its tiles were compiled for that one), warmed (compiled) at warm_T, then the hybrid's fwd
+and fwd+bwd at T = 4096 are timed beside the default settings' in one table. In the dry run the torch path ignores
+the settings (the table's code runs; its figures mean nothing)."""
 
 from __future__ import annotations
 

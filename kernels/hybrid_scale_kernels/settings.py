@@ -25,9 +25,9 @@ ARCHS = (80, 90)
 # roofline.py, planned for 132 SMs) counts them; the compile gate sets each of ARCHS in turn (`standing_for`)
 ARCH_OFF_GPU = 90
 
-# sm_80 (A100), half precision, by head dim, and the base of sm_90's (SM90 below): launch settings on a GPU (and on
-# the meta device, which stands for one in the compile gate) by head dim (<= 64, <= 128): _chunk_states' feature and value blocks and warps; _chunk_output's head-dim chunk of the
-# q.k products, feature chunk, warps and pipeline stages. Found with tools/kernel_compile.py at the presets'
+# sm_80 (A100), half precision, by head dim (<= 64, <= 128), and the base of sm_90's (SM90 below): _chunk_states'
+# feature and value blocks and warps; _chunk_output's head-dim chunk of the q.k products, feature chunk, warps and
+# pipeline stages. Found with tools/kernel_compile.py at the presets'
 # shapes, every mode, bf16 and fp16: 4 warps (one warpgroup on the 64 rows; with 8, Triton's layouts replicate the
 # rows or the operands and spill), one stage (2 spilled on sm_80 at head dim 128), head-dim chunks of 32 at 128 (64
 # spilled 60-300 bytes: a [64, 64] q operand in registers) and 16 at 64 (64 and 32 spilled 8-16 bytes on sm_80).
