@@ -22,7 +22,7 @@ The same gate runs under the device image's Triton (3.6: `make kernel-compile-tr
     python -m tools.kernel_compile [--out docs/results/kernel_compile.md] [--presets llama3-8b,...]
         [--reuse docs/results/kernel_compile.json --verify 8]
         [--archs 90 --kernels _chunk_output,... --modes hybrid+sinks+decay,... --dtypes bf16,...]
-        [--settings 90/128:dchunk=64,stages=2]
+        [--settings 90/128:dchunk=64,stages=2] [--progress /tmp/kernel_compile.progress.json]
 
 --archs, --kernels, --modes and --dtypes compile a part of the matrix (while trying tiles); --settings compiles
 with other settings than GPU_SETTINGS' (apply_settings).
@@ -31,7 +31,8 @@ with other settings than GPU_SETTINGS' (apply_settings).
 the kernel's source and the jit functions it calls, the launch's signature, constexprs and options, the target and
 Triton's version. --reuse takes the results of unchanged keys from such a file and compiles the rest; --verify N
 compiles N of the reused ones again and fails if any differs (the test suite does this: a change to a kernel is
-compiled, an unchanged one costs nothing).
+compiled, an unchanged one costs nothing). --progress FILE keeps the results in FILE as they come (every
+PROGRESS_EVERY compiles) and reuses those it holds: a run cut short goes on where it stopped when started again.
 
 Prints one line per failing compile and exits 1 when a kernel does not compile, uses more shared memory than the
 architecture allows or more registers per block than an SM has, spills more than SPILL_BUDGET bytes, or is one of
@@ -314,6 +315,19 @@ def totals(rows: list[Row]) -> str:
     return "; ".join(out)
 
 
+PROGRESS_EVERY = 25  # compiles between two writes of --progress's file
+
+
+def _results(cache: compile_check.Cache) -> str:
+    return json.dumps({"triton": __import__("triton").__version__, "results": cache.results()}, indent=1) + "\n"
+
+
+def _known(*paths: Path | None) -> dict | None:
+    """The stored results of the files that exist (None: no file)."""
+    found = [json.loads(p.read_text())["results"] for p in paths if p and p.is_file()]
+    return {k: v for results in found for k, v in results.items()} if found else None
+
+
 def table(rows: list[Row]) -> str:
     head, rule = ["kernel", "mode", "dtype", "presets"], ["---"] * 4
     for arch in compile_check.ARCHS:
@@ -384,14 +398,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="", help="comma-separated kernel names (default: every kernel)")
     parser.add_argument("--modes", default="", help="comma-separated modes, e.g. hybrid+sinks+decay (default: all)")
     parser.add_argument("--dtypes", default="", help="comma-separated dtypes of bf16, fp16, fp32 (default: all)")
+    parser.add_argument("--progress", type=Path, default=None, help="keep the results here as they come, and reuse "
+                        "them: a run cut short goes on where it stopped")  # fmt: skip
     args = parser.parse_args(argv)
     apply_settings(args.settings)
     selection = selection_of(args)
     shapes = preset_shapes([p for p in args.presets.split(",") if p] or None)
     t0 = time.time()
-    known = json.loads(args.reuse.read_text())["results"] if args.reuse and args.reuse.is_file() else None
+    known = _known(args.reuse, args.progress)
     cache = compile_check.Cache(known)
-    rows = compile_matrix(shapes, selection, lambda n: print(f"\r{n} compiles", end="", file=sys.stderr), cache)
+    kept = [0]
+
+    def progress(n: int) -> None:
+        print(f"\r{n} compiles", end="", file=sys.stderr)
+        if args.progress and cache.compiled >= kept[0] + PROGRESS_EVERY:
+            args.progress.write_text(_results(cache))
+            kept[0] = cache.compiled
+
+    rows = compile_matrix(shapes, selection, progress, cache)
+    if args.progress:
+        args.progress.write_text(_results(cache))
     print(file=sys.stderr)
     differ = cache.verify(args.verify, random.Random()) if known else []
     seconds = time.time() - t0
@@ -402,9 +428,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({cache.compiled} compiled, {cache.reused} reused from {args.reuse}, {min(args.verify, cache.reused)} of "
           f"those compiled again) in {seconds:.0f} s; {totals(rows)}; {len(bad)} over budget")  # fmt: skip
     if args.out:
-        args.out.with_suffix(".json").write_text(
-            json.dumps({"triton": __import__("triton").__version__, "results": cache.results()}, indent=1) + "\n"
-        )
+        args.out.with_suffix(".json").write_text(_results(cache))
         args.out.write_text(
             "# The kernels compiled for sm_80 and sm_90 (no GPU)\n\n"
             "Made by `make kernel-compile` (`python -m tools.kernel_compile --out docs/results/kernel_compile.md`)"

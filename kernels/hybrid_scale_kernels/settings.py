@@ -70,13 +70,15 @@ SM80 = {
               dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
 }  # fmt: skip
 # sm_90 (H100, H200), where it differs from sm_80's (issue 67: sm_80's spill limits had set sm_90's tiles). Found with
-# tools/kernel_compile.py --archs 90 at the presets' shapes, bf16 and fp16, every mode, under triton 3.9 and 3.6: the
-# forward's q.k over head-dim chunks of 64 (whole at head dim 64) in 2 pipeline stages (at 128: 180-205 registers,
-# 32 KiB of shared memory; whole-D chunks of 128 also compiled with no spill in hybrid+sinks+decay, 199-236
-# registers, and chunks of 64 in 3 stages, 194-216: both are DEVICE_SPEED_TILES' alternatives), _chunk_bwd_dkv over
-# head-dim blocks of 64 (half the recomputed scores of 32), and bwd_dchunk kept at 16: _chunk_bwd_dq, which shares
-# it, spilled 8-12 bytes in fp16 with the sinks at 64 and 8 at 32 (2 stages), and 40-60 bytes whole-D in every
-# backward kernel; 16 warps let it fit at 64 in 214 registers per thread, which a block of 512 threads cannot hold.
+# tools/kernel_compile.py --archs 90 at llama3-8b's shapes in every mode, bf16 and fp16 (the forward under triton 3.9,
+# the backward under 3.9 and 3.6), and at smollm2-135m's in hybrid+sinks+decay under 3.9; the whole gate (make
+# kernel-compile, kernel-compile-triton36) decides. The forward's q.k over head-dim chunks of 64 (whole at head dim
+# 64) in 2 pipeline stages (at 128: 180-205 registers, 32 KiB of shared memory; whole-D chunks of 128 also compiled
+# with no spill in hybrid+sinks+decay, 199-236 registers, and chunks of 64 in 3 stages, 194-216: both are
+# DEVICE_SPEED_TILES' alternatives), _chunk_bwd_dkv over head-dim blocks of 64 (half the recomputed scores of 32), and
+# bwd_dchunk kept at 16: _chunk_bwd_dq, which shares it, spilled 8-12 bytes in fp16 with the sinks at 64 and 8 at 32
+# (2 stages), and 40-60 bytes whole-D in every backward kernel; 16 warps let it fit at 64 in 214 registers per thread,
+# which a block of 512 threads cannot hold.
 # The key side (_chunk_bwd_dkv, one program per KV head and key chunk) replaced the head-dim blocks (bwd_dout) after
 # these were found: it takes sm_80's tiles on sm_90 too (0 spills, wgmma, at every preset's shapes under 3.9).
 SM90 = {64: dict(dchunk=64, stages=2), 128: dict(dchunk=64, stages=2)}

@@ -166,6 +166,22 @@ def test_the_gate_fails_on_errors_spills_and_shared_memory_or_registers_over_the
     assert "214 registers x 16 warps need 110592 per block, over the 65536 an SM has: it cannot launch" in many
 
 
+def test_a_run_cut_short_goes_on_where_it_stopped(tmp_path):
+    """--progress keeps the results as they come: started again, the run compiles nothing it already had (the gate
+    takes an hour on two cores, and a run killed near its end once lost all of it)."""
+    kept = tmp_path / "progress.json"
+    part = ["--presets", "smollm2-135m", "--archs", "90", "--kernels", "_segment_fix", "--modes", "la_only",
+            "--dtypes", "bf16", "--progress", str(kept)]  # fmt: skip
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, *SCRIPT, *part], cwd=ROOT, env=_compiling_env(), capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        outs.append(proc.stdout)
+    assert "(1 compiled, 0 reused" in outs[0] and kept.is_file(), outs[0]
+    assert "(0 compiled, 1 reused" in outs[1], outs[1]
+
+
 KERNEL_SOURCE = """
 import triton
 import triton.language as tl
