@@ -318,8 +318,11 @@ def totals(rows: list[Row]) -> str:
 PROGRESS_EVERY = 25  # compiles between two writes of --progress's file
 
 
-def _results(cache: compile_check.Cache) -> str:
-    return json.dumps({"triton": __import__("triton").__version__, "results": cache.results()}, indent=1) + "\n"
+def _results(cache: compile_check.Cache, kept: dict | None = None) -> str:
+    """The results as JSON: this run's, after `kept` (--progress: what the file held, so that a run over other
+    kernels or settings drops none of it)."""
+    results = {**(kept or {}), **cache.results()}
+    return json.dumps({"triton": __import__("triton").__version__, "results": results}, indent=1) + "\n"
 
 
 def _known(*paths: Path | None) -> dict | None:
@@ -406,18 +409,19 @@ def main(argv: list[str] | None = None) -> int:
     shapes = preset_shapes([p for p in args.presets.split(",") if p] or None)
     t0 = time.time()
     known = _known(args.reuse, args.progress)
+    held = _known(args.progress)  # (--progress: its file's results stay in it)
     cache = compile_check.Cache(known)
     kept = [0]
 
     def progress(n: int) -> None:
         print(f"\r{n} compiles", end="", file=sys.stderr)
         if args.progress and cache.compiled >= kept[0] + PROGRESS_EVERY:
-            args.progress.write_text(_results(cache))
+            args.progress.write_text(_results(cache, held))
             kept[0] = cache.compiled
 
     rows = compile_matrix(shapes, selection, progress, cache)
     if args.progress:
-        args.progress.write_text(_results(cache))
+        args.progress.write_text(_results(cache, held))
     print(file=sys.stderr)
     differ = cache.verify(args.verify, random.Random()) if known else []
     seconds = time.time() - t0

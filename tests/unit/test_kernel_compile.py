@@ -11,6 +11,7 @@ The tests run in child processes: this suite runs Triton's interpreter (conftest
 which @triton.jit makes interpreted functions that cannot be compiled.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -180,6 +181,11 @@ def test_a_run_cut_short_goes_on_where_it_stopped(tmp_path):
         outs.append(proc.stdout)
     assert "(1 compiled, 0 reused" in outs[0] and kept.is_file(), outs[0]
     assert "(0 compiled, 1 reused" in outs[1], outs[1]
+    other = [*part[:5], "_dstates_fix", *part[6:]]  # a run over another kernel keeps the file's results
+    proc = subprocess.run([sys.executable, *SCRIPT, *other], cwd=ROOT, env=_compiling_env(), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert {r["kernel"] for r in json.loads(kept.read_text())["results"].values()} >= {"_segment_fix"}
 
 
 KERNEL_SOURCE = """
