@@ -60,7 +60,8 @@ def gate(tmp_path_factory):
 def gate36(tmp_path_factory):
     if not (TRITON36 / "triton").is_dir():
         pytest.skip("the device image's Triton is not in .triton36/: make .triton36/.installed (make test makes it)")
-    return _run_gate(tmp_path_factory, PAGE36, {**_compiling_env(), "PYTHONPATH": str(TRITON36)})
+    path = os.pathsep.join([str(TRITON36), *filter(None, [os.environ.get("PYTHONPATH")])])  # (3.6 first)
+    return _run_gate(tmp_path_factory, PAGE36, {**_compiling_env(), "PYTHONPATH": path})
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory_and_without_spills(gate):
