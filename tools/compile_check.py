@@ -28,6 +28,9 @@ from triton.runtime.jit import JITFunction
 
 # Largest shared memory one block may use (the opt-in maximum): A100 163 KiB, H100/H200 227 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# 32-bit registers one block may hold (sm_80 and sm_90), allocated per warp in units of 256 (8 per thread): with
+# maxnreg=255 ptxas may give a thread up to 255 whatever the warps, and a block of 16 warps at over 128 cannot launch
+REGISTER_FILE = 65536
 ARCHS = (80, 90)
 
 
@@ -74,6 +77,15 @@ class Compiled:
     @property
     def shared_ok(self) -> bool:
         return not self.error and self.shared <= SHARED_LIMIT[self.arch]
+
+    @property
+    def block_registers(self) -> int:
+        """The registers a block of num_warps warps takes (per thread rounded up to a multiple of 8)."""
+        return -(-self.registers // 8) * 8 * 32 * self.num_warps
+
+    @property
+    def registers_ok(self) -> bool:
+        return self.block_registers <= REGISTER_FILE
 
     @property
     def products(self) -> str:

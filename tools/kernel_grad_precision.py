@@ -11,8 +11,12 @@ largest value against the fp64 spec's autograd:
 
   before:  delta = dy . y_bf16 (fp32 products of the bf16 output), dy/Z rounded in the dots -- the kernels until
            2026-12-04 (the H200 measured 0.128 / 0.045 / 0.018 at windows 1 / 64 / 100);
-  now:     delta = Z (round(dy/Z) . y_fp32), the same rounding as the dots, the forward's fp32 output (the chunked
-           backward's dlz, `_chunk_bwd_dq`);
+  fp32 y:  delta = Z (round(dy/Z) . y_fp32), the same rounding as the dots, the forward's fp32 output (the chunked
+           backward's dlz until 2026-12-07, when the forward stored y in fp32 and again in bf16);
+  y only:  delta = Z (round(dy/Z) . y_bf16), the same rounding as the dots, y as the forward returns it (y stored
+           once, in the model's dtype, as flash-attention takes its delta from O);
+  now:     the same with y_bf16 + bf16(y_fp32 - y_bf16): y and its rounding error, which the forward stores beside it
+           in bf16 (4 bytes an element in all; the chunked backward's dlz, `_chunk_bwd_dq`);
   fp32:    no rounding at all (what the chunked torch path, fp32 inside, comes close to).
 
     .venv/bin/python -m tools.kernel_grad_precision
@@ -67,6 +71,7 @@ def errors(window: int) -> dict[str, float]:
     y32 = (gamma * e @ v + lin @ v) / z
     dyz = dy / z
     rounded = dyz.to(torch.bfloat16).float()
+    hi = y32.to(torch.bfloat16).float()
     real = (pos >= 0)[:, None, :, None]
 
     def gamma_grad(dz, dyz_in_dots):
@@ -75,7 +80,9 @@ def errors(window: int) -> dict[str, float]:
 
     ways = {
         "before": ((dy * y32.to(torch.bfloat16).float()).sum(-1, keepdim=True) / z, rounded),
-        "now": ((rounded * y32).sum(-1, keepdim=True), rounded),
+        "fp32 y": ((rounded * y32).sum(-1, keepdim=True), rounded),
+        "y only": ((rounded * hi).sum(-1, keepdim=True), rounded),
+        "now": ((rounded * (hi + (y32 - hi).to(torch.bfloat16).float())).sum(-1, keepdim=True), rounded),
         "fp32": ((dyz * y32).sum(-1, keepdim=True), dyz),
     }
     top = want.abs().max()
@@ -84,11 +91,12 @@ def errors(window: int) -> dict[str, float]:
 
 def main() -> None:
     print("gamma's gradient in bf16, largest error / largest value against the fp64 spec (hybrid mode)")
-    print("| window | before | now | fp32 |")
-    print("|---:|---:|---:|---:|")
+    ways = ("before", "fp32 y", "y only", "now", "fp32")
+    print("| window | " + " | ".join(ways) + " |")
+    print("|---:|" + "---:|" * len(ways))
     for window in (1, 64, 100):
         e = errors(window)
-        print(f"| {window} | {e['before']:.2e} | {e['now']:.2e} | {e['fp32']:.2e} |")
+        print(f"| {window} | " + " | ".join(f"{e[w]:.2e}" for w in ways) + " |")
 
 
 if __name__ == "__main__":

@@ -106,6 +106,16 @@ FAULTS = {
         "            dh = dh * carry\n",
         "",
     ),
+    "kernel_split_state_gradient_not_fixed": (
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "fixed = tl.load(ptr, mask=both, other=0.0).to(tl.float32) + wt * dn",
+        "fixed = tl.load(ptr, mask=both, other=0.0).to(tl.float32)",
+    ),
+    "kernel_split_rho_share_dropped": (
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "tl.load(RSCAN + pid) - CHUNK * tl.exp(-rho * CHUNK) * share)",
+        "tl.load(RSCAN + pid))",
+    ),
     "kernel_initial_state_dropped": (
         "kernels/hybrid_scale_kernels/chunk_h.py",
         "            h += tl.load(H0 + (base * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)\n",
@@ -135,6 +145,32 @@ FAULTS = {
         "kernels/hybrid_scale_kernels/decode.py",
         "carry = tl.exp(-rho)",
         "carry = 1.0",
+    ),
+    # the key-side backward (_chunk_bwd_dkv) and dq's state term (tests/unit/test_chunk_backward.py)
+    "kernel_key_side_skips_a_query_block": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "for q0 in range(c * CHUNK, tl.minimum((c + NB + 1) * CHUNK, T), BLOCK_Q):",
+        "for q0 in range(c * CHUNK, tl.minimum((c + NB) * CHUNK, T), BLOCK_Q):",
+    ),
+    "kernel_sinks_dv_dropped": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "                svt += tl.dot((dyt.to(tl.float32) / zs[None, :]).to(DT), e_s, input_precision=PREC)\n",
+        "",
+    ),
+    "kernel_sink_sums_never_written": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        'if tl.atomic_add(COUNT + pid_bk, 1, sem="acq_rel") == NC - 1:',
+        'if tl.atomic_add(COUNT + pid_bk, 1, sem="acq_rel") == NC:',
+    ),
+    "kernel_dphi_k_state_dz_dropped": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "            acc_f = (acc_f + dz[:, None]) * wk[None, :]",
+        "            acc_f = acc_f * wk[None, :]",
+    ),
+    "kernel_dq_state_product_dropped": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "                    sp = tl.dot(do, ht, input_precision=PREC)",
+        "                    sp = 0.0 * tl.dot(do, ht, input_precision=PREC)",
     ),
     "decay_ignored_by_the_layer": (
         "hybrid_scale/attention/layer.py",

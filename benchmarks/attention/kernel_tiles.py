@@ -168,8 +168,8 @@ def output(a: dict):
             p.read("V", kv + kb, C, 0, D)
             p.dot(C, D, C)
         p.write("Y", q, C, 0, D)
-        if a.get("TWO_OUT"):
-            p.write("YO", q, C, 0, D)
+        if a.get("LO"):  # y's rounding error (half precision, training)
+            p.write("YLO", q, C, 0, D)
         for name in ("DE", "DL") if a.get("DENS") else ():
             p.write(name, q, C)
         for name in ("M", "ZS", "IDX") if a.get("STATS") else ():
@@ -192,7 +192,9 @@ def bwd_dq(a: dict):
         q, kv = bhq * T + c * C, bk * T
         p.read("ZS", q, C)
         p.read("DY", q, C, 0, D)  # dlz = do . y
-        p.read("YF", q, C, 0, D)
+        p.read("Y", q, C, 0, D)
+        if a.get("Y_LO"):  # (y's rounding error)
+            p.read("YLO", q, C, 0, D)
         p.write("DLZ", q, C)
         p.read("M", q, C)
         keys = [kb * C for kb in range(c - NB, c + 1) if 0 <= kb * C < T]  # (a block before 0: masked, no load)
@@ -227,9 +229,9 @@ def bwd_dq(a: dict):
         if hybrid:
             p.read("IDX", q, C)
             p.write("RSUM", q, C)
-        if sinks:
-            p.write("DKS", q, C, 0, BS)
-            p.write("DVS", q, C, 0, BS)
+        if sinks:  # the sinks' ds and E per row, for _chunk_bwd_dkv
+            p.write("SINK_DS", q, C, 0, BS)
+            p.write("SINK_E", q, C, 0, BS)
         if multi:  # dq, a head-dim chunk at a time
             p.read("DQ32", q, C, 0, D)
         else:  # ds k of each block
@@ -267,16 +269,18 @@ def bwd_dq(a: dict):
 
 
 def dstates(a: dict):
-    """_chunk_dstates: program (feature block, value block, batch x KV head) walks the states in reverse; each takes
-    phi_q and do of the G query heads' chunk that reads it."""
+    """_chunk_dstates: program (feature block, value block, batch x KV head x segment) walks its segment's states in
+    reverse; each takes phi_q and do of the G query heads' chunk that reads it. Split (P > 1): each segment's own sums
+    (and, with the decay, its weighted states) for `_dstates_fix`."""
     C, T, H, G, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["F"], a["NS"], a["NB"]
-    BF, BDV, Hkv, decay = a["BLOCK_F"], a["BLOCK_DV"], a["Hkv"], a["DECAY"]
+    BF, BDV, Hkv, decay, L, P = a["BLOCK_F"], a["BLOCK_DV"], a["Hkv"], a["DECAY"], a["L"], a["P"]
 
-    def program(p: Program, pf: int, pd: int, bh: int) -> None:
-        f0, d0, b, kvh = pf * BF, pd * BDV, bh // Hkv, bh % Hkv
+    def program(p: Program, pf: int, pd: int, z: int) -> None:
+        f0, d0, bh, seg = pf * BF, pd * BDV, z // P, z % P
+        b, kvh = bh // Hkv, bh % Hkv
         last = 0 if a.get("HAS_INIT") else 1
-        for i in range(NS - last):
-            s = NS - 1 - i
+        lo, hi = max(seg * L, last), min(seg * L + L, NS)
+        for s in range(hi - 1, lo - 1, -1):
             st = bh * NS + s
             if decay:  # rho's gradient through the carry: <dh_{s+1}, h_s>
                 p.read("HKV", st * F + f0, BF, d0, BDV)
@@ -298,98 +302,111 @@ def dstates(a: dict):
                 p.write("DH0", bh * F + f0, BF, d0, BDV)
                 if pd == 0:
                     p.write("DZ0", bh * F + f0, BF)
+        if P > 1:
+            sp = bh * P + seg
+            for name in ("END", "HSUM") if decay else ("END",):
+                p.write(name, sp * F + f0, BF, d0, BDV)
+            if pd == 0:
+                for name in ("ZEND", "ZSUM") if decay else ("ZEND",):
+                    p.write(name, sp * F + f0, BF)
+
+    return program
+
+
+def dstates_fix(a: dict):
+    """_dstates_fix: on the reverse scan's grid, segment seg < P - 1 sums the later segments' ends and adds them,
+    decayed, to its states' gradients (read and written back); with the decay, rho's share from its weighted states."""
+    F, NS, L, P, BF, BDV, decay = a["F"], a["NS"], a["L"], a["P"], a["BLOCK_F"], a["BLOCK_DV"], a["DECAY"]
+
+    def program(p: Program, pf: int, pd: int, z: int) -> None:
+        f0, d0, bh, seg = pf * BF, pd * BDV, z // P, z % P
+        if seg == P - 1:
+            return
+        for q in range(seg + 1, P):
+            p.read("END", (bh * P + q) * F + f0, BF, d0, BDV)
+            if pd == 0:
+                p.read("ZEND", (bh * P + q) * F + f0, BF)
+        last = 0 if a.get("HAS_INIT") else 1
+        for s in range(max(seg * L, last), seg * L + L):
+            st = bh * NS + s
+            name, zname, row = ("DHKV", "DHK", st * F) if s > 0 else ("DH0", "DZ0", bh * F)
+            p.read(name, row + f0, BF, d0, BDV)
+            p.write(name, row + f0, BF, d0, BDV)
+            if pd == 0:
+                p.read(zname, row + f0, BF)
+                p.write(zname, row + f0, BF)
+        if decay:
+            p.read("HSUM", (bh * P + seg) * F + f0, BF, d0, BDV)
+            if pd == 0:
+                p.read("ZSUM", (bh * P + seg) * F + f0, BF)
 
     return program
 
 
 def bwd_dkv(a: dict):
-    """_chunk_bwd_dkv: program (batch x KV head, key chunk, head-dim block of BLOCK_DO): for each of the G query heads
-    and query chunks c .. c + NB, the scores and dp over the whole head dim, then E^T do, ds^T q, L^T do into its
-    columns of dv and dk; the state h_{c+1}'s share of dv; the sinks' host sums (chunk 0)."""
+    """_chunk_bwd_dkv: program (batch x KV head, key chunk), the whole head and feature dims: the state h_{c+1}'s
+    share of dv and dphi_k; for each of the G query heads and each query block of BLOCK_Q rows of chunks c .. c + NB,
+    dp, the scores and phi_q phi_k^T once, then ds^T q, (g E + L)^T do and the L terms' dp^T phi_q; dk, dv, dphi_k
+    stored once; the sinks' terms of chunk c's rows (ds^T q and E^T do, added to the KV head's fp32 sums), and the
+    sums written to the sink keys' rows by the KV head's last program (counted as the last chunk's)."""
     C, T, H, G, D, F, NS, NB, NC = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"], a["NC"]
-    BDO, BS = a["BLOCK_DO"], a["BLOCK_S"]
+    BQ, BS, BD = a["BLOCK_Q"], a["BLOCK_S"], a["BLOCK_D"]
     soft, lin, sinks, hybrid = a["SOFT"], a["LIN"], a["SINKS"], a["HYBRID"]
     Hkv = H // G
 
-    def program(p: Program, bkv: int, c: int, cb: int) -> None:
-        kv, d0 = bkv * T + c * C, cb * BDO  # this chunk's key rows, the program's columns
-        for hh in range(G):
-            q_base = ((bkv // Hkv) * H + (bkv % Hkv) * G + hh) * T
-            for qb in range(c, min(c + NB + 1, NC)):
-                q = q_base + qb * C
-                p.read("ZS", q, C)
-                p.read("DY", q, C, d0, BDO)  # do, this program's columns
-                if soft:
-                    p.read("DLZ", q, C)
-                    p.read("K", kv, C, 0, D)  # the scores k q^T over the whole head dim
-                    p.read("Q", q, C, 0, D)
-                    p.dot(C, C, D)
-                    p.read("M", q, C)
-                    p.dot(C, BDO, C)  # E^T do
-                    p.read("V", kv, C, 0, D)  # dp^T = v do^T over the whole head dim
-                    p.read("DY", q, C, 0, D)
-                    p.dot(C, C, D)
-                    if hybrid:
-                        p.read("IDX", q, C)
-                        p.read("RSUM", q, C)
-                    p.read("Q", q, C, d0, BDO)
-                    p.dot(C, BDO, C)  # ds^T q
-                if lin:
-                    p.read("FK", kv, C, 0, F)  # phi_k phi_q^T over feature chunks
-                    p.read("FQ", q, C, 0, F)
-                    p.dot(C, C, F)
-                    p.dot(C, BDO, C)  # L^T do
-        if lin and c <= NS - 2:  # the keys' share of h_{c+1}: phi_k dh
+    def program(p: Program, bkv: int, c: int, _: int) -> None:
+        kv = bkv * T + c * C  # this chunk's key rows
+        if lin and c <= NS - 2:  # the keys' share of h_{c+1}: phi_k dh into dv, dh v^T + dz into dphi_k
             st = bkv * NS + c + 1
             p.read("FK", kv, C, 0, F)
-            p.read("DHKV", st * F, F, d0, BDO)
-            p.dot(C, BDO, F)
-        if sinks and c == 0:  # the host's sums of the sinks' dk, dv [B Hkv BLOCK_S, BLOCK_D] (rows j < n_sinks)
-            p.read("DVS", bkv * BS, BS, d0, BDO)
-            p.read("DKS", bkv * BS, BS, d0, BDO)
-        p.write("DV", kv, C, d0, BDO)
-        if soft:
-            p.write("DK", kv, C, d0, BDO)
-
-    return program
-
-
-def bwd_dfk(a: dict):
-    """_chunk_bwd_dfk: program (batch x KV head, key chunk): for each of the G query heads and query chunks c .. c +
-    NB, dp^T over the whole head dim, then dp^T L-weights times phi_q added to dphi_k (fp32, read and written back);
-    the state h_{c+1}'s share, v dh^T + dz."""
-    C, T, H, G, D, F, NS, NB, NC = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"], a["NC"]
-    decay = a["DECAY"]
-    Hkv = H // G
-
-    def program(p: Program, bkv: int, c: int, _: int) -> None:
-        kv = bkv * T + c * C
-        for hh in range(G):
-            q_base = ((bkv // Hkv) * H + (bkv % Hkv) * G + hh) * T
-            for qb in range(c, min(c + NB + 1, NC)):
-                q = q_base + qb * C
-                p.read("ZS", q, C)
-                p.read("DLZ", q, C)
-                p.read("V", kv, C, 0, D)  # dp^T = v do^T
-                p.read("DY", q, C, 0, D)
-                p.dot(C, C, D)
-                p.read("FQ", q, C, 0, F)
-                p.read("DFK", kv, C, 0, F)
-                p.write("DFK", kv, C, 0, F)
-                p.dot(C, F, C)  # (dp^T w) phi_q
-                if decay:  # phi_k phi_q^T again, for rho's share
-                    p.read("FK", kv, C, 0, F)
-                    p.dot(C, C, F)
-        if c <= NS - 2:
-            st = bkv * NS + c + 1
-            p.read("V", kv, C, 0, D)
             p.read("DHKV", st * F, F, 0, D)
+            p.dot(C, D, F)
+            p.read("V", kv, C, 0, D)
+            p.dot(F, C, D)
             p.read("DHK", st * F, F)
-            p.dot(C, F, D)
-            p.read("DFK", kv, C, 0, F)
+        for hh in range(G if soft or lin else 0):
+            q_base = ((bkv // Hkv) * H + (bkv % Hkv) * G + hh) * T
+            for q0 in range(c * C, min((c + NB + 1) * C, T), BQ):
+                q = q_base + q0
+                p.read("ZS", q, BQ)
+                p.read("DLZ", q, BQ)
+                p.read("DY", q, BQ, 0, D)
+                p.read("V", kv, C, 0, D)
+                p.dot(BQ, C, D)  # dp = do v^T
+                if soft:
+                    p.read("Q", q, BQ, 0, D)
+                    p.read("K", kv, C, 0, D)
+                    p.dot(BQ, C, D)  # the scores
+                    p.read("M", q, BQ)
+                    if hybrid:
+                        p.read("IDX", q, BQ)
+                        p.read("RSUM", q, BQ)
+                    p.dot(C, D, BQ)  # ds^T q
+                if lin:
+                    p.read("FQ", q, BQ, 0, F)
+                    p.read("FK", kv, C, 0, F)
+                    p.dot(BQ, C, F)  # phi_q phi_k^T
+                    p.dot(F, C, BQ)  # phi_q^T (dp w)
+                p.dot(C, D, BQ)  # (g E + L)^T do
+        p.write("DK", kv, C, 0, D)
+        p.write("DV", kv, C, 0, D)
+        if lin:
             p.write("DFK", kv, C, 0, F)
-            if decay:
-                p.read("FK", kv, C, 0, F)
+        if sinks:
+            for hh in range(G):
+                q = ((bkv // Hkv) * H + (bkv % Hkv) * G + hh) * T + c * C
+                p.read("SINK_DS", q, C, 0, BS)
+                p.read("SINK_E", q, C, 0, BS)
+                p.read("Q", q, C, 0, D)
+                p.read("DY", q, C, 0, D)
+                p.read("ZS", q, C)
+                p.dot(D, BS, C)  # q^T ds
+                p.dot(D, BS, C)  # do^T E
+            p.read("SINK_DKV", bkv * 2 * BS, 2 * BS, 0, BD)  # (atomic adds: read and written)
+            p.write("SINK_DKV", bkv * 2 * BS, 2 * BS, 0, BD)
+            if c == NC - 1:  # the last program: the sums into the sink keys' rows
+                p.write("DK", bkv * T, BS, 0, D)
+                p.write("DV", bkv * T, BS, 0, D)
 
     return program
 
@@ -400,6 +417,6 @@ KERNELS = {
     "_chunk_output": output,
     "_chunk_bwd_dq": bwd_dq,
     "_chunk_dstates": dstates,
+    "_dstates_fix": dstates_fix,
     "_chunk_bwd_dkv": bwd_dkv,
-    "_chunk_bwd_dfk": bwd_dfk,
 }

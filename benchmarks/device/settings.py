@@ -8,8 +8,9 @@ parts in run order with their budgets, issue 51's and 67's targets; the environm
                                            every part in the dry run)
   DEVICE_SPEED_BUDGETS="decode=60"         a budget in seconds (nothing of its part starts after it)
   DEVICE_SPEED_DEADLINE=285                seconds from device.sh's start after which no part or row starts
-  DEVICE_SPEED_TILES="a:warps=8,stages=2;b:dchunk=64"   tile variants of the chunked prefill (part tiles, which
-                                           then has to be named in DEVICE_SPEED_PARTS)
+  DEVICE_SPEED_TILES="a:warps=8,stages=2;b@90:dchunk=64"  tile variants of the chunked prefill (part tiles, which
+                                           then has to be named in DEVICE_SPEED_PARTS; unset: DEFAULT_TILES; empty:
+                                           none)
   DEVICE_SPEED_FLA_CONFIGS=2               configs each of fla's autotuned kernels keeps (0: fla's own autotuning)
 
 The budgets of the parts that run, with STARTUP, must add up to at most the deadline; speed_settings refuses settings
@@ -153,14 +154,29 @@ FLOORS = {
 }
 
 
+# The tile variants part tiles times when DEVICE_SPEED_TILES is unset, at head dim 128 on an H100 / H200 (each patches
+# GPU_SETTINGS[(90, 128)]; kernels/hybrid_scale_kernels/settings.py says how sm_90's entry was chosen): sm_80's tiles
+# where sm_90's differ (what sm_90's own gain), then the alternatives that also compiled with no spill, in the order
+# they are worth the part's budget.
+DEFAULT_TILES = "sm80@90:dchunk=32,stages=1;wholeD@90:dchunk=128;stages3@90:stages=3"
+TILE_ARCHS = (80, 90)  # the architectures with settings of their own (hybrid_scale_kernels.settings.ARCHS)
+
+
 def parse_tiles(text: str) -> dict[str, dict[str, int]]:
-    """DEVICE_SPEED_TILES ("a:warps=8,stages=2;b:dchunk=64") as {variant: {setting: int}}; a clear SystemExit on a
-    malformed one (before any device time is spent)."""
+    """DEVICE_SPEED_TILES ("a:warps=8,stages=2;b@90:dchunk=64") as {variant: {setting: int}}: a variant NAME@ARCH
+    (`tile_arch`) patches sm_ARCH's entry and runs only on such a device, NAME alone patches the device's own; a
+    clear SystemExit on a malformed one (before any device time is spent)."""
     out = {}
     for item in filter(None, (s.strip() for s in text.split(";"))):
         name, sep, body = item.partition(":")
-        if not sep or not name.strip() or name.strip() == "default":
-            raise SystemExit(f"DEVICE_SPEED_TILES: '{item}' is not NAME:key=value,... (NAME not 'default')")
+        name = name.strip()
+        base, at, arch = name.partition("@")
+        if not sep or not base or base == "default" or (at and not arch.isdigit()):
+            raise SystemExit(f"DEVICE_SPEED_TILES: '{item}' is not NAME:key=value,... or NAME@ARCH:key=value,... "
+                             "(NAME not 'default')")  # fmt: skip
+        if at and int(arch) not in TILE_ARCHS:
+            raise SystemExit(f"DEVICE_SPEED_TILES: no settings for sm_{arch} in '{item}'; architectures: "
+                             + ", ".join(f"sm_{a}" for a in TILE_ARCHS))  # fmt: skip
         values = {}
         for pair in filter(None, (p.strip() for p in body.split(","))):
             key, _, value = pair.partition("=")
@@ -170,7 +186,7 @@ def parse_tiles(text: str) -> dict[str, dict[str, int]]:
                 raise SystemExit(f"DEVICE_SPEED_TILES: '{pair}' in '{item}' is not key=integer") from None
         if not values:
             raise SystemExit(f"DEVICE_SPEED_TILES: variant '{name}' changes nothing")
-        out[name.strip()] = values
+        out[name] = values
     return out
 
 
@@ -193,6 +209,12 @@ def check_budgets(cfg: dict) -> None:
         )
 
 
+def tile_arch(variant: str) -> int | None:
+    """The architecture a tile variant's name (NAME@ARCH) is for, None when it names none."""
+    _, at, arch = variant.partition("@")
+    return int(arch) if at else None
+
+
 def speed_settings(dry: bool) -> dict:
     """FULL or DRY with the environment's changes (the module docstring's variables), refused when they do not fit
     the deadline."""
@@ -206,13 +228,14 @@ def speed_settings(dry: bool) -> dict:
         cfg["deadline"] = float(os.environ["DEVICE_SPEED_DEADLINE"])
     if os.environ.get("DEVICE_SPEED_FLA_CONFIGS"):
         cfg["fla_configs"] = int(os.environ["DEVICE_SPEED_FLA_CONFIGS"])
-    cfg["tiles"] = parse_tiles(os.environ.get("DEVICE_SPEED_TILES", ""))
+    given = os.environ.get("DEVICE_SPEED_TILES")  # (None: unset)
+    cfg["tiles"] = parse_tiles(DEFAULT_TILES if given is None else given)
     default = ",".join(SPEED_PARTS if dry else DEFAULT_PARTS)
     named = [p.strip() for p in os.environ.get("DEVICE_SPEED_PARTS", default).split(",") if p.strip()]
     unknown = [p for p in named if p not in SPEED_PARTS]
     if unknown:
         raise SystemExit(f"DEVICE_SPEED_PARTS: unknown part {', '.join(unknown)}; parts: {', '.join(SPEED_PARTS)}")
-    if cfg["tiles"] and "tiles" not in named:
+    if given and "tiles" not in named:
         raise SystemExit("DEVICE_SPEED_TILES is set but part tiles does not run: name it in DEVICE_SPEED_PARTS "
                          "(e.g. DEVICE_SPEED_PARTS=prefill,tiles; the default parts leave it no time)")  # fmt: skip
     cfg["parts"], cfg["dry"] = [p for p in SPEED_PARTS if p in named], dry

@@ -16,8 +16,9 @@ default of a GPU run is settings.DEFAULT_PARTS, the first six):
                 the output, the final state and every gradient (delta.py);
   prefill   2. fwd and fwd+bwd at T 4096 and 16384 against SDPA and fla's chunk_simple_gla (g_gamma), every method
                 compiled, autotuned and self-checked at T 1024 before its clock; ratios kept per row;
-  tiles     2b. DEVICE_SPEED_TILES="a:warps=8,stages=2;b:dchunk=64": tile variants of the chunked prefill timed
-                beside the default (named in DEVICE_SPEED_PARTS only);
+  tiles     2b. DEVICE_SPEED_TILES="a:warps=8,stages=2;b@90:dchunk=64": tile variants of the chunked prefill timed
+                beside the default (named in DEVICE_SPEED_PARTS only; DEVICE_SPEED_TILES unset: sm_90's
+                alternatives, settings.DEFAULT_TILES);
   decode    3. decode throughput of 32 sequences at 8k and 32k of context through 4 layers of the 8B shape, CUDA
                 graphs, the hybrid against transformers' static KV cache: tokens/s, the ratio, and the largest batch
                 each fits at 32k, allocated;

@@ -1,15 +1,15 @@
 """The gpu-marked tests, run by the harness as pytest children (cut at what is left of the run; verbose, so that a run
 cut short still says which tests passed and failed), and their sections of the report.
 
-Part grad of the speed benchmark (first): the bf16 gradients of the kernels at Llama-3-8B's attention shape against
-the fp32 chunked path, tests/unit/test_triton_kernels_bf16.py::test_bf16_gradients_at_the_llama3_8b_shape, whose
-printed errors (grad_line: `grad MODE T=T: NAME ERROR/TOLERANCE, ...`) become the section's table. Part tests (the speed
+Part grad of the speed benchmark (first): the bf16 gradients of the kernels at Llama-3-8B's attention shape against the
+fp32 chunked path, tests/unit/test_triton_kernels_bf16.py::test_bf16_gradients_at_the_llama3_8b_shape, whose printed
+errors (grad_line: `grad MODE T=T: NAME ERROR/TOLERANCE, ...`) become the section's table. Part tests (the speed
 benchmark's last, the pipeline check's first): the chunked kernels' forward and backward files first
 (tests/unit/test_chunk_forward.py, test_chunk_backward.py), then fla's gated delta rule against the spec
 (test_gated_delta.py::test_fla_kernel_equals_the_spec_on_a_gpu), then the bf16 tests of the entry and the decode step
-(tests/unit/test_triton_kernels_bf16.py; in the speed benchmark without the gradient test part grad ran, and without
-the gated delta test, whose check part delta makes at the 8B shape). On a CPU every one of them is collected and
-skipped."""
+(tests/unit/test_triton_kernels_bf16.py), then the fp32 calls' precision (tests/unit/test_fp32_calls.py; in the speed
+benchmark without the gradient test part grad ran, and without the gated delta test, whose check part delta makes at the
+8B shape). On a CPU every one of them is collected and skipped."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from benchmarks.report_table import fmt, skipped_row, table
 CHUNKED = ("tests/unit/test_chunk_forward.py", "tests/unit/test_chunk_backward.py")  # (in this order)
 GATED_DELTA = "tests/unit/test_gated_delta.py::test_fla_kernel_equals_the_spec_on_a_gpu"
 BF16 = "tests/unit/test_triton_kernels_bf16.py"
+FP32 = "tests/unit/test_fp32_calls.py"  # (an fp32 call computes in bf16 within what its docstring promises)
 GRADIENTS = f"{BF16}::test_bf16_gradients_at_the_llama3_8b_shape"
 OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 GRAD_LINE = re.compile(r"^grad (\w+) T=(\d+): (.+)$")
@@ -30,9 +31,9 @@ GRAD_ERROR = re.compile(r"(\w+) ([^\s,/]+)/([^\s,]+)")
 
 
 def test_files() -> list[str]:
-    """The chunked kernels' test files, then fla's gated delta test, then the bf16 file."""
+    """The chunked kernels' test files, then fla's gated delta test, then the bf16 file and the fp32 calls'."""
     chunked = [p.relative_to(ROOT).as_posix() for pattern in CHUNKED for p in sorted(ROOT.glob(pattern))]
-    rest = [t for t in (GATED_DELTA, BF16) if (ROOT / t.split("::")[0]).is_file()]
+    rest = [t for t in (GATED_DELTA, BF16, FP32) if (ROOT / t.split("::")[0]).is_file()]
     return list(dict.fromkeys(chunked)) + rest
 
 

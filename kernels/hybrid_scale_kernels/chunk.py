@@ -6,26 +6,30 @@ below).
 The launches of a forward: `chunk_h.states` (the LA state before every chunk, modes with an LA) and
 `chunk_o.chunk_fwd_o` (the output). Of a backward (ChunkAttention.backward): the states again, `chunk_bwd.bwd_dq`
 (per query chunk: dq, dphi_q, dlz, the row sums of ds, the sinks' ds and E per row), `chunk_h.dstates` (the reverse
-state scan, and the initial state's gradient), `chunk_bwd.bwd_dkv` (dk, then dv, per key chunk) and
-`chunk_bwd.bwd_dfk` (dphi_k).
+state scan, and the initial state's gradient) and `chunk_bwd.bwd_dkv` (dk, dv and dphi_k together, per key chunk,
+the sinks' dk and dv in).
 
-The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (rounded to the inputs' dtype for the
-products), and dlz_n = do_n . y_n (y the forward's fp32 output); every term p_nj of the numerator (g E or L) has
-dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
-through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken
-term by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp,
-in `_chunk_bwd_dfk`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight
-inside its chunk.
+The backward's math. Per row n: Z_n the normaliser, do_n = dy_n / Z_n (made inside the kernels from dy and Z, rounded to
+the inputs' dtype for the products), and dlz_n = do_n . y_n (y the forward's output as it returned it, in the model's
+dtype, plus its rounding error, which the forward stores in that dtype beside it); every term p_nj of the numerator (g E
+or L) has dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
+through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken term
+by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp, in
+`_chunk_bwd_dkv`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight inside
+its chunk.
 
 Padding: the real tokens of each row are moved to its front (a stable sort of the mask), the kernels run on the
 packed rows (each row's real tokens are positions 0..n-1, the padding after them, where no real query sees it),
 and the outputs go back to their places, zero on padding. fp32 inputs on a GPU (stage 1 passes fp32 queries) run
-in bf16 with fp32 accumulation and give y in fp32: the inputs of a bf16 model are exact in bf16, and 64-row fp32
-products on FMAs spill kilobytes. In Triton's interpreter (CPU tensors: the tests) fp32 runs as fp32.
+in bf16 with fp32 accumulation and give y in fp32 (`compute_dtype`, FP32_IN_BF16: logged once per process): the
+inputs of a bf16 model are exact in bf16, and 64-row fp32 products on FMAs spill kilobytes. In Triton's interpreter
+(CPU tensors: the tests) fp32 runs as fp32.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -33,11 +37,19 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
-from .chunk_bwd import bwd_dfk, bwd_dkv, bwd_dq
+from .chunk_bwd import bwd_dkv, bwd_dq
 from .chunk_h import dstates, states
 from .chunk_o import chunk_fwd_o
 from .settings import regs, settings_for
 from .utils import CHUNK, MODES, TL_DTYPE, blocks_back, mode_parts, options, pow2, precision
+
+LOG = logging.getLogger(__name__)
+# what an fp32 call on a GPU computes (triton_hybrid_attention's docstring says it too), logged once per process
+FP32_IN_BF16 = (
+    "hybrid_scale_kernels: an fp32 call on a GPU computes in bf16: its inputs are rounded to bf16 (8 significant "
+    "bits), the LA state each chunk reads is stored in bf16, the products accumulate in fp32, and y and the "
+    "gradients come back in fp32 (attention.backend=torch computes in fp32)"
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,30 +110,30 @@ def _states(fk, v, rho, init, case, T):
 
 
 class ChunkAttention(torch.autograd.Function):
-    """The chunked forward with a backward (training): the forward keeps y in fp32 (for dlz), c_n, Z_n and c_n's argmax
-    per row, and the states (B Hkv (T / 64) F D in the inputs' dtype: 34 MB per layer at Llama-3-8B's shape and 4k
-    tokens, a fifth of what the layer saves besides); the backward recomputes every score tile. Gradients of q, k,
-    v, phi_q, phi_k in their dtype, of gamma (the hybrid's only), of rho (the decay) and of the initial state
-    (fp32). Returns (y in out_dtype, sum of gamma E, sum of L): the two sums (not differentiable) are empty unless
-    dens."""
+    """The chunked forward with a backward (training): the forward keeps y as it returns it and its rounding error in
+    out_dtype (for dlz; no error for fp32), c_n, Z_n and c_n's argmax per row, and the states (B Hkv (T / 64) F D in the
+    inputs' dtype: 34 MB per layer at Llama-3-8B's shape and 4k tokens, a fifth of what the layer saves besides); the
+    backward recomputes every score tile. Gradients of q, k, v, phi_q, phi_k in their dtype, of gamma (the hybrid's
+    only), of rho (the decay) and of the initial state (fp32). Returns (y in out_dtype, sum of gamma E, sum of L): the
+    two sums (not differentiable) are empty unless dens."""
 
     @staticmethod
     def forward(ctx, q, k, v, fq, fk, gamma, rho, init_kv, init_k, case, out_dtype, dens):
         r = None if rho is None else rho.detach().float().contiguous()
         init = (init_kv, init_k) if case.has_init else None
         state = _states(fk, v, r, init, case, q.shape[2])
-        y, stats, parts, y_out = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, stats=True, dens=dens,
-                                             out_dtype=out_dtype)  # fmt: skip
+        y, stats, parts = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, stats=True, dens=dens,
+                                      out_dtype=out_dtype)  # fmt: skip
         ctx.save_for_backward(q, k, v, fq, fk, gamma, rho, y, *stats, *(state or ()))
         ctx.case = case
         de, dl = parts if dens else (y.new_empty(0), y.new_empty(0))
         ctx.mark_non_differentiable(de, dl)
-        return y_out, de, dl
+        return y, de, dl
 
     @staticmethod
     @once_differentiable  # (a second derivative would need kernels of its own: refused, not silently partial)
     def backward(ctx, dy, _de, _dl):
-        q, k, v, fq, fk, gamma, rho, y, m, zs, idx, *state = ctx.saved_tensors
+        q, k, v, fq, fk, gamma, rho, y, m, zs, idx, y_lo, *state = ctx.saved_tensors
         case = ctx.case
         B, H, T, D = q.shape
         Hkv, G = k.shape[1], H // k.shape[1]
@@ -129,27 +141,13 @@ class ChunkAttention(torch.autograd.Function):
         g = gamma.detach().float().contiguous()
         dy = dy.to(q.dtype).contiguous()
         state = tuple(state) or None  # (the forward's: kept, not recomputed)
-        saved = (q, k, v, fq, fk, g, r, y, (m, zs, idx))
+        saved = (q, k, v, fq, fk, g, r, (y, y_lo), (m, zs, idx))
         grads = bwd_dq(saved, dy, state, case)
         dstate, dinit, rscan = None, (None, None), None
         if state is not None and (state[0].shape[2] > 1 or case.has_init):  # (some state has a gradient)
             dstate, dinit, rscan = dstates(fq, dy, zs, grads["dlz"], r, state, case)
         del state
-        sinks_dkv = None
-        if case.sink:  # the sinks' dk (unscaled), dv: ds^T q and E^T do over every row of a KV head's query heads
-            bs, bd = case.block_s, pow2(D)  # (products in the inputs' dtype, fp32 out: no fp32 copy of q or do)
-            do = dy / zs[..., None].to(dy.dtype)  # (do's rounding as the kernels', to the ulp of zs)
-            dks, dvs = (torch.matmul(grads[n].to(q.dtype).transpose(-1, -2), x).float().view(B, Hkv, G, bs, D).sum(2)
-                        for n, x in (("dks", q), ("dvs", do)))  # fmt: skip
-            if D != bd:
-                dks, dvs = (torch.nn.functional.pad(t, (0, bd - D)) for t in (dks, dvs))
-            sinks_dkv = tuple(t.reshape(B * Hkv, bs, bd).contiguous() for t in (dks, dvs))
-        dk, dv = bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case)
-        if case.sink and not (case.soft or case.lin):  # sinks_only: the sinks' dk, dv are the host's sums
-            s_eff, bs, bd = min(case.n_sinks, T), case.block_s, pow2(D)
-            dk[:, :, :s_eff] = (sinks_dkv[0].view(B, Hkv, bs, bd)[:, :, :s_eff, :D] * case.scale).to(k.dtype)
-            dv[:, :, :s_eff] = sinks_dkv[1].view(B, Hkv, bs, bd)[:, :, :s_eff, :D].to(v.dtype)
-        dfk, rkey = bwd_dfk(saved, dy, grads, dstate, case) if case.lin else (torch.zeros_like(fk), None)
+        dk, dv, dfk, rkey = bwd_dkv(saved, dy, grads, dstate, case)  # (the sinks' terms in)
         dgamma = drho = None
         if ctx.needs_input_grad[5]:
             dgamma = torch.zeros_like(gamma)
@@ -166,8 +164,22 @@ class ChunkAttention(torch.autograd.Function):
                     total = total + rscan.to(f64).view(B, Hkv, -1).sum((0, 2))
                 drho = total.to(rho.dtype)
         dinit_kv, dinit_k = dinit
-        return (grads["dq"], dk, dv, grads["dfq"], dfk.to(fk.dtype), dgamma, drho, dinit_kv, dinit_k, None, None,
+        return (grads["dq"], dk, dv, grads["dfq"], dfk, dgamma, drho, dinit_kv, dinit_k, None, None,
                 None)  # fmt: skip
+
+
+def compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels compute a call in: q's, but bf16 for fp32 off the CPU (a GPU, or the meta device that
+    stands for one), which says so once per process (FP32_IN_BF16). On CPU (Triton's interpreter) fp32 stays fp32."""
+    if q.dtype != torch.float32 or q.device.type == "cpu":
+        return q.dtype
+    _say_fp32_runs_in_bf16()
+    return torch.bfloat16
+
+
+@functools.cache
+def _say_fp32_runs_in_bf16() -> None:
+    LOG.warning(FP32_IN_BF16)
 
 
 def _pack(attention_mask):
@@ -210,7 +222,14 @@ def triton_hybrid_attention(
     opts: the call's AttentionOptions (its chunk_size is ignored: the kernels' chunk is CHUNK). initial_state: optional
     (kv [B,Hkv,F,D], k [B,Hkv,F]) sums over keys that precede the sequence by more than the window (differentiable;
     with la_decay as query w - 1 of the sequence sees them). la_decay: rho [Hkv] >= 0, the LA's decay (naive.py's
-    spec; differentiable), None = off."""
+    spec; differentiable), None = off.
+
+    Precision: bf16 and fp16 calls compute in their dtype with fp32 accumulation. An fp32 call on a GPU is not fp32:
+    it computes in bf16 (q, k, v, phi_q, phi_k rounded to bf16, 8 significant bits, and the LA state each chunk
+    reads stored in bf16) with fp32 accumulation, and returns y and the gradients in fp32; it logs that once per
+    process. Its error is a bf16 call's (within 3e-2 of the fp64 spec for inputs of size ~1, as test_fp32_calls.py
+    checks on a GPU), not fp32's. attention.backend=torch computes in fp32; in Triton's interpreter (CPU tensors)
+    fp32 runs as fp32."""
     o = options(opts, given)
     _check(q, k, v, fq, o, la_decay)
     mode, window, sinks, return_denominators = o.mode, int(o.window), int(o.sinks), bool(o.return_denominators)
@@ -223,7 +242,7 @@ def triton_hybrid_attention(
         return (y, zero, zero.clone()) if return_denominators else y
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out_dtype = q.dtype
-    dtype = torch.bfloat16 if (q.dtype == torch.float32 and q.device.type != "cpu") else q.dtype
+    dtype = compute_dtype(q)
     q, k, v, fq, fk = (t.to(dtype) for t in (q, k, v, fq, fk))
     packed = _pack(attention_mask)
     if packed is not None:
@@ -242,7 +261,7 @@ def triton_hybrid_attention(
         with torch.no_grad():
             r = None if rho is None else rho.detach().float().contiguous()
             state = _states(fk, v, r, init if case.has_init else None, case, T)
-            y, _, parts, _ = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, dens=return_denominators,
+            y, _, parts = chunk_fwd_o(q, k, v, fq, fk, gamma, r, state, case, dens=return_denominators,
                                       out_dtype=out_dtype)  # fmt: skip
             de, dl = parts if return_denominators else (None, None)
     if packed is not None:

@@ -1,7 +1,7 @@
 """The chunked hybrid attention's backward kernels (chunk.py launches them; what they compute is in its docstring):
-`_chunk_bwd_dq` per query chunk, `_chunk_bwd_dkv` and `_chunk_bwd_dfk` per key chunk. The reverse state scan is
-chunk_h.py's `_chunk_dstates`. (Over 500 lines: the three kernels share `_bwd_q_block` and `_bwd_kv_dp`, which must
-recompute exactly what each other does; splitting them would cross private jit helpers between modules.)"""
+`_chunk_bwd_dq` per query chunk (dq, dphi_q, the row terms, the sinks' dk and dv summed over every query row) and
+`_chunk_bwd_dkv` per key chunk (dk, dv and dphi_k together, each score tile computed once). The reverse state scan is
+chunk_h.py's `_chunk_dstates`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
     """One key block j [CHUNK] of a query chunk's backward: (ds [CHUNK, CHUNK] in DT, its row sums, dp times the L
     weights [CHUNK, CHUNK] in DT for dphi_q). dp = do . v - dlz and the scores q . k walk the head dim in chunks of
     BLOCK_DK (no [CHUNK, D] operand stays in registers). (rho's share of the intra-chunk L terms is
-    `_chunk_bwd_dfk`'s, which has their phi_k . phi_q.)"""
+    `_chunk_bwd_dkv`'s, which has their phi_k . phi_q.)"""
     k_ok = (j >= 0) & (j < T)
     dp = tl.zeros([CHUNK, CHUNK], tl.float32)
     a = tl.zeros([CHUNK, CHUNK], tl.float32)
@@ -54,27 +54,28 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 
 @triton.jit
 def _chunk_bwd_dq(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, YF, M, ZS, IDX,  # inputs (YF: y in fp32; M, ZS, IDX: the forward's)
-    DQ, DFQ, DLZ, RSUM, RROW, DKS, DVS,  # outputs
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX,  # inputs: the forward's (Y: the output; YLO: its
+    # rounding error, with Y_LO)
+    DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E,  # outputs
     DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
     T, H, G, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
+    Y_LO: tl.constexpr = False,
 ):  # fmt: skip
     """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
     H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
     the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
-    lag on the state; DKS, DVS [B, H, T, BLOCK_S] (SINKS, fp32): the sinks' ds (c_n's gradient in) and E terms per
-    row, which the host turns into their dk, dv (products over every row, in the inputs' dtype: keeping the [BLOCK_S,
-    D] products in this kernel spilled on sm_80). The
+    lag on the state; SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT): the sinks' ds (c_n's gradient in) and E
+    terms per row, which `_chunk_bwd_dkv` turns into their dk, dv (products over the rows here spilled on sm_80). The
     keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the sinks. NB = 1 (windows up to
     CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
     head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
     the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the state before
-    chunk c - NB (its product with do over head-dim chunks; state 0 is the initial state with HAS_INIT). MULTI (NB >
-    1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch rows that only this program
-    touches, and read back for the rest."""
+    chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial state
+    with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
+    rows that only this program touches, and read back for the rest."""
     pid_bh = tl.program_id(0)
     c = tl.program_id(1)
     head = pid_bh % H
@@ -84,14 +85,18 @@ def _chunk_bwd_dq(
     n = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = n < T
     rows = q_base + n
+    od_all = tl.arange(0, BLOCK_D)
+    dm_all = od_all < D
     zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
     dlz = tl.zeros([CHUNK], tl.float32)
-    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it)
+    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it; y in its dtype)
         od = d0 + tl.arange(0, BLOCK_DK)
         rm = row_ok[:, None] & (od < D)[None, :]
         dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-        yf = tl.load(YF + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * yf, 1)
+        y = tl.load(Y + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+        if Y_LO:
+            y += tl.load(YLO + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * y, 1)
     tl.store(DLZ + rows, dlz, mask=row_ok)
     m = tl.load(M + rows, mask=row_ok, other=0.0)
     if HYBRID:
@@ -167,10 +172,10 @@ def _chunk_bwd_dq(
         if SINKS:
             dsk = dss - tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
             rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
-    if SINKS:  # the sinks' ds and E [rows, BLOCK_S] (the host makes their dk, dv: products over every row)
+    if SINKS:  # the sinks' ds and E [rows, BLOCK_S] in DT (the key-side kernel makes their dk, dv)
         part = rows[:, None] * BLOCK_S + js[None, :]
-        tl.store(DKS + part, dsk, mask=row_ok[:, None])
-        tl.store(DVS + part, ps, mask=row_ok[:, None])
+        tl.store(SINK_DS + part, dsk.to(DT), mask=row_ok[:, None])
+        tl.store(SINK_E + part, ps.to(DT), mask=row_ok[:, None])
     for d0 in range(0, D, BLOCK_DK):  # dq a head-dim chunk at a time
         od = d0 + tl.arange(0, BLOCK_DK)
         dm = od < D
@@ -195,6 +200,9 @@ def _chunk_bwd_dq(
         st0 = tl.maximum(c - NB, 0)
         lag = state_lag(rho, n, window, st0, CHUNK)
         st = bk.to(tl.int64) * NS + st0
+        dy = tl.load(DY + q_base * D + n[:, None] * D + od_all[None, :], mask=row_ok[:, None] & dm_all[None, :],
+                     other=0.0)  # fmt: skip
+        do = (dy.to(tl.float32) / zs[:, None]).to(DT)  # (whole: one product per feature chunk of the state)
         for f0 in range(0, F, BLOCK_FC):
             of = f0 + tl.arange(0, BLOCK_FC)
             fm = of < F
@@ -209,19 +217,12 @@ def _chunk_bwd_dq(
                 acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
                 acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
             if HAS_INIT or c >= NB + 1:  # the state before chunk c - NB: phi_q's gradient lag (h do - z dlz)
-                sp = tl.zeros([CHUNK, BLOCK_FC], tl.float32)
-                for d0 in range(0, D, BLOCK_DK):
-                    od = d0 + tl.arange(0, BLOCK_DK)
-                    dm = od < D
-                    dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=row_ok[:, None] & dm[None, :],
-                                 other=0.0)  # fmt: skip
-                    do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-                    ht = tl.load(HKV + st * F * D + od[:, None] + of[None, :] * D, mask=dm[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    if HKV.dtype.element_ty == DT:
-                        sp += tl.dot(do, ht, input_precision=PREC)
-                    else:
-                        sp += tl.dot(do.to(tl.float32), ht.to(tl.float32), input_precision=PREC)
+                ht = tl.load(HKV + st * F * D + od_all[:, None] + of[None, :] * D,
+                             mask=dm_all[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                if HKV.dtype.element_ty == DT:
+                    sp = tl.dot(do, ht, input_precision=PREC)
+                else:
+                    sp = tl.dot(do.to(tl.float32), ht.to(tl.float32), input_precision=PREC)
                 z = tl.load(HK + st * F + of, mask=fm, other=0.0)
                 sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
                 acc += sp
@@ -237,237 +238,207 @@ def _chunk_bwd_dq(
 
 
 @triton.jit
-def _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK: tl.constexpr, BLOCK_DK: tl.constexpr,
-               SCORES: tl.constexpr, DP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """[keys, queries] tiles of one query block: (DP) dp^T = v . do - dlz and (SCORES) the unscaled scores k . q, the
-    head dim walked in chunks of BLOCK_DK (do and q loaded transposed: B operands through shared memory)."""
-    dpt = tl.zeros([CHUNK, CHUNK], tl.float32)
-    at = tl.zeros([CHUNK, CHUNK], tl.float32)
-    for d0 in range(0, D, BLOCK_DK):
-        od = d0 + tl.arange(0, BLOCK_DK)
-        dm = od < D
-        km = k_ok[:, None] & dm[None, :]
-        qm = dm[:, None] & q_ok[None, :]
-        if DP:
-            v = tl.load(V + kv_base * D + j[:, None] * D + od[None, :], mask=km, other=0.0)
-            dyt = tl.load(DY + q_base * D + od[:, None] + n[None, :] * D, mask=qm, other=0.0)
-            dpt += tl.dot(v.to(DT), (dyt.to(tl.float32) / zs[None, :]).to(DT), input_precision=PREC)
-        if SCORES:
-            k = tl.load(K + kv_base * D + j[:, None] * D + od[None, :], mask=km, other=0.0)
-            qt = tl.load(Q + q_base * D + od[:, None] + n[None, :] * D, mask=qm, other=0.0)
-            at += tl.dot(k.to(DT), qt.to(DT), input_precision=PREC)
-    return dpt - dlz[None, :], at
-
-
-@triton.jit
 def _chunk_bwd_dkv(
-    Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DKS, DVS,  # inputs
-    DK, DV,  # outputs
+    Q, K, V, FQ, FK, GAMMA, RHO, DY, M, ZS, DLZ, IDX, RSUM, DHKV, DHK, SINK_DS, SINK_E,  # inputs
+    DK, DV, DFK, RKEY,  # outputs
+    SINK_DKV, COUNT,  # (SINKS) fp32 sums [B Hkv, 2, BLOCK_S, BLOCK_D] and int32 counts [B Hkv], zeroed
     T, H, G, D, F, NS, NC, NB, window, lin_off, n_sinks, n_excl, scale,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr,
-    HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_FC: tl.constexpr,
+    BLOCK_DC: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, LIN: tl.constexpr,
+    SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dk (the window terms; SOFT) and dv (window and L terms, and the state), in the inputs' dtype, of the CHUNK keys
-    j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), head-dim columns BLOCK_DO (axis 2) of them, summed
-    over its G query heads: for each, the query chunks c .. c + NB (the only ones whose window or intra-chunk L terms
-    reach chunk c), in tiles [keys, queries] (their products over the whole head dim, in chunks of BLOCK_DK): ds^T q
-    into dk and E^T do into dv from one computation of the scores and dp; c_n's gradient where its argmax is one of
-    these keys in the row's window; then (c <= NS - 2) dv's share of the state h_{c+1} that holds these keys, from
-    dh_{c+1} (each key's weight alpha^(CHUNK c + CHUNK - 1 - j)); then (c = 0) the sinks' dk, dv (the host's sums).
-    One launch, two accumulators; dphi_k is `_chunk_bwd_dfk`'s."""
+    """dk (the window terms; SOFT), dv (window and L terms, and the state) and dphi_k (LIN: the L terms and the state),
+    in the inputs' dtype, of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), over the
+    whole head dim and feature dim, summed over its G query heads in this one program.
+
+    First (LIN, c <= NS - 2) the keys' share of the state h_{c+1} that holds them, each key weighted alpha^(CHUNK c +
+    CHUNK - 1 - j): dv from dh_{c+1} (over feature chunks of BLOCK_FC), dphi_k from dh_{c+1} v^T + dz_{c+1} (over
+    head-dim chunks of BLOCK_DC), and rho's share through those weights. Then, for each query head and each block of
+    BLOCK_Q queries of chunks c .. c + NB (the only ones whose window or intra-chunk L terms reach chunk c), in tiles
+    [queries, keys], once each: dp = do.v - dlz and the scores q.k (SOFT) over head-dim chunks, phi_q.phi_k (LIN)
+    over feature chunks; from them ds^T q into dk (c_n's gradient where its argmax is one of these keys in the row's
+    window), (g E + L)^T do into dv, phi_q^T (dp times the L weights) into dphi_k^T, and rho's share of the L terms
+    (-e L dp). (Tiles of BLOCK_Q query rows and dphi_k as [features, keys]: Triton lays square [64, 64] tiles of
+    chained products over 8 warps with rows copied across warps, which spilled on sm_80.) dk, dv, dphi_k stored.
+    Last (SINKS) the sinks' terms of chunk c's query rows, q^T ds and do^T E from `_chunk_bwd_dq`'s rows, added to
+    the KV head's fp32 sums; the program that counts last for its KV head (acquire-release) adds the sums to the sink
+    keys' rows of dk and dv (the chunk-0 program stored them first). RKEY (DECAY): the program's share of rho's
+    gradient."""
     pid_bk = tl.program_id(0)
     c = tl.program_id(1)
     Hkv = H // G
     kv_base = pid_bk.to(tl.int64) * T
     j = c * CHUNK + tl.arange(0, CHUNK)
     k_ok = j < T
-    od = tl.program_id(2) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    od = tl.arange(0, BLOCK_D)
     dm = od < D
     km = k_ok[:, None] & dm[None, :]
-    acc_k = tl.zeros([CHUNK, BLOCK_DO], tl.float32)
-    acc_v = tl.zeros([CHUNK, BLOCK_DO], tl.float32)
+    of = tl.arange(0, BLOCK_F)
+    fm = of < F
+    acc_k = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    acc_v = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    acc_f = tl.zeros([BLOCK_F, CHUNK], tl.float32)  # dphi_k^T (features x keys: no square tile at head dim 64)
+    rkey = 0.0  # (rho's share, summed over the program)
     rho = 0.0
     if DECAY:
         rho = tl.load(RHO + pid_bk % Hkv).to(tl.float32)
-    for hh in range(0, G):
-        head = (pid_bk % Hkv) * G + hh
-        q_base = ((pid_bk // Hkv) * H + head).to(tl.int64) * T
-        if HYBRID:
-            g = tl.load(GAMMA + head).to(tl.float32)
-        else:
-            g = 1.0
-        for qb in range(c, tl.minimum(c + NB + 1, NC)):
-            n = qb * CHUNK + tl.arange(0, CHUNK)
-            q_ok = n < T
-            rows = q_base + n
-            qm = q_ok[:, None] & dm[None, :]
-            zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
-            both = k_ok[:, None] & q_ok[None, :]
-            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
-            do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-            if SOFT:  # the window terms: dv from E^T, then dk from ds^T (one [keys, queries] product live at a time)
-                dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
-                _, at = _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, True,
-                                   False, DT, PREC)  # fmt: skip
-                m = tl.load(M + rows, mask=q_ok, other=0.0)
-                win = both & (j[:, None] <= n[None, :]) & (j[:, None] > n[None, :] - window)
-                pt = tl.where(win, g * tl.exp(at * scale - m[None, :]), 0.0)
-                acc_v += tl.dot(pt.to(DT), do, input_precision=PREC)
-                dpt, _ = _bwd_kv_dp(Q, K, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, False,
-                                    True, DT, PREC)  # fmt: skip
-                dst = pt * dpt
-                if HYBRID:  # (c_n's argmax key: a window key where it is past n - window, else a sink)
-                    idx = tl.load(IDX + rows, mask=q_ok, other=-1)
-                    idx = tl.where(idx > n - window, idx, -1)
-                    rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
-                    dst -= tl.where(j[:, None] == idx[None, :], rsum[None, :], 0.0)
-                q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=qm, other=0.0)
-                acc_k += tl.dot(dst.to(DT), q.to(DT), input_precision=PREC)
-            if LIN:
-                st_ = tl.zeros([CHUNK, CHUNK], tl.float32)
-                for f0 in range(0, F, BLOCK_FC):
-                    of = f0 + tl.arange(0, BLOCK_FC)
-                    fm = of < F
-                    fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    fqt = tl.load(FQ + q_base * F + of[:, None] + n[None, :] * F, mask=fm[:, None] & q_ok[None, :],
-                                  other=0.0)  # fmt: skip
-                    st_ += tl.dot(fk.to(DT), fqt.to(DT), input_precision=PREC)
-                lin = both & (j[:, None] <= n[None, :] - lin_off) & (j[:, None] >= n_excl)
-                wt = tl.where(lin, 1.0, 0.0)
-                if DECAY:
-                    wt = wt * tl.exp(-rho * tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32))
-                acc_v += tl.dot((st_ * wt).to(DT), do, input_precision=PREC)
     if LIN:
         if c <= NS - 2:  # these keys' share of h_{c+1}: weight alpha^(e - j), e the chunk's last key
             st = pid_bk.to(tl.int64) * NS + c + 1
+            e = c * CHUNK + CHUNK - 1
             wk = tl.where(k_ok & (j >= n_excl), 1.0, 0.0)
             if DECAY:
-                wk = wk * tl.exp(-rho * (c * CHUNK + CHUNK - 1 - j).to(tl.float32))
-            for f0 in range(0, F, BLOCK_FC):
-                of = f0 + tl.arange(0, BLOCK_FC)
-                fm = of < F
-                fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                wk = wk * tl.exp(-rho * (e - j).to(tl.float32))
+            for f0 in range(0, F, BLOCK_FC):  # dv += (wk phi_k) dh
+                ofc = f0 + tl.arange(0, BLOCK_FC)
+                fcm = ofc < F
+                fk = tl.load(FK + (kv_base + j)[:, None] * F + ofc[None, :], mask=k_ok[:, None] & fcm[None, :],
                              other=0.0).to(tl.float32)  # fmt: skip
-                dh = tl.load(DHKV + st * F * D + of[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :],
+                dh = tl.load(DHKV + (st * F + ofc)[:, None] * D + od[None, :], mask=fcm[:, None] & dm[None, :],
                              other=0.0)  # fmt: skip
                 if DHKV.dtype.element_ty == DT:
                     acc_v += tl.dot((fk * wk[:, None]).to(DT), dh, input_precision=PREC)
                 else:
                     acc_v += tl.dot(fk * wk[:, None], dh.to(tl.float32), input_precision=PREC)
-    part = (pid_bk.to(tl.int64) * BLOCK_S + j)[:, None] * BLOCK_D + od[None, :]
-    out = (kv_base + j)[:, None] * D + od[None, :]
-    if SINKS:  # (chunk 0: the sinks' shares from every query, summed on the host; n_sinks <= CHUNK)
-        acc_v += tl.load(DVS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
-        acc_k += tl.load(DKS + part, mask=(k_ok & (j < n_sinks))[:, None] & dm[None, :], other=0.0)
-    tl.store(DV + out, acc_v.to(DV.dtype.element_ty), mask=km)
-    if SOFT:
-        tl.store(DK + out, (acc_k * scale).to(DK.dtype.element_ty), mask=km)
-
-
-@triton.jit
-def _chunk_bwd_dfk(
-    FQ, FK, V, RHO, DY, ZS, DLZ, DHKV, DHK,  # inputs
-    DFK, RKEY,  # outputs (DFK: fp32, zeroed; its rows of these keys are this program's alone: added to, no atomics)
-    T, H, G, D: tl.constexpr, F: tl.constexpr, NS, NC, NB, window, lin_off, n_excl,
-    CHUNK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, DECAY: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
-):  # fmt: skip
-    """dphi_k (fp32, added) of the CHUNK keys j of chunk c (axis 1) of one KV head (axis 0: batch x Hkv), the LA
-    modes only: per query head of the KV head and query chunk c .. c + NB, dp^T [keys, queries] (over head-dim chunks)
-    times the L weights, against phi_q a feature chunk at a time; then (c <= NS - 2) the state h_{c+1} that holds
-    these keys, v dh_{c+1}^T + dz_{c+1} times each key's weight. RKEY (DECAY): rho's share through those weights."""
-    pid_bk = tl.program_id(0)
-    c = tl.program_id(1)
-    Hkv = H // G
-    kv_base = pid_bk.to(tl.int64) * T
-    j = c * CHUNK + tl.arange(0, CHUNK)
-    k_ok = j < T
-    rho = 0.0
-    if DECAY:
-        rho = tl.load(RHO + pid_bk % Hkv).to(tl.float32)
-    rkey = tl.zeros([CHUNK], tl.float32)
-    for hh in range(0, G):
-        q_base = ((pid_bk // Hkv) * H + (pid_bk % Hkv) * G + hh).to(tl.int64) * T
-        for qb in range(c, tl.minimum(c + NB + 1, NC)):
-            n = qb * CHUNK + tl.arange(0, CHUNK)
-            q_ok = n < T
-            rows = q_base + n
-            zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
-            dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
-            dpt, _ = _bwd_kv_dp(FQ, FK, V, DY, zs, dlz, j, k_ok, n, q_ok, q_base, kv_base, D, CHUNK, BLOCK_DK, False,
-                                True, DT, PREC)  # fmt: skip
-            lin = (k_ok[:, None] & q_ok[None, :]) & (j[:, None] <= n[None, :] - lin_off) & (j[:, None] >= n_excl)
-            wt = tl.where(lin, 1.0, 0.0)
-            if DECAY:
-                wt = wt * tl.exp(-rho * tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32))
-            dpw = dpt * wt
-            st_ = tl.zeros([CHUNK, CHUNK], tl.float32)
-            for f0 in range(0, F, BLOCK_FC):
-                of = f0 + tl.arange(0, BLOCK_FC)
-                fm = of < F
-                fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=q_ok[:, None] & fm[None, :],
+            for d0 in range(0, D, BLOCK_DC):  # dphi_k^T += (dh v^T + dz) wk
+                odc = d0 + tl.arange(0, BLOCK_DC)
+                dcm = odc < D
+                vt = tl.load(V + (kv_base + j)[None, :] * D + odc[:, None], mask=dcm[:, None] & k_ok[None, :],
                              other=0.0)  # fmt: skip
-                ptr = DFK + kv_base * F + j[:, None] * F + of[None, :]
-                km = k_ok[:, None] & fm[None, :]
-                part = tl.dot(dpw.to(DT), fq.to(DT), input_precision=PREC)
-                tl.store(ptr, tl.load(ptr, mask=km, other=0.0) + part, mask=km)
-                if DECAY:  # (phi_k . phi_q of the L terms, for rho's share: -e L dp)
-                    fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    fqt = tl.load(FQ + q_base * F + of[:, None] + n[None, :] * F, mask=fm[:, None] & q_ok[None, :],
-                                  other=0.0)  # fmt: skip
-                    st_ += tl.dot(fk.to(DT), fqt.to(DT), input_precision=PREC)
-            if DECAY:
-                e = tl.maximum(n[None, :] - window - j[:, None], 0).to(tl.float32)
-                rkey -= tl.sum(st_ * dpw * e, 1)
-            tl.debug_barrier()  # (the next query block reads these rows back)
-    if c <= NS - 2:  # these keys' share of h_{c+1}: weight alpha^(e - j), e the chunk's last key
-        st = pid_bk.to(tl.int64) * NS + c + 1
-        e = c * CHUNK + CHUNK - 1
-        wk = tl.where(k_ok & (j >= n_excl), 1.0, 0.0)
-        if DECAY:
-            wk = wk * tl.exp(-rho * (e - j).to(tl.float32))
-        for f0 in range(0, F, BLOCK_FC):
-            of = f0 + tl.arange(0, BLOCK_FC)
-            fm = of < F
-            dfs = tl.zeros([CHUNK, BLOCK_FC], tl.float32)
-            for d0 in range(0, D, BLOCK_DK):
-                od = d0 + tl.arange(0, BLOCK_DK)
-                dm = od < D
-                v = tl.load(V + kv_base * D + j[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
-                dht = tl.load(DHKV + st * F * D + od[:, None] + of[None, :] * D, mask=dm[:, None] & fm[None, :],
-                              other=0.0)  # fmt: skip
+                dh = tl.load(DHKV + (st * F + of)[:, None] * D + odc[None, :], mask=fm[:, None] & dcm[None, :],
+                             other=0.0)  # fmt: skip
                 if DHKV.dtype.element_ty == DT:
-                    dfs += tl.dot(v.to(DT), dht, input_precision=PREC)
+                    acc_f += tl.dot(dh, vt.to(DT), input_precision=PREC)
                 else:
-                    dfs += tl.dot(v.to(tl.float32), dht.to(tl.float32), input_precision=PREC)
+                    acc_f += tl.dot(dh.to(tl.float32), vt.to(tl.float32), input_precision=PREC)
             dz = tl.load(DHK + st * F + of, mask=fm, other=0.0)
-            dfs = (dfs + dz[None, :]) * wk[:, None]
-            ptr = DFK + kv_base * F + j[:, None] * F + of[None, :]
-            km = k_ok[:, None] & fm[None, :]
-            tl.store(ptr, tl.load(ptr, mask=km, other=0.0) + dfs, mask=km)
+            acc_f = (acc_f + dz[:, None]) * wk[None, :]
             if DECAY:
-                fk = tl.load(FK + kv_base * F + j[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
-                             other=0.0).to(tl.float32)  # fmt: skip
-                rkey -= (e - j).to(tl.float32) * tl.sum(fk * dfs, 1)
-    if DECAY:
-        tl.store(RKEY + pid_bk * NC + c, tl.sum(rkey, 0))
+                fkt = tl.load(FK + (kv_base + j)[None, :] * F + of[:, None], mask=fm[:, None] & k_ok[None, :],
+                              other=0.0)  # fmt: skip
+                rkey -= tl.sum((e - j).to(tl.float32) * tl.sum(fkt.to(tl.float32) * acc_f, 0), 0)
+    if SOFT or LIN:
+        for hh in range(0, G):
+            head = (pid_bk % Hkv) * G + hh
+            q_base = ((pid_bk // Hkv) * H + head).to(tl.int64) * T
+            if HYBRID:
+                g = tl.load(GAMMA + head).to(tl.float32)
+            else:
+                g = 1.0
+            for q0 in range(c * CHUNK, tl.minimum((c + NB + 1) * CHUNK, T), BLOCK_Q):
+                n = q0 + tl.arange(0, BLOCK_Q)  # (tiles [queries, keys]: BLOCK_Q rows, no tile copied across warps)
+                q_ok = n < T
+                rows = q_base + n
+                qm = q_ok[:, None] & dm[None, :]
+                both = q_ok[:, None] & k_ok[None, :]
+                zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
+                dlz = tl.load(DLZ + rows, mask=q_ok, other=0.0)
+                dp = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # do . v - dlz
+                a = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # the scores q . k
+                for d0 in range(0, D, BLOCK_DC):  # (head-dim chunks: few operand tiles per product)
+                    odc = d0 + tl.arange(0, BLOCK_DC)
+                    qc = q_ok[:, None] & (odc < D)[None, :]
+                    kc = (odc < D)[:, None] & k_ok[None, :]
+                    dyc = tl.load(DY + rows[:, None] * D + odc[None, :], mask=qc, other=0.0)
+                    vt = tl.load(V + odc[:, None] + (kv_base + j)[None, :] * D, mask=kc, other=0.0)
+                    dp += tl.dot((dyc.to(tl.float32) / zs[:, None]).to(DT), vt.to(DT), input_precision=PREC)
+                    if SOFT:
+                        qc_ = tl.load(Q + rows[:, None] * D + odc[None, :], mask=qc, other=0.0)
+                        kt = tl.load(K + odc[:, None] + (kv_base + j)[None, :] * D, mask=kc, other=0.0)
+                        a += tl.dot(qc_.to(DT), kt.to(DT), input_precision=PREC)
+                dp = dp - dlz[:, None]
+                dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=qm, other=0.0)
+                do = (dy.to(tl.float32) / zs[:, None]).to(DT)
+                p = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # the weights of these keys' values: g E and L
+                if SOFT:
+                    q = tl.load(Q + rows[:, None] * D + od[None, :], mask=qm, other=0.0).to(DT)
+                    m = tl.load(M + rows, mask=q_ok, other=0.0)
+                    win = both & (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
+                    p = tl.where(win, g * tl.exp(a * scale - m[:, None]), 0.0)
+                    ds = p * dp
+                    if HYBRID:  # (c_n's argmax key: a window key where it is past n - window, else a sink)
+                        idx = tl.load(IDX + rows, mask=q_ok, other=-1)
+                        idx = tl.where(idx > n - window, idx, -1)
+                        rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
+                        ds -= tl.where(j[None, :] == idx[:, None], rsum[:, None], 0.0)
+                    acc_k += tl.dot(tl.trans(ds.to(DT)), q, input_precision=PREC)
+                if LIN:
+                    s = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # phi_q . phi_k
+                    for f0 in range(0, F, BLOCK_FC):
+                        ofc = f0 + tl.arange(0, BLOCK_FC)
+                        fcm = ofc < F
+                        fq = tl.load(FQ + rows[:, None] * F + ofc[None, :], mask=q_ok[:, None] & fcm[None, :],
+                                     other=0.0)  # fmt: skip
+                        fkt = tl.load(FK + ofc[:, None] + (kv_base + j)[None, :] * F,
+                                      mask=fcm[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                        s += tl.dot(fq.to(DT), fkt.to(DT), input_precision=PREC)
+                    lin = both & (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)
+                    w = tl.where(lin, 1.0, 0.0)
+                    if DECAY:
+                        e = tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32)
+                        w = w * tl.exp(-rho * e)
+                    dpw = dp * w
+                    p += s * w  # (an L key is never a window key of the same query)
+                    if DECAY:  # (rho's share of the L terms: -e L dp)
+                        rkey -= tl.sum(tl.sum(s * dpw * e, 1), 0)
+                    fqt = tl.load(FQ + rows[None, :] * F + of[:, None], mask=fm[:, None] & q_ok[None, :], other=0.0)
+                    acc_f += tl.dot(fqt.to(DT), dpw.to(DT), input_precision=PREC)
+                acc_v += tl.dot(tl.trans(p.to(DT)), do, input_precision=PREC)
+    out = (kv_base + j)[:, None] * D + od[None, :]
+    tl.store(DK + out, (acc_k * scale).to(DK.dtype.element_ty), mask=km)
+    tl.store(DV + out, acc_v.to(DV.dtype.element_ty), mask=km)
+    if LIN:
+        tl.store(DFK + (kv_base + j)[None, :] * F + of[:, None], acc_f.to(DFK.dtype.element_ty),
+                 mask=fm[:, None] & k_ok[None, :])  # fmt: skip
+        if DECAY:
+            tl.store(RKEY + pid_bk * NC + c, rkey)
+    if SINKS:  # the sink terms of this chunk's query rows, every query head: q^T ds and do^T E, to the sums
+        js = tl.arange(0, BLOCK_S)
+        skt = tl.zeros([BLOCK_D, BLOCK_S], tl.float32)  # (transposed: 64-row products)
+        svt = tl.zeros([BLOCK_D, BLOCK_S], tl.float32)
+        for hh in range(0, G):
+            q_base = ((pid_bk // Hkv) * H + (pid_bk % Hkv) * G + hh).to(tl.int64) * T
+            for q0 in range(c * CHUNK, tl.minimum((c + 1) * CHUNK, T), BLOCK_Q):
+                n = q0 + tl.arange(0, BLOCK_Q)
+                q_ok = n < T
+                rows = q_base + n
+                qmt = dm[:, None] & q_ok[None, :]
+                ds_s = tl.load(SINK_DS + rows[:, None] * BLOCK_S + js[None, :], mask=q_ok[:, None], other=0.0)
+                e_s = tl.load(SINK_E + rows[:, None] * BLOCK_S + js[None, :], mask=q_ok[:, None], other=0.0)
+                qt = tl.load(Q + od[:, None] + rows[None, :] * D, mask=qmt, other=0.0)
+                dyt = tl.load(DY + od[:, None] + rows[None, :] * D, mask=qmt, other=0.0)
+                zs = tl.load(ZS + rows, mask=q_ok, other=1.0)
+                skt += tl.dot(qt.to(DT), ds_s, input_precision=PREC)
+                svt += tl.dot((dyt.to(tl.float32) / zs[None, :]).to(DT), e_s, input_precision=PREC)
+        s_ok = dm[:, None] & (js < n_sinks)[None, :]
+        sums = SINK_DKV + (pid_bk.to(tl.int64) * 2 * BLOCK_S + js)[None, :] * BLOCK_D + od[:, None]
+        tl.atomic_add(sums, skt, mask=s_ok, sem="relaxed")
+        tl.atomic_add(sums + BLOCK_S * BLOCK_D, svt, mask=s_ok, sem="relaxed")
+        tl.debug_barrier()  # (every thread's adds before the count)
+        if tl.atomic_add(COUNT + pid_bk, 1, sem="acq_rel") == NC - 1:  # the KV head's last program: every sum is in
+            whole = ((js < n_sinks) & (js < T))[:, None] & dm[None, :]
+            total = SINK_DKV + (pid_bk.to(tl.int64) * 2 * BLOCK_S + js)[:, None] * BLOCK_D + od[None, :]
+            rows_s = (kv_base + js)[:, None] * D + od[None, :]
+            dks = tl.load(total, mask=whole, other=0.0, cache_modifier=".cg") * scale
+            dvs = tl.load(total + BLOCK_S * BLOCK_D, mask=whole, other=0.0, cache_modifier=".cg")
+            dks += tl.load(DK + rows_s, mask=whole, other=0.0, cache_modifier=".cg").to(tl.float32)
+            dvs += tl.load(DV + rows_s, mask=whole, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(DK + rows_s, dks.to(DK.dtype.element_ty), mask=whole)
+            tl.store(DV + rows_s, dvs.to(DV.dtype.element_ty), mask=whole)
 
 
 def _common(case) -> dict:
-    """The constants every backward launch of the call shares."""
-    cfg = case.cfg
-    return dict(CHUNK=case.chunk, BLOCK_D=pow2(case.head_dim), BLOCK_DK=min(pow2(case.head_dim), cfg["bwd_dchunk"]),
-                BLOCK_FC=cfg["bwd_fchunk"], SOFT=case.soft, LIN=case.lin, SINKS=case.sink, HYBRID=case.gamma_on,
-                DECAY=case.decay, DT=case.dt, PREC=case.prec, num_stages=cfg["stages"])  # fmt: skip
+    """The constants both backward launches of the call share."""
+    return dict(CHUNK=case.chunk, BLOCK_D=pow2(case.head_dim), BLOCK_S=case.block_s, SOFT=case.soft, LIN=case.lin,
+                SINKS=case.sink, HYBRID=case.gamma_on, DECAY=case.decay, DT=case.dt, PREC=case.prec,
+                num_stages=case.cfg["stages"])  # fmt: skip
 
 
 def bwd_dq(saved, dy, state, case):
-    """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, y fp32, (c_n, Z_n, argmax)). Returns dict(dq, dfq
-    (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), dks, dvs (SINKS: per row, for the host's sums))."""
-    q, k, v, fq, fk, g, rho, y, (m, zs, idx) = saved
+    """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, (y, its rounding error or None), (c_n, Z_n,
+    argmax)). Returns dict(dq, dfq (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), sink_ds, sink_e (SINKS: the
+    sinks' ds and E per row, in the inputs' dtype, for bwd_dkv))."""
+    q, k, v, fq, fk, g, rho, (y, y_lo), (m, zs, idx) = saved
     B, H, T, D = q.shape
     F = fq.shape[-1]
     nc = triton.cdiv(T, case.chunk)
@@ -477,56 +448,45 @@ def bwd_dq(saved, dy, state, case):
     out["dlz"] = torch.empty(B, H, T, **f32)
     out["rsum"] = torch.empty(B, H, T, **f32) if case.gamma_on else g
     out["rrow"] = torch.zeros(B, H, T, **f32) if case.decay else g
-    out["dks"], out["dvs"] = (torch.empty(B, H, T, case.block_s, **f32) for _ in range(2)) if case.sink else (g, g)
+    sinks = (torch.empty(B, H, T, case.block_s, dtype=q.dtype, device=q.device) for _ in range(2))
+    out["sink_ds"], out["sink_e"] = sinks if case.sink else (g, g)
     multi = case.nb > 1
     scratch = (torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, F, **f32)) if multi else (g, g)
+    cfg = case.cfg
     _chunk_bwd_dq[(B * H, nc)](
-        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, m, zs, idx, out["dq"], out["dfq"], out["dlz"],
-        out["rsum"], out["rrow"], out["dks"], out["dvs"], *scratch,
+        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, y if y_lo is None else y_lo, m, zs, idx,
+        out["dq"], out["dfq"], out["dlz"], out["rsum"], out["rrow"], out["sink_ds"], out["sink_e"], *scratch,
         T, H, H // k.shape[1], D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
-        case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale, BLOCK_S=case.block_s,
-        HAS_INIT=case.has_init, MULTI=multi, num_warps=case.cfg["dq_warps"], **regs(case.cfg, "dq"), **_common(case),
+        case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale,
+        BLOCK_DK=min(pow2(D), cfg["bwd_dchunk"]), BLOCK_FC=cfg["bwd_fchunk"], HAS_INIT=case.has_init, MULTI=multi,
+        Y_LO=y_lo is not None, num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
     )  # fmt: skip
     return out
 
 
-def bwd_dkv(saved, dy, grads, dstate, sinks_dkv, case):
-    """dk and dv (the inputs' dtype): one `_chunk_bwd_dkv` launch over the KV heads' key chunks (dk of the window
-    terms; dv of the window and L terms and the state). grads: bwd_dq's dict; dstate (dh, dz) or None; sinks_dkv: the
-    sinks' dk, dv summed on the host [B Hkv, BLOCK_S, BLOCK_D] fp32 (SINKS)."""
+def bwd_dkv(saved, dy, grads, dstate, case):
+    """dk, dv and dphi_k (the inputs' dtype; dphi_k zero without an LA) and rho's share through the keys' weights
+    (DECAY, else None): one `_chunk_bwd_dkv` launch over the KV heads' key chunks. grads: bwd_dq's dict; dstate (dh,
+    dz) or None."""
     q, k, v, fq, fk, g, rho, _, (m, zs, idx) = saved
     B, Hkv, T, D = k.shape
+    F = fk.shape[-1]
     nc = triton.cdiv(T, case.chunk)
-    dk = torch.empty_like(k) if case.soft else torch.zeros_like(k)  # (no window term: no dk but the sinks')
-    dv = torch.empty_like(v) if case.soft or case.lin else torch.zeros_like(v)
-    dhkv = dstate[0] if dstate is not None else g
-    dks, dvs = sinks_dkv if sinks_dkv is not None else (g, g)
-    bdo = min(pow2(D), case.cfg["bwd_dout"])
-    if case.soft or case.lin:  # (sinks_only: the host's sums are all there is)
-        _chunk_bwd_dkv[(B * Hkv, nc, triton.cdiv(D, bdo))](
-            q, k, v, fq, fk, g, g if rho is None else rho, dy, m, zs, grads["dlz"], idx, grads["rsum"], dhkv, dks,
-            dvs, dk, dv, T, q.shape[1], q.shape[1] // Hkv, D, fq.shape[-1], dstate[0].shape[2] if dstate else 0, nc,
-            case.nb, case.window, case.lin_off, case.n_sinks, case.n_excl, case.scale, BLOCK_DO=bdo,
-            BLOCK_S=case.block_s, num_warps=case.cfg["dkv_warps"], **regs(case.cfg, "dkv"), **_common(case),
-        )  # fmt: skip
-    return dk, dv
-
-
-def bwd_dfk(saved, dy, grads, dstate, case):
-    """dphi_k (fp32) and rho's share through the keys' weights (DECAY, else None): `_chunk_bwd_dfk`."""
-    q, k, v, fq, fk, g, rho, _, (_, zs, _) = saved
-    B, Hkv, T, F = fk.shape
-    nc = triton.cdiv(T, case.chunk)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    dfk = torch.zeros(B, Hkv, T, F, **f32)
-    rkey = torch.zeros(B * Hkv * nc, **f32) if case.decay else None
+    dfk = torch.empty_like(fk) if case.lin else torch.zeros_like(fk)
+    rkey = torch.empty(B * Hkv * nc, dtype=torch.float32, device=k.device) if case.decay else None
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     dhkv, dhk = dstate if dstate is not None else (g, g)
+    sums = count = g
+    if case.sink:  # (the sinks' dk, dv: summed over the programs of a KV head, written by its last)
+        sums = torch.zeros(B * Hkv, 2, case.block_s, pow2(D), dtype=torch.float32, device=k.device)
+        count = torch.zeros(B * Hkv, dtype=torch.int32, device=k.device)
     cfg = case.cfg
-    _chunk_bwd_dfk[(B * Hkv, nc)](
-        fq, fk, v, g if rho is None else rho, dy, zs, grads["dlz"], dhkv, dhk, dfk, g if rkey is None else rkey,
-        T, q.shape[1], q.shape[1] // Hkv, k.shape[-1], F, dstate[0].shape[2] if dstate else 0, nc, case.nb,
-        case.window, case.lin_off, case.n_excl, CHUNK=case.chunk, BLOCK_DK=min(pow2(k.shape[-1]), cfg["bwd_dchunk"]),
-        BLOCK_FC=cfg["bwd_fchunk"], DECAY=case.decay, DT=case.dt, PREC=case.prec, num_warps=cfg["dfk_warps"],
-        num_stages=cfg["stages"], **regs(cfg, "dfk"),
+    _chunk_bwd_dkv[(B * Hkv, nc)](
+        q, k, v, fq, fk, g, g if rho is None else rho, dy, m, zs, grads["dlz"], idx, grads["rsum"], dhkv, dhk,
+        grads["sink_ds"], grads["sink_e"], dk, dv, dfk, g if rkey is None else rkey, sums, count,
+        T, q.shape[1], q.shape[1] // Hkv, D, F, dhkv.shape[2] if dstate else 0, nc, case.nb, case.window,
+        case.lin_off, case.n_sinks, case.n_excl, case.scale, BLOCK_F=pow2(F), BLOCK_FC=min(pow2(F), cfg["dkv_fchunk"]),
+        BLOCK_DC=min(pow2(D), cfg["dkv_dchunk"]), BLOCK_Q=cfg["dkv_qblock"], num_warps=cfg["dkv_warps"],
+        **regs(cfg, "dkv"), **_common(case),
     )  # fmt: skip
-    return dfk, rkey
+    return dk, dv, dfk, rkey

@@ -1,6 +1,6 @@
 """The state scans of the chunked hybrid attention (fla's `chunk_h`): forward, the LA state before every 64-token
 chunk per KV head (optionally split over the sequence, and from an initial state); backward, the gradient of every
-state in reverse (`_chunk_dstates`, launched by `dstates`).
+state in reverse (`_chunk_dstates`, launched by `dstates`, split the same way).
 
 The state before chunk c is h_c = sum over the LA keys j < 64 c of alpha^(64 c - 1 - j) phi_k(k_j) v_j^T [F, D] and
 z_c the same sum of phi_k(k_j) [F] (kept as key 64 c - 1 sees them: every weight alpha^(>= 0), the carry from one
@@ -20,8 +20,21 @@ L chunks. The scan is linear in the keys, so for chunk c of segment p (which sta
 Two launches: `_chunk_states` over (blocks, batch x KV head x segment), each segment scanned from zero (l_c), its
 whole sum kept in fp32; then `_segment_fix` on the same grid sums h_{c0} from the earlier segments' whole sums
 (h_{c0(p+1)} = alpha^(64 L) h_{c0(p)} + l_end(p): P is small) and adds alpha^(64 (c - c0)) h_{c0} to every l_c of
-its segment (segment 0 starts at zero). tests/unit/test_chunk_scan.py checks the split scan against the unsplit
-one.
+its segment (segment 0 starts at zero).
+
+The reverse scan (dh_s = alpha^64 dh_{s+1} + the gradient of the queries that read h_s) is split by the same `plan`:
+for state s of segment p, whose next segment starts at state e,
+
+    dh_s = alpha^(64 (e - s)) dh_e + l_s,    l_s = the same sum over the states s .. e - 1 only.
+
+`_chunk_dstates` scans each segment from zero (l_s; its first state's l in fp32, and with the decay its states summed
+with weights alpha^(64 (e - 1 - s))), then `_dstates_fix` sums dh_e from the later segments' first states and adds
+alpha^(64 (e - s)) dh_e to every l_s of the segment (the last segment has nothing after it; the initial state's
+gradient, in the first segment, too), and rho's share through the carries into dh_e, which no segment's own scan
+sees: -64 alpha^64 <dh_e, that weighted sum>. The split pays only where more than one program fits on an SM (their
+chains, and their loads, run side by side): at 4 warps and up to 255 registers (settings.py) two do, so `plan`'s 3
+segments at Llama-3-8B's shape (384 programs) run as two rounds of 21-state chains on 132 SMs, against one of 63.
+tests/unit/test_chunk_scan.py checks both split scans against the unsplit ones.
 """
 
 from __future__ import annotations
@@ -143,19 +156,25 @@ def _chunk_dstates(
     FQ, DY, ZS, DLZ, RHO, HKV, HK,  # inputs (HKV, HK: the forward's states, read for rho's gradient)
     DHKV, DHK, DH0, DZ0, RSCAN,  # outputs: dh [B, Hkv, NS, F, D] (HKV's dtype), dz [B, Hkv, NS, F] (fp32); (HAS_INIT)
     # the initial state's gradient [B Hkv, F, D] and [B Hkv, F] (fp32); (DECAY) rho's partial sums
-    T, H, G, D: tl.constexpr, F: tl.constexpr, NS, Hkv, window, NB,
+    END, ZEND, HSUM, ZSUM,  # with segments (P > 1), fp32: each segment's own gradient of its first state [B Hkv, P, F,
+    # D] and [B Hkv, P, F]; (DECAY) its states weighted for rho's share through its last carry, the same shapes
+    T, H, G, D: tl.constexpr, F: tl.constexpr, NS, Hkv, window, NB, L, P,
     DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
 ):  # fmt: skip
     """The gradient of every state h_s, z_s (s = NS - 1 .. 1, and 0 with an initial state; without one h_0 is
-    empty), one program per (feature block, value block, batch x KV head), in reverse: dh_s = sum over the G query
-    heads and the queries n that read h_s (chunk s + NB; chunks 0 .. NB for h_0) of lag_n phi_q(q_n) do_n^T, lag_n =
+    empty) of one segment (states seg L .. seg L + L - 1; one segment of NS states without a split), one program
+    per (feature block, value block, batch x KV head x segment), in reverse: dh_s = sum over the G query heads and
+    the queries n that read h_s (chunk s + NB; chunks 0 .. NB for h_0) of lag_n phi_q(q_n) do_n^T, lag_n =
     alpha^(n - window - (CHUNK s - 1)), plus alpha^CHUNK dh_{s+1} (h_{s+1} = alpha^CHUNK h_s + chunk s's keys); dz_s
-    the same with -dlz_n. With DECAY, RSCAN gets each program's share of rho's gradient through the carries:
-    -CHUNK alpha^CHUNK <dh_{s+1}, h_s> (and z's)."""
+    the same with -dlz_n. A segment starts from zero at its last state (`_dstates_fix` adds what the later segments
+    carry into it). With DECAY, RSCAN gets each program's share of rho's gradient through the carries within its
+    segment: -CHUNK alpha^CHUNK <dh_{s+1}, h_s> (and z's); with P > 1, HSUM and ZSUM get sum_s alpha^(CHUNK (e - 1
+    - s)) h_s (and z_s) over the segment's states, e the next segment's first state, for the fix's share."""
     pf = tl.program_id(0)
     pd = tl.program_id(1)
-    pid_bh = tl.program_id(2)
+    pid_bh = tl.program_id(2) // P
+    seg = tl.program_id(2) % P
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     of = pf * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -166,6 +185,8 @@ def _chunk_dstates(
     dh = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
     dz = tl.zeros([BLOCK_F], tl.float32)
     racc = tl.zeros([BLOCK_F], tl.float32)
+    hsum = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
+    zsum = tl.zeros([BLOCK_F], tl.float32)
     rho = 0.0
     carry = 1.0
     if DECAY:
@@ -174,13 +195,18 @@ def _chunk_dstates(
     last = 1
     if HAS_INIT:
         last = 0
-    for i in range(0, NS - last):
-        s = NS - 1 - i
+    lo = tl.maximum(seg * L, last)
+    hi = tl.minimum(seg * L + L, NS)
+    for i in range(0, hi - lo):
+        s = hi - 1 - i
         st = pid_bh.to(tl.int64) * NS + s
         if DECAY:  # dh, dz hold dh_{s+1}, dz_{s+1}: h_{s+1} = alpha^CHUNK h_s + ...
             h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
             z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
             racc += tl.sum(dh * h, 1) + dz * z
+            w = tl.exp(-rho * CHUNK * i)  # (alpha^(CHUNK (hi - 1 - s)): h_s's weight in HSUM)
+            hsum += w * h
+            zsum += w * z
             dh = dh * carry
             dz = dz * carry
         for qc in range(tl.where(s > 0, s + NB, 0), s + NB + 1):
@@ -189,26 +215,96 @@ def _chunk_dstates(
             lag = tl.where(row_ok, 1.0, 0.0)
             if DECAY:
                 lag = lag * state_lag(rho, n, window, s, CHUNK)
-            for hh in range(0, G):
+            for hh in range(0, G):  # (phi_q loaded transposed, [features, queries]: the product's A operand as is)
                 rows = (b * H + kvh * G + hh).to(tl.int64) * T + n
-                fq = tl.load(FQ + rows[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :], other=0.0)
+                fqt = tl.load(FQ + rows[None, :] * F + of[:, None], mask=fm[:, None] & row_ok[None, :], other=0.0)
                 dy = tl.load(DY + rows[:, None] * D + od[None, :], mask=row_ok[:, None] & (od < D)[None, :],
                              other=0.0)  # fmt: skip
                 zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
                 dlz = tl.load(DLZ + rows, mask=row_ok, other=0.0)
-                do = (dy.to(tl.float32) / zs[:, None]).to(DT)
-                fql = fq.to(tl.float32) * lag[:, None]
-                dh += tl.dot(tl.trans(fql.to(DT)), do, input_precision=PREC)
-                dz -= tl.sum(fql * dlz[:, None], 0)
+                dol = (dy.to(tl.float32) * (lag / zs)[:, None]).to(DT)  # (do times the lag, rounded once)
+                dh += tl.dot(fqt.to(DT), dol, input_precision=PREC)
+                dz -= tl.sum(fqt.to(tl.float32) * (lag * dlz)[None, :], 1)
         if s > 0:
             tl.store(DHKV + (st * F + of)[:, None] * D + od[None, :], dh.to(DHKV.dtype.element_ty), mask=both)
             tl.store(DHK + st * F + of, dz, mask=of < z_lim)
         else:
             tl.store(DH0 + (pid_bh.to(tl.int64) * F + of)[:, None] * D + od[None, :], dh, mask=both)
             tl.store(DZ0 + pid_bh.to(tl.int64) * F + of, dz, mask=of < z_lim)
+    if P > 1:
+        sp = pid_bh.to(tl.int64) * P + seg
+        tl.store(END + (sp * F + of)[:, None] * D + od[None, :], dh, mask=both)
+        tl.store(ZEND + sp * F + of, dz, mask=of < z_lim)
+        if DECAY:
+            tl.store(HSUM + (sp * F + of)[:, None] * D + od[None, :], hsum, mask=both)
+            tl.store(ZSUM + sp * F + of, zsum, mask=of < z_lim)
     if DECAY:
-        pid = (pid_bh * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
+        pid = (tl.program_id(2) * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
         tl.store(RSCAN + pid, -CHUNK * carry * tl.sum(racc, 0))
+
+
+@triton.jit
+def _dstates_fix(
+    RHO, END, ZEND, HSUM, ZSUM,  # inputs: `_chunk_dstates`' per-segment sums (fp32)
+    DHKV, DHK, DH0, DZ0, RSCAN,  # its outputs, completed in place
+    NS, F, D, Hkv, L, P,
+    DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_INIT: tl.constexpr = False,
+):  # fmt: skip
+    """dh_s += alpha^(CHUNK (e - s)) dh_e for the states s of one segment, e = (seg + 1) L the next segment's first
+    state, whose whole gradient dh_e = sum over the later segments q of alpha^(CHUNK L (q - seg - 1)) END_q is summed
+    here (P is small); the same for dz (and dh_0, dz_0 with an initial state). With DECAY, the share of rho's
+    gradient that the segment's scan could not see, through the carries into dh_e: -CHUNK alpha^CHUNK <dh_e, HSUM>
+    (and z's), added to the scan program's own RSCAN entry. The last segment has nothing after it."""
+    seg = tl.program_id(2) % P
+    if seg < P - 1:
+        pf = tl.program_id(0)
+        pd = tl.program_id(1)
+        bh = tl.program_id(2) // P
+        base = bh.to(tl.int64)
+        of = pf * BLOCK_F + tl.arange(0, BLOCK_F)
+        od = pd * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        both = (of < F)[:, None] & (od < D)[None, :]
+        z_lim = tl.where(pd == 0, F, 0)
+        rho = 0.0
+        if DECAY:
+            rho = tl.load(RHO + bh % Hkv).to(tl.float32)
+        dn = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
+        dzn = tl.zeros([BLOCK_F], tl.float32)
+        for i in range(0, P - 1 - seg):  # segments P - 1 .. seg + 1: dh_e
+            sp = base * P + P - 1 - i
+            if DECAY:
+                carry = tl.exp(-rho * (CHUNK * L).to(tl.float32))
+                dn = dn * carry
+                dzn = dzn * carry
+            dn += tl.load(END + (sp * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)
+            dzn += tl.load(ZEND + sp * F + of, mask=of < z_lim, other=0.0)
+        last = 1
+        if HAS_INIT:
+            last = 0
+        e = seg * L + L
+        for s in range(tl.maximum(seg * L, last), e):
+            wt = 1.0
+            if DECAY:
+                wt = tl.exp(-rho * (CHUNK * (e - s)).to(tl.float32))
+            if s > 0:
+                st = base * NS + s
+                ptr = DHKV + (st * F + of)[:, None] * D + od[None, :]
+                fixed = tl.load(ptr, mask=both, other=0.0).to(tl.float32) + wt * dn
+                tl.store(ptr, fixed.to(DHKV.dtype.element_ty), mask=both)
+                zp = DHK + st * F + of
+            else:  # (the initial state's gradient, fp32)
+                ptr0 = DH0 + (base * F + of)[:, None] * D + od[None, :]
+                tl.store(ptr0, tl.load(ptr0, mask=both, other=0.0) + wt * dn, mask=both)
+                zp = DZ0 + base * F + of
+            tl.store(zp, tl.load(zp, mask=of < z_lim, other=0.0) + wt * dzn, mask=of < z_lim)
+        if DECAY:
+            sp = base * P + seg
+            hs = tl.load(HSUM + (sp * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)
+            zsum = tl.load(ZSUM + sp * F + of, mask=of < z_lim, other=0.0)
+            share = tl.sum(tl.sum(dn * hs, 1) + dzn * zsum, 0)
+            pid = (tl.program_id(2) * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
+            tl.store(RSCAN + pid, tl.load(RSCAN + pid) - CHUNK * tl.exp(-rho * CHUNK) * share)
 
 
 def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
@@ -218,6 +314,20 @@ def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
         return 1
     want = -(-2 * sms // programs)
     return max(1, min(want, chunks // least))
+
+
+def _sms(x: torch.Tensor) -> int:
+    """The SMs `plan` plans for: the GPU's, or SMS_OFF_GPU elsewhere."""
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_properties(x.device).multi_processor_count
+    return SMS_OFF_GPU
+
+
+def _segments(ns: int, segments: int) -> tuple[int, int]:
+    """(L, P): a scan of ns chunks cut into P segments of L chunks (the last may be shorter), none empty."""
+    P = max(1, min(int(segments), ns))
+    L = -(-ns // P) if ns else 1
+    return L, (-(-ns // L) if ns else 1)
 
 
 def states(fk, v, rho, n_excl, ns, *, block_f, block_dv, warps, dt, prec, segments=None, options=None, init=None):
@@ -234,13 +344,8 @@ def states(fk, v, rho, n_excl, ns, *, block_f, block_dv, warps, dt, prec, segmen
     hk = torch.empty(B, Hkv, ns, F, dtype=torch.float32, device=fk.device)
     grid = (triton.cdiv(F, block_f), triton.cdiv(D, block_dv))
     if segments is None:
-        sms = SMS_OFF_GPU
-        if fk.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(fk.device).multi_processor_count
-        segments = plan(grid[0] * grid[1] * B * Hkv, ns, sms)
-    P = max(1, min(int(segments), ns))
-    L = -(-ns // P) if ns else 1
-    P = -(-ns // L) if ns else 1  # (no empty segment)
+        segments = plan(grid[0] * grid[1] * B * Hkv, ns, _sms(fk))
+    L, P = _segments(ns, segments)
     r = hk if rho is None else rho
     tiles = dict(DECAY=rho is not None, CHUNK=CHUNK, BLOCK_F=block_f, BLOCK_DV=block_dv)
     end = zend = hk
@@ -260,22 +365,37 @@ def states(fk, v, rho, n_excl, ns, *, block_f, block_dv, warps, dt, prec, segmen
 def dstates(fq, dy, zs, dlz, rho, state, case):
     """The reverse scan (`_chunk_dstates`) of the call `case` (chunk.Case): (dh, dz) of the states h_1.. (h_0's slot
     unused), and with an initial state its gradient (dh_0, dz_0) fp32, else (None, None); and rho's partial sums
-    through the carries (DECAY) or None. state: the forward's (h, z) (chunk_h.states)."""
+    through the carries (DECAY) or None. state: the forward's (h, z) (chunk_h.states). Split over the sequence as the
+    forward's scan is (`plan`): then `_dstates_fix` adds what the later segments carry into each segment, and fp32
+    scratch of B x Hkv x segments x F x (D + 1) (twice that with the decay) holds the segments' sums."""
     hkv, hk = state
     B, Hkv, ns, F, D = hkv.shape
     H, T = fq.shape[1], fq.shape[2]
     cfg = case.cfg
     bf, bdv = cfg["block_f"], min(cfg["block_dv"], pow2(D))
-    grid = (triton.cdiv(F, bf), triton.cdiv(D, bdv), B * Hkv)
+    blocks = (triton.cdiv(F, bf), triton.cdiv(D, bdv))
+    L, P = _segments(ns, plan(blocks[0] * blocks[1] * B * Hkv, ns, _sms(fq)))
+    grid = (*blocks, B * Hkv * P)
     f32 = dict(dtype=torch.float32, device=fq.device)
     dhkv, dhk = torch.empty_like(hkv), torch.empty_like(hk)
     dh0, dz0 = (torch.empty(B, Hkv, F, D, **f32), torch.empty(B, Hkv, F, **f32)) if case.has_init else (dhk, dhk)
     rscan = torch.zeros(grid[0] * grid[1] * grid[2], **f32) if case.decay else None
+    end = zend = hsum = zsum = dhk  # (unused without a split)
+    if P > 1:
+        end, zend = torch.empty(B * Hkv, P, F, D, **f32), torch.empty(B * Hkv, P, F, **f32)
+        if case.decay:
+            hsum, zsum = torch.empty_like(end), torch.empty_like(zend)
+    sums = (end, zend, hsum, zsum)
+    r = hk if rho is None else rho
+    rs = dhk if rscan is None else rscan
+    tiles = dict(DECAY=case.decay, CHUNK=CHUNK, BLOCK_F=bf, BLOCK_DV=bdv, HAS_INIT=case.has_init)
     _chunk_dstates[grid](
-        fq, dy, zs, dlz, hk if rho is None else rho, hkv, hk, dhkv, dhk, dh0, dz0, dhk if rscan is None else rscan,
-        T, H, H // Hkv, D, F, ns, Hkv, case.window, case.nb, DECAY=case.decay, CHUNK=CHUNK, BLOCK_F=bf,
-        BLOCK_DV=bdv, DT=case.dt, PREC=case.prec, HAS_INIT=case.has_init, num_warps=cfg["dstates_warps"],
-        **regs(cfg, "dstates"),
+        fq, dy, zs, dlz, r, hkv, hk, dhkv, dhk, dh0, dz0, rs, *sums,
+        T, H, H // Hkv, D, F, ns, Hkv, case.window, case.nb, L, P, DT=case.dt, PREC=case.prec, **tiles,
+        num_warps=cfg["dstates_warps"], **regs(cfg, "dstates"),
     )  # fmt: skip
+    if P > 1:
+        _dstates_fix[grid](r, *sums, dhkv, dhk, dh0, dz0, rs, ns, F, D, Hkv, L, P, **tiles,
+                           num_warps=cfg["dstates_warps"])  # fmt: skip
     init = (dh0, dz0) if case.has_init else (None, None)
     return (dhkv, dhk), init, rscan

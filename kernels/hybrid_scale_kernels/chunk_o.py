@@ -36,14 +36,14 @@ from .utils import TL_EPS, argmax_update, pow2, scores, state_lag
 @triton.jit
 def _chunk_output(
     Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK,  # inputs (HKV, HK: _chunk_states' states)
-    Y, YO,  # output [B, H, T, D] in Y's dtype (fp32 for a backward); TWO_OUT: the same again in YO's (the output's)
+    Y, YLO,  # output [B, H, T, D] in Y's dtype (the call's); LO: y's rounding error y - Y in YLO's (Y's) dtype
     M, ZS, IDX,  # with STATS (for the backward), per row [B, H, T]: c_n, the normaliser Z_n (EPS in), c_n's argmax key
     DE, DL,  # with DENS, per row [B, H, T] (fp32): the sums of gamma E (sinks in) and of L (the state's in)
     T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False, HAS_INIT: tl.constexpr = False,
-    DENS: tl.constexpr = False, TWO_OUT: tl.constexpr = False,
+    DENS: tl.constexpr = False, LO: tl.constexpr = False,
 ):  # fmt: skip
     """y of the CHUNK queries n of chunk c (grid axis 1) of one query head (axis 0: batch x H).
 
@@ -153,10 +153,11 @@ def _chunk_output(
             num += tl.dot(p.to(DT), v.to(DT), input_precision=PREC)
             den += tl.sum(p, 1)
     y = num / (den + TL_EPS)[:, None]
-    tl.store(Y + (q_base + n)[:, None] * D + od[None, :], y.to(Y.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
-    if TWO_OUT:
-        tl.store(YO + (q_base + n)[:, None] * D + od[None, :], y.to(YO.dtype.element_ty),
-                 mask=row_ok[:, None] & dm[None, :])  # fmt: skip
+    out = (q_base + n)[:, None] * D + od[None, :]
+    y_out = y.to(Y.dtype.element_ty)
+    tl.store(Y + out, y_out, mask=row_ok[:, None] & dm[None, :])
+    if LO:  # (for the backward's dlz: Y + YLO holds y to about 16 bits)
+        tl.store(YLO + out, (y - y_out.to(tl.float32)).to(YLO.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
     if DENS:
         tl.store(DE + q_base + n, den - den_l, mask=row_ok)
         tl.store(DL + q_base + n, den_l, mask=row_ok)
@@ -168,19 +169,20 @@ def _chunk_output(
 
 def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=False, out_dtype=None):
     """y [B, H, T, D] of the call `case` (chunk.Case) on contiguous inputs of one dtype, rho the fp32 decay or None,
-    state (h, z) the states before every chunk (chunk_h.states) or None. y in out_dtype (default q's), fp32 with
-    stats (and then, where out_dtype is another, y in out_dtype too: the caller's output); stats: (c_n, Z_n, argmax)
-    per row for the backward; dens: (sum of gamma E, sum of L) per row (fp32). Returns (y, stats or None, dens or
-    None, the output y)."""
+    state (h, z) the states before every chunk (chunk_h.states) or None. y in out_dtype (default q's), stored once;
+    stats: (c_n, Z_n, argmax) per row for the backward, and y's rounding error in out_dtype (None for fp32): the
+    backward's dlz = do . y reads y + that error (from y alone, gamma's gradient lost a factor of 15 in bf16 at window
+    64: tools/kernel_grad_precision.py); dens: (sum of gamma E, sum of L) per row (fp32). Returns (y, stats or None,
+    dens or None)."""
     B, H, T, D = q.shape
     Hkv, F = k.shape[1], fq.shape[-1]
     nc = triton.cdiv(T, case.chunk)
     f32 = dict(dtype=torch.float32, device=q.device)
     g = gamma.detach().float().contiguous()
-    out_dtype = out_dtype or q.dtype
-    y = torch.empty(B, H, T, D, **f32) if stats else torch.empty(B, H, T, D, dtype=out_dtype, device=q.device)
-    y_out = torch.empty(B, H, T, D, dtype=out_dtype, device=q.device) if y.dtype != out_dtype else y
+    y = torch.empty(B, H, T, D, dtype=out_dtype or q.dtype, device=q.device)
     m = zs = idx = de = dl = g
+    lo = stats and y.dtype != torch.float32
+    y_lo = torch.empty_like(y) if lo else None
     if stats:
         m, zs = (torch.empty(B, H, T, **f32) for _ in range(2))
         idx = torch.empty(B, H, T, dtype=torch.int32, device=q.device)
@@ -189,13 +191,12 @@ def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=F
     hkv, hk = state if state is not None else (g.to(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32), g)
     cfg = case.cfg
     _chunk_output[(B * H, nc)](
-        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, y, y_out, m, zs, idx, de, dl,
+        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, y, y if y_lo is None else y_lo, m, zs, idx, de, dl,
         T, H, H // Hkv, D, F, hkv.shape[2] if state is not None else 0, case.nb, case.window, case.lin_off,
         case.sink_off, case.n_sinks, case.n_excl, case.scale,
         CHUNK=case.chunk, BLOCK_D=pow2(D), BLOCK_DK=min(pow2(D), cfg["dchunk"]), BLOCK_FC=cfg["fchunk"],
         BLOCK_S=case.block_s, SOFT=case.soft, LIN=case.lin, SINKS=case.sink, HYBRID=case.gamma_on,
-        DECAY=case.decay, DT=case.dt, PREC=case.prec, STATS=stats, HAS_INIT=case.has_init, DENS=dens,
-        TWO_OUT=y_out is not y,
+        DECAY=case.decay, DT=case.dt, PREC=case.prec, STATS=stats, HAS_INIT=case.has_init, DENS=dens, LO=lo,
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )  # fmt: skip
-    return y, ((m, zs, idx) if stats else None), ((de, dl) if dens else None), y_out
+    return y, ((m, zs, idx, y_lo) if stats else None), ((de, dl) if dens else None)

@@ -146,8 +146,9 @@ def test_each_part_keeps_its_figures(whole):
     tests = data["tests"]
     assert tests["counts"].get("skipped", 0) > 0  # the gpu-marked tests: collected, skipped on a CPU
     assert f"--deselect {GRADIENTS} --deselect {GATED_DELTA}" in tests["command"]  # (parts grad and delta ran them)
-    order = tests["order"]  # the chunked kernels' first, fla's gated delta rule (the check's), the bf16 file last
-    assert "test_chunk" in order[0] and order[-2:] == [GATED_DELTA, "tests/unit/test_triton_kernels_bf16.py"]
+    order = tests["order"]  # the chunked kernels' first, fla's gated delta rule (the check's), the bf16 file, fp32's
+    assert "test_chunk" in order[0]
+    assert order[-3:] == [GATED_DELTA, "tests/unit/test_triton_kernels_bf16.py", "tests/unit/test_fp32_calls.py"]
 
 
 def test_a_run_killed_after_its_first_part_keeps_that_parts_rows(tmp_path):

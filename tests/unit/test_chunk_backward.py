@@ -1,5 +1,5 @@
 """The chunked backward (kernels/hybrid_scale_kernels/chunk.py: `ChunkAttention`; chunk_bwd.py: `_chunk_bwd_dq`,
-`_chunk_bwd_dkv`, `_chunk_bwd_dfk`; chunk_h.py: `_chunk_dstates`) against the naive spec's fp64 autograd.
+`_chunk_bwd_dkv`; chunk_h.py: `_chunk_dstates`) against the naive spec's fp64 autograd.
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32, with the 64-token chunks
 they have on a GPU. Every gradient (q, k, v, phi_q, phi_k, gamma and the decay rho) of every mode the path takes, at
@@ -13,8 +13,10 @@ import pytest
 import torch
 from conftest import HYBRID_SINKS, variant
 from kernel_inputs import make, with_keywords
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_scale.attention.hedgehog import naive
+from tools.compile_check import record_launches
 
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
 triton_attention = with_keywords(kernels.triton_hybrid_attention)
@@ -97,3 +99,55 @@ def test_the_argmax_key_takes_c_s_gradient():
     scores = x["q"] @ x["k"].repeat_interleave(2, 1).transpose(-1, -2)
     assert (scores[..., 40:, 1] > scores[..., 40:, :].diagonal(0, -2, -1)).float().mean() > 0.9
     check(x, dy, decay=True, window=4, mode="hybrid", hybrid_sinks=True, sinks=4)
+
+
+def test_the_backward_is_three_launches_and_no_torch_product_or_cast_at_the_8b_shape():
+    """At Llama-3-8B's attention (bf16, 32 heads, 8 KV heads, head dim 128, F 256, its own 8 sinks, the decay, 4k
+    tokens; meta tensors: the launches are recorded, not run) the backward launches `_chunk_bwd_dq`, `_chunk_dstates`
+    and `_chunk_bwd_dkv`, the last one program per (KV head, key chunk) over the whole head dim; between them torch
+    makes no product and no cast or other op on T x F elements or more: the sinks' dk, dv and dphi_k are made in
+    the kernels, in the inputs' dtype."""
+    T, H, Hkv, D, F = 4096, 32, 8, 128, 256
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            big = [t for t in (*args, out) if isinstance(t, torch.Tensor) and t.numel() >= T * F]
+            self.ops.append((func.overloadpacket.__name__, bool(big)))
+            return out
+
+    def meta(*size):
+        return torch.empty(*size, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v, fq, fk = meta(1, H, T, D), meta(1, Hkv, T, D), meta(1, Hkv, T, D), meta(1, H, T, F), meta(1, Hkv, T, F)
+    gamma, rho = torch.empty(H, device="meta", requires_grad=True), torch.empty(Hkv, device="meta", requires_grad=True)
+    with record_launches() as launches:
+        y = triton_attention(q=q, k=k, v=v, fq=fq, fk=fk, gamma=gamma, window=64, sinks=8, hybrid_sinks=True,
+                             la_decay=rho)  # fmt: skip
+        forward = len(launches)
+        with Ops() as ops:
+            grads = torch.autograd.grad(y, (q, k, v, fq, fk), torch.empty_like(y))
+    names = [x.name for x in launches[forward:]]
+    assert names == ["_chunk_bwd_dq", "_chunk_dstates", "_chunk_bwd_dkv"], names
+    assert launches[-1].grid == (Hkv, T // 64)
+    made = {n for n, big in ops.ops if big} - {"empty", "empty_like", "new_empty", "empty_strided", "detach"}
+    assert not made and not {"mm", "bmm", "matmul"} & {n for n, _ in ops.ops}, ops.ops
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
+def test_half_precision_dlz_reads_y_and_its_rounding_error():
+    """In half precision the forward stores y once in the inputs' dtype and its rounding error beside it; dlz = do . y
+    reads both. gamma's gradient is a sum of residuals that cancel (E dp, dp = do . v - dlz): in fp16 (which the
+    interpreter runs; bf16 it does not), window 100, its largest error relative to its largest value is 1.3e-3 with
+    the error read and 1.4e-2 from y alone (tools/kernel_grad_precision.py models the same in bf16)."""
+    T, window = 320, 100
+    x = make(T, B=1, H=2, Hkv=1, D=32, F=32, dtype=torch.float16, seed=3)
+    dy = torch.randn(1, 2, T, 32, generator=torch.Generator().manual_seed(5)).half()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    (want,) = torch.autograd.grad(naive.naive_hybrid_attention(**ref, window=window), ref["gamma"], dy.double())
+    (got,) = torch.autograd.grad(triton_attention(**x, window=window), x["gamma"], dy)
+    assert (got.double() - want).abs().max() / want.abs().max() < 5e-3

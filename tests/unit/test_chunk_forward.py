@@ -113,8 +113,7 @@ def launched(monkeypatch):
     return names
 
 
-CHUNKED = {"_chunk_states", "_segment_fix", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_chunk_bwd_dkv",
-           "_chunk_bwd_dfk"}  # fmt: skip
+CHUNKED = {"_chunk_states", "_segment_fix", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_chunk_bwd_dkv"}
 
 
 def test_every_path_runs_the_chunked_kernels(launched):

@@ -1,7 +1,10 @@
-"""The chunked state scan split over the sequence (kernels/hybrid_scale_kernels/chunk_h.py) stores what
-the unsplit scan stores, in Triton's interpreter (fp32): every segment count, with and without a decay, with the
-hybrid's sinks left out, T not a multiple of the chunk, GQA rows; `plan`'s choice of segments; and the prefill (forward
-and backward) with a split scan equals the spec."""
+"""The chunked state scans split over the sequence (kernels/hybrid_scale_kernels/chunk_h.py) store what the
+unsplit scans store, in Triton's interpreter (fp32): the forward's states at every segment count, with and without a
+decay, with the hybrid's sinks left out, T not a multiple of the chunk, GQA rows; the reverse scan's state gradients,
+the initial state's and rho's share through the carries, at segment counts that leave the last segment short;
+`plan`'s choice of segments; and the prefill (forward and backward) with both scans split equals the spec."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,7 +13,8 @@ from kernel_inputs import with_keywords
 kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need triton: pip install -e '.[triton]'")
 triton_attention = with_keywords(kernels.triton_hybrid_attention)
 from hybrid_scale_kernels import chunk_h  # noqa: E402
-from hybrid_scale_kernels.chunk_h import plan, states  # noqa: E402
+from hybrid_scale_kernels.chunk import Case  # noqa: E402
+from hybrid_scale_kernels.chunk_h import dstates, plan, states  # noqa: E402
 from triton import language as tl  # noqa: E402
 
 
@@ -43,6 +47,45 @@ def test_the_split_scan_stores_the_unsplit_scans_states(segments, decay, n_excl,
     assert h_ref[:, :, 1:].abs().amax() > 1  # (the states are not all zero)
 
 
+def _reverse(monkeypatch, segments, decay, init):
+    """dstates of one call (hybrid, window 16, GQA 2:1) with `plan` giving `segments`: 10 chunks, 9 states; feature
+    and value blocks of 16 and 8 (two of each: the programs that store dz and those that do not)."""
+    monkeypatch.setattr(chunk_h, "plan", lambda *a: segments)
+    B, H, Hkv, T, F, D = 2, 4, 2, 9 * 64 + 17, 32, 16
+    g = torch.Generator().manual_seed(4)
+    fq, dy = torch.rand(B, H, T, F, generator=g), torch.randn(B, H, T, D, generator=g)
+    zs, dlz = 1 + torch.rand(B, H, T, generator=g), torch.randn(B, H, T, generator=g)
+    fk, v = _inputs(T, B=B, Hkv=Hkv, F=F, D=D, seed=1)
+    rho = torch.tensor([0.002, 0.05]) if decay else None
+    h0 = (torch.rand(B, Hkv, F, D, generator=g), torch.rand(B, Hkv, F, generator=g)) if init else None
+    case = Case.of(torch.empty(B, H, T, D), fq, window=16, mode="hybrid", sinks=0, hybrid_sinks=False, scale=1.0,
+                   decay=decay, init=init)  # fmt: skip
+    case = dataclasses.replace(case, cfg=dict(case.cfg, block_f=16, block_dv=8))
+    ns = -(-T // 64) - case.nb
+    state = _scan(fk, v, rho, 0, ns, segments=1, init=h0)
+    return dstates(fq, dy, zs, dlz, rho, state, case)
+
+
+@pytest.mark.parametrize("segments", [2, 3, 5])  # (9 states: segments of 5 + 4, 3 x 3, 4 x 2 + 1)
+@pytest.mark.parametrize(("decay", "init"), [(False, False), (True, False), (False, True), (True, True)])
+def test_the_split_reverse_scan_stores_the_unsplit_scans_gradients(monkeypatch, segments, decay, init):
+    """Each segment starts from zero; `_dstates_fix` adds what the later ones carry in: every state's gradient, the
+    initial state's (in the first segment), and rho's share through the carries (the part the segment's own scan
+    could not see, from its weighted sum of states)."""
+    (dh_ref, dz_ref), (dh0_ref, dz0_ref), r_ref = _reverse(monkeypatch, 1, decay, init)
+    (dh, dz), (dh0, dz0), r = _reverse(monkeypatch, segments, decay, init)
+    torch.testing.assert_close(dh[:, :, 1:], dh_ref[:, :, 1:], rtol=1e-5, atol=1e-4)  # (state 0's slot: unused)
+    torch.testing.assert_close(dz[:, :, 1:], dz_ref[:, :, 1:], rtol=1e-5, atol=1e-4)
+    assert dh_ref[:, :, 1:].abs().amax() > 1 and dz_ref[:, :, 1:].abs().amax() > 1
+    if init:
+        torch.testing.assert_close(dh0, dh0_ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(dz0, dz0_ref, rtol=1e-5, atol=1e-4)
+    if decay:  # (rho's partial sums: one per program, summed per KV head as chunk.py sums them)
+        total, total_ref = (t.double().view(2, 2, -1).sum(-1) for t in (r, r_ref))
+        torch.testing.assert_close(total, total_ref, rtol=1e-5, atol=1e-3)
+        assert total_ref.abs().min() > 1
+
+
 def test_plan_splits_only_what_leaves_sms_idle():
     assert plan(programs=128, chunks=256, sms=132) == 3  # Llama-3-8B at 16k: 128 programs; 384 fill the SMs twice
     assert plan(programs=256, chunks=256, sms=132) == 1  # enough programs already
@@ -52,7 +95,7 @@ def test_plan_splits_only_what_leaves_sms_idle():
 
 
 def test_the_prefill_with_a_split_scan_equals_the_spec(monkeypatch):
-    """The entry (forward and backward) where `plan` splits the scan (the SM count of a GPU stood in for)."""
+    """The entry (forward and backward) where `plan` splits both scans (the SM count of a GPU stood in for)."""
     from hybrid_scale.attention.hedgehog import naive
 
     monkeypatch.setattr(chunk_h, "SMS_OFF_GPU", 132)

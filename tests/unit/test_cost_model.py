@@ -2,8 +2,8 @@
 make with the state scan planned for an H100's 132 SMs (recorded here on their own), every output a kernel stores
 in full and every input it reads, memsets and both sides of a cast in the glue, y in the irreducible bytes, tiles
 shared by resident programs once per wave, and needed FLOPs that the kernels' own do not undercut. Today's figures
-(issue 67's targets missed: 7.7x the irreducible bytes, 1.8x the needed FLOPs) are bounds that keep them from
-getting worse."""
+(4.8x the irreducible bytes, issue 67's target of 3x missed; 1.13x the needed FLOPs, met) are bounds that keep them
+from getting worse."""
 
 from collections import Counter
 from types import SimpleNamespace
@@ -48,27 +48,27 @@ def test_the_counted_launches_are_the_recorded_ones_planned_for_132_sms(counted)
         assert {c.name: c.launches for c in costs} == Counter(x.name for x in launches), T
         assert {c.name: c.programs for c in costs} == {c.name: sum(x.programs for x in launches if x.name == c.name)
                                                         for c in costs}  # fmt: skip
-        assert "_segment_fix" in {c.name for c in costs} and sum(c.launches for c in costs) == 7  # (the split scan)
+        names = {c.name for c in costs}  # (both scans split, each with its fix)
+        assert {"_segment_fix", "_dstates_fix"} <= names and sum(c.launches for c in costs) == 7
 
 
 # What a kernel stores whole (each tile once per program that writes it) and reads whole at least once.
 WRITTEN = {
     "_chunk_states": ("HKV", "HK", "END", "ZEND"),
-    "_chunk_output": ("Y", "YO", "M", "ZS", "IDX"),
-    "_chunk_bwd_dq": ("DQ", "DFQ", "DLZ", "RSUM", "RROW", "DKS", "DVS"),
-    "_chunk_bwd_dkv": ("DK", "DV"),
-    "_chunk_bwd_dfk": ("DFK",),
+    "_chunk_output": ("Y", "YLO", "M", "ZS", "IDX"),
+    "_chunk_bwd_dq": ("DQ", "DFQ", "DLZ", "RSUM", "RROW", "SINK_DS", "SINK_E"),
+    "_chunk_bwd_dkv": ("DFK",),  # (and dk, dv: their sink rows twice, below)
 }
 READ = {
     "_chunk_output": ("Q", "K", "V", "FQ", "FK"),
-    "_chunk_bwd_dq": ("Q", "K", "V", "FK", "DY", "YF", "M", "ZS", "IDX"),
-    "_chunk_bwd_dkv": ("Q", "K", "V", "FQ", "FK", "DY", "ZS", "DLZ", "M", "IDX", "RSUM"),
-    "_chunk_bwd_dfk": ("FQ", "V", "DY", "ZS", "DLZ", "DFK"),
+    "_chunk_bwd_dq": ("Q", "K", "V", "FK", "DY", "Y", "YLO", "M", "ZS", "IDX"),
+    "_chunk_bwd_dkv": ("Q", "K", "V", "FQ", "FK", "DY", "ZS", "DLZ", "M", "IDX", "RSUM", "SINK_DS", "SINK_E"),
 }
 
 
 def test_every_store_is_counted_and_every_input_read(counted):
-    """y is stored twice (fp32 for the backward, bf16 for the caller); dphi_k's fp32 rows are read and written."""
+    """y is stored once in bf16 and its rounding error beside it (training: for the backward's dlz); the sink keys'
+    rows of dk and dv twice (their chunk's program, then the KV head's last with the sinks' sums)."""
     costs = {c.name: c for c in counted[4096][0]}
     for launch in recorded(4096):
         names = launch.kernel.arg_names
@@ -77,7 +77,9 @@ def test_every_store_is_counted_and_every_input_read(counted):
             assert costs[launch.name].written[name] == tensors[name].numel() * tensors[name].element_size(), name
         for name in READ.get(launch.name, ()):
             assert costs[launch.name].read[name] >= tensors[name].numel() * tensors[name].element_size(), name
-    assert costs["_chunk_output"].written["Y"] == 2 * costs["_chunk_output"].written["YO"] == H * 4096 * D * 4
+    assert costs["_chunk_output"].written["Y"] == costs["_chunk_output"].written["YLO"] == H * 4096 * D * 2
+    for name in ("DK", "DV"):
+        assert costs["_chunk_bwd_dkv"].written[name] == (4096 + 16) * HKV * D * 2, name
 
 
 def test_the_glue_counts_memsets_both_sides_of_a_cast_and_ops_on_more_than_t_f_elements():
@@ -131,10 +133,10 @@ FORWARD = {"_chunk_states", "_segment_fix", "_chunk_output"}
 def test_the_kernels_flops_are_the_needed_and_the_recompute_the_loops_make(counted):
     """What the kernels compute beyond the needed products, per query head and band block (B = 2 T / 64 - 1 of them;
     X = q k^T's 2 x 64 x 64 x D, Y = phi_q phi_k^T's 2 x 64 x 64 x F). Forward: the row max's own pass over the
-    scores (X), and the scan's product of a last state no one reads. Backward: _chunk_bwd_dkv's 4 head-dim blocks
-    each recompute the scores, dp and phi_k phi_q^T (3X + 3X + 3Y more), and take E^T do and L^T do apart (X);
-    _chunk_bwd_dfk recomputes dp (X) and, for rho, phi_k phi_q^T (Y); _chunk_bwd_dq computes on the masked block
-    before position 0 of chunk 0 (3X + Y per head). The sinks' products (kernel and host) are the needed ones."""
+    scores (X), and the scan's product of a last state no one reads. Backward: _chunk_bwd_dkv computes the scores and
+    dp once more than the needed (2X; they are computed once in it, once in _chunk_bwd_dq, each tile once);
+    _chunk_bwd_dq computes on the masked block before position 0 of chunk 0 (3X + Y per head). The sinks' products
+    are the needed ones."""
     for T in roofline.LENGTHS:
         costs, glue, _ = counted[T]
         need = roofline.needed_flops(T)
@@ -142,19 +144,19 @@ def test_the_kernels_flops_are_the_needed_and_the_recompute_the_loops_make(count
         bwd = sum(c.flops for c in costs if c.name not in FORWARD) + glue.flops
         blocks, x, y = 2 * T // 64 - 1, 2 * 64 * 64 * D, 2 * 64 * 64 * F
         assert fwd - need["forward"] == H * blocks * x + 2 * HKV * 64 * F * D, T
-        assert bwd - need["backward"] == H * blocks * (10 * x + 4 * y) + H * (3 * x + y), T
+        assert bwd - need["backward"] == H * blocks * 2 * x + H * (3 * x + y), T
 
 
 def test_the_cost_model_holds_its_ground(counted):
-    """Issue 67's targets at both lengths: <= 7 launches (met, with the split scan); bytes <= 3x the irreducible, no
-    torch op on more than T x F elements and FLOPs <= 1.3x the needed (all missed today: these bounds keep the
-    figures from getting worse)."""
+    """Issue 67's targets at both lengths: <= 7 launches (met: 7, both scans split, each with its fix), no torch op
+    on more than T x F elements (met), FLOPs <= 1.3x the needed (met: 1.13x); bytes <= 3x the irreducible (missed:
+    4.8x, 2.42x with shared tiles once; the bounds keep the figures from getting worse)."""
     for T in roofline.LENGTHS:
         t = roofline.summary(T, counted[T])
         assert t["launches"] <= roofline.TARGET_LAUNCHES, t
-        assert t["ratio"] < 7.8 and t["shared_ratio"] < 4.4 and t["shared"] < t["moved"], t
-        assert t["flops_ratio"] < 1.83, t
-        assert set(t["over"]) <= {"div", "_to_copy", "bmm", "zeros"}, t
+        assert t["ratio"] < 4.9 and t["shared_ratio"] < 2.45 and t["shared"] < t["moved"], t
+        assert t["flops_ratio"] <= roofline.TARGET_FLOPS and t["flops_ratio"] < 1.14, t
+        assert t["over"] == [], t
 
 
 def _overlapping(a):

@@ -1,15 +1,17 @@
 """The compile gate: every Triton kernel compiled for sm_80 and sm_90 on this CPU machine (triton.compile with a
-GPUTarget, then the ptxas in the triton wheel), every mode, bf16 / fp16 / fp32, at every model preset's head shapes,
-every shipped window and lengths that are not a multiple of the chunk, with the settings the kernels choose on a GPU:
-no compile error, shared memory within the architecture's limit, no register spills (tools/kernel_compile.py,
-SPILL_BUDGET). The tables it makes are docs/results/kernel_compile.md (`make kernel-compile`, the project's Triton)
-and kernel_compile_triton36.md (`make kernel-compile-triton36`, the device image's Triton 3.6, whose wheel `make
-test` puts in .triton36/); a test fails when a page no longer matches the kernels.
+GPUTarget, then the ptxas in the triton wheel), each architecture with its own settings, every mode, bf16 / fp16 /
+fp32, at every model preset's head shapes, every shipped window and lengths that are not a multiple of the chunk: no
+compile error, shared memory and registers per block within the architecture's limits, no register spills
+(tools/kernel_compile.py, SPILL_BUDGET). The tables it makes are docs/results/kernel_compile.md (`make
+kernel-compile`, the project's Triton) and kernel_compile_triton36.md (`make kernel-compile-triton36`, the device
+image's Triton 3.6, whose wheel `make test` puts in .triton36/); a test fails when a page no longer matches the
+kernels.
 
 The tests run in child processes: this suite runs Triton's interpreter (conftest sets TRITON_INTERPRET=1), under
 which @triton.jit makes interpreted functions that cannot be compiled.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -58,7 +60,8 @@ def gate(tmp_path_factory):
 def gate36(tmp_path_factory):
     if not (TRITON36 / "triton").is_dir():
         pytest.skip("the device image's Triton is not in .triton36/: make .triton36/.installed (make test makes it)")
-    return _run_gate(tmp_path_factory, PAGE36, {**_compiling_env(), "PYTHONPATH": str(TRITON36)})
+    path = os.pathsep.join([str(TRITON36), *filter(None, [os.environ.get("PYTHONPATH")])])  # (3.6 first)
+    return _run_gate(tmp_path_factory, PAGE36, {**_compiling_env(), "PYTHONPATH": path})
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory_and_without_spills(gate):
@@ -66,8 +69,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory_and_withou
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 over budget" in proc.stdout
     table = out.read_text()
-    for kernel in ("_chunk_states", "_segment_fix", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates",
-                   "_chunk_bwd_dkv", "_chunk_bwd_dfk", "_decode"):  # fmt: skip
+    for kernel in ("_chunk_states", "_segment_fix", "_chunk_output", "_chunk_bwd_dq", "_chunk_dstates", "_dstates_fix",
+                   "_chunk_bwd_dkv", "_decode"):  # fmt: skip
         assert f"| `{kernel}` |" in table, kernel
     # the chunked prefill's products are wgmma on sm_90 in half precision, at every preset (the script also fails
     # without it: tools/kernel_compile.py WGMMA), and for fp32 calls too: they run the chunked kernels in bf16 on a GPU
@@ -145,7 +148,7 @@ def test_the_gate_catches_what_the_interpreter_lets_through(tmp_path):
     assert "loop_carried: refused" in proc.stdout, proc.stdout
 
 
-def test_the_gate_fails_on_errors_spills_and_shared_memory_over_the_limit():
+def test_the_gate_fails_on_errors_spills_and_shared_memory_or_registers_over_the_limit():
     from tools import kernel_compile
     from tools.compile_check import Compiled
 
@@ -160,6 +163,30 @@ def test_the_gate_fails_on_errors_spills_and_shared_memory_over_the_limit():
     assert "_fwd hybrid bf16 sm_80 (llama3-8b): 167936 bytes of shared memory, over the 166912" in over
     assert kernel_compile.failures([row(90, shared=164 * 1024)]) == []  # sm_90 allows 227 KiB
     assert "does not compile: CompilationError" in kernel_compile.failures([row(90, error="CompilationError: x")])[0]
+    assert kernel_compile.failures([row(90, registers=255, num_warps=8)]) == []  # 256 x 32 x 8 = 65536: it fits
+    many = kernel_compile.failures([row(90, registers=214, num_warps=16)])[0]  # (a 16-warp try at _chunk_bwd_dq)
+    assert "214 registers x 16 warps need 110592 per block, over the 65536 an SM has: it cannot launch" in many
+
+
+def test_a_run_cut_short_goes_on_where_it_stopped(tmp_path):
+    """--progress keeps the results as they come: started again, the run compiles nothing it already had (the gate
+    takes an hour on two cores, and a run killed near its end once lost all of it)."""
+    kept = tmp_path / "progress.json"
+    part = ["--presets", "smollm2-135m", "--archs", "90", "--kernels", "_segment_fix", "--modes", "la_only",
+            "--dtypes", "bf16", "--progress", str(kept)]  # fmt: skip
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, *SCRIPT, *part], cwd=ROOT, env=_compiling_env(), capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        outs.append(proc.stdout)
+    assert "(1 compiled, 0 reused" in outs[0] and kept.is_file(), outs[0]
+    assert "(0 compiled, 1 reused" in outs[1], outs[1]
+    other = [*part[:5], "_dstates_fix", *part[6:]]  # a run over another kernel keeps the file's results
+    proc = subprocess.run([sys.executable, *SCRIPT, *other], cwd=ROOT, env=_compiling_env(), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert {r["kernel"] for r in json.loads(kept.read_text())["results"].values()} >= {"_segment_fix"}
 
 
 KERNEL_SOURCE = """
