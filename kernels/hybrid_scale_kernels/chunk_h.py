@@ -316,6 +316,20 @@ def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
     return max(1, min(want, chunks // least))
 
 
+def fold(G: int, programs: int, sms: int) -> int:
+    """Query heads per program of a launch that has `programs` programs with one query head each, G query heads per
+    KV head: the largest divisor of G that still leaves programs / g >= 2 sms (its programs then read the KV head's
+    keys, values, phi_k and state once for g query heads, not once per head: a quarter of _chunk_output's and
+    _chunk_bwd_dq's bytes at Llama-3-8B's shape); 1 where folding would leave SMs idle. sms 0 (Triton's interpreter)
+    folds all G."""
+    return max(g for g in range(1, G + 1) if G % g == 0 and (g == 1 or programs // g >= 2 * sms))
+
+
+def heads_per_program(x: torch.Tensor, programs: int, G: int) -> int:
+    """`fold` for the SMs of x's device (SMS_OFF_GPU off a GPU)."""
+    return fold(G, programs, _sms(x))
+
+
 def _sms(x: torch.Tensor) -> int:
     """The SMs `plan` plans for: the GPU's, or SMS_OFF_GPU elsewhere."""
     if x.device.type == "cuda":
@@ -372,7 +386,7 @@ def dstates(fq, dy, zs, dlz, rho, state, case):
     B, Hkv, ns, F, D = hkv.shape
     H, T = fq.shape[1], fq.shape[2]
     cfg = case.cfg
-    bf, bdv = cfg["block_f"], min(cfg["block_dv"], pow2(D))
+    bf, bdv = min(cfg["dstates_block_f"], pow2(F)), min(cfg["dstates_block_dv"], pow2(D))
     blocks = (triton.cdiv(F, bf), triton.cdiv(D, bdv))
     L, P = _segments(ns, plan(blocks[0] * blocks[1] * B * Hkv, ns, _sms(fq)))
     grid = (*blocks, B * Hkv * P)

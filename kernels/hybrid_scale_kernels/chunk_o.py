@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_h import heads_per_program
 from .utils import TL_EPS, argmax_update, pow2, scores, state_lag
 
 
@@ -39,7 +40,7 @@ def _chunk_output(
     Y, YLO,  # output [B, H, T, D] in Y's dtype (the call's); LO: y's rounding error y - Y in YLO's (Y's) dtype
     M, ZS, IDX,  # with STATS (for the backward), per row [B, H, T]: c_n, the normaliser Z_n (EPS in), c_n's argmax key
     DE, DL,  # with DENS, per row [B, H, T] (fp32): the sums of gamma E (sinks in) and of L (the state's in)
-    T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    T, H, G, GF, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False, HAS_INIT: tl.constexpr = False,
@@ -57,114 +58,117 @@ def _chunk_output(
         1)) (exponent clamped at 0);
       y_n = (g sum E v + sum L v) / (g sum E + sum L + EPS), g = gamma of the head in the hybrid (HYBRID), else 1.
     Per key block, g E and L (they never share a key) are one [CHUNK, CHUNK] tile and one product with v."""
-    pid_bh = tl.program_id(0)
     c = tl.program_id(1)
-    head = pid_bh % H
-    bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
-    kv_base = bk.to(tl.int64) * T  # its first row in [B * Hkv * T]
-    q_base = pid_bh.to(tl.int64) * T
-    n = c * CHUNK + tl.arange(0, CHUNK)  # query positions
-    row_ok = n < T
-    st0 = tl.maximum(c - NB, 0)  # the state read: the keys before lo
-    lo = st0 * CHUNK
-    hi = tl.minimum((c + 1) * CHUNK, T)
-    od = tl.arange(0, BLOCK_D)
-    dm = od < D
-    num = tl.zeros([CHUNK, BLOCK_D], tl.float32)
-    den = tl.zeros([CHUNK], tl.float32)
-    if LIN:
-        rho = 0.0
-        if DECAY:
-            rho = tl.load(RHO + head // G).to(tl.float32)
-        if HAS_INIT or c >= NB + 1:  # the state of the keys before lo (h_0 is empty without an initial state)
-            st = bk.to(tl.int64) * NS + st0
-            for f0 in range(0, F, BLOCK_FC):
-                of = f0 + tl.arange(0, BLOCK_FC)
-                fm = of < F
-                fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                             other=0.0)  # fmt: skip
-                h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
-                if HKV.dtype.element_ty == DT:
-                    num += tl.dot(fq.to(DT), h, input_precision=PREC)
-                else:  # (fp32 state, half inputs: tf32)
-                    num += tl.dot(fq.to(tl.float32), h, input_precision=PREC)
-                z = tl.load(HK + st * F + of, mask=fm, other=0.0)
-                den += tl.sum(fq.to(tl.float32) * z[None, :], 1)
+    for hh in range(GF):  # (the GF query heads of one KV head, in turn: its keys, values, phi_k and state read once)
+        pid_bh = tl.program_id(0) * GF + hh
+        head = pid_bh % H
+        bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
+        kv_base = bk.to(tl.int64) * T  # its first row in [B * Hkv * T]
+        q_base = pid_bh.to(tl.int64) * T
+        n = c * CHUNK + tl.arange(0, CHUNK)  # query positions
+        row_ok = n < T
+        st0 = tl.maximum(c - NB, 0)  # the state read: the keys before lo
+        lo = st0 * CHUNK
+        hi = tl.minimum((c + 1) * CHUNK, T)
+        od = tl.arange(0, BLOCK_D)
+        dm = od < D
+        num = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+        den = tl.zeros([CHUNK], tl.float32)
+        if LIN:
+            rho = 0.0
             if DECAY:
-                lag = state_lag(rho, n, window, st0, CHUNK)
-                num = num * lag[:, None]
-                den = den * lag
-    den_l = den  # (DENS: the L terms' sum, the state's so far)
-    if HYBRID:
-        g = tl.load(GAMMA + head).to(tl.float32)
-    else:
-        g = 1.0
-    m = tl.full([CHUNK], float("-inf"), tl.float32)
-    arg = tl.zeros([CHUNK], tl.int32)  # (STATS: the key of the row max, the first where several are equal)
-    if SOFT:  # the first pass: the exact row max over the window
-        for kb in range(lo, hi, CHUNK):
-            j = kb + tl.arange(0, CHUNK)
-            a = scores(Q, K, q_base + n, row_ok, kv_base + j, j < T, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
-            a = tl.where((j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window), a, float("-inf"))
-            if STATS:
-                arg = argmax_update(a, j, m, arg)
-            m = tl.maximum(m, tl.max(a, 1))
-    if SINKS:
-        js = tl.arange(0, BLOCK_S)
-        s_ok = (js < n_sinks) & (js < T)
-        a_s = scores(Q, K, q_base + n, row_ok, kv_base + js, s_ok, D, BLOCK_DK, CHUNK, BLOCK_S, DT, PREC) * scale
-        a_s = tl.where(s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off), a_s, float("-inf"))
-        if STATS:
-            arg = argmax_update(a_s, js, m, arg)
-        m = tl.maximum(m, tl.max(a_s, 1))
-        m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: past T)
-        p_s = g * tl.exp(a_s - m[:, None])
-        vs = tl.load(V + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-        num += tl.dot(p_s.to(DT), vs.to(DT), input_precision=PREC)
-        den += tl.sum(p_s, 1)
-    else:
-        m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: la_only, and rows past T)
-    if SOFT or LIN:  # the second pass: g E + L per key block, times v
-        for kb in range(lo, hi, CHUNK):
-            j = kb + tl.arange(0, CHUNK)
-            k_ok = j < T
-            p = tl.zeros([CHUNK, CHUNK], tl.float32)
-            if LIN:
-                s = tl.zeros([CHUNK, CHUNK], tl.float32)
+                rho = tl.load(RHO + head // G).to(tl.float32)
+            if HAS_INIT or c >= NB + 1:  # the state of the keys before lo (h_0 is empty without an initial state)
+                st = bk.to(tl.int64) * NS + st0
                 for f0 in range(0, F, BLOCK_FC):
                     of = f0 + tl.arange(0, BLOCK_FC)
                     fm = of < F
                     fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
                                  other=0.0)  # fmt: skip
-                    fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
-                lin = (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)  # (n_excl >= 0)
+                    h = tl.load(
+                        HKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0
+                    )
+                    if HKV.dtype.element_ty == DT:
+                        num += tl.dot(fq.to(DT), h, input_precision=PREC)
+                    else:  # (fp32 state, half inputs: tf32)
+                        num += tl.dot(fq.to(tl.float32), h, input_precision=PREC)
+                    z = tl.load(HK + st * F + of, mask=fm, other=0.0)
+                    den += tl.sum(fq.to(tl.float32) * z[None, :], 1)
                 if DECAY:
-                    s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
-                p = tl.where(lin, s, 0.0)
-                if DENS:
-                    den_l += tl.sum(p, 1)
-            if SOFT:
-                a = scores(Q, K, q_base + n, row_ok, kv_base + j, k_ok, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
-                win = (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
-                p = tl.where(win, g * tl.exp(a - m[:, None]), p)
-            v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
-            num += tl.dot(p.to(DT), v.to(DT), input_precision=PREC)
-            den += tl.sum(p, 1)
-    y = num / (den + TL_EPS)[:, None]
-    out = (q_base + n)[:, None] * D + od[None, :]
-    y_out = y.to(Y.dtype.element_ty)
-    tl.store(Y + out, y_out, mask=row_ok[:, None] & dm[None, :])
-    if LO:  # (for the backward's dlz: Y + YLO holds y to about 16 bits)
-        tl.store(YLO + out, (y - y_out.to(tl.float32)).to(YLO.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
-    if DENS:
-        tl.store(DE + q_base + n, den - den_l, mask=row_ok)
-        tl.store(DL + q_base + n, den_l, mask=row_ok)
-    if STATS:
-        tl.store(M + q_base + n, m, mask=row_ok)
-        tl.store(ZS + q_base + n, den + TL_EPS, mask=row_ok)
-        tl.store(IDX + q_base + n, arg, mask=row_ok)
+                    lag = state_lag(rho, n, window, st0, CHUNK)
+                    num = num * lag[:, None]
+                    den = den * lag
+        den_l = den  # (DENS: the L terms' sum, the state's so far)
+        if HYBRID:
+            g = tl.load(GAMMA + head).to(tl.float32)
+        else:
+            g = 1.0
+        m = tl.full([CHUNK], float("-inf"), tl.float32)
+        arg = tl.zeros([CHUNK], tl.int32)  # (STATS: the key of the row max, the first where several are equal)
+        if SOFT:  # the first pass: the exact row max over the window
+            for kb in range(lo, hi, CHUNK):
+                j = kb + tl.arange(0, CHUNK)
+                a = scores(Q, K, q_base + n, row_ok, kv_base + j, j < T, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
+                a = tl.where((j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window), a, float("-inf"))
+                if STATS:
+                    arg = argmax_update(a, j, m, arg)
+                m = tl.maximum(m, tl.max(a, 1))
+        if SINKS:
+            js = tl.arange(0, BLOCK_S)
+            s_ok = (js < n_sinks) & (js < T)
+            a_s = scores(Q, K, q_base + n, row_ok, kv_base + js, s_ok, D, BLOCK_DK, CHUNK, BLOCK_S, DT, PREC) * scale
+            a_s = tl.where(s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off), a_s, float("-inf"))
+            if STATS:
+                arg = argmax_update(a_s, js, m, arg)
+            m = tl.maximum(m, tl.max(a_s, 1))
+            m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: past T)
+            p_s = g * tl.exp(a_s - m[:, None])
+            vs = tl.load(V + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+            num += tl.dot(p_s.to(DT), vs.to(DT), input_precision=PREC)
+            den += tl.sum(p_s, 1)
+        else:
+            m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: la_only, and rows past T)
+        if SOFT or LIN:  # the second pass: g E + L per key block, times v
+            for kb in range(lo, hi, CHUNK):
+                j = kb + tl.arange(0, CHUNK)
+                k_ok = j < T
+                p = tl.zeros([CHUNK, CHUNK], tl.float32)
+                if LIN:
+                    s = tl.zeros([CHUNK, CHUNK], tl.float32)
+                    for f0 in range(0, F, BLOCK_FC):
+                        of = f0 + tl.arange(0, BLOCK_FC)
+                        fm = of < F
+                        fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                                     other=0.0)  # fmt: skip
+                        fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                                     other=0.0)  # fmt: skip
+                        s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
+                    lin = (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)  # (n_excl >= 0)
+                    if DECAY:
+                        s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
+                    p = tl.where(lin, s, 0.0)
+                    if DENS:
+                        den_l += tl.sum(p, 1)
+                if SOFT:
+                    a = scores(Q, K, q_base + n, row_ok, kv_base + j, k_ok, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
+                    win = (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
+                    p = tl.where(win, g * tl.exp(a - m[:, None]), p)
+                v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+                num += tl.dot(p.to(DT), v.to(DT), input_precision=PREC)
+                den += tl.sum(p, 1)
+        y = num / (den + TL_EPS)[:, None]
+        out = (q_base + n)[:, None] * D + od[None, :]
+        y_out = y.to(Y.dtype.element_ty)
+        tl.store(Y + out, y_out, mask=row_ok[:, None] & dm[None, :])
+        if LO:  # (for the backward's dlz: Y + YLO holds y to about 16 bits)
+            tl.store(YLO + out, (y - y_out.to(tl.float32)).to(YLO.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+        if DENS:
+            tl.store(DE + q_base + n, den - den_l, mask=row_ok)
+            tl.store(DL + q_base + n, den_l, mask=row_ok)
+        if STATS:
+            tl.store(M + q_base + n, m, mask=row_ok)
+            tl.store(ZS + q_base + n, den + TL_EPS, mask=row_ok)
+            tl.store(IDX + q_base + n, arg, mask=row_ok)
 
 
 def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=False, out_dtype=None):
@@ -190,9 +194,10 @@ def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=F
         de, dl = (torch.empty(B, H, T, **f32) for _ in range(2))
     hkv, hk = state if state is not None else (g.to(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32), g)
     cfg = case.cfg
-    _chunk_output[(B * H, nc)](
+    gf = heads_per_program(q, B * H * nc, H // Hkv)
+    _chunk_output[(B * H // gf, nc)](
         q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, y, y if y_lo is None else y_lo, m, zs, idx, de, dl,
-        T, H, H // Hkv, D, F, hkv.shape[2] if state is not None else 0, case.nb, case.window, case.lin_off,
+        T, H, H // Hkv, gf, D, F, hkv.shape[2] if state is not None else 0, case.nb, case.window, case.lin_off,
         case.sink_off, case.n_sinks, case.n_excl, case.scale,
         CHUNK=case.chunk, BLOCK_D=pow2(D), BLOCK_DK=min(pow2(D), cfg["dchunk"]), BLOCK_FC=cfg["fchunk"],
         BLOCK_S=case.block_s, SOFT=case.soft, LIN=case.lin, SINKS=case.sink, HYBRID=case.gamma_on,

@@ -64,10 +64,12 @@ ARCH_OFF_GPU = 90
 SM80 = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
              bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
-             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
+             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255, dstates_block_f=64,
+             dstates_block_dv=32),
     128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=8, dkv_warps=8,
               bwd_dchunk=16, bwd_fchunk=32, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
-              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
+              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255, dstates_block_f=64,
+              dstates_block_dv=32),
 }  # fmt: skip
 # sm_90 (H100, H200), where it differs from sm_80's (issue 67: sm_80's spill limits had set sm_90's tiles). Found with
 # tools/kernel_compile.py --archs 90 at llama3-8b's shapes in every mode, bf16 and fp16 (the forward under triton 3.9,
@@ -98,7 +100,7 @@ def interpreter(features: int) -> dict:
     fchunk = min(pow2(features), 64)
     return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
                 dkv_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, dkv_fchunk=fchunk, dkv_dchunk=32, dkv_qblock=32,
-                dstates_warps=4)  # fmt: skip
+                dstates_warps=4, dstates_block_f=64, dstates_block_dv=64)  # fmt: skip
 
 
 def arch_of(device: torch.device) -> int:
