@@ -126,8 +126,9 @@ def segment_fix(a: dict):
 
 
 def output(a: dict):
-    """_chunk_output: program (GF query heads of a batch x KV head, query chunk), each head in turn: the state, two passes over the NB + 1 key blocks
-    (the row max, then g E + L times v), the sinks' tile; y in one or two dtypes, the row stats."""
+    """_chunk_output: program (GF query heads of a batch x KV head, query chunk), each head in turn: the state, two
+    passes over the NB + 1 key blocks (the row max, then g E + L times v), the sinks' tile; y in one or two dtypes,
+    the row stats."""
     C, T, H, G, D, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"]
     GF = a["GF"]
     BS = a["BLOCK_S"]
@@ -181,8 +182,8 @@ def output(a: dict):
 
 
 def bwd_dq(a: dict):
-    """_chunk_bwd_dq: program (GF query heads of a batch x KV head, query chunk), each head in turn: dlz, each key block's ds and dp (`_bwd_q_block`),
-    the sinks' tile, dq, dphi_q with the state's term."""
+    """_chunk_bwd_dq: program (GF query heads of a batch x KV head, query chunk), each head in turn: dlz, each key
+    block's ds and dp (`_bwd_q_block`), the sinks' tile, dq, dphi_q with the state's term."""
     C, T, H, G, D, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"]
     GF = a["GF"]
     BS = a["BLOCK_S"]
