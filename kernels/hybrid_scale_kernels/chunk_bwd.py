@@ -65,17 +65,17 @@ def _chunk_bwd_dq(
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
     Y_LO: tl.constexpr = False,
 ):  # fmt: skip
-    """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
-    H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
-    the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
-    lag on the state; SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT): the sinks' ds (c_n's gradient in) and E
-    terms per row, which `_chunk_bwd_dkv` turns into their dk, dv (products over the rows here spilled on sm_80). The
-    keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the sinks. NB = 1 (windows up to
-    CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
-    head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
-    the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the state before
-    chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial state
-    with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
+    """The backward of the CHUNK queries of chunk c (axis 1) of GF query heads of one KV head in turn (axis 0: batch x H
+    / GF; `chunk_h.fold`), for each: dq and dphi_q [B, H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the
+    next launches); RSUM, the row sums of ds over the window and sink terms (HYBRID: -dc_n, and gamma's gradient times
+    gamma); RROW (DECAY) rho's share of the row's lag on the state; SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT):
+    the sinks' ds (c_n's gradient in) and E terms per row, which `_chunk_bwd_dkv` turns into their dk, dv (products over
+    the rows here spilled on sm_80). The keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the
+    sinks. NB = 1 (windows up to CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then
+    made and stored a head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax
+    key; dphi_q walks the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the
+    state before chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial
+    state with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
     rows that only this program touches, and read back for the rest."""
     c = tl.program_id(1)
     for hh in range(GF):  # (the GF query heads of one KV head, in turn: its keys, values, phi_k and state read once)

@@ -19,9 +19,10 @@ phi_q h times alpha^(n - w - (lo - 1)). The row sums of gamma E and L make the o
 stored apart: the denominators of `return_denominators` (the sum of gamma E as the normaliser less the L sum:
 exact to fp32's rounding of the normaliser; summing it apart spilled).
 
-A query head reads its KV head's keys, values, phi_k and state (GQA); the query heads of a KV head are adjacent
-programs, so they read the same tiles from L2. Every product is a tl.dot with 64 rows (wgmma on sm_90 in half
-precision).
+A query head reads its KV head's keys, values, phi_k and state (GQA): one program computes GF query heads of a KV head
+in turn (`chunk_h.fold`: all G where the grid still gives every SM two programs), so it reads those tiles once for GF
+heads; the rest of a group are adjacent programs, which read them from L2. Every product is a tl.dot with 64 rows (wgmma
+on sm_90 in half precision).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _chunk_output(
     DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False, HAS_INIT: tl.constexpr = False,
     DENS: tl.constexpr = False, LO: tl.constexpr = False,
 ):  # fmt: skip
-    """y of the CHUNK queries n of chunk c (grid axis 1) of one query head (axis 0: batch x H).
+    """y of the CHUNK queries n of chunk c (grid axis 1) of GF query heads of one KV head (axis 0: batch x H / GF),
+    one head after the other (their KV head's tiles are read once for the GF heads: `chunk_h.fold`).
 
     The keys j of chunks c - NB .. c (from lo = max(c - NB, 0) CHUNK), a CHUNK-key block at a time:
       E terms (SOFT): n - window < j <= n, scores s q.k; c_n their exact row max, with the sink terms' (a first pass
