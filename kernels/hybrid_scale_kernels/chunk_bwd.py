@@ -459,7 +459,7 @@ def bwd_dq(saved, dy, state, case):
     multi = case.nb > 1
     scratch = (torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, F, **f32)) if multi else (g, g)
     cfg = case.cfg
-    gf = heads_per_program(q, B * H * nc, H // k.shape[1])
+    gf = heads_per_program(q, B * H * nc, H // k.shape[1], cfg)
     _chunk_bwd_dq[(B * H // gf, nc)](
         q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, y if y_lo is None else y_lo, m, zs, idx,
         out["dq"], out["dfq"], out["dlz"], out["rsum"], out["rrow"], out["sink_ds"], out["sink_e"], *scratch,

@@ -325,9 +325,10 @@ def fold(G: int, programs: int, sms: int) -> int:
     return max(g for g in range(1, G + 1) if G % g == 0 and (g == 1 or programs // g >= 2 * sms))
 
 
-def heads_per_program(x: torch.Tensor, programs: int, G: int) -> int:
-    """`fold` for the SMs of x's device (SMS_OFF_GPU off a GPU)."""
-    return fold(G, programs, _sms(x))
+def heads_per_program(x: torch.Tensor, programs: int, G: int, cfg: dict) -> int:
+    """`fold` for the SMs of x's device (SMS_OFF_GPU off a GPU); 1 where the launch settings `cfg` turn folding off
+    (fold=0: one query head a program, what the device benchmark's tile variant `unfolded` times against)."""
+    return fold(G, programs, _sms(x)) if cfg["fold"] else 1
 
 
 def _sms(x: torch.Tensor) -> int:

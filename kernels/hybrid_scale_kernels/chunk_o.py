@@ -196,7 +196,7 @@ def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=F
         de, dl = (torch.empty(B, H, T, **f32) for _ in range(2))
     hkv, hk = state if state is not None else (g.to(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32), g)
     cfg = case.cfg
-    gf = heads_per_program(q, B * H * nc, H // Hkv)
+    gf = heads_per_program(q, B * H * nc, H // Hkv, cfg)
     _chunk_output[(B * H // gf, nc)](
         q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, y, y if y_lo is None else y_lo, m, zs, idx, de, dl,
         T, H, H // Hkv, gf, D, F, hkv.shape[2] if state is not None else 0, case.nb, case.window, case.lin_off,

@@ -25,6 +25,9 @@ def test_fold_takes_the_largest_divisor_that_keeps_the_sms_busy():
     assert chunk_h.fold(3, 9 * 32, 132) == 1  # SmolLM2-135M (9 heads, 3 KV heads) at 2k
     assert chunk_h.fold(6, 12, 0) == 6  # the interpreter folds the whole group
     assert chunk_h.fold(1, 10, 0) == 1
+    x = torch.empty(1)
+    assert chunk_h.heads_per_program(x, 12, 6, {"fold": 1}) == 6
+    assert chunk_h.heads_per_program(x, 12, 6, {"fold": 0}) == 1  # (the settings turn it off)
 
 
 @pytest.mark.parametrize(("sms", "gf"), [(10**6, 1), (3, 2), (0, 4)])
