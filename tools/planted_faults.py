@@ -172,6 +172,17 @@ FAULTS = {
         "                    sp = tl.dot(do, ht, input_precision=PREC)",
         "                    sp = 0.0 * tl.dot(do, ht, input_precision=PREC)",
     ),
+    # the query heads of a KV head folded into one program (tests/unit/test_head_fold.py and every kernel test)
+    "kernel_fold_output_repeats_a_head": (
+        "kernels/hybrid_scale_kernels/chunk_o.py",
+        "pid_bh = tl.program_id(0) * GF + hh",
+        "pid_bh = tl.program_id(0) * GF",
+    ),
+    "kernel_fold_dq_repeats_a_head": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "pid_bh = tl.program_id(0) * GF + hh",
+        "pid_bh = tl.program_id(0) * GF",
+    ),
     "decay_ignored_by_the_layer": (
         "hybrid_scale/attention/layer.py",
         "            la_decay=self.la_decay if la_decay is None else la_decay,",
