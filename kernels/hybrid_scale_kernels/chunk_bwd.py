@@ -84,10 +84,11 @@ def _chunk_bwd_dq(
         bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
         kv_base = bk.to(tl.int64) * T
         q_base = pid_bh.to(tl.int64) * T
-        n = c * CHUNK + tl.arange(0, CHUNK)
+        zero = hh // GF  # (0: the index vectors made from it are not hoisted out of the heads loop, which spilled)
+        n = (c + zero) * CHUNK + tl.arange(0, CHUNK)
         row_ok = n < T
         rows = q_base + n
-        od_all = tl.arange(0, BLOCK_D)
+        od_all = zero + tl.arange(0, BLOCK_D)
         dm_all = od_all < D
         zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
         dlz = tl.zeros([CHUNK], tl.float32)
@@ -111,7 +112,7 @@ def _chunk_bwd_dq(
         if MULTI:  # each key block's dq and dphi_q added to this program's own fp32 rows
             rsum = tl.zeros([CHUNK], tl.float32)
             for kb in range(0, NB + 1):
-                jb = (c - NB + kb) * CHUNK + tl.arange(0, CHUNK)
+                jb = n + (kb - NB) * CHUNK
                 jb_ok = (jb >= 0) & (jb < T)
                 dsb, rsb, dpwb = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, jb, kv_base, q_base, T, D, window,
                                               lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
@@ -138,8 +139,8 @@ def _chunk_bwd_dq(
                         tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
                 tl.debug_barrier()  # (the next block reads these rows back)
         else:
-            j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
-            j1 = c * CHUNK + tl.arange(0, CHUNK)
+            j0 = n - CHUNK  # (from n: not hoisted out of the heads loop)
+            j1 = n
             ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window,
                                           lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
                                           PREC)  # fmt: skip
@@ -148,7 +149,7 @@ def _chunk_bwd_dq(
                                           PREC)  # fmt: skip
             rsum = rs0 + rs1
         rrow = tl.zeros([CHUNK], tl.float32)
-        js = tl.arange(0, BLOCK_S)
+        js = zero + tl.arange(0, BLOCK_S)
         s_ok = (js < n_sinks) & (js < T)
         if SINKS:
             a_s = tl.zeros([CHUNK, BLOCK_S], tl.float32)
