@@ -180,8 +180,8 @@ FAULTS = {
     ),
     "kernel_fold_dq_repeats_a_head": (
         "kernels/hybrid_scale_kernels/chunk_bwd.py",
-        "pid_bh = tl.program_id(0) * GF + hh",
-        "pid_bh = tl.program_id(0) * GF",
+        "tl.program_id(0) * GF + hh, tl.program_id(1)",
+        "tl.program_id(0) * GF, tl.program_id(1)",
     ),
     "decay_ignored_by_the_layer": (
         "hybrid_scale/attention/layer.py",

@@ -54,6 +54,186 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 
 
 @triton.jit
+def _dq_head(
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E, DQ32, DFQ32,
+    pid_bh, c, T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr, MULTI: tl.constexpr, Y_LO: tl.constexpr,
+):  # fmt: skip
+    """`_chunk_bwd_dq` for one query head pid_bh (batch x H) and chunk c (inlined in an unfolded launch; called, not
+    inlined, once per head in a folded one: `_dq_head_call`)."""
+    head = pid_bh % H
+    bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
+    kv_base = bk.to(tl.int64) * T
+    q_base = pid_bh.to(tl.int64) * T
+    n = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = n < T
+    rows = q_base + n
+    od_all = tl.arange(0, BLOCK_D)
+    dm_all = od_all < D
+    zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
+    dlz = tl.zeros([CHUNK], tl.float32)
+    for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it; y in its dtype)
+        od = d0 + tl.arange(0, BLOCK_DK)
+        rm = row_ok[:, None] & (od < D)[None, :]
+        dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+        y = tl.load(Y + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+        if Y_LO:
+            y += tl.load(YLO + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
+        dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * y, 1)
+    tl.store(DLZ + rows, dlz, mask=row_ok)
+    m = tl.load(M + rows, mask=row_ok, other=0.0)
+    if HYBRID:
+        g = tl.load(GAMMA + head).to(tl.float32)
+    else:
+        g = 1.0
+    rho = 0.0
+    if DECAY:
+        rho = tl.load(RHO + head // G).to(tl.float32)
+    if MULTI:  # each key block's dq and dphi_q added to this program's own fp32 rows
+        rsum = tl.zeros([CHUNK], tl.float32)
+        for kb in range(0, NB + 1):
+            jb = (c - NB + kb) * CHUNK + tl.arange(0, CHUNK)
+            jb_ok = (jb >= 0) & (jb < T)
+            dsb, rsb, dpwb = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, jb, kv_base, q_base, T, D, window,
+                                          lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
+                                          PREC)  # fmt: skip
+            rsum += rsb
+            for d0 in range(0, D, BLOCK_DK):
+                od = d0 + tl.arange(0, BLOCK_DK)
+                dm = od < D
+                kx = tl.load(K + kv_base * D + jb[:, None] * D + od[None, :], mask=jb_ok[:, None] & dm[None, :],
+                             other=0.0)  # fmt: skip
+                ptr = DQ32 + q_base * D + n[:, None] * D + od[None, :]
+                rm = row_ok[:, None] & dm[None, :]
+                part = tl.dot(dsb, kx.to(DT), input_precision=PREC)
+                tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
+            if LIN:
+                for f0 in range(0, F, BLOCK_FC):
+                    of = f0 + tl.arange(0, BLOCK_FC)
+                    fm = of < F
+                    fkx = tl.load(FK + kv_base * F + jb[:, None] * F + of[None, :],
+                                  mask=jb_ok[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                    ptr = DFQ32 + q_base * F + n[:, None] * F + of[None, :]
+                    rm = row_ok[:, None] & fm[None, :]
+                    part = tl.dot(dpwb, fkx.to(DT), input_precision=PREC)
+                    tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
+            tl.debug_barrier()  # (the next block reads these rows back)
+    else:
+        j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
+        j1 = c * CHUNK + tl.arange(0, CHUNK)
+        ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window,
+                                      lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
+                                      PREC)  # fmt: skip
+        ds1, rs1, dpw1 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j1, kv_base, q_base, T, D, window,
+                                      lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
+                                      PREC)  # fmt: skip
+        rsum = rs0 + rs1
+    rrow = tl.zeros([CHUNK], tl.float32)
+    js = tl.arange(0, BLOCK_S)
+    s_ok = (js < n_sinks) & (js < T)
+    if SINKS:
+        a_s = tl.zeros([CHUNK, BLOCK_S], tl.float32)
+        dps = tl.zeros([CHUNK, BLOCK_S], tl.float32)
+        for d0 in range(0, D, BLOCK_DK):
+            od = d0 + tl.arange(0, BLOCK_DK)
+            dm = od < D
+            rm = row_ok[:, None] & dm[None, :]
+            smt = dm[:, None] & s_ok[None, :]
+            q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+            kst = tl.load(K + kv_base * D + od[:, None] + js[None, :] * D, mask=smt, other=0.0)
+            vst = tl.load(V + kv_base * D + od[:, None] + js[None, :] * D, mask=smt, other=0.0)
+            a_s += tl.dot(q.to(DT), kst.to(DT), input_precision=PREC)
+            dps += tl.dot((dy.to(tl.float32) / zs[:, None]).to(DT), vst.to(DT), input_precision=PREC)
+        smask = row_ok[:, None] & s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off)
+        ps = tl.where(smask, g * tl.exp(a_s * scale - m[:, None]), 0.0)
+        dss = ps * (dps - dlz[:, None])
+        rsum += tl.sum(dss, 1)
+        dsk = dss
+    if HYBRID:  # c_n's gradient -rsum_n reaches its argmax key: a sink (through dsk, for dq and dk) or a window key
+        idx = tl.load(IDX + rows, mask=row_ok, other=0)
+        tl.store(RSUM + rows, rsum, mask=row_ok)
+        rwin = rsum
+        if SINKS:
+            dsk = dss - tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
+            rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
+    if SINKS:  # the sinks' ds and E [rows, BLOCK_S] in DT (the key-side kernel makes their dk, dv)
+        part = rows[:, None] * BLOCK_S + js[None, :]
+        tl.store(SINK_DS + part, dsk.to(DT), mask=row_ok[:, None])
+        tl.store(SINK_E + part, ps.to(DT), mask=row_ok[:, None])
+    for d0 in range(0, D, BLOCK_DK):  # dq a head-dim chunk at a time
+        od = d0 + tl.arange(0, BLOCK_DK)
+        dm = od < D
+        rm = row_ok[:, None] & dm[None, :]
+        if MULTI:
+            dq = tl.load(DQ32 + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
+        else:
+            k0 = tl.load(K + kv_base * D + j0[:, None] * D + od[None, :], mask=(j0 >= 0)[:, None] & dm[None, :],
+                         other=0.0)  # fmt: skip
+            k1 = tl.load(K + kv_base * D + j1[:, None] * D + od[None, :], mask=(j1 < T)[:, None] & dm[None, :],
+                         other=0.0)  # fmt: skip
+            dq = tl.dot(ds0, k0.to(DT), input_precision=PREC)
+            dq += tl.dot(ds1, k1.to(DT), input_precision=PREC)
+        if SINKS:
+            ks = tl.load(
+                K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0
+            )
+            dq += tl.dot(dsk.to(DT), ks.to(DT), input_precision=PREC)
+        if HYBRID:
+            kx = tl.load(K + kv_base * D + idx[:, None] * D + od[None, :], mask=rm, other=0.0)
+            dq -= rwin[:, None] * kx.to(tl.float32)
+        tl.store(DQ + q_base * D + n[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
+    if LIN:
+        st0 = tl.maximum(c - NB, 0)
+        lag = state_lag(rho, n, window, st0, CHUNK)
+        st = bk.to(tl.int64) * NS + st0
+        dy = tl.load(DY + q_base * D + n[:, None] * D + od_all[None, :], mask=row_ok[:, None] & dm_all[None, :],
+                     other=0.0)  # fmt: skip
+        do = (dy.to(tl.float32) / zs[:, None]).to(DT)  # (whole: one product per feature chunk of the state)
+        for f0 in range(0, F, BLOCK_FC):
+            of = f0 + tl.arange(0, BLOCK_FC)
+            fm = of < F
+            if MULTI:
+                acc = tl.load(DFQ32 + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                              other=0.0)  # fmt: skip
+            else:
+                fk0 = tl.load(FK + kv_base * F + j0[:, None] * F + of[None, :],
+                              mask=(j0 >= 0)[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :],
+                              mask=(j1 < T)[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
+                acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
+            if HAS_INIT or c >= NB + 1:  # the state before chunk c - NB: phi_q's gradient lag (h do - z dlz)
+                ht = tl.load(HKV + st * F * D + od_all[:, None] + of[None, :] * D,
+                             mask=dm_all[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                if HKV.dtype.element_ty == DT:
+                    sp = tl.dot(do, ht, input_precision=PREC)
+                else:
+                    sp = tl.dot(do.to(tl.float32), ht.to(tl.float32), input_precision=PREC)
+                z = tl.load(HK + st * F + of, mask=fm, other=0.0)
+                sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
+                acc += sp
+                if DECAY:  # d lag / d rho = -max(n - window - lo + 1, 0) lag
+                    fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                                 other=0.0)  # fmt: skip
+                    e = tl.maximum(n - window - st0 * CHUNK + 1, 0).to(tl.float32)
+                    rrow -= e * tl.sum(fq.to(tl.float32) * sp, 1)
+            tl.store(DFQ + q_base * F + n[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
+                     mask=row_ok[:, None] & fm[None, :])  # fmt: skip
+        if DECAY:
+            tl.store(RROW + rows, rrow, mask=row_ok)
+
+
+# One head of a folded launch, called: inlined in the heads loop, its index vectors and constants were hoisted out of
+# the loop and spilled (40-176 bytes on sm_90 with the sinks and the decay at head dim 128, 256-1072 on sm_80); called,
+# they are made per head and nothing spills. ptxas then serializes the callee's wgmma (C7510): a device measures
+# whether the fold still pays (DEVICE_SPEED_TILES' `unfolded` variant).
+_dq_head_call = triton.jit(noinline=True)(_dq_head.fn)
+
+
+@triton.jit
 def _chunk_bwd_dq(
     Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX,  # inputs: the forward's (Y: the output; YLO: its
     # rounding error, with Y_LO)
@@ -63,7 +243,7 @@ def _chunk_bwd_dq(
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
-    Y_LO: tl.constexpr = False,
+    Y_LO: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):  # fmt: skip
     """The backward of the CHUNK queries of chunk c (axis 1) of GF query heads of one KV head in turn (axis 0: batch x H
     / GF; `chunk_h.fold`), for each: dq and dphi_q [B, H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the
@@ -77,171 +257,17 @@ def _chunk_bwd_dq(
     state before chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial
     state with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
     rows that only this program touches, and read back for the rest."""
-    c = tl.program_id(1)
-    for hh in range(GF):  # (the GF query heads of one KV head, in turn: its keys, values, phi_k and state read once)
-        pid_bh = tl.program_id(0) * GF + hh
-        head = pid_bh % H
-        bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
-        kv_base = bk.to(tl.int64) * T
-        q_base = pid_bh.to(tl.int64) * T
-        zero = hh // GF  # (0: the index vectors made from it are not hoisted out of the heads loop, which spilled)
-        n = (c + zero) * CHUNK + tl.arange(0, CHUNK)
-        row_ok = n < T
-        rows = q_base + n
-        od_all = zero + tl.arange(0, BLOCK_D)
-        dm_all = od_all < D
-        zs = tl.load(ZS + rows, mask=row_ok, other=1.0)
-        dlz = tl.zeros([CHUNK], tl.float32)
-        for d0 in range(0, D, BLOCK_DK):  # dlz = do . y (do rounded to DT, as the products see it; y in its dtype)
-            od = d0 + tl.arange(0, BLOCK_DK)
-            rm = row_ok[:, None] & (od < D)[None, :]
-            dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            y = tl.load(Y + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
-            if Y_LO:
-                y += tl.load(YLO + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0).to(tl.float32)
-            dlz += tl.sum((dy.to(tl.float32) / zs[:, None]).to(DT).to(tl.float32) * y, 1)
-        tl.store(DLZ + rows, dlz, mask=row_ok)
-        m = tl.load(M + rows, mask=row_ok, other=0.0)
-        if HYBRID:
-            g = tl.load(GAMMA + head).to(tl.float32)
-        else:
-            g = 1.0
-        rho = 0.0
-        if DECAY:
-            rho = tl.load(RHO + head // G).to(tl.float32)
-        if MULTI:  # each key block's dq and dphi_q added to this program's own fp32 rows
-            rsum = tl.zeros([CHUNK], tl.float32)
-            for kb in range(0, NB + 1):
-                jb = n + (kb - NB) * CHUNK
-                jb_ok = (jb >= 0) & (jb < T)
-                dsb, rsb, dpwb = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, jb, kv_base, q_base, T, D, window,
-                                              lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
-                                              PREC)  # fmt: skip
-                rsum += rsb
-                for d0 in range(0, D, BLOCK_DK):
-                    od = d0 + tl.arange(0, BLOCK_DK)
-                    dm = od < D
-                    kx = tl.load(K + kv_base * D + jb[:, None] * D + od[None, :], mask=jb_ok[:, None] & dm[None, :],
-                                 other=0.0)  # fmt: skip
-                    ptr = DQ32 + q_base * D + n[:, None] * D + od[None, :]
-                    rm = row_ok[:, None] & dm[None, :]
-                    part = tl.dot(dsb, kx.to(DT), input_precision=PREC)
-                    tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
-                if LIN:
-                    for f0 in range(0, F, BLOCK_FC):
-                        of = f0 + tl.arange(0, BLOCK_FC)
-                        fm = of < F
-                        fkx = tl.load(FK + kv_base * F + jb[:, None] * F + of[None, :],
-                                      mask=jb_ok[:, None] & fm[None, :], other=0.0)  # fmt: skip
-                        ptr = DFQ32 + q_base * F + n[:, None] * F + of[None, :]
-                        rm = row_ok[:, None] & fm[None, :]
-                        part = tl.dot(dpwb, fkx.to(DT), input_precision=PREC)
-                        tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
-                tl.debug_barrier()  # (the next block reads these rows back)
-        else:
-            j0 = n - CHUNK  # (from n: not hoisted out of the heads loop)
-            j1 = n
-            ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window,
-                                          lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
-                                          PREC)  # fmt: skip
-            ds1, rs1, dpw1 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j1, kv_base, q_base, T, D, window,
-                                          lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
-                                          PREC)  # fmt: skip
-            rsum = rs0 + rs1
-        rrow = tl.zeros([CHUNK], tl.float32)
-        js = zero + tl.arange(0, BLOCK_S)
-        s_ok = (js < n_sinks) & (js < T)
-        if SINKS:
-            a_s = tl.zeros([CHUNK, BLOCK_S], tl.float32)
-            dps = tl.zeros([CHUNK, BLOCK_S], tl.float32)
-            for d0 in range(0, D, BLOCK_DK):
-                od = d0 + tl.arange(0, BLOCK_DK)
-                dm = od < D
-                rm = row_ok[:, None] & dm[None, :]
-                smt = dm[:, None] & s_ok[None, :]
-                q = tl.load(Q + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-                dy = tl.load(DY + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-                kst = tl.load(K + kv_base * D + od[:, None] + js[None, :] * D, mask=smt, other=0.0)
-                vst = tl.load(V + kv_base * D + od[:, None] + js[None, :] * D, mask=smt, other=0.0)
-                a_s += tl.dot(q.to(DT), kst.to(DT), input_precision=PREC)
-                dps += tl.dot((dy.to(tl.float32) / zs[:, None]).to(DT), vst.to(DT), input_precision=PREC)
-            smask = row_ok[:, None] & s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off)
-            ps = tl.where(smask, g * tl.exp(a_s * scale - m[:, None]), 0.0)
-            dss = ps * (dps - dlz[:, None])
-            rsum += tl.sum(dss, 1)
-            dsk = dss
-        if HYBRID:  # c_n's gradient -rsum_n reaches its argmax key: a sink (through dsk, for dq and dk) or a window key
-            idx = tl.load(IDX + rows, mask=row_ok, other=0)
-            tl.store(RSUM + rows, rsum, mask=row_ok)
-            rwin = rsum
-            if SINKS:
-                dsk = dss - tl.where(smask & (js[None, :] == idx[:, None]), rsum[:, None], 0.0)
-                rwin = tl.where((idx < n_sinks) & (idx <= n - sink_off), 0.0, rsum)  # (the sinks are not window keys)
-        if SINKS:  # the sinks' ds and E [rows, BLOCK_S] in DT (the key-side kernel makes their dk, dv)
-            part = rows[:, None] * BLOCK_S + js[None, :]
-            tl.store(SINK_DS + part, dsk.to(DT), mask=row_ok[:, None])
-            tl.store(SINK_E + part, ps.to(DT), mask=row_ok[:, None])
-        for d0 in range(0, D, BLOCK_DK):  # dq a head-dim chunk at a time
-            od = d0 + tl.arange(0, BLOCK_DK)
-            dm = od < D
-            rm = row_ok[:, None] & dm[None, :]
-            if MULTI:
-                dq = tl.load(DQ32 + q_base * D + n[:, None] * D + od[None, :], mask=rm, other=0.0)
-            else:
-                k0 = tl.load(K + kv_base * D + j0[:, None] * D + od[None, :], mask=(j0 >= 0)[:, None] & dm[None, :],
-                             other=0.0)  # fmt: skip
-                k1 = tl.load(K + kv_base * D + j1[:, None] * D + od[None, :], mask=(j1 < T)[:, None] & dm[None, :],
-                             other=0.0)  # fmt: skip
-                dq = tl.dot(ds0, k0.to(DT), input_precision=PREC)
-                dq += tl.dot(ds1, k1.to(DT), input_precision=PREC)
-            if SINKS:
-                ks = tl.load(
-                    K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0
-                )
-                dq += tl.dot(dsk.to(DT), ks.to(DT), input_precision=PREC)
-            if HYBRID:
-                kx = tl.load(K + kv_base * D + idx[:, None] * D + od[None, :], mask=rm, other=0.0)
-                dq -= rwin[:, None] * kx.to(tl.float32)
-            tl.store(DQ + q_base * D + n[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rm)
-        if LIN:
-            st0 = tl.maximum(c - NB, 0)
-            lag = state_lag(rho, n, window, st0, CHUNK)
-            st = bk.to(tl.int64) * NS + st0
-            dy = tl.load(DY + q_base * D + n[:, None] * D + od_all[None, :], mask=row_ok[:, None] & dm_all[None, :],
-                         other=0.0)  # fmt: skip
-            do = (dy.to(tl.float32) / zs[:, None]).to(DT)  # (whole: one product per feature chunk of the state)
-            for f0 in range(0, F, BLOCK_FC):
-                of = f0 + tl.arange(0, BLOCK_FC)
-                fm = of < F
-                if MULTI:
-                    acc = tl.load(DFQ32 + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                                  other=0.0)  # fmt: skip
-                else:
-                    fk0 = tl.load(FK + kv_base * F + j0[:, None] * F + of[None, :],
-                                  mask=(j0 >= 0)[:, None] & fm[None, :], other=0.0)  # fmt: skip
-                    fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :],
-                                  mask=(j1 < T)[:, None] & fm[None, :], other=0.0)  # fmt: skip
-                    acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
-                    acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
-                if HAS_INIT or c >= NB + 1:  # the state before chunk c - NB: phi_q's gradient lag (h do - z dlz)
-                    ht = tl.load(HKV + st * F * D + od_all[:, None] + of[None, :] * D,
-                                 mask=dm_all[:, None] & fm[None, :], other=0.0)  # fmt: skip
-                    if HKV.dtype.element_ty == DT:
-                        sp = tl.dot(do, ht, input_precision=PREC)
-                    else:
-                        sp = tl.dot(do.to(tl.float32), ht.to(tl.float32), input_precision=PREC)
-                    z = tl.load(HK + st * F + of, mask=fm, other=0.0)
-                    sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
-                    acc += sp
-                    if DECAY:  # d lag / d rho = -max(n - window - lo + 1, 0) lag
-                        fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                                     other=0.0)  # fmt: skip
-                        e = tl.maximum(n - window - st0 * CHUNK + 1, 0).to(tl.float32)
-                        rrow -= e * tl.sum(fq.to(tl.float32) * sp, 1)
-                tl.store(DFQ + q_base * F + n[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
-                         mask=row_ok[:, None] & fm[None, :])  # fmt: skip
-            if DECAY:
-                tl.store(RROW + rows, rrow, mask=row_ok)
+    if not FOLD:  # (GF = 1: the body inline)
+        _dq_head(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E,
+                 DQ32, DFQ32, tl.program_id(0), tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off, sink_off,
+                 n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY,
+                 DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
+    else:  # (FOLD: GF > 1)
+        for hh in range(GF):  # (the GF query heads of one KV head in turn: its keys, values, phi_k and state read once)
+            _dq_head_call(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW,
+                          SINK_DS, SINK_E, DQ32, DFQ32, tl.program_id(0) * GF + hh, tl.program_id(1), T, H, G, D, F, NS,
+                          NB, window, lin_off, sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC,
+                          BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
 
 
 @triton.jit
@@ -467,7 +493,7 @@ def bwd_dq(saved, dy, state, case):
         T, H, H // k.shape[1], gf, D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
         case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale,
         BLOCK_DK=min(pow2(D), cfg["bwd_dchunk"]), BLOCK_FC=cfg["bwd_fchunk"], HAS_INIT=case.has_init, MULTI=multi,
-        Y_LO=y_lo is not None, num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
+        Y_LO=y_lo is not None, FOLD=gf > 1, num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
     )  # fmt: skip
     return out
 
