@@ -175,8 +175,8 @@ FAULTS = {
     # the query heads of a KV head folded into one program (tests/unit/test_head_fold.py and every kernel test)
     "kernel_fold_output_repeats_a_head": (
         "kernels/hybrid_scale_kernels/chunk_o.py",
-        "pid_bh = tl.program_id(0) * GF + hh",
-        "pid_bh = tl.program_id(0) * GF",
+        "DE, DL, tl.program_id(0) * GF + hh,",
+        "DE, DL, tl.program_id(0) * GF,",
     ),
     "kernel_fold_dq_repeats_a_head": (
         "kernels/hybrid_scale_kernels/chunk_bwd.py",

@@ -55,8 +55,8 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 
 @triton.jit
 def _dq_head(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E, DQ32, DFQ32,
-    pid_bh, c, T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E, DQ32,
+    DFQ32, pid_bh, c, T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr, MULTI: tl.constexpr, Y_LO: tl.constexpr,
@@ -177,9 +177,7 @@ def _dq_head(
             dq = tl.dot(ds0, k0.to(DT), input_precision=PREC)
             dq += tl.dot(ds1, k1.to(DT), input_precision=PREC)
         if SINKS:
-            ks = tl.load(
-                K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0
-            )
+            ks = tl.load(K + kv_base * D + js[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
             dq += tl.dot(dsk.to(DT), ks.to(DT), input_precision=PREC)
         if HYBRID:
             kx = tl.load(K + kv_base * D + idx[:, None] * D + od[None, :], mask=rm, other=0.0)
@@ -258,10 +256,10 @@ def _chunk_bwd_dq(
     state with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
     rows that only this program touches, and read back for the rest."""
     if not FOLD:  # (GF = 1: the body inline)
-        _dq_head(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E,
-                 DQ32, DFQ32, tl.program_id(0), tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off, sink_off,
-                 n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY,
-                 DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
+        _dq_head(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS,
+                 SINK_E, DQ32, DFQ32, tl.program_id(0), tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off,
+                 sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS,
+                 HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
     else:  # (FOLD: GF > 1)
         for hh in range(GF):  # (the GF query heads of one KV head in turn: its keys, values, phi_k and state read once)
             _dq_head_call(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW,

@@ -36,6 +36,130 @@ from .utils import TL_EPS, argmax_update, pow2, scores, state_lag
 
 
 @triton.jit
+def _o_head(
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, Y, YLO, M, ZS, IDX, DE, DL, pid_bh, c,
+    T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, DENS: tl.constexpr,
+    LO: tl.constexpr,
+):  # fmt: skip
+    """`_chunk_output` for one query head pid_bh (batch x H) and chunk c (inlined in an unfolded launch; called, not
+    inlined, once per head in a folded one: `_o_head_call`)."""
+    head = pid_bh % H
+    bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
+    kv_base = bk.to(tl.int64) * T  # its first row in [B * Hkv * T]
+    q_base = pid_bh.to(tl.int64) * T
+    n = c * CHUNK + tl.arange(0, CHUNK)  # query positions
+    row_ok = n < T
+    st0 = tl.maximum(c - NB, 0)  # the state read: the keys before lo
+    lo = st0 * CHUNK
+    hi = tl.minimum((c + 1) * CHUNK, T)
+    od = tl.arange(0, BLOCK_D)
+    dm = od < D
+    num = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    den = tl.zeros([CHUNK], tl.float32)
+    if LIN:
+        rho = 0.0
+        if DECAY:
+            rho = tl.load(RHO + head // G).to(tl.float32)
+        if HAS_INIT or c >= NB + 1:  # the state of the keys before lo (h_0 is empty without an initial state)
+            st = bk.to(tl.int64) * NS + st0
+            for f0 in range(0, F, BLOCK_FC):
+                of = f0 + tl.arange(0, BLOCK_FC)
+                fm = of < F
+                fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                             other=0.0)  # fmt: skip
+                h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0)
+                if HKV.dtype.element_ty == DT:
+                    num += tl.dot(fq.to(DT), h, input_precision=PREC)
+                else:  # (fp32 state, half inputs: tf32)
+                    num += tl.dot(fq.to(tl.float32), h, input_precision=PREC)
+                z = tl.load(HK + st * F + of, mask=fm, other=0.0)
+                den += tl.sum(fq.to(tl.float32) * z[None, :], 1)
+            if DECAY:
+                lag = state_lag(rho, n, window, st0, CHUNK)
+                num = num * lag[:, None]
+                den = den * lag
+    den_l = den  # (DENS: the L terms' sum, the state's so far)
+    if HYBRID:
+        g = tl.load(GAMMA + head).to(tl.float32)
+    else:
+        g = 1.0
+    m = tl.full([CHUNK], float("-inf"), tl.float32)
+    arg = tl.zeros([CHUNK], tl.int32)  # (STATS: the key of the row max, the first where several are equal)
+    if SOFT:  # the first pass: the exact row max over the window
+        for kb in range(lo, hi, CHUNK):
+            j = kb + tl.arange(0, CHUNK)
+            a = scores(Q, K, q_base + n, row_ok, kv_base + j, j < T, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
+            a = tl.where((j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window), a, float("-inf"))
+            if STATS:
+                arg = argmax_update(a, j, m, arg)
+            m = tl.maximum(m, tl.max(a, 1))
+    if SINKS:
+        js = tl.arange(0, BLOCK_S)
+        s_ok = (js < n_sinks) & (js < T)
+        a_s = scores(Q, K, q_base + n, row_ok, kv_base + js, s_ok, D, BLOCK_DK, CHUNK, BLOCK_S, DT, PREC) * scale
+        a_s = tl.where(s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off), a_s, float("-inf"))
+        if STATS:
+            arg = argmax_update(a_s, js, m, arg)
+        m = tl.maximum(m, tl.max(a_s, 1))
+        m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: past T)
+        p_s = g * tl.exp(a_s - m[:, None])
+        vs = tl.load(V + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
+        num += tl.dot(p_s.to(DT), vs.to(DT), input_precision=PREC)
+        den += tl.sum(p_s, 1)
+    else:
+        m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: la_only, and rows past T)
+    if SOFT or LIN:  # the second pass: g E + L per key block, times v
+        for kb in range(lo, hi, CHUNK):
+            j = kb + tl.arange(0, CHUNK)
+            k_ok = j < T
+            p = tl.zeros([CHUNK, CHUNK], tl.float32)
+            if LIN:
+                s = tl.zeros([CHUNK, CHUNK], tl.float32)
+                for f0 in range(0, F, BLOCK_FC):
+                    of = f0 + tl.arange(0, BLOCK_FC)
+                    fm = of < F
+                    fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                                 other=0.0)  # fmt: skip
+                    fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                                 other=0.0)  # fmt: skip
+                    s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
+                lin = (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)  # (n_excl >= 0)
+                if DECAY:
+                    s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
+                p = tl.where(lin, s, 0.0)
+                if DENS:
+                    den_l += tl.sum(p, 1)
+            if SOFT:
+                a = scores(Q, K, q_base + n, row_ok, kv_base + j, k_ok, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
+                win = (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
+                p = tl.where(win, g * tl.exp(a - m[:, None]), p)
+            v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
+            num += tl.dot(p.to(DT), v.to(DT), input_precision=PREC)
+            den += tl.sum(p, 1)
+    y = num / (den + TL_EPS)[:, None]
+    out = (q_base + n)[:, None] * D + od[None, :]
+    y_out = y.to(Y.dtype.element_ty)
+    tl.store(Y + out, y_out, mask=row_ok[:, None] & dm[None, :])
+    if LO:  # (for the backward's dlz: Y + YLO holds y to about 16 bits)
+        tl.store(YLO + out, (y - y_out.to(tl.float32)).to(YLO.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+    if DENS:
+        tl.store(DE + q_base + n, den - den_l, mask=row_ok)
+        tl.store(DL + q_base + n, den_l, mask=row_ok)
+    if STATS:
+        tl.store(M + q_base + n, m, mask=row_ok)
+        tl.store(ZS + q_base + n, den + TL_EPS, mask=row_ok)
+        tl.store(IDX + q_base + n, arg, mask=row_ok)
+
+
+# One head of a folded launch, called (as `_chunk_bwd_dq`'s `_dq_head_call`): inlined in the heads loop, it spilled 8-32
+# bytes at head dim 64 under triton 3.6 (SmolLM2-135M's shapes at 16k, 3 heads a program).
+_o_head_call = triton.jit(noinline=True)(_o_head.fn)
+
+
+@triton.jit
 def _chunk_output(
     Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK,  # inputs (HKV, HK: _chunk_states' states)
     Y, YLO,  # output [B, H, T, D] in Y's dtype (the call's); LO: y's rounding error y - Y in YLO's (Y's) dtype
@@ -45,7 +169,7 @@ def _chunk_output(
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False, HAS_INIT: tl.constexpr = False,
-    DENS: tl.constexpr = False, LO: tl.constexpr = False,
+    DENS: tl.constexpr = False, LO: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):  # fmt: skip
     """y of the CHUNK queries n of chunk c (grid axis 1) of GF query heads of one KV head (axis 0: batch x H / GF),
     one head after the other (their KV head's tiles are read once for the GF heads: `chunk_h.fold`).
@@ -60,117 +184,16 @@ def _chunk_output(
         1)) (exponent clamped at 0);
       y_n = (g sum E v + sum L v) / (g sum E + sum L + EPS), g = gamma of the head in the hybrid (HYBRID), else 1.
     Per key block, g E and L (they never share a key) are one [CHUNK, CHUNK] tile and one product with v."""
-    c = tl.program_id(1)
-    for hh in range(GF):  # (the GF query heads of one KV head, in turn: its keys, values, phi_k and state read once)
-        pid_bh = tl.program_id(0) * GF + hh
-        head = pid_bh % H
-        bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
-        kv_base = bk.to(tl.int64) * T  # its first row in [B * Hkv * T]
-        q_base = pid_bh.to(tl.int64) * T
-        n = c * CHUNK + tl.arange(0, CHUNK)  # query positions
-        row_ok = n < T
-        st0 = tl.maximum(c - NB, 0)  # the state read: the keys before lo
-        lo = st0 * CHUNK
-        hi = tl.minimum((c + 1) * CHUNK, T)
-        od = tl.arange(0, BLOCK_D)
-        dm = od < D
-        num = tl.zeros([CHUNK, BLOCK_D], tl.float32)
-        den = tl.zeros([CHUNK], tl.float32)
-        if LIN:
-            rho = 0.0
-            if DECAY:
-                rho = tl.load(RHO + head // G).to(tl.float32)
-            if HAS_INIT or c >= NB + 1:  # the state of the keys before lo (h_0 is empty without an initial state)
-                st = bk.to(tl.int64) * NS + st0
-                for f0 in range(0, F, BLOCK_FC):
-                    of = f0 + tl.arange(0, BLOCK_FC)
-                    fm = of < F
-                    fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    h = tl.load(
-                        HKV + (st * F + of)[:, None] * D + od[None, :], mask=fm[:, None] & dm[None, :], other=0.0
-                    )
-                    if HKV.dtype.element_ty == DT:
-                        num += tl.dot(fq.to(DT), h, input_precision=PREC)
-                    else:  # (fp32 state, half inputs: tf32)
-                        num += tl.dot(fq.to(tl.float32), h, input_precision=PREC)
-                    z = tl.load(HK + st * F + of, mask=fm, other=0.0)
-                    den += tl.sum(fq.to(tl.float32) * z[None, :], 1)
-                if DECAY:
-                    lag = state_lag(rho, n, window, st0, CHUNK)
-                    num = num * lag[:, None]
-                    den = den * lag
-        den_l = den  # (DENS: the L terms' sum, the state's so far)
-        if HYBRID:
-            g = tl.load(GAMMA + head).to(tl.float32)
-        else:
-            g = 1.0
-        m = tl.full([CHUNK], float("-inf"), tl.float32)
-        arg = tl.zeros([CHUNK], tl.int32)  # (STATS: the key of the row max, the first where several are equal)
-        if SOFT:  # the first pass: the exact row max over the window
-            for kb in range(lo, hi, CHUNK):
-                j = kb + tl.arange(0, CHUNK)
-                a = scores(Q, K, q_base + n, row_ok, kv_base + j, j < T, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
-                a = tl.where((j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window), a, float("-inf"))
-                if STATS:
-                    arg = argmax_update(a, j, m, arg)
-                m = tl.maximum(m, tl.max(a, 1))
-        if SINKS:
-            js = tl.arange(0, BLOCK_S)
-            s_ok = (js < n_sinks) & (js < T)
-            a_s = scores(Q, K, q_base + n, row_ok, kv_base + js, s_ok, D, BLOCK_DK, CHUNK, BLOCK_S, DT, PREC) * scale
-            a_s = tl.where(s_ok[None, :] & (js[None, :] <= n[:, None] - sink_off), a_s, float("-inf"))
-            if STATS:
-                arg = argmax_update(a_s, js, m, arg)
-            m = tl.maximum(m, tl.max(a_s, 1))
-            m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: past T)
-            p_s = g * tl.exp(a_s - m[:, None])
-            vs = tl.load(V + (kv_base + js)[:, None] * D + od[None, :], mask=s_ok[:, None] & dm[None, :], other=0.0)
-            num += tl.dot(p_s.to(DT), vs.to(DT), input_precision=PREC)
-            den += tl.sum(p_s, 1)
-        else:
-            m = tl.where(m == float("-inf"), 0.0, m)  # (rows without an E term: la_only, and rows past T)
-        if SOFT or LIN:  # the second pass: g E + L per key block, times v
-            for kb in range(lo, hi, CHUNK):
-                j = kb + tl.arange(0, CHUNK)
-                k_ok = j < T
-                p = tl.zeros([CHUNK, CHUNK], tl.float32)
-                if LIN:
-                    s = tl.zeros([CHUNK, CHUNK], tl.float32)
-                    for f0 in range(0, F, BLOCK_FC):
-                        of = f0 + tl.arange(0, BLOCK_FC)
-                        fm = of < F
-                        fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                                     other=0.0)  # fmt: skip
-                        fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
-                                     other=0.0)  # fmt: skip
-                        s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
-                    lin = (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)  # (n_excl >= 0)
-                    if DECAY:
-                        s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
-                    p = tl.where(lin, s, 0.0)
-                    if DENS:
-                        den_l += tl.sum(p, 1)
-                if SOFT:
-                    a = scores(Q, K, q_base + n, row_ok, kv_base + j, k_ok, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
-                    win = (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)
-                    p = tl.where(win, g * tl.exp(a - m[:, None]), p)
-                v = tl.load(V + (kv_base + j)[:, None] * D + od[None, :], mask=k_ok[:, None] & dm[None, :], other=0.0)
-                num += tl.dot(p.to(DT), v.to(DT), input_precision=PREC)
-                den += tl.sum(p, 1)
-        y = num / (den + TL_EPS)[:, None]
-        out = (q_base + n)[:, None] * D + od[None, :]
-        y_out = y.to(Y.dtype.element_ty)
-        tl.store(Y + out, y_out, mask=row_ok[:, None] & dm[None, :])
-        if LO:  # (for the backward's dlz: Y + YLO holds y to about 16 bits)
-            tl.store(YLO + out, (y - y_out.to(tl.float32)).to(YLO.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
-        if DENS:
-            tl.store(DE + q_base + n, den - den_l, mask=row_ok)
-            tl.store(DL + q_base + n, den_l, mask=row_ok)
-        if STATS:
-            tl.store(M + q_base + n, m, mask=row_ok)
-            tl.store(ZS + q_base + n, den + TL_EPS, mask=row_ok)
-            tl.store(IDX + q_base + n, arg, mask=row_ok)
+    if not FOLD:  # (GF = 1: the body inline)
+        _o_head(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, Y, YLO, M, ZS, IDX, DE, DL, tl.program_id(0), tl.program_id(1),
+                T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK,
+                BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, STATS, HAS_INIT, DENS, LO)  # fmt: skip
+    else:  # (FOLD: GF > 1)
+        for hh in range(GF):  # (the GF query heads of one KV head in turn: its keys, values, phi_k and state read once)
+            _o_head_call(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, Y, YLO, M, ZS, IDX, DE, DL, tl.program_id(0) * GF + hh,
+                         tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+                         CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, STATS,
+                         HAS_INIT, DENS, LO)  # fmt: skip
 
 
 def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=False, out_dtype=None):
@@ -204,6 +227,6 @@ def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=F
         CHUNK=case.chunk, BLOCK_D=pow2(D), BLOCK_DK=min(pow2(D), cfg["dchunk"]), BLOCK_FC=cfg["fchunk"],
         BLOCK_S=case.block_s, SOFT=case.soft, LIN=case.lin, SINKS=case.sink, HYBRID=case.gamma_on,
         DECAY=case.decay, DT=case.dt, PREC=case.prec, STATS=stats, HAS_INIT=case.has_init, DENS=dens, LO=lo,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        FOLD=gf > 1, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )  # fmt: skip
     return y, ((m, zs, idx, y_lo) if stats else None), ((de, dl) if dens else None)
