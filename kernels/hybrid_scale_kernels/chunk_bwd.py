@@ -1,7 +1,8 @@
 """The chunked hybrid attention's backward kernels (chunk.py launches them; what they compute is in its docstring):
 `_chunk_bwd_dq` per query chunk (dq, dphi_q, the row terms, the sinks' dk and dv summed over every query row) and
 `_chunk_bwd_dkv` per key chunk (dk, dv and dphi_k together, each score tile computed once). The reverse state scan is
-chunk_h.py's `_chunk_dstates`."""
+chunk_h.py's `_chunk_dstates`. (Over 500 lines: the key side reads the rows the query side writes, dlz, the row sums
+and the sinks' ds and E, so both kernels and their launches are kept where they can be read side by side.)"""
 
 from __future__ import annotations
 
