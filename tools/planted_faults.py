@@ -116,6 +116,11 @@ FAULTS = {
         "tl.load(RSCAN + pid) - CHUNK * tl.exp(-rho * CHUNK) * share)",
         "tl.load(RSCAN + pid))",
     ),
+    "kernel_rho_lag_share_dropped": (  # rho's gradient through the queries' lags on their state
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "eh += tl.dot(fqt.to(DT), (dy.to(tl.float32) * (el / zs)[:, None]).to(DT), input_precision=PREC)",
+        "pass",
+    ),
     "kernel_initial_state_dropped": (
         "kernels/hybrid_scale_kernels/chunk_h.py",
         "            h += tl.load(H0 + (base * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)\n",

@@ -187,7 +187,7 @@ def bwd_dq(a: dict):
     C, T, H, G, D, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"]
     GF = a["GF"]
     BS = a["BLOCK_S"]
-    soft, lin, sinks, hybrid, decay, multi = a["SOFT"], a["LIN"], a["SINKS"], a["HYBRID"], a["DECAY"], a["MULTI"]
+    soft, lin, sinks, hybrid, multi = a["SOFT"], a["LIN"], a["SINKS"], a["HYBRID"], a["MULTI"]
     Hkv = H // G
 
     def program(p: Program, pid: int, c: int, _: int) -> None:
@@ -266,11 +266,7 @@ def bwd_dq(a: dict):
                     p.read("HKV", st * F, F, 0, D)
                     p.read("HK", st * F, F)
                     p.dot(C, F, D)
-                    if decay:
-                        p.read("FQ", q, C, 0, F)
                 p.write("DFQ", q, C, 0, F)
-                if decay:
-                    p.write("RROW", q, C)
 
     return program
 
@@ -289,7 +285,7 @@ def dstates(a: dict):
         lo, hi = max(seg * L, last), min(seg * L + L, NS)
         for s in range(hi - 1, lo - 1, -1):
             st = bh * NS + s
-            if decay:  # rho's gradient through the carry: <dh_{s+1}, h_s>
+            if decay:  # rho's gradient through the carry and the lags, against h_s: <eh, h_s>
                 p.read("HKV", st * F + f0, BF, d0, BDV)
                 if pd == 0:
                     p.read("HK", st * F + f0, BF)
@@ -301,6 +297,8 @@ def dstates(a: dict):
                     p.read("ZS", rows, C)
                     p.read("DLZ", rows, C)
                     p.dot(BF, BDV, C)
+                    if decay:  # (phi_q^T (e lag do))
+                        p.dot(BF, BDV, C)
             if s > 0:
                 p.write("DHKV", st * F + f0, BF, d0, BDV)
                 if pd == 0:

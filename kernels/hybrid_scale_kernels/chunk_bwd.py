@@ -56,8 +56,8 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 
 @triton.jit
 def _dq_head(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E, DQ32,
-    DFQ32, pid_bh, c, T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS, SINK_E, DQ32, DFQ32,
+    pid_bh, c, T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr, MULTI: tl.constexpr, Y_LO: tl.constexpr,
@@ -131,7 +131,6 @@ def _dq_head(
                                       lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
                                       PREC)  # fmt: skip
         rsum = rs0 + rs1
-    rrow = tl.zeros([CHUNK], tl.float32)
     js = tl.arange(0, BLOCK_S)
     s_ok = (js < n_sinks) & (js < T)
     if SINKS:
@@ -214,15 +213,8 @@ def _dq_head(
                 z = tl.load(HK + st * F + of, mask=fm, other=0.0)
                 sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
                 acc += sp
-                if DECAY:  # d lag / d rho = -max(n - window - lo + 1, 0) lag
-                    fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    e = tl.maximum(n - window - st0 * CHUNK + 1, 0).to(tl.float32)
-                    rrow -= e * tl.sum(fq.to(tl.float32) * sp, 1)
             tl.store(DFQ + q_base * F + n[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
                      mask=row_ok[:, None] & fm[None, :])  # fmt: skip
-        if DECAY:
-            tl.store(RROW + rows, rrow, mask=row_ok)
 
 
 # One head of a folded launch, called: inlined in the heads loop, its index vectors and constants were hoisted out of
@@ -234,9 +226,9 @@ _dq_head_call = triton.jit(noinline=True)(_dq_head.fn)
 
 @triton.jit
 def _chunk_bwd_dq(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX,  # inputs: the forward's (Y: the output; YLO: its
+    Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX,  # inputs: the forward's (Y: the output; YLO: its
     # rounding error, with Y_LO)
-    DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E,  # outputs
+    DQ, DFQ, DLZ, RSUM, SINK_DS, SINK_E,  # outputs
     DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
     T, H, G, GF, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -247,7 +239,7 @@ def _chunk_bwd_dq(
     """The backward of the CHUNK queries of chunk c (axis 1) of GF query heads of one KV head in turn (axis 0: batch x H
     / GF; `chunk_h.fold`), for each: dq and dphi_q [B, H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the
     next launches); RSUM, the row sums of ds over the window and sink terms (HYBRID: -dc_n, and gamma's gradient times
-    gamma); RROW (DECAY) rho's share of the row's lag on the state; SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT):
+    gamma); SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT):
     the sinks' ds (c_n's gradient in) and E terms per row, which `_chunk_bwd_dkv` turns into their dk, dv (products over
     the rows here spilled on sm_80). The keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the
     sinks. NB = 1 (windows up to CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then
@@ -257,14 +249,14 @@ def _chunk_bwd_dq(
     state with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
     rows that only this program touches, and read back for the rest."""
     if not FOLD:  # (GF = 1: the body inline)
-        _dq_head(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW, SINK_DS,
-                 SINK_E, DQ32, DFQ32, tl.program_id(0), tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off,
+        _dq_head(Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS, SINK_E,
+                 DQ32, DFQ32, tl.program_id(0), tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off,
                  sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS,
                  HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
     else:  # (FOLD: GF > 1)
         for hh in range(GF):  # (the GF query heads of one KV head in turn: its keys, values, phi_k and state read once)
-            _dq_head_call(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, RROW,
-                          SINK_DS, SINK_E, DQ32, DFQ32, tl.program_id(0) * GF + hh, tl.program_id(1), T, H, G, D, F, NS,
+            _dq_head_call(Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS,
+                          SINK_E, DQ32, DFQ32, tl.program_id(0) * GF + hh, tl.program_id(1), T, H, G, D, F, NS,
                           NB, window, lin_off, sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC,
                           BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
 
@@ -468,7 +460,7 @@ def _common(case) -> dict:
 
 def bwd_dq(saved, dy, state, case):
     """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, (y, its rounding error or None), (c_n, Z_n,
-    argmax)). Returns dict(dq, dfq (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), sink_ds, sink_e (SINKS: the
+    argmax)). Returns dict(dq, dfq (inputs' dtype), dlz, rsum (HYBRID), sink_ds, sink_e (SINKS: the
     sinks' ds and E per row, in the inputs' dtype, for bwd_dkv))."""
     q, k, v, fq, fk, g, rho, (y, y_lo), (m, zs, idx) = saved
     B, H, T, D = q.shape
@@ -479,7 +471,6 @@ def bwd_dq(saved, dy, state, case):
     out = dict(dq=torch.empty_like(q), dfq=torch.empty_like(fq) if case.lin else torch.zeros_like(fq))
     out["dlz"] = torch.empty(B, H, T, **f32)
     out["rsum"] = torch.empty(B, H, T, **f32) if case.gamma_on else g
-    out["rrow"] = torch.zeros(B, H, T, **f32) if case.decay else g
     sinks = (torch.empty(B, H, T, case.block_s, dtype=q.dtype, device=q.device) for _ in range(2))
     out["sink_ds"], out["sink_e"] = sinks if case.sink else (g, g)
     multi = case.nb > 1
@@ -487,8 +478,8 @@ def bwd_dq(saved, dy, state, case):
     cfg = case.cfg
     gf = heads_per_program(q, B * H * nc, H // k.shape[1], cfg)
     _chunk_bwd_dq[(B * H // gf, nc)](
-        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, y if y_lo is None else y_lo, m, zs, idx,
-        out["dq"], out["dfq"], out["dlz"], out["rsum"], out["rrow"], out["sink_ds"], out["sink_e"], *scratch,
+        q, k, v, fk, g, g if rho is None else rho, hkv, hk, dy, y, y if y_lo is None else y_lo, m, zs, idx,
+        out["dq"], out["dfq"], out["dlz"], out["rsum"], out["sink_ds"], out["sink_e"], *scratch,
         T, H, H // k.shape[1], gf, D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
         case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale,
         BLOCK_DK=min(pow2(D), cfg["bwd_dchunk"]), BLOCK_FC=cfg["bwd_fchunk"], HAS_INIT=case.has_init, MULTI=multi,
