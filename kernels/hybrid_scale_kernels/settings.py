@@ -67,7 +67,8 @@ ARCH_OFF_GPU = 90
 # quarter of the programs, so it cuts the scans into 7 segments, not 3: the fixes then move 165 MB, not 97, and the
 # chains run on 224 programs, not 384 (benchmarks/attention/roofline.py: 1624 against 1800 MB at 4k before rho's
 # lag share moved into the reverse scan, 1569 against 1731 after). A device decides: DEVICE_SPEED_TILES' `scan`
-# variant times it. [128, 128] spilled 48-456 bytes in 8 and 16 warps.
+# variant times it. With that share in it, the reverse scan's [64, 128] spills 24 bytes with the decay under triton
+# 3.9 (none under 3.6, the device image's; llama3-8b, bf16 and fp16). [128, 128] spilled 48-456 bytes in 8 and 16 warps.
 # rho's share through a query's lag on its state, moved from _chunk_bwd_dq into _chunk_dstates (a second product and
 # accumulator there), left sm_80's [64, 32] reverse-scan tiles at the edge in 4 warps: 16-32 bytes of spills in some
 # launches under one Triton or the other, whichever of two equivalent forms of the sum; 8 warps capped at 128
