@@ -116,6 +116,11 @@ FAULTS = {
         "tl.load(RSCAN + pid) - CHUNK * tl.exp(-rho * CHUNK) * share)",
         "tl.load(RSCAN + pid))",
     ),
+    "kernel_rho_lag_share_dropped": (  # rho's gradient through the queries' lags on their state
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "eh += tl.dot(fqt.to(DT), (dy.to(tl.float32) * (el / zs)[:, None]).to(DT), input_precision=PREC)",
+        "pass",
+    ),
     "kernel_initial_state_dropped": (
         "kernels/hybrid_scale_kernels/chunk_h.py",
         "            h += tl.load(H0 + (base * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)\n",
@@ -171,6 +176,17 @@ FAULTS = {
         "kernels/hybrid_scale_kernels/chunk_bwd.py",
         "                    sp = tl.dot(do, ht, input_precision=PREC)",
         "                    sp = 0.0 * tl.dot(do, ht, input_precision=PREC)",
+    ),
+    # the query heads of a KV head folded into one program (tests/unit/test_head_fold.py and every kernel test)
+    "kernel_fold_output_repeats_a_head": (
+        "kernels/hybrid_scale_kernels/chunk_o.py",
+        "DE, DL, tl.program_id(0) * GF + hh,",
+        "DE, DL, tl.program_id(0) * GF,",
+    ),
+    "kernel_fold_dq_repeats_a_head": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "tl.program_id(0) * GF + hh, tl.program_id(1)",
+        "tl.program_id(0) * GF, tl.program_id(1)",
     ),
     "decay_ignored_by_the_layer": (
         "hybrid_scale/attention/layer.py",

@@ -126,144 +126,147 @@ def segment_fix(a: dict):
 
 
 def output(a: dict):
-    """_chunk_output: program (batch x query head, query chunk): the state, two passes over the NB + 1 key blocks
-    (the row max, then g E + L times v), the sinks' tile; y in one or two dtypes, the row stats."""
+    """_chunk_output: program (GF query heads of a batch x KV head, query chunk), each head in turn: the state, two
+    passes over the NB + 1 key blocks (the row max, then g E + L times v), the sinks' tile; y in one or two dtypes,
+    the row stats."""
     C, T, H, G, D, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"]
+    GF = a["GF"]
     BS = a["BLOCK_S"]
     soft, lin, sinks = a["SOFT"], a["LIN"], a["SINKS"]
     Hkv = H // G
 
-    def program(p: Program, bhq: int, c: int, _: int) -> None:
-        head = bhq % H
-        bk = (bhq // H) * Hkv + head // G
-        q, kv = bhq * T + c * C, bk * T  # the query rows, the KV head's first row
-        st0 = max(c - NB, 0)
-        blocks = range(st0 * C, min((c + 1) * C, T), C)
-        if lin and (a.get("HAS_INIT") or c >= NB + 1):  # phi_q h and phi_q z, over feature chunks of FC
-            st = bk * NS + st0
-            p.read("FQ", q, C, 0, F)
-            p.read("HKV", st * F, F, 0, D)
-            p.read("HK", st * F, F)
-            p.dot(C, D, F)
-        if soft:  # the first pass: the scores of every block, for the row max
-            for kb in blocks:
-                p.read("Q", q, C, 0, D)
-                p.read("K", kv + kb, C, 0, D)
-                p.dot(C, C, D)
-        if sinks:  # the sinks' scores, then E_s v_s
-            p.read("Q", q, C, 0, D)
-            p.read("K", kv, BS, 0, D)
-            p.read("V", kv, BS, 0, D)
-            p.dot(C, BS, D)
-            p.dot(C, D, BS)
-        for kb in blocks:  # the second pass
-            if lin:
+    def program(p: Program, pid: int, c: int, _: int) -> None:
+        for bhq in range(pid * GF, pid * GF + GF):  # (the GF query heads the program folds, in turn)
+            head = bhq % H
+            bk = (bhq // H) * Hkv + head // G
+            q, kv = bhq * T + c * C, bk * T  # the query rows, the KV head's first row
+            st0 = max(c - NB, 0)
+            blocks = range(st0 * C, min((c + 1) * C, T), C)
+            if lin and (a.get("HAS_INIT") or c >= NB + 1):  # phi_q h and phi_q z, over feature chunks of FC
+                st = bk * NS + st0
                 p.read("FQ", q, C, 0, F)
-                p.read("FK", kv + kb, C, 0, F)
-                p.dot(C, C, F)
-            if soft:
+                p.read("HKV", st * F, F, 0, D)
+                p.read("HK", st * F, F)
+                p.dot(C, D, F)
+            if soft:  # the first pass: the scores of every block, for the row max
+                for kb in blocks:
+                    p.read("Q", q, C, 0, D)
+                    p.read("K", kv + kb, C, 0, D)
+                    p.dot(C, C, D)
+            if sinks:  # the sinks' scores, then E_s v_s
                 p.read("Q", q, C, 0, D)
-                p.read("K", kv + kb, C, 0, D)
-                p.dot(C, C, D)
-            p.read("V", kv + kb, C, 0, D)
-            p.dot(C, D, C)
-        p.write("Y", q, C, 0, D)
-        if a.get("LO"):  # y's rounding error (half precision, training)
-            p.write("YLO", q, C, 0, D)
-        for name in ("DE", "DL") if a.get("DENS") else ():
-            p.write(name, q, C)
-        for name in ("M", "ZS", "IDX") if a.get("STATS") else ():
-            p.write(name, q, C)
+                p.read("K", kv, BS, 0, D)
+                p.read("V", kv, BS, 0, D)
+                p.dot(C, BS, D)
+                p.dot(C, D, BS)
+            for kb in blocks:  # the second pass
+                if lin:
+                    p.read("FQ", q, C, 0, F)
+                    p.read("FK", kv + kb, C, 0, F)
+                    p.dot(C, C, F)
+                if soft:
+                    p.read("Q", q, C, 0, D)
+                    p.read("K", kv + kb, C, 0, D)
+                    p.dot(C, C, D)
+                p.read("V", kv + kb, C, 0, D)
+                p.dot(C, D, C)
+            p.write("Y", q, C, 0, D)
+            if a.get("LO"):  # y's rounding error (half precision, training)
+                p.write("YLO", q, C, 0, D)
+            for name in ("DE", "DL") if a.get("DENS") else ():
+                p.write(name, q, C)
+            for name in ("M", "ZS", "IDX") if a.get("STATS") else ():
+                p.write(name, q, C)
 
     return program
 
 
 def bwd_dq(a: dict):
-    """_chunk_bwd_dq: program (batch x query head, query chunk): dlz, each key block's ds and dp (`_bwd_q_block`),
-    the sinks' tile, dq, dphi_q with the state's term."""
+    """_chunk_bwd_dq: program (GF query heads of a batch x KV head, query chunk), each head in turn: dlz, each key
+    block's ds and dp (`_bwd_q_block`), the sinks' tile, dq, dphi_q with the state's term."""
     C, T, H, G, D, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["D"], a["F"], a["NS"], a["NB"]
+    GF = a["GF"]
     BS = a["BLOCK_S"]
-    soft, lin, sinks, hybrid, decay, multi = a["SOFT"], a["LIN"], a["SINKS"], a["HYBRID"], a["DECAY"], a["MULTI"]
+    soft, lin, sinks, hybrid, multi = a["SOFT"], a["LIN"], a["SINKS"], a["HYBRID"], a["MULTI"]
     Hkv = H // G
 
-    def program(p: Program, bhq: int, c: int, _: int) -> None:
-        head = bhq % H
-        bk = (bhq // H) * Hkv + head // G
-        q, kv = bhq * T + c * C, bk * T
-        p.read("ZS", q, C)
-        p.read("DY", q, C, 0, D)  # dlz = do . y
-        p.read("Y", q, C, 0, D)
-        if a.get("Y_LO"):  # (y's rounding error)
-            p.read("YLO", q, C, 0, D)
-        p.write("DLZ", q, C)
-        p.read("M", q, C)
-        keys = [kb * C for kb in range(c - NB, c + 1) if 0 <= kb * C < T]  # (a block before 0: masked, no load)
-        for kb in range(c - NB, c + 1):  # _bwd_q_block: dp = do v^T, the scores q k^T (computed on masked blocks too)
-            if kb * C in keys:
-                p.read("V", kv + kb * C, C, 0, D)
-                if soft:
-                    p.read("Q", q, C, 0, D)
-                    p.read("K", kv + kb * C, C, 0, D)
-            p.dot(C, C, D)
-            if soft:
-                p.dot(C, C, D)
-            if multi:  # the block's dq and dphi_q added to the program's fp32 rows
+    def program(p: Program, pid: int, c: int, _: int) -> None:
+        for bhq in range(pid * GF, pid * GF + GF):  # (the GF query heads the program folds, in turn)
+            head = bhq % H
+            bk = (bhq // H) * Hkv + head // G
+            q, kv = bhq * T + c * C, bk * T
+            p.read("ZS", q, C)
+            p.read("DY", q, C, 0, D)  # dlz = do . y
+            p.read("Y", q, C, 0, D)
+            if a.get("Y_LO"):  # (y's rounding error)
+                p.read("YLO", q, C, 0, D)
+            p.write("DLZ", q, C)
+            p.read("M", q, C)
+            keys = [kb * C for kb in range(c - NB, c + 1) if 0 <= kb * C < T]  # (a block before 0: masked, no load)
+            for kb in range(
+                c - NB, c + 1
+            ):  # _bwd_q_block: dp = do v^T, the scores q k^T (computed on masked blocks too)
                 if kb * C in keys:
-                    p.read("K", kv + kb * C, C, 0, D)
+                    p.read("V", kv + kb * C, C, 0, D)
+                    if soft:
+                        p.read("Q", q, C, 0, D)
+                        p.read("K", kv + kb * C, C, 0, D)
+                p.dot(C, C, D)
+                if soft:
+                    p.dot(C, C, D)
+                if multi:  # the block's dq and dphi_q added to the program's fp32 rows
+                    if kb * C in keys:
+                        p.read("K", kv + kb * C, C, 0, D)
+                        if lin:
+                            p.read("FK", kv + kb * C, C, 0, F)
+                    p.read("DQ32", q, C, 0, D)
+                    p.write("DQ32", q, C, 0, D)
+                    p.dot(C, D, C)
                     if lin:
-                        p.read("FK", kv + kb * C, C, 0, F)
-                p.read("DQ32", q, C, 0, D)
-                p.write("DQ32", q, C, 0, D)
-                p.dot(C, D, C)
-                if lin:
-                    p.read("DFQ32", q, C, 0, F)
-                    p.write("DFQ32", q, C, 0, F)
-                    p.dot(C, F, C)
-        if sinks:  # the sinks' scores and dp
-            p.read("Q", q, C, 0, D)
-            p.read("DY", q, C, 0, D)
-            p.read("K", kv, BS, 0, D)
-            p.read("V", kv, BS, 0, D)
-            p.dot(C, BS, D)
-            p.dot(C, BS, D)
-        if hybrid:
-            p.read("IDX", q, C)
-            p.write("RSUM", q, C)
-        if sinks:  # the sinks' ds and E per row, for _chunk_bwd_dkv
-            p.write("SINK_DS", q, C, 0, BS)
-            p.write("SINK_E", q, C, 0, BS)
-        if multi:  # dq, a head-dim chunk at a time
-            p.read("DQ32", q, C, 0, D)
-        else:  # ds k of each block
-            for kb in keys:
-                p.read("K", kv + kb, C, 0, D)
-            for _ in range(NB + 1):
-                p.dot(C, D, C)
-        if sinks:
-            p.read("K", kv, BS, 0, D)
-            p.dot(C, D, BS)
-        # (hybrid: c_n's argmax key's row of K, a window or sink key: a row of the tiles read above)
-        p.write("DQ", q, C, 0, D)
-        if lin:
-            st0 = max(c - NB, 0)
-            if multi:
-                p.read("DFQ32", q, C, 0, F)
-            else:  # dp times the L weights, against phi_k, of each block
-                for kb in keys:
-                    p.read("FK", kv + kb, C, 0, F)
-                for _ in range(NB + 1):
-                    p.dot(C, F, C)
-            if a.get("HAS_INIT") or c >= NB + 1:  # the state's term: do h^T - dlz z
-                st = bk * NS + st0
+                        p.read("DFQ32", q, C, 0, F)
+                        p.write("DFQ32", q, C, 0, F)
+                        p.dot(C, F, C)
+            if sinks:  # the sinks' scores and dp
+                p.read("Q", q, C, 0, D)
                 p.read("DY", q, C, 0, D)
-                p.read("HKV", st * F, F, 0, D)
-                p.read("HK", st * F, F)
-                p.dot(C, F, D)
-                if decay:
-                    p.read("FQ", q, C, 0, F)
-            p.write("DFQ", q, C, 0, F)
-            if decay:
-                p.write("RROW", q, C)
+                p.read("K", kv, BS, 0, D)
+                p.read("V", kv, BS, 0, D)
+                p.dot(C, BS, D)
+                p.dot(C, BS, D)
+            if hybrid:
+                p.read("IDX", q, C)
+                p.write("RSUM", q, C)
+            if sinks:  # the sinks' ds and E per row, for _chunk_bwd_dkv
+                p.write("SINK_DS", q, C, 0, BS)
+                p.write("SINK_E", q, C, 0, BS)
+            if multi:  # dq, a head-dim chunk at a time
+                p.read("DQ32", q, C, 0, D)
+            else:  # ds k of each block
+                for kb in keys:
+                    p.read("K", kv + kb, C, 0, D)
+                for _ in range(NB + 1):
+                    p.dot(C, D, C)
+            if sinks:
+                p.read("K", kv, BS, 0, D)
+                p.dot(C, D, BS)
+            # (hybrid: c_n's argmax key's row of K, a window or sink key: a row of the tiles read above)
+            p.write("DQ", q, C, 0, D)
+            if lin:
+                st0 = max(c - NB, 0)
+                if multi:
+                    p.read("DFQ32", q, C, 0, F)
+                else:  # dp times the L weights, against phi_k, of each block
+                    for kb in keys:
+                        p.read("FK", kv + kb, C, 0, F)
+                    for _ in range(NB + 1):
+                        p.dot(C, F, C)
+                if a.get("HAS_INIT") or c >= NB + 1:  # the state's term: do h^T - dlz z
+                    st = bk * NS + st0
+                    p.read("DY", q, C, 0, D)
+                    p.read("HKV", st * F, F, 0, D)
+                    p.read("HK", st * F, F)
+                    p.dot(C, F, D)
+                p.write("DFQ", q, C, 0, F)
 
     return program
 
@@ -282,7 +285,7 @@ def dstates(a: dict):
         lo, hi = max(seg * L, last), min(seg * L + L, NS)
         for s in range(hi - 1, lo - 1, -1):
             st = bh * NS + s
-            if decay:  # rho's gradient through the carry: <dh_{s+1}, h_s>
+            if decay:  # rho's gradient through the carry and the lags, against h_s: <eh, h_s>
                 p.read("HKV", st * F + f0, BF, d0, BDV)
                 if pd == 0:
                     p.read("HK", st * F + f0, BF)
@@ -294,6 +297,8 @@ def dstates(a: dict):
                     p.read("ZS", rows, C)
                     p.read("DLZ", rows, C)
                     p.dot(BF, BDV, C)
+                    if decay:  # (phi_q^T (e lag do))
+                        p.dot(BF, BDV, C)
             if s > 0:
                 p.write("DHKV", st * F + f0, BF, d0, BDV)
                 if pd == 0:

@@ -15,8 +15,8 @@ dtype, plus its rounding error, which the forward stores in that dtype beside it
 or L) has dp_nj = do_n . v_j - dlz_n. The window and sink terms give ds = p dp (dq, dk through s q.k), the L terms dphi
 through dp times their weight, and c_n (not detached) gives -sum_j ds_nj to its argmax key. rho's gradient is taken term
 by term where each weight is made (no position-weighted sums that cancel): the intra-chunk L terms (-e p dp, in
-`_chunk_bwd_dkv`), a query's lag on its state, each state's carry alpha^CHUNK in the scan, and each key's weight inside
-its chunk.
+`_chunk_bwd_dkv`), a query's lag on its state and each state's carry alpha^CHUNK (both in the reverse scan, against
+h_s once), and each key's weight inside its chunk.
 
 Padding: the real tokens of each row are moved to its front (a stable sort of the mask), the kernels run on the
 packed rows (each row's real tokens are positions 0..n-1, the padding after them, where no real query sees it),
@@ -136,7 +136,7 @@ class ChunkAttention(torch.autograd.Function):
         q, k, v, fq, fk, gamma, rho, y, m, zs, idx, y_lo, *state = ctx.saved_tensors
         case = ctx.case
         B, H, T, D = q.shape
-        Hkv, G = k.shape[1], H // k.shape[1]
+        Hkv = k.shape[1]
         r = rho.detach().float().contiguous() if case.decay else None
         g = gamma.detach().float().contiguous()
         dy = dy.to(q.dtype).contiguous()
@@ -157,9 +157,7 @@ class ChunkAttention(torch.autograd.Function):
             drho = torch.zeros_like(rho)
             if case.decay:
                 f64 = torch.float64
-                total = grads["rrow"].to(f64).view(B, Hkv, G * T).sum((0, 2)) + rkey.to(f64).view(B, Hkv, -1).sum(
-                    (0, 2)
-                )
+                total = rkey.to(f64).view(B, Hkv, -1).sum((0, 2))  # (the keys' weights; the lags and carries:)
                 if rscan is not None:
                     total = total + rscan.to(f64).view(B, Hkv, -1).sum((0, 2))
                 drho = total.to(rho.dtype)

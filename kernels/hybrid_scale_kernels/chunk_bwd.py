@@ -1,7 +1,8 @@
 """The chunked hybrid attention's backward kernels (chunk.py launches them; what they compute is in its docstring):
 `_chunk_bwd_dq` per query chunk (dq, dphi_q, the row terms, the sinks' dk and dv summed over every query row) and
 `_chunk_bwd_dkv` per key chunk (dk, dv and dphi_k together, each score tile computed once). The reverse state scan is
-chunk_h.py's `_chunk_dstates`."""
+chunk_h.py's `_chunk_dstates`. (Over 500 lines: the key side reads the rows the query side writes, dlz, the row sums
+and the sinks' ds and E, so both kernels and their launches are kept where they can be read side by side.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_h import heads_per_program
 from .settings import regs
 from .utils import pow2, state_lag
 
@@ -53,31 +55,15 @@ def _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j, kv_base, q_base, T, D, w
 
 
 @triton.jit
-def _chunk_bwd_dq(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX,  # inputs: the forward's (Y: the output; YLO: its
-    # rounding error, with Y_LO)
-    DQ, DFQ, DLZ, RSUM, RROW, SINK_DS, SINK_E,  # outputs
-    DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
-    T, H, G, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+def _dq_head(
+    Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS, SINK_E, DQ32, DFQ32,
+    pid_bh, c, T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
-    Y_LO: tl.constexpr = False,
+    DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr, MULTI: tl.constexpr, Y_LO: tl.constexpr,
 ):  # fmt: skip
-    """The backward of the CHUNK queries of chunk c (axis 1) of one query head (axis 0: batch x H): dq and dphi_q [B,
-    H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the next launches); RSUM, the row sums of ds over
-    the window and sink terms (HYBRID: -dc_n, and gamma's gradient times gamma); RROW (DECAY) rho's share of the row's
-    lag on the state; SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT): the sinks' ds (c_n's gradient in) and E
-    terms per row, which `_chunk_bwd_dkv` turns into their dk, dv (products over the rows here spilled on sm_80). The
-    keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the sinks. NB = 1 (windows up to
-    CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then made and stored a
-    head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax key; dphi_q walks
-    the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the state before
-    chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial state
-    with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
-    rows that only this program touches, and read back for the rest."""
-    pid_bh = tl.program_id(0)
-    c = tl.program_id(1)
+    """`_chunk_bwd_dq` for one query head pid_bh (batch x H) and chunk c (inlined in an unfolded launch; called, not
+    inlined, once per head in a folded one: `_dq_head_call`)."""
     head = pid_bh % H
     bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
     kv_base = bk.to(tl.int64) * T
@@ -128,8 +114,8 @@ def _chunk_bwd_dq(
                 for f0 in range(0, F, BLOCK_FC):
                     of = f0 + tl.arange(0, BLOCK_FC)
                     fm = of < F
-                    fkx = tl.load(FK + kv_base * F + jb[:, None] * F + of[None, :], mask=jb_ok[:, None] & fm[None, :],
-                                  other=0.0)  # fmt: skip
+                    fkx = tl.load(FK + kv_base * F + jb[:, None] * F + of[None, :],
+                                  mask=jb_ok[:, None] & fm[None, :], other=0.0)  # fmt: skip
                     ptr = DFQ32 + q_base * F + n[:, None] * F + of[None, :]
                     rm = row_ok[:, None] & fm[None, :]
                     part = tl.dot(dpwb, fkx.to(DT), input_precision=PREC)
@@ -138,12 +124,13 @@ def _chunk_bwd_dq(
     else:
         j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
         j1 = c * CHUNK + tl.arange(0, CHUNK)
-        ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window, lin_off,
-                                      n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
-        ds1, rs1, dpw1 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j1, kv_base, q_base, T, D, window, lin_off,
-                                      n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT, PREC)  # fmt: skip
+        ds0, rs0, dpw0 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j0, kv_base, q_base, T, D, window,
+                                      lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
+                                      PREC)  # fmt: skip
+        ds1, rs1, dpw1 = _bwd_q_block(Q, K, V, DY, zs, dlz, m, n, row_ok, j1, kv_base, q_base, T, D, window,
+                                      lin_off, n_excl, scale, g, rho, CHUNK, BLOCK_DK, SOFT, LIN, DECAY, DT,
+                                      PREC)  # fmt: skip
         rsum = rs0 + rs1
-    rrow = tl.zeros([CHUNK], tl.float32)
     js = tl.arange(0, BLOCK_S)
     s_ok = (js < n_sinks) & (js < T)
     if SINKS:
@@ -226,15 +213,52 @@ def _chunk_bwd_dq(
                 z = tl.load(HK + st * F + of, mask=fm, other=0.0)
                 sp = (sp - dlz[:, None] * z[None, :]) * lag[:, None]
                 acc += sp
-                if DECAY:  # d lag / d rho = -max(n - window - lo + 1, 0) lag
-                    fq = tl.load(FQ + q_base * F + n[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    e = tl.maximum(n - window - st0 * CHUNK + 1, 0).to(tl.float32)
-                    rrow -= e * tl.sum(fq.to(tl.float32) * sp, 1)
             tl.store(DFQ + q_base * F + n[:, None] * F + of[None, :], acc.to(DFQ.dtype.element_ty),
                      mask=row_ok[:, None] & fm[None, :])  # fmt: skip
-        if DECAY:
-            tl.store(RROW + rows, rrow, mask=row_ok)
+
+
+# One head of a folded launch, called: inlined in the heads loop, its index vectors and constants were hoisted out of
+# the loop and spilled (40-176 bytes on sm_90 with the sinks and the decay at head dim 128, 256-1072 on sm_80); called,
+# they are made per head and nothing spills. ptxas then serializes the callee's wgmma (C7510): a device measures
+# whether the fold still pays (DEVICE_SPEED_TILES' `unfolded` variant).
+_dq_head_call = triton.jit(noinline=True)(_dq_head.fn)
+
+
+@triton.jit
+def _chunk_bwd_dq(
+    Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX,  # inputs: the forward's (Y: the output; YLO: its
+    # rounding error, with Y_LO)
+    DQ, DFQ, DLZ, RSUM, SINK_DS, SINK_E,  # outputs
+    DQ32, DFQ32,  # (MULTI) fp32 scratch [B, H, T, D] and [B, H, T, F], zeroed: the sums over the key blocks
+    T, H, G, GF, D, F, NS, NC, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
+    Y_LO: tl.constexpr = False, FOLD: tl.constexpr = False,
+):  # fmt: skip
+    """The backward of the CHUNK queries of chunk c (axis 1) of GF query heads of one KV head in turn (axis 0: batch x H
+    / GF; `chunk_h.fold`), for each: dq and dphi_q [B, H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the
+    next launches); RSUM, the row sums of ds over the window and sink terms (HYBRID: -dc_n, and gamma's gradient times
+    gamma); SINK_DS, SINK_E [B, H, T, BLOCK_S] (SINKS, in DT):
+    the sinks' ds (c_n's gradient in) and E terms per row, which `_chunk_bwd_dkv` turns into their dk, dv (products over
+    the rows here spilled on sm_80). The keys are chunks c - NB .. c (`_bwd_q_block` each, those before 0 empty) and the
+    sinks. NB = 1 (windows up to CHUNK): the two blocks' ds tiles [CHUNK, keys] stay in registers (in DT) and dq is then
+    made and stored a head-dim chunk of BLOCK_DK at a time (no [CHUNK, D] accumulator), c_n's gradient to the argmax
+    key; dphi_q walks the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the
+    state before chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial
+    state with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
+    rows that only this program touches, and read back for the rest."""
+    if not FOLD:  # (GF = 1: the body inline)
+        _dq_head(Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS, SINK_E,
+                 DQ32, DFQ32, tl.program_id(0), tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off,
+                 sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS,
+                 HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
+    else:  # (FOLD: GF > 1)
+        for hh in range(GF):  # (the GF query heads of one KV head in turn: its keys, values, phi_k and state read once)
+            _dq_head_call(Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS,
+                          SINK_E, DQ32, DFQ32, tl.program_id(0) * GF + hh, tl.program_id(1), T, H, G, D, F, NS,
+                          NB, window, lin_off, sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC,
+                          BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
 
 
 @triton.jit
@@ -436,7 +460,7 @@ def _common(case) -> dict:
 
 def bwd_dq(saved, dy, state, case):
     """`_chunk_bwd_dq`'s launch: saved = (q, k, v, fq, fk, g, rho, (y, its rounding error or None), (c_n, Z_n,
-    argmax)). Returns dict(dq, dfq (inputs' dtype), dlz, rsum (HYBRID), rrow (DECAY), sink_ds, sink_e (SINKS: the
+    argmax)). Returns dict(dq, dfq (inputs' dtype), dlz, rsum (HYBRID), sink_ds, sink_e (SINKS: the
     sinks' ds and E per row, in the inputs' dtype, for bwd_dkv))."""
     q, k, v, fq, fk, g, rho, (y, y_lo), (m, zs, idx) = saved
     B, H, T, D = q.shape
@@ -447,19 +471,19 @@ def bwd_dq(saved, dy, state, case):
     out = dict(dq=torch.empty_like(q), dfq=torch.empty_like(fq) if case.lin else torch.zeros_like(fq))
     out["dlz"] = torch.empty(B, H, T, **f32)
     out["rsum"] = torch.empty(B, H, T, **f32) if case.gamma_on else g
-    out["rrow"] = torch.zeros(B, H, T, **f32) if case.decay else g
     sinks = (torch.empty(B, H, T, case.block_s, dtype=q.dtype, device=q.device) for _ in range(2))
     out["sink_ds"], out["sink_e"] = sinks if case.sink else (g, g)
     multi = case.nb > 1
     scratch = (torch.zeros(B, H, T, D, **f32), torch.zeros(B, H, T, F, **f32)) if multi else (g, g)
     cfg = case.cfg
-    _chunk_bwd_dq[(B * H, nc)](
-        q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, dy, y, y if y_lo is None else y_lo, m, zs, idx,
-        out["dq"], out["dfq"], out["dlz"], out["rsum"], out["rrow"], out["sink_ds"], out["sink_e"], *scratch,
-        T, H, H // k.shape[1], D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
+    gf = heads_per_program(q, B * H * nc, H // k.shape[1], cfg)
+    _chunk_bwd_dq[(B * H // gf, nc)](
+        q, k, v, fk, g, g if rho is None else rho, hkv, hk, dy, y, y if y_lo is None else y_lo, m, zs, idx,
+        out["dq"], out["dfq"], out["dlz"], out["rsum"], out["sink_ds"], out["sink_e"], *scratch,
+        T, H, H // k.shape[1], gf, D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
         case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale,
         BLOCK_DK=min(pow2(D), cfg["bwd_dchunk"]), BLOCK_FC=cfg["bwd_fchunk"], HAS_INIT=case.has_init, MULTI=multi,
-        Y_LO=y_lo is not None, num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
+        Y_LO=y_lo is not None, FOLD=gf > 1, num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
     )  # fmt: skip
     return out
 

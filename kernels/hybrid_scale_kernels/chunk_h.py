@@ -169,8 +169,11 @@ def _chunk_dstates(
     alpha^(n - window - (CHUNK s - 1)), plus alpha^CHUNK dh_{s+1} (h_{s+1} = alpha^CHUNK h_s + chunk s's keys); dz_s
     the same with -dlz_n. A segment starts from zero at its last state (`_dstates_fix` adds what the later segments
     carry into it). With DECAY, RSCAN gets each program's share of rho's gradient through the carries within its
-    segment: -CHUNK alpha^CHUNK <dh_{s+1}, h_s> (and z's); with P > 1, HSUM and ZSUM get sum_s alpha^(CHUNK (e - 1
-    - s)) h_s (and z_s) over the segment's states, e the next segment's first state, for the fix's share."""
+    segment, -CHUNK alpha^CHUNK <dh_{s+1}, h_s>, and through the lags of the queries that read h_s, -<sum_n e_n lag_n
+    phi_q(q_n) do_n^T, h_s> (e_n = n - window - (CHUNK s - 1), d lag_n / d rho = -e_n lag_n), and z's the same way
+    (with -dlz_n): the two summed into one tile (eh, ez) and taken against h_s, z_s once per state; with P > 1, HSUM
+    and ZSUM get sum_s alpha^(CHUNK (e - 1 - s)) h_s (and z_s) over the segment's states, e the next segment's first
+    state, for the fix's share."""
     pf = tl.program_id(0)
     pd = tl.program_id(1)
     pid_bh = tl.program_id(2) // P
@@ -201,20 +204,17 @@ def _chunk_dstates(
         s = hi - 1 - i
         st = pid_bh.to(tl.int64) * NS + s
         if DECAY:  # dh, dz hold dh_{s+1}, dz_{s+1}: h_{s+1} = alpha^CHUNK h_s + ...
-            h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
-            z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
-            racc += tl.sum(dh * h, 1) + dz * z
-            w = tl.exp(-rho * CHUNK * i)  # (alpha^(CHUNK (hi - 1 - s)): h_s's weight in HSUM)
-            hsum += w * h
-            zsum += w * z
             dh = dh * carry
             dz = dz * carry
+            eh = CHUNK * dh  # (rho's share through the carry, -CHUNK alpha^CHUNK <dh_{s+1}, h_s>, and through the lags
+            ez = CHUNK * dz  # of the queries that read h_s, summed below: both against h_s once, after the loop)
         for qc in range(tl.where(s > 0, s + NB, 0), s + NB + 1):
             n = qc * CHUNK + tl.arange(0, CHUNK)
             row_ok = n < T
             lag = tl.where(row_ok, 1.0, 0.0)
             if DECAY:
                 lag = lag * state_lag(rho, n, window, s, CHUNK)
+                el = tl.maximum(n - window - s * CHUNK + 1, 0).to(tl.float32) * lag  # (d lag / d rho = -e lag)
             for hh in range(0, G):  # (phi_q loaded transposed, [features, queries]: the product's A operand as is)
                 rows = (b * H + kvh * G + hh).to(tl.int64) * T + n
                 fqt = tl.load(FQ + rows[None, :] * F + of[:, None], mask=fm[:, None] & row_ok[None, :], other=0.0)
@@ -224,7 +224,18 @@ def _chunk_dstates(
                 dlz = tl.load(DLZ + rows, mask=row_ok, other=0.0)
                 dol = (dy.to(tl.float32) * (lag / zs)[:, None]).to(DT)  # (do times the lag, rounded once)
                 dh += tl.dot(fqt.to(DT), dol, input_precision=PREC)
-                dz -= tl.sum(fqt.to(tl.float32) * (lag * dlz)[None, :], 1)
+                ld = lag * dlz
+                dz -= tl.sum(fqt.to(tl.float32) * ld[None, :], 1)
+                if DECAY:  # phi_q^T (e lag do) and -phi_q^T (e lag dlz)
+                    eh += tl.dot(fqt.to(DT), (dy.to(tl.float32) * (el / zs)[:, None]).to(DT), input_precision=PREC)
+                    ez -= tl.sum(fqt.to(tl.float32) * (el * dlz)[None, :], 1)
+        if DECAY:  # h_s, z_s read once
+            h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
+            z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
+            racc += tl.sum(eh * h, 1) + ez * z
+            w = tl.exp(-rho * CHUNK * i)  # (alpha^(CHUNK (hi - 1 - s)): h_s's weight in HSUM)
+            hsum += w * h
+            zsum += w * z
         if s > 0:
             tl.store(DHKV + (st * F + of)[:, None] * D + od[None, :], dh.to(DHKV.dtype.element_ty), mask=both)
             tl.store(DHK + st * F + of, dz, mask=of < z_lim)
@@ -240,7 +251,7 @@ def _chunk_dstates(
             tl.store(ZSUM + sp * F + of, zsum, mask=of < z_lim)
     if DECAY:
         pid = (tl.program_id(2) * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
-        tl.store(RSCAN + pid, -CHUNK * carry * tl.sum(racc, 0))
+        tl.store(RSCAN + pid, -tl.sum(racc, 0))
 
 
 @triton.jit
@@ -316,6 +327,21 @@ def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
     return max(1, min(want, chunks // least))
 
 
+def fold(G: int, programs: int, sms: int) -> int:
+    """Query heads per program of a launch that has `programs` programs with one query head each, G query heads per
+    KV head: the largest divisor of G that still leaves programs / g >= 2 sms (its programs then read the KV head's
+    keys, values, phi_k and state once for g query heads, not once per head: a quarter of _chunk_output's and
+    _chunk_bwd_dq's bytes at Llama-3-8B's shape); 1 where folding would leave SMs idle. sms 0 (Triton's interpreter)
+    folds all G."""
+    return max(g for g in range(1, G + 1) if G % g == 0 and (g == 1 or programs // g >= 2 * sms))
+
+
+def heads_per_program(x: torch.Tensor, programs: int, G: int, cfg: dict) -> int:
+    """`fold` for the SMs of x's device (SMS_OFF_GPU off a GPU); 1 where the launch settings `cfg` turn folding off
+    (fold=0: one query head a program, what the device benchmark's tile variant `unfolded` times against)."""
+    return fold(G, programs, _sms(x)) if cfg["fold"] else 1
+
+
 def _sms(x: torch.Tensor) -> int:
     """The SMs `plan` plans for: the GPU's, or SMS_OFF_GPU elsewhere."""
     if x.device.type == "cuda":
@@ -372,7 +398,7 @@ def dstates(fq, dy, zs, dlz, rho, state, case):
     B, Hkv, ns, F, D = hkv.shape
     H, T = fq.shape[1], fq.shape[2]
     cfg = case.cfg
-    bf, bdv = cfg["block_f"], min(cfg["block_dv"], pow2(D))
+    bf, bdv = min(cfg["dstates_block_f"], pow2(F)), min(cfg["dstates_block_dv"], pow2(D))
     blocks = (triton.cdiv(F, bf), triton.cdiv(D, bdv))
     L, P = _segments(ns, plan(blocks[0] * blocks[1] * B * Hkv, ns, _sms(fq)))
     grid = (*blocks, B * Hkv * P)

@@ -19,9 +19,10 @@ phi_q h times alpha^(n - w - (lo - 1)). The row sums of gamma E and L make the o
 stored apart: the denominators of `return_denominators` (the sum of gamma E as the normaliser less the L sum:
 exact to fp32's rounding of the normaliser; summing it apart spilled).
 
-A query head reads its KV head's keys, values, phi_k and state (GQA); the query heads of a KV head are adjacent
-programs, so they read the same tiles from L2. Every product is a tl.dot with 64 rows (wgmma on sm_90 in half
-precision).
+A query head reads its KV head's keys, values, phi_k and state (GQA): one program computes GF query heads of a KV head
+in turn (`chunk_h.fold`: all G where the grid still gives every SM two programs), so it reads those tiles once for GF
+heads; the rest of a group are adjacent programs, which read them from L2. Every product is a tl.dot with 64 rows (wgmma
+on sm_90 in half precision).
 """
 
 from __future__ import annotations
@@ -30,35 +31,21 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_h import heads_per_program
 from .utils import TL_EPS, argmax_update, pow2, scores, state_lag
 
 
 @triton.jit
-def _chunk_output(
-    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK,  # inputs (HKV, HK: _chunk_states' states)
-    Y, YLO,  # output [B, H, T, D] in Y's dtype (the call's); LO: y's rounding error y - Y in YLO's (Y's) dtype
-    M, ZS, IDX,  # with STATS (for the backward), per row [B, H, T]: c_n, the normaliser Z_n (EPS in), c_n's argmax key
-    DE, DL,  # with DENS, per row [B, H, T] (fp32): the sums of gamma E (sinks in) and of L (the state's in)
+def _o_head(
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, Y, YLO, M, ZS, IDX, DE, DL, pid_bh, c,
     T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False, HAS_INIT: tl.constexpr = False,
-    DENS: tl.constexpr = False, LO: tl.constexpr = False,
+    DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, DENS: tl.constexpr,
+    LO: tl.constexpr,
 ):  # fmt: skip
-    """y of the CHUNK queries n of chunk c (grid axis 1) of one query head (axis 0: batch x H).
-
-    The keys j of chunks c - NB .. c (from lo = max(c - NB, 0) CHUNK), a CHUNK-key block at a time:
-      E terms (SOFT): n - window < j <= n, scores s q.k; c_n their exact row max, with the sink terms' (a first pass
-        over the blocks finds it, the second recomputes the scores: no [CHUNK, 2 CHUNK] tile stays live);
-      sink terms (SINKS): the keys j < n_sinks with j <= n - sink_off, from one tile of the first BLOCK_S keys;
-      L terms (LIN): n_excl <= j <= n - lin_off, phi_q.phi_k alpha^max(0, n - window - j) (phi_q phi_k^T summed over
-        feature chunks of BLOCK_FC), and the state h_{c-NB} of every key before lo (all in the row's LA, none a sink
-        of the hybrid; HAS_INIT: state 0 is the initial state), which query n sees times alpha^(n - window - (lo -
-        1)) (exponent clamped at 0);
-      y_n = (g sum E v + sum L v) / (g sum E + sum L + EPS), g = gamma of the head in the hybrid (HYBRID), else 1.
-    Per key block, g E and L (they never share a key) are one [CHUNK, CHUNK] tile and one product with v."""
-    pid_bh = tl.program_id(0)
-    c = tl.program_id(1)
+    """`_chunk_output` for one query head pid_bh (batch x H) and chunk c (inlined in an unfolded launch; called, not
+    inlined, once per head in a folded one: `_o_head_call`)."""
     head = pid_bh % H
     bk = (pid_bh // H) * (H // G) + head // G  # batch x KV head
     kv_base = bk.to(tl.int64) * T  # its first row in [B * Hkv * T]
@@ -167,6 +154,48 @@ def _chunk_output(
         tl.store(IDX + q_base + n, arg, mask=row_ok)
 
 
+# One head of a folded launch, called (as `_chunk_bwd_dq`'s `_dq_head_call`): inlined in the heads loop, it spilled 8-32
+# bytes at head dim 64 under triton 3.6 (SmolLM2-135M's shapes at 16k, 3 heads a program).
+_o_head_call = triton.jit(noinline=True)(_o_head.fn)
+
+
+@triton.jit
+def _chunk_output(
+    Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK,  # inputs (HKV, HK: _chunk_states' states)
+    Y, YLO,  # output [B, H, T, D] in Y's dtype (the call's); LO: y's rounding error y - Y in YLO's (Y's) dtype
+    M, ZS, IDX,  # with STATS (for the backward), per row [B, H, T]: c_n, the normaliser Z_n (EPS in), c_n's argmax key
+    DE, DL,  # with DENS, per row [B, H, T] (fp32): the sums of gamma E (sinks in) and of L (the state's in)
+    T, H, G, GF, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, STATS: tl.constexpr = False, HAS_INIT: tl.constexpr = False,
+    DENS: tl.constexpr = False, LO: tl.constexpr = False, FOLD: tl.constexpr = False,
+):  # fmt: skip
+    """y of the CHUNK queries n of chunk c (grid axis 1) of GF query heads of one KV head (axis 0: batch x H / GF),
+    one head after the other (their KV head's tiles are read once for the GF heads: `chunk_h.fold`).
+
+    The keys j of chunks c - NB .. c (from lo = max(c - NB, 0) CHUNK), a CHUNK-key block at a time:
+      E terms (SOFT): n - window < j <= n, scores s q.k; c_n their exact row max, with the sink terms' (a first pass
+        over the blocks finds it, the second recomputes the scores: no [CHUNK, 2 CHUNK] tile stays live);
+      sink terms (SINKS): the keys j < n_sinks with j <= n - sink_off, from one tile of the first BLOCK_S keys;
+      L terms (LIN): n_excl <= j <= n - lin_off, phi_q.phi_k alpha^max(0, n - window - j) (phi_q phi_k^T summed over
+        feature chunks of BLOCK_FC), and the state h_{c-NB} of every key before lo (all in the row's LA, none a sink
+        of the hybrid; HAS_INIT: state 0 is the initial state), which query n sees times alpha^(n - window - (lo -
+        1)) (exponent clamped at 0);
+      y_n = (g sum E v + sum L v) / (g sum E + sum L + EPS), g = gamma of the head in the hybrid (HYBRID), else 1.
+    Per key block, g E and L (they never share a key) are one [CHUNK, CHUNK] tile and one product with v."""
+    if not FOLD:  # (GF = 1: the body inline)
+        _o_head(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, Y, YLO, M, ZS, IDX, DE, DL, tl.program_id(0), tl.program_id(1),
+                T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK,
+                BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, STATS, HAS_INIT, DENS, LO)  # fmt: skip
+    else:  # (FOLD: GF > 1)
+        for hh in range(GF):  # (the GF query heads of one KV head in turn: its keys, values, phi_k and state read once)
+            _o_head_call(Q, K, V, FQ, FK, GAMMA, RHO, HKV, HK, Y, YLO, M, ZS, IDX, DE, DL, tl.program_id(0) * GF + hh,
+                         tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off, sink_off, n_sinks, n_excl, scale,
+                         CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, STATS,
+                         HAS_INIT, DENS, LO)  # fmt: skip
+
+
 def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=False, out_dtype=None):
     """y [B, H, T, D] of the call `case` (chunk.Case) on contiguous inputs of one dtype, rho the fp32 decay or None,
     state (h, z) the states before every chunk (chunk_h.states) or None. y in out_dtype (default q's), stored once;
@@ -190,13 +219,14 @@ def chunk_fwd_o(q, k, v, fq, fk, gamma, rho, state, case, *, stats=False, dens=F
         de, dl = (torch.empty(B, H, T, **f32) for _ in range(2))
     hkv, hk = state if state is not None else (g.to(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32), g)
     cfg = case.cfg
-    _chunk_output[(B * H, nc)](
+    gf = heads_per_program(q, B * H * nc, H // Hkv, cfg)
+    _chunk_output[(B * H // gf, nc)](
         q, k, v, fq, fk, g, g if rho is None else rho, hkv, hk, y, y if y_lo is None else y_lo, m, zs, idx, de, dl,
-        T, H, H // Hkv, D, F, hkv.shape[2] if state is not None else 0, case.nb, case.window, case.lin_off,
+        T, H, H // Hkv, gf, D, F, hkv.shape[2] if state is not None else 0, case.nb, case.window, case.lin_off,
         case.sink_off, case.n_sinks, case.n_excl, case.scale,
         CHUNK=case.chunk, BLOCK_D=pow2(D), BLOCK_DK=min(pow2(D), cfg["dchunk"]), BLOCK_FC=cfg["fchunk"],
         BLOCK_S=case.block_s, SOFT=case.soft, LIN=case.lin, SINKS=case.sink, HYBRID=case.gamma_on,
         DECAY=case.decay, DT=case.dt, PREC=case.prec, STATS=stats, HAS_INIT=case.has_init, DENS=dens, LO=lo,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        FOLD=gf > 1, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )  # fmt: skip
     return y, ((m, zs, idx, y_lo) if stats else None), ((de, dl) if dens else None)

@@ -61,13 +61,31 @@ ARCH_OFF_GPU = 90
 # on an SM): _chunk_dstates with phi_q loaded transposed (no tl.trans) and 4 warps under the cap of 255 uses 175-229
 # registers unsplit and 190-254 split on sm_80 and sm_90, bf16 and fp16, no spill: two programs per SM (8 warps used
 # 159-244, one per SM). 4 warps under a cap of 168 (three per SM) spilled 16-492 bytes with the decay.
+# The reverse scan's tiles have keys of their own (dstates_block_f, dstates_block_dv; the forward scan's are block_f,
+# block_dv): on sm_90, [64, 128] in 8 warps also compiled with no spill for both scans (llama3-8b, hybrid, la_only and
+# hybrid+sinks+decay, bf16 and fp16, triton 3.9) and reads phi_q once instead of four times, but gives `plan` a
+# quarter of the programs, so it cuts the scans into 7 segments, not 3: the fixes then move 165 MB, not 97, and the
+# chains run on 224 programs, not 384 (benchmarks/attention/roofline.py: 1624 against 1800 MB at 4k before rho's
+# lag share moved into the reverse scan, 1569 against 1731 after). A device decides: DEVICE_SPEED_TILES' `scan`
+# variant times it. With that share in it, the reverse scan's [64, 128] spills 24 bytes with the decay under triton
+# 3.9 (none under 3.6, the device image's; llama3-8b, bf16 and fp16). [128, 128] spilled 48-456 bytes in 8 and 16 warps.
+# rho's share through a query's lag on its state, moved from _chunk_bwd_dq into _chunk_dstates (a second product and
+# accumulator there), left sm_80's [64, 32] reverse-scan tiles at the edge in 4 warps: 16-32 bytes of spills in some
+# launches under one Triton or the other, whichever of two equivalent forms of the sum; 8 warps capped at 128
+# registers spilled 24-384. [32, 32] in 4 warps spills none under either (llama3-8b and smollm2-135m, hybrid,
+# hybrid+decay, hybrid+sinks+decay, bf16, fp16, fp32; the gate for the rest): twice the programs (256 at Llama-3-8B's
+# shape, so `plan` leaves the scan whole and no fix runs) reading dy twice as often. sm_90 keeps [64, 32].
+# fold: 1 lets _chunk_output and _chunk_bwd_dq fold the query heads of a KV head into one program where the grid
+# still fills the SMs (chunk_h.fold; 0: one head a program, the `unfolded` variant, to time what folding gains).
 SM80 = {
     64: dict(block_f=64, block_dv=32, state_warps=4, dchunk=16, fchunk=32, warps=4, stages=1, dq_warps=8, dkv_warps=8,
              bwd_dchunk=16, bwd_fchunk=16, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
-             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
+             dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255, dstates_block_f=32,
+             dstates_block_dv=32, fold=1),
     128: dict(block_f=64, block_dv=32, state_warps=4, dchunk=32, fchunk=32, warps=8, stages=1, dq_warps=8, dkv_warps=8,
               bwd_dchunk=16, bwd_fchunk=32, dkv_fchunk=32, dkv_dchunk=32, dkv_qblock=16, dq_maxnreg=255,
-              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255),
+              dkv_maxnreg=255, state_maxnreg=128, dstates_warps=4, dstates_maxnreg=255, dstates_block_f=32,
+              dstates_block_dv=32, fold=1),
 }  # fmt: skip
 # sm_90 (H100, H200), where it differs from sm_80's (issue 67: sm_80's spill limits had set sm_90's tiles). Found with
 # tools/kernel_compile.py --archs 90 at llama3-8b's shapes in every mode, bf16 and fp16 (the forward under triton 3.9,
@@ -89,7 +107,10 @@ SM80 = {
 # triton 3.6 in the hybrid with sinks, decay and an initial state in fp16 at T = 100 (the whole gate's first run over
 # this kernel); 32 spills none in all 504 of its sm_80 launches under 3.9 and 3.6 (tools/kernel_compile.py --archs 80
 # --kernels _chunk_bwd_dq --settings 80/128:bwd_fchunk=32). sm_90 keeps 16, which its gate rows were compiled with.
-SM90 = {64: dict(dchunk=64, stages=2, dkv_dchunk=16), 128: dict(dchunk=64, stages=2, dkv_dchunk=16, bwd_fchunk=16)}
+SM90 = {
+    64: dict(dchunk=64, stages=2, dkv_dchunk=16, dstates_block_f=64),
+    128: dict(dchunk=64, stages=2, dkv_dchunk=16, bwd_fchunk=16, dstates_block_f=64),
+}
 GPU_SETTINGS = {(80, d): dict(SM80[d]) for d in SM80} | {(90, d): {**SM80[d], **SM90[d]} for d in SM80}
 
 
@@ -98,7 +119,7 @@ def interpreter(features: int) -> dict:
     fchunk = min(pow2(features), 64)
     return dict(block_f=64, block_dv=64, state_warps=4, dchunk=32, fchunk=fchunk, warps=4, stages=1, dq_warps=4,
                 dkv_warps=4, bwd_dchunk=32, bwd_fchunk=fchunk, dkv_fchunk=fchunk, dkv_dchunk=32, dkv_qblock=32,
-                dstates_warps=4)  # fmt: skip
+                dstates_warps=4, dstates_block_f=64, dstates_block_dv=64, fold=1)  # fmt: skip
 
 
 def arch_of(device: torch.device) -> int:

@@ -56,7 +56,7 @@ def test_the_counted_launches_are_the_recorded_ones_planned_for_132_sms(counted)
 WRITTEN = {
     "_chunk_states": ("HKV", "HK", "END", "ZEND"),
     "_chunk_output": ("Y", "YLO", "M", "ZS", "IDX"),
-    "_chunk_bwd_dq": ("DQ", "DFQ", "DLZ", "RSUM", "RROW", "SINK_DS", "SINK_E"),
+    "_chunk_bwd_dq": ("DQ", "DFQ", "DLZ", "RSUM", "SINK_DS", "SINK_E"),
     "_chunk_bwd_dkv": ("DFK",),  # (and dk, dv: their sink rows twice, below)
 }
 READ = {
@@ -135,8 +135,10 @@ def test_the_kernels_flops_are_the_needed_and_the_recompute_the_loops_make(count
     X = q k^T's 2 x 64 x 64 x D, Y = phi_q phi_k^T's 2 x 64 x 64 x F). Forward: the row max's own pass over the
     scores (X), and the scan's product of a last state no one reads. Backward: _chunk_bwd_dkv computes the scores and
     dp once more than the needed (2X; they are computed once in it, once in _chunk_bwd_dq, each tile once);
-    _chunk_bwd_dq computes on the masked block before position 0 of chunk 0 (3X + Y per head). The sinks' products
-    are the needed ones."""
+    _chunk_bwd_dq computes on the masked block before position 0 of chunk 0 (3X + Y per head); with the decay,
+    _chunk_dstates computes phi_q^T (e lag do) beside phi_q^T (lag do) for rho's share through the lags (the needed
+    product again: 2 F D per head for each query that reads a state, T - 128 of them). The sinks' products are the
+    needed ones."""
     for T in roofline.LENGTHS:
         costs, glue, _ = counted[T]
         need = roofline.needed_flops(T)
@@ -144,18 +146,18 @@ def test_the_kernels_flops_are_the_needed_and_the_recompute_the_loops_make(count
         bwd = sum(c.flops for c in costs if c.name not in FORWARD) + glue.flops
         blocks, x, y = 2 * T // 64 - 1, 2 * 64 * 64 * D, 2 * 64 * 64 * F
         assert fwd - need["forward"] == H * blocks * x + 2 * HKV * 64 * F * D, T
-        assert bwd - need["backward"] == H * blocks * 2 * x + H * (3 * x + y), T
+        assert bwd - need["backward"] == H * blocks * 2 * x + H * (3 * x + y) + H * (T - 128) * 2 * F * D, T
 
 
 def test_the_cost_model_holds_its_ground(counted):
     """Issue 67's targets at both lengths: <= 7 launches (met: 7, both scans split, each with its fix), no torch op
-    on more than T x F elements (met), FLOPs <= 1.3x the needed (met: 1.13x); bytes <= 3x the irreducible (missed:
-    4.8x, 2.42x with shared tiles once; the bounds keep the figures from getting worse)."""
+    on more than T x F elements (met), FLOPs <= 1.3x the needed (met: 1.22x); bytes <= 3x the irreducible (missed:
+    3.45x, 2.26x with shared tiles once; the bounds keep the figures from getting worse)."""
     for T in roofline.LENGTHS:
         t = roofline.summary(T, counted[T])
         assert t["launches"] <= roofline.TARGET_LAUNCHES, t
-        assert t["ratio"] < 4.9 and t["shared_ratio"] < 2.45 and t["shared"] < t["moved"], t
-        assert t["flops_ratio"] <= roofline.TARGET_FLOPS and t["flops_ratio"] < 1.14, t
+        assert t["ratio"] < 3.46 and t["shared_ratio"] < 2.27 and t["shared"] < t["moved"], t
+        assert t["flops_ratio"] <= roofline.TARGET_FLOPS and t["flops_ratio"] < 1.23, t
         assert t["over"] == [], t
 
 
