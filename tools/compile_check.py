@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import re
@@ -124,13 +125,20 @@ def _target(arch: int):
 
 def _bind(launch: Launch, arch: int):
     """Triton's own launch-time binding for this target: options, signature, constexprs, specialisations."""
+    backend, binder = _binder(launch.kernel, arch)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    return launch.kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
+
+
+@functools.cache
+def _binder(kernel: JITFunction, arch: int):
+    """(backend, binder) of a kernel for a target, made once (Triton keeps one per device the same way): making it
+    took half the time of a gate whose results were all stored."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(_target(arch))
-    binder = create_function_from_signature(launch.kernel.signature, launch.kernel.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.kwargs)
-    return launch.kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
+    return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
 
 
 def key(launch: Launch, arch: int) -> str:
@@ -263,10 +271,18 @@ class Cache:
         self._done: dict[str, Compiled] = {}
         self._known = known or {}
         self._launches: dict[str, Launch] = {}
+        self._keys: dict[tuple[int, int], tuple[Launch, str]] = {}  # (id(launch), arch) -> (launch, its key)
         self.compiled = self.reused = 0
 
+    def key(self, launch: Launch, arch: int) -> str:
+        """`key`, computed once per launch object and arch (compile_matrix asks for it again after the compile)."""
+        held = self._keys.get((id(launch), arch))
+        if held is None or held[0] is not launch:
+            held = self._keys[(id(launch), arch)] = (launch, key(launch, arch))
+        return held[1]
+
     def __call__(self, launch: Launch, arch: int) -> Compiled:
-        k = key(launch, arch)
+        k = self.key(launch, arch)
         if k not in self._done:
             self._launches[k] = launch
             if k in self._known:

@@ -57,3 +57,12 @@ def test_make_text_regenerates_the_committed_text(tmp_path, monkeypatch):
     monkeypatch.setattr(make_text, "OUT", tmp_path / "text.jsonl")
     make_text.main()
     assert (tmp_path / "text.jsonl").read_bytes() == (ROOT / "benchmarks" / "device" / "text.jsonl").read_bytes()
+
+
+def test_the_longest_files_named_for_the_workers_exist():
+    """conftest's LONGEST_FIRST orders the files `make test` hands out: a renamed file would silently drop to the
+    end of the queue and make the run's tail (one worker on a long file while the others wait) long again."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    assert [f for f in LONGEST_FIRST if not (ROOT / f).is_file()] == []
