@@ -271,18 +271,11 @@ class Cache:
         self._done: dict[str, Compiled] = {}
         self._known = known or {}
         self._launches: dict[str, Launch] = {}
-        self._keys: dict[tuple[int, int], tuple[Launch, str]] = {}  # (id(launch), arch) -> (launch, its key)
         self.compiled = self.reused = 0
 
-    def key(self, launch: Launch, arch: int) -> str:
-        """`key`, computed once per launch object and arch (compile_matrix asks for it again after the compile)."""
-        held = self._keys.get((id(launch), arch))
-        if held is None or held[0] is not launch:
-            held = self._keys[(id(launch), arch)] = (launch, key(launch, arch))
-        return held[1]
-
-    def __call__(self, launch: Launch, arch: int) -> Compiled:
-        k = self.key(launch, arch)
+    def __call__(self, launch: Launch, arch: int, k: str | None = None) -> Compiled:
+        """The launch's result for arch; k: its `key` where the caller has it already."""
+        k = k or key(launch, arch)
         if k not in self._done:
             self._launches[k] = launch
             if k in self._known:

@@ -264,8 +264,9 @@ def compile_matrix(
                     kernel = next(iter(pair.values())).name
                     if selection.kernels and kernel not in selection.kernels:
                         continue
-                    done = {arch: cache(x, arch) for arch, x in pair.items()}
-                    keys = tuple((arch, cache.key(x, arch)) for arch, x in pair.items())
+                    keyed = {arch: compile_check.key(x, arch) for arch, x in pair.items()}  # (once: it costs)
+                    done = {arch: cache(x, arch, keyed[arch]) for arch, x in pair.items()}
+                    keys = tuple(keyed.items())
                     tiles = {arch: tiles_of(x) for arch, x in pair.items()}
                     row = rows.setdefault((kernel, mode, name, keys), Row(kernel, mode, name, [], done, tiles))
                     if shape.name not in row.presets:  # (the forward's states are launched again in the backward)

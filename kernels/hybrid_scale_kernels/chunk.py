@@ -135,8 +135,7 @@ class ChunkAttention(torch.autograd.Function):
     def backward(ctx, dy, _de, _dl):
         q, k, v, fq, fk, gamma, rho, y, m, zs, idx, y_lo, *state = ctx.saved_tensors
         case = ctx.case
-        B, H, T, D = q.shape
-        Hkv = k.shape[1]
+        B, Hkv = q.shape[0], k.shape[1]
         r = rho.detach().float().contiguous() if case.decay else None
         g = gamma.detach().float().contiguous()
         dy = dy.to(q.dtype).contiguous()
