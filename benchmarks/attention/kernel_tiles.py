@@ -160,7 +160,7 @@ def output(a: dict):
                 p.dot(C, BS, D)
                 p.dot(C, D, BS)
             for kb in blocks:  # the second pass
-                if lin:
+                if lin and c * C + C - 1 - kb >= a["lin_off"]:  # (a block with L terms)
                     p.read("FQ", q, C, 0, F)
                     p.read("FK", kv + kb, C, 0, F)
                     p.dot(C, C, F)
@@ -215,14 +215,15 @@ def bwd_dq(a: dict):
                 if soft:
                     p.dot(C, C, D)
                 if multi:  # the block's dq and dphi_q added to the program's fp32 rows
+                    lin_block = lin and (c - kb) * C + C - 1 >= a["lin_off"]  # (a block with L terms)
                     if kb * C in keys:
                         p.read("K", kv + kb * C, C, 0, D)
-                        if lin:
+                        if lin_block:
                             p.read("FK", kv + kb * C, C, 0, F)
                     p.read("DQ32", q, C, 0, D)
                     p.write("DQ32", q, C, 0, D)
                     p.dot(C, D, C)
-                    if lin:
+                    if lin_block:
                         p.read("DFQ32", q, C, 0, F)
                         p.write("DFQ32", q, C, 0, F)
                         p.dot(C, F, C)
@@ -255,10 +256,12 @@ def bwd_dq(a: dict):
                 st0 = max(c - NB, 0)
                 if multi:
                     p.read("DFQ32", q, C, 0, F)
-                else:  # dp times the L weights, against phi_k, of each block
+                else:  # dp times the L weights, against phi_k, of each block (chunk c's own where lin_off < CHUNK)
+                    own = a["lin_off"] < C
                     for kb in keys:
-                        p.read("FK", kv + kb, C, 0, F)
-                    for _ in range(NB + 1):
+                        if kb < c * C or own:
+                            p.read("FK", kv + kb, C, 0, F)
+                    for _ in range(NB + own):
                         p.dot(C, F, C)
                 if a.get("HAS_INIT") or c >= NB + 1:  # the state's term: do h^T - dlz z
                     st = bk * NS + st0
@@ -274,7 +277,7 @@ def bwd_dq(a: dict):
 def dstates(a: dict):
     """_chunk_dstates: program (feature block, value block, batch x KV head x segment) walks its segment's states in
     reverse; each takes phi_q and do of the G query heads' chunk that reads it. Split (P > 1): each segment's own sums
-    (and, with the decay, its weighted states) for `_dstates_fix`."""
+    for `_dstates_fix`."""
     C, T, H, G, F, NS, NB = CHUNK, a["T"], a["H"], a["G"], a["F"], a["NS"], a["NB"]
     BF, BDV, Hkv, decay, L, P = a["BLOCK_F"], a["BLOCK_DV"], a["Hkv"], a["DECAY"], a["L"], a["P"]
 
@@ -309,18 +312,16 @@ def dstates(a: dict):
                     p.write("DZ0", bh * F + f0, BF)
         if P > 1:
             sp = bh * P + seg
-            for name in ("END", "HSUM") if decay else ("END",):
-                p.write(name, sp * F + f0, BF, d0, BDV)
+            p.write("END", sp * F + f0, BF, d0, BDV)
             if pd == 0:
-                for name in ("ZEND", "ZSUM") if decay else ("ZEND",):
-                    p.write(name, sp * F + f0, BF)
+                p.write("ZEND", sp * F + f0, BF)
 
     return program
 
 
 def dstates_fix(a: dict):
     """_dstates_fix: on the reverse scan's grid, segment seg < P - 1 sums the later segments' ends and adds them,
-    decayed, to its states' gradients (read and written back); with the decay, rho's share from its weighted states."""
+    decayed, to its states' gradients (read and written back); with the decay, rho's share from its states (read)."""
     F, NS, L, P, BF, BDV, decay = a["F"], a["NS"], a["L"], a["P"], a["BLOCK_F"], a["BLOCK_DV"], a["DECAY"]
 
     def program(p: Program, pf: int, pd: int, z: int) -> None:
@@ -335,15 +336,15 @@ def dstates_fix(a: dict):
         for s in range(max(seg * L, last), seg * L + L):
             st = bh * NS + s
             name, zname, row = ("DHKV", "DHK", st * F) if s > 0 else ("DH0", "DZ0", bh * F)
+            if decay:
+                p.read("HKV", st * F + f0, BF, d0, BDV)
+                if pd == 0:
+                    p.read("HK", st * F + f0, BF)
             p.read(name, row + f0, BF, d0, BDV)
             p.write(name, row + f0, BF, d0, BDV)
             if pd == 0:
                 p.read(zname, row + f0, BF)
                 p.write(zname, row + f0, BF)
-        if decay:
-            p.read("HSUM", (bh * P + seg) * F + f0, BF, d0, BDV)
-            if pd == 0:
-                p.read("ZSUM", (bh * P + seg) * F + f0, BF)
 
     return program
 
@@ -387,7 +388,7 @@ def bwd_dkv(a: dict):
                         p.read("IDX", q, BQ)
                         p.read("RSUM", q, BQ)
                     p.dot(C, D, BQ)  # ds^T q
-                if lin:
+                if lin and q0 + BQ - 1 - c * C >= a["lin_off"]:  # (a block with L terms)
                     p.read("FQ", q, BQ, 0, F)
                     p.read("FK", kv, C, 0, F)
                     p.dot(BQ, C, F)  # phi_q phi_k^T

@@ -54,7 +54,6 @@ LENGTHS = (4096, 16384)
 TARGET_BYTES = 3.0  # fwd+bwd bytes (no L2 reuse) / irreducible bytes (issue 67)
 TARGET_LAUNCHES = 7  # Triton launches per fwd+bwd, planned for SMS SMs
 TARGET_FLOPS = 1.3  # FLOPs / needed FLOPs
-REGISTERS, THREADS, MAX_CTAS = 65536, 2048, 32  # per SM (sm_80, sm_90)
 E = 2  # bytes of bf16
 
 
@@ -73,11 +72,7 @@ class Cost:
 
 def ctas_per_sm(kwargs: dict) -> int:
     """CTAs of a launch one SM holds at once: from its register cap and warps where it sets a cap, else 1."""
-    warps, cap = kwargs.get("num_warps", 4), kwargs.get("maxnreg")
-    if cap is None:
-        return 1
-    per_warp = -(-cap * 32 // 256) * 256  # (registers are given to a warp 256 at a time)
-    return max(1, min(THREADS // (32 * warps), REGISTERS // (per_warp * warps), MAX_CTAS))
+    return chunk_h.resident(kwargs.get("num_warps", 4), kwargs.get("maxnreg"))
 
 
 def _arguments(launch) -> tuple[dict, dict]:

@@ -111,15 +111,16 @@ def _dq_head(
                 part = tl.dot(dsb, kx.to(DT), input_precision=PREC)
                 tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
             if LIN:
-                for f0 in range(0, F, BLOCK_FC):
-                    of = f0 + tl.arange(0, BLOCK_FC)
-                    fm = of < F
-                    fkx = tl.load(FK + kv_base * F + jb[:, None] * F + of[None, :],
-                                  mask=jb_ok[:, None] & fm[None, :], other=0.0)  # fmt: skip
-                    ptr = DFQ32 + q_base * F + n[:, None] * F + of[None, :]
-                    rm = row_ok[:, None] & fm[None, :]
-                    part = tl.dot(dpwb, fkx.to(DT), input_precision=PREC)
-                    tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
+                if (NB - kb) * CHUNK + CHUNK - 1 >= lin_off:  # (a block with L terms: not all within lin_off)
+                    for f0 in range(0, F, BLOCK_FC):
+                        of = f0 + tl.arange(0, BLOCK_FC)
+                        fm = of < F
+                        fkx = tl.load(FK + kv_base * F + jb[:, None] * F + of[None, :],
+                                      mask=jb_ok[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                        ptr = DFQ32 + q_base * F + n[:, None] * F + of[None, :]
+                        rm = row_ok[:, None] & fm[None, :]
+                        part = tl.dot(dpwb, fkx.to(DT), input_precision=PREC)
+                        tl.store(ptr, tl.load(ptr, mask=rm, other=0.0) + part, mask=rm)
             tl.debug_barrier()  # (the next block reads these rows back)
     else:
         j0 = (c - 1) * CHUNK + tl.arange(0, CHUNK)
@@ -199,10 +200,11 @@ def _dq_head(
             else:
                 fk0 = tl.load(FK + kv_base * F + j0[:, None] * F + of[None, :],
                               mask=(j0 >= 0)[:, None] & fm[None, :], other=0.0)  # fmt: skip
-                fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :],
-                              mask=(j1 < T)[:, None] & fm[None, :], other=0.0)  # fmt: skip
                 acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
-                acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
+                if lin_off < CHUNK:  # (chunk c's own keys have L terms only where lin_off < CHUNK: la_only, w < 64)
+                    fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :],
+                                  mask=(j1 < T)[:, None] & fm[None, :], other=0.0)  # fmt: skip
+                    acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
             if HAS_INIT or c >= NB + 1:  # the state before chunk c - NB: phi_q's gradient lag (h do - z dlz)
                 ht = tl.load(HKV + st * F * D + od_all[:, None] + of[None, :] * D,
                              mask=dm_all[:, None] & fm[None, :], other=0.0)  # fmt: skip
@@ -386,27 +388,28 @@ def _chunk_bwd_dkv(
                         rsum = tl.load(RSUM + rows, mask=q_ok, other=0.0)
                         ds -= tl.where(j[None, :] == idx[:, None], rsum[:, None], 0.0)
                     acc_k += tl.dot(tl.trans(ds.to(DT)), q, input_precision=PREC)
-                if LIN:
-                    s = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # phi_q . phi_k
-                    for f0 in range(0, F, BLOCK_FC):
-                        ofc = f0 + tl.arange(0, BLOCK_FC)
-                        fcm = ofc < F
-                        fq = tl.load(FQ + rows[:, None] * F + ofc[None, :], mask=q_ok[:, None] & fcm[None, :],
-                                     other=0.0)  # fmt: skip
-                        fkt = tl.load(FK + ofc[:, None] + (kv_base + j)[None, :] * F,
-                                      mask=fcm[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                        s += tl.dot(fq.to(DT), fkt.to(DT), input_precision=PREC)
-                    lin = both & (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)
-                    w = tl.where(lin, 1.0, 0.0)
-                    if DECAY:
-                        e = tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32)
-                        w = w * tl.exp(-rho * e)
-                    dpw = dp * w
-                    p += s * w  # (an L key is never a window key of the same query)
-                    if DECAY:  # (rho's share of the L terms: -e L dp)
-                        rkey -= tl.sum(tl.sum(s * dpw * e, 1), 0)
-                    fqt = tl.load(FQ + rows[None, :] * F + of[:, None], mask=fm[:, None] & q_ok[None, :], other=0.0)
-                    acc_f += tl.dot(fqt.to(DT), dpw.to(DT), input_precision=PREC)
+                if LIN:  # (only where the block has L terms: its last query at least lin_off past the first key)
+                    if q0 + BLOCK_Q - 1 - c * CHUNK >= lin_off:
+                        s = tl.zeros([BLOCK_Q, CHUNK], tl.float32)  # phi_q . phi_k
+                        for f0 in range(0, F, BLOCK_FC):
+                            ofc = f0 + tl.arange(0, BLOCK_FC)
+                            fcm = ofc < F
+                            fq = tl.load(FQ + rows[:, None] * F + ofc[None, :], mask=q_ok[:, None] & fcm[None, :],
+                                         other=0.0)  # fmt: skip
+                            fkt = tl.load(FK + ofc[:, None] + (kv_base + j)[None, :] * F,
+                                          mask=fcm[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                            s += tl.dot(fq.to(DT), fkt.to(DT), input_precision=PREC)
+                        lin = both & (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)
+                        w = tl.where(lin, 1.0, 0.0)
+                        if DECAY:
+                            e = tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32)
+                            w = w * tl.exp(-rho * e)
+                        dpw = dp * w
+                        p += s * w  # (an L key is never a window key of the same query)
+                        if DECAY:  # (rho's share of the L terms: -e L dp)
+                            rkey -= tl.sum(tl.sum(s * dpw * e, 1), 0)
+                        fqt = tl.load(FQ + rows[None, :] * F + of[:, None], mask=fm[:, None] & q_ok[None, :], other=0.0)
+                        acc_f += tl.dot(fqt.to(DT), dpw.to(DT), input_precision=PREC)
                 acc_v += tl.dot(tl.trans(p.to(DT)), do, input_precision=PREC)
     out = (kv_base + j)[:, None] * D + od[None, :]
     tl.store(DK + out, (acc_k * scale).to(DK.dtype.element_ty), mask=km)

@@ -27,13 +27,12 @@ for state s of segment p, whose next segment starts at state e,
 
     dh_s = alpha^(64 (e - s)) dh_e + l_s,    l_s = the same sum over the states s .. e - 1 only.
 
-`_chunk_dstates` scans each segment from zero (l_s; its first state's l in fp32, and with the decay its states summed
-with weights alpha^(64 (e - 1 - s))), then `_dstates_fix` sums dh_e from the later segments' first states and adds
-alpha^(64 (e - s)) dh_e to every l_s of the segment (the last segment has nothing after it; the initial state's
-gradient, in the first segment, too), and rho's share through the carries into dh_e, which no segment's own scan
-sees: -64 alpha^64 <dh_e, that weighted sum>. The split pays only where more than one program fits on an SM (their
-chains, and their loads, run side by side): at 4 warps and up to 255 registers (settings.py) two do, so `plan`'s 3
-segments at Llama-3-8B's shape (384 programs) run as two rounds of 21-state chains on 132 SMs, against one of 63.
+`_chunk_dstates` scans each segment from zero (l_s; its first state's l in fp32), then `_dstates_fix` sums dh_e from
+the later segments' first states and adds alpha^(64 (e - s)) dh_e to every l_s of the segment (the last segment has
+nothing after it; the initial state's gradient, in the first segment, too), and, with the decay, rho's share through
+the carries into dh_e, which no segment's own scan sees: -64 sum_s alpha^(64 (e - s)) <dh_e, h_s>, the segment's
+states read again. The split pays where the programs leave SMs idle: sm_90's [64, 128] tiles (settings.py) make 32
+programs at Llama-3-8B's shape, which `plan` cuts into 7 segments at 4k (224 programs), 9-state chains.
 tests/unit/test_chunk_scan.py checks both split scans against the unsplit ones.
 """
 
@@ -156,8 +155,8 @@ def _chunk_dstates(
     FQ, DY, ZS, DLZ, RHO, HKV, HK,  # inputs (HKV, HK: the forward's states, read for rho's gradient)
     DHKV, DHK, DH0, DZ0, RSCAN,  # outputs: dh [B, Hkv, NS, F, D] (HKV's dtype), dz [B, Hkv, NS, F] (fp32); (HAS_INIT)
     # the initial state's gradient [B Hkv, F, D] and [B Hkv, F] (fp32); (DECAY) rho's partial sums
-    END, ZEND, HSUM, ZSUM,  # with segments (P > 1), fp32: each segment's own gradient of its first state [B Hkv, P, F,
-    # D] and [B Hkv, P, F]; (DECAY) its states weighted for rho's share through its last carry, the same shapes
+    END, ZEND,  # with segments (P > 1), fp32: each segment's own gradient of its first state [B Hkv, P, F, D], [B Hkv,
+    # P, F]
     T, H, G, D: tl.constexpr, F: tl.constexpr, NS, Hkv, window, NB, L, P,
     DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
@@ -171,9 +170,10 @@ def _chunk_dstates(
     carry into it). With DECAY, RSCAN gets each program's share of rho's gradient through the carries within its
     segment, -CHUNK alpha^CHUNK <dh_{s+1}, h_s>, and through the lags of the queries that read h_s, -<sum_n e_n lag_n
     phi_q(q_n) do_n^T, h_s> (e_n = n - window - (CHUNK s - 1), d lag_n / d rho = -e_n lag_n), and z's the same way
-    (with -dlz_n): the two summed into one tile (eh, ez) and taken against h_s, z_s once per state; with P > 1, HSUM
-    and ZSUM get sum_s alpha^(CHUNK (e - 1 - s)) h_s (and z_s) over the segment's states, e the next segment's first
-    state, for the fix's share."""
+    (with -dlz_n): the two summed into one tile (eh, ez) and taken against h_s, z_s once per state. (The share through
+    the carries into a segment from the later ones is `_dstates_fix`'s, which reads the segment's states again: a
+    sum of them weighted here, a third [BLOCK_F, BLOCK_DV] fp32 tile beside dh and eh, spilled 24 bytes on sm_90 at
+    [64, 128] under triton 3.9.)"""
     pf = tl.program_id(0)
     pd = tl.program_id(1)
     pid_bh = tl.program_id(2) // P
@@ -188,8 +188,6 @@ def _chunk_dstates(
     dh = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
     dz = tl.zeros([BLOCK_F], tl.float32)
     racc = tl.zeros([BLOCK_F], tl.float32)
-    hsum = tl.zeros([BLOCK_F, BLOCK_DV], tl.float32)
-    zsum = tl.zeros([BLOCK_F], tl.float32)
     rho = 0.0
     carry = 1.0
     if DECAY:
@@ -233,9 +231,6 @@ def _chunk_dstates(
             h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
             z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
             racc += tl.sum(eh * h, 1) + ez * z
-            w = tl.exp(-rho * CHUNK * i)  # (alpha^(CHUNK (hi - 1 - s)): h_s's weight in HSUM)
-            hsum += w * h
-            zsum += w * z
         if s > 0:
             tl.store(DHKV + (st * F + of)[:, None] * D + od[None, :], dh.to(DHKV.dtype.element_ty), mask=both)
             tl.store(DHK + st * F + of, dz, mask=of < z_lim)
@@ -246,9 +241,6 @@ def _chunk_dstates(
         sp = pid_bh.to(tl.int64) * P + seg
         tl.store(END + (sp * F + of)[:, None] * D + od[None, :], dh, mask=both)
         tl.store(ZEND + sp * F + of, dz, mask=of < z_lim)
-        if DECAY:
-            tl.store(HSUM + (sp * F + of)[:, None] * D + od[None, :], hsum, mask=both)
-            tl.store(ZSUM + sp * F + of, zsum, mask=of < z_lim)
     if DECAY:
         pid = (tl.program_id(2) * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
         tl.store(RSCAN + pid, -tl.sum(racc, 0))
@@ -256,7 +248,7 @@ def _chunk_dstates(
 
 @triton.jit
 def _dstates_fix(
-    RHO, END, ZEND, HSUM, ZSUM,  # inputs: `_chunk_dstates`' per-segment sums (fp32)
+    RHO, END, ZEND, HKV, HK,  # inputs: `_chunk_dstates`' per-segment sums (fp32); (DECAY) the forward's states
     DHKV, DHK, DH0, DZ0, RSCAN,  # its outputs, completed in place
     NS, F, D, Hkv, L, P,
     DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -265,8 +257,9 @@ def _dstates_fix(
     """dh_s += alpha^(CHUNK (e - s)) dh_e for the states s of one segment, e = (seg + 1) L the next segment's first
     state, whose whole gradient dh_e = sum over the later segments q of alpha^(CHUNK L (q - seg - 1)) END_q is summed
     here (P is small); the same for dz (and dh_0, dz_0 with an initial state). With DECAY, the share of rho's
-    gradient that the segment's scan could not see, through the carries into dh_e: -CHUNK alpha^CHUNK <dh_e, HSUM>
-    (and z's), added to the scan program's own RSCAN entry. The last segment has nothing after it."""
+    gradient that the segment's scan could not see, through the carries into dh_e: -CHUNK sum_s alpha^(CHUNK (e -
+    s)) <dh_e, h_s> (and z's), h_s read here, added to the scan program's own RSCAN entry. The last segment has
+    nothing after it."""
     seg = tl.program_id(2) % P
     if seg < P - 1:
         pf = tl.program_id(0)
@@ -294,12 +287,16 @@ def _dstates_fix(
         if HAS_INIT:
             last = 0
         e = seg * L + L
+        share = 0.0
         for s in range(tl.maximum(seg * L, last), e):
             wt = 1.0
+            st = base * NS + s
             if DECAY:
                 wt = tl.exp(-rho * (CHUNK * (e - s)).to(tl.float32))
+                h = tl.load(HKV + (st * F + of)[:, None] * D + od[None, :], mask=both, other=0.0).to(tl.float32)
+                z = tl.load(HK + st * F + of, mask=of < z_lim, other=0.0)
+                share += wt * tl.sum(tl.sum(dn * h, 1) + dzn * z, 0)
             if s > 0:
-                st = base * NS + s
                 ptr = DHKV + (st * F + of)[:, None] * D + od[None, :]
                 fixed = tl.load(ptr, mask=both, other=0.0).to(tl.float32) + wt * dn
                 tl.store(ptr, fixed.to(DHKV.dtype.element_ty), mask=both)
@@ -310,21 +307,30 @@ def _dstates_fix(
                 zp = DZ0 + base * F + of
             tl.store(zp, tl.load(zp, mask=of < z_lim, other=0.0) + wt * dzn, mask=of < z_lim)
         if DECAY:
-            sp = base * P + seg
-            hs = tl.load(HSUM + (sp * F + of)[:, None] * D + od[None, :], mask=both, other=0.0)
-            zsum = tl.load(ZSUM + sp * F + of, mask=of < z_lim, other=0.0)
-            share = tl.sum(tl.sum(dn * hs, 1) + dzn * zsum, 0)
             pid = (tl.program_id(2) * tl.num_programs(0) + pf) * tl.num_programs(1) + pd
-            tl.store(RSCAN + pid, tl.load(RSCAN + pid) - CHUNK * tl.exp(-rho * CHUNK) * share)
+            tl.store(RSCAN + pid, tl.load(RSCAN + pid) - CHUNK * share)
 
 
-def plan(programs: int, chunks: int, sms: int, least: int = 8) -> int:
+def plan(programs: int, chunks: int, sms: int, least: int = 8, per_sm: int | None = None) -> int:
     """Segments to cut a scan of `chunks` chunks into, given `programs` programs without a split and `sms` SMs:
-    enough that programs x segments fills the SMs twice, none shorter than `least` chunks; 1 = no split."""
+    enough that programs x segments fills the SMs twice, none shorter than `least` chunks; 1 = no split. per_sm (the
+    programs one SM holds at once, `resident`), where given: no more than the SMs hold in one wave (a second, partly
+    filled wave would run its chains after the first's, for no fewer steps)."""
     if programs >= sms or chunks < 2 * least:
         return 1
     want = -(-2 * sms // programs)
+    if per_sm is not None:
+        want = min(want, per_sm * sms // programs)
     return max(1, min(want, chunks // least))
+
+
+def resident(warps: int, maxnreg: int | None) -> int:
+    """Programs of a launch one SM holds at once on sm_80 and sm_90 (64K registers, 2048 threads, 32 blocks), from
+    its warps and register cap (registers are given to a warp 256 at a time); 1 where it sets no cap."""
+    if maxnreg is None:
+        return 1
+    per_warp = -(-maxnreg * 32 // 256) * 256
+    return max(1, min(2048 // (32 * warps), 65536 // (per_warp * warps), 32))
 
 
 def fold(G: int, programs: int, sms: int) -> int:
@@ -393,35 +399,33 @@ def dstates(fq, dy, zs, dlz, rho, state, case):
     unused), and with an initial state its gradient (dh_0, dz_0) fp32, else (None, None); and rho's partial sums
     through the carries (DECAY) or None. state: the forward's (h, z) (chunk_h.states). Split over the sequence as the
     forward's scan is (`plan`): then `_dstates_fix` adds what the later segments carry into each segment, and fp32
-    scratch of B x Hkv x segments x F x (D + 1) (twice that with the decay) holds the segments' sums."""
+    scratch of B x Hkv x segments x F x (D + 1) holds the segments' sums."""
     hkv, hk = state
     B, Hkv, ns, F, D = hkv.shape
     H, T = fq.shape[1], fq.shape[2]
     cfg = case.cfg
     bf, bdv = min(cfg["dstates_block_f"], pow2(F)), min(cfg["dstates_block_dv"], pow2(D))
     blocks = (triton.cdiv(F, bf), triton.cdiv(D, bdv))
-    L, P = _segments(ns, plan(blocks[0] * blocks[1] * B * Hkv, ns, _sms(fq)))
+    per_sm = resident(cfg["dstates_warps"], cfg.get("dstates_maxnreg"))
+    L, P = _segments(ns, plan(blocks[0] * blocks[1] * B * Hkv, ns, _sms(fq), per_sm=per_sm))
     grid = (*blocks, B * Hkv * P)
     f32 = dict(dtype=torch.float32, device=fq.device)
     dhkv, dhk = torch.empty_like(hkv), torch.empty_like(hk)
     dh0, dz0 = (torch.empty(B, Hkv, F, D, **f32), torch.empty(B, Hkv, F, **f32)) if case.has_init else (dhk, dhk)
     rscan = torch.zeros(grid[0] * grid[1] * grid[2], **f32) if case.decay else None
-    end = zend = hsum = zsum = dhk  # (unused without a split)
+    end = zend = dhk  # (unused without a split)
     if P > 1:
         end, zend = torch.empty(B * Hkv, P, F, D, **f32), torch.empty(B * Hkv, P, F, **f32)
-        if case.decay:
-            hsum, zsum = torch.empty_like(end), torch.empty_like(zend)
-    sums = (end, zend, hsum, zsum)
     r = hk if rho is None else rho
     rs = dhk if rscan is None else rscan
     tiles = dict(DECAY=case.decay, CHUNK=CHUNK, BLOCK_F=bf, BLOCK_DV=bdv, HAS_INIT=case.has_init)
     _chunk_dstates[grid](
-        fq, dy, zs, dlz, r, hkv, hk, dhkv, dhk, dh0, dz0, rs, *sums,
+        fq, dy, zs, dlz, r, hkv, hk, dhkv, dhk, dh0, dz0, rs, end, zend,
         T, H, H // Hkv, D, F, ns, Hkv, case.window, case.nb, L, P, DT=case.dt, PREC=case.prec, **tiles,
         num_warps=cfg["dstates_warps"], **regs(cfg, "dstates"),
     )  # fmt: skip
     if P > 1:
-        _dstates_fix[grid](r, *sums, dhkv, dhk, dh0, dz0, rs, ns, F, D, Hkv, L, P, **tiles,
+        _dstates_fix[grid](r, end, zend, hkv, hk, dhkv, dhk, dh0, dz0, rs, ns, F, D, Hkv, L, P, **tiles,
                            num_warps=cfg["dstates_warps"])  # fmt: skip
     init = (dh0, dz0) if case.has_init else (None, None)
     return (dhkv, dhk), init, rscan

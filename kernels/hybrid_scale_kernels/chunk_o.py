@@ -116,22 +116,23 @@ def _o_head(
             j = kb + tl.arange(0, CHUNK)
             k_ok = j < T
             p = tl.zeros([CHUNK, CHUNK], tl.float32)
-            if LIN:
-                s = tl.zeros([CHUNK, CHUNK], tl.float32)
-                for f0 in range(0, F, BLOCK_FC):
-                    of = f0 + tl.arange(0, BLOCK_FC)
-                    fm = of < F
-                    fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
-                                 other=0.0)  # fmt: skip
-                    s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
-                lin = (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)  # (n_excl >= 0)
-                if DECAY:
-                    s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
-                p = tl.where(lin, s, 0.0)
-                if DENS:
-                    den_l += tl.sum(p, 1)
+            if LIN:  # (only a key block with L terms: the chunk's last query at least lin_off past its first key)
+                if c * CHUNK + CHUNK - 1 - kb >= lin_off:
+                    s = tl.zeros([CHUNK, CHUNK], tl.float32)
+                    for f0 in range(0, F, BLOCK_FC):
+                        of = f0 + tl.arange(0, BLOCK_FC)
+                        fm = of < F
+                        fq = tl.load(FQ + (q_base + n)[:, None] * F + of[None, :], mask=row_ok[:, None] & fm[None, :],
+                                     other=0.0)  # fmt: skip
+                        fk = tl.load(FK + (kv_base + j)[:, None] * F + of[None, :], mask=k_ok[:, None] & fm[None, :],
+                                     other=0.0)  # fmt: skip
+                        s += tl.dot(fq.to(DT), tl.trans(fk.to(DT)), input_precision=PREC)
+                    lin = (j[None, :] <= n[:, None] - lin_off) & (j[None, :] >= n_excl)  # (n_excl >= 0)
+                    if DECAY:
+                        s = s * tl.exp(-rho * tl.maximum(n[:, None] - window - j[None, :], 0).to(tl.float32))
+                    p = tl.where(lin, s, 0.0)
+                    if DENS:
+                        den_l += tl.sum(p, 1)
             if SOFT:
                 a = scores(Q, K, q_base + n, row_ok, kv_base + j, k_ok, D, BLOCK_DK, CHUNK, CHUNK, DT, PREC) * scale
                 win = (j[None, :] <= n[:, None]) & (j[None, :] > n[:, None] - window)

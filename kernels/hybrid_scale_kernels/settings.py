@@ -108,8 +108,10 @@ SM80 = {
 # this kernel); 32 spills none in all 504 of its sm_80 launches under 3.9 and 3.6 (tools/kernel_compile.py --archs 80
 # --kernels _chunk_bwd_dq --settings 80/128:bwd_fchunk=32). sm_90 keeps 16, which its gate rows were compiled with.
 SM90 = {
-    64: dict(dchunk=64, stages=2, dkv_dchunk=16, dstates_block_f=64),
-    128: dict(dchunk=64, stages=2, dkv_dchunk=16, bwd_fchunk=16, dstates_block_f=64),
+    64: dict(dchunk=64, stages=2, dkv_dchunk=16, dstates_block_f=64, dstates_block_dv=128, dstates_warps=8),
+    128: dict(
+        dchunk=64, stages=2, dkv_dchunk=16, bwd_fchunk=16, dstates_block_f=64, dstates_block_dv=128, dstates_warps=8
+    ),
 }
 GPU_SETTINGS = {(80, d): dict(SM80[d]) for d in SM80} | {(90, d): {**SM80[d], **SM90[d]} for d in SM80}
 
