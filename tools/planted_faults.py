@@ -113,8 +113,28 @@ FAULTS = {
     ),
     "kernel_split_rho_share_dropped": (
         "kernels/hybrid_scale_kernels/chunk_h.py",
-        "tl.load(RSCAN + pid) - CHUNK * tl.exp(-rho * CHUNK) * share)",
+        "tl.load(RSCAN + pid) - CHUNK * share)",
         "tl.load(RSCAN + pid))",
+    ),
+    "kernel_split_rho_share_unweighted": (  # the carries' decay on that share, h_s read in the fix
+        "kernels/hybrid_scale_kernels/chunk_h.py",
+        "share += wt * tl.sum(tl.sum(dn * h, 1) + dzn * z, 0)",
+        "share += tl.sum(tl.sum(dn * h, 1) + dzn * z, 0)",
+    ),
+    "kernel_dkv_l_block_skipped_at_its_edge": (  # a query block whose last row is exactly lin_off past the first key
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "if q0 + BLOCK_Q - 1 - c * CHUNK >= lin_off:",
+        "if q0 + BLOCK_Q - 1 - c * CHUNK > lin_off:",
+    ),
+    "kernel_dq_own_l_block_skipped": (
+        "kernels/hybrid_scale_kernels/chunk_bwd.py",
+        "if lin_off < CHUNK:",
+        "if lin_off < CHUNK - 1:",
+    ),
+    "kernel_output_l_block_skipped_at_its_edge": (
+        "kernels/hybrid_scale_kernels/chunk_o.py",
+        "if c * CHUNK + CHUNK - 1 - kb >= lin_off:",
+        "if c * CHUNK + CHUNK - 1 - kb > lin_off:",
     ),
     "kernel_rho_lag_share_dropped": (  # rho's gradient through the queries' lags on their state
         "kernels/hybrid_scale_kernels/chunk_h.py",

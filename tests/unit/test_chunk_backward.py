@@ -65,6 +65,10 @@ CASES = [
     ("sinks_only", 16, False),
     *[("hybrid", 100, d) for d in (False, True)],  # (two chunks back: dq summed over three key blocks)
     ("swa_sinks", 100, False),
+    # (the edges where the kernels skip a block with no L term: a query block's last row lin_off = window past the
+    # first key of a chunk, 32-row query blocks in _chunk_bwd_dkv, chunk c's own keys in _chunk_bwd_dq and
+    # _chunk_output)
+    *[("hybrid", w, True) for w in (31, 63, 95)],
 ]
 
 
