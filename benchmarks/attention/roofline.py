@@ -19,7 +19,9 @@ fill_, writes its output), its FLOPs those of its matrix products.
 The irreducible bytes: the forward reads q, k, v, phi_q, phi_k once and writes y once; the backward reads them, y
 and dy once and writes dq, dk, dv, dphi_q, dphi_k once (bf16). The needed FLOPs: each product the math needs
 computed once, at the kernels' tiles (per query chunk the band's blocks of 64 keys, NB + 1 but for the first
-chunks, the sinks' tile, the state; the backward's one recompute of the scores and of phi_q phi_k^T included).
+chunks, phi_q phi_k^T and its gradients on those with L terms only (at window 64 the block one back: a query's own
+chunk is all window), the sinks' tile, the state; the backward's one recompute of the scores and of phi_q phi_k^T
+included).
 Targets (issue 67): fwd+bwd bytes at most 3x the irreducible with no L2 reuse; at most 7 Triton launches as
 planned for 132 SMs; no torch op on more than T x F elements; FLOPs at most 1.3x the needed. Time bounds use the
 H200's measured ceilings (about 790 TFLOP/s for bf16 matrix products, 4.3 TB/s for copies; it has 132 SMs too).
@@ -192,14 +194,16 @@ def needed_flops(T: int) -> dict[str, float]:
     H, Hkv, D, F, C = SHAPE["H"], SHAPE["Hkv"], SHAPE["D"], SHAPE["F"], CHUNK
     nc, nb, bs = -(-T // C), blocks_back(SHAPE["w"], True, True), pow2(SHAPE["sinks"])
     band = H * sum(min(c, nb) + 1 for c in range(nc)) * C * C  # (query, key) pairs in the band's tiles
+    # those of its blocks with L terms: b blocks back, the last query b C + C - 1 past the first key, lin_off = window
+    lin_band = H * sum(sum(b * C + C - 1 >= SHAPE["w"] for b in range(min(c, nb) + 1)) for c in range(nc)) * C * C
     sink = H * T * bs  # (query, sink) pairs in the sinks' tile
     state_rows = H * (nc - nb - 1) * C  # queries that read a state (chunks NB + 1 on)
     scan = Hkv * (nc - nb - 1) * C  # keys a stored state holds (chunks 0 .. NS - 2)
     # forward: q k^T, (g E + L) v, phi_q phi_k^T; the sinks' q k^T and E v; phi_q h; the scan's phi_k^T v
-    fwd = 2 * band * (2 * D + F) + 2 * sink * 2 * D + 2 * state_rows * F * D + 2 * scan * F * D
+    fwd = 2 * band * 2 * D + 2 * lin_band * F + 2 * sink * 2 * D + 2 * state_rows * F * D + 2 * scan * F * D
     # backward: q k^T again, dp = do v^T, ds k, ds^T q, (g E + L)^T do; phi_q phi_k^T again, dp_L phi_k,
     # dp_L^T phi_q; the sinks' scores, dp, dq, dk, dv; do h^T and phi_q^T do; phi_k dh and v dh^T
-    bwd = 2 * band * (5 * D + 3 * F) + 2 * sink * 5 * D + 2 * state_rows * 2 * F * D + 2 * scan * 2 * F * D
+    bwd = 2 * band * 5 * D + 2 * lin_band * 3 * F + 2 * sink * 5 * D + 2 * state_rows * 2 * F * D + 2 * scan * 2 * F * D
     return dict(forward=float(fwd), backward=float(bwd))
 
 

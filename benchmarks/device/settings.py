@@ -158,10 +158,11 @@ FLOORS = {
 # GPU_SETTINGS[(90, 128)]; kernels/hybrid_scale_kernels/settings.py says how sm_90's entry was chosen): sm_80's tiles
 # where sm_90's differ (what sm_90's own gain), then the alternatives that also compiled with no spill, in the order
 # they are worth the part's budget: whole-D and 3-stage q.k chunks, one query head a program (what the folding of a
-# KV head's query heads gains), and the scans' [64, 128] tiles in 8 warps (fewer bytes, more segments).
+# KV head's query heads gains), the forward scan's [64, 128] tiles in 8 warps (fewer bytes, more segments), and the
+# reverse scan's former [64, 32] in 4 warps (two programs an SM, 3 segments at 4k; what its [64, 128] gain).
 DEFAULT_TILES = (
     "sm80@90:dchunk=32,stages=1;wholeD@90:dchunk=128;stages3@90:stages=3;unfolded@90:fold=0;"
-    "scan@90:block_dv=128,state_warps=8,dstates_block_dv=128,dstates_warps=8"
+    "scan@90:block_dv=128,state_warps=8;rscan32@90:dstates_block_dv=32,dstates_warps=4"
 )
 TILE_ARCHS = (80, 90)  # the architectures with settings of their own (hybrid_scale_kernels.settings.ARCHS)
 

@@ -74,7 +74,15 @@ ARCH_OFF_GPU = 90
 # launches under one Triton or the other, whichever of two equivalent forms of the sum; 8 warps capped at 128
 # registers spilled 24-384. [32, 32] in 4 warps spills none under either (llama3-8b and smollm2-135m, hybrid,
 # hybrid+decay, hybrid+sinks+decay, bf16, fp16, fp32; the gate for the rest): twice the programs (256 at Llama-3-8B's
-# shape, so `plan` leaves the scan whole and no fix runs) reading dy twice as often. sm_90 keeps [64, 32].
+# shape, so `plan` leaves the scan whole and no fix runs) reading dy twice as often. sm_90 kept [64, 32] (below).
+# sm_90's reverse scan then took [64, 128] in 8 warps (SM90: dstates_block_dv=128, dstates_warps=8): it reads phi_q
+# once, not four times (260 -> 67 MB at 4k), dy four times as before. It spills none (llama3-8b, smollm2-135m, every
+# mode, bf16 and fp16, under 3.9 and 3.6; the gate for the rest) since rho's share through the later segments' carries
+# is taken in _dstates_fix from the states themselves: the states' weighted sum the scan had kept for it, a third
+# [64, 128] fp32 tile, spilled 24 bytes under 3.9 with the decay ([128, 64] in 8 warps: 96 bytes in fp16; [64, 128]
+# in 16 warps under a cap of 128: 5424 bytes; phi_q, not do, scaled by the lag: 1608 bytes under 3.9). One program
+# an SM: `plan` keeps the split to one wave (chunk_h.resident; 4 segments of 32 programs at Llama-3-8B's shape, 16
+# states each). DEVICE_SPEED_TILES' `rscan32` times the former [64, 32] in 4 warps against it.
 # fold: 1 lets _chunk_output and _chunk_bwd_dq fold the query heads of a KV head into one program where the grid
 # still fills the SMs (chunk_h.fold; 0: one head a program, the `unfolded` variant, to time what folding gains).
 SM80 = {

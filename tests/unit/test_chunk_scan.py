@@ -14,7 +14,7 @@ kernels = pytest.importorskip("hybrid_scale_kernels", reason="the kernels need t
 triton_attention = with_keywords(kernels.triton_hybrid_attention)
 from hybrid_scale_kernels import chunk_h  # noqa: E402
 from hybrid_scale_kernels.chunk import Case  # noqa: E402
-from hybrid_scale_kernels.chunk_h import dstates, plan, states  # noqa: E402
+from hybrid_scale_kernels.chunk_h import dstates, plan, resident, states  # noqa: E402
 from triton import language as tl  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def test_the_split_scan_stores_the_unsplit_scans_states(segments, decay, n_excl,
 def _reverse(monkeypatch, segments, decay, init):
     """dstates of one call (hybrid, window 16, GQA 2:1) with `plan` giving `segments`: 10 chunks, 9 states; feature
     and value blocks of 16 and 8 (two of each: the programs that store dz and those that do not)."""
-    monkeypatch.setattr(chunk_h, "plan", lambda *a: segments)
+    monkeypatch.setattr(chunk_h, "plan", lambda *a, **k: segments)
     B, H, Hkv, T, F, D = 2, 4, 2, 9 * 64 + 17, 32, 16
     g = torch.Generator().manual_seed(4)
     fq, dy = torch.rand(B, H, T, F, generator=g), torch.randn(B, H, T, D, generator=g)
@@ -94,13 +94,28 @@ def test_plan_splits_only_what_leaves_sms_idle():
     assert plan(programs=12, chunks=15, sms=132) == 1  # too short to be worth it
 
 
+def test_plan_keeps_a_one_per_sm_launch_in_one_wave():
+    """sm_90's reverse scan ([64, 128] tiles, 8 warps under a cap of 255: one program per SM) at Llama-3-8B's shape: 32
+    programs, cut into 4 segments (128 programs, one wave of 16-state chains), not the 9 that fill the SMs twice (288
+    programs: three waves, the last partly filled, of 8-state chains)."""
+    assert resident(warps=8, maxnreg=255) == 1
+    assert resident(warps=4, maxnreg=255) == 2  # (sm_80's reverse scan)
+    assert resident(warps=4, maxnreg=128) == 4  # (the forward scan)
+    assert resident(warps=4, maxnreg=None) == 1
+    assert plan(programs=32, chunks=64, sms=132) == 8
+    assert plan(programs=32, chunks=64, sms=132, per_sm=1) == 4
+    assert plan(programs=32, chunks=256, sms=132, per_sm=1) == 4
+    assert plan(programs=128, chunks=256, sms=132, per_sm=4) == 3  # (the twice-filled rule bounds it first)
+    assert plan(programs=100, chunks=256, sms=132, per_sm=1) == 1
+
+
 def test_the_prefill_with_a_split_scan_equals_the_spec(monkeypatch):
     """The entry (forward and backward) where `plan` splits both scans (the SM count of a GPU stood in for)."""
     from hybrid_scale.attention.hedgehog import naive
 
     monkeypatch.setattr(chunk_h, "SMS_OFF_GPU", 132)
     calls = []
-    monkeypatch.setattr(chunk_h, "plan", lambda *a: calls.append(a) or 3)
+    monkeypatch.setattr(chunk_h, "plan", lambda *a, **k: calls.append(a) or 3)
     from kernel_inputs import make
 
     x = make(3 * 64 * 2 + 5, B=1, H=4, Hkv=2, D=16, F=32, seed=3, requires_grad=False)

@@ -2,7 +2,7 @@
 make with the state scan planned for an H100's 132 SMs (recorded here on their own), every output a kernel stores
 in full and every input it reads, memsets and both sides of a cast in the glue, y in the irreducible bytes, tiles
 shared by resident programs once per wave, and needed FLOPs that the kernels' own do not undercut. Today's figures
-(4.8x the irreducible bytes, issue 67's target of 3x missed; 1.13x the needed FLOPs, met) are bounds that keep them
+(2.89x the irreducible bytes, issue 67's target of 3x met; 1.26x the needed FLOPs, met) are bounds that keep them
 from getting worse."""
 
 from collections import Counter
@@ -59,6 +59,10 @@ WRITTEN = {
     "_chunk_bwd_dq": ("DQ", "DFQ", "DLZ", "RSUM", "SINK_DS", "SINK_E"),
     "_chunk_bwd_dkv": ("DFK",),  # (and dk, dv: their sink rows twice, below)
 }
+# Rows of each head no L term reaches at window 64, so the kernel need not read them: phi_q of the first chunk's
+# queries (no state before them either), phi_k of the last chunk's keys (no query 64 past them)
+PARTLY = {("_chunk_output", "FQ"): 64, ("_chunk_bwd_dkv", "FQ"): 64, ("_chunk_output", "FK"): 64,
+          ("_chunk_bwd_dq", "FK"): 64, ("_chunk_bwd_dkv", "FK"): 64}  # fmt: skip
 READ = {
     "_chunk_output": ("Q", "K", "V", "FQ", "FK"),
     "_chunk_bwd_dq": ("Q", "K", "V", "FK", "DY", "Y", "YLO", "M", "ZS", "IDX"),
@@ -76,7 +80,9 @@ def test_every_store_is_counted_and_every_input_read(counted):
         for name in WRITTEN.get(launch.name, ()):
             assert costs[launch.name].written[name] == tensors[name].numel() * tensors[name].element_size(), name
         for name in READ.get(launch.name, ()):
-            assert costs[launch.name].read[name] >= tensors[name].numel() * tensors[name].element_size(), name
+            t = tensors[name]
+            unread = PARTLY.get((launch.name, name), 0) * t.numel() // t.shape[-2]  # (rows of each head)
+            assert costs[launch.name].read[name] >= (t.numel() - unread) * t.element_size(), (launch.name, name)
     assert costs["_chunk_output"].written["Y"] == costs["_chunk_output"].written["YLO"] == H * 4096 * D * 2
     for name in ("DK", "DV"):
         assert costs["_chunk_bwd_dkv"].written[name] == (4096 + 16) * HKV * D * 2, name
@@ -151,13 +157,14 @@ def test_the_kernels_flops_are_the_needed_and_the_recompute_the_loops_make(count
 
 def test_the_cost_model_holds_its_ground(counted):
     """Issue 67's targets at both lengths: <= 7 launches (met: 7, both scans split, each with its fix), no torch op
-    on more than T x F elements (met), FLOPs <= 1.3x the needed (met: 1.22x); bytes <= 3x the irreducible (missed:
-    3.45x, 2.26x with shared tiles once; the bounds keep the figures from getting worse)."""
+    on more than T x F elements (met), FLOPs <= 1.3x the needed (met: 1.26x); bytes <= 3x the irreducible (met:
+    2.89x, 2.30x with shared tiles once; the bounds keep the figures from getting worse)."""
     for T in roofline.LENGTHS:
         t = roofline.summary(T, counted[T])
         assert t["launches"] <= roofline.TARGET_LAUNCHES, t
-        assert t["ratio"] < 3.46 and t["shared_ratio"] < 2.27 and t["shared"] < t["moved"], t
-        assert t["flops_ratio"] <= roofline.TARGET_FLOPS and t["flops_ratio"] < 1.23, t
+        assert t["ratio"] <= roofline.TARGET_BYTES and t["ratio"] < 2.90, t
+        assert t["shared_ratio"] < 2.30 and t["shared"] < t["moved"], t
+        assert t["flops_ratio"] <= roofline.TARGET_FLOPS and t["flops_ratio"] < 1.27, t
         assert t["over"] == [], t
 
 
