@@ -128,8 +128,8 @@ FAULTS = {
     ),
     "kernel_dq_own_l_block_skipped": (
         "kernels/hybrid_scale_kernels/chunk_bwd.py",
-        "if lin_off < CHUNK:",
-        "if lin_off < CHUNK - 1:",
+        "OWN_L=case.lin_off < case.chunk,",
+        "OWN_L=case.lin_off < case.chunk - 1,",
     ),
     "kernel_output_l_block_skipped_at_its_edge": (
         "kernels/hybrid_scale_kernels/chunk_o.py",

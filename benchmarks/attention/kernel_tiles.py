@@ -257,7 +257,7 @@ def bwd_dq(a: dict):
                 if multi:
                     p.read("DFQ32", q, C, 0, F)
                 else:  # dp times the L weights, against phi_k, of each block (chunk c's own where lin_off < CHUNK)
-                    own = a["lin_off"] < C
+                    own = a["OWN_L"]
                     for kb in keys:
                         if kb < c * C or own:
                             p.read("FK", kv + kb, C, 0, F)

@@ -61,6 +61,7 @@ def _dq_head(
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr, MULTI: tl.constexpr, Y_LO: tl.constexpr,
+    OWN_L: tl.constexpr,
 ):  # fmt: skip
     """`_chunk_bwd_dq` for one query head pid_bh (batch x H) and chunk c (inlined in an unfolded launch; called, not
     inlined, once per head in a folded one: `_dq_head_call`)."""
@@ -201,7 +202,7 @@ def _dq_head(
                 fk0 = tl.load(FK + kv_base * F + j0[:, None] * F + of[None, :],
                               mask=(j0 >= 0)[:, None] & fm[None, :], other=0.0)  # fmt: skip
                 acc = tl.dot(dpw0, fk0.to(DT), input_precision=PREC)
-                if lin_off < CHUNK:  # (chunk c's own keys have L terms only where lin_off < CHUNK: la_only, w < 64)
+                if OWN_L:  # (chunk c's own keys have L terms)
                     fk1 = tl.load(FK + kv_base * F + j1[:, None] * F + of[None, :],
                                   mask=(j1 < T)[:, None] & fm[None, :], other=0.0)  # fmt: skip
                     acc += tl.dot(dpw1, fk1.to(DT), input_precision=PREC)
@@ -236,7 +237,7 @@ def _chunk_bwd_dq(
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_FC: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFT: tl.constexpr, LIN: tl.constexpr, SINKS: tl.constexpr, HYBRID: tl.constexpr, DECAY: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False, MULTI: tl.constexpr = False,
-    Y_LO: tl.constexpr = False, FOLD: tl.constexpr = False,
+    Y_LO: tl.constexpr = False, FOLD: tl.constexpr = False, OWN_L: tl.constexpr = True,
 ):  # fmt: skip
     """The backward of the CHUNK queries of chunk c (axis 1) of GF query heads of one KV head in turn (axis 0: batch x H
     / GF; `chunk_h.fold`), for each: dq and dphi_q [B, H, T, *] in the inputs' dtype; dlz [B, H, T] (do . y, read by the
@@ -249,18 +250,21 @@ def _chunk_bwd_dq(
     key; dphi_q walks the features in chunks of BLOCK_FC: the blocks' dp times the L weights against phi_k, plus the
     state before chunk c - NB (one product of do [CHUNK, D] with each feature chunk of the state; state 0 is the initial
     state with HAS_INIT). MULTI (NB > 1, longer windows): each block's share of dq and dphi_q is added to fp32 scratch
-    rows that only this program touches, and read back for the rest."""
+    rows that only this program touches, and read back for the rest. OWN_L: chunk c's own keys have L terms (lin_off <
+    CHUNK: la_only, windows under 64); without, their dp times the L weights is zero, and its product with phi_k is
+    left out (as a runtime test on lin_off it spilled 16-24 bytes on sm_80 with the sinks under triton 3.6)."""
     if not FOLD:  # (GF = 1: the body inline)
         _dq_head(Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS, SINK_E,
                  DQ32, DFQ32, tl.program_id(0), tl.program_id(1), T, H, G, D, F, NS, NB, window, lin_off,
                  sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC, BLOCK_S, SOFT, LIN, SINKS,
-                 HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
+                 HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO, OWN_L)  # fmt: skip
     else:  # (FOLD: GF > 1)
         for hh in range(GF):  # (the GF query heads of one KV head in turn: its keys, values, phi_k and state read once)
             _dq_head_call(Q, K, V, FK, GAMMA, RHO, HKV, HK, DY, Y, YLO, M, ZS, IDX, DQ, DFQ, DLZ, RSUM, SINK_DS,
                           SINK_E, DQ32, DFQ32, tl.program_id(0) * GF + hh, tl.program_id(1), T, H, G, D, F, NS,
                           NB, window, lin_off, sink_off, n_sinks, n_excl, scale, CHUNK, BLOCK_D, BLOCK_DK, BLOCK_FC,
-                          BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO)  # fmt: skip
+                          BLOCK_S, SOFT, LIN, SINKS, HYBRID, DECAY, DT, PREC, HAS_INIT, MULTI, Y_LO,
+                          OWN_L)  # fmt: skip
 
 
 @triton.jit
@@ -486,7 +490,8 @@ def bwd_dq(saved, dy, state, case):
         T, H, H // k.shape[1], gf, D, F, hkv.shape[2] if state is not None else 0, nc, case.nb, case.window,
         case.lin_off, case.sink_off, case.n_sinks, case.n_excl, case.scale,
         BLOCK_DK=min(pow2(D), cfg["bwd_dchunk"]), BLOCK_FC=cfg["bwd_fchunk"], HAS_INIT=case.has_init, MULTI=multi,
-        Y_LO=y_lo is not None, FOLD=gf > 1, num_warps=cfg["dq_warps"], **regs(cfg, "dq"), **_common(case),
+        Y_LO=y_lo is not None, FOLD=gf > 1, OWN_L=case.lin_off < case.chunk, num_warps=cfg["dq_warps"],
+        **regs(cfg, "dq"), **_common(case),
     )  # fmt: skip
     return out
 

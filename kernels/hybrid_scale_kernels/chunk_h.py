@@ -32,7 +32,8 @@ the later segments' first states and adds alpha^(64 (e - s)) dh_e to every l_s o
 nothing after it; the initial state's gradient, in the first segment, too), and, with the decay, rho's share through
 the carries into dh_e, which no segment's own scan sees: -64 sum_s alpha^(64 (e - s)) <dh_e, h_s>, the segment's
 states read again. The split pays where the programs leave SMs idle: sm_90's [64, 128] tiles (settings.py) make 32
-programs at Llama-3-8B's shape, one an SM, which `plan` cuts into 4 segments (128 programs, one wave of 16-state chains).
+programs at Llama-3-8B's shape, one an SM, which `plan` cuts into 4 segments (128 programs, one wave of 16-state
+chains).
 tests/unit/test_chunk_scan.py checks both split scans against the unsplit ones.
 """
 
